@@ -1,0 +1,38 @@
+"""kbert: Korean BERT/ALBERT pretraining and embedding SDK (TensorFlow 2 + Keras 3).
+
+The public names are imported lazily, so `import kbert` and the `kbert` command start fast and
+TensorFlow is loaded only when a model, tokenizer or dataset is first used.
+"""
+
+import importlib
+import os
+
+# TensorFlow's C++ start-up chatter (CUDA probing on CPU machines) is noise for kbert users.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "ModelConfig": "kbert.models.config",
+    "BertBackbone": "kbert.models.backbone",
+    "AlbertBackbone": "kbert.models.backbone",
+    "Pretrainer": "kbert.models.backbone",
+    "build_backbone": "kbert.models.backbone",
+    "save_model": "kbert.models.io",
+    "load_model": "kbert.convert",
+    "export_transformers": "kbert.convert",
+}
+
+__all__ = sorted(_EXPORTS) + ["__version__"]
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'kbert' has no attribute {name!r}")
+
+
+def __dir__():
+    return __all__

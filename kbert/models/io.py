@@ -1,0 +1,138 @@
+"""The kbert model directory: `kbert_config.json` + `kbert_weights.safetensors` (+ `tokenizer/`).
+
+Weights are stored by Keras variable path (`layer_0/qkv/kernel`), so a file written by one backend
+loads on another, and a missing or misshapen weight is reported by name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Dict, Iterable, Optional
+
+import keras
+import numpy as np
+
+from kbert.models.backbone import Backbone, Pretrainer, build_backbone
+from kbert.models.config import ModelConfig
+
+CONFIG_FILE = "kbert_config.json"
+WEIGHTS_FILE = "kbert_weights.safetensors"
+TOKENIZER_DIR = "tokenizer"
+FORMAT_VERSION = 1
+
+
+def is_kbert_dir(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, CONFIG_FILE))
+
+
+def variables_by_path(model: keras.Model) -> Dict[str, "keras.Variable"]:
+    """Unique variables of a model keyed by path (ALBERT's shared block appears once)."""
+    out = {}
+    for v in model.weights:
+        out.setdefault(v.path, v)
+    return out
+
+
+def save_model(model, directory: str, tokenizer=None) -> str:
+    """Writes a backbone or a `Pretrainer` (with its heads) to `directory`; returns the directory.
+
+    Example:
+        >>> kbert.save_model(backbone, "my-model")
+        >>> same = kbert.load_model("my-model")
+    """
+    if isinstance(model, Pretrainer):
+        backbone, pair_objective, has_heads = model.backbone, model.pair_objective, True
+    elif isinstance(model, Backbone):
+        backbone, pair_objective, has_heads = model, None, False
+    else:
+        raise TypeError(f"save_model expects a kbert backbone or Pretrainer. Received: {type(model).__name__}")
+    os.makedirs(directory, exist_ok=True)
+    from safetensors.numpy import save_file
+
+    tensors = {path: np.ascontiguousarray(keras.ops.convert_to_numpy(v)) for path, v in
+               variables_by_path(model).items()}
+    meta = {"format_version": FORMAT_VERSION, "model": backbone.config.to_dict(),
+            "heads": {"pretraining": has_heads, "pair_objective": pair_objective}}
+    tmp = os.path.join(directory, WEIGHTS_FILE + ".tmp")
+    save_file(tensors, tmp, metadata={"format": "kbert"})
+    os.replace(tmp, os.path.join(directory, WEIGHTS_FILE))  # atomic: a crash never leaves half a file
+    with open(os.path.join(directory, CONFIG_FILE), "w", encoding="utf-8") as f:
+        json.dump(meta, f, indent=2, sort_keys=True)
+        f.write("\n")
+    if tokenizer is not None:
+        tokenizer.save(os.path.join(directory, TOKENIZER_DIR))
+    return directory
+
+
+def read_kbert_dir(directory: str):
+    """(metadata dict, {path: array}) of a kbert model dir, with clear errors for missing parts."""
+    config_path = os.path.join(directory, CONFIG_FILE)
+    weights_path = os.path.join(directory, WEIGHTS_FILE)
+    with open(config_path, encoding="utf-8") as f:
+        try:
+            meta = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{config_path} is not valid JSON: {e}") from None
+    if not os.path.isfile(weights_path):
+        raise FileNotFoundError(f"Model directory {directory!r} has {CONFIG_FILE} but no weight file "
+                                f"{WEIGHTS_FILE}")
+    from safetensors.numpy import load_file
+
+    return meta, load_file(weights_path)
+
+
+def assign_weights(model: keras.Model, tensors: Dict[str, np.ndarray], source: str,
+                   ignore_prefixes: Iterable[str] = (), allow_missing: Iterable[str] = ()) -> None:
+    """Copies `tensors` into `model` by variable path; errors list every missing/unexpected/misshapen one."""
+    targets = variables_by_path(model)
+    ignore_prefixes, allow_missing = tuple(ignore_prefixes), tuple(allow_missing)
+    unexpected = sorted(k for k in tensors if k not in targets and not k.startswith(ignore_prefixes or ("\0",)))
+    missing = sorted(k for k in targets if k not in tensors and not k.startswith(allow_missing or ("\0",)))
+    problems = []
+    for path, var in targets.items():
+        if path in tensors and tuple(tensors[path].shape) != tuple(var.shape):
+            problems.append(f"{path}: checkpoint has shape {tuple(tensors[path].shape)}, "
+                            f"model expects {tuple(var.shape)}")
+    if problems:
+        hint = ""
+        if any("token_embedding" in p for p in problems):
+            hint = (" (vocab_size mismatch: the config's vocab_size does not match the checkpoint's "
+                    "token embedding rows)")
+        raise ValueError(f"Weights in {source} do not fit the model{hint}:\n  " + "\n  ".join(problems))
+    if missing or unexpected:
+        raise ValueError(f"Weights in {source} do not match the model. Missing: {missing or 'none'}. "
+                         f"Unexpected: {unexpected or 'none'}")
+    for path, var in targets.items():
+        if path in tensors:
+            var.assign(tensors[path].astype(var.dtype))
+
+
+def load_kbert_dir(directory: str, with_heads: bool = False, output_hidden_states: bool = False,
+                   dtype: Optional[str] = None):
+    """Loads a kbert model dir as a backbone, or as a `Pretrainer` with `with_heads=True`."""
+    meta, tensors = read_kbert_dir(directory)
+    if "model" not in meta:
+        raise ValueError(f"{os.path.join(directory, CONFIG_FILE)} has no 'model' section")
+    config = ModelConfig.from_dict(meta["model"])
+    backbone = build_backbone(config, output_hidden_states=output_hidden_states, dtype=dtype)
+    heads = meta.get("heads", {})
+    source = os.path.join(directory, WEIGHTS_FILE)
+    if not with_heads:
+        assign_weights(backbone, tensors, source, ignore_prefixes=("pretrainer/",))
+        return backbone
+    pair = heads.get("pair_objective") if heads.get("pretraining") else "default"
+    model = Pretrainer(backbone, pair_objective=pair)
+    build_pretrainer(model)
+    # A backbone-only dir gets freshly initialized heads (continued pretraining from an encoder).
+    assign_weights(model, tensors, source,
+                   allow_missing=() if heads.get("pretraining") else ("pretrainer/",))
+    return model
+
+
+def build_pretrainer(model: Pretrainer) -> Pretrainer:
+    """Creates the Pretrainer's variables by calling it once on a dummy batch."""
+    ids = np.zeros((1, 2), "int32")
+    model({"token_ids": ids, "segment_ids": ids, "padding_mask": np.ones((1, 2), "int32"),
+           "mask_positions": np.zeros((1, 1), "int32")})
+    return model

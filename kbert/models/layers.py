@@ -1,0 +1,214 @@
+"""Building blocks of BERT and ALBERT, in `keras.ops` only (runs on the TensorFlow, JAX and torch backends).
+
+Shapes in comments: b = batch, s = sequence, h = hidden, e = embedding width, n = heads, d = head size,
+p = masked positions per sequence, v = vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+
+import keras
+from keras import ops
+
+from kbert.models.config import ModelConfig
+
+# Large negative number added to attention scores of padding keys. Scores are biased in float32, where
+# this is finite; exp() of it underflows to exactly 0 as with -inf, without NaN on fully padded rows.
+_MASK_BIAS = -1e9
+
+
+def initializer(config: ModelConfig):
+    return keras.initializers.TruncatedNormal(stddev=config.initializer_range)
+
+
+def activation(name: str):
+    if name == "gelu":
+        return lambda x: ops.gelu(x, approximate=False)
+    if name == "gelu_tanh":
+        return lambda x: ops.gelu(x, approximate=True)
+    if name == "relu":
+        return ops.relu
+    if name == "tanh":
+        return ops.tanh
+    raise ValueError(f"Unknown activation {name!r}")
+
+
+class AttentionBias(keras.layers.Layer):
+    """[b, s] mask of 1 (token) / 0 (padding) -> additive float32 attention bias [b, 1, 1, s]."""
+
+    def call(self, padding_mask):
+        mask = ops.cast(padding_mask, "float32")
+        return ((1.0 - mask) * _MASK_BIAS)[:, None, None, :]
+
+    def compute_output_spec(self, padding_mask):
+        shape = padding_mask.shape
+        return keras.KerasTensor((shape[0], 1, 1, shape[1]), dtype="float32")
+
+
+class Embeddings(keras.layers.Layer):
+    """Token + position + segment embeddings, LayerNorm, dropout, and (ALBERT) projection e -> h.
+
+    The token table is exposed as `token_embedding` so the masked-LM head can tie its output weights.
+    """
+
+    def __init__(self, config: ModelConfig, **kwargs):
+        super().__init__(**kwargs)
+        self.config = config
+        init = initializer(config)
+        e = config.embedding_dim
+        self.token_embedding = keras.layers.Embedding(
+            config.vocab_size, e, embeddings_initializer=init, dtype=self.dtype_policy, name="token_embedding")
+        self.position_embedding = keras.layers.Embedding(
+            config.max_position, e, embeddings_initializer=init, dtype=self.dtype_policy, name="position_embedding")
+        self.segment_embedding = keras.layers.Embedding(
+            config.type_vocab_size, e, embeddings_initializer=init, dtype=self.dtype_policy, name="segment_embedding")
+        self.norm = keras.layers.LayerNormalization(
+            epsilon=config.layer_norm_epsilon, dtype=self.dtype_policy, name="norm")
+        self.dropout = keras.layers.Dropout(config.dropout, dtype=self.dtype_policy)
+        self.projection = None
+        if e != config.hidden_size:
+            self.projection = keras.layers.Dense(
+                config.hidden_size, kernel_initializer=init, dtype=self.dtype_policy, name="projection")
+
+    def build(self, token_ids_shape, segment_ids_shape=None):
+        self.token_embedding.build(token_ids_shape)
+        self.position_embedding.build((None,))
+        self.segment_embedding.build(token_ids_shape)
+        self.norm.build(tuple(token_ids_shape) + (self.config.embedding_dim,))
+        if self.projection is not None:
+            self.projection.build(tuple(token_ids_shape) + (self.config.embedding_dim,))
+
+    def call(self, token_ids, segment_ids, training=None):
+        """Returns (embedding output [b, s, e] before projection, encoder input [b, s, h])."""
+        seq_len = ops.shape(token_ids)[1]
+        positions = self.position_embedding.embeddings[:seq_len]  # [s, e]
+        x = self.token_embedding(token_ids) + self.segment_embedding(segment_ids)
+        x = x + ops.cast(positions, x.dtype)[None]
+        x = self.dropout(self.norm(x), training=training)
+        projected = self.projection(x) if self.projection is not None else x
+        return x, projected
+
+
+class TransformerBlock(keras.layers.Layer):
+    """Post-LayerNorm transformer encoder block as in BERT.
+
+    Query, key and value are one fused [h, 3h] projection: one large matmul runs faster than three
+    small ones on every backend, and it converts losslessly from separate q/k/v weights.
+    """
+
+    def __init__(self, config: ModelConfig, **kwargs):
+        super().__init__(**kwargs)
+        self.config = config
+        init = initializer(config)
+        h, p = config.hidden_size, self.dtype_policy
+        eps = config.layer_norm_epsilon
+        self.qkv = keras.layers.Dense(3 * h, kernel_initializer=init, dtype=p, name="qkv")
+        self.attention_output = keras.layers.Dense(h, kernel_initializer=init, dtype=p, name="attention_output")
+        self.attention_norm = keras.layers.LayerNormalization(epsilon=eps, dtype=p, name="attention_norm")
+        self.intermediate = keras.layers.Dense(
+            config.intermediate_size, kernel_initializer=init, dtype=p, name="intermediate")
+        self.output_dense = keras.layers.Dense(h, kernel_initializer=init, dtype=p, name="output")
+        self.output_norm = keras.layers.LayerNormalization(epsilon=eps, dtype=p, name="output_norm")
+        self.attention_dropout = keras.layers.Dropout(config.attention_dropout, dtype=p)
+        self.hidden_dropout = keras.layers.Dropout(config.dropout, dtype=p)
+        self.act = activation(config.hidden_act)
+        self.scale = 1.0 / math.sqrt(config.head_size)
+
+    def build(self, x_shape, bias_shape=None):
+        h, i = self.config.hidden_size, self.config.intermediate_size
+        lead = tuple(x_shape[:-1])
+        self.qkv.build(lead + (h,))
+        self.attention_output.build(lead + (h,))
+        self.attention_norm.build(lead + (h,))
+        self.intermediate.build(lead + (h,))
+        self.output_dense.build(lead + (i,))
+        self.output_norm.build(lead + (h,))
+
+    def call(self, x, bias, training=None):
+        cfg = self.config
+        b, s = ops.shape(x)[0], ops.shape(x)[1]
+        n, d = cfg.num_heads, cfg.head_size
+        qkv = ops.reshape(self.qkv(x), (b, s, 3, n, d))
+        qkv = ops.transpose(qkv, (2, 0, 3, 1, 4))  # [3, b, n, s, d]
+        q, k, v = qkv[0], qkv[1], qkv[2]
+        scores = ops.matmul(q * ops.cast(self.scale, q.dtype), ops.transpose(k, (0, 1, 3, 2)))  # [b, n, s, s]
+        # Softmax in float32 so fp16/bf16 scores do not overflow; bias is float32.
+        probs = ops.softmax(ops.cast(scores, "float32") + bias, axis=-1)
+        probs = self.attention_dropout(ops.cast(probs, x.dtype), training=training)
+        context = ops.matmul(probs, v)  # [b, n, s, d]
+        context = ops.reshape(ops.transpose(context, (0, 2, 1, 3)), (b, s, n * d))
+        attn = self.hidden_dropout(self.attention_output(context), training=training)
+        x = self.attention_norm(x + attn)
+        ffn = self.output_dense(self.act(self.intermediate(x)))
+        ffn = self.hidden_dropout(ffn, training=training)
+        return self.output_norm(x + ffn)
+
+
+class Pooler(keras.layers.Layer):
+    """tanh(W [CLS] + b): BERT's pooled output."""
+
+    def __init__(self, config: ModelConfig, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(config.hidden_size, activation="tanh",
+                                        kernel_initializer=initializer(config), dtype=self.dtype_policy,
+                                        name="dense")
+        self.hidden_size = config.hidden_size
+
+    def build(self, x_shape):
+        self.dense.build((x_shape[0], self.hidden_size))
+
+    def call(self, x):
+        return self.dense(x[:, 0, :])
+
+
+def gather_positions(x, positions):
+    """x [b, s, h], positions [b, p] int -> [b, p, h]."""
+    positions = ops.cast(positions, "int32")
+    return ops.take_along_axis(x, positions[:, :, None], axis=1)
+
+
+class MaskedLMHead(keras.layers.Layer):
+    """Masked-LM head: transform, LayerNorm, then logits against the tied token embedding table.
+
+    Only the `p` masked positions are transformed and projected to the vocabulary, so the cost of the
+    [*, v] matmul is p/s of a full-sequence head. Logits are float32 under any dtype policy.
+    """
+
+    def __init__(self, config: ModelConfig, token_embedding: keras.layers.Embedding, **kwargs):
+        super().__init__(**kwargs)
+        self.config = config
+        self.token_embedding = token_embedding
+        self.transform = keras.layers.Dense(config.embedding_dim, kernel_initializer=initializer(config),
+                                            dtype=self.dtype_policy, name="transform")
+        self.norm = keras.layers.LayerNormalization(epsilon=config.layer_norm_epsilon,
+                                                    dtype=self.dtype_policy, name="norm")
+        self.act = activation(config.hidden_act)
+
+    def build(self, sequence_output_shape, mask_positions_shape=None):
+        self.transform.build((None, None, self.config.hidden_size))
+        self.norm.build((None, None, self.config.embedding_dim))
+        self.bias = self.add_weight(name="bias", shape=(self.config.vocab_size,), initializer="zeros")
+
+    def call(self, sequence_output, mask_positions):
+        x = gather_positions(sequence_output, mask_positions)  # [b, p, h]
+        x = self.norm(self.act(self.transform(x)))  # [b, p, e]
+        table = ops.cast(self.token_embedding.embeddings, x.dtype)  # [v, e]
+        logits = ops.matmul(x, ops.transpose(table))  # [b, p, v]
+        return ops.cast(logits, "float32") + ops.cast(self.bias, "float32")
+
+
+class PairHead(keras.layers.Layer):
+    """Two-way classifier on the pooled output: next-sentence (BERT) or sentence-order (ALBERT)."""
+
+    def __init__(self, config: ModelConfig, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(2, kernel_initializer=initializer(config), dtype=self.dtype_policy,
+                                        name="dense")
+        self.hidden_size = config.hidden_size
+
+    def build(self, x_shape):
+        self.dense.build((None, self.hidden_size))
+
+    def call(self, pooled):
+        return ops.cast(self.dense(pooled), "float32")

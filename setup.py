@@ -1,0 +1,39 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="kbert",
+    version="0.1.0",
+    description="Korean BERT/ALBERT pretraining and embedding SDK on TensorFlow 2 + Keras 3",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["kbert", "kbert.*", "corpora", "corpora.*"]),
+    include_package_data=True,
+    package_data={"corpora": ["*/README.md"]},
+    install_requires=[
+        "tensorflow>=2.21,<2.22",
+        "tensorflow-text>=2.21,<2.22",
+        "keras>=3.8,<4",
+        "sentencepiece>=0.2,<0.3",
+        "konlpy>=0.6,<0.7",
+        "numpy>=1.26,<3",
+        "safetensors>=0.4",
+        "pyyaml>=6",
+        "tqdm>=4.60",
+    ],
+    extras_require={
+        "mecab": ["mecab-ko>=1.0"],
+        "kiwi": ["kiwipiepy>=0.17"],
+        "test": [
+            "pytest>=8",
+            "mecab-ko>=1.0",
+            "kiwipiepy>=0.17",
+            # The independent numerical reference: transformers on CPU torch (2.13.0 is the local CPU wheel).
+            "torch==2.13.0",
+            "transformers>=4.40,<6",
+            # The JAX backend test runs the same model code under KERAS_BACKEND=jax.
+            "jax>=0.4.30",
+        ],
+    },
+    entry_points={"console_scripts": ["kbert=kbert.cli:main"]},
+)

@@ -1,0 +1,87 @@
+"""Shared test helpers: tiny reference models built with `transformers` (CPU torch), batches, Korean text."""
+
+from __future__ import annotations
+
+import numpy as np
+
+KOREAN_SENTENCES = [
+    "대한민국은 민주공화국이다.",
+    "학교에서 친구들과 점심을 먹었어요.",
+    "이 영화 정말 재밌다 ㅋㅋㅋㅋ",
+    "서울특별시 강남구 테헤란로 123번지에서 2024년 3월 1일 회의가 열렸다.",
+    "BERT와 ALBERT는 Transformer 인코더를 사용합니다.",
+    "옛한글 ᄒᆞᆫ글과 호환 자모 ㄱㄴㄷ도 살아남아야 한다 😀",
+]
+
+
+def tiny_hf_config(architecture="bert", **overrides):
+    import transformers
+
+    common = dict(vocab_size=99, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
+                  intermediate_size=37, max_position_embeddings=64, type_vocab_size=2,
+                  hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    common.update(overrides)
+    if architecture == "bert":
+        return transformers.BertConfig(**common)
+    common.setdefault("embedding_size", 16)
+    common.setdefault("hidden_act", "gelu_new")
+    common.setdefault("num_hidden_groups", 1)
+    return transformers.AlbertConfig(**common)
+
+
+def tiny_hf_pretraining_model(architecture="bert", seed=0, **overrides):
+    """A randomly initialized BertForPreTraining / AlbertForPreTraining in eval mode.
+
+    Weights get extra noise (LayerNorm gains and biases too) so a conversion that drops or swaps any
+    tensor changes the outputs.
+    """
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    config = tiny_hf_config(architecture, **overrides)
+    cls = transformers.BertForPreTraining if architecture == "bert" else transformers.AlbertForPreTraining
+    model = cls(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return model
+
+
+def random_batch(vocab_size=99, lengths=(9, 5, 12, 1), seq_len=12, seed=0):
+    """Padded batch of mixed lengths with two segments: dict of int32 arrays."""
+    rng = np.random.default_rng(seed)
+    b = len(lengths)
+    token_ids = np.zeros((b, seq_len), "int32")
+    segment_ids = np.zeros((b, seq_len), "int32")
+    padding_mask = np.zeros((b, seq_len), "int32")
+    for i, n in enumerate(lengths):
+        token_ids[i, :n] = rng.integers(5, vocab_size, n)
+        token_ids[i, 0] = 2
+        padding_mask[i, :n] = 1
+        segment_ids[i, n // 2:n] = 1
+    return {"token_ids": token_ids, "segment_ids": segment_ids, "padding_mask": padding_mask}
+
+
+def hf_outputs(model, batch):
+    """Hidden states, MLM logits and pair logits of a transformers pretraining model, as numpy."""
+    import torch
+
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor(batch["token_ids"], dtype=torch.long),
+                    token_type_ids=torch.tensor(batch["segment_ids"], dtype=torch.long),
+                    attention_mask=torch.tensor(batch["padding_mask"], dtype=torch.long),
+                    output_hidden_states=True)
+    pair = out.seq_relationship_logits if hasattr(out, "seq_relationship_logits") else out.sop_logits
+    return ([h.numpy() for h in out.hidden_states], out.prediction_logits.numpy(), pair.numpy())
+
+
+def all_positions(batch):
+    b, s = batch["token_ids"].shape
+    return np.tile(np.arange(s, dtype="int32")[None], (b, 1))
+
+
+def max_abs_diff_valid(a, b, padding_mask):
+    """Max |a - b| over non-padding positions of [b, s, ...] arrays."""
+    keep = padding_mask.astype(bool)
+    return float(np.max(np.abs(np.asarray(a)[keep] - np.asarray(b)[keep])))

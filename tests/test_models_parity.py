@@ -1,0 +1,169 @@
+"""Numerical parity of kbert BERT/ALBERT with the `transformers` reference (CPU torch), both directions."""
+
+import numpy as np
+import pytest
+
+import kbert
+from helpers import all_positions, hf_outputs, max_abs_diff_valid, random_batch, tiny_hf_pretraining_model
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+TOL = 1e-4
+
+CASES = [
+    ("bert", {}),
+    ("albert", {}),
+    ("albert", {"num_hidden_groups": 3}),  # every layer its own group
+]
+
+
+def _kbert_outputs(model, batch):
+    features = dict(batch, mask_positions=all_positions(batch))
+    backbone_out = model.backbone({k: batch[k] for k in batch})
+    heads_out = model(features)
+    return ([np.asarray(h) for h in backbone_out["hidden_states"]], np.asarray(heads_out["mlm_logits"]),
+            np.asarray(heads_out["pair_logits"]))
+
+
+def _assert_same(ours, ref, batch):
+    hidden, mlm, pair = ours
+    ref_hidden, ref_mlm, ref_pair = ref
+    assert len(hidden) == len(ref_hidden)
+    for i, (a, b) in enumerate(zip(hidden, ref_hidden)):
+        assert a.shape == b.shape, f"hidden state {i}: {a.shape} vs {b.shape}"
+        assert max_abs_diff_valid(a, b, batch["padding_mask"]) <= TOL, f"hidden state {i} differs"
+    assert max_abs_diff_valid(mlm, ref_mlm, batch["padding_mask"]) <= TOL
+    assert np.max(np.abs(pair - ref_pair)) <= TOL
+
+
+@pytest.mark.parametrize("architecture,overrides", CASES)
+def test_load_hf_matches_transformers(tmp_path, architecture, overrides):
+    ref_model = tiny_hf_pretraining_model(architecture, **overrides)
+    ref_model.save_pretrained(tmp_path / "hf")
+    batch = random_batch()
+    model = kbert.load_model(str(tmp_path / "hf"), with_heads=True, output_hidden_states=True)
+    _assert_same(_kbert_outputs(model, batch), hf_outputs(ref_model, batch), batch)
+
+
+@pytest.mark.parametrize("architecture,overrides", CASES)
+def test_export_transformers_round_trip(tmp_path, architecture, overrides):
+    ref_model = tiny_hf_pretraining_model(architecture, **overrides)
+    ref_model.save_pretrained(tmp_path / "hf")
+    model = kbert.load_model(str(tmp_path / "hf"), with_heads=True)
+    kbert.export_transformers(model, str(tmp_path / "out"))
+
+    batch = random_batch(seed=1)
+    cls = type(ref_model)
+    reloaded = cls.from_pretrained(str(tmp_path / "out")).eval()
+    ref = hf_outputs(ref_model, batch)
+    again = hf_outputs(reloaded, batch)
+    for a, b in zip(ref[0] + [ref[1], ref[2]], again[0] + [again[1], again[2]]):
+        assert np.max(np.abs(a - b)) <= 1e-6
+    # The encoder alone through AutoModel, as users load it.
+    auto = transformers.AutoModel.from_pretrained(str(tmp_path / "out")).eval()
+    with torch.no_grad():
+        h = auto(input_ids=torch.tensor(batch["token_ids"], dtype=torch.long),
+                 token_type_ids=torch.tensor(batch["segment_ids"], dtype=torch.long),
+                 attention_mask=torch.tensor(batch["padding_mask"], dtype=torch.long)).last_hidden_state.numpy()
+    assert max_abs_diff_valid(h, ref[0][-1], batch["padding_mask"]) <= TOL
+
+
+def test_export_backbone_only_loads_in_automodel(tmp_path):
+    ref_model = tiny_hf_pretraining_model("bert")
+    ref_model.save_pretrained(tmp_path / "hf")
+    backbone = kbert.load_model(str(tmp_path / "hf"))
+    kbert.export_transformers(backbone, str(tmp_path / "enc"))
+    auto = transformers.AutoModel.from_pretrained(str(tmp_path / "enc")).eval()
+    batch = random_batch(seed=2)
+    with torch.no_grad():
+        h = auto(input_ids=torch.tensor(batch["token_ids"], dtype=torch.long),
+                 token_type_ids=torch.tensor(batch["segment_ids"], dtype=torch.long),
+                 attention_mask=torch.tensor(batch["padding_mask"], dtype=torch.long)).last_hidden_state.numpy()
+    ours = np.asarray(backbone(batch)["sequence_output"])
+    assert max_abs_diff_valid(h, ours, batch["padding_mask"]) <= TOL
+
+
+def test_pytorch_model_bin_is_read(tmp_path):
+    ref_model = tiny_hf_pretraining_model("bert")
+    ref_model.config.save_pretrained(tmp_path / "hf")
+    torch.save(ref_model.state_dict(), tmp_path / "hf" / "pytorch_model.bin")
+    batch = random_batch()
+    model = kbert.load_model(str(tmp_path / "hf"), with_heads=True, output_hidden_states=True)
+    _assert_same(_kbert_outputs(model, batch), hf_outputs(ref_model, batch), batch)
+
+
+def _write_tf1_checkpoint(ref_model, architecture, directory):
+    """Writes the reference weights under Google's TF1 variable names (the layout of KcBERT / KoELECTRA /
+    google-research/albert releases) with tf.compat.v1, independently of kbert's reader."""
+    import json
+
+    import tensorflow as tf
+
+    state = {k: v.numpy() for k, v in ref_model.state_dict().items()}
+    names = {}
+    for k, v in state.items():
+        if k.endswith("decoder.weight") or k.endswith("decoder.bias") or "position_ids" in k:
+            continue
+        n = k
+        if architecture == "bert":
+            n = n.replace("bert.", "bert/").replace("cls.predictions.bias", "cls/predictions/output_bias")
+            n = n.replace("cls.seq_relationship.weight", "cls/seq_relationship/output_weights")
+            n = n.replace("cls.seq_relationship.bias", "cls/seq_relationship/output_bias")
+            n = n.replace("encoder.layer.", "encoder/layer_")
+        else:
+            n = n.replace("albert.", "bert/").replace("predictions.bias", "cls/predictions/output_bias")
+            n = n.replace("sop_classifier.classifier.weight", "cls/seq_relationship/output_weights")
+            n = n.replace("sop_classifier.classifier.bias", "cls/seq_relationship/output_bias")
+            n = n.replace("predictions.dense", "cls/predictions/transform/dense")
+            n = n.replace("predictions.LayerNorm", "cls/predictions/transform/LayerNorm")
+            n = n.replace("bert/pooler.", "bert/pooler/dense.")
+            for g in range(8):
+                p = f"encoder.albert_layer_groups.{g}.albert_layers.0."
+                t = f"encoder/transformer/group_{g}/inner_group_0/"
+                n = n.replace(p + "attention.query", t + "attention_1/self/query")
+                n = n.replace(p + "attention.key", t + "attention_1/self/key")
+                n = n.replace(p + "attention.value", t + "attention_1/self/value")
+                n = n.replace(p + "attention.dense", t + "attention_1/output/dense")
+                n = n.replace(p + "attention.LayerNorm", t + "LayerNorm")
+                n = n.replace(p + "ffn_output", t + "ffn_1/intermediate/output/dense")
+                n = n.replace(p + "ffn", t + "ffn_1/intermediate/dense")
+                n = n.replace(p + "full_layer_layer_norm", t + "LayerNorm_1")
+        n = n.replace(".", "/")
+        is_ln = "LayerNorm" in n or "layer_norm" in n
+        is_embedding = "embeddings" in n and not is_ln
+        if n.endswith("/weight"):
+            if is_ln:
+                n = n[:-len("weight")] + "gamma"
+            elif is_embedding or n.endswith("output_weights"):
+                n = n[:-len("/weight")]
+            else:
+                n = n[:-len("weight")] + "kernel"
+                v = v.T
+        elif n.endswith("/bias") and is_ln:
+            n = n[:-len("bias")] + "beta"
+        names[n] = v
+    graph = tf.Graph()
+    with graph.as_default():
+        variables = [tf.compat.v1.Variable(v, name=n) for n, v in names.items()]
+        variables.append(tf.compat.v1.Variable(0, name="global_step", dtype=tf.int64))
+        saver = tf.compat.v1.train.Saver(variables)
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            saver.save(sess, str(directory / "model.ckpt"))
+    cfg = ref_model.config.to_dict()
+    keep = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+            "hidden_act", "hidden_dropout_prob", "attention_probs_dropout_prob", "max_position_embeddings",
+            "type_vocab_size", "initializer_range", "embedding_size", "num_hidden_groups", "inner_group_num")
+    name = "bert_config.json" if architecture == "bert" else "albert_config.json"
+    with open(directory / name, "w") as f:
+        json.dump({k: cfg[k] for k in keep if k in cfg}, f)
+
+
+@pytest.mark.parametrize("architecture", ["bert", "albert"])
+def test_load_google_tf1_checkpoint(tmp_path, architecture):
+    ref_model = tiny_hf_pretraining_model(architecture, layer_norm_eps=1e-12)
+    _write_tf1_checkpoint(ref_model, architecture, tmp_path)
+    batch = random_batch()
+    model = kbert.load_model(str(tmp_path), with_heads=True, output_hidden_states=True)
+    _assert_same(_kbert_outputs(model, batch), hf_outputs(ref_model, batch), batch)
