@@ -17,7 +17,7 @@ import numpy as np
 
 from kbert.models.backbone import Backbone, Pretrainer, build_backbone
 from kbert.models.config import ModelConfig
-from kbert.models.io import (TOKENIZER_DIR, assign_weights, build_pretrainer, is_kbert_dir, load_kbert_dir,
+from kbert.models.io import (assign_weights, build_pretrainer, is_kbert_dir, load_kbert_dir, read_safetensors,
                              variables_by_path)
 
 _HF_ACT = {"gelu": "gelu", "gelu_python": "gelu", "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh",
@@ -41,6 +41,10 @@ def config_from_hf(hf: dict, source: str = "config.json") -> ModelConfig:
                          "supported; kbert implements 'absolute'")
     if model_type == "albert" and hf.get("inner_group_num", 1) != 1:
         raise ValueError(f"{source}: inner_group_num={hf['inner_group_num']} is not supported (only 1)")
+    required = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+    missing = [k for k in required if k not in hf]
+    if missing:
+        raise ValueError(f"{source}: config is missing required key(s) {missing}")
     fields = dict(
         architecture=model_type,
         vocab_size=hf["vocab_size"],
@@ -201,17 +205,22 @@ def _normalize_hf_names(tensors: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]
 
 
 # ------------------------------------------------------------------------------------ readers
-def _read_hf_dir(directory: str) -> Tuple[dict, Dict[str, np.ndarray]]:
-    with open(os.path.join(directory, "config.json"), encoding="utf-8") as f:
-        hf_config = json.load(f)
+def _read_json(path: str) -> dict:
+    with open(path, encoding="utf-8") as f:
+        try:
+            return json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} is not valid JSON: {e}") from None
+
+
+def _read_hf_dir(directory: str) -> Tuple[ModelConfig, Dict[str, np.ndarray]]:
+    config = config_from_hf(_read_json(os.path.join(directory, "config.json")), source=directory)
     st = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
     bins = sorted(glob.glob(os.path.join(directory, "pytorch_model*.bin")))
     tensors = {}
     if st:
-        from safetensors.numpy import load_file
-
         for path in st:
-            tensors.update(load_file(path))
+            tensors.update(read_safetensors(path))
     elif bins:
         try:
             import torch
@@ -224,7 +233,7 @@ def _read_hf_dir(directory: str) -> Tuple[dict, Dict[str, np.ndarray]]:
     else:
         raise FileNotFoundError(f"{directory} has config.json but no weight file "
                                 "(model.safetensors or pytorch_model.bin)")
-    return hf_config, _normalize_hf_names(tensors)
+    return config, _normalize_hf_names(tensors)
 
 
 _TF1_BERT_RULES = [
@@ -268,16 +277,16 @@ def _tf1_name(name: str, architecture: str) -> Optional[str]:
     return name
 
 
-def _read_tf1_dir(directory: str) -> Tuple[dict, Dict[str, np.ndarray]]:
+def _read_tf1_dir(directory: str) -> Tuple[ModelConfig, Dict[str, np.ndarray]]:
     config_path = next((os.path.join(directory, n) for n in ("bert_config.json", "albert_config.json", "config.json")
                         if os.path.isfile(os.path.join(directory, n))), None)
     if config_path is None:
         raise FileNotFoundError(f"{directory} has a TF1 checkpoint but no bert_config.json / albert_config.json")
-    with open(config_path, encoding="utf-8") as f:
-        hf_config = json.load(f)
+    hf_config = _read_json(config_path)
     if "albert" in os.path.basename(config_path):
         hf_config.setdefault("model_type", "albert")
-    architecture = hf_config.get("model_type") or ("albert" if "embedding_size" in hf_config else "bert")
+    config = config_from_hf(hf_config, source=config_path)
+    architecture = config.architecture
     index = sorted(glob.glob(os.path.join(directory, "*.index")))
     if not index:
         raise FileNotFoundError(f"{directory} has {os.path.basename(config_path)} but no model.ckpt*.index")
@@ -292,7 +301,7 @@ def _read_tf1_dir(directory: str) -> Tuple[dict, Dict[str, np.ndarray]]:
         value = reader.get_tensor(name).astype(np.float32)
         # TF1 dense kernels are [in, out]; the HF layout is [out, in].
         tensors[hf_name] = value.T if name.endswith("/kernel") else value
-    return hf_config, tensors
+    return config, tensors
 
 
 def detect_format(directory: str) -> str:
@@ -329,8 +338,7 @@ def load_model(directory: str, with_heads: bool = False, output_hidden_states: b
     if fmt == "kbert":
         return load_kbert_dir(directory, with_heads=with_heads, output_hidden_states=output_hidden_states,
                               dtype=dtype)
-    hf_config, tensors = _read_hf_dir(directory) if fmt == "hf" else _read_tf1_dir(directory)
-    config = config_from_hf(hf_config, source=directory)
+    config, tensors = _read_hf_dir(directory) if fmt == "hf" else _read_tf1_dir(directory)
     backbone = build_backbone(config, output_hidden_states=output_hidden_states, dtype=dtype)
     if not with_heads:
         assign_weights(backbone, hf_to_kbert(tensors, config), directory)

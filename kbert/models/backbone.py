@@ -8,7 +8,7 @@ import keras
 from keras import ops
 
 from kbert.models.config import ModelConfig
-from kbert.models.layers import Embeddings, MaskedLMHead, PairHead, Pooler, TransformerBlock, AttentionBias
+from kbert.models.layers import Embeddings, MaskedLMHead, PairHead, Pooler, TransformerBlock
 
 INPUT_NAMES = ("token_ids", "segment_ids", "padding_mask")
 
@@ -49,10 +49,9 @@ class Backbone(keras.Model):
         pooler = Pooler(config, dtype=policy, name="pooler")
 
         _, x = embeddings(inputs["token_ids"], inputs["segment_ids"])
-        bias = AttentionBias(dtype="float32", name="attention_bias")(inputs["padding_mask"])
         hidden = [x]
         for block in blocks:
-            x = block(x, bias)
+            x = block(x, inputs["padding_mask"])
             hidden.append(x)
         outputs = {"sequence_output": x, "pooled_output": pooler(x)}
         if output_hidden_states:

@@ -77,9 +77,17 @@ def read_kbert_dir(directory: str):
     if not os.path.isfile(weights_path):
         raise FileNotFoundError(f"Model directory {directory!r} has {CONFIG_FILE} but no weight file "
                                 f"{WEIGHTS_FILE}")
+    return meta, read_safetensors(weights_path)
+
+
+def read_safetensors(path: str) -> Dict[str, np.ndarray]:
+    """All tensors of a safetensors file; a truncated or foreign file gives a ValueError naming it."""
     from safetensors.numpy import load_file
 
-    return meta, load_file(weights_path)
+    try:
+        return load_file(path)
+    except Exception as e:  # safetensors raises its own error types for bad headers and truncation
+        raise ValueError(f"{path} is not a readable safetensors file ({e}); it may be truncated or corrupt") from None
 
 
 def assign_weights(model: keras.Model, tensors: Dict[str, np.ndarray], source: str,

@@ -34,16 +34,14 @@ def activation(name: str):
     raise ValueError(f"Unknown activation {name!r}")
 
 
-class AttentionBias(keras.layers.Layer):
-    """[b, s] mask of 1 (token) / 0 (padding) -> additive float32 attention bias [b, 1, 1, s]."""
+def attention_bias(padding_mask):
+    """[b, s] mask of 1 (token) / 0 (padding) -> additive float32 attention bias [b, 1, 1, s].
 
-    def call(self, padding_mask):
-        mask = ops.cast(padding_mask, "float32")
-        return ((1.0 - mask) * _MASK_BIAS)[:, None, None, :]
-
-    def compute_output_spec(self, padding_mask):
-        shape = padding_mask.shape
-        return keras.KerasTensor((shape[0], 1, 1, shape[1]), dtype="float32")
+    Computed inside each block from the integer mask: Keras autocasts float layer inputs to the compute
+    dtype, and a float16 bias would turn the padding bias into -inf.
+    """
+    mask = ops.cast(padding_mask, "float32")
+    return ((1.0 - mask) * _MASK_BIAS)[:, None, None, :]
 
 
 class Embeddings(keras.layers.Layer):
@@ -81,10 +79,10 @@ class Embeddings(keras.layers.Layer):
 
     def call(self, token_ids, segment_ids, training=None):
         """Returns (embedding output [b, s, e] before projection, encoder input [b, s, h])."""
-        seq_len = ops.shape(token_ids)[1]
-        positions = self.position_embedding.embeddings[:seq_len]  # [s, e]
-        x = self.token_embedding(token_ids) + self.segment_embedding(segment_ids)
-        x = x + ops.cast(positions, x.dtype)[None]
+        # Position ids 0..s-1 built from the input itself, so symbolic shapes work on every backend.
+        positions = ops.cumsum(ops.ones_like(token_ids, dtype="int32"), axis=1) - 1  # [b, s]
+        x = (self.token_embedding(token_ids) + self.segment_embedding(segment_ids)
+             + self.position_embedding(positions))
         x = self.dropout(self.norm(x), training=training)
         projected = self.projection(x) if self.projection is not None else x
         return x, projected
@@ -115,7 +113,7 @@ class TransformerBlock(keras.layers.Layer):
         self.act = activation(config.hidden_act)
         self.scale = 1.0 / math.sqrt(config.head_size)
 
-    def build(self, x_shape, bias_shape=None):
+    def build(self, x_shape, padding_mask_shape=None):
         h, i = self.config.hidden_size, self.config.intermediate_size
         lead = tuple(x_shape[:-1])
         self.qkv.build(lead + (h,))
@@ -125,7 +123,7 @@ class TransformerBlock(keras.layers.Layer):
         self.output_dense.build(lead + (i,))
         self.output_norm.build(lead + (h,))
 
-    def call(self, x, bias, training=None):
+    def call(self, x, padding_mask, training=None):
         cfg = self.config
         b, s = ops.shape(x)[0], ops.shape(x)[1]
         n, d = cfg.num_heads, cfg.head_size
@@ -133,8 +131,8 @@ class TransformerBlock(keras.layers.Layer):
         qkv = ops.transpose(qkv, (2, 0, 3, 1, 4))  # [3, b, n, s, d]
         q, k, v = qkv[0], qkv[1], qkv[2]
         scores = ops.matmul(q * ops.cast(self.scale, q.dtype), ops.transpose(k, (0, 1, 3, 2)))  # [b, n, s, s]
-        # Softmax in float32 so fp16/bf16 scores do not overflow; bias is float32.
-        probs = ops.softmax(ops.cast(scores, "float32") + bias, axis=-1)
+        # Softmax in float32 so fp16/bf16 scores do not overflow.
+        probs = ops.softmax(ops.cast(scores, "float32") + attention_bias(padding_mask), axis=-1)
         probs = self.attention_dropout(ops.cast(probs, x.dtype), training=training)
         context = ops.matmul(probs, v)  # [b, n, s, d]
         context = ops.reshape(ops.transpose(context, (0, 2, 1, 3)), (b, s, n * d))

@@ -1,0 +1,55 @@
+"""The `kbert` command: help, one-line errors with exit code 2, and the subcommands of this package."""
+
+import subprocess
+import sys
+
+import pytest
+
+
+def run(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "kbert.cli", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_help_lists_commands():
+    proc = run("--help")
+    assert proc.returncode == 0
+    assert "info" in proc.stdout and "convert" in proc.stdout
+
+
+@pytest.mark.parametrize("args", [["bogus"], ["convert"], ["info", "--nope"], ["convert", "--model"]])
+def test_bad_arguments_one_line_exit_2(args):
+    proc = run(*args)
+    assert proc.returncode == 2
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("kbert") and "error" in lines[0]
+    assert "Traceback" not in proc.stderr
+
+
+def test_subcommand_help():
+    proc = run("convert", "--help")
+    assert proc.returncode == 0 and "--model" in proc.stdout
+
+
+def test_info_lists_presets():
+    proc = run("info")
+    assert proc.returncode == 0, proc.stderr
+    assert "bert-base" in proc.stdout and "albert-xlarge" in proc.stdout and "tensorflow" in proc.stdout
+
+
+def test_convert_missing_dir_is_one_line(tmp_path):
+    proc = run("convert", "--model", str(tmp_path / "none"), "--out", str(tmp_path / "o"))
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr and "Model directory not found" in proc.stderr
+
+
+def test_convert_hf_to_kbert_and_back(tmp_path):
+    from helpers import tiny_hf_pretraining_model
+
+    tiny_hf_pretraining_model("bert").save_pretrained(tmp_path / "hf")
+    proc = run("convert", "--model", str(tmp_path / "hf"), "--out", str(tmp_path / "kb"), "--with-heads")
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "kb" / "kbert_config.json").exists()
+    proc = run("convert", "--model", str(tmp_path / "kb"), "--out", str(tmp_path / "hf2"), "--to", "transformers")
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "hf2" / "model.safetensors").exists()

@@ -1,0 +1,330 @@
+"""Model config, backbones, heads, serialization, mixed precision and bad input."""
+
+import json
+import os
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+
+import kbert
+from helpers import random_batch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def tiny(architecture="bert", **kw):
+    name = "bert-tiny" if architecture == "bert" else "albert-base"
+    base = dict(vocab_size=99, max_position=64)
+    if architecture == "albert":
+        base.update(num_layers=2, hidden_size=32, num_heads=4, intermediate_size=37, embedding_size=16)
+    base.update(kw)
+    return kbert.ModelConfig.preset(name, **base)
+
+
+# ----------------------------------------------------------------------------------------- config
+def test_presets_have_documented_sizes():
+    expect = {"bert-tiny": (2, 128), "bert-mini": (4, 256), "bert-small": (4, 512), "bert-medium": (8, 512),
+              "bert-base": (12, 768), "bert-large": (24, 1024)}
+    for name, (layers, hidden) in expect.items():
+        cfg = kbert.ModelConfig.preset(name)
+        assert (cfg.num_layers, cfg.hidden_size, cfg.intermediate_size) == (layers, hidden, 4 * hidden)
+    assert kbert.ModelConfig.preset("bert-base").num_heads == 12
+    assert kbert.ModelConfig.preset("bert-large").num_heads == 16
+    for name in ("albert-base", "albert-large", "albert-xlarge"):
+        cfg = kbert.ModelConfig.preset(name)
+        assert cfg.architecture == "albert" and cfg.embedding_size == 128 and cfg.num_groups == 1
+
+
+def test_config_json_round_trip(tmp_path):
+    cfg = kbert.ModelConfig.preset("albert-large", vocab_size=12345)
+    path = tmp_path / "c.json"
+    cfg.to_json(str(path))
+    assert kbert.ModelConfig.from_json(str(path)) == cfg
+    assert kbert.ModelConfig.from_json(cfg.to_json()) == cfg
+
+
+def test_unknown_preset_lists_valid_ones():
+    with pytest.raises(ValueError, match="Unknown model preset 'bert-huge'.*bert-base.*albert-xlarge"):
+        kbert.ModelConfig.preset("bert-huge")
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(hidden_size=100, num_heads=3), "divisible by `num_heads`"),
+    (dict(vocab_size=0), "`vocab_size` must be a positive integer"),
+    (dict(hidden_act="swish"), "`hidden_act` must be one of"),
+    (dict(dropout=1.5), "`dropout` must be in"),
+    (dict(architecture="gpt"), "`architecture` must be one of"),
+])
+def test_bad_config_values_are_named(kw, match):
+    with pytest.raises(ValueError, match=match):
+        kbert.ModelConfig(**kw)
+
+
+def test_unknown_config_field_is_named():
+    with pytest.raises(ValueError, match=r"Unknown ModelConfig field\(s\): \['hiden_size'\]"):
+        kbert.ModelConfig.from_dict({"hiden_size": 3})
+
+
+@pytest.mark.parametrize("architecture", ["bert", "albert"])
+def test_parameter_count_formula_matches_model(architecture):
+    cfg = tiny(architecture)
+    model = kbert.build_backbone(cfg)
+    assert model.count_params() == cfg.num_parameters()
+
+
+# --------------------------------------------------------------------------------------- backbones
+@pytest.mark.parametrize("architecture", ["bert", "albert"])
+def test_backbone_outputs_and_padding_invariance(architecture):
+    cfg = tiny(architecture, dropout=0.0, attention_dropout=0.0)
+    model = kbert.build_backbone(cfg, output_hidden_states=True)
+    batch = random_batch(lengths=(5, 9), seq_len=9)
+    out = model(batch)
+    assert tuple(out["sequence_output"].shape) == (2, 9, cfg.hidden_size)
+    assert tuple(out["pooled_output"].shape) == (2, cfg.hidden_size)
+    assert len(out["hidden_states"]) == cfg.num_layers + 1
+    # The short row must not see its padding: the same row without padding gives the same vectors.
+    short = {k: v[:1, :5] for k, v in batch.items()}
+    alone = model(short)["sequence_output"]
+    np.testing.assert_allclose(np.asarray(out["sequence_output"])[0, :5], np.asarray(alone)[0], atol=1e-5)
+
+
+def test_albert_shares_parameters_across_layers():
+    cfg = tiny("albert", num_layers=6)
+    model = kbert.build_backbone(cfg)
+    assert len({id(b) for b in model.blocks}) == 1
+    bigger = kbert.build_backbone(tiny("albert", num_layers=12))
+    assert bigger.count_params() == model.count_params()
+    grouped = kbert.build_backbone(tiny("albert", num_layers=6, num_groups=3))
+    assert len({id(b) for b in grouped.blocks}) == 3
+
+
+def test_backbone_rejects_wrong_architecture():
+    with pytest.raises(ValueError, match="architecture='albert'"):
+        kbert.BertBackbone(tiny("albert"))
+
+
+def test_pretrainer_losses_and_accuracy():
+    cfg = tiny("bert")
+    model = kbert.Pretrainer(kbert.build_backbone(cfg))
+    batch = random_batch()
+    features = dict(batch, mask_positions=np.array([[1, 2], [1, 3], [2, 0], [0, 0]], "int32"))
+    labels = {"mask_ids": np.array([[7, 8], [9, 10], [11, 0], [0, 0]], "int32"),
+              "mask_weights": np.array([[1, 1], [1, 1], [1, 0], [0, 0]], "float32"),
+              "pair_labels": np.array([0, 1, 0, 1], "int32")}
+    out = model(features)
+    assert tuple(out["mlm_logits"].shape) == (4, 2, 99) and tuple(out["pair_logits"].shape) == (4, 2)
+    losses = model.compute_losses(features, labels)
+    logits = np.asarray(out["mlm_logits"], "float64")
+    logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    w = labels["mask_weights"]
+    nll = -np.take_along_axis(logp, labels["mask_ids"][..., None], -1)[..., 0]
+    np.testing.assert_allclose(float(losses["mlm_loss"]), (nll * w).sum() / w.sum(), rtol=1e-5)
+    acc = ((logits.argmax(-1) == labels["mask_ids"]) * w).sum() / w.sum()
+    np.testing.assert_allclose(float(losses["mlm_accuracy"]), acc, rtol=1e-6)
+    assert float(losses["loss"]) == pytest.approx(float(losses["mlm_loss"]) + float(losses["pair_loss"]), rel=1e-6)
+
+
+def test_mlm_head_is_tied_to_token_embedding():
+    model = kbert.Pretrainer(kbert.build_backbone(tiny("bert")))
+    from kbert.models.io import build_pretrainer
+
+    build_pretrainer(model)
+    paths = [v.path for v in model.trainable_weights]
+    assert len(paths) == len(set(paths))
+    assert not any("mlm_head" in p and "embeddings" in p for p in paths)
+    assert model.mlm_head.token_embedding is model.backbone.token_embedding
+
+
+def test_pretrainer_fit_lowers_loss():
+    cfg = tiny("bert", dropout=0.0, attention_dropout=0.0)
+    model = kbert.Pretrainer(kbert.build_backbone(cfg), pair_objective=None)
+    batch = random_batch(lengths=(12,) * 8, seq_len=12)
+    features = dict(batch, mask_positions=np.tile(np.arange(1, 4, dtype="int32"), (8, 1)))
+    labels = {"mask_ids": batch["token_ids"][:, 1:4], "mask_weights": np.ones((8, 3), "float32")}
+    model.compile(optimizer=keras.optimizers.Adam(3e-3))
+    before = float(model.compute_losses(features, labels)["loss"])
+    model.fit(features, labels, epochs=30, batch_size=8, verbose=0)
+    assert float(model.compute_losses(features, labels)["loss"]) < 0.5 * before
+
+
+# --------------------------------------------------------------------------------- mixed precision
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+@pytest.mark.parametrize("architecture", ["bert", "albert"])
+def test_mixed_precision_dtypes(policy, architecture):
+    keras.config.set_dtype_policy(policy)
+    model = kbert.Pretrainer(kbert.build_backbone(tiny(architecture)))
+    batch = random_batch()
+    features = dict(batch, mask_positions=np.zeros((4, 2), "int32"))
+    out = model(features)
+    compute = policy.split("_")[1]
+    assert model.backbone(batch)["sequence_output"].dtype == compute
+    assert all(v.dtype == "float32" for v in model.weights)
+    assert out["mlm_logits"].dtype == "float32" and out["pair_logits"].dtype == "float32"
+    losses = model.compute_losses(features, {"mask_ids": np.ones((4, 2), "int32"),
+                                             "pair_labels": np.zeros((4,), "int32")})
+    assert all(v.dtype == "float32" and np.isfinite(float(v)) for v in losses.values())
+
+
+def test_dtype_argument_overrides_global_policy():
+    model = kbert.build_backbone(tiny("bert"), dtype="mixed_bfloat16")
+    assert model(random_batch())["sequence_output"].dtype == "bfloat16"
+
+
+# ----------------------------------------------------------------------------------- save and load
+@pytest.mark.parametrize("architecture", ["bert", "albert"])
+def test_save_load_round_trip(tmp_path, architecture):
+    cfg = tiny(architecture)
+    model = kbert.Pretrainer(kbert.build_backbone(cfg))
+    batch = random_batch()
+    features = dict(batch, mask_positions=np.ones((4, 3), "int32"))
+    out = model(features)
+    kbert.save_model(model, str(tmp_path / "m"))
+    assert sorted(os.listdir(tmp_path / "m")) == ["kbert_config.json", "kbert_weights.safetensors"]
+
+    again = kbert.load_model(str(tmp_path / "m"), with_heads=True)
+    out2 = again(features)
+    for k in out:
+        assert np.max(np.abs(np.asarray(out[k]) - np.asarray(out2[k]))) <= 1e-6
+    backbone = kbert.load_model(str(tmp_path / "m"))
+    assert type(backbone) is type(model.backbone) and backbone.config == cfg
+    np.testing.assert_allclose(np.asarray(backbone(batch)["sequence_output"]),
+                               np.asarray(model.backbone(batch)["sequence_output"]), atol=1e-6)
+
+
+def test_backbone_dir_loads_with_fresh_heads(tmp_path):
+    backbone = kbert.build_backbone(tiny("bert"))
+    kbert.save_model(backbone, str(tmp_path / "b"))
+    model = kbert.load_model(str(tmp_path / "b"), with_heads=True)
+    assert isinstance(model, kbert.Pretrainer)
+    batch = random_batch()
+    np.testing.assert_allclose(np.asarray(model.backbone(batch)["sequence_output"]),
+                               np.asarray(backbone(batch)["sequence_output"]), atol=1e-6)
+
+
+def test_keras_serialization_round_trip(tmp_path):
+    model = kbert.build_backbone(tiny("albert"))
+    path = str(tmp_path / "m.keras")
+    model.save(path)
+    again = keras.saving.load_model(path)
+    batch = random_batch()
+    np.testing.assert_allclose(np.asarray(again(batch)["sequence_output"]),
+                               np.asarray(model(batch)["sequence_output"]), atol=1e-6)
+
+
+def test_load_missing_dir_and_missing_weights(tmp_path):
+    with pytest.raises(FileNotFoundError, match="Model directory not found"):
+        kbert.load_model(str(tmp_path / "nope"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="is not a model directory"):
+        kbert.load_model(str(tmp_path / "empty"))
+    kbert.save_model(kbert.build_backbone(tiny("bert")), str(tmp_path / "m"))
+    os.remove(tmp_path / "m" / "kbert_weights.safetensors")
+    with pytest.raises(FileNotFoundError, match="no weight file kbert_weights.safetensors"):
+        kbert.load_model(str(tmp_path / "m"))
+
+
+def test_vocab_size_mismatch_on_load_is_named(tmp_path):
+    kbert.save_model(kbert.build_backbone(tiny("bert")), str(tmp_path / "m"))
+    meta_path = tmp_path / "m" / "kbert_config.json"
+    meta = json.loads(meta_path.read_text())
+    meta["model"]["vocab_size"] = 120
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match=r"(?s)vocab_size mismatch.*token_embedding.*\(99, 128\).*\(120, 128\)"):
+        kbert.load_model(str(tmp_path / "m"))
+
+
+def test_mismatched_shapes_are_named(tmp_path):
+    kbert.save_model(kbert.build_backbone(tiny("bert")), str(tmp_path / "m"))
+    meta_path = tmp_path / "m" / "kbert_config.json"
+    meta = json.loads(meta_path.read_text())
+    meta["model"]["intermediate_size"] = 256
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match=r"layer_0/intermediate/kernel: checkpoint has shape \(128, 512\)"):
+        kbert.load_model(str(tmp_path / "m"))
+
+
+def test_missing_and_unexpected_weights_are_named(tmp_path):
+    kbert.save_model(kbert.build_backbone(tiny("bert")), str(tmp_path / "m"))
+    meta_path = tmp_path / "m" / "kbert_config.json"
+    meta = json.loads(meta_path.read_text())
+    meta["model"]["num_layers"] = 3
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match=r"Missing: \['layer_2/"):
+        kbert.load_model(str(tmp_path / "m"))
+
+
+def test_hf_dir_without_weights(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert", "vocab_size": 10}))
+    with pytest.raises(ValueError, match=r"missing required key\(s\) \['hidden_size'"):
+        kbert.load_model(str(tmp_path))
+    cfg = dict(model_type="bert", vocab_size=10, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+               intermediate_size=16)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(FileNotFoundError, match="no weight file"):
+        kbert.load_model(str(tmp_path))
+
+
+def test_unsupported_hf_model_type(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ValueError, match="model_type 'gpt2' is not supported"):
+        kbert.load_model(str(tmp_path))
+
+
+# ---------------------------------------------------------------------------- backend independence
+def test_models_package_uses_keras_ops_only():
+    models_dir = os.path.join(ROOT, "kbert", "models")
+    for name in os.listdir(models_dir):
+        if name.endswith(".py"):
+            text = open(os.path.join(models_dir, name), encoding="utf-8").read()
+            assert "import tensorflow" not in text and "tf." not in text, f"kbert/models/{name} uses TensorFlow"
+
+
+JAX_SCRIPT = r"""
+import json, sys, numpy as np
+import keras
+assert keras.backend.backend() == "jax", keras.backend.backend()
+import kbert
+from kbert.models.io import load_kbert_dir
+model = load_kbert_dir(sys.argv[1], with_heads=True)
+batch = {k: np.asarray(v, "int32") for k, v in json.load(open(sys.argv[2])).items()}
+out = model(batch)
+np.savez(sys.argv[3], mlm=np.asarray(out["mlm_logits"]), pair=np.asarray(out["pair_logits"]),
+         seq=np.asarray(model.backbone({k: batch[k] for k in ("token_ids", "segment_ids", "padding_mask")})["sequence_output"]))
+# A training step runs on JAX too.
+keras.config.set_dtype_policy("mixed_bfloat16")
+bf = kbert.Pretrainer(kbert.build_backbone(model.config))
+assert bf(batch)["mlm_logits"].dtype == "float32"
+"""
+
+
+@pytest.mark.parametrize("architecture", ["bert", "albert"])
+def test_same_outputs_on_jax_backend(tmp_path, architecture):
+    pytest.importorskip("jax")
+    model = kbert.Pretrainer(kbert.build_backbone(tiny(architecture)))
+    batch = random_batch()
+    features = dict(batch, mask_positions=np.array([[1, 2]] * 4, "int32"))
+    out = model(features)
+    kbert.save_model(model, str(tmp_path / "m"))
+    (tmp_path / "batch.json").write_text(json.dumps({k: v.tolist() for k, v in features.items()}))
+    env = dict(os.environ, KERAS_BACKEND="jax", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", JAX_SCRIPT, str(tmp_path / "m"), str(tmp_path / "batch.json"),
+                           str(tmp_path / "out.npz")], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    jax_out = np.load(tmp_path / "out.npz")
+    np.testing.assert_allclose(jax_out["mlm"], np.asarray(out["mlm_logits"]), atol=1e-4)
+    np.testing.assert_allclose(jax_out["pair"], np.asarray(out["pair_logits"]), atol=1e-4)
+    seq = np.asarray(model.backbone(batch)["sequence_output"])
+    keep = batch["padding_mask"].astype(bool)
+    np.testing.assert_allclose(jax_out["seq"][keep], seq[keep], atol=1e-4)
+
+
+def test_corrupt_weight_file_is_named(tmp_path):
+    kbert.save_model(kbert.build_backbone(tiny("bert")), str(tmp_path / "m"))
+    weights = tmp_path / "m" / "kbert_weights.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(ValueError, match="kbert_weights.safetensors is not a readable safetensors file"):
+        kbert.load_model(str(tmp_path / "m"))
