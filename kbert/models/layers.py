@@ -127,15 +127,13 @@ class TransformerBlock(keras.layers.Layer):
         cfg = self.config
         b, s = ops.shape(x)[0], ops.shape(x)[1]
         n, d = cfg.num_heads, cfg.head_size
-        qkv = ops.reshape(self.qkv(x), (b, s, 3, n, d))
-        qkv = ops.transpose(qkv, (2, 0, 3, 1, 4))  # [3, b, n, s, d]
-        q, k, v = qkv[0], qkv[1], qkv[2]
-        scores = ops.matmul(q * ops.cast(self.scale, q.dtype), ops.transpose(k, (0, 1, 3, 2)))  # [b, n, s, s]
+        # split (not slicing): its gradient is a concat, where a strided slice's gradient pads and adds.
+        q, k, v = (ops.reshape(t, (b, s, n, d)) for t in ops.split(self.qkv(x), 3, axis=-1))  # [b, s, n, d]
+        scores = ops.einsum("bqnd,bknd->bnqk", q * ops.cast(self.scale, q.dtype), k)  # [b, n, s, s]
         # Softmax in float32 so fp16/bf16 scores do not overflow.
         probs = ops.softmax(ops.cast(scores, "float32") + attention_bias(padding_mask), axis=-1)
         probs = self.attention_dropout(ops.cast(probs, x.dtype), training=training)
-        context = ops.matmul(probs, v)  # [b, n, s, d]
-        context = ops.reshape(ops.transpose(context, (0, 2, 1, 3)), (b, s, n * d))
+        context = ops.reshape(ops.einsum("bnqk,bknd->bqnd", probs, v), (b, s, n * d))  # [b, s, h]
         attn = self.hidden_dropout(self.attention_output(context), training=training)
         x = self.attention_norm(x + attn)
         ffn = self.output_dense(self.act(self.intermediate(x)))
