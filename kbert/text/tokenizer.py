@@ -1,0 +1,560 @@
+"""kbert.Tokenizer: Korean subword tokenization in Python and inside TensorFlow graphs.
+
+Two kinds of vocabulary, each with a Python path and an in-graph path that give identical ids:
+- SentencePiece (unigram or BPE): `sentencepiece` in Python, tensorflow-text `SentencepieceTokenizer`
+  in the graph, the same model proto in both.
+- WordPiece (`vocab.txt`, as KLUE-BERT and KcBERT ship): tensorflow-text `FastBertTokenizer` (BERT's
+  punctuation splitting + greedy longest-match WordPiece), run eagerly for Python calls.
+
+Text is normalized first with `kbert.normalize` (NFC, never NFD). A morpheme-aware tokenizer
+(`morphemes="mecab"`, ...) splits every eojeol into morphemes before the subword model: morphemes after
+the first in an eojeol carry a joiner mark (U+E000), so `decode` restores the original spacing. Its
+analyzer runs in Python: in `tf.data` it is wrapped in `tf.numpy_function`, so only plain subword
+tokenizers are pure graphs (and exportable to a SavedModel without Python).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import unicodedata
+from typing import Iterable, List, NamedTuple, Optional, Sequence, Union
+
+import numpy as np
+
+from kbert.text.normalize import normalize, tf_normalize
+
+SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+ALGORITHMS = ("unigram", "bpe", "wordpiece")
+JOINER = "\ue000"  # marks a morpheme that continues an eojeol (no space before it)
+CONFIG_FILE = "tokenizer.json"
+SPM_FILE = "spm.model"
+VOCAB_FILE = "vocab.txt"
+
+
+class Encoding(NamedTuple):
+    """ids and tokens with [CLS]/[SEP]; offsets are character spans into `normalized` ((0, 0) for
+    special tokens)."""
+
+    ids: List[int]
+    tokens: List[str]
+    offsets: List[tuple]
+    normalized: str
+
+
+def _is_hangul_syllable(ch: str) -> bool:
+    return "\uac00" <= ch <= "\ud7a3"
+
+
+class Tokenizer:
+    """A Korean subword tokenizer (see the module docstring for how it works).
+
+    Build one with `Tokenizer.train(...)`, `Tokenizer.load(dir)` (a kbert tokenizer dir, a `vocab.txt`,
+    a SentencePiece `.model`, or a Hugging Face dir holding one of them).
+
+    Example:
+        >>> tok = kbert.Tokenizer.train(["대한민국은 민주공화국이다.", ...], vocab_size=8000)
+        >>> tok.tokenize("학교에서 공부했다")
+        ['▁학교', '에서', '▁공부', '했다']
+        >>> ds = tf.data.Dataset.from_tensor_slices(texts).map(tok)   # same ids, in the graph
+    """
+
+    def __init__(self, kind: str, model: Union[bytes, List[str]], morphemes: Optional[str] = None,
+                 form: str = "NFC", repeat: Optional[int] = None, lowercase: bool = False,
+                 special_tokens: Optional[dict] = None):
+        if kind not in ("sentencepiece", "wordpiece"):
+            raise ValueError(f"`kind` must be 'sentencepiece' or 'wordpiece'. Received: kind={kind!r}")
+        self.kind = kind
+        self.morphemes = morphemes
+        self.form, self.repeat, self.lowercase = form, repeat, lowercase
+        self._analyzer = None
+        if kind == "sentencepiece":
+            import sentencepiece as spm
+
+            self._spm_proto = bytes(model)
+            self._sp = spm.SentencePieceProcessor(model_proto=self._spm_proto)
+            self.vocab = [self._sp.id_to_piece(i) for i in range(self._sp.get_piece_size())]
+        else:
+            self.vocab = list(model)
+        self._index = {t: i for i, t in enumerate(self.vocab)}
+        names = dict(pad="[PAD]", unk="[UNK]", cls="[CLS]", sep="[SEP]", mask="[MASK]")
+        names.update(special_tokens or {})
+        self.special_tokens = names
+        self.special_ids = {}
+        for role, token in names.items():
+            if token not in self._index:
+                raise ValueError(f"The vocabulary has no {role} token {token!r}; pass special_tokens="
+                                 f"{{'{role}': ...}} with the token it uses")
+            self.special_ids[role] = self._index[token]
+        self._graph = None
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def vocab_size(self) -> int:
+        return len(self.vocab)
+
+    pad_id = property(lambda self: self.special_ids["pad"])
+    unk_id = property(lambda self: self.special_ids["unk"])
+    cls_id = property(lambda self: self.special_ids["cls"])
+    sep_id = property(lambda self: self.special_ids["sep"])
+    mask_id = property(lambda self: self.special_ids["mask"])
+
+    def __repr__(self):
+        return (f"Tokenizer(kind={self.kind!r}, vocab_size={self.vocab_size}, morphemes={self.morphemes!r}, "
+                f"form={self.form!r}, repeat={self.repeat!r}, lowercase={self.lowercase})")
+
+    # ---------------------------------------------------------------- pre-tokenize
+    def normalize(self, text) -> str:
+        return normalize(text, form=self.form, repeat=self.repeat, lowercase=self.lowercase)
+
+    def _analyzer_fn(self):
+        if self._analyzer is None:
+            from kbert.text.morphemes import morphemes
+
+            self._analyzer = morphemes(self.morphemes)
+        return self._analyzer
+
+    def _presplit(self, text: str):
+        """Normalized text -> (subword-model input, map from input char index to text char index)."""
+        if not self.morphemes or not text:
+            return text, list(range(len(text) + 1))
+        starts = {m.start for m in self._analyzer_fn()(text)}
+        out, index = [], []
+        word_start = True
+        for i, ch in enumerate(text):
+            if ch == " ":
+                word_start = True
+                out.append(ch)
+                index.append(i)
+                continue
+            if not word_start and i in starts:
+                out.append(" ")
+                index.append(i)
+                out.append(JOINER)
+                index.append(i)
+            out.append(ch)
+            index.append(i)
+            word_start = False
+        index.append(len(text))
+        return "".join(out), index
+
+    # --------------------------------------------------------------------- encode
+    def _check_text(self, text):
+        if isinstance(text, bytes):
+            return text.decode("utf-8", errors="replace")
+        if not isinstance(text, str):
+            raise TypeError(f"Tokenizer expects str (or UTF-8 bytes). Received: {type(text).__name__}")
+        return text
+
+    def encode(self, text: str, pair: Optional[str] = None, add_special_tokens: bool = True,
+               max_length: Optional[int] = None) -> Encoding:
+        """Ids, tokens and character offsets of `text` (and `pair`, as `[CLS] a [SEP] b [SEP]`).
+
+        `max_length` truncates the longer of the two segments first, counting special tokens.
+        """
+        return self.encode_batch([text], pairs=None if pair is None else [pair],
+                                 add_special_tokens=add_special_tokens, max_length=max_length)[0]
+
+    def _pieces_batch(self, texts: List[str]):
+        """For normalized texts: lists of (id, piece, start, end) with offsets into each text."""
+        pre = [self._presplit(t) for t in texts]
+        results = []
+        if self.kind == "sentencepiece":
+            protos = self._sp.encode([p for p, _ in pre], return_type="proto")
+            for (inp, index), proto in zip(pre, protos):
+                b2c = _byte_to_char(inp)
+                items = []
+                for piece in proto.pieces:
+                    s, e = b2c[piece.begin], b2c[piece.end]
+                    if s < e and inp[s] == " ":  # the piece's ▁ stands for the space: not part of the span
+                        s += 1
+                    start = index[s] if s < len(index) else index[-1]
+                    end = index[e - 1] + 1 if e > s else start
+                    items.append((piece.id, piece.piece, start, end))
+                results.append(items)
+            return results
+        import tensorflow as tf
+
+        ids, starts, ends = self._fast_bert().tokenize_with_offsets(tf.constant([p for p, _ in pre]))
+        for (inp, index), row_ids, row_s, row_e in zip(pre, ids.to_list(), starts.to_list(), ends.to_list()):
+            b2c = _byte_to_char(inp)
+            items = []
+            for i, s, e in zip(row_ids, row_s, row_e):
+                cs, ce = b2c[s], b2c[e]
+                items.append((i, self.vocab[i], index[cs], index[ce - 1] + 1 if ce > cs else index[cs]))
+            results.append(items)
+        return results
+
+    def encode_batch(self, texts: Sequence[str], pairs: Optional[Sequence[str]] = None,
+                     add_special_tokens: bool = True, max_length: Optional[int] = None) -> List[Encoding]:
+        """`encode` for many texts at once (SentencePiece encodes them on all cores)."""
+        if isinstance(texts, (str, bytes)):
+            raise TypeError("encode_batch expects a list of texts; use encode() for one text")
+        texts = [self.normalize(self._check_text(t)) for t in texts]
+        pieces = self._pieces_batch(texts)
+        pair_pieces = None
+        if pairs is not None:
+            if len(pairs) != len(texts):
+                raise ValueError(f"`pairs` must have one text per text. Received {len(pairs)} pairs for "
+                                 f"{len(texts)} texts")
+            pair_texts = [self.normalize(self._check_text(t)) for t in pairs]
+            pair_pieces = self._pieces_batch(pair_texts)
+        out = []
+        for i, (text, a) in enumerate(zip(texts, pieces)):
+            b = pair_pieces[i] if pair_pieces is not None else None
+            if max_length is not None:
+                special = (3 if b is not None else 2) if add_special_tokens else 0
+                a, b = _truncate(a, b, max_length - special)
+            items = []
+            cls = (self.cls_id, self.vocab[self.cls_id], 0, 0)
+            sep = (self.sep_id, self.vocab[self.sep_id], 0, 0)
+            items = ([cls] if add_special_tokens else []) + a + ([sep] if add_special_tokens else [])
+            if b is not None:
+                items += b + ([sep] if add_special_tokens else [])
+            out.append(Encoding([x[0] for x in items], [x[1] for x in items], [(x[2], x[3]) for x in items],
+                                text))
+        return out
+
+    def tokenize(self, text: str) -> List[str]:
+        """Subword tokens of `text` (no special tokens)."""
+        return self.encode(text, add_special_tokens=False).tokens
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        """Text of `ids`. For SentencePiece vocabularies `decode(encode(x).ids) == normalize(x)`; WordPiece
+        cannot know whether punctuation had a space before it, and puts none before `##` pieces only."""
+        ids = [int(i) for i in ids]
+        for i in ids:
+            if not 0 <= i < self.vocab_size:
+                raise ValueError(f"Token id {i} is out of range for a vocabulary of {self.vocab_size}")
+        special = set(self.special_ids.values())
+        if skip_special_tokens:
+            ids = [i for i in ids if i not in special]
+        if self.kind == "sentencepiece":
+            text = self._sp.decode(ids)
+        else:
+            words = []
+            for i in ids:
+                tok = self.vocab[i]
+                if tok.startswith("##") and words:
+                    words[-1] += tok[2:]
+                else:
+                    words.append(tok)
+            text = " ".join(words)
+        return text.replace(" " + JOINER, "").replace(JOINER, "")
+
+    # ---------------------------------------------------------------- in the graph
+    def _fast_bert(self):
+        if self._graph is None:
+            import tensorflow as tf
+            import tensorflow_text as tf_text
+
+            with tf.init_scope():  # built eagerly even when first used inside ds.map
+                self._graph = tf_text.FastBertTokenizer(
+                vocab=self.vocab, suffix_indicator="##", max_bytes_per_word=400, token_out_type=tf.int32,
+                unknown_token=self.vocab[self.unk_id], no_pretokenization=False,
+                support_detokenization=True, lower_case_nfd_strip_accents=False)
+        return self._graph
+
+    def _graph_tokenizer(self):
+        if self.kind == "wordpiece":
+            return self._fast_bert()
+        if self._graph is None:
+            import tensorflow as tf
+            import tensorflow_text as tf_text
+
+            with tf.init_scope():  # the model resource must outlive the first graph that uses it
+                self._graph = tf_text.SentencepieceTokenizer(model=self._spm_proto, out_type=tf.int32)
+        return self._graph
+
+    def tf_tokenize(self, texts, add_special_tokens: bool = True):
+        """Graph op: string tensor [] or [batch] -> int32 ids [n] or ragged [batch, (n)].
+
+        Same ids as `encode(...).ids`. Morpheme-aware tokenizers call their analyzer through
+        `tf.numpy_function` (Python) before the in-graph subword model.
+        """
+        import tensorflow as tf
+
+        texts = tf.convert_to_tensor(texts, tf.string)
+        scalar = texts.shape.rank == 0
+        batch = tf.reshape(texts, [-1])
+        if self.form == "NFC":
+            normalized = tf_normalize(batch, form=self.form, repeat=self.repeat, lowercase=self.lowercase)
+        else:
+            normalized = self._py_strings(batch, self.normalize)
+        if self.morphemes:
+            normalized = self._py_strings(normalized, lambda t: self._presplit(t)[0])
+        ids = self._graph_tokenizer().tokenize(normalized)
+        if isinstance(ids, tf.RaggedTensor) and ids.ragged_rank > 1:  # FastBert: [batch, words, pieces]
+            ids = ids.merge_dims(1, 2)
+        if add_special_tokens:
+            n = tf.shape(batch)[0]
+            cls = tf.fill([n, 1], tf.constant(self.cls_id, tf.int32))
+            sep = tf.fill([n, 1], tf.constant(self.sep_id, tf.int32))
+            ids = tf.concat([tf.RaggedTensor.from_tensor(cls), ids, tf.RaggedTensor.from_tensor(sep)], axis=1)
+        return ids[0] if scalar else ids
+
+    @staticmethod
+    def _py_strings(texts, fn):
+        import tensorflow as tf
+
+        def run(arr):
+            return np.array([fn(t.decode("utf-8", errors="replace")).encode("utf-8") for t in arr], dtype=object)
+
+        out = tf.numpy_function(run, [texts], tf.string, stateful=False)
+        return tf.reshape(out, tf.shape(texts))
+
+    def __call__(self, texts):
+        """`ds.map(tok)`: the in-graph tokenizer (see `tf_tokenize`)."""
+        return self.tf_tokenize(texts)
+
+    # --------------------------------------------------------------- persistence
+    def save(self, directory: str) -> str:
+        os.makedirs(directory, exist_ok=True)
+        meta = {"kind": self.kind, "morphemes": self.morphemes, "form": self.form, "repeat": self.repeat,
+                "lowercase": self.lowercase, "special_tokens": self.special_tokens, "format_version": 1}
+        if self.kind == "sentencepiece":
+            with open(os.path.join(directory, SPM_FILE), "wb") as f:
+                f.write(self._spm_proto)
+        else:
+            with open(os.path.join(directory, VOCAB_FILE), "w", encoding="utf-8") as f:
+                f.write("\n".join(self.vocab) + "\n")
+        with open(os.path.join(directory, CONFIG_FILE), "w", encoding="utf-8") as f:
+            json.dump(meta, f, indent=2, ensure_ascii=False)
+        return directory
+
+    @classmethod
+    def load(cls, path: str, **overrides) -> "Tokenizer":
+        """A kbert tokenizer dir, a WordPiece `vocab.txt`, a SentencePiece `.model`, or a directory
+        (e.g. a Hugging Face model dir) holding one of them. Keyword overrides set normalization
+        options (`lowercase=True` for an uncased vocab.txt) or `special_tokens`."""
+        if os.path.isdir(path):
+            if os.path.isfile(os.path.join(path, CONFIG_FILE)):
+                with open(os.path.join(path, CONFIG_FILE), encoding="utf-8") as f:
+                    meta = json.load(f)
+                if "kind" in meta:  # kbert's own (a Hugging Face tokenizer.json has no "kind")
+                    meta.pop("format_version", None)
+                    kind = meta.pop("kind")
+                    meta.update(overrides)
+                    model_path = os.path.join(path, SPM_FILE if kind == "sentencepiece" else VOCAB_FILE)
+                    return cls(kind, _read_model(model_path, kind), **meta)
+            for name in sorted(os.listdir(path)):
+                if name == VOCAB_FILE or name.endswith(".model"):
+                    return cls.load(os.path.join(path, name), **overrides)
+            raise FileNotFoundError(f"{path!r} holds no tokenizer: expected {CONFIG_FILE} (kbert), "
+                                    f"{VOCAB_FILE} (WordPiece) or a SentencePiece .model")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"Tokenizer file not found: {path!r}")
+        if path.endswith(".model"):
+            proto = _read_model(path, "sentencepiece")
+            import sentencepiece as spm
+
+            sp = spm.SentencePieceProcessor(model_proto=proto)
+            pieces = {sp.id_to_piece(i) for i in range(sp.get_piece_size())}
+            specials = dict(overrides.pop("special_tokens", {}) or {})
+            for role, choices in (("pad", ("[PAD]", "<pad>")), ("unk", ("[UNK]", "<unk>")),
+                                  ("cls", ("[CLS]", "<s>", "<cls>")), ("sep", ("[SEP]", "</s>", "<sep>")),
+                                  ("mask", ("[MASK]", "<mask>"))):
+                found = next((c for c in choices if c in pieces), None)
+                if role not in specials and found is not None:
+                    specials[role] = found
+            return cls("sentencepiece", proto, special_tokens=specials, **overrides)
+        return cls("wordpiece", _read_model(path, "wordpiece"), **overrides)
+
+    # ------------------------------------------------------------------- training
+    @classmethod
+    def train(cls, inputs, vocab_size: int, algorithm: str = "unigram", morphemes: Optional[str] = None,
+              user_defined_symbols: Sequence[str] = (), form: str = "NFC", repeat: Optional[int] = None,
+              lowercase: bool = False, character_coverage: float = 0.9995, max_sentences: int = 5_000_000,
+              min_line_chars: int = 1, progress: bool = True, seed: int = 0) -> "Tokenizer":
+        """Learns a vocabulary from files (paths) or an iterable of strings.
+
+        Args:
+            inputs: a path, a list of paths (plain text, .gz/.bz2), or an iterable of strings.
+            vocab_size: size of the vocabulary including the special tokens
+                `[PAD]=0 [UNK]=1 [CLS]=2 [SEP]=3 [MASK]=4`.
+            algorithm: `"unigram"` (SentencePiece, the default), `"bpe"` (SentencePiece), or
+                `"wordpiece"` (a BERT `vocab.txt` with `##` continuation pieces, learned with
+                SentencePiece BPE and converted).
+            morphemes: a `kbert.morphemes` backend to pre-split eojeols into morphemes, or None.
+            user_defined_symbols: extra tokens kept whole (e.g. `["[URL]", "[EMAIL]"]`).
+            character_coverage: share of characters the vocabulary covers; every complete Hangul
+                syllable seen in training is always covered (never [UNK]).
+            max_sentences: at most this many lines are sampled for training.
+
+        Raises:
+            ValueError: unknown algorithm, no text, or a `vocab_size` the corpus cannot fill (the
+                message says the largest size that works).
+        """
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"`algorithm` must be one of {ALGORITHMS}. Received: algorithm={algorithm!r}")
+        if not isinstance(vocab_size, int) or vocab_size <= len(SPECIAL_TOKENS) + len(user_defined_symbols):
+            raise ValueError(f"`vocab_size` must be an integer larger than the {len(SPECIAL_TOKENS)} special "
+                             f"tokens and user symbols. Received: vocab_size={vocab_size!r}")
+        import sentencepiece as spm
+
+        helper = cls.__new__(cls)  # only for normalize/presplit with these options
+        helper.form, helper.repeat, helper.lowercase = form, repeat, lowercase
+        helper.morphemes, helper._analyzer = morphemes, None
+        lines, hangul, n_lines = _prepare_training_text(helper, inputs, min_line_chars, progress)
+        if n_lines == 0:
+            raise ValueError("Tokenizer.train found no text in `inputs` (empty files or only whitespace)")
+        try:
+            spm_args = dict(
+                input=lines, model_type="bpe" if algorithm in ("bpe", "wordpiece") else "unigram",
+                vocab_size=vocab_size if algorithm != "wordpiece" else vocab_size,
+                pad_id=0, pad_piece="[PAD]", unk_id=1, unk_piece="[UNK]", bos_id=-1, eos_id=-1,
+                control_symbols=["[CLS]", "[SEP]", "[MASK]"], user_defined_symbols=list(user_defined_symbols),
+                character_coverage=character_coverage, required_chars="".join(sorted(hangul)),
+                normalization_rule_name="identity", remove_extra_whitespaces=False, add_dummy_prefix=True,
+                input_sentence_size=max_sentences, shuffle_input_sentence=True, max_sentence_length=1 << 16,
+                num_threads=os.cpu_count() or 1, train_extremely_large_corpus=False,
+                minloglevel=2, hard_vocab_limit=True, split_digits=False,
+                # Characters outside the vocabulary become UTF-8 byte pieces instead of [UNK], so any
+                # text round-trips (WordPiece cannot use byte pieces and keeps [UNK]).
+                byte_fallback=algorithm != "wordpiece",
+            )
+            if morphemes:
+                spm_args["user_defined_symbols"] = list(user_defined_symbols)
+            model = _train_spm(spm, spm_args, progress)
+        finally:
+            os.remove(lines)
+        if algorithm != "wordpiece":
+            return cls("sentencepiece", model, morphemes=morphemes, form=form, repeat=repeat, lowercase=lowercase)
+        return cls("wordpiece", _spm_to_wordpiece(model, vocab_size, user_defined_symbols), morphemes=morphemes,
+                   form=form, repeat=repeat, lowercase=lowercase)
+
+
+# -------------------------------------------------------------------------------------- helpers
+def _byte_to_char(text: str) -> List[int]:
+    """Map from UTF-8 byte offset to character offset (length bytes+1)."""
+    out = []
+    for i, ch in enumerate(text):
+        out.extend([i] * len(ch.encode("utf-8")))
+    out.append(len(text))
+    return out
+
+
+def _truncate(a, b, budget):
+    budget = max(budget, 0)
+    a, b = list(a), (list(b) if b is not None else None)
+    while len(a) + (len(b) if b is not None else 0) > budget:
+        if b is not None and len(b) > len(a):
+            b.pop()
+        else:
+            a.pop()
+    return a, b
+
+
+def _read_model(path: str, kind: str):
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"Tokenizer file not found: {path!r}")
+    if kind == "sentencepiece":
+        with open(path, "rb") as f:
+            proto = f.read()
+        import sentencepiece as spm
+
+        try:
+            spm.SentencePieceProcessor(model_proto=proto)
+        except Exception as e:
+            raise ValueError(f"{path} is not a SentencePiece model: {e}") from None
+        return proto
+    with open(path, encoding="utf-8", errors="strict") as f:
+        vocab = [line.rstrip("\n").rstrip("\r") for line in f]
+    while vocab and vocab[-1] == "":
+        vocab.pop()
+    if not vocab:
+        raise ValueError(f"{path} is an empty vocabulary")
+    return vocab
+
+
+def _iter_lines(inputs):
+    from kbert.utils import open_text
+
+    if isinstance(inputs, (str, os.PathLike)):
+        inputs = [inputs]
+    for item in inputs:
+        if isinstance(item, (str, os.PathLike)) and os.path.isfile(item):
+            with open_text(item) as f:
+                for line in f:
+                    yield line
+        elif isinstance(item, str):
+            if len(inputs) == 1 and not any(c.isspace() for c in item) and ("/" in item or item.endswith(".txt")):
+                raise FileNotFoundError(f"Training input file not found: {item!r}")
+            yield item
+        elif isinstance(item, bytes):
+            yield item.decode("utf-8", errors="replace")
+        else:
+            raise TypeError(f"Tokenizer.train inputs must be paths or strings. Received: {type(item).__name__}")
+
+
+def _prepare_training_text(helper, inputs, min_line_chars, progress):
+    """Normalizes (and morpheme-splits) the inputs into a temp file; collects Hangul syllables seen."""
+    from kbert.utils import progress_bar
+
+    fd, path = tempfile.mkstemp(prefix="kbert-vocab-", suffix=".txt")
+    hangul, n = set(), 0
+    bar = progress_bar(desc="normalizing", unit=" lines", enabled=progress)
+    with os.fdopen(fd, "w", encoding="utf-8") as out:
+        for raw in _iter_lines(inputs):
+            text = helper.normalize(raw)
+            if len(text) < min_line_chars:
+                continue
+            hangul.update(ch for ch in text if _is_hangul_syllable(ch))
+            if helper.morphemes:
+                text = Tokenizer._presplit(helper, text)[0]
+            # Very long lines are cut into 16K-character pieces: SentencePiece skips longer sentences.
+            for i in range(0, len(text), 1 << 14):
+                out.write(text[i:i + (1 << 14)] + "\n")
+            n += 1
+            bar.update(1)
+    bar.close()
+    return path, hangul, n
+
+
+def _train_spm(spm, args, progress):
+    import io
+    import re
+
+    model = io.BytesIO()
+    if progress:
+        print(f"training {args['model_type']} vocabulary of {args['vocab_size']} with SentencePiece "
+              f"on {args['num_threads']} threads ...", flush=True)
+    try:
+        spm.SentencePieceTrainer.train(model_writer=model, **args)
+    except RuntimeError as e:
+        m = re.search(r"Vocabulary size too high \((\d+)\)\. Please set it to a value <= (\d+)", str(e))
+        if m:
+            raise ValueError(f"vocab_size={m.group(1)} is too large for this corpus: it supports at most "
+                             f"{m.group(2)}; use a smaller vocab_size or more text") from None
+        raise ValueError(f"SentencePiece training failed: {e}") from None
+    return model.getvalue()
+
+
+def _spm_to_wordpiece(model: bytes, vocab_size: int, user_defined_symbols) -> List[str]:
+    """SentencePiece BPE pieces -> BERT WordPiece vocab: `▁x` -> `x` (word start), `x` -> `##x`.
+
+    Every single character also gets its word-initial and `##` form, so no seen character is [UNK].
+    """
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_proto=model)
+    vocab = list(SPECIAL_TOKENS) + list(user_defined_symbols)
+    seen = set(vocab)
+    chars, pieces = [], []
+    for i in range(sp.get_piece_size()):
+        if sp.is_control(i) or sp.is_unknown(i) or sp.is_byte(i) or sp.id_to_piece(i) in user_defined_symbols:
+            continue
+        p = sp.id_to_piece(i)
+        if p == "\u2581":
+            continue
+        token = p[1:] if p.startswith("\u2581") else "##" + p
+        (chars if len(p.lstrip("\u2581")) == 1 else pieces).append(token)
+        body = p.lstrip("\u2581")
+        if len(body) == 1:
+            chars.extend([body, "##" + body])
+    for t in chars + pieces:
+        if t not in seen and t not in ("", "##"):
+            vocab.append(t)
+            seen.add(t)
+    return vocab[:max(vocab_size, len(SPECIAL_TOKENS) + len(user_defined_symbols) + len(set(chars)))]

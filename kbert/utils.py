@@ -1,0 +1,45 @@
+"""Small shared helpers: compressed text files, progress bars."""
+
+from __future__ import annotations
+
+import bz2
+import gzip
+import io
+import os
+import sys
+
+
+def open_text(path: str):
+    """Opens a text file for reading, transparently decompressing .gz / .bz2. Invalid UTF-8 bytes become
+    U+FFFD instead of stopping the read (web corpora have them)."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"File not found: {path!r}")
+    if path.endswith(".gz"):
+        raw = gzip.open(path, "rb")
+    elif path.endswith(".bz2"):
+        raw = bz2.open(path, "rb")
+    else:
+        raw = open(path, "rb")
+    return io.TextIOWrapper(raw, encoding="utf-8", errors="replace", newline=None)
+
+
+class _NoBar:
+    def update(self, n=1):
+        pass
+
+    def set_postfix(self, *a, **k):
+        pass
+
+    def close(self):
+        pass
+
+
+def progress_bar(total=None, desc="", unit="it", enabled=True):
+    """A tqdm bar on stderr, or a no-op when disabled (or when tqdm is missing)."""
+    if not enabled:
+        return _NoBar()
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return _NoBar()
+    return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, dynamic_ncols=True, mininterval=0.5)

@@ -1,0 +1,277 @@
+"""Normalization, morpheme analyzers and the Tokenizer (Python vs tf.data, training, imports, bad input)."""
+
+import os
+import unicodedata
+
+import numpy as np
+import pytest
+
+import kbert
+from helpers import KOREAN_SENTENCES
+
+import konlpy
+
+KONLPY_CORPUS = os.path.join(os.path.dirname(konlpy.__file__), "data", "corpus")
+TRAIN_FILES = [os.path.join(KONLPY_CORPUS, d, f) for d in ("kolaw", "kobill")
+               for f in sorted(os.listdir(os.path.join(KONLPY_CORPUS, d)))]
+VARIED = KOREAN_SENTENCES + [
+    unicodedata.normalize("NFD", "학교에서 공부했어요"),  # NFD input must come back composed
+    "  여러   칸\t띄어쓰기\n줄바꿈\u3000전각공백 ",
+    "제1조(목적) 이 법은 2023.12.31.부터 시행한다.",
+    "ㅋㅋㅋㅋㅋ 대박!!!!!",
+    "",
+    "English only sentence.",
+]
+
+
+# ------------------------------------------------------------------------------------ normalize
+def test_normalize_never_decomposes_hangul():
+    nfd = unicodedata.normalize("NFD", "한국어")
+    assert len(nfd) > 3 and kbert.normalize(nfd) == "한국어"
+
+
+def test_normalize_rules():
+    assert kbert.normalize(" a\u200bb \x07c\t\n d ") == "ab c d"
+    assert kbert.normalize("ㅋㅋㅋㅋㅋ 와!!!!", repeat=2) == "ㅋㅋ 와!!"
+    assert kbert.normalize("ㅋㅋㅋ") == "ㅋㅋㅋ"
+    old = "옛한글 \u1112\u119e\u11ab글 ㄱㄴㄷ"
+    assert kbert.normalize(old) == old  # old Hangul conjoining jamo and compatibility jamo survive
+    assert kbert.normalize("ＡＢＣ１２３ ㅋㅋ", form="NFKC") == "ABC123 ㅋㅋ"
+    assert kbert.normalize("BERT", lowercase=True) == "bert"
+    assert kbert.normalize(b"\xed\x95\x9c\xff") == "한\ufffd"
+    with pytest.raises(ValueError, match="`form` must be one of"):
+        kbert.normalize("x", form="NFD")
+    with pytest.raises(TypeError, match="expects str or bytes"):
+        kbert.normalize(None)
+
+
+@pytest.mark.parametrize("repeat", [None, 2])
+def test_tf_normalize_matches_python(repeat):
+    import tensorflow as tf
+
+    from kbert.text.normalize import tf_normalize
+
+    texts = VARIED + ["ㅋㅋㅋㅋㅋ!!!!ㅎㅎㅎ", "\u00a0앞뒤\u00a0"]
+    out = [t.decode("utf-8") for t in tf_normalize(tf.constant(texts), repeat=repeat).numpy()]
+    assert out == [kbert.normalize(t, repeat=repeat) for t in texts]
+    one = tf_normalize(tf.constant(texts[0])).numpy().decode("utf-8")
+    assert one == kbert.normalize(texts[0])
+
+
+# ------------------------------------------------------------------------------------ morphemes
+SENTENCE = "학교에서 공부했어요. 옛한글 ᄒᆞᆫ글과 ㅋㅋ BERT2024!"
+
+
+@pytest.mark.parametrize("name", ["mecab", "kiwi", "okt", "komoran", "hannanum", "kkma"])
+def test_morpheme_offsets_slice_back(name):
+    analyzer = kbert.morphemes(name)
+    ms = analyzer(SENTENCE)
+    assert ms and all(SENTENCE[m.start:m.end] == m.surface for m in ms)
+    # Eojeol starts rebuild the whitespace words.
+    words = [SENTENCE[g[0].start:max(m.end for m in g)] for g in analyzer.words(SENTENCE)]
+    assert words == SENTENCE.split()
+    if name in ("mecab", "okt"):  # analyzers that report surface forms
+        assert all(m.form == m.surface for m in ms)
+    assert analyzer("") == [] and analyzer("   ") == []
+
+
+def test_morpheme_batch_matches_single():
+    analyzer = kbert.morphemes("mecab")
+    texts = KOREAN_SENTENCES * 400  # large enough to use worker processes
+    assert analyzer.batch(texts, workers=2) == [analyzer(t) for t in texts]
+
+
+def test_unknown_morpheme_backend():
+    with pytest.raises(ValueError, match="Unknown morpheme backend 'jieba'.*mecab, kiwi, okt"):
+        kbert.morphemes("jieba")
+
+
+def test_missing_backend_says_what_to_install(monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def fake(name, *a, **k):
+        if name == "kiwipiepy":
+            raise ImportError("no")
+        return real_import(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", fake)
+    import importlib
+
+    monkeypatch.setattr(importlib, "import_module", lambda n: fake(n))
+    with pytest.raises(ImportError, match=r"morphemes\('kiwi'\) needs kiwipiepy: pip install kiwipiepy"):
+        kbert.morphemes("kiwi")("문장")
+
+
+# ------------------------------------------------------------------------------------ tokenizer
+@pytest.fixture(scope="module")
+def tokenizers():
+    out = {}
+    for algo, morph, size in [("unigram", None, 2000), ("bpe", None, 2000), ("wordpiece", None, 2000),
+                              ("unigram", "mecab", 1200), ("bpe", "mecab", 1200)]:
+        out[(algo, morph)] = kbert.Tokenizer.train(TRAIN_FILES, vocab_size=size, algorithm=algo,
+                                                    morphemes=morph, progress=False)
+    return out
+
+
+def test_special_tokens_at_fixed_ids(tokenizers):
+    for tok in tokenizers.values():
+        assert tok.vocab[:5] == ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+        assert (tok.pad_id, tok.unk_id, tok.cls_id, tok.sep_id, tok.mask_id) == (0, 1, 2, 3, 4)
+
+
+@pytest.mark.parametrize("key", [("unigram", None), ("bpe", None), ("unigram", "mecab"), ("bpe", "mecab")])
+def test_round_trip(tokenizers, key):
+    tok = tokenizers[key]
+    for text in VARIED:
+        enc = tok.encode(text)
+        assert tok.decode(enc.ids) == kbert.normalize(text), text
+        assert enc.ids[0] == tok.cls_id and enc.ids[-1] == tok.sep_id
+
+
+def test_wordpiece_round_trip_up_to_spaces(tokenizers):
+    tok = tokenizers[("wordpiece", None)]
+    text = "제1조(목적) 이 법은 국민의 권리를 보장한다."
+    assert tok.decode(tok.encode(text).ids).replace(" ", "") == text.replace(" ", "")
+
+
+@pytest.mark.parametrize("key", [("unigram", None), ("wordpiece", None), ("unigram", "mecab")])
+def test_offsets_point_into_normalized_text(tokenizers, key):
+    tok = tokenizers[key]
+    for text in VARIED:
+        enc = tok.encode(text, add_special_tokens=False)
+        for token, (s, e) in zip(enc.tokens, enc.offsets):
+            assert 0 <= s <= e <= len(enc.normalized)
+            piece = token.replace("\u2581", "").replace("##", "").replace(kbert.text.tokenizer.JOINER, "")
+            if not token.startswith("<0x") and token != "[UNK]" and piece:
+                assert enc.normalized[s:e] == piece, (token, enc.normalized[s:e])
+
+
+@pytest.mark.parametrize("key", [("unigram", None), ("bpe", None), ("wordpiece", None), ("unigram", "mecab")])
+def test_python_and_tf_data_ids_identical(tokenizers, key):
+    import tensorflow as tf
+
+    tok = tokenizers[key]
+    expect = [tok.encode(t).ids for t in VARIED]
+    unbatched = [x.numpy().tolist() for x in tf.data.Dataset.from_tensor_slices(VARIED).map(tok)]
+    batched = [row for b in tf.data.Dataset.from_tensor_slices(VARIED).batch(4).map(tok)
+               for row in b.to_list()]
+    assert unbatched == expect and batched == expect
+    assert [e.ids for e in tok.encode_batch(VARIED)] == expect
+
+
+def test_no_unk_for_hangul_seen_in_training(tokenizers):
+    from kbert.text.tokenizer import _iter_lines
+
+    syllables = {ch for line in _iter_lines(TRAIN_FILES) for ch in kbert.normalize(line) if "가" <= ch <= "힣"}
+    text = " ".join(sorted(syllables))
+    for key in [("unigram", None), ("bpe", None), ("wordpiece", None)]:
+        tok = tokenizers[key]
+        ids = tok.encode(text, add_special_tokens=False).ids
+        assert tok.unk_id not in ids
+        assert not any(tok.vocab[i].startswith("<0x") for i in ids)
+
+
+def test_save_load_round_trip(tmp_path, tokenizers):
+    for i, tok in enumerate(tokenizers.values()):
+        tok.save(str(tmp_path / str(i)))
+        again = kbert.Tokenizer.load(str(tmp_path / str(i)))
+        assert again.vocab == tok.vocab and again.morphemes == tok.morphemes
+        assert [again.encode(t).ids for t in VARIED] == [tok.encode(t).ids for t in VARIED]
+
+
+def test_pair_encoding_and_truncation(tokenizers):
+    tok = tokenizers[("unigram", None)]
+    enc = tok.encode("대한민국은 민주공화국이다.", pair="모든 권력은 국민으로부터 나온다.")
+    seps = [i for i, x in enumerate(enc.ids) if x == tok.sep_id]
+    assert enc.ids[0] == tok.cls_id and len(seps) == 2 and seps[1] == len(enc.ids) - 1
+    short = tok.encode("대한민국은 민주공화국이다. " * 20, pair="국민", max_length=16)
+    assert len(short.ids) == 16 and short.ids.count(tok.sep_id) == 2
+
+
+def test_user_defined_symbols_kept_whole():
+    tok = kbert.Tokenizer.train(TRAIN_FILES, vocab_size=1500, user_defined_symbols=["[URL]"], progress=False)
+    assert "[URL]" in tok.tokenize("링크 [URL] 참고")
+    assert tok.vocab.index("[URL]") >= 5
+
+
+# ----------------------------------------------------------------------------------- bad input
+def test_bad_inputs_give_defined_results(tokenizers, tmp_path):
+    tok = tokenizers[("unigram", None)]
+    assert tok.encode("").ids == [tok.cls_id, tok.sep_id]
+    assert tok.encode("   \t ").ids == [tok.cls_id, tok.sep_id]
+    long_line = "가나다라마바사 " * 150_000  # ~1.2 MB
+    enc = tok.encode(long_line, max_length=512)
+    assert len(enc.ids) == 512
+    assert tok.decode(tok.encode("Hello world, こんにちは").ids) == "Hello world, こんにちは"
+    with pytest.raises(TypeError, match="expects str"):
+        tok.encode(None)
+    with pytest.raises(TypeError, match="expects a list of texts"):
+        tok.encode_batch("문장")
+    with pytest.raises(ValueError, match="out of range"):
+        tok.decode([10**6])
+
+
+def test_training_bad_inputs(tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    with pytest.raises(ValueError, match="found no text"):
+        kbert.Tokenizer.train([str(empty)], vocab_size=100, progress=False)
+    junk = tmp_path / "junk.txt"
+    junk.write_bytes(b"\xff\xfe\x00\x01 \xed\x95\x9c\xea\xb5\xad\xec\x96\xb4 \xc3\x28\n" * 50 + "한국어 문장\n".encode() * 50)
+    tok = kbert.Tokenizer.train([str(junk)], vocab_size=270, progress=False)  # invalid bytes -> U+FFFD
+    assert tok.vocab_size == 270 and tok.decode(tok.encode("한국어").ids) == "한국어"
+    with pytest.raises(ValueError, match=r"vocab_size=50000 is too large for this corpus: it supports at most \d+"):
+        kbert.Tokenizer.train(["한국어 문장입니다."] * 10, vocab_size=50000, progress=False)
+    with pytest.raises(ValueError, match="`algorithm` must be one of"):
+        kbert.Tokenizer.train(["x"], vocab_size=100, algorithm="char", progress=False)
+    with pytest.raises(FileNotFoundError):
+        kbert.Tokenizer.train([str(tmp_path / "missing.txt")], vocab_size=100, progress=False)
+
+
+# ------------------------------------------------------------------------------ imported vocabs
+def test_vocab_txt_tokenizes_like_transformers(tmp_path, tokenizers):
+    transformers = pytest.importorskip("transformers")
+    vocab = tokenizers[("wordpiece", None)].vocab
+    (tmp_path / "vocab.txt").write_text("\n".join(vocab) + "\n", encoding="utf-8")
+    ours = kbert.Tokenizer.load(str(tmp_path / "vocab.txt"))
+    # KLUE-BERT / KcBERT settings; a directory with vocab.txt is how their Hugging Face copies ship.
+    ref = transformers.BertTokenizerFast.from_pretrained(str(tmp_path), do_lower_case=False, strip_accents=False)
+    assert ref.vocab_size == len(vocab)
+    texts = [t for t in VARIED if t] + ["국회의원(國會議員)은 법률안을 제출할 수 있다.", "e-mail: a@b.com 100% 확실!"]
+    for text in texts:
+        # On NFD input the reference gives [UNK] for Hangul (the known trap); kbert composes first.
+        assert ours.encode(text).ids == ref(kbert.normalize(text))["input_ids"], text
+
+
+def test_sentencepiece_model_tokenizes_like_sentencepiece(tmp_path):
+    import sentencepiece as spm
+
+    # An ALBERT/KoBERT-style model: <pad>=0 <unk>=1 [CLS]=2 [SEP]=3 [MASK]=4 and spm's own nmt_nfkc rule.
+    lines = tmp_path / "train.txt"
+    from kbert.text.tokenizer import _iter_lines
+
+    lines.write_text("".join(list(_iter_lines(TRAIN_FILES))[:3000]), encoding="utf-8")
+    spm.SentencePieceTrainer.train(input=str(lines), model_prefix=str(tmp_path / "ko"), vocab_size=1500,
+                                   pad_id=0, unk_id=1, bos_id=-1, eos_id=-1, pad_piece="<pad>",
+                                   control_symbols="[CLS],[SEP],[MASK]", minloglevel=2)
+    ours = kbert.Tokenizer.load(str(tmp_path / "ko.model"))
+    ref = spm.SentencePieceProcessor(model_file=str(tmp_path / "ko.model"))
+    assert (ours.pad_id, ours.unk_id, ours.cls_id, ours.sep_id, ours.mask_id) == (0, 1, 2, 3, 4)
+    for text in [t for t in VARIED if t]:
+        assert ours.encode(text, add_special_tokens=False).ids == ref.encode(kbert.normalize(text)), text
+
+
+def test_load_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="Tokenizer file not found"):
+        kbert.Tokenizer.load(str(tmp_path / "nope.model"))
+    (tmp_path / "d").mkdir()
+    with pytest.raises(FileNotFoundError, match="holds no tokenizer"):
+        kbert.Tokenizer.load(str(tmp_path / "d"))
+    (tmp_path / "bad.model").write_bytes(b"not a model")
+    with pytest.raises(ValueError, match="is not a SentencePiece model"):
+        kbert.Tokenizer.load(str(tmp_path / "bad.model"))
+    (tmp_path / "vocab.txt").write_text("a\nb\n")
+    with pytest.raises(ValueError, match="no pad token '\\[PAD\\]'"):
+        kbert.Tokenizer.load(str(tmp_path / "vocab.txt"))
