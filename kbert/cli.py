@@ -54,6 +54,29 @@ def _convert(args):
     print(f"wrote {args.to} model dir {args.out}")
 
 
+def _tokenizer_train(args):
+    from kbert.text.tokenizer import Tokenizer
+
+    tok = Tokenizer.train(args.input, vocab_size=args.vocab_size, algorithm=args.algorithm,
+                          morphemes=args.morphemes, repeat=args.repeat, lowercase=args.lowercase,
+                          user_defined_symbols=args.user_symbols or ())
+    tok.save(args.out)
+    print(f"wrote {tok!r} to {args.out}")
+
+
+def _tokenizer_encode(args):
+    import json
+
+    from kbert.text.tokenizer import Tokenizer
+
+    tok = Tokenizer.load(args.tokenizer)
+    texts = args.text or [line.rstrip("\n") for line in sys.stdin]
+    for text in texts:
+        enc = tok.encode(text)
+        print(json.dumps({"text": text, "tokens": enc.tokens, "ids": enc.ids, "offsets": enc.offsets},
+                         ensure_ascii=False))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="kbert", description="Korean BERT/ALBERT pretraining and embedding toolkit.")
     parser.add_argument("--version", action="store_true", help="print the version and exit")
@@ -68,6 +91,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--to", choices=("kbert", "transformers"), default="kbert", help="output format")
     p.add_argument("--with-heads", action="store_true", help="keep the pretraining heads")
     p.set_defaults(func=_convert)
+
+    tp = sub.add_parser("tokenizer", help="train or apply a Korean subword tokenizer")
+    tsub = tp.add_subparsers(dest="tokenizer_command", metavar="ACTION", parser_class=_Parser, required=True)
+    p = tsub.add_parser("train", help="learn a vocabulary from text files")
+    p.add_argument("--input", nargs="+", required=True, help="text files (.txt, .gz, .bz2), one sentence per line")
+    p.add_argument("--vocab-size", type=int, required=True)
+    p.add_argument("--algorithm", choices=("unigram", "bpe", "wordpiece"), default="unigram")
+    p.add_argument("--morphemes", choices=("mecab", "kiwi", "okt", "komoran", "hannanum", "kkma", "konlpy-mecab"),
+                   default=None, help="pre-split eojeols into morphemes with this analyzer")
+    p.add_argument("--repeat", type=int, default=None, help="cut character runs to this length (ㅋㅋㅋㅋ -> ㅋㅋ)")
+    p.add_argument("--lowercase", action="store_true")
+    p.add_argument("--user-symbols", nargs="*", help="extra tokens kept whole, e.g. [URL]")
+    p.add_argument("--out", required=True, help="output tokenizer directory")
+    p.set_defaults(func=_tokenizer_train)
+    p = tsub.add_parser("encode", help="print tokens, ids and offsets as JSON lines")
+    p.add_argument("--tokenizer", required=True, help="tokenizer dir, vocab.txt or .model")
+    p.add_argument("text", nargs="*", help="texts (default: one per line from stdin)")
+    p.set_defaults(func=_tokenizer_encode)
     return parser
 
 
@@ -90,7 +131,7 @@ def main(argv=None) -> int:
     except (ValueError, TypeError, FileNotFoundError, ImportError, OSError) as e:
         if os.environ.get("KBERT_DEBUG"):
             raise
-        sys.stderr.write(f"kbert {args.command}: error: {e}\n")
+        sys.stderr.write(f"kbert {args.command}: error: {str(e).splitlines()[0]}\n")
         return 1
     return 0
 

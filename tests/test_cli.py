@@ -53,3 +53,25 @@ def test_convert_hf_to_kbert_and_back(tmp_path):
     proc = run("convert", "--model", str(tmp_path / "kb"), "--out", str(tmp_path / "hf2"), "--to", "transformers")
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "hf2" / "model.safetensors").exists()
+
+
+def test_tokenizer_train_and_encode(tmp_path):
+    import json
+
+    from test_text import TRAIN_FILES
+
+    proc = run("tokenizer", "train", "--input", *TRAIN_FILES, "--vocab-size", "1500", "--out", str(tmp_path / "tok"))
+    assert proc.returncode == 0, proc.stderr
+    proc = run("tokenizer", "encode", "--tokenizer", str(tmp_path / "tok"), "대한민국은 민주공화국이다.")
+    assert proc.returncode == 0, proc.stderr
+    row = json.loads(proc.stdout.splitlines()[0])
+    assert row["ids"][0] == 2 and row["ids"][-1] == 3 and len(row["tokens"]) == len(row["offsets"])
+
+
+def test_tokenizer_bad_vocab_size_is_one_line(tmp_path):
+    f = tmp_path / "a.txt"
+    f.write_text("한국어 문장입니다.\n" * 5)
+    proc = run("tokenizer", "train", "--input", str(f), "--vocab-size", "50000", "--out", str(tmp_path / "t"))
+    assert proc.returncode == 1 and "too large for this corpus" in proc.stderr and "Traceback" not in proc.stderr
+    proc = run("tokenizer", "train", "--input", str(f), "--vocab-size", "many", "--out", str(tmp_path / "t"))
+    assert proc.returncode == 2
