@@ -1,0 +1,1 @@
+"""Corpus recipes (see corpora/README.md)."""
