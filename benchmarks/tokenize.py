@@ -1,0 +1,107 @@
+"""Tokenization throughput on the Naver movie-review corpus, kbert beside its references in one run.
+
+1. Vocabulary training time: `kbert.Tokenizer.train` (normalize + Hangul coverage + SentencePiece) vs
+   SentencePiece alone on the same raw lines.
+2. Morpheme pre-tokenization lines/s per backend (`kbert.morphemes(name).batch`).
+3. In-graph tokenization lines/s in tf.data: `ds.map(tok)` (normalization + tokenization + [CLS]/[SEP])
+   vs a bare tensorflow-text SentencepieceTokenizer on the same model.
+
+    python benchmarks/tokenize.py --reviews ../shared/data/movie-reviews/reviews.tsv.gz
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+# This file's name shadows the standard library's `tokenize` module: drop its folder from the path.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+
+import argparse  # noqa: E402
+import gzip  # noqa: E402
+import tempfile
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.append(os.path.dirname(_HERE))
+
+
+def read_reviews(path, limit=None):
+    out = []
+    with gzip.open(path, "rt", encoding="utf-8", errors="replace") as f:
+        next(f)
+        for line in f:
+            parts = line.rstrip("\n").split("\t")
+            if len(parts) >= 5 and parts[4].strip():
+                out.append(parts[4])
+                if limit and len(out) >= limit:
+                    break
+    return out
+
+
+def main(argv=None):
+    default = os.path.join(_HERE, "..", "..", "shared", "data", "movie-reviews", "reviews.tsv.gz")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reviews", default=default)
+    parser.add_argument("--lines", type=int, default=None, help="use the first N reviews (default: all)")
+    parser.add_argument("--vocab-size", type=int, default=32000)
+    parser.add_argument("--morph-lines", type=int, default=20000, help="lines per morpheme backend")
+    parser.add_argument("--backends", default="mecab,kiwi,komoran,okt")
+    args = parser.parse_args(argv)
+
+    import sentencepiece as spm
+    import tensorflow as tf
+    import tensorflow_text as tf_text
+
+    import kbert
+
+    texts = read_reviews(args.reviews, args.lines)
+    print(f"{len(texts):,} reviews from {args.reviews}; {os.cpu_count()} cpus")
+
+    # 1. vocabulary training
+    with tempfile.TemporaryDirectory() as tmp:
+        raw = os.path.join(tmp, "raw.txt")
+        with open(raw, "w", encoding="utf-8") as f:
+            f.write("\n".join(t.replace("\n", " ") for t in texts) + "\n")
+        t = time.perf_counter()
+        spm.SentencePieceTrainer.train(input=raw, model_prefix=os.path.join(tmp, "ref"), vocab_size=args.vocab_size,
+                                       model_type="unigram", character_coverage=0.9995,
+                                       num_threads=os.cpu_count(), minloglevel=2)
+        t_ref = time.perf_counter() - t
+        t = time.perf_counter()
+        tok = kbert.Tokenizer.train(raw, vocab_size=args.vocab_size, algorithm="unigram", progress=False)
+        t_kbert = time.perf_counter() - t
+    print(f"vocab training, {args.vocab_size} unigram: kbert {t_kbert:.1f} s, sentencepiece alone {t_ref:.1f} s "
+          f"(ratio {t_kbert / t_ref:.2f}; goal kbert <= 100 s)")
+
+    # 2. morpheme pre-tokenization
+    sample = texts[:args.morph_lines]
+    for name in args.backends.split(","):
+        analyzer = kbert.morphemes(name)
+        analyzer(sample[0])  # load the backend (JVM start-up is not throughput)
+        t = time.perf_counter()
+        analyzer.batch(sample)
+        print(f"morphemes {name:9s} {len(sample) / (time.perf_counter() - t):9,.0f} lines/s")
+
+    # 3. in-graph tokenization
+    def rate(fn):
+        ds = tf.data.Dataset.from_tensor_slices(texts).batch(1024).map(fn, num_parallel_calls=tf.data.AUTOTUNE)
+        ds = ds.prefetch(tf.data.AUTOTUNE)
+        for _ in ds.take(2):
+            pass
+        t = time.perf_counter()
+        for _ in ds:
+            pass
+        return len(texts) / (time.perf_counter() - t)
+
+    bare = tf_text.SentencepieceTokenizer(model=tok._spm_proto, out_type=tf.int32)
+    r_bare = rate(bare.tokenize)
+    r_kbert = rate(tok)
+    print(f"in-graph tf.data: kbert {r_kbert:,.0f} lines/s (normalize + tokenize + [CLS]/[SEP]), "
+          f"bare tensorflow-text SentencepieceTokenizer {r_bare:,.0f} lines/s (ratio {r_kbert / r_bare:.2f}; "
+          f"goal >= 250,000 lines/s)")
+
+
+if __name__ == "__main__":
+    main()
