@@ -138,25 +138,21 @@ def _pairs(config: ModelConfig):
     return out
 
 
+# Hugging Face names of the pretraining heads: (MLM prefix, transform dense, transform norm, pair classifier).
+_HEAD_NAMES = {"bert": ("cls.predictions.", "transform.dense", "transform.LayerNorm", "cls.seq_relationship"),
+               "albert": ("predictions.", "dense", "LayerNorm", "sop_classifier.classifier")}
+
+
 def _head_pairs(config: ModelConfig, pair_objective: Optional[str]):
-    out = []
-    if config.architecture == "bert":
-        head, base = "cls.predictions.", "cls.seq_relationship"
-        out += [(head + "transform.dense.weight", "pretrainer/mlm_head/transform/kernel", "linear"),
-                (head + "transform.dense.bias", "pretrainer/mlm_head/transform/bias", "plain"),
-                (head + "transform.LayerNorm.weight", "pretrainer/mlm_head/norm/gamma", "plain"),
-                (head + "transform.LayerNorm.bias", "pretrainer/mlm_head/norm/beta", "plain"),
-                (head + "bias", "pretrainer/mlm_head/bias", "plain")]
-    else:
-        head, base = "predictions.", "sop_classifier.classifier"
-        out += [(head + "dense.weight", "pretrainer/mlm_head/transform/kernel", "linear"),
-                (head + "dense.bias", "pretrainer/mlm_head/transform/bias", "plain"),
-                (head + "LayerNorm.weight", "pretrainer/mlm_head/norm/gamma", "plain"),
-                (head + "LayerNorm.bias", "pretrainer/mlm_head/norm/beta", "plain"),
-                (head + "bias", "pretrainer/mlm_head/bias", "plain")]
+    head, dense, norm, pair = _HEAD_NAMES[config.architecture]
+    out = [(head + dense + ".weight", "pretrainer/mlm_head/transform/kernel", "linear"),
+           (head + dense + ".bias", "pretrainer/mlm_head/transform/bias", "plain"),
+           (head + norm + ".weight", "pretrainer/mlm_head/norm/gamma", "plain"),
+           (head + norm + ".bias", "pretrainer/mlm_head/norm/beta", "plain"),
+           (head + "bias", "pretrainer/mlm_head/bias", "plain")]
     if pair_objective:
-        out += [(base + ".weight", f"pretrainer/{pair_objective}_head/dense/kernel", "linear"),
-                (base + ".bias", f"pretrainer/{pair_objective}_head/dense/bias", "plain")]
+        out += [(pair + ".weight", f"pretrainer/{pair_objective}_head/dense/kernel", "linear"),
+                (pair + ".bias", f"pretrainer/{pair_objective}_head/dense/bias", "plain")]
     return out
 
 

@@ -226,32 +226,29 @@ def test_load_missing_dir_and_missing_weights(tmp_path):
         kbert.load_model(str(tmp_path / "m"))
 
 
-def test_vocab_size_mismatch_on_load_is_named(tmp_path):
+def _saved_with_edited_config(tmp_path, **fields):
+    """Saves a tiny BERT to tmp_path/m, then rewrites fields of its config (the weights stay)."""
     kbert.save_model(kbert.build_backbone(tiny("bert")), str(tmp_path / "m"))
     meta_path = tmp_path / "m" / "kbert_config.json"
     meta = json.loads(meta_path.read_text())
-    meta["model"]["vocab_size"] = 120
+    meta["model"].update(fields)
     meta_path.write_text(json.dumps(meta))
+
+
+def test_vocab_size_mismatch_on_load_is_named(tmp_path):
+    _saved_with_edited_config(tmp_path, vocab_size=120)
     with pytest.raises(ValueError, match=r"(?s)vocab_size mismatch.*token_embedding.*\(99, 128\).*\(120, 128\)"):
         kbert.load_model(str(tmp_path / "m"))
 
 
 def test_mismatched_shapes_are_named(tmp_path):
-    kbert.save_model(kbert.build_backbone(tiny("bert")), str(tmp_path / "m"))
-    meta_path = tmp_path / "m" / "kbert_config.json"
-    meta = json.loads(meta_path.read_text())
-    meta["model"]["intermediate_size"] = 256
-    meta_path.write_text(json.dumps(meta))
+    _saved_with_edited_config(tmp_path, intermediate_size=256)
     with pytest.raises(ValueError, match=r"layer_0/intermediate/kernel: checkpoint has shape \(128, 512\)"):
         kbert.load_model(str(tmp_path / "m"))
 
 
 def test_missing_and_unexpected_weights_are_named(tmp_path):
-    kbert.save_model(kbert.build_backbone(tiny("bert")), str(tmp_path / "m"))
-    meta_path = tmp_path / "m" / "kbert_config.json"
-    meta = json.loads(meta_path.read_text())
-    meta["model"]["num_layers"] = 3
-    meta_path.write_text(json.dumps(meta))
+    _saved_with_edited_config(tmp_path, num_layers=3)
     with pytest.raises(ValueError, match=r"Missing: \['layer_2/"):
         kbert.load_model(str(tmp_path / "m"))
 
