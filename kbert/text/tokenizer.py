@@ -206,7 +206,6 @@ class Tokenizer:
             if max_length is not None:
                 special = (3 if b is not None else 2) if add_special_tokens else 0
                 a, b = _truncate(a, b, max_length - special)
-            items = []
             cls = (self.cls_id, self.vocab[self.cls_id], 0, 0)
             sep = (self.sep_id, self.vocab[self.sep_id], 0, 0)
             items = ([cls] if add_special_tokens else []) + a + ([sep] if add_special_tokens else [])
@@ -402,7 +401,7 @@ class Tokenizer:
         try:
             spm_args = dict(
                 input=lines, model_type="bpe" if algorithm in ("bpe", "wordpiece") else "unigram",
-                vocab_size=vocab_size if algorithm != "wordpiece" else vocab_size,
+                vocab_size=vocab_size,
                 pad_id=0, pad_piece="[PAD]", unk_id=1, unk_piece="[UNK]", bos_id=-1, eos_id=-1,
                 control_symbols=["[CLS]", "[SEP]", "[MASK]"], user_defined_symbols=list(user_defined_symbols),
                 character_coverage=character_coverage, required_chars="".join(sorted(hangul)),
@@ -414,8 +413,6 @@ class Tokenizer:
                 # text round-trips (WordPiece cannot use byte pieces and keeps [UNK]).
                 byte_fallback=algorithm != "wordpiece",
             )
-            if morphemes:
-                spm_args["user_defined_symbols"] = list(user_defined_symbols)
             model = _train_spm(spm, spm_args, progress)
         finally:
             os.remove(lines)
