@@ -7,9 +7,7 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=find_packages(include=["kbert", "kbert.*", "corpora", "corpora.*"]),
-    include_package_data=True,
-    package_data={"corpora": ["*/README.md"]},
+    packages=find_packages(include=["kbert", "kbert.*"]),
     install_requires=[
         "tensorflow>=2.21,<2.22",
         "tensorflow-text>=2.21,<2.22",

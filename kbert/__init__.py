@@ -24,12 +24,17 @@ _EXPORTS = {
     "Tokenizer": "kbert.text.tokenizer",
     "normalize": "kbert.text.normalize",
     "morphemes": "kbert.text.morphemes",
+    "corpus": "kbert.data.corpus",
+    "Corpus": "kbert.data.corpus",
+    "pretraining_dataset": "kbert.data.pretraining",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
 
 
 def __getattr__(name):
+    if name == "data":  # the subpackage: kbert.data.pretraining_dataset(...)
+        return importlib.import_module("kbert.data")
     if name in _EXPORTS:
         value = getattr(importlib.import_module(_EXPORTS[name]), name)
         globals()[name] = value

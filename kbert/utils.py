@@ -9,18 +9,21 @@ import os
 import sys
 
 
-def open_text(path: str):
-    """Opens a text file for reading, transparently decompressing .gz / .bz2. Invalid UTF-8 bytes become
-    U+FFFD instead of stopping the read (web corpora have them)."""
+def open_binary(path: str):
+    """Opens a file for reading bytes, transparently decompressing .gz / .bz2."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"File not found: {path!r}")
     if path.endswith(".gz"):
-        raw = gzip.open(path, "rb")
-    elif path.endswith(".bz2"):
-        raw = bz2.open(path, "rb")
-    else:
-        raw = open(path, "rb")
-    return io.TextIOWrapper(raw, encoding="utf-8", errors="replace", newline=None)
+        return gzip.open(path, "rb")
+    if path.endswith(".bz2"):
+        return bz2.open(path, "rb")
+    return open(path, "rb")
+
+
+def open_text(path: str):
+    """Opens a text file for reading, transparently decompressing .gz / .bz2. Invalid UTF-8 bytes become
+    U+FFFD instead of stopping the read (web corpora have them)."""
+    return io.TextIOWrapper(open_binary(path), encoding="utf-8", errors="replace", newline=None)
 
 
 class _NoBar:

@@ -100,6 +100,27 @@ class Tokenizer:
     sep_id = property(lambda self: self.special_ids["sep"])
     mask_id = property(lambda self: self.special_ids["mask"])
 
+    def __getstate__(self):  # picklable for worker processes: native handles are rebuilt there
+        state = dict(self.__dict__)
+        state.update(_sp=None, _graph=None, _analyzer=None)
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        if self.kind == "sentencepiece":
+            import sentencepiece as spm
+
+            self._sp = spm.SentencePieceProcessor(model_proto=self._spm_proto)
+
+    def fingerprint(self) -> str:
+        """A short hash of the vocabulary and normalization options (records remember which tokenizer
+        made them)."""
+        import hashlib
+
+        h = hashlib.sha256("\n".join(self.vocab).encode("utf-8"))
+        h.update(repr((self.kind, self.morphemes, self.form, self.repeat, self.lowercase)).encode())
+        return h.hexdigest()[:16]
+
     def __repr__(self):
         return (f"Tokenizer(kind={self.kind!r}, vocab_size={self.vocab_size}, morphemes={self.morphemes!r}, "
                 f"form={self.form!r}, repeat={self.repeat!r}, lowercase={self.lowercase})")
@@ -214,6 +235,35 @@ class Tokenizer:
             out.append(Encoding([x[0] for x in items], [x[1] for x in items], [(x[2], x[3]) for x in items],
                                 text))
         return out
+
+    def ids_batch(self, texts: Sequence[str], normalized: bool = False) -> List[List[int]]:
+        """Subword ids of many texts without special tokens or offsets: the fast path the pretraining
+        pipeline uses (same ids as `encode(t, add_special_tokens=False).ids`)."""
+        if not normalized:
+            texts = [self.normalize(self._check_text(t)) for t in texts]
+        if self.morphemes:
+            texts = [self._presplit(t)[0] for t in texts]
+        if not texts:
+            return []
+        if self.kind == "sentencepiece":
+            return self._sp.encode(list(texts))
+        return self._fast_bert().tokenize(list(texts)).merge_dims(1, 2).to_list()
+
+    def word_start_table(self) -> np.ndarray:
+        """bool [vocab_size]: True where a token begins a word (a whitespace word, or a morpheme for
+        morpheme-aware tokenizers) and for special tokens; False for continuation pieces (`##x` in
+        WordPiece, pieces without `▁` in SentencePiece). Whole-word masking groups tokens with it."""
+        if self.kind == "sentencepiece":
+            table = np.array([p.startswith("\u2581") for p in self.vocab])
+        else:
+            table = np.array([not p.startswith("##") for p in self.vocab])
+        for i in self.special_ids.values():
+            table[i] = True
+        if self.kind == "sentencepiece":
+            for i in range(self.vocab_size):
+                if self._sp.is_control(i) or self._sp.is_unknown(i) or self._sp.is_byte(i):
+                    table[i] = not self._sp.is_byte(i)
+        return table
 
     def tokenize(self, text: str) -> List[str]:
         """Subword tokens of `text` (no special tokens)."""
@@ -470,13 +520,16 @@ def _iter_lines(inputs):
 
     if isinstance(inputs, (str, os.PathLike)):
         inputs = [inputs]
+    if hasattr(inputs, "texts") and callable(inputs.texts):  # a kbert Corpus
+        inputs = inputs.texts()
+    single = isinstance(inputs, (list, tuple)) and len(inputs) == 1
     for item in inputs:
         if isinstance(item, (str, os.PathLike)) and os.path.isfile(item):
             with open_text(item) as f:
                 for line in f:
                     yield line
         elif isinstance(item, str):
-            if len(inputs) == 1 and not any(c.isspace() for c in item) and ("/" in item or item.endswith(".txt")):
+            if single and not any(c.isspace() for c in item) and ("/" in item or item.endswith(".txt")):
                 raise FileNotFoundError(f"Training input file not found: {item!r}")
             yield item
         elif isinstance(item, bytes):
@@ -524,6 +577,11 @@ def _train_spm(spm, args, progress):
         if m:
             raise ValueError(f"vocab_size={m.group(1)} is too large for this corpus: it supports at most "
                              f"{m.group(2)}; use a smaller vocab_size or more text") from None
+        m = re.search(r"Vocabulary size is smaller than required_chars\. (\d+) vs (\d+)", str(e))
+        if m:
+            raise ValueError(f"vocab_size={m.group(1)} is too small: the text needs {m.group(2)} single characters "
+                             f"and special tokens (every Hangul syllable seen is kept); use a larger "
+                             f"vocab_size") from None
         raise ValueError(f"SentencePiece training failed: {e}") from None
     return model.getvalue()
 

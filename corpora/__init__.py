@@ -1,1 +1,0 @@
-"""Corpus recipes (see corpora/README.md)."""

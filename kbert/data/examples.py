@@ -1,0 +1,115 @@
+"""Corpus -> blocks of unmasked pretraining examples, on all cores.
+
+The main process reads documents (stage 1 of `Corpus`: reading, junk and duplicate removal) and groups
+them into blocks of `docs_per_block` documents; worker processes clean them (normalization, sentence
+splitting), tokenize them and build NSP/SOP pairs (`pairs.build_examples`). Blocks come back in order,
+and each block's random choices are seeded by `(seed, epoch, block index)`, so the output does not
+depend on the number of workers. Both `pretraining_dataset` (from raw text) and `kbert data prepare`
+(TFRecord shards) use this.
+"""
+
+from __future__ import annotations
+
+import collections
+import multiprocessing as mp
+import os
+from typing import Dict, Iterator, List, Optional, Tuple
+
+import numpy as np
+
+from kbert.data.corpus import Corpus, CorpusReport
+from kbert.data.pairs import build_examples
+
+_STATE = {}
+
+
+def block_seed(seed: int, epoch: int, block: int) -> int:
+    return (int(seed) * 1_000_003 + int(epoch) * 7_919 + int(block)) % (2 ** 63)
+
+
+class ExampleBuilder:
+    """Picklable: everything a worker needs to turn raw documents into examples."""
+
+    def __init__(self, corpus: Corpus, tokenizer, objective: str, max_seq_len: int, short_seq_prob: float,
+                 shard_writer=None):
+        self.corpus, self.tokenizer = corpus, tokenizer
+        self.objective, self.max_seq_len, self.short_seq_prob = objective, max_seq_len, short_seq_prob
+        self.shard_writer = shard_writer  # set by `kbert data prepare`: workers write their own shard
+
+    def __call__(self, raw_docs: List[List[str]], seed: int, index: int = 0) -> Tuple[Dict, CorpusReport]:
+        report = CorpusReport()
+        docs = [d for d in (self.corpus.clean(lines, report) for lines in raw_docs) if d]
+        sentences = [s for d in docs for s in d]
+        ids = self.tokenizer.ids_batch(sentences, normalized=self.corpus.normalize_options is not None)
+        token_docs, i = [], 0
+        for d in docs:
+            token_docs.append(ids[i:i + len(d)])
+            i += len(d)
+        tok = self.tokenizer
+        block = build_examples(token_docs, self.objective, self.max_seq_len, tok.cls_id, tok.sep_id, tok.pad_id,
+                               short_seq_prob=self.short_seq_prob, seed=seed)
+        if self.shard_writer is not None:
+            return self.shard_writer(index, block), report
+        return block, report
+
+
+def _init_worker(builder):
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    _STATE["builder"] = builder
+
+
+def _run_block(args):
+    index, raw_docs, seed = args
+    return index, _STATE["builder"](raw_docs, seed, index)
+
+
+def raw_blocks(corpus: Corpus, docs_per_block: int, report: CorpusReport) -> Iterator[List[List[str]]]:
+    block = []
+    for lines in corpus.raw_documents(report):
+        block.append(lines)
+        if len(block) >= docs_per_block:
+            yield block
+            block = []
+    if block:
+        yield block
+
+
+def resolve_workers(workers: Optional[int]) -> int:
+    if workers is None:
+        return os.cpu_count() or 1
+    if not isinstance(workers, int) or workers < 0:
+        raise ValueError(f"`workers` must be None (all cores) or an integer >= 0. Received: workers={workers!r}")
+    return workers
+
+
+def example_blocks(builder: ExampleBuilder, seed: int, epoch: int = 0, workers: Optional[int] = None,
+                   docs_per_block: int = 256, report: Optional[CorpusReport] = None,
+                   keep=lambda index: True) -> Iterator[Tuple[int, Dict[str, np.ndarray]]]:
+    """Yields `(block index, block)` in order. `keep(index)` decides which blocks are built at all (used for
+    per-worker sharding and for skipping finished shards on resume); skipped blocks are still read so
+    block indices stay stable. `workers=0` builds in this process."""
+    report = CorpusReport() if report is None else report
+    workers = resolve_workers(workers)
+    tasks = ((i, raw, block_seed(seed, epoch, i))
+             for i, raw in enumerate(raw_blocks(builder.corpus, docs_per_block, report)) if keep(i))
+    if workers == 0:
+        for i, raw, s in tasks:
+            block, r = builder(raw, s, i)
+            report.add(r)  # clean() counts emptied documents down from `documents`
+            yield i, block
+        return
+    ctx = mp.get_context("spawn")  # never fork a process that has TensorFlow's threads running
+    with ctx.Pool(workers, initializer=_init_worker, initargs=(builder,)) as pool:
+        pending = collections.deque()
+        for task in tasks:  # at most 2 blocks per worker in flight: a huge corpus is never read ahead
+            pending.append(pool.apply_async(_run_block, (task,)))
+            while len(pending) >= 2 * workers:
+                yield _collect(pending.popleft(), report)
+        while pending:
+            yield _collect(pending.popleft(), report)
+
+
+def _collect(result, report: CorpusReport):
+    i, (block, r) = result.get()
+    report.add(r)
+    return i, block

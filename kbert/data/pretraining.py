@@ -1,0 +1,205 @@
+"""`pretraining_dataset(...)`: the one function trainers call for masked-LM (+ NSP / SOP) batches.
+
+Sources:
+- raw text: anything `kbert.corpus` takes (a path, glob, recipe name, list, or a `Corpus`): read, cleaned,
+  tokenized and paired by worker processes (`kbert.data.examples`), new pairs every epoch;
+- a records directory written by `kbert data prepare` (`kbert.data.records`): streamed with interleave,
+  shuffle and prefetch; the fast path for real pretraining;
+- `"dummy"`: random token ids generated in the graph (benchmarks, tests, memory probes).
+
+Every batch is masked in the graph (`kbert.data.masking`) with seed `(seed, batch index)`. Batches are
+`(features, labels)`: features `token_ids`, `segment_ids`, `padding_mask` (int32 [b, seq]) and
+`mask_positions` (int32 [b, p]); labels `mask_ids`, `mask_weights` ([b, p]) and, for NSP / SOP,
+`pair_labels` ([b]; 1 = random next segment / swapped order). With a `tf.distribute.InputContext` each input
+pipeline reads its own shards (records), blocks (raw text) or random stream (dummy), and `batch_size` is the
+global batch.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Optional
+
+import numpy as np
+
+from kbert.data.corpus import Corpus, CorpusReport
+from kbert.data.examples import ExampleBuilder, block_seed, example_blocks
+from kbert.data.masking import make_spec, mask_tokens
+from kbert.data.pairs import check_objective
+from kbert.data import records as _records
+
+
+def _is_records(source) -> bool:
+    return isinstance(source, (str, os.PathLike)) and os.path.isfile(os.path.join(source, _records.MANIFEST))
+
+
+def pretraining_dataset(source, tokenizer, objective: str = "mlm+nsp", max_seq_len: int = 128,
+                        batch_size: int = 32, mask_rate: float = 0.15, max_predictions: Optional[int] = None,
+                        whole_word: bool = True, ngram: int = 1, short_seq_prob: float = 0.1, seed: int = 0,
+                        shuffle_buffer: int = 10_000, repeat: bool = True, start_batch: int = 0,
+                        input_context=None, workers: Optional[int] = None, docs_per_block: int = 256,
+                        report: Optional[CorpusReport] = None, drop_remainder: bool = True):
+    """A `tf.data.Dataset` of masked pretraining batches `(features, labels)` (see the module docstring).
+
+    Args:
+        source: raw text (path / recipe / Corpus), a records directory, or "dummy".
+        tokenizer: a `kbert.Tokenizer` (for records, the one that prepared them: checked by fingerprint).
+        objective: "mlm", "mlm+nsp" (BERT) or "mlm+sop" (ALBERT). For records, taken from the records.
+        max_seq_len: tokens per sequence with [CLS]/[SEP]. For records, taken from the records.
+        batch_size: global batch size (divided by the replicas when `input_context` is given).
+        mask_rate, max_predictions, whole_word, ngram: masking (default max_predictions:
+            round(max_seq_len * mask_rate) + 1, e.g. 20 for 128).
+        short_seq_prob: probability of a shorter random target length (raw text only).
+        seed: fixes pairs, shuffling and masks; masks still differ between epochs.
+        shuffle_buffer: examples in the shuffle buffer (0 turns shuffling off).
+        repeat: loop forever (pretraining) or stop after one pass.
+        start_batch: skip this many batches (resume: the masks of later batches are unchanged).
+        input_context: a `tf.distribute.InputContext` (from `distribute_datasets_from_function`).
+        workers: processes for raw text (None: all cores; 0: this process).
+        report: a `CorpusReport` filled while raw text is read.
+    """
+    import tensorflow as tf
+
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"`batch_size` must be a positive integer. Received: batch_size={batch_size!r}")
+    num_pipelines, pipeline_id = 1, 0
+    if input_context is not None:
+        num_pipelines, pipeline_id = input_context.num_input_pipelines, input_context.input_pipeline_id
+        batch_size = input_context.get_per_replica_batch_size(batch_size)
+    stream_seed = block_seed(seed, 0, pipeline_id)
+
+    if isinstance(source, str) and source == "dummy":
+        check_objective(objective)
+        examples = _dummy_examples(tokenizer, objective, max_seq_len, stream_seed)
+    elif _is_records(source):
+        manifest, files = _records.shard_files(os.fspath(source))
+        if manifest["tokenizer"] != tokenizer.fingerprint():
+            raise ValueError(f"{source!r} was prepared with another tokenizer (fingerprint {manifest['tokenizer']}, "
+                             f"this one is {tokenizer.fingerprint()}); pass the tokenizer used by `kbert data prepare`")
+        for name, value in (("objective", objective), ("max_seq_len", max_seq_len)):
+            if value != manifest[name] and value != _DEFAULTS[name]:
+                raise ValueError(f"`{name}`={value!r} differs from the records' {name} {manifest[name]!r}; "
+                                 f"prepare new records or leave `{name}` at its default")
+        objective, max_seq_len = manifest["objective"], manifest["max_seq_len"]
+        if len(files) < num_pipelines:
+            raise ValueError(f"{source!r} has {len(files)} shards for {num_pipelines} input pipelines; prepare "
+                             f"with smaller --docs-per-shard so every worker gets a shard")
+        examples = _record_examples(files, max_seq_len, num_pipelines, pipeline_id, seed, repeat, shuffle_buffer)
+        repeat = False  # done per file list
+    else:
+        check_objective(objective)
+        corpus = source if isinstance(source, Corpus) else Corpus(source)
+        builder = ExampleBuilder(corpus, tokenizer, objective, max_seq_len, short_seq_prob)
+        _check_yields_examples(builder, seed, docs_per_block)
+        examples = _raw_examples(builder, seed, workers, docs_per_block, num_pipelines, pipeline_id,
+                                 report, max_seq_len, repeat)
+        repeat = False
+
+    if max_predictions is None:
+        max_predictions = int(round(max_seq_len * mask_rate)) + 1
+    if max_predictions > max_seq_len:
+        raise ValueError(f"`max_predictions` ({max_predictions}) cannot exceed `max_seq_len` ({max_seq_len})")
+    spec = make_spec(tokenizer, mask_rate, max_predictions, whole_word, ngram)
+    pair = objective != "mlm"
+    if repeat:
+        examples = examples.repeat()
+    if shuffle_buffer:
+        examples = examples.shuffle(shuffle_buffer, seed=stream_seed % (2 ** 31))
+    ds = examples.batch(batch_size, drop_remainder=drop_remainder).enumerate()
+    if start_batch:
+        ds = ds.skip(start_batch)
+    pad_id = tokenizer.pad_id
+
+    def finish(index, batch):
+        ids, lengths, num_a, pair_labels = batch
+        positions = tf.range(max_seq_len)[None, :]
+        real = positions < lengths[:, None]
+        ids = tf.where(real, ids, pad_id)
+        segment_ids = tf.cast((positions >= num_a[:, None]) & real, tf.int32)
+        masked, mask_positions, mask_ids, mask_weights = mask_tokens(
+            ids, real, tf.stack([tf.constant(stream_seed, tf.int64), index]), spec)
+        features = {"token_ids": masked, "segment_ids": segment_ids, "padding_mask": tf.cast(real, tf.int32),
+                    "mask_positions": mask_positions}
+        labels = {"mask_ids": mask_ids, "mask_weights": mask_weights}
+        if pair:
+            labels["pair_labels"] = pair_labels
+        return features, labels
+
+    return ds.map(finish, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True).prefetch(tf.data.AUTOTUNE)
+
+
+_DEFAULTS = {"objective": "mlm+nsp", "max_seq_len": 128}
+
+
+def _signature(max_seq_len):
+    import tensorflow as tf
+
+    return (tf.TensorSpec([None, max_seq_len], tf.int32), tf.TensorSpec([None], tf.int32),
+            tf.TensorSpec([None], tf.int32), tf.TensorSpec([None], tf.int32))
+
+
+def _check_yields_examples(builder: ExampleBuilder, seed: int, docs_per_block: int):
+    """Fails at construction, with the cleaning report, when the source has no usable examples (instead of
+    a dataset that repeats nothing forever)."""
+    report = CorpusReport()
+    for _, block in example_blocks(builder, seed, 0, 0, docs_per_block, report):
+        if len(block["lengths"]):
+            return
+    raise ValueError(f"{builder.corpus!r} gives no pretraining examples for objective={builder.objective!r} "
+                     f"(NSP/SOP need documents with at least two tokens): {report}")
+
+
+def _raw_examples(builder, seed, workers, docs_per_block, num_pipelines, pipeline_id, report, max_seq_len, repeat):
+    import tensorflow as tf
+
+    def generate(epoch):
+        for _, block in example_blocks(builder, seed, int(epoch), workers, docs_per_block, report,
+                                       keep=lambda i: i % num_pipelines == pipeline_id):
+            yield block["token_ids"], block["lengths"], block["num_a"], block["pair_labels"]
+
+    epochs = tf.data.Dataset.range(sys.maxsize if repeat else 1)
+    blocks = epochs.flat_map(lambda e: tf.data.Dataset.from_generator(
+        generate, args=(e,), output_signature=_signature(max_seq_len)))
+    return blocks.unbatch()
+
+
+def _record_examples(files, max_seq_len, num_pipelines, pipeline_id, seed, repeat, shuffle_buffer):
+    import tensorflow as tf
+
+    ds = tf.data.Dataset.from_tensor_slices(files)
+    if num_pipelines > 1:
+        ds = ds.shard(num_pipelines, pipeline_id)
+    if shuffle_buffer:
+        ds = ds.shuffle(len(files), seed=seed % (2 ** 31))
+    if repeat:
+        ds = ds.repeat()
+    ds = ds.interleave(lambda f: tf.data.TFRecordDataset(f), cycle_length=min(len(files), 8),
+                       block_length=16, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+    # parse in batches (much faster than per record), then hand single examples to the shuffle buffer
+    ds = ds.batch(1024).map(lambda s: _records.parse_batch(s, max_seq_len), num_parallel_calls=tf.data.AUTOTUNE,
+                            deterministic=True)
+    return ds.unbatch()
+
+
+def _dummy_examples(tokenizer, objective, max_seq_len, seed):
+    """Random sequences with realistic lengths (half to full) and two segments, generated in the graph."""
+    import tensorflow as tf
+
+    regular = np.array([i for i in range(tokenizer.vocab_size) if i not in set(tokenizer.special_ids.values())],
+                       np.int32)
+    cls_id, sep_id, pair = tokenizer.cls_id, tokenizer.sep_id, objective != "mlm"
+
+    def make(index):
+        s = tf.stack([tf.constant(seed, tf.int64), index])
+        seeds = tf.random.experimental.stateless_split(s, 3)
+        length = tf.random.stateless_uniform([], seeds[0], max_seq_len // 2, max_seq_len + 1, tf.int32)
+        ids = tf.gather(regular, tf.random.stateless_uniform([max_seq_len], seeds[1], 0, len(regular), tf.int32))
+        positions = tf.range(max_seq_len)
+        num_a = length // 2 if pair else length
+        ids = tf.where(positions == 0, cls_id, ids)
+        ids = tf.where((positions == length - 1) | ((positions == num_a - 1) & pair), sep_id, ids)
+        label = tf.random.stateless_uniform([], seeds[2], 0, 2, tf.int32) if pair else tf.constant(0)
+        return ids, length, num_a, label
+
+    return tf.data.Dataset.range(sys.maxsize).map(make, num_parallel_calls=tf.data.AUTOTUNE)

@@ -1,0 +1,167 @@
+"""TFRecord shards of tokenized, unmasked segment pairs: parallel, resumable writing and streaming reads.
+
+A records directory holds `shard-00000.tfrecord`, ... and `manifest.json` (the settings, the tokenizer's
+fingerprint, and for every finished shard its example count, byte size and cleaning report). Each shard is
+written by one worker process to a temporary name and renamed when complete, and the manifest is
+rewritten after every shard, so an interrupted `kbert data prepare` loses at most the shards in flight:
+run it again and it skips every shard already listed (the corpus is re-read, but not re-tokenized).
+
+Each record is a `tf.train.Example` with `token_ids` (little-endian int32 bytes of `[CLS] A [SEP] B [SEP]`),
+`num_a` (tokens up to and including the first [SEP]) and `pair_label`. Masking is not stored: it is drawn
+in the graph at read time (`kbert.data.masking`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional
+
+from kbert.data.corpus import Corpus, CorpusReport
+from kbert.data.examples import ExampleBuilder, example_blocks
+from kbert.data.pairs import check_objective
+from kbert.utils import progress_bar
+
+MANIFEST = "manifest.json"
+FORMAT_VERSION = 1
+SETTINGS = ("tokenizer", "vocab_size", "objective", "max_seq_len", "short_seq_prob", "seed", "docs_per_shard",
+            "sources")
+
+
+def shard_name(index: int) -> str:
+    return f"shard-{index:05d}.tfrecord"
+
+
+class ShardWriter:
+    """Runs in a worker: serializes one block of examples to its shard file (atomically)."""
+
+    def __init__(self, out_dir: str):
+        self.out_dir = out_dir
+
+    def __call__(self, index: int, block) -> dict:
+        import tensorflow as tf
+
+        path = os.path.join(self.out_dir, shard_name(index))
+        tmp = path + ".tmp"
+        with tf.io.TFRecordWriter(tmp) as writer:
+            for ids, n, a, label in zip(block["token_ids"], block["lengths"], block["num_a"], block["pair_labels"]):
+                feature = {
+                    "token_ids": tf.train.Feature(bytes_list=tf.train.BytesList(
+                        value=[ids[:n].astype("<i4").tobytes()])),
+                    "num_a": tf.train.Feature(int64_list=tf.train.Int64List(value=[int(a)])),
+                    "pair_label": tf.train.Feature(int64_list=tf.train.Int64List(value=[int(label)])),
+                }
+                writer.write(tf.train.Example(features=tf.train.Features(feature=feature)).SerializeToString())
+        os.replace(tmp, path)
+        return {"file": shard_name(index), "examples": int(len(block["lengths"])), "bytes": os.path.getsize(path),
+                "tokens": int(block["lengths"].sum())}
+
+
+def _write_json(path: str, obj):
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=1, ensure_ascii=False)
+    os.replace(tmp, path)
+
+
+def read_manifest(directory: str) -> dict:
+    path = os.path.join(directory, MANIFEST)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{directory!r} is not a kbert records directory (no {MANIFEST}); "
+                                f"make one with `kbert data prepare`")
+    with open(path, encoding="utf-8") as f:
+        manifest = json.load(f)
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"{path}: unsupported format_version {manifest.get('format_version')!r}")
+    return manifest
+
+
+def prepare(source, tokenizer, out_dir: str, objective: str = "mlm+nsp", max_seq_len: int = 128,
+            short_seq_prob: float = 0.1, seed: int = 0, docs_per_shard: int = 1024, workers: Optional[int] = None,
+            overwrite: bool = False, progress: bool = True) -> dict:
+    """Writes tokenized segment pairs of `source` (anything `kbert.corpus` takes, or a Corpus) to sharded
+    TFRecords in `out_dir`, on all cores. Re-running on the same directory resumes: finished shards are
+    kept. Returns the manifest (with the cleaning report)."""
+    check_objective(objective)
+    corpus = source if isinstance(source, Corpus) else Corpus(source)
+    settings = {"tokenizer": tokenizer.fingerprint(), "vocab_size": tokenizer.vocab_size, "objective": objective,
+                "max_seq_len": int(max_seq_len), "short_seq_prob": float(short_seq_prob), "seed": int(seed),
+                "docs_per_shard": int(docs_per_shard), "sources": corpus.sources}
+    os.makedirs(out_dir, exist_ok=True)
+    manifest_path = os.path.join(out_dir, MANIFEST)
+    shards = {}
+    if os.path.exists(manifest_path) and not overwrite:
+        old = read_manifest(out_dir)
+        changed = [k for k in SETTINGS if old.get(k) != settings[k]]
+        if changed:
+            raise ValueError(f"{out_dir!r} holds records made with different settings ({', '.join(changed)}: "
+                             f"{[old.get(k) for k in changed]} vs {[settings[k] for k in changed]}); use another "
+                             f"directory or overwrite=True (--overwrite)")
+        for key, entry in old["shards"].items():
+            path = os.path.join(out_dir, entry["file"])
+            if os.path.isfile(path) and os.path.getsize(path) == entry["bytes"]:
+                shards[int(key)] = entry
+    for name in os.listdir(out_dir):  # leftovers of an interrupted run, and shards not in the manifest
+        if name.endswith(".tmp") or (name.startswith("shard-") and int(name[6:11]) not in shards):
+            os.remove(os.path.join(out_dir, name))
+    manifest = {"format_version": FORMAT_VERSION, **settings, "complete": False,
+                "shards": {str(k): v for k, v in sorted(shards.items())}}
+    _write_json(manifest_path, manifest)
+
+    builder = ExampleBuilder(corpus, tokenizer, objective, max_seq_len, short_seq_prob,
+                             shard_writer=ShardWriter(out_dir))
+    report = CorpusReport()
+    bar = progress_bar(desc="prepare", unit="shard", enabled=progress)
+    resumed = len(shards)
+    bar.update(resumed)
+    for index, entry in example_blocks(builder, seed, 0, workers, docs_per_shard, report,
+                                       keep=lambda i: i not in shards):
+        shards[index] = entry
+        manifest["shards"] = {str(k): v for k, v in sorted(shards.items())}
+        _write_json(manifest_path, manifest)
+        bar.update(1)
+        bar.set_postfix(examples=sum(s["examples"] for s in shards.values()))
+    bar.close()
+    manifest["complete"] = True
+    manifest["examples"] = sum(s["examples"] for s in shards.values())
+    manifest["report"] = report.to_dict()
+    manifest["resumed_shards"] = resumed
+    _write_json(manifest_path, manifest)
+    return manifest
+
+
+def shard_files(directory: str, allow_incomplete: bool = False):
+    """The shard paths of a records directory, each checked against the manifest (a truncated or missing
+    shard is named in the error instead of surfacing later as a corrupt-record error mid-training)."""
+    manifest = read_manifest(directory)
+    if not manifest.get("complete") and not allow_incomplete:
+        raise ValueError(f"{directory!r}: `kbert data prepare` did not finish; run it again to resume "
+                         f"(or pass allow_incomplete=True to read the finished shards)")
+    files = []
+    for key, entry in sorted(manifest["shards"].items(), key=lambda kv: int(kv[0])):
+        path = os.path.join(directory, entry["file"])
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"Shard {path!r} listed in the manifest is missing; rerun `kbert data prepare`")
+        if os.path.getsize(path) != entry["bytes"]:
+            raise ValueError(f"Shard {path!r} is {os.path.getsize(path)} bytes but the manifest says "
+                             f"{entry['bytes']}: it is truncated or corrupt; rerun `kbert data prepare` to rewrite it")
+        if entry["examples"]:
+            files.append(path)
+    if not files:
+        raise ValueError(f"{directory!r} holds no examples")
+    return manifest, files
+
+
+def parse_batch(serialized, max_seq_len: int):
+    """A batch of serialized records -> (token_ids int32 [b, max_seq_len] zero-padded, lengths, num_a,
+    pair_labels)."""
+    import tensorflow as tf
+
+    parsed = tf.io.parse_example(serialized, {
+        "token_ids": tf.io.FixedLenFeature([], tf.string),
+        "num_a": tf.io.FixedLenFeature([], tf.int64),
+        "pair_label": tf.io.FixedLenFeature([], tf.int64),
+    })
+    lengths = tf.strings.length(parsed["token_ids"]) // 4
+    ids = tf.io.decode_raw(parsed["token_ids"], tf.int32, little_endian=True, fixed_length=4 * max_seq_len)
+    return ids, tf.cast(lengths, tf.int32), tf.cast(parsed["num_a"], tf.int32), tf.cast(parsed["pair_label"], tf.int32)
