@@ -77,6 +77,73 @@ def _tokenizer_encode(args):
                          ensure_ascii=False))
 
 
+def _corpus_options(args) -> dict:
+    options = {}
+    for key in ("format", "text_field", "group_by", "splitter", "dedupe", "path"):
+        value = getattr(args, key, None)
+        if value is not None:
+            options[key] = None if value == "none" else value
+    if getattr(args, "column", None):
+        options["column"] = args.column
+    return options
+
+
+def _corpus_list(args):
+    from kbert.data.corpus import RECIPES
+
+    for name, recipe in RECIPES.items():
+        where = ("download: kbert corpus download " + name if recipe.urls else
+                 "offline (ships with konlpy)" if name in ("kolaw", "kobill") else "local file: pass --path")
+        print(f"{name:14s} {recipe.description} [{where}; see {recipe.readme()}]")
+
+
+def _corpus_stats(args):
+    from kbert.data.corpus import Corpus
+    from kbert.utils import progress_bar
+
+    corpus = Corpus(args.source, **_corpus_options(args))
+    bar = progress_bar(desc="reading", unit=" docs")
+    for _ in corpus:
+        bar.update(1)
+    bar.close()
+    print(corpus.report)
+
+
+def _corpus_download(args):
+    from kbert.data.corpus import download
+
+    for path in download(args.name, args.dir):
+        print(f"downloaded {path}")
+
+
+def _data_prepare(args):
+    from kbert.data.corpus import Corpus
+    from kbert.data.records import prepare
+    from kbert.text.tokenizer import Tokenizer
+
+    tok = Tokenizer.load(args.tokenizer)
+    corpus = Corpus(args.corpus, **_corpus_options(args))
+    manifest = prepare(corpus, tok, args.out, objective=args.objective, max_seq_len=args.max_seq_len,
+                       short_seq_prob=args.short_seq_prob, seed=args.seed, docs_per_shard=args.docs_per_shard,
+                       workers=args.workers, overwrite=args.overwrite)
+    from kbert.data.corpus import CorpusReport
+
+    report = CorpusReport(**manifest["report"])
+    print(f"wrote {manifest['examples']:,} examples in {len(manifest['shards'])} shards to {args.out} "
+          f"({manifest['resumed_shards']} shards kept from an earlier run)")
+    print(f"corpus: {report}")
+
+
+def _add_corpus_arguments(p):
+    p.add_argument("--format", choices=("text", "jsonl", "tsv", "wiki"), help="default: from the file name")
+    p.add_argument("--text-field", help="JSONL field with the text (default: text)")
+    p.add_argument("--column", nargs="+", help="TSV column name(s) or index")
+    p.add_argument("--group-by", help="TSV column: adjacent rows with the same value form one document")
+    p.add_argument("--splitter", choices=("rules", "kiwi", "lines"), help="sentence splitter (default: rules)")
+    p.add_argument("--dedupe", choices=("document", "sentence", "none"), help="exact-duplicate removal")
+    p.add_argument("--path", help="for a named corpus: where its files are")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="kbert", description="Korean BERT/ALBERT pretraining and embedding toolkit.")
     parser.add_argument("--version", action="store_true", help="print the version and exit")
@@ -109,6 +176,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", required=True, help="tokenizer dir, vocab.txt or .model")
     p.add_argument("text", nargs="*", help="texts (default: one per line from stdin)")
     p.set_defaults(func=_tokenizer_encode)
+
+    cp = sub.add_parser("corpus", help="list, inspect or download corpora")
+    csub = cp.add_subparsers(dest="corpus_command", metavar="ACTION", parser_class=_Parser, required=True)
+    p = csub.add_parser("list", help="the named corpora")
+    p.set_defaults(func=_corpus_list)
+    p = csub.add_parser("stats", help="read a corpus and print its cleaning report")
+    p.add_argument("source", nargs="+", help="files, folders, globs or corpus names")
+    _add_corpus_arguments(p)
+    p.set_defaults(func=_corpus_stats)
+    p = csub.add_parser("download", help="download a named corpus (the only command that downloads)")
+    p.add_argument("name")
+    p.add_argument("--dir", help="target folder (default: $KBERT_DATA/NAME or ~/.cache/kbert/corpora/NAME)")
+    p.set_defaults(func=_corpus_download)
+
+    dp = sub.add_parser("data", help="prepare pretraining records")
+    dsub = dp.add_subparsers(dest="data_command", metavar="ACTION", parser_class=_Parser, required=True)
+    p = dsub.add_parser("prepare", help="tokenize and pair a corpus into TFRecord shards (all cores, resumable)")
+    p.add_argument("--corpus", nargs="+", required=True, help="files, folders, globs or corpus names")
+    p.add_argument("--tokenizer", required=True, help="tokenizer dir, vocab.txt or .model")
+    p.add_argument("--out", required=True, help="records directory (rerun to resume)")
+    p.add_argument("--objective", choices=("mlm", "mlm+nsp", "mlm+sop"), default="mlm+nsp")
+    p.add_argument("--max-seq-len", type=int, default=128)
+    p.add_argument("--short-seq-prob", type=float, default=0.1)
+    p.add_argument("--docs-per-shard", type=int, default=1024)
+    p.add_argument("--workers", type=int, default=None, help="processes (default: all cores)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--overwrite", action="store_true", help="start over instead of resuming")
+    _add_corpus_arguments(p)
+    p.set_defaults(func=_data_prepare)
     return parser
 
 

@@ -278,8 +278,7 @@ RECIPES = {
     "movie-reviews": Recipe(
         "movie-reviews", "Naver movie reviews, one document per movie",
         lambda p: _find("movie-reviews", ["reviews.tsv.gz", "reviews.tsv"], p),
-        {"format": "tsv", "column": "text", "group_by": "movie_id"},
-        urls=("https://github.com/e9t/nsmc/archive/refs/heads/master.zip",)),
+        {"format": "tsv", "column": "text", "group_by": "movie_id"}),
     "korsts": Recipe(
         "korsts", "KorSTS sentence pairs (each sentence a one-sentence document)",
         lambda p: _find("korsts", ["sts-train.tsv", "sts-dev.tsv"], p),
@@ -308,7 +307,7 @@ def download(name: str, directory: Optional[str] = None, progress: bool = True) 
 
     recipe = _recipe(name)
     if not recipe.urls:
-        raise ValueError(f"Corpus {name!r} needs no download ({recipe.description})")
+        raise ValueError(f"Corpus {name!r} has no download URL ({recipe.description}); see {recipe.readme()}")
     directory = directory or os.path.join(data_home(), name)
     os.makedirs(directory, exist_ok=True)
     paths = []
