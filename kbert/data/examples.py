@@ -36,11 +36,17 @@ class ExampleBuilder:
         self.objective, self.max_seq_len, self.short_seq_prob = objective, max_seq_len, short_seq_prob
         self.shard_writer = shard_writer  # set by `kbert data prepare`: workers write their own shard
 
+    def _same_normalization(self) -> bool:
+        """True when the corpus already normalized exactly as the tokenizer would (skip doing it twice)."""
+        opts, tok = self.corpus.normalize_options, self.tokenizer
+        return opts is not None and (opts.get("form", "NFC"), opts.get("repeat"), opts.get("lowercase", False)) == (
+            tok.form, tok.repeat, tok.lowercase)
+
     def __call__(self, raw_docs: List[List[str]], seed: int, index: int = 0) -> Tuple[Dict, CorpusReport]:
         report = CorpusReport()
         docs = [d for d in (self.corpus.clean(lines, report) for lines in raw_docs) if d]
         sentences = [s for d in docs for s in d]
-        ids = self.tokenizer.ids_batch(sentences, normalized=self.corpus.normalize_options is not None)
+        ids = self.tokenizer.ids_batch(sentences, normalized=self._same_normalization())
         token_docs, i = [], 0
         for d in docs:
             token_docs.append(ids[i:i + len(d)])

@@ -247,7 +247,8 @@ class Tokenizer:
             return []
         if self.kind == "sentencepiece":
             return self._sp.encode(list(texts))
-        return self._fast_bert().tokenize(list(texts)).merge_dims(1, 2).to_list()
+        ids = self._fast_bert().tokenize(list(texts))
+        return (ids.merge_dims(1, 2) if ids.ragged_rank > 1 else ids).to_list()
 
     def word_start_table(self) -> np.ndarray:
         """bool [vocab_size]: True where a token begins a word (a whitespace word, or a morpheme for

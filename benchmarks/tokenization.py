@@ -6,7 +6,7 @@
 3. In-graph tokenization lines/s in tf.data: `ds.map(tok)` (normalization + tokenization + [CLS]/[SEP])
    vs a bare tensorflow-text SentencepieceTokenizer on the same model.
 
-    python benchmarks/tokenize.py --reviews ../shared/data/movie-reviews/reviews.tsv.gz
+    python benchmarks/tokenization.py --reviews ../shared/data/movie-reviews/reviews.tsv.gz
 """
 
 from __future__ import annotations
@@ -14,14 +14,12 @@ from __future__ import annotations
 import os
 import sys
 
-# This file's name shadows the standard library's `tokenize` module: drop its folder from the path.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
-
-import argparse  # noqa: E402
-import gzip  # noqa: E402
+import argparse
+import gzip
 import tempfile
 import time
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.append(os.path.dirname(_HERE))
