@@ -18,6 +18,7 @@ setup(
         "safetensors>=0.4",
         "pyyaml>=6",
         "tqdm>=4.60",
+        "tensorboard>=2.16",
     ],
     extras_require={
         "mecab": ["mecab-ko>=1.0"],

@@ -1,0 +1,142 @@
+"""Pretraining settings: nested dataclasses read from YAML/JSON with `--set a.b=value` overrides.
+
+Unknown keys fail with the key named; the resolved config is written next to the checkpoints.
+
+    model: bert-tiny                # a preset name, or a full ModelConfig mapping
+    data: {source: [kolaw, kobill], tokenizer: out/tokenizer, objective: mlm+nsp, max_seq_len: 128}
+    optimizer: {name: adamw, learning_rate: 1e-4, warmup_steps: 100}
+    trainer: {steps: 1000, batch_size: 32}
+    runtime: {strategy: auto, precision: auto}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, List, Optional, Union
+
+
+@dataclasses.dataclass
+class DataConfig:
+    source: Any = None  # corpus (paths / recipe names), a records dir, or "dummy"
+    tokenizer: Optional[str] = None  # tokenizer dir / vocab.txt / .model
+    objective: str = "mlm+nsp"
+    max_seq_len: int = 128
+    max_predictions: Optional[int] = None
+    mask_rate: float = 0.15
+    whole_word: bool = True
+    ngram: int = 1
+    short_seq_prob: float = 0.1
+    shuffle_buffer: int = 10_000
+    workers: Optional[int] = None
+
+
+@dataclasses.dataclass
+class OptimizerConfig:
+    name: str = "adamw"  # adamw | lamb
+    learning_rate: float = 1e-4
+    weight_decay: float = 0.01
+    beta_1: float = 0.9
+    beta_2: float = 0.999
+    epsilon: float = 1e-6
+    clip_norm: Optional[float] = 1.0  # global-norm clipping
+    warmup_steps: int = 0
+    decay: str = "linear"  # linear | polynomial | constant
+    power: float = 1.0  # for polynomial decay
+    end_learning_rate: float = 0.0
+
+
+@dataclasses.dataclass
+class TrainerConfig:
+    steps: int = 1000
+    batch_size: Union[int, str] = 32  # global batch (all replicas, all micro-batches), or "auto"
+    accumulation: int = 1  # micro-batches per optimizer step
+    log_every: int = 10
+    checkpoint_every: int = 500
+    keep_checkpoints: int = 3
+    memory: Optional[str] = None  # device memory for batch_size="auto" when it cannot be read ("12GB")
+
+
+@dataclasses.dataclass
+class RuntimeConfig:
+    strategy: str = "auto"  # auto | tpu | mirrored | multiworker | cpu
+    tpu: Optional[str] = None
+    precision: str = "auto"  # auto | float32 | mixed_float16 | mixed_bfloat16
+    jit: Union[bool, str] = "auto"  # XLA for the train step ("auto": on GPU/TPU)
+    seed: int = 0
+
+
+@dataclasses.dataclass
+class PretrainConfig:
+    model: Any = "bert-tiny"  # preset name or ModelConfig fields
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
+    runtime: RuntimeConfig = dataclasses.field(default_factory=RuntimeConfig)
+    output_dir: str = "kbert-pretrain"
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def save(self, path: str):
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(self.to_dict(), f, indent=2, ensure_ascii=False)
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "PretrainConfig":
+        return _build(cls, values or {}, "")
+
+    @classmethod
+    def load(cls, path: Optional[str] = None, overrides: Optional[List[str]] = None) -> "PretrainConfig":
+        """Reads YAML or JSON (None: defaults) and applies `key.sub=value` overrides (values parsed as YAML)."""
+        values = {}
+        if path:
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"Config file not found: {path!r}")
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+            values = _parse(text, path)
+            if not isinstance(values, dict):
+                raise ValueError(f"{path}: the config must be a mapping, got {type(values).__name__}")
+        for item in overrides or []:
+            if "=" not in item:
+                raise ValueError(f"Override {item!r} must look like key.subkey=value")
+            key, raw = item.split("=", 1)
+            import yaml
+
+            value = yaml.safe_load(raw) if raw.strip() else None
+            node = values
+            parts = key.strip().split(".")
+            for p in parts[:-1]:
+                node = node.setdefault(p, {})
+                if not isinstance(node, dict):
+                    raise ValueError(f"Override {item!r}: {p!r} is not a section")
+            node[parts[-1]] = value
+        return cls.from_dict(values)
+
+
+def _parse(text: str, path: str):
+    if path.endswith(".json"):
+        return json.loads(text)
+    import yaml
+
+    return yaml.safe_load(text)
+
+
+def _build(cls, values: dict, prefix: str):
+    if not isinstance(values, dict):
+        raise ValueError(f"`{prefix.rstrip('.') or 'config'}` must be a mapping. Received: {values!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - set(fields))
+    if unknown:
+        raise ValueError(f"Unknown config key `{prefix}{unknown[0]}`; valid keys under "
+                         f"`{prefix.rstrip('.') or 'the top level'}`: {sorted(fields)}")
+    kwargs = {}
+    for name, value in values.items():
+        default = fields[name].default_factory() if fields[name].default_factory is not dataclasses.MISSING else None
+        if dataclasses.is_dataclass(default):
+            kwargs[name] = _build(type(default), value or {}, f"{prefix}{name}.")
+        else:
+            kwargs[name] = value
+    return cls(**kwargs)

@@ -1,0 +1,255 @@
+"""`kbert.pretrain(config)`: the pretraining loop, top to bottom.
+
+1. strategy and precision (`strategy.py`); 2. tokenizer, model, optimizer, built under the strategy;
+3. restore the latest checkpoint (step, weights, optimizer slots) if there is one; 4. the input pipeline,
+skipped forward to the restored step (masks depend only on the seed and the batch index, so a resumed run
+sees exactly the batches it would have seen); 5. the loop: one compiled step per optimizer update
+(`accumulation` micro-batches), a progress bar with loss, MLM accuracy, tokens/s and ETA, TensorBoard
+scalars, a checkpoint every `checkpoint_every` steps; SIGTERM / SIGINT (a preempted TPU VM, Ctrl-C) save a
+checkpoint and stop cleanly; a NaN/Inf loss stops with the last good checkpoint untouched; 6. the final
+model directory (`kbert.load_model` / `kbert.Embedder.load` read it) with the tokenizer.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import time
+from typing import Optional, Union
+
+from kbert.train.config import PretrainConfig
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss became NaN or Inf."""
+
+
+def _objective_head(objective: str) -> Optional[str]:
+    return {"mlm": None, "mlm+nsp": "nsp", "mlm+sop": "sop"}[objective]
+
+
+def _model_config(config: PretrainConfig, tokenizer):
+    from kbert.models.config import ModelConfig
+
+    model = config.model
+    if isinstance(model, str):
+        cfg = ModelConfig.preset(model, vocab_size=tokenizer.vocab_size, pad_token_id=tokenizer.pad_id)
+    elif isinstance(model, dict):
+        values = dict(model)
+        preset = values.pop("preset", None)
+        values.setdefault("vocab_size", tokenizer.vocab_size)
+        values.setdefault("pad_token_id", tokenizer.pad_id)
+        cfg = ModelConfig.preset(preset, **values) if preset else ModelConfig.from_dict(values)
+    else:
+        raise ValueError(f"`model` must be a preset name or a mapping of ModelConfig fields. Received: {model!r}")
+    if cfg.vocab_size < tokenizer.vocab_size:
+        raise ValueError(f"`model.vocab_size` ({cfg.vocab_size}) is smaller than the tokenizer's vocabulary "
+                         f"({tokenizer.vocab_size})")
+    if config.data.max_seq_len > cfg.max_position:
+        raise ValueError(f"`data.max_seq_len` ({config.data.max_seq_len}) is beyond the model's position "
+                         f"embeddings (`model.max_position` = {cfg.max_position})")
+    return cfg.validate()
+
+
+def _validate(config: PretrainConfig):
+    t, d = config.trainer, config.data
+    if d.source is None:
+        raise ValueError("`data.source` is missing: a corpus (paths or names), a records dir, or 'dummy'")
+    if d.tokenizer is None:
+        raise ValueError("`data.tokenizer` is missing: a tokenizer dir (`kbert tokenizer train`), vocab.txt or .model")
+    if not isinstance(t.steps, int) or t.steps < 1:
+        raise ValueError(f"`trainer.steps` must be a positive integer. Received: {t.steps!r}")
+    for key in ("log_every", "checkpoint_every", "keep_checkpoints", "accumulation"):
+        value = getattr(t, key)
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"`trainer.{key}` must be a positive integer. Received: {value!r}")
+
+
+def pretrain(config: Union[PretrainConfig, dict, str], overrides=None, resume: bool = True, progress: bool = True,
+             stop_after: Optional[int] = None):
+    """Pretrains a BERT/ALBERT and returns a summary dict (steps, final loss, model dir, ...).
+
+    Args:
+        config: a `PretrainConfig`, a dict, or a YAML/JSON path (with `overrides`, "key.sub=value" strings).
+        resume: continue from the latest checkpoint in `output_dir/checkpoints` (the default; False starts over
+            and fails if checkpoints exist).
+        stop_after: stop (with a checkpoint) after this many steps in this call, as a preemption would.
+    """
+    import keras
+    import tensorflow as tf
+
+    from kbert.data.pretraining import pretraining_dataset
+    from kbert.models.backbone import Pretrainer, build_backbone
+    from kbert.models.io import save_model
+    from kbert.text.tokenizer import Tokenizer
+    from kbert.train.optimizers import make_optimizer
+    from kbert.train.strategy import device_kind, make_strategy, resolve_precision
+    from kbert.utils import progress_bar
+
+    if isinstance(config, str) or config is None:
+        config = PretrainConfig.load(config, overrides)
+    elif isinstance(config, dict):
+        config = PretrainConfig.from_dict(config)
+    _validate(config)
+    t, d, rt = config.trainer, config.data, config.runtime
+
+    # 1. where and in which precision
+    strategy = make_strategy(rt.strategy, rt.tpu)
+    replicas = strategy.num_replicas_in_sync
+    precision = resolve_precision(rt.precision, strategy)
+    tokenizer = Tokenizer.load(d.tokenizer)
+    model_config = _model_config(config, tokenizer)
+    if t.batch_size == "auto":
+        from kbert.train.memory import plan_for_config
+
+        plan = plan_for_config(config, model_config, precision, replicas, device_kind(strategy))
+        t.batch_size, t.accumulation = plan["global_batch"], plan["accumulation"]
+    if not isinstance(t.batch_size, int) or t.batch_size < 1:
+        raise ValueError(f"`trainer.batch_size` must be a positive integer or 'auto'. Received: {t.batch_size!r}")
+    if t.batch_size % (replicas * t.accumulation):
+        raise ValueError(f"`trainer.batch_size` ({t.batch_size}) must be divisible by replicas x accumulation "
+                         f"({replicas} x {t.accumulation})")
+    micro_batch = t.batch_size // t.accumulation  # global batch of one micro-step
+
+    out = config.output_dir
+    ckpt_dir = os.path.join(out, "checkpoints")
+    os.makedirs(out, exist_ok=True)
+    if not resume and tf.train.latest_checkpoint(ckpt_dir):
+        raise ValueError(f"{ckpt_dir!r} already has checkpoints; resume, or choose another output_dir")
+    config.save(os.path.join(out, "config.json"))
+
+    # 2. model and optimizer under the strategy
+    keras.utils.set_random_seed(rt.seed)
+    keras.mixed_precision.set_dtype_policy(precision)
+    try:
+        with strategy.scope():
+            backbone = build_backbone(model_config)
+            model = Pretrainer(backbone, pair_objective=_objective_head(d.objective))
+            optimizer = make_optimizer(config.optimizer, t.steps, t.accumulation, precision)
+            dummy = _dummy_batch(model_config, d.max_seq_len, d.max_predictions or int(round(d.max_seq_len * d.mask_rate)) + 1)
+            model(dummy[0])
+            optimizer.build(model.trainable_variables)
+            step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
+    finally:
+        keras.mixed_precision.set_dtype_policy("float32")
+
+    # 3. resume
+    checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer, step=step)
+    manager = tf.train.CheckpointManager(checkpoint, ckpt_dir, max_to_keep=t.keep_checkpoints)
+    if manager.latest_checkpoint:
+        checkpoint.restore(manager.latest_checkpoint).assert_existing_objects_matched()
+    start = int(step.numpy())
+
+    # 4. data, skipped forward to the restored step
+    def dataset_fn(ctx):
+        return pretraining_dataset(d.source, tokenizer, objective=d.objective, max_seq_len=d.max_seq_len,
+                                   batch_size=micro_batch, mask_rate=d.mask_rate, max_predictions=d.max_predictions,
+                                   whole_word=d.whole_word, ngram=d.ngram, short_seq_prob=d.short_seq_prob,
+                                   seed=rt.seed, shuffle_buffer=d.shuffle_buffer, start_batch=start * t.accumulation,
+                                   input_context=ctx, workers=d.workers)
+
+    dataset = strategy.distribute_datasets_from_function(dataset_fn)
+    iterator = iter(dataset)
+
+    # 5. the loop
+    def replica_step(features, labels):
+        with tf.GradientTape() as tape:
+            outputs = model(features, training=True)
+            losses = model.compute_losses(features, labels, outputs)
+            loss = losses["loss"] / replicas
+            scaled = optimizer.scale_loss(loss) if hasattr(optimizer, "scale_loss") else loss
+        grads = tape.gradient(scaled, model.trainable_variables)
+        optimizer.apply(grads, model.trainable_variables)
+        return {k: v / replicas for k, v in losses.items()}
+
+    jit = rt.jit if rt.jit != "auto" else device_kind(strategy) != "cpu"
+
+    @tf.function(jit_compile=bool(jit) and device_kind(strategy) != "tpu", reduce_retracing=True)
+    def train_step(iterator):
+        total = None
+        for _ in range(t.accumulation):  # unrolled: each micro-step feeds the optimizer's accumulator
+            features, labels = next(iterator)
+            per_replica = strategy.run(replica_step, args=(features, labels))
+            result = {k: strategy.reduce("SUM", v, axis=None) for k, v in per_replica.items()}
+            total = result if total is None else {k: total[k] + v for k, v in result.items()}
+        step.assign_add(1)
+        return {k: v / t.accumulation for k, v in total.items()}
+
+    stop = {"signal": None}
+
+    def on_signal(signum, frame):
+        stop["signal"] = signal.Signals(signum).name
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)} \
+        if _main_thread() else {}
+    writer = tf.summary.create_file_writer(os.path.join(out, "logs"))
+    tokens_per_step = t.batch_size * d.max_seq_len
+    bar = progress_bar(total=t.steps, desc="pretrain", unit="step", enabled=progress)
+    bar.update(start)
+    history, last = [], {}
+    t0, s0 = time.perf_counter(), start
+    end = t.steps if stop_after is None else min(t.steps, start + stop_after)
+    try:
+        while int(step.numpy()) < end:
+            metrics = {k: float(v) for k, v in train_step(iterator).items()}
+            current = int(step.numpy())
+            if not math.isfinite(metrics["loss"]):
+                good = manager.latest_checkpoint or "none yet"
+                raise TrainingDiverged(f"Loss became {metrics['loss']} at step {current}; stopped without saving. "
+                                       f"The last good checkpoint is intact: {good}. Lower optimizer.learning_rate, "
+                                       f"raise warmup_steps or use float32/bfloat16")
+            history.append(metrics["loss"])
+            last = metrics
+            if current % t.log_every == 0 or current == end:
+                elapsed = max(time.perf_counter() - t0, 1e-9)
+                tps = (current - s0) * tokens_per_step / elapsed
+                bar.set_postfix(loss=f"{metrics['loss']:.3f}", mlm_acc=f"{metrics.get('mlm_accuracy', 0):.3f}",
+                                tok_s=f"{tps:,.0f}")
+                with writer.as_default(step=current):
+                    for k, v in metrics.items():
+                        tf.summary.scalar(k, v)
+                    tf.summary.scalar("tokens_per_second", tps)
+                    tf.summary.scalar("learning_rate", float(_learning_rate(optimizer, current * t.accumulation)))
+            bar.update(1)
+            if current % t.checkpoint_every == 0:
+                manager.save(checkpoint_number=current)
+            if stop["signal"]:
+                break
+    finally:
+        bar.close()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    current = int(step.numpy())
+    if not manager.latest_checkpoint or not manager.latest_checkpoint.endswith(f"-{current}"):
+        manager.save(checkpoint_number=current)  # at exit: a signal, stop_after, or the last step
+    writer.flush()
+    summary = {"step": current, "finished": current >= t.steps, "stopped_by": stop["signal"],
+               "loss": last.get("loss"), "mlm_accuracy": last.get("mlm_accuracy"), "history": history,
+               "checkpoint": manager.latest_checkpoint, "replicas": replicas, "precision": precision,
+               "global_batch": t.batch_size, "accumulation": t.accumulation}
+    if current >= t.steps:  # 6. the final model dir
+        summary["model_dir"] = save_model(model, os.path.join(out, "model"), tokenizer=tokenizer)
+    elapsed = time.perf_counter() - t0
+    summary["tokens_per_second"] = (current - s0) * tokens_per_step / elapsed if current > s0 else 0.0
+    return summary
+
+
+def _main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+def _learning_rate(optimizer, iteration):
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    lr = inner._learning_rate
+    return lr(iteration) if callable(lr) else lr
+
+
+def _dummy_batch(cfg, seq, predictions):
+    import numpy as np
+
+    features = {"token_ids": np.zeros((1, seq), "int32"), "segment_ids": np.zeros((1, seq), "int32"),
+                "padding_mask": np.ones((1, seq), "int32"), "mask_positions": np.zeros((1, predictions), "int32")}
+    return features, None

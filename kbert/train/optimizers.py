@@ -1,0 +1,56 @@
+"""AdamW and LAMB with BERT's schedule: linear warm-up, then linear / polynomial decay; no weight decay on
+LayerNorm parameters and biases; global-norm clipping; gradient accumulation over micro-batches."""
+
+from __future__ import annotations
+
+import keras
+
+OPTIMIZERS = ("adamw", "lamb")
+DECAYS = ("linear", "polynomial", "constant")
+# Variables whose path contains one of these get no weight decay (LayerNorm gammas/betas, all biases).
+NO_DECAY = ("bias", "beta", "gamma", "layer_norm", "layernorm")
+
+
+@keras.saving.register_keras_serializable("kbert")
+class WarmupDecay(keras.optimizers.schedules.LearningRateSchedule):
+    """`peak * step / warmup` for `step < warmup`, then polynomial decay (power 1: linear) to `end` at
+    `total_steps`. `steps_per_update` converts optimizer iterations (one per micro-batch when accumulating)
+    into updates."""
+
+    def __init__(self, peak, total_steps, warmup_steps=0, end=0.0, power=1.0, steps_per_update=1):
+        self.peak, self.total_steps, self.warmup_steps = float(peak), int(total_steps), int(warmup_steps)
+        self.end, self.power, self.steps_per_update = float(end), float(power), int(steps_per_update)
+
+    def __call__(self, step):
+        ops = keras.ops
+        step = ops.cast(step // self.steps_per_update, "float32")
+        warm = self.peak * (step + 1.0) / max(self.warmup_steps, 1)
+        span = max(self.total_steps - self.warmup_steps, 1)
+        frac = ops.clip((step - self.warmup_steps) / span, 0.0, 1.0)
+        decayed = (self.peak - self.end) * (1.0 - frac) ** self.power + self.end
+        return ops.where(step < self.warmup_steps, warm, decayed)
+
+    def get_config(self):
+        return {"peak": self.peak, "total_steps": self.total_steps, "warmup_steps": self.warmup_steps,
+                "end": self.end, "power": self.power, "steps_per_update": self.steps_per_update}
+
+
+def make_optimizer(config, total_steps: int, accumulation: int = 1, precision: str = "float32"):
+    """A Keras optimizer from an `OptimizerConfig`."""
+    if config.name not in OPTIMIZERS:
+        raise ValueError(f"`optimizer.name` must be one of {OPTIMIZERS}. Received: {config.name!r}")
+    if config.decay not in DECAYS:
+        raise ValueError(f"`optimizer.decay` must be one of {DECAYS}. Received: {config.decay!r}")
+    if not isinstance(accumulation, int) or accumulation < 1:
+        raise ValueError(f"`trainer.accumulation` must be a positive integer. Received: {accumulation!r}")
+    power = 1.0 if config.decay == "linear" else config.power
+    end = config.learning_rate if config.decay == "constant" else config.end_learning_rate
+    schedule = WarmupDecay(config.learning_rate, total_steps, config.warmup_steps, end, power, accumulation)
+    kwargs = dict(learning_rate=schedule, weight_decay=config.weight_decay, beta_1=config.beta_1,
+                  beta_2=config.beta_2, epsilon=config.epsilon, global_clipnorm=config.clip_norm,
+                  gradient_accumulation_steps=accumulation if accumulation > 1 else None)
+    optimizer = keras.optimizers.AdamW(**kwargs) if config.name == "adamw" else keras.optimizers.Lamb(**kwargs)
+    optimizer.exclude_from_weight_decay(var_names=list(NO_DECAY))
+    if precision == "mixed_float16":
+        optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
+    return optimizer

@@ -1,0 +1,75 @@
+"""Where training runs (a tf.distribute strategy) and in which precision, chosen in one place.
+
+`--strategy auto` picks, in order: a TPU when one is configured (`--tpu NAME` or $TPU_NAME), a
+MultiWorkerMirroredStrategy when $TF_CONFIG names a cluster, a MirroredStrategy on two or more GPUs, the
+single GPU, else the CPU. `--precision auto` is bfloat16 on TPUs and on GPUs of compute capability >= 8.0,
+float16 with dynamic loss scaling on older GPUs, float32 on CPUs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional
+
+STRATEGIES = ("auto", "tpu", "mirrored", "multiworker", "cpu")
+PRECISIONS = ("auto", "float32", "mixed_float16", "mixed_bfloat16")
+
+
+def _tpu_strategy(tpu: Optional[str]):
+    import tensorflow as tf
+
+    resolver = tf.distribute.cluster_resolver.TPUClusterResolver(tpu=tpu or os.environ.get("TPU_NAME") or "")
+    tf.config.experimental_connect_to_cluster(resolver)
+    tf.tpu.experimental.initialize_tpu_system(resolver)
+    return tf.distribute.TPUStrategy(resolver)
+
+
+def make_strategy(name: str = "auto", tpu: Optional[str] = None):
+    """A `tf.distribute.Strategy` (see the module docstring for what `auto` picks)."""
+    import tensorflow as tf
+
+    if name not in STRATEGIES:
+        raise ValueError(f"`strategy` must be one of {STRATEGIES}. Received: strategy={name!r}")
+    gpus = tf.config.list_logical_devices("GPU")
+    if name == "tpu" or (name == "auto" and (tpu or os.environ.get("TPU_NAME"))):
+        return _tpu_strategy(tpu)
+    if name == "multiworker" or (name == "auto" and json.loads(os.environ.get("TF_CONFIG", "{}")).get("cluster")):
+        return tf.distribute.MultiWorkerMirroredStrategy()
+    if name == "mirrored":
+        cpus = tf.config.list_logical_devices("CPU")
+        return tf.distribute.MirroredStrategy([d.name for d in (gpus or cpus)])
+    if name == "auto" and len(gpus) > 1:
+        return tf.distribute.MirroredStrategy()
+    if name == "auto" and gpus:
+        return tf.distribute.OneDeviceStrategy(gpus[0].name)
+    return tf.distribute.OneDeviceStrategy("/cpu:0")
+
+
+def device_kind(strategy) -> str:
+    """'tpu', 'gpu' or 'cpu'."""
+    import tensorflow as tf
+
+    if isinstance(strategy, tf.distribute.TPUStrategy):
+        return "tpu"
+    devices = getattr(strategy.extended, "worker_devices", ()) or ()
+    return "gpu" if any("GPU" in d.upper() for d in devices) or (
+        not devices and tf.config.list_logical_devices("GPU")) else "cpu"
+
+
+def resolve_precision(precision: str, strategy) -> str:
+    """The Keras dtype policy name for `precision` on this strategy's devices."""
+    import tensorflow as tf
+
+    if precision not in PRECISIONS:
+        raise ValueError(f"`precision` must be one of {PRECISIONS}. Received: precision={precision!r}")
+    if precision != "auto":
+        return precision
+    kind = device_kind(strategy)
+    if kind == "tpu":
+        return "mixed_bfloat16"
+    if kind == "gpu":
+        details = tf.config.experimental.get_device_details(tf.config.list_physical_devices("GPU")[0])
+        major = (details.get("compute_capability") or (0, 0))[0]
+        return "mixed_bfloat16" if major >= 8 else "mixed_float16"
+    return "float32"
