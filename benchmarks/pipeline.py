@@ -293,7 +293,7 @@ def main(argv=None):
     import tensorflow_text as tf_text
 
     import kbert
-    from kbert.data.masking import make_spec, mask_tokens
+    from kbert.data.masking import example_keys, make_spec, mask_tokens
 
     tmp = tempfile.mkdtemp(prefix="kbert-pipeline-")
     subset = os.path.join(tmp, "reviews.tsv.gz")
@@ -341,8 +341,9 @@ def main(argv=None):
     pads = tf.stack([b["padding_mask"] for b in batches])
     spec = make_spec(tok, 0.15, args.max_predictions, whole_word=False)
     base = tf.data.Dataset.from_tensor_slices((ids, pads)).cache().repeat()
-    kbert_ds = base.enumerate().map(lambda i, x: mask_tokens(x[0], x[1], tf.stack([tf.constant(1, tf.int64), i]),
-                                                             spec)[0], num_parallel_calls=tf.data.AUTOTUNE)
+    kbert_ds = base.enumerate().map(
+        lambda i, x: mask_tokens(x[0], x[1], example_keys(1, i * args.batch + tf.range(args.batch, dtype=tf.int64)),
+                                 spec)[0], num_parallel_calls=tf.data.AUTOTUNE)
     selector = tf_text.RandomItemSelector(max_selections_per_batch=args.max_predictions, selection_rate=0.15,
                                           unselectable_ids=list(tok.special_ids.values()))
     chooser = tf_text.MaskValuesChooser(tok.vocab_size, tok.mask_id, 0.8)

@@ -11,7 +11,7 @@ import pytest
 import kbert
 from kbert.data import records
 from kbert.data.corpus import Corpus, corpus, split_sentences_rules, strip_wiki_markup
-from kbert.data.masking import make_spec, mask_tokens
+from kbert.data.masking import example_keys, make_spec, mask_tokens
 from kbert.data.pairs import build_examples
 from kbert.data.pretraining import pretraining_dataset
 
@@ -204,7 +204,8 @@ def test_whole_word_masking_masks_every_piece(tok):
         spec = make_spec(tok, 0.3, seq, whole_word=True, ngram=ngram)
         total = 0
         for s in range(20):
-            _, pos, _, w = mask_tokens(token_ids, pad, tf.constant([1, s], tf.int64), spec)
+            keys = example_keys(s, tf.range(len(ids)))
+            _, pos, _, w = mask_tokens(token_ids, pad, keys, spec)
             for row in range(len(ids)):
                 chosen = set(pos[row][w[row] > 0].numpy().tolist())
                 total += len(chosen)
@@ -237,6 +238,10 @@ def test_masks_deterministic_and_fresh_each_epoch(tok, tmp_path):
     assert any((a[i][0] != a[i + per_epoch][0]).any() for i in range(per_epoch - 1))
     resumed = run(start=3)
     assert (resumed[0][0] == a[3][0]).all() and (resumed[0][1] == a[3][1]).all()
+    # an example's mask does not depend on the batch size (so not on the number of replicas either)
+    ds8 = pretraining_dataset(str(tmp_path / "rec"), tok, batch_size=8, seed=5, shuffle_buffer=0, max_seq_len=64)
+    first8 = next(iter(ds8))[0]["token_ids"].numpy()
+    assert (first8[:4] == a[0][0]).all() and (first8[4:] == a[1][0]).all()
 
 
 # ---------------------------------------------------------------- pretraining_dataset + records

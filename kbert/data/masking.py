@@ -1,8 +1,9 @@
 """Dynamic masked-LM masking in the TensorFlow graph: token, whole-word and n-gram masking.
 
-Masks are drawn per batch with stateless random ops seeded by `(seed, batch index)`: the same seed gives
-the same masks run after run (and after a resume), while every epoch sees new masks because the batch
-index keeps growing across epochs. This replaces `create_pretraining_data.py`'s static masks stored
+Masks are a pure function of `(seed, example index in the stream, position)`, computed with a counter-based
+integer hash in the graph: the same seed gives the same masks run after run, after a resume, and whatever the
+batch size or the number of replicas the stream is split over, while every epoch sees new masks because the
+example index keeps growing across epochs. This replaces `create_pretraining_data.py`'s static masks stored
 `dupe_factor` times.
 
 Rules (as in BERT / ALBERT):
@@ -53,13 +54,45 @@ def _batch_gather(params, indices):
     return tf.gather(params, indices, batch_dims=1)
 
 
-def mask_tokens(token_ids, padding_mask, seed, spec: MaskSpec):
+def _mix(x):
+    """murmur3-style finalizer on uint32 (wrapping arithmetic)."""
+    import tensorflow as tf
+
+    x = tf.bitwise.bitwise_xor(x, tf.bitwise.right_shift(x, tf.constant(16, tf.uint32)))
+    x = x * tf.constant(0x7FEB352D, tf.uint32)
+    x = tf.bitwise.bitwise_xor(x, tf.bitwise.right_shift(x, tf.constant(15, tf.uint32)))
+    x = x * tf.constant(0x846CA68B, tf.uint32)
+    return tf.bitwise.bitwise_xor(x, tf.bitwise.right_shift(x, tf.constant(16, tf.uint32)))
+
+
+def example_keys(seed: int, index):
+    """uint32 [b] keys from a python seed and int64 example indices [b]."""
+    import tensorflow as tf
+
+    index = tf.cast(index, tf.int64)
+    lo = tf.cast(tf.bitwise.bitwise_and(index, 0xFFFFFFFF), tf.uint32)
+    hi = tf.cast(tf.bitwise.right_shift(index, 32), tf.uint32)
+    s = tf.constant(int(seed) & 0xFFFFFFFF, tf.uint32)
+    return _mix(tf.bitwise.bitwise_xor(lo, _mix(hi + _mix(s + tf.constant(0x9E3779B9, tf.uint32)))))
+
+
+def _uniform(keys, salt: int, length):
+    """float32 [b, length] in [0, 1): a hash of (key, salt, position)."""
+    import tensorflow as tf
+
+    row = _mix(keys + tf.constant((salt * 0x632BE5AB) & 0xFFFFFFFF, tf.uint32))
+    pos = tf.cast(tf.range(length), tf.uint32) * tf.constant(0x9E3779B9, tf.uint32)
+    x = _mix(tf.bitwise.bitwise_xor(row[:, None], pos[None, :]))
+    return tf.cast(tf.bitwise.right_shift(x, tf.constant(8, tf.uint32)), tf.float32) * (1.0 / (1 << 24))
+
+
+def mask_tokens(token_ids, padding_mask, keys, spec: MaskSpec):
     """Masks a batch in the graph.
 
     Args:
         token_ids: int32 [batch, seq].
         padding_mask: bool or int [batch, seq] (1 for real tokens).
-        seed: int [2] stateless seed (e.g. `(seed, batch_index)`).
+        keys: uint32 [batch] per-example keys (`example_keys(seed, example_index)`).
         spec: from `make_spec`.
 
     Returns:
@@ -72,7 +105,6 @@ def mask_tokens(token_ids, padding_mask, seed, spec: MaskSpec):
     token_ids = tf.convert_to_tensor(token_ids, tf.int32)
     shape = tf.shape(token_ids)
     batch, length = shape[0], shape[1]
-    seeds = tf.random.experimental.stateless_split(tf.cast(seed, tf.int64), 5)
     real = tf.cast(padding_mask, tf.bool)
     vocab = spec.vocab_size
     special_table = np.zeros(vocab, bool)
@@ -86,9 +118,10 @@ def mask_tokens(token_ids, padding_mask, seed, spec: MaskSpec):
         unit_start = candidate
     if spec.ngram > 1:  # group consecutive units into n-grams of length k ~ 1/k
         word_index = tf.cumsum(tf.cast(unit_start, tf.int32), axis=1) - 1
-        logits = tf.math.log(1.0 / tf.range(1, spec.ngram + 1, dtype=tf.float32))
-        lengths = tf.random.stateless_categorical(tf.tile(logits[None], [batch, 1]), length, seeds[0],
-                                                  dtype=tf.int32) + 1
+        weights = 1.0 / np.arange(1, spec.ngram + 1)
+        edges = np.cumsum(weights / weights.sum())[:-1].astype(np.float32)  # P(k) proportional to 1/k
+        u = _uniform(keys, 1, length)
+        lengths = 1 + tf.reduce_sum(tf.cast(u[:, :, None] >= tf.constant(edges)[None, None, :], tf.int32), axis=-1)
         group_starts = tf.cumsum(lengths, axis=1, exclusive=True)  # [batch, seq] word indices
         is_group_start = tf.reduce_any(tf.equal(word_index[:, :, None], group_starts[:, None, :]), axis=-1)
         # a group also starts after any non-candidate token (units never span [SEP])
@@ -99,7 +132,7 @@ def mask_tokens(token_ids, padding_mask, seed, spec: MaskSpec):
     flat = unit_id + tf.range(batch)[:, None] * slots
     unit_len = tf.reshape(tf.math.unsorted_segment_sum(tf.cast(candidate, tf.int32), flat, batch * slots),
                           [batch, slots])
-    score = tf.random.stateless_uniform([batch, length], seeds[1])
+    score = _uniform(keys, 2, length)
     unit_score = tf.reshape(tf.math.unsorted_segment_sum(tf.where(unit_start, score, 0.0), flat, batch * slots),
                             [batch, slots])
     unit_len = tf.concat([tf.zeros([batch, 1], tf.int32), unit_len[:, 1:]], axis=1)  # slot 0: no unit
@@ -115,10 +148,10 @@ def mask_tokens(token_ids, padding_mask, seed, spec: MaskSpec):
     take_unit = _batch_gather(take_sorted, tf.argsort(order, axis=1))
     selected = _batch_gather(take_unit, unit_id) & candidate
 
-    r = tf.random.stateless_uniform([batch, length], seeds[2])
+    r = _uniform(keys, 3, length)
     regular = np.array([i for i in range(vocab) if not special_table[i]], np.int32)
-    random_tokens = tf.gather(tf.constant(regular), tf.random.stateless_uniform(
-        [batch, length], seeds[3], minval=0, maxval=len(regular), dtype=tf.int32))
+    pick = tf.cast(_uniform(keys, 4, length) * len(regular), tf.int32)
+    random_tokens = tf.gather(tf.constant(regular), tf.minimum(pick, len(regular) - 1))
     masked = tf.where(selected & (r < 0.8), spec.mask_id, token_ids)
     masked = tf.where(selected & (r >= 0.8) & (r < 0.9), random_tokens, masked)
 

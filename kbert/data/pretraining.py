@@ -7,7 +7,8 @@ Sources:
   shuffle and prefetch; the fast path for real pretraining;
 - `"dummy"`: random token ids generated in the graph (benchmarks, tests, memory probes).
 
-Every batch is masked in the graph (`kbert.data.masking`) with seed `(seed, batch index)`. Batches are
+Every batch is masked in the graph (`kbert.data.masking`); an example's mask depends only on the seed and
+its index in the stream, so it does not change with the batch size or the number of replicas. Batches are
 `(features, labels)`: features `token_ids`, `segment_ids`, `padding_mask` (int32 [b, seq]) and
 `mask_positions` (int32 [b, p]); labels `mask_ids`, `mask_weights` ([b, p]) and, for NSP / SOP,
 `pair_labels` ([b]; 1 = random next segment / swapped order). With a `tf.distribute.InputContext` each input
@@ -25,7 +26,7 @@ import numpy as np
 
 from kbert.data.corpus import Corpus, CorpusReport
 from kbert.data.examples import ExampleBuilder, block_seed, example_blocks
-from kbert.data.masking import make_spec, mask_tokens
+from kbert.data.masking import example_keys, make_spec, mask_tokens
 from kbert.data.pairs import check_objective
 from kbert.data import records as _records
 
@@ -106,19 +107,19 @@ def pretraining_dataset(source, tokenizer, objective: str = "mlm+nsp", max_seq_l
         examples = examples.repeat()
     if shuffle_buffer:
         examples = examples.shuffle(shuffle_buffer, seed=stream_seed % (2 ** 31))
-    ds = examples.batch(batch_size, drop_remainder=drop_remainder).enumerate()
+    ds = examples.enumerate().batch(batch_size, drop_remainder=drop_remainder)
     if start_batch:
         ds = ds.skip(start_batch)
     pad_id = tokenizer.pad_id
 
     def finish(index, batch):
-        ids, lengths, num_a, pair_labels = batch
+        ids, lengths, num_a, pair_labels = batch  # index: [b] example indices in the stream
         positions = tf.range(max_seq_len)[None, :]
         real = positions < lengths[:, None]
         ids = tf.where(real, ids, pad_id)
         segment_ids = tf.cast((positions >= num_a[:, None]) & real, tf.int32)
         masked, mask_positions, mask_ids, mask_weights = mask_tokens(
-            ids, real, tf.stack([tf.constant(stream_seed, tf.int64), index]), spec)
+            ids, real, example_keys(stream_seed, index), spec)
         features = {"token_ids": masked, "segment_ids": segment_ids, "padding_mask": tf.cast(real, tf.int32),
                     "mask_positions": mask_positions}
         labels = {"mask_ids": mask_ids, "mask_weights": mask_weights}
