@@ -27,6 +27,9 @@ _EXPORTS = {
     "corpus": "kbert.data.corpus",
     "Corpus": "kbert.data.corpus",
     "pretraining_dataset": "kbert.data.pretraining",
+    "pretrain": "kbert.train.loop",
+    "PretrainConfig": "kbert.train.config",
+    "plan_batch_size": "kbert.train.memory",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

@@ -134,6 +134,48 @@ def _data_prepare(args):
     print(f"corpus: {report}")
 
 
+def _pretrain(args):
+    from kbert.train.config import PretrainConfig
+    from kbert.train.loop import pretrain
+
+    overrides = list(args.set or [])
+    for key, value in (("data.source", args.corpus), ("data.tokenizer", args.tokenizer), ("output_dir", args.out),
+                       ("model", args.model), ("trainer.steps", args.steps), ("trainer.batch_size", args.batch_size),
+                       ("runtime.strategy", args.strategy), ("runtime.tpu", args.tpu),
+                       ("runtime.precision", args.precision)):
+        if value is not None:
+            import json
+
+            overrides.append(f"{key}={json.dumps(value, ensure_ascii=False) if isinstance(value, list) else value}")
+    config = PretrainConfig.load(args.config, overrides)
+    summary = pretrain(config, resume=not args.no_resume)
+    state = "finished" if summary["finished"] else f"stopped at step {summary['step']} ({summary['stopped_by']})"
+    print(f"{state}: loss {summary['loss']:.4f}, MLM accuracy {summary['mlm_accuracy']:.3f}, "
+          f"{summary['tokens_per_second']:,.0f} tokens/s on {summary['replicas']} replica(s), {summary['precision']}")
+    print(f"checkpoint: {summary['checkpoint']}")
+    if summary.get("model_dir"):
+        print(f"model: {summary['model_dir']}")
+
+
+def _plan(args):
+    from kbert.train.memory import parse_memory, plan_batch_size
+
+    seq_lens = [int(x) for x in args.seq_lens.split(",")]
+    rows = plan_batch_size(args.model, args.memory, seq_lens, target_batch=args.target_batch, replicas=args.replicas,
+                           optimizer=args.optimizer, precision=args.precision, recompute=args.recompute)
+    print(f"{args.model}, {args.memory} ({parse_memory(args.memory) / 1e9:.1f} GB), {args.optimizer}, {args.precision}"
+          + (", activation recomputation" if args.recompute else ""))
+    header = "| seq len | max batch | planned memory |" + (" micro-batch x accumulation x replicas |" if args.target_batch else "")
+    print(header)
+    print("|---|---|---|" + ("---|" if args.target_batch else ""))
+    for r in rows:
+        line = f"| {r['seq_len']} | {r['max_batch']} | {r['memory_at_max'] / 1e9:.2f} GB |"
+        if args.target_batch:
+            line += (f" {r['micro_batch']} x {r['accumulation']} x {r['replicas']} |" if r["micro_batch"] else
+                     " does not fit |")
+        print(line)
+
+
 def _add_corpus_arguments(p):
     p.add_argument("--format", choices=("text", "jsonl", "tsv", "wiki"), help="default: from the file name")
     p.add_argument("--text-field", help="JSONL field with the text (default: text)")
@@ -205,6 +247,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="start over instead of resuming")
     _add_corpus_arguments(p)
     p.set_defaults(func=_data_prepare)
+
+    p = sub.add_parser("pretrain", help="pretrain a BERT/ALBERT (resumable; Ctrl-C or SIGTERM saves)")
+    p.add_argument("--config", help="YAML or JSON config (see kbert/train/config.py)")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override, e.g. optimizer.learning_rate=1e-4")
+    p.add_argument("--corpus", nargs="+", help="data.source: corpus paths/names, a records dir, or dummy")
+    p.add_argument("--tokenizer", help="data.tokenizer")
+    p.add_argument("--model", help="a preset name (bert-tiny, ..., albert-base)")
+    p.add_argument("--out", help="output_dir")
+    p.add_argument("--steps", type=int)
+    p.add_argument("--batch-size", help="global batch size, or auto (planned from device memory)")
+    p.add_argument("--strategy", choices=("auto", "tpu", "mirrored", "multiworker", "cpu"))
+    p.add_argument("--tpu", help="TPU name (or set TPU_NAME)")
+    p.add_argument("--precision", choices=("auto", "float32", "mixed_float16", "mixed_bfloat16"))
+    p.add_argument("--no-resume", action="store_true", help="fail instead of resuming when checkpoints exist")
+    p.set_defaults(func=_pretrain)
+
+    p = sub.add_parser("plan", help="the largest batch that fits device memory, per sequence length")
+    p.add_argument("--model", default="bert-base", help="preset name")
+    p.add_argument("--memory", default="12GB", help="device memory, e.g. 12GB, 80GiB")
+    p.add_argument("--seq-lens", default="64,128,256,320,384,512")
+    p.add_argument("--optimizer", choices=("adam", "adamw", "lamb", "sgd"), default="adamw")
+    p.add_argument("--precision", choices=("float32", "mixed_float16", "mixed_bfloat16"), default="float32")
+    p.add_argument("--target-batch", type=int, help="global batch to reach with accumulation and replicas")
+    p.add_argument("--replicas", type=int, default=1)
+    p.add_argument("--recompute", action="store_true", help="activation recomputation")
+    p.set_defaults(func=_plan)
     return parser
 
 

@@ -124,6 +124,18 @@ def _parse(text: str, path: str):
     return yaml.safe_load(text)
 
 
+def _coerce(field, value, key: str):
+    """YAML reads `3e-4` as a string: numbers are converted by the field's type, with the key in the error."""
+    kind = str(field.type)
+    if isinstance(value, str) and ("float" in kind or "int" in kind) and not kind.startswith("Union[int, str]"):
+        try:
+            number = float(value)
+        except ValueError:
+            raise ValueError(f"`{key}` must be a number. Received: {value!r}") from None
+        return int(number) if "int" in kind and "float" not in kind and number.is_integer() else number
+    return value
+
+
 def _build(cls, values: dict, prefix: str):
     if not isinstance(values, dict):
         raise ValueError(f"`{prefix.rstrip('.') or 'config'}` must be a mapping. Received: {values!r}")
@@ -138,5 +150,5 @@ def _build(cls, values: dict, prefix: str):
         if dataclasses.is_dataclass(default):
             kwargs[name] = _build(type(default), value or {}, f"{prefix}{name}.")
         else:
-            kwargs[name] = value
+            kwargs[name] = _coerce(fields[name], value, f"{prefix}{name}")
     return cls(**kwargs)

@@ -160,7 +160,9 @@ def pretrain(config: Union[PretrainConfig, dict, str], overrides=None, resume: b
             loss = losses["loss"] / replicas
             scaled = optimizer.scale_loss(loss) if hasattr(optimizer, "scale_loss") else loss
         grads = tape.gradient(scaled, model.trainable_variables)
-        optimizer.apply(grads, model.trainable_variables)
+        # the pooler gets no gradient without a pair objective: leave it out instead of warning every step
+        pairs = [(g, v) for g, v in zip(grads, model.trainable_variables) if g is not None]
+        optimizer.apply([g for g, _ in pairs], [v for _, v in pairs])
         return {k: v / replicas for k, v in losses.items()}
 
     jit = rt.jit if rt.jit != "auto" else device_kind(strategy) != "cpu"
@@ -210,7 +212,7 @@ def pretrain(config: Union[PretrainConfig, dict, str], overrides=None, resume: b
                     for k, v in metrics.items():
                         tf.summary.scalar(k, v)
                     tf.summary.scalar("tokens_per_second", tps)
-                    tf.summary.scalar("learning_rate", float(_learning_rate(optimizer, current * t.accumulation)))
+                    tf.summary.scalar("learning_rate", float(_learning_rate(optimizer, current - 1)))
             bar.update(1)
             if current % t.checkpoint_every == 0:
                 manager.save(checkpoint_number=current)

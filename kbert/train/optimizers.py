@@ -14,16 +14,16 @@ NO_DECAY = ("bias", "beta", "gamma", "layer_norm", "layernorm")
 @keras.saving.register_keras_serializable("kbert")
 class WarmupDecay(keras.optimizers.schedules.LearningRateSchedule):
     """`peak * step / warmup` for `step < warmup`, then polynomial decay (power 1: linear) to `end` at
-    `total_steps`. `steps_per_update` converts optimizer iterations (one per micro-batch when accumulating)
-    into updates."""
+    `total_steps`. Steps are optimizer updates (Keras' `iterations` already counts a group of accumulated
+    micro-batches as one)."""
 
-    def __init__(self, peak, total_steps, warmup_steps=0, end=0.0, power=1.0, steps_per_update=1):
+    def __init__(self, peak, total_steps, warmup_steps=0, end=0.0, power=1.0):
         self.peak, self.total_steps, self.warmup_steps = float(peak), int(total_steps), int(warmup_steps)
-        self.end, self.power, self.steps_per_update = float(end), float(power), int(steps_per_update)
+        self.end, self.power = float(end), float(power)
 
     def __call__(self, step):
         ops = keras.ops
-        step = ops.cast(step // self.steps_per_update, "float32")
+        step = ops.cast(step, "float32")
         warm = self.peak * (step + 1.0) / max(self.warmup_steps, 1)
         span = max(self.total_steps - self.warmup_steps, 1)
         frac = ops.clip((step - self.warmup_steps) / span, 0.0, 1.0)
@@ -32,7 +32,7 @@ class WarmupDecay(keras.optimizers.schedules.LearningRateSchedule):
 
     def get_config(self):
         return {"peak": self.peak, "total_steps": self.total_steps, "warmup_steps": self.warmup_steps,
-                "end": self.end, "power": self.power, "steps_per_update": self.steps_per_update}
+                "end": self.end, "power": self.power}
 
 
 def make_optimizer(config, total_steps: int, accumulation: int = 1, precision: str = "float32"):
@@ -45,7 +45,7 @@ def make_optimizer(config, total_steps: int, accumulation: int = 1, precision: s
         raise ValueError(f"`trainer.accumulation` must be a positive integer. Received: {accumulation!r}")
     power = 1.0 if config.decay == "linear" else config.power
     end = config.learning_rate if config.decay == "constant" else config.end_learning_rate
-    schedule = WarmupDecay(config.learning_rate, total_steps, config.warmup_steps, end, power, accumulation)
+    schedule = WarmupDecay(config.learning_rate, total_steps, config.warmup_steps, end, power)
     kwargs = dict(learning_rate=schedule, weight_decay=config.weight_decay, beta_1=config.beta_1,
                   beta_2=config.beta_2, epsilon=config.epsilon, global_clipnorm=config.clip_norm,
                   gradient_accumulation_steps=accumulation if accumulation > 1 else None)

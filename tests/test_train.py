@@ -1,0 +1,203 @@
+"""The pretraining loop: learning, resume, accumulation, strategies, signals and bad configs."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+
+import numpy as np
+import pytest
+
+import kbert
+from kbert.data.corpus import corpus
+from kbert.train.config import PretrainConfig
+from kbert.train.loop import pretrain
+
+TINY = {"architecture": "bert", "hidden_size": 64, "num_layers": 2, "num_heads": 2, "intermediate_size": 128,
+        "max_position": 128}
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("tok"))
+    kbert.Tokenizer.train(corpus(["kolaw", "kobill"]), vocab_size=1500, progress=False).save(path)
+    return path
+
+
+def _config(tok_dir, out, steps, **sections):
+    cfg = {"model": dict(TINY, dropout=0.0, attention_dropout=0.0),
+           "data": {"source": ["kolaw", "kobill"], "tokenizer": tok_dir, "max_seq_len": 64, "workers": 0,
+                    "shuffle_buffer": 100},
+           "optimizer": {"learning_rate": 2e-3, "warmup_steps": 10},
+           "trainer": {"steps": steps, "batch_size": 16, "log_every": 5, "checkpoint_every": 1000},
+           "runtime": {"strategy": "cpu", "seed": 3}, "output_dir": out}
+    for name, values in sections.items():
+        cfg[name] = {**cfg.get(name, {}), **values} if isinstance(values, dict) else values
+    return cfg
+
+
+def test_tiny_model_learns_and_writes_a_loadable_model(tok_dir, tmp_path):
+    summary = pretrain(_config(tok_dir, str(tmp_path / "run"), 300, model=dict(TINY),
+                               optimizer={"learning_rate": 5e-3, "warmup_steps": 30}), progress=False)
+    history = summary["history"]
+    assert summary["finished"] and len(history) == 300
+    start, end = np.mean(history[:5]), np.mean(history[-10:])
+    # MLM + NSP loss: ~8.0 at the start (log 1500 + log 2), ~6.8 after 300 steps of this 64-wide model
+    assert end < start - 1.0, (start, end)
+    model = kbert.load_model(summary["model_dir"])
+    assert model.config.hidden_size == 64
+    assert os.path.isfile(os.path.join(summary["model_dir"], "tokenizer", "tokenizer.json"))
+    assert os.path.isfile(os.path.join(str(tmp_path / "run"), "config.json"))
+    assert os.listdir(os.path.join(str(tmp_path / "run"), "logs"))  # TensorBoard events
+
+
+def test_resume_continues_with_identical_next_step(tok_dir, tmp_path):
+    full = pretrain(_config(tok_dir, str(tmp_path / "full"), 12, model=dict(TINY)), progress=False)
+    part = pretrain(_config(tok_dir, str(tmp_path / "part"), 12, model=dict(TINY)), progress=False, stop_after=7)
+    assert part["step"] == 7 and not part["finished"] and part["checkpoint"].endswith("ckpt-7")
+    rest = pretrain(_config(tok_dir, str(tmp_path / "part"), 12, model=dict(TINY)), progress=False)
+    assert rest["finished"] and len(rest["history"]) == 5
+    np.testing.assert_allclose(part["history"] + rest["history"], full["history"], rtol=1e-5)
+    with pytest.raises(ValueError, match="already has checkpoints"):
+        pretrain(_config(tok_dir, str(tmp_path / "part"), 12), progress=False, resume=False)
+
+
+def test_sigterm_saves_and_stops(tok_dir, tmp_path):
+    out = str(tmp_path / "run")
+    timer = threading.Timer(6.0, lambda: os.kill(os.getpid(), signal.SIGTERM))
+    timer.start()
+    try:
+        summary = pretrain(_config(tok_dir, out, 100_000), progress=False)
+    finally:
+        timer.cancel()
+    assert summary["stopped_by"] == "SIGTERM" and 0 < summary["step"] < 100_000
+    assert summary["checkpoint"].endswith(f"ckpt-{summary['step']}")
+    again = pretrain(_config(tok_dir, out, 100_000), progress=False, stop_after=1)
+    assert again["step"] == summary["step"] + 1
+
+
+def test_gradient_accumulation_equals_one_large_batch(tok_dir, tmp_path):
+    # Token-level masking at a rate that always hits max_predictions: every sequence has exactly 10 targets,
+    # so the mean of micro-batch means is the batch mean. A huge epsilon makes Adam an SGD-like update
+    # (lr * m / (sqrt(v) + 1)), so weights compare without Adam's sign amplification of rounding noise.
+    data = {"source": "dummy", "mask_rate": 0.5, "max_predictions": 10, "shuffle_buffer": 0, "whole_word": False}
+    opt = {"learning_rate": 1.0, "epsilon": 1.0, "weight_decay": 0.0, "clip_norm": None, "warmup_steps": 0,
+           "decay": "constant"}
+    one = pretrain(_config(tok_dir, str(tmp_path / "a"), 3, data=data, optimizer=opt), progress=False)
+    acc = pretrain(_config(tok_dir, str(tmp_path / "b"), 3, data=data, optimizer=opt, trainer={"accumulation": 4}),
+                   progress=False)
+    np.testing.assert_allclose(acc["history"], one["history"], rtol=1e-5)
+    a, b = kbert.load_model(one["model_dir"]), kbert.load_model(acc["model_dir"])
+    diff = max(float(np.abs(np.asarray(x) - np.asarray(y)).max()) for x, y in zip(a.weights, b.weights))
+    assert diff < 1e-5, diff
+    frozen = pretrain(_config(tok_dir, str(tmp_path / "c"), 3, data=data, optimizer=dict(opt, learning_rate=0.0)),
+                      progress=False)  # the initial weights: the updates above must have moved them
+    c = kbert.load_model(frozen["model_dir"])
+    assert max(float(np.abs(np.asarray(x) - np.asarray(y)).max()) for x, y in zip(a.weights, c.weights)) > 1e-3
+
+
+def test_mirrored_two_cpus_matches_one_device(tok_dir, tmp_path):
+    script = textwrap.dedent(f"""
+        import json, sys
+        import tensorflow as tf
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        from test_train import _config
+        from kbert.train.loop import pretrain
+        data = {{"source": "dummy", "mask_rate": 0.5, "max_predictions": 10, "shuffle_buffer": 0, "whole_word": False}}
+        out = {{}}
+        for strategy in ("cpu", "mirrored"):
+            s = pretrain(_config({tok_dir!r}, {str(tmp_path)!r} + "/" + strategy, 5, data=data,
+                                 runtime={{"strategy": strategy, "seed": 3}}), progress=False)
+            out[strategy] = (s["replicas"], s["history"])
+        print("RESULT", json.dumps(out))
+    """)
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
+    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT")]
+    assert line, proc.stderr[-3000:]
+    import json
+
+    result = json.loads(line[0][len("RESULT "):])
+    assert result["cpu"][0] == 1 and result["mirrored"][0] == 2
+    np.testing.assert_allclose(result["mirrored"][1], result["cpu"][1], rtol=1e-5)
+
+
+def test_bad_configs_name_the_key(tok_dir, tmp_path):
+    with pytest.raises(ValueError, match="Unknown config key `trainer.stepz`"):
+        PretrainConfig.from_dict({"trainer": {"stepz": 3}})
+    with pytest.raises(ValueError, match="Unknown config key `optimiser`"):
+        PretrainConfig.from_dict({"optimiser": {}})
+    with pytest.raises(ValueError, match="max_seq_len.*position"):
+        pretrain(_config(tok_dir, str(tmp_path / "a"), 2, data={"max_seq_len": 512}), progress=False)
+    with pytest.raises(ValueError, match="divisible by replicas x accumulation"):
+        pretrain(_config(tok_dir, str(tmp_path / "b"), 2, trainer={"batch_size": 10, "accumulation": 4}),
+                 progress=False)
+    with pytest.raises(ValueError, match="data.source"):
+        pretrain(_config(tok_dir, str(tmp_path / "c"), 2, data={"source": None}), progress=False)
+    with pytest.raises(FileNotFoundError):
+        pretrain(_config(tok_dir, str(tmp_path / "d"), 2, data={"source": str(tmp_path / "missing.txt")}),
+                 progress=False)
+    with pytest.raises(ValueError, match="optimizer.name"):
+        pretrain(_config(tok_dir, str(tmp_path / "e"), 2, optimizer={"name": "sgd"}), progress=False)
+    cfg = PretrainConfig.load(None, ["optimizer.learning_rate=3e-4", "trainer.batch_size=auto", "model=bert-mini"])
+    assert cfg.optimizer.learning_rate == 3e-4 and cfg.trainer.batch_size == "auto" and cfg.model == "bert-mini"
+
+
+# ---------------------------------------------------------------- memory planner
+def test_planner_matches_the_reference_12gb_table():
+    from kbert.train.memory import REFERENCE_12GB, plan_batch_size
+
+    for name, reference in REFERENCE_12GB.items():
+        rows = plan_batch_size(name, "12GB", list(reference), optimizer="adam", precision="float32")
+        planned = [r["max_batch"] for r in rows]
+        assert planned == sorted(planned, reverse=True)  # monotone in sequence length
+        for row in rows:
+            expected = reference[row["seq_len"]]
+            if expected == 0:
+                assert row["max_batch"] <= 1
+            else:
+                assert abs(row["max_batch"] - expected) <= 0.35 * expected, (name, row, expected)
+
+
+def test_planner_mixed_precision_accumulation_and_errors():
+    from kbert.models.config import ModelConfig
+    from kbert.train.memory import estimate_memory, max_batch_size, plan_batch_size
+
+    cfg = ModelConfig.preset("bert-base")
+    fp32 = max_batch_size(cfg, "16GB", 512)
+    assert max_batch_size(cfg, "16GB", 512, precision="mixed_bfloat16") > fp32
+    assert max_batch_size(cfg, "16GB", 512, recompute=True) > fp32
+    assert estimate_memory(cfg, 8, 512, optimizer="sgd")["total"] < estimate_memory(cfg, 8, 512)["total"] - 1e9
+    # ALBERT shares its layers: far less parameter memory than BERT of the same shape
+    albert = ModelConfig.preset("albert-base")
+    assert estimate_memory(albert, 8, 128)["weights_grads_slots"] < 0.2 * estimate_memory(cfg, 8, 128)["weights_grads_slots"]
+    (row,) = plan_batch_size("bert-base", "12GB", [128], target_batch=256, replicas=2, optimizer="adam")
+    assert row["micro_batch"] * row["accumulation"] * row["replicas"] == 256
+    assert row["micro_batch"] <= row["max_batch"]
+    with pytest.raises(ValueError, match="beyond the model's position"):
+        plan_batch_size("bert-base", "12GB", [1024])
+    with pytest.raises(ValueError, match="memory"):
+        plan_batch_size("bert-base", "twelve", [128])
+
+
+def test_plan_and_pretrain_commands(tok_dir, tmp_path):
+    from kbert.cli import main
+
+    assert main(["plan", "--model", "bert-large", "--memory", "12GB", "--optimizer", "adam",
+                 "--target-batch", "64"]) == 0
+    out = str(tmp_path / "cli")
+    assert main(["pretrain", "--corpus", "kolaw", "--tokenizer", tok_dir, "--out", out, "--steps", "3",
+                 "--batch-size", "8", "--strategy", "cpu", "--set", "data.max_seq_len=32", "--set", "data.workers=0",
+                 "--set", f"model={json_dumps(dict(TINY))}"]) == 0
+    assert os.path.isdir(os.path.join(out, "model"))
+    assert main(["pretrain", "--set", "trainer.stepz=3"]) == 1
+
+
+def json_dumps(obj):
+    import json
+
+    return json.dumps(obj)
