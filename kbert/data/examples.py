@@ -88,12 +88,20 @@ def resolve_workers(workers: Optional[int]) -> int:
     return workers
 
 
+def start_pool(builder: ExampleBuilder, workers: int):
+    """Worker processes for `example_blocks(pool=...)`, started now (spawning and importing take seconds:
+    start them while the rest of the input pipeline is being built, and keep them across epochs)."""
+    ctx = mp.get_context("spawn")  # never fork a process that has TensorFlow's threads running
+    return ctx.Pool(workers, initializer=_init_worker, initargs=(builder,))
+
+
 def example_blocks(builder: ExampleBuilder, seed: int, epoch: int = 0, workers: Optional[int] = None,
                    docs_per_block: int = 256, report: Optional[CorpusReport] = None,
-                   keep=lambda index: True) -> Iterator[Tuple[int, Dict[str, np.ndarray]]]:
+                   keep=lambda index: True, pool=None) -> Iterator[Tuple[int, Dict[str, np.ndarray]]]:
     """Yields `(block index, block)` in order. `keep(index)` decides which blocks are built at all (used for
     per-worker sharding and for skipping finished shards on resume); skipped blocks are still read so
-    block indices stay stable. `workers=0` builds in this process."""
+    block indices stay stable. `workers=0` builds in this process; `pool` (from `start_pool`) is used and
+    left running when given."""
     report = CorpusReport() if report is None else report
     workers = resolve_workers(workers)
     tasks = ((i, raw, block_seed(seed, epoch, i))
@@ -104,8 +112,9 @@ def example_blocks(builder: ExampleBuilder, seed: int, epoch: int = 0, workers: 
             report.add(r)  # clean() counts emptied documents down from `documents`
             yield i, block
         return
-    ctx = mp.get_context("spawn")  # never fork a process that has TensorFlow's threads running
-    with ctx.Pool(workers, initializer=_init_worker, initargs=(builder,)) as pool:
+    own = pool is None
+    pool = start_pool(builder, workers) if own else pool
+    try:
         pending = collections.deque()
         for task in tasks:  # at most 2 blocks per worker in flight: a huge corpus is never read ahead
             pending.append(pool.apply_async(_run_block, (task,)))
@@ -113,6 +122,9 @@ def example_blocks(builder: ExampleBuilder, seed: int, epoch: int = 0, workers: 
                 yield _collect(pending.popleft(), report)
         while pending:
             yield _collect(pending.popleft(), report)
+    finally:
+        if own:
+            pool.terminate()
 
 
 def _collect(result, report: CorpusReport):

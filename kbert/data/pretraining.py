@@ -25,7 +25,7 @@ from typing import Optional
 import numpy as np
 
 from kbert.data.corpus import Corpus, CorpusReport
-from kbert.data.examples import ExampleBuilder, block_seed, example_blocks
+from kbert.data.examples import ExampleBuilder, block_seed, example_blocks, resolve_workers, start_pool
 from kbert.data.masking import example_keys, make_spec, mask_tokens
 from kbert.data.pairs import check_objective
 from kbert.data import records as _records
@@ -154,9 +154,12 @@ def _check_yields_examples(builder: ExampleBuilder, seed: int, docs_per_block: i
 def _raw_examples(builder, seed, workers, docs_per_block, num_pipelines, pipeline_id, report, max_seq_len, repeat):
     import tensorflow as tf
 
+    workers = resolve_workers(workers)
+    pool = start_pool(builder, workers) if workers else None  # one pool for every epoch, warming up already
+
     def generate(epoch):
         for _, block in example_blocks(builder, seed, int(epoch), workers, docs_per_block, report,
-                                       keep=lambda i: i % num_pipelines == pipeline_id):
+                                       keep=lambda i: i % num_pipelines == pipeline_id, pool=pool):
             yield block["token_ids"], block["lengths"], block["num_a"], block["pair_labels"]
 
     epochs = tf.data.Dataset.range(sys.maxsize if repeat else 1)

@@ -1,0 +1,72 @@
+"""End-to-end pretraining throughput through `kbert.pretrain` (input pipeline, masking, train step, logging,
+checkpointing): tokens/s and model-FLOPs utilization (MFU) against this machine's measured matmul peak.
+
+Runs `kbert.pretrain` on the synthetic `dummy` source (so the figure is the trainer's, not the corpus
+reader's) for each model, after a warm-up run that compiles the step, and prints tokens/s and MFU beside the
+bare-matmul peak measured in the same run. On a GPU machine the same models run on Keras' JAX backend with
+`benchmarks/train_step.py`-style synthetic batches (see benchmarks/README.md for the device figures).
+
+    python benchmarks/pretrain.py --models bert-tiny,bert-mini --seq 128 --batch 32 --steps 40
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(_HERE))
+sys.path.insert(0, _HERE)
+
+from train_step import matmul_peak, train_flops_per_step  # noqa: E402
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="bert-tiny,bert-mini")
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--vocab-size", type=int, default=8000)
+    args = parser.parse_args(argv)
+
+    import kbert
+    from kbert.models.config import ModelConfig
+
+    tmp = tempfile.mkdtemp(prefix="kbert-pretrain-bench-")
+    tok = kbert.Tokenizer.train(kbert.corpus(["kolaw", "kobill"]), vocab_size=min(args.vocab_size, 4000),
+                                progress=False)
+    tok.save(os.path.join(tmp, "tok"))
+    peak = matmul_peak()
+    print(f"{os.cpu_count()} cpus; measured fp32 matmul peak {peak / 1e9:.1f} GFLOP/s")
+    print("| model | params | tokens/s | MFU |")
+    print("|---|---|---|---|")
+    for name in args.models.split(","):
+        cfg = ModelConfig.preset(name, vocab_size=tok.vocab_size)
+        predictions = int(round(args.seq * 0.15)) + 1
+        config = {"model": name, "data": {"source": "dummy", "tokenizer": os.path.join(tmp, "tok"),
+                                          "max_seq_len": args.seq, "max_predictions": predictions},
+                  "optimizer": {"learning_rate": 1e-4, "warmup_steps": 10},
+                  "trainer": {"steps": args.steps, "batch_size": args.batch, "log_every": 10,
+                              "checkpoint_every": 10 ** 9},
+                  "runtime": {"strategy": "auto", "precision": "auto"}}
+        out = os.path.join(tmp, name)
+        kbert.pretrain(dict(config, output_dir=out), progress=False, stop_after=5)  # compile + warm-up
+        t0 = time.perf_counter()
+        summary = kbert.pretrain(dict(config, output_dir=out), progress=False)
+        elapsed = time.perf_counter() - t0
+        tps = summary["tokens_per_second"]
+        flops = train_flops_per_step({"hidden": cfg.hidden_size, "intermediate": cfg.intermediate_size,
+                                      "layers": cfg.num_layers, "vocab": cfg.vocab_size}, args.batch, args.seq,
+                                     predictions)
+        steps_per_s = tps / (args.batch * args.seq)
+        print(f"| {name} | {cfg.num_parameters() / 1e6:.1f}M | {tps:,.0f} | {flops * steps_per_s / peak * 100:.1f}% |"
+              f"  ({args.steps - 5} steps in {elapsed:.1f}s incl. start-up and the final save)")
+
+
+if __name__ == "__main__":
+    main()
