@@ -201,3 +201,19 @@ def json_dumps(obj):
     import json
 
     return json.dumps(obj)
+
+
+def test_nan_loss_stops_with_the_last_good_checkpoint(tok_dir, tmp_path):
+    from kbert.train.loop import TrainingDiverged
+
+    out = str(tmp_path / "nan")
+    cfg = _config(tok_dir, out, 50, data={"source": "dummy"}, trainer={"checkpoint_every": 1},
+                  optimizer={"learning_rate": 1e30, "clip_norm": None, "warmup_steps": 0, "weight_decay": 0.0})
+    with pytest.raises(TrainingDiverged, match="last good checkpoint is intact") as err:
+        pretrain(cfg, progress=False)
+    import tensorflow as tf
+
+    latest = tf.train.latest_checkpoint(os.path.join(out, "checkpoints"))
+    assert latest is not None and latest in str(err.value)
+    good = int(latest.rsplit("-", 1)[1])
+    assert f"at step {good + 1}" in str(err.value)
