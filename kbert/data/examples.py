@@ -61,6 +61,9 @@ class ExampleBuilder:
 
 def _init_worker(builder):
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    # one thread per worker (WordPiece tokenizes through TensorFlow here): the workers are the parallelism
+    os.environ.setdefault("TF_NUM_INTRAOP_THREADS", "1")
+    os.environ.setdefault("TF_NUM_INTEROP_THREADS", "1")
     _STATE["builder"] = builder
 
 
