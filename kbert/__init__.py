@@ -30,6 +30,7 @@ _EXPORTS = {
     "pretrain": "kbert.train.loop",
     "PretrainConfig": "kbert.train.config",
     "plan_batch_size": "kbert.train.memory",
+    "Embedder": "kbert.embed.embedder",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

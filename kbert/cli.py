@@ -176,6 +176,41 @@ def _plan(args):
         print(line)
 
 
+def _embed(args):
+    import itertools
+    import json
+
+    import numpy as np
+
+    from kbert.embed.embedder import Embedder
+
+    emb = Embedder.load(args.model)
+    if args.format == "npy" and not args.out:
+        raise ValueError("--format npy needs --out FILE.npy")
+    source = open(args.input, encoding="utf-8") if args.input else sys.stdin
+    chunks = []
+    lines = (line.rstrip("\n") for line in source)
+    while True:  # streaming: a chunk of lines at a time
+        chunk = list(itertools.islice(lines, args.chunk))
+        if not chunk:
+            break
+        if args.words:
+            for text, words in zip(chunk, emb.encode_words(chunk, unit=args.unit)):
+                print(json.dumps({"text": text, "words": [{"word": w, "start": s, "end": e,
+                                                           "vector": [round(float(x), 6) for x in v]}
+                                                          for w, s, e, v in words]}, ensure_ascii=False))
+            continue
+        vectors = emb.encode(chunk, pooling=args.pooling, progress=False)
+        if args.format == "npy":
+            chunks.append(vectors)
+        else:
+            for text, v in zip(chunk, vectors):
+                print(json.dumps({"text": text, "vector": [round(float(x), 6) for x in v]}, ensure_ascii=False))
+    if args.format == "npy":
+        np.save(args.out, np.concatenate(chunks) if chunks else np.zeros((0, emb.backbone.config.hidden_size)))
+        print(f"wrote {sum(len(c) for c in chunks)} vectors to {args.out}", file=sys.stderr)
+
+
 def _add_corpus_arguments(p):
     p.add_argument("--format", choices=("text", "jsonl", "tsv", "wiki"), help="default: from the file name")
     p.add_argument("--text-field", help="JSONL field with the text (default: text)")
@@ -262,6 +297,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", choices=("auto", "float32", "mixed_float16", "mixed_bfloat16"))
     p.add_argument("--no-resume", action="store_true", help="fail instead of resuming when checkpoints exist")
     p.set_defaults(func=_pretrain)
+
+    p = sub.add_parser("embed", help="sentence (or word) vectors for lines of text (stdin or --input)")
+    p.add_argument("--model", required=True, help="model dir (kbert, or Hugging Face with its vocab)")
+    p.add_argument("--input", help="text file, one text per line (default: stdin)")
+    p.add_argument("--pooling", choices=("mean", "cls", "max", "first_last_avg"), default="mean")
+    p.add_argument("--words", action="store_true", help="word vectors instead of sentence vectors")
+    p.add_argument("--unit", choices=("eojeol", "morpheme", "subword"), default="eojeol", help="with --words")
+    p.add_argument("--format", choices=("jsonl", "npy"), default="jsonl")
+    p.add_argument("--out", help="output file for --format npy")
+    p.add_argument("--chunk", type=int, default=256, help="lines per batch of work")
+    p.set_defaults(func=_embed)
 
     p = sub.add_parser("plan", help="the largest batch that fits device memory, per sequence length")
     p.add_argument("--model", default="bert-base", help="preset name")

@@ -1,0 +1,226 @@
+"""`kbert.Embedder`: Korean sentence and word vectors from any model `kbert.load_model` reads.
+
+    emb = kbert.Embedder.load("my-model")                 # a kbert model dir (with its tokenizer), or a
+    vectors = emb.encode(["문장 하나", "문장 둘"])            # Hugging Face dir holding vocab.txt / spm model
+    emb.similarity(vectors, vectors); emb.search(["질문"], corpus_texts, top_k=5)
+    emb.encode_words("학교에서 공부했다", unit="eojeol")  # [(word, start, end, vector), ...]
+
+Texts are tokenized once, sorted by length and run in batches padded only to the longest text of each batch
+(rounded up to a multiple of 8, so few shapes are compiled); results come back in input order. Texts longer
+than `max_length` are truncated with one warning that counts them. An empty or blank text encodes as
+`[CLS] [SEP]`, a defined vector.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import List, Optional, Sequence, Union
+
+import numpy as np
+
+POOLINGS = ("mean", "cls", "max", "first_last_avg")
+UNITS = ("eojeol", "morpheme", "subword")
+WORD_POOLINGS = ("mean", "first")
+
+
+class Embedder:
+    """Sentence and word embeddings from a BERT/ALBERT backbone and its tokenizer."""
+
+    def __init__(self, backbone, tokenizer, max_length: Optional[int] = None):
+        if not getattr(backbone, "output_hidden_states", False):
+            raise ValueError("Embedder needs a backbone built with output_hidden_states=True; use Embedder.load(dir)")
+        self.backbone, self.tokenizer = backbone, tokenizer
+        self.max_length = min(max_length or backbone.config.max_position, backbone.config.max_position)
+        self._fn = None
+
+    @classmethod
+    def load(cls, model_dir: str, max_length: Optional[int] = None, dtype: Optional[str] = None) -> "Embedder":
+        from kbert.convert import load_model
+        from kbert.models.io import TOKENIZER_DIR
+        from kbert.text.tokenizer import Tokenizer
+
+        backbone = load_model(model_dir, output_hidden_states=True, dtype=dtype)
+        tok_dir = os.path.join(model_dir, TOKENIZER_DIR)
+        try:
+            tokenizer = Tokenizer.load(tok_dir if os.path.isdir(tok_dir) else model_dir)
+        except (FileNotFoundError, ValueError) as e:
+            raise FileNotFoundError(f"{model_dir!r} has no tokenizer kbert can read (a `tokenizer/` dir, vocab.txt "
+                                    f"or a SentencePiece .model): {e}") from None
+        if tokenizer.vocab_size > backbone.config.vocab_size:
+            raise ValueError(f"The tokenizer has {tokenizer.vocab_size} tokens but the model only "
+                             f"{backbone.config.vocab_size} embeddings")
+        return cls(backbone, tokenizer, max_length)
+
+    # ----------------------------------------------------------------- running the model
+    def _run(self, ids: np.ndarray, mask: np.ndarray):
+        import tensorflow as tf
+
+        if self._fn is None:
+            self._fn = tf.function(lambda x: self.backbone(x, training=False), reduce_retracing=True)
+        out = self._fn({"token_ids": tf.constant(ids), "segment_ids": tf.zeros_like(ids),
+                        "padding_mask": tf.constant(mask)})
+        return [np.asarray(h, dtype=np.float32) for h in out["hidden_states"]]
+
+    def _batches(self, encodings, batch_size: int, progress: Optional[bool]):
+        """Yields (indices, hidden_states list, mask) over length-sorted batches."""
+        from kbert.utils import progress_bar
+
+        order = np.argsort([len(e.ids) for e in encodings], kind="stable")
+        show = progress if progress is not None else len(encodings) >= 10 * batch_size
+        bar = progress_bar(total=len(encodings), desc="encode", unit=" texts", enabled=show)
+        for start in range(0, len(order), batch_size):
+            index = order[start:start + batch_size]
+            width = max(len(encodings[i].ids) for i in index)
+            width = min(-(-width // 8) * 8, self.max_length)
+            ids = np.full((len(index), width), self.tokenizer.pad_id, np.int32)
+            mask = np.zeros((len(index), width), np.int32)
+            for row, i in enumerate(index):
+                n = len(encodings[i].ids)
+                ids[row, :n] = encodings[i].ids
+                mask[row, :n] = 1
+            yield index, self._run(ids, mask), mask
+            bar.update(len(index))
+        bar.close()
+
+    def _encode_texts(self, texts, max_length):
+        max_length = min(max_length or self.max_length, self.max_length)
+        encodings = self.tokenizer.encode_batch(list(texts))
+        truncated = sum(len(e.ids) > max_length for e in encodings)
+        if truncated:
+            warnings.warn(f"{truncated} of {len(encodings)} texts are longer than {max_length} tokens and were "
+                          f"truncated (pass max_length= up to {self.backbone.config.max_position})", stacklevel=3)
+            encodings = self.tokenizer.encode_batch(list(texts), max_length=max_length)
+        return encodings
+
+    @staticmethod
+    def _layers(hidden, layers):
+        """Average of the chosen layers' outputs (-1: the last; indices count the embedding output as 0)."""
+        chosen = [layers] if isinstance(layers, int) else list(layers)
+        if not chosen:
+            raise ValueError("`layers` must be an int or a non-empty list of ints")
+        for l in chosen:
+            if not -len(hidden) <= l < len(hidden):
+                raise ValueError(f"`layers` entries must be in [{-len(hidden)}, {len(hidden) - 1}] (0 is the "
+                                 f"embedding output). Received: {l}")
+        return np.mean([hidden[l] for l in chosen], axis=0)
+
+    # ----------------------------------------------------------------- public API
+    def encode(self, texts: Union[str, Sequence[str]], pooling: str = "mean", layers: Union[int, List[int]] = -1,
+               normalize: bool = True, batch_size: int = 64, max_length: Optional[int] = None,
+               progress: Optional[bool] = None) -> np.ndarray:
+        """Sentence vectors `[n, hidden]` (a single string gives `[hidden]`), float32, in input order.
+
+        pooling: "mean" (over real tokens, [CLS]/[SEP] included, as sentence-transformers), "cls" (the [CLS]
+            vector; poor for similarity before fine-tuning), "max", or "first_last_avg" (mean pooling of the
+            first and last layers averaged, a strong untuned baseline).
+        layers: -1, or a list of layers to average before pooling (0 = embedding output).
+        normalize: unit length, so dot products are cosine similarities.
+        """
+        if pooling not in POOLINGS:
+            raise ValueError(f"`pooling` must be one of {POOLINGS}. Received: pooling={pooling!r}")
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"`batch_size` must be a positive integer. Received: batch_size={batch_size!r}")
+        single = isinstance(texts, str)
+        texts = [texts] if single else list(texts)
+        if not texts:
+            return np.zeros((0, self.backbone.config.hidden_size), np.float32)
+        encodings = self._encode_texts(texts, max_length)
+        out = np.zeros((len(texts), self.backbone.config.hidden_size), np.float32)
+        for index, hidden, mask in self._batches(encodings, batch_size, progress):
+            m = mask[:, :, None].astype(np.float32)
+            if pooling == "first_last_avg":
+                x = (hidden[1] + hidden[-1]) / 2 if len(hidden) > 1 else hidden[-1]
+            else:
+                x = self._layers(hidden, layers)
+            if pooling == "cls":
+                vec = x[:, 0]
+            elif pooling == "max":
+                vec = np.where(m > 0, x, -np.inf).max(axis=1)
+            else:
+                vec = (x * m).sum(axis=1) / np.maximum(m.sum(axis=1), 1.0)
+            out[index] = vec
+        if normalize:
+            out /= np.maximum(np.linalg.norm(out, axis=1, keepdims=True), 1e-12)
+        return out[0] if single else out
+
+    def encode_words(self, texts: Union[str, Sequence[str]], unit: str = "eojeol", pooling: str = "mean",
+                     layers: Union[int, List[int]] = -1, morphemes: str = "mecab", batch_size: int = 64,
+                     max_length: Optional[int] = None):
+        """For each text, a list of `(word, start, end, vector)`: subword vectors aggregated to whitespace
+        words (`unit="eojeol"`), to morphemes of a kbert morpheme backend (`unit="morpheme"`), or left as
+        subwords. Offsets index the normalized text (`kbert.normalize`)."""
+        if unit not in UNITS:
+            raise ValueError(f"`unit` must be one of {UNITS}. Received: unit={unit!r}")
+        if pooling not in WORD_POOLINGS:
+            raise ValueError(f"`pooling` must be one of {WORD_POOLINGS}. Received: pooling={pooling!r}")
+        single = isinstance(texts, str)
+        texts = [texts] if single else list(texts)
+        encodings = self._encode_texts(texts, max_length)
+        analyzer = None
+        if unit == "morpheme":
+            from kbert.text.morphemes import morphemes as get_analyzer
+
+            analyzer = get_analyzer(morphemes)
+        results = [None] * len(texts)
+        for index, hidden, _ in self._batches(encodings, batch_size, False):
+            x = self._layers(hidden, layers)
+            for row, i in enumerate(index):
+                enc = encodings[i]
+                spans = self._spans(enc, unit, analyzer)
+                words = []
+                for word, start, end in spans:
+                    pieces = [t for t, (s, e) in enumerate(enc.offsets)
+                              if e > s and s < end and e > start and 0 < t < len(enc.ids) - 1]
+                    if not pieces:
+                        continue
+                    vec = x[row, pieces[0]] if pooling == "first" else x[row, pieces].mean(axis=0)
+                    words.append((word, start, end, vec.astype(np.float32)))
+                results[i] = words
+        return results[0] if single else results
+
+    @staticmethod
+    def _spans(enc, unit, analyzer):
+        text = enc.normalized
+        if unit == "subword":
+            return [(text[s:e], s, e) for (s, e) in enc.offsets if e > s]
+        if unit == "morpheme":
+            return [(text[m.start:m.end], m.start, m.end) for m in analyzer(text)]
+        spans, start = [], None
+        for j, ch in enumerate(text + " "):
+            if ch == " ":
+                if start is not None:
+                    spans.append((text[start:j], start, j))
+                    start = None
+            elif start is None:
+                start = j
+        return spans
+
+    @staticmethod
+    def similarity(a, b) -> np.ndarray:
+        """Cosine similarity matrix `[len(a), len(b)]` of two arrays of vectors (1-D inputs allowed)."""
+        a, b = np.atleast_2d(np.asarray(a, np.float32)), np.atleast_2d(np.asarray(b, np.float32))
+        if a.shape[1] != b.shape[1]:
+            raise ValueError(f"Vector sizes differ: {a.shape[1]} and {b.shape[1]}")
+        a = a / np.maximum(np.linalg.norm(a, axis=1, keepdims=True), 1e-12)
+        b = b / np.maximum(np.linalg.norm(b, axis=1, keepdims=True), 1e-12)
+        return a @ b.T
+
+    def search(self, queries, corpus, top_k: int = 5, **encode_options):
+        """Exact cosine search: for each query, `[(corpus index, score), ...]` best first. `queries` and
+        `corpus` are texts or precomputed vectors."""
+        if not isinstance(top_k, int) or top_k < 1:
+            raise ValueError(f"`top_k` must be a positive integer. Received: top_k={top_k!r}")
+        single = isinstance(queries, str)
+        q = self._as_vectors(queries, encode_options)
+        c = self._as_vectors(corpus, encode_options)
+        scores = self.similarity(q, c)
+        k = min(top_k, scores.shape[1])
+        best = np.argsort(-scores, axis=1, kind="stable")[:, :k]
+        hits = [[(int(j), float(scores[i, j])) for j in row] for i, row in enumerate(best)]
+        return hits[0] if single else hits
+
+    def _as_vectors(self, items, options):
+        if isinstance(items, np.ndarray):
+            return np.atleast_2d(items)
+        return np.atleast_2d(self.encode(items, **options))

@@ -1,0 +1,104 @@
+"""kbert.Embedder: pooling, order, batching, edge cases, word vectors, similarity and search."""
+
+import warnings
+
+import numpy as np
+import pytest
+
+import kbert
+from kbert.data.corpus import corpus
+
+TEXTS = ["대한민국은 민주공화국이다.", "모든 국민은 법 앞에 평등하다.", "", "   ",
+         "국회는 법률을 제정한다. 대통령은 국가를 대표한다. " * 3, "학교에서 공부했다"]
+
+
+@pytest.fixture(scope="module")
+def emb(tmp_path_factory):
+    tok = kbert.Tokenizer.train(corpus(["kolaw", "kobill"]), vocab_size=1500, progress=False)
+    cfg = kbert.ModelConfig.preset("bert-tiny", vocab_size=tok.vocab_size, hidden_size=32, num_heads=2,
+                                   intermediate_size=64, max_position=64)
+    path = str(tmp_path_factory.mktemp("model"))
+    kbert.save_model(kbert.BertBackbone(cfg), path, tokenizer=tok)
+    return kbert.Embedder.load(path)
+
+
+def test_encode_order_pooling_and_normalization(emb):
+    batched = emb.encode(TEXTS, batch_size=2)
+    assert batched.shape == (len(TEXTS), 32) and batched.dtype == np.float32
+    singles = np.stack([emb.encode(t) for t in TEXTS])  # one at a time: no padding at all
+    np.testing.assert_allclose(batched, singles, atol=1e-5)  # length buckets + input order
+    np.testing.assert_allclose(np.linalg.norm(batched, axis=1), 1.0, atol=1e-5)
+    assert np.isfinite(batched).all()  # empty and blank texts get a defined vector
+    assert not np.allclose(batched[0], batched[1])  # different Korean texts, different vectors
+    for pooling in ("cls", "max", "first_last_avg"):
+        v = emb.encode(TEXTS, pooling=pooling, normalize=False)
+        assert v.shape == (len(TEXTS), 32) and np.isfinite(v).all()
+    layered = emb.encode(TEXTS[:2], layers=[1, 2], normalize=False)
+    assert layered.shape == (2, 32)
+    assert emb.encode([]).shape == (0, 32)
+    with pytest.raises(ValueError, match="`pooling` must be one of"):
+        emb.encode("x", pooling="avg")
+    with pytest.raises(ValueError, match="`layers` entries"):
+        emb.encode("x", layers=[7])
+
+
+def test_mean_pooling_matches_a_direct_computation(emb):
+    enc = emb.tokenizer.encode(TEXTS[1])
+    hidden = emb._run(np.array([enc.ids], np.int32), np.ones((1, len(enc.ids)), np.int32))[-1]
+    np.testing.assert_allclose(emb.encode(TEXTS[1], normalize=False), hidden[0].mean(axis=0), atol=1e-5)
+
+
+def test_truncation_warns_with_a_count(emb):
+    long = "헌법 " * 200
+    with pytest.warns(UserWarning, match="1 of 2 texts are longer than 64 tokens"):
+        v = emb.encode([long, "짧다"])
+    assert v.shape == (2, 32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        emb.encode(["짧다"])
+
+
+def test_word_vectors(emb):
+    words = emb.encode_words("학교에서 공부했다", unit="eojeol")
+    assert [(w, s, e) for w, s, e, _ in words] == [("학교에서", 0, 4), ("공부했다", 5, 9)]
+    assert all(v.shape == (32,) for *_, v in words)
+    morph = emb.encode_words("학교에서 공부했다", unit="morpheme", morphemes="mecab")
+    assert [w for w, *_ in morph][:2] == ["학교", "에서"]
+    sub = emb.encode_words(["학교에서 공부했다", "법"], unit="subword", pooling="first")
+    assert len(sub) == 2 and len(sub[0]) >= 2
+    with pytest.raises(ValueError, match="`unit` must be one of"):
+        emb.encode_words("x", unit="word")
+
+
+def test_similarity_and_search(emb):
+    vectors = emb.encode(TEXTS)
+    sim = emb.similarity(vectors, vectors)
+    assert sim.shape == (len(TEXTS), len(TEXTS))
+    np.testing.assert_allclose(np.diag(sim), 1.0, atol=1e-5)
+    hits = emb.search(TEXTS[:2], TEXTS, top_k=3)
+    assert [h[0][0] for h in hits] == [0, 1]  # each text finds itself first
+    assert all(h[0][1] >= h[1][1] >= h[2][1] for h in hits)
+    assert emb.search(TEXTS[0], vectors, top_k=1)[0][0] == 0
+    with pytest.raises(ValueError, match="top_k"):
+        emb.search("x", TEXTS, top_k=0)
+
+
+def test_embed_command(emb, tmp_path, capsys):
+    import json
+
+    from kbert.cli import main
+
+    model_dir = str(tmp_path / "m")
+    kbert.save_model(emb.backbone, model_dir, tokenizer=emb.tokenizer)
+    src = tmp_path / "in.txt"
+    src.write_text("대한민국은 민주공화국이다.\n학교에서 공부했다\n", encoding="utf-8")
+    assert main(["embed", "--model", model_dir, "--input", str(src)]) == 0
+    rows = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert [r["text"] for r in rows] == ["대한민국은 민주공화국이다.", "학교에서 공부했다"]
+    np.testing.assert_allclose(rows[1]["vector"], emb.encode("학교에서 공부했다"), atol=1e-5)
+    assert main(["embed", "--model", model_dir, "--input", str(src), "--format", "npy",
+                 "--out", str(tmp_path / "v.npy")]) == 0
+    assert np.load(str(tmp_path / "v.npy")).shape == (2, 32)
+    assert main(["embed", "--model", model_dir, "--input", str(src), "--words"]) == 0
+    words = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
+    assert [w["word"] for w in words[-1]["words"]] == ["학교에서", "공부했다"]
