@@ -211,6 +211,12 @@ def _embed(args):
         print(f"wrote {sum(len(c) for c in chunks)} vectors to {args.out}", file=sys.stderr)
 
 
+def _quickstart(args):
+    from kbert.quickstart import main_args
+
+    main_args(args)
+
+
 def _add_corpus_arguments(p):
     p.add_argument("--format", choices=("text", "jsonl", "tsv", "wiki"), help="default: from the file name")
     p.add_argument("--text-field", help="JSONL field with the text (default: text)")
@@ -225,6 +231,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="kbert", description="Korean BERT/ALBERT pretraining and embedding toolkit.")
     parser.add_argument("--version", action="store_true", help="print the version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+
+    p = sub.add_parser("quickstart", help="tokenizer + tiny pretraining + embeddings on an embedded Korean corpus")
+    p.add_argument("--corpus", nargs="+", help="your text instead of konlpy's kolaw + kobill (paths or names)")
+    p.add_argument("--out", default="kbert-quickstart", help="output dir (rerun resumes)")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--vocab-size", type=int, default=8000, help="capped at what the corpus supports")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_quickstart)
 
     p = sub.add_parser("info", help="versions, devices and model presets")
     p.set_defaults(func=_info)

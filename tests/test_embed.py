@@ -102,3 +102,16 @@ def test_embed_command(emb, tmp_path, capsys):
     assert main(["embed", "--model", model_dir, "--input", str(src), "--words"]) == 0
     words = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
     assert [w["word"] for w in words[-1]["words"]] == ["학교에서", "공부했다"]
+
+
+def test_quickstart_runs_end_to_end(tmp_path, capsys):
+    from kbert.cli import main
+
+    out = str(tmp_path / "qs")
+    assert main(["quickstart", "--out", out, "--steps", "6"]) == 0
+    text = capsys.readouterr().out
+    assert "[4/4] embeddings" in text and "done in" in text
+    emb = kbert.Embedder.load(f"{out}/model")  # what `kbert embed` and users load
+    assert emb.encode("대한민국은 민주공화국이다.").shape == (128,)
+    assert main(["quickstart", "--out", out, "--steps", "6"]) == 0  # a rerun finds the finished run
+    assert "already holds a finished run" in capsys.readouterr().out
