@@ -40,6 +40,14 @@ def test_rule_splitter():
     assert split_sentences_rules("") == []
 
 
+def test_kiwi_splitter_is_pluggable(tmp_path):
+    path = _write(str(tmp_path / "a.txt"), "정말 좋아요 그래서 또 봤다 다음에도 볼 거예요. 강추!\n")
+    assert list(corpus(path, splitter="kiwi")) == [["정말 좋아요", "그래서 또 봤다", "다음에도 볼 거예요.", "강추!"]]
+    assert list(corpus(path, splitter=lambda t: t.split("."))) == [["정말 좋아요 그래서 또 봤다 다음에도 볼 거예요", "강추!"]]
+    with pytest.raises(ValueError, match="`splitter` must be one of"):
+        corpus(path, splitter="kss")
+
+
 def test_formats_compression_and_report(tmp_path):
     text = _write(str(tmp_path / "a.txt.gz"), "첫 문장이다. 둘째 문장이다.\n셋째 줄\n\n다른 문서다.\n")
     jsonl = _write(str(tmp_path / "b.jsonl.bz2"), json.dumps({"text": "제목\n본문이다."}, ensure_ascii=False)

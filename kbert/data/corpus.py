@@ -557,6 +557,7 @@ class Corpus:
             if self.normalize_options is not None:
                 line = _normalize(line, **self.normalize_options)
             for sentence in self._split(line):
+                sentence = sentence.strip()
                 if len(sentence) < self.min_chars:
                     report.short_dropped += 1
                 elif self.max_chars is not None and len(sentence) > self.max_chars:
