@@ -217,3 +217,20 @@ def test_nan_loss_stops_with_the_last_good_checkpoint(tok_dir, tmp_path):
     assert latest is not None and latest in str(err.value)
     good = int(latest.rsplit("-", 1)[1])
     assert f"at step {good + 1}" in str(err.value)
+
+
+def test_lamb_trains_and_decay_excludes_layer_norm_and_biases(tok_dir, tmp_path):
+    from kbert.train.config import OptimizerConfig
+    from kbert.train.optimizers import make_optimizer
+
+    opt = make_optimizer(OptimizerConfig(name="lamb"), total_steps=10)
+    import keras
+
+    dense, norm = keras.layers.Dense(4), keras.layers.LayerNormalization()
+    dense.build((None, 4))
+    norm.build((None, 4))
+    decayed = {v.path: opt._use_weight_decay(v) for v in dense.weights + norm.weights}
+    assert [k for k, d in decayed.items() if d] == [dense.kernel.path]
+    summary = pretrain(_config(tok_dir, str(tmp_path / "lamb"), 60, optimizer={"name": "lamb", "learning_rate": 1e-2}),
+                       progress=False)
+    assert np.mean(summary["history"][-5:]) < np.mean(summary["history"][:5]) - 0.2  # it learns
