@@ -316,26 +316,22 @@ def main(argv=None):
     print(f"reference create_pretraining_data (Python, 1 core, dupe_factor=1): {n_ref:,} sequences in "
           f"{t_ref:.1f}s = {ref_rate:,.0f} seq/s")
 
-    # 2. kbert from raw text (one full pass; with and without the workers' start-up)
-    t0 = time.perf_counter()
-    ds = kbert.pretraining_dataset(corpus, tok, "mlm+nsp", args.seq, batch_size=args.batch,
-                                   max_predictions=args.max_predictions, repeat=False, drop_remainder=False,
-                                   workers=args.workers, docs_per_block=128)
-    n_raw, t_raw, n_steady, t_steady = timed_pass(ds, t0=t0)
-    raw_rate, steady_rate = n_raw / t_raw, n_steady / max(t_steady, 1e-9)
-    print(f"kbert raw text -> masked batches ({args.workers or os.cpu_count()} workers): {n_raw:,} sequences in "
-          f"{t_raw:.1f}s = {raw_rate:,.0f} seq/s with start-up; {steady_rate:,.0f} seq/s after the first batch")
+    # 2. kbert from raw text, one full pass (with and without the workers' start-up), with the WordPiece
+    # vocabulary and with kbert's default SentencePiece unigram vocabulary (no TensorFlow in the workers)
+    def raw_pass(tokenizer, label):
+        t0 = time.perf_counter()
+        ds = kbert.pretraining_dataset(corpus, tokenizer, "mlm+nsp", args.seq, batch_size=args.batch,
+                                       max_predictions=args.max_predictions, repeat=False, drop_remainder=False,
+                                       workers=args.workers, docs_per_block=128)
+        n, t, n_steady, t_steady = timed_pass(ds, t0=t0)
+        rate, steady = n / t, n_steady / max(t_steady, 1e-9)
+        print(f"kbert raw text -> masked batches, {label} ({args.workers or os.cpu_count()} workers): {n:,} sequences "
+              f"in {t:.1f}s = {rate:,.0f} seq/s with start-up; {steady:,.0f} seq/s after the first batch")
+        return rate, steady
 
-    # 2b. the same with kbert's default SentencePiece unigram vocabulary (no TensorFlow in the workers)
+    raw_rate, steady_rate = raw_pass(tok, "32K WordPiece")
     uni = kbert.Tokenizer.train(corpus, vocab_size=args.vocab_size, algorithm="unigram", progress=False)
-    t0 = time.perf_counter()
-    ds = kbert.pretraining_dataset(corpus, uni, "mlm+nsp", args.seq, batch_size=args.batch,
-                                   max_predictions=args.max_predictions, repeat=False, drop_remainder=False,
-                                   workers=args.workers, docs_per_block=128)
-    n_uni, t_uni, n_usteady, t_usteady = timed_pass(ds, t0=t0)
-    uni_rate, uni_steady = n_uni / t_uni, n_usteady / max(t_usteady, 1e-9)
-    print(f"kbert raw text, 32K unigram vocabulary: {n_uni:,} sequences in {t_uni:.1f}s = {uni_rate:,.0f} seq/s with "
-          f"start-up; {uni_steady:,.0f} seq/s after the first batch")
+    uni_rate, uni_steady = raw_pass(uni, "32K unigram")
 
     # 3. prepare records, then read + mask
     out = os.path.join(tmp, "records")
