@@ -35,6 +35,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
 
     import kbert
+    from kbert.data.masking import default_max_predictions
     from kbert.models.config import ModelConfig
 
     tmp = tempfile.mkdtemp(prefix="kbert-pretrain-bench-")
@@ -47,7 +48,7 @@ def main(argv=None):
     print("|---|---|---|---|")
     for name in args.models.split(","):
         cfg = ModelConfig.preset(name, vocab_size=args.vocab_size)
-        predictions = int(round(args.seq * 0.15)) + 1
+        predictions = default_max_predictions(args.seq)
         config = {"model": {"preset": name, "vocab_size": args.vocab_size}, "data": {"source": "dummy", "tokenizer": os.path.join(tmp, "tok"),
                                           "max_seq_len": args.seq, "max_predictions": predictions},
                   "optimizer": {"learning_rate": 1e-4, "warmup_steps": 10},

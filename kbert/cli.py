@@ -117,7 +117,7 @@ def _corpus_download(args):
 
 
 def _data_prepare(args):
-    from kbert.data.corpus import Corpus
+    from kbert.data.corpus import Corpus, CorpusReport
     from kbert.data.records import prepare
     from kbert.text.tokenizer import Tokenizer
 
@@ -126,8 +126,6 @@ def _data_prepare(args):
     manifest = prepare(corpus, tok, args.out, objective=args.objective, max_seq_len=args.max_seq_len,
                        short_seq_prob=args.short_seq_prob, seed=args.seed, docs_per_shard=args.docs_per_shard,
                        workers=args.workers, overwrite=args.overwrite)
-    from kbert.data.corpus import CorpusReport
-
     report = CorpusReport(**manifest["report"])
     print(f"wrote {manifest['examples']:,} examples in {len(manifest['shards'])} shards to {args.out} "
           f"({manifest['resumed_shards']} shards kept from an earlier run)")

@@ -25,7 +25,7 @@ import hashlib
 import json
 import os
 import re
-from typing import Callable, Iterable, Iterator, List, Optional, Sequence, Union
+from typing import Callable, Iterator, List, Optional, Sequence, Union
 
 from kbert.text.normalize import normalize as _normalize
 from kbert.utils import open_text
@@ -599,10 +599,3 @@ def corpus(sources, **options) -> Corpus:
         return sources
     return Corpus(sources, **options)
 
-
-def iter_documents(corpus_or_docs) -> Iterable[List[str]]:
-    """Documents from a Corpus, a source accepted by `kbert.corpus`, or an iterable of lists of strings."""
-    if isinstance(corpus_or_docs, (str, os.PathLike)) or (
-            isinstance(corpus_or_docs, (list, tuple)) and corpus_or_docs and isinstance(corpus_or_docs[0], str)):
-        return Corpus(corpus_or_docs)
-    return corpus_or_docs

@@ -35,6 +35,17 @@ class MaskSpec(NamedTuple):
     vocab_size: int
 
 
+def default_max_predictions(max_seq_len: int, mask_rate: float = 0.15) -> int:
+    """round(max_seq_len * mask_rate) + 1 (20 for 128, as in the BERT recipe)."""
+    return int(round(max_seq_len * mask_rate)) + 1
+
+
+def regular_token_ids(vocab_size: int, special_ids) -> np.ndarray:
+    """int32 ids of every token that is not special (what random replacements are drawn from)."""
+    special = set(special_ids)
+    return np.array([i for i in range(vocab_size) if i not in special], np.int32)
+
+
 def make_spec(tokenizer, mask_rate: float = 0.15, max_predictions: int = 20, whole_word: bool = True,
               ngram: int = 1) -> MaskSpec:
     if not 0.0 < mask_rate < 1.0:
@@ -149,7 +160,7 @@ def mask_tokens(token_ids, padding_mask, keys, spec: MaskSpec):
     selected = _batch_gather(take_unit, unit_id) & candidate
 
     r = _uniform(keys, 3, length)
-    regular = np.array([i for i in range(vocab) if not special_table[i]], np.int32)
+    regular = regular_token_ids(vocab, spec.special_ids)
     pick = tf.cast(_uniform(keys, 4, length) * len(regular), tf.int32)
     random_tokens = tf.gather(tf.constant(regular), tf.minimum(pick, len(regular) - 1))
     masked = tf.where(selected & (r < 0.8), spec.mask_id, token_ids)

@@ -22,11 +22,9 @@ import os
 import sys
 from typing import Optional
 
-import numpy as np
-
 from kbert.data.corpus import Corpus, CorpusReport
 from kbert.data.examples import ExampleBuilder, block_seed, example_blocks, resolve_workers, start_pool
-from kbert.data.masking import example_keys, make_spec, mask_tokens
+from kbert.data.masking import default_max_predictions, example_keys, make_spec, mask_tokens, regular_token_ids
 from kbert.data.pairs import check_objective
 from kbert.data import records as _records
 
@@ -79,7 +77,7 @@ def pretraining_dataset(source, tokenizer, objective: str = "mlm+nsp", max_seq_l
             raise ValueError(f"{source!r} was prepared with another tokenizer (fingerprint {manifest['tokenizer']}, "
                              f"this one is {tokenizer.fingerprint()}); pass the tokenizer used by `kbert data prepare`")
         for name, value in (("objective", objective), ("max_seq_len", max_seq_len)):
-            if value != manifest[name] and value != _DEFAULTS[name]:
+            if value != manifest[name] and value != _parameter_default(name):
                 raise ValueError(f"`{name}`={value!r} differs from the records' {name} {manifest[name]!r}; "
                                  f"prepare new records or leave `{name}` at its default")
         objective, max_seq_len = manifest["objective"], manifest["max_seq_len"]
@@ -98,7 +96,7 @@ def pretraining_dataset(source, tokenizer, objective: str = "mlm+nsp", max_seq_l
         repeat = False
 
     if max_predictions is None:
-        max_predictions = int(round(max_seq_len * mask_rate)) + 1
+        max_predictions = default_max_predictions(max_seq_len, mask_rate)
     if max_predictions > max_seq_len:
         raise ValueError(f"`max_predictions` ({max_predictions}) cannot exceed `max_seq_len` ({max_seq_len})")
     spec = make_spec(tokenizer, mask_rate, max_predictions, whole_word, ngram)
@@ -130,7 +128,10 @@ def pretraining_dataset(source, tokenizer, objective: str = "mlm+nsp", max_seq_l
     return ds.map(finish, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True).prefetch(tf.data.AUTOTUNE)
 
 
-_DEFAULTS = {"objective": "mlm+nsp", "max_seq_len": 128}
+def _parameter_default(name: str):
+    import inspect
+
+    return inspect.signature(pretraining_dataset).parameters[name].default
 
 
 def _signature(max_seq_len):
@@ -190,8 +191,7 @@ def _dummy_examples(tokenizer, objective, max_seq_len, seed):
     """Random sequences with realistic lengths (half to full) and two segments, generated in the graph."""
     import tensorflow as tf
 
-    regular = np.array([i for i in range(tokenizer.vocab_size) if i not in set(tokenizer.special_ids.values())],
-                       np.int32)
+    regular = regular_token_ids(tokenizer.vocab_size, tokenizer.special_ids.values())
     cls_id, sep_id, pair = tokenizer.cls_id, tokenizer.sep_id, objective != "mlm"
 
     def make(index):

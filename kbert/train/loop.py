@@ -79,6 +79,7 @@ def pretrain(config: Union[PretrainConfig, dict, str], overrides=None, resume: b
     import keras
     import tensorflow as tf
 
+    from kbert.data.masking import default_max_predictions
     from kbert.data.pretraining import pretraining_dataset
     from kbert.models.backbone import Pretrainer, build_backbone
     from kbert.models.io import save_model
@@ -127,8 +128,8 @@ def pretrain(config: Union[PretrainConfig, dict, str], overrides=None, resume: b
             backbone = build_backbone(model_config)
             model = Pretrainer(backbone, pair_objective=_objective_head(d.objective))
             optimizer = make_optimizer(config.optimizer, t.steps, t.accumulation, precision)
-            dummy = _dummy_batch(model_config, d.max_seq_len, d.max_predictions or int(round(d.max_seq_len * d.mask_rate)) + 1)
-            model(dummy[0])
+            model(_dummy_features(d.max_seq_len, d.max_predictions or default_max_predictions(d.max_seq_len,
+                                                                                              d.mask_rate)))
             optimizer.build(model.trainable_variables)
             step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
     finally:
@@ -165,9 +166,10 @@ def pretrain(config: Union[PretrainConfig, dict, str], overrides=None, resume: b
         optimizer.apply([g for g, _ in pairs], [v for _, v in pairs])
         return {k: v / replicas for k, v in losses.items()}
 
-    jit = rt.jit if rt.jit != "auto" else device_kind(strategy) != "cpu"
+    kind = device_kind(strategy)
+    jit = rt.jit if rt.jit != "auto" else kind != "cpu"
 
-    @tf.function(jit_compile=bool(jit) and device_kind(strategy) != "tpu", reduce_retracing=True)
+    @tf.function(jit_compile=bool(jit) and kind != "tpu", reduce_retracing=True)
     def train_step(iterator):
         total = None
         for _ in range(t.accumulation):  # unrolled: each micro-step feeds the optimizer's accumulator
@@ -249,9 +251,9 @@ def _learning_rate(optimizer, iteration):
     return lr(iteration) if callable(lr) else lr
 
 
-def _dummy_batch(cfg, seq, predictions):
+def _dummy_features(seq, predictions):
+    """One all-padding example: builds the model's variables before a checkpoint is restored."""
     import numpy as np
 
-    features = {"token_ids": np.zeros((1, seq), "int32"), "segment_ids": np.zeros((1, seq), "int32"),
-                "padding_mask": np.ones((1, seq), "int32"), "mask_positions": np.zeros((1, predictions), "int32")}
-    return features, None
+    return {"token_ids": np.zeros((1, seq), "int32"), "segment_ids": np.zeros((1, seq), "int32"),
+            "padding_mask": np.ones((1, seq), "int32"), "mask_positions": np.zeros((1, predictions), "int32")}

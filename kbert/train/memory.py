@@ -31,6 +31,8 @@ from __future__ import annotations
 import re
 from typing import Dict, List, Optional, Sequence
 
+from kbert.data.masking import default_max_predictions
+
 ACT_TOKEN_BYTES_PER_HIDDEN = 28  # tensors of width `hidden` kept per token per layer (forward + backward temporaries)
 INTERMEDIATE_FACTOR = 3  # tensors of width `intermediate` kept per token per layer (dense out, GELU in/out)
 ATTN_BYTES_PER_SCORE = 4  # seq x seq tensors per head per layer (scores, softmax, dropout mask, its gradient)
@@ -74,7 +76,7 @@ def estimate_memory(config, batch: int, seq_len: int, optimizer: str = "adamw", 
         activations = layers * micro * seq_len * h * act + per_layer_tokens + per_layer_attn
     else:
         activations = layers * (per_layer_tokens + per_layer_attn)
-    predictions = max_predictions or int(round(seq_len * 0.15)) + 1
+    predictions = max_predictions or default_max_predictions(seq_len)
     embeddings = micro * seq_len * (config.embedding_size or h) * act * 4
     mlm = micro * predictions * config.vocab_size * 4 * 3
     total = WORKSPACE_BYTES + state + activations + embeddings + mlm
@@ -134,8 +136,9 @@ def plan_batch_size(config, memory, seq_lens: Sequence[int] = (128,), target_bat
 
 
 def plan_for_config(config, model_config, precision: str, replicas: int, device: str) -> Dict:
-    """`trainer.batch_size: auto`: the micro-batch from the device's memory (10% margin) and the
-    accumulation that reaches `trainer.memory`'s... see `kbert pretrain --batch-size auto`."""
+    """`trainer.batch_size: auto`: the largest per-replica batch (at most 256) that the planner fits in
+    the device's memory less a 10% margin (`trainer.memory` when set, else the GPU's reported limit, else
+    8 GB on CPU / 16 GB elsewhere), times the replicas; no accumulation."""
     import tensorflow as tf
 
     memory = config.trainer.memory
