@@ -19,7 +19,10 @@ from typing import List, Optional, Sequence, Union
 
 import numpy as np
 
-POOLINGS = ("mean", "cls", "max", "first_last_avg")
+from kbert.utils import progress_bar
+from kbert.embed.pooling import POOLINGS, check_pooling, pool  # noqa: F401  (POOLINGS re-exported)
+
+ENCODE_CHUNK = 8192  # texts tokenized at a time by `encode`
 UNITS = ("eojeol", "morpheme", "subword")
 WORD_POOLINGS = ("mean", "first")
 
@@ -32,7 +35,7 @@ class Embedder:
             raise ValueError("Embedder needs a backbone built with output_hidden_states=True; use Embedder.load(dir)")
         self.backbone, self.tokenizer = backbone, tokenizer
         self.max_length = min(max_length or backbone.config.max_position, backbone.config.max_position)
-        self._fn = None
+        self._fns = {}
 
     @classmethod
     def load(cls, model_dir: str, max_length: Optional[int] = None, dtype: Optional[str] = None) -> "Embedder":
@@ -53,56 +56,67 @@ class Embedder:
         return cls(backbone, tokenizer, max_length)
 
     # ----------------------------------------------------------------- running the model
-    def _run(self, ids: np.ndarray, mask: np.ndarray):
+    def _run(self, ids: np.ndarray, mask: np.ndarray, pooling: Optional[str] = None, layers=-1):
+        """All hidden states (a list of float32 arrays), or with `pooling` the pooled vectors `[b, h]`
+        computed in the same graph (only the vectors leave the device)."""
         import tensorflow as tf
 
-        if self._fn is None:
-            self._fn = tf.function(lambda x: self.backbone(x, training=False), reduce_retracing=True)
-        out = self._fn({"token_ids": tf.constant(ids), "segment_ids": tf.zeros_like(ids),
-                        "padding_mask": tf.constant(mask)})
-        return [np.asarray(h, dtype=np.float32) for h in out["hidden_states"]]
+        key = (pooling, layers if isinstance(layers, int) else tuple(layers))
+        if key not in self._fns:
+            def run(x):
+                out = self.backbone(x, training=False)
+                if pooling is None:
+                    return out["hidden_states"]
+                return pool(out["hidden_states"], x["padding_mask"], pooling, layers)
 
-    def _batches(self, encodings, batch_size: int, progress: Optional[bool]):
-        """Yields (indices, hidden_states list, mask) over length-sorted batches."""
-        from kbert.utils import progress_bar
+            self._fns[key] = tf.function(run, reduce_retracing=True)
+        out = self._fns[key]({"token_ids": tf.constant(ids), "segment_ids": tf.zeros_like(ids),
+                              "padding_mask": tf.constant(mask)})
+        if pooling is not None:
+            return np.asarray(out, dtype=np.float32)
+        return [np.asarray(h, dtype=np.float32) for h in out]
 
-        order = np.argsort([len(e.ids) for e in encodings], kind="stable")
-        show = progress if progress is not None else len(encodings) >= 10 * batch_size
-        bar = progress_bar(total=len(encodings), desc="encode", unit=" texts", enabled=show)
+    def _batches(self, id_lists, batch_size: int, bar=None, pooling=None, layers=-1):
+        """Yields (indices, hidden states or pooled vectors, mask) over length-sorted batches of `id_lists`."""
+        order = np.argsort([len(ids) for ids in id_lists], kind="stable")
         for start in range(0, len(order), batch_size):
             index = order[start:start + batch_size]
-            width = max(len(encodings[i].ids) for i in index)
+            width = max(len(id_lists[i]) for i in index)
             width = min(-(-width // 8) * 8, self.max_length)
             ids = np.full((len(index), width), self.tokenizer.pad_id, np.int32)
             mask = np.zeros((len(index), width), np.int32)
             for row, i in enumerate(index):
-                n = len(encodings[i].ids)
-                ids[row, :n] = encodings[i].ids
+                n = len(id_lists[i])
+                ids[row, :n] = id_lists[i]
                 mask[row, :n] = 1
-            yield index, self._run(ids, mask), mask
-            bar.update(len(index))
-        bar.close()
+            yield index, self._run(ids, mask, pooling, layers), mask
+            if bar is not None:
+                bar.update(len(index))
+
+    def _max_length(self, max_length):
+        if max_length is not None and (not isinstance(max_length, int) or max_length < 2):
+            raise ValueError(f"`max_length` must be an integer >= 2. Received: max_length={max_length!r}")
+        return min(max_length or self.max_length, self.max_length)
+
+    def _warn_truncated(self, truncated, total, max_length):
+        if truncated:
+            warnings.warn(f"{truncated} of {total} texts are longer than {max_length} tokens and were "
+                          f"truncated (pass max_length= up to {self.backbone.config.max_position})", stacklevel=3)
 
     def _encode_texts(self, texts, max_length):
-        max_length = min(max_length or self.max_length, self.max_length)
-        encodings = self.tokenizer.encode_batch(list(texts))
+        """Full encodings (tokens and offsets) for word vectors; truncated with one counting warning."""
+        max_length = self._max_length(max_length)
+        encodings = self.tokenizer.encode_batch(texts)
         truncated = sum(len(e.ids) > max_length for e in encodings)
         if truncated:
-            warnings.warn(f"{truncated} of {len(encodings)} texts are longer than {max_length} tokens and were "
-                          f"truncated (pass max_length= up to {self.backbone.config.max_position})", stacklevel=3)
-            encodings = self.tokenizer.encode_batch(list(texts), max_length=max_length)
+            self._warn_truncated(truncated, len(encodings), max_length)
+            encodings = self.tokenizer.encode_batch(texts, max_length=max_length)
         return encodings
 
     @staticmethod
     def _layers(hidden, layers):
         """Average of the chosen layers' outputs (-1: the last; indices count the embedding output as 0)."""
-        chosen = [layers] if isinstance(layers, int) else list(layers)
-        if not chosen:
-            raise ValueError("`layers` must be an int or a non-empty list of ints")
-        for l in chosen:
-            if not -len(hidden) <= l < len(hidden):
-                raise ValueError(f"`layers` entries must be in [{-len(hidden)}, {len(hidden) - 1}] (0 is the "
-                                 f"embedding output). Received: {l}")
+        chosen = check_pooling("mean", layers, len(hidden))
         return np.mean([hidden[l] for l in chosen], axis=0)
 
     # ----------------------------------------------------------------- public API
@@ -117,29 +131,27 @@ class Embedder:
         layers: -1, or a list of layers to average before pooling (0 = embedding output).
         normalize: unit length, so dot products are cosine similarities.
         """
-        if pooling not in POOLINGS:
-            raise ValueError(f"`pooling` must be one of {POOLINGS}. Received: pooling={pooling!r}")
+        check_pooling(pooling, layers, self.backbone.config.num_layers + 1)
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"`batch_size` must be a positive integer. Received: batch_size={batch_size!r}")
-        single = isinstance(texts, str)
-        texts = [texts] if single else list(texts)
-        if not texts:
-            return np.zeros((0, self.backbone.config.hidden_size), np.float32)
-        encodings = self._encode_texts(texts, max_length)
+        single = isinstance(texts, (str, bytes))
+        texts = _text_list(texts)
+        max_length = self._max_length(max_length)
         out = np.zeros((len(texts), self.backbone.config.hidden_size), np.float32)
-        for index, hidden, mask in self._batches(encodings, batch_size, progress):
-            m = mask[:, :, None].astype(np.float32)
-            if pooling == "first_last_avg":
-                x = (hidden[1] + hidden[-1]) / 2 if len(hidden) > 1 else hidden[-1]
-            else:
-                x = self._layers(hidden, layers)
-            if pooling == "cls":
-                vec = x[:, 0]
-            elif pooling == "max":
-                vec = np.where(m > 0, x, -np.inf).max(axis=1)
-            else:
-                vec = (x * m).sum(axis=1) / np.maximum(m.sum(axis=1), 1.0)
-            out[index] = vec
+        show = progress if progress is not None else len(texts) >= 10 * batch_size
+        bar = progress_bar(total=len(texts), desc="encode", unit=" texts", enabled=show)
+        truncated = 0
+        # Chunks bound the memory of token lists for very large inputs; each chunk is length-sorted.
+        for first in range(0, len(texts), ENCODE_CHUNK):
+            chunk = self.tokenizer.ids_batch(texts[first:first + ENCODE_CHUNK])
+            id_lists = []
+            for ids in chunk:
+                truncated += len(ids) > max_length - 2
+                id_lists.append([self.tokenizer.cls_id] + ids[:max_length - 2] + [self.tokenizer.sep_id])
+            for index, vectors, _ in self._batches(id_lists, batch_size, bar, pooling, layers):
+                out[first + index] = vectors
+        bar.close()
+        self._warn_truncated(truncated, len(texts), max_length)
         if normalize:
             out /= np.maximum(np.linalg.norm(out, axis=1, keepdims=True), 1e-12)
         return out[0] if single else out
@@ -154,8 +166,8 @@ class Embedder:
             raise ValueError(f"`unit` must be one of {UNITS}. Received: unit={unit!r}")
         if pooling not in WORD_POOLINGS:
             raise ValueError(f"`pooling` must be one of {WORD_POOLINGS}. Received: pooling={pooling!r}")
-        single = isinstance(texts, str)
-        texts = [texts] if single else list(texts)
+        single = isinstance(texts, (str, bytes))
+        texts = _text_list(texts)
         encodings = self._encode_texts(texts, max_length)
         analyzer = None
         if unit == "morpheme":
@@ -163,7 +175,7 @@ class Embedder:
 
             analyzer = get_analyzer(morphemes)
         results = [None] * len(texts)
-        for index, hidden, _ in self._batches(encodings, batch_size, False):
+        for index, hidden, _ in self._batches([e.ids for e in encodings], batch_size):
             x = self._layers(hidden, layers)
             for row, i in enumerate(index):
                 enc = encodings[i]
@@ -224,3 +236,16 @@ class Embedder:
         if isinstance(items, np.ndarray):
             return np.atleast_2d(items)
         return np.atleast_2d(self.encode(items, **options))
+
+
+def _text_list(texts) -> list:
+    """`texts` as a list of str/bytes, or a TypeError that names what was passed."""
+    if isinstance(texts, (str, bytes)):
+        return [texts]
+    if texts is None or isinstance(texts, (int, float, dict)) or not hasattr(texts, "__iter__"):
+        raise TypeError(f"Expected a string or a list of strings. Received: {type(texts).__name__}")
+    texts = list(texts)
+    for i, t in enumerate(texts):
+        if not isinstance(t, (str, bytes)):
+            raise TypeError(f"Expected a string or a list of strings; item {i} is {type(t).__name__}")
+    return texts

@@ -1,0 +1,54 @@
+"""Sentence pooling in `keras.ops`: one definition shared by `Embedder.encode`, the exported SavedModel and
+bi-encoder fine-tuning, so the three give the same vectors."""
+
+from __future__ import annotations
+
+from typing import List, Sequence, Union
+
+from keras import ops
+
+POOLINGS = ("mean", "cls", "max", "first_last_avg")
+
+
+def check_pooling(pooling: str, layers: Union[int, Sequence[int]], num_hidden: int) -> List[int]:
+    """Validates `pooling` and `layers` for a model with `num_hidden` hidden states (embedding output
+    included); returns the layer list."""
+    if pooling not in POOLINGS:
+        raise ValueError(f"`pooling` must be one of {POOLINGS}. Received: pooling={pooling!r}")
+    chosen = [layers] if isinstance(layers, int) else list(layers)
+    if not chosen or not all(isinstance(l, int) for l in chosen):
+        raise ValueError(f"`layers` must be an int or a non-empty list of ints. Received: {layers!r}")
+    for l in chosen:
+        if not -num_hidden <= l < num_hidden:
+            raise ValueError(f"`layers` entries must be in [{-num_hidden}, {num_hidden - 1}] (0 is the "
+                             f"embedding output). Received: {l}")
+    return chosen
+
+
+def pool(hidden_states, padding_mask, pooling: str = "mean", layers: Union[int, Sequence[int]] = -1,
+         normalize: bool = False):
+    """Sentence vectors `[b, h]` (float32) from a backbone's `hidden_states` (list of `[b, s, h]`).
+
+    mean: average over real tokens ([CLS]/[SEP] included, as sentence-transformers); cls: the first token;
+    max: maximum over real tokens; first_last_avg: mean pooling of the first layer's and the last layer's
+    outputs averaged. `layers` (for all but first_last_avg) averages those layers before pooling.
+    """
+    chosen = check_pooling(pooling, layers, len(hidden_states))
+    if pooling == "first_last_avg":
+        picked = [hidden_states[1], hidden_states[-1]] if len(hidden_states) > 1 else [hidden_states[-1]]
+    else:
+        picked = [hidden_states[l] for l in chosen]
+    x = ops.cast(picked[0], "float32")
+    for h in picked[1:]:
+        x = x + ops.cast(h, "float32")
+    x = x / float(len(picked))
+    mask = ops.cast(padding_mask, "float32")[:, :, None]
+    if pooling == "cls":
+        vec = x[:, 0]
+    elif pooling == "max":
+        vec = ops.max(ops.where(mask > 0, x, ops.full_like(x, -3.0e38)), axis=1)
+    else:
+        vec = ops.sum(x * mask, axis=1) / ops.maximum(ops.sum(mask, axis=1), 1.0)
+    if normalize:
+        vec = vec / ops.maximum(ops.sqrt(ops.sum(vec * vec, axis=-1, keepdims=True)), 1e-12)
+    return vec
