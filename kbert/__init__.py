@@ -31,6 +31,9 @@ _EXPORTS = {
     "PretrainConfig": "kbert.train.config",
     "plan_batch_size": "kbert.train.memory",
     "Embedder": "kbert.embed.embedder",
+    "finetune": "kbert.train.finetune",
+    "TaskModel": "kbert.train.finetune",
+    "export": "kbert.embed.export",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

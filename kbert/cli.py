@@ -209,6 +209,32 @@ def _embed(args):
         print(f"wrote {sum(len(c) for c in chunks)} vectors to {args.out}", file=sys.stderr)
 
 
+def _finetune(args):
+    import json
+
+    from kbert.train.finetune import finetune
+
+    summary = finetune(args.model, args.task, args.train, args.dev, out_dir=args.out, text_column=args.text_column,
+                       pair_column=args.pair_column, label_column=None if args.no_label else args.label_column,
+                       epochs=args.epochs, batch_size=args.batch_size, learning_rate=args.learning_rate,
+                       max_length=args.max_length, patience=args.patience, eval_every=args.eval_every,
+                       max_steps=args.max_steps, seed=args.seed)
+    best = f"best dev {summary['metric']} {summary['best']:.4f} at step {summary['best_step']}" \
+        if summary["best"] is not None else "no dev set: the last model"
+    print(f"{summary['task']}: {summary['steps']} steps ({summary['stopped_by']}), {best}; "
+          f"model dir: {summary['model_dir']}")
+    with open(f"{summary['model_dir']}/finetune_history.json", "w", encoding="utf-8") as f:
+        json.dump(summary, f, indent=2, ensure_ascii=False)
+
+
+def _export(args):
+    from kbert.embed.export import export
+
+    path = export(args.model, args.out, signature=args.signature, pooling=args.pooling, max_length=args.max_length,
+                  version=args.model_version, overwrite=args.overwrite)
+    print(f"SavedModel ({args.signature}) written to {path}; checked against the Python API")
+
+
 def _quickstart(args):
     from kbert.quickstart import main_args
 
@@ -321,6 +347,37 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk", type=int, default=256, help="lines per batch of work")
     p.set_defaults(func=_embed)
 
+    p = sub.add_parser("finetune", help="train a task head (or a bi-encoder) on labelled data; keeps the best on dev")
+    p.add_argument("--model", required=True, help="pretrained model dir with its tokenizer")
+    p.add_argument("--task", required=True, choices=("classification", "pair-classification", "regression",
+                                                     "tagging", "sentence-embedding"))
+    p.add_argument("--train", required=True, help="TSV (header), CSV or JSONL file")
+    p.add_argument("--dev", help="dev file for metrics, early stopping and the best checkpoint")
+    p.add_argument("--out", required=True, help="output model dir")
+    p.add_argument("--text-column", default="text")
+    p.add_argument("--pair-column", help="second text (pair tasks, sentence-embedding)")
+    p.add_argument("--label-column", default="label", help="label, score, or space-separated tags")
+    p.add_argument("--no-label", action="store_true", help="sentence-embedding from (anchor, positive) pairs")
+    p.add_argument("--epochs", type=float, default=3)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--learning-rate", "--lr", type=float, default=5e-5)
+    p.add_argument("--max-length", type=int, default=128)
+    p.add_argument("--patience", type=int, default=2, help="evaluations without improvement before stopping")
+    p.add_argument("--eval-every", type=int, help="steps between dev evaluations (default: each epoch)")
+    p.add_argument("--max-steps", type=int)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_finetune)
+
+    p = sub.add_parser("export", help="a SavedModel that takes raw strings (TF Serving layout DIR/VERSION/)")
+    p.add_argument("--model", required=True, help="model dir (classify: a `kbert finetune` output)")
+    p.add_argument("--out", required=True, help="export base dir; the model goes to OUT/VERSION/")
+    p.add_argument("--signature", choices=("embed", "classify"), default="embed")
+    p.add_argument("--pooling", choices=("mean", "cls", "max", "first_last_avg"), help="embed: default mean")
+    p.add_argument("--max-length", type=int, help="longest input in tokens (default: the model's)")
+    p.add_argument("--model-version", type=int, default=1, help="the numbered subdir TF Serving loads")
+    p.add_argument("--overwrite", action="store_true")
+    p.set_defaults(func=_export)
+
     p = sub.add_parser("plan", help="the largest batch that fits device memory, per sequence length")
     p.add_argument("--model", default="bert-base", help="preset name")
     p.add_argument("--memory", default="12GB", help="device memory, e.g. 12GB, 80GiB")
@@ -350,7 +407,7 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         sys.stderr.write("kbert: interrupted\n")
         return 130
-    except (ValueError, TypeError, FileNotFoundError, ImportError, OSError) as e:
+    except (ValueError, TypeError, FileNotFoundError, ImportError, OSError, ArithmeticError) as e:
         if os.environ.get("KBERT_DEBUG"):
             raise
         sys.stderr.write(f"kbert {args.command}: error: {str(e).splitlines()[0]}\n")

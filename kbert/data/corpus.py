@@ -599,3 +599,42 @@ def corpus(sources, **options) -> Corpus:
         return sources
     return Corpus(sources, **options)
 
+
+
+def movie_review_sentiment(path: Optional[str] = None, split: str = "train", limit: Optional[int] = None,
+                           dev_fraction: float = 0.1, seed: int = 0) -> List[dict]:
+    """A balanced binary sentiment set built from the movie-review recipe the way NSMC was: non-empty
+    reviews of at most 140 characters, ratings 1-4 labelled "0" (negative), 9-10 labelled "1" (positive).
+
+    Movies (not reviews) are split between `split="train"` and `"dev"` by a hash of the movie id, so no
+    movie's reviews leak across; the majority class is down-sampled to the minority's size, and rows come
+    shuffled with `seed`. Returns dicts with `text` and `label` (what `kbert.finetune` reads).
+    """
+    import csv
+    import random
+
+    if split not in ("train", "dev"):
+        raise ValueError(f"`split` must be 'train' or 'dev'. Received: split={split!r}")
+    files = _find("movie-reviews", ["reviews.tsv.gz", "reviews.tsv"], path)
+    by_label = {"0": [], "1": []}
+    for file in files:
+        with open_text(file) as f:
+            for row in csv.DictReader(f, delimiter="\t", quoting=csv.QUOTE_NONE):
+                text = (row.get("text") or "").strip()
+                try:
+                    rating = int(row.get("rating") or 0)
+                except ValueError:
+                    continue
+                if not text or len(text) > 140 or 5 <= rating <= 8 or rating < 1:
+                    continue
+                digest = hashlib.md5(str(row.get("movie_id")).encode()).digest()[0] / 256.0
+                if (digest < dev_fraction) != (split == "dev"):
+                    continue
+                by_label["1" if rating >= 9 else "0"].append(text)
+    rng = random.Random(seed)
+    size = min(len(v) for v in by_label.values())
+    if limit is not None:
+        size = min(size, limit // 2)
+    rows = [{"text": t, "label": label} for label, texts in by_label.items() for t in rng.sample(texts, size)]
+    rng.shuffle(rows)
+    return rows

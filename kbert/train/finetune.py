@@ -1,0 +1,582 @@
+"""`kbert.finetune`: task heads on a pretrained backbone, trained with AdamW + warm-up and early stopping.
+
+Tasks
+    classification        one text -> one of N labels (head on the pooled [CLS] output)
+    pair-classification   two texts (`[CLS] a [SEP] b [SEP]`) -> one of N labels (NLI, paraphrase)
+    regression            one text or a pair -> a number (MSE)
+    tagging               whitespace words -> one tag each (head on each word's first subword)
+    sentence-embedding    a bi-encoder: both texts through the same backbone with mean pooling; pairs with
+                          a score (KorSTS: cosine regression onto score / max score) or, without a score
+                          column, (anchor, positive) pairs with in-batch negatives (NLI entailment pairs)
+
+The best checkpoint on the dev set is written to `out_dir` as a kbert model dir (backbone weights +
+tokenizer, so `kbert.Embedder.load` and `kbert export` read it) plus `kbert_task.json` and
+`kbert_task.safetensors` (the head). `kbert.TaskModel.load(out_dir).predict(texts)` runs it.
+
+Data: a TSV (header row, no quoting), CSV, or JSONL file (gzip allowed), or a list of dicts.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import time
+from typing import Dict, List, Optional, Sequence, Union
+
+import numpy as np
+
+TASKS = ("classification", "pair-classification", "regression", "tagging", "sentence-embedding")
+TASK_FILE = "kbert_task.json"
+HEAD_FILE = "kbert_task.safetensors"
+IGNORE = -1  # tag label of tokens that are not the first piece of a word
+
+
+# ------------------------------------------------------------------------------------------ data
+def read_rows(source, columns: Sequence[str]) -> List[dict]:
+    """Rows of a TSV/CSV/JSONL file (or a list of dicts), checked to have every column in `columns`."""
+    if isinstance(source, (list, tuple)):
+        rows = list(source)
+        name = "the given rows"
+    else:
+        from kbert.utils import open_text
+
+        if not os.path.isfile(source):
+            raise FileNotFoundError(f"Data file not found: {source!r}")
+        base = source[:-3] if source.endswith(".gz") else source
+        name = source
+        with open_text(source) as f:
+            if base.endswith((".jsonl", ".json")):
+                rows = []
+                for n, line in enumerate(f, 1):
+                    if line.strip():
+                        try:
+                            rows.append(json.loads(line))
+                        except json.JSONDecodeError as e:
+                            raise ValueError(f"{source}:{n} is not valid JSON: {e}") from None
+            else:
+                text = f.read().lstrip("\ufeff")
+                if base.endswith(".csv"):
+                    rows = list(csv.DictReader(text.splitlines()))
+                else:
+                    rows = list(csv.DictReader(text.splitlines(), delimiter="\t", quoting=csv.QUOTE_NONE))
+    if not rows:
+        raise ValueError(f"{name} holds no examples")
+    missing = [c for c in columns if c is not None and c not in rows[0]]
+    if missing:
+        raise ValueError(f"{name} has no column {missing[0]!r}; its columns are {sorted(rows[0])}")
+    return rows
+
+
+def _text(row, column, where):
+    value = row.get(column)
+    if value is None:
+        raise ValueError(f"{where}: column {column!r} is empty")
+    return str(value)
+
+
+class _Examples:
+    """Tokenized examples of one split: ids, segment ids and labels (per-token labels for tagging)."""
+
+    def __init__(self, ids, segments, labels, pair_ids=None):
+        self.ids, self.segments, self.labels, self.pair_ids = ids, segments, labels, pair_ids
+
+    def __len__(self):
+        return len(self.ids)
+
+
+def _encode_split(rows, spec, tokenizer, labels, max_length, name):
+    task = spec["task"]
+    texts = [_text(r, spec["text_column"], f"{name} row {i + 1}") for i, r in enumerate(rows)]
+    pairs = None
+    if spec.get("pair_column"):
+        pairs = [_text(r, spec["pair_column"], f"{name} row {i + 1}") for i, r in enumerate(rows)]
+    raw = [r.get(spec["label_column"]) for r in rows] if spec.get("label_column") else None
+    if task == "sentence-embedding":
+        a = [e.ids for e in tokenizer.encode_batch(texts, max_length=max_length)]
+        b = [e.ids for e in tokenizer.encode_batch(pairs, max_length=max_length)]
+        scores = None if raw is None else np.array([_number(v, name, i) for i, v in enumerate(raw)], np.float32)
+        return _Examples(a, None, scores, pair_ids=b)
+    encodings = tokenizer.encode_batch(texts, pairs=pairs, max_length=max_length)
+    ids = [e.ids for e in encodings]
+    segments = [_segments(e.ids, tokenizer.sep_id) for e in encodings]
+    if task == "regression":
+        y = np.array([_number(v, name, i) for i, v in enumerate(raw)], np.float32)
+    elif task == "tagging":
+        y = [_word_labels(e, _tags(v, name, i), labels, name, i) for i, (e, v) in enumerate(zip(encodings, raw))]
+    else:
+        index = {label: k for k, label in enumerate(labels)}
+        unknown = sorted({str(v) for v in raw} - set(index))
+        if unknown:
+            raise ValueError(f"{name} has labels not seen in training: {unknown[:5]} (training labels: {labels})")
+        y = np.array([index[str(v)] for v in raw], np.int32)
+    return _Examples(ids, segments, y)
+
+
+def _number(value, name, i):
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} row {i + 1}: label {value!r} is not a number") from None
+
+
+def _tags(value, name, i) -> List[str]:
+    tags = value if isinstance(value, list) else str(value).split()
+    if not tags:
+        raise ValueError(f"{name} row {i + 1}: no tags")
+    return [str(t) for t in tags]
+
+
+def _word_labels(enc, tags, labels, name, i) -> List[int]:
+    """Per-token tag ids: each whitespace word's tag on its first subword, IGNORE elsewhere."""
+    firsts = _first_pieces(enc)
+    if len(firsts) != len(tags):
+        raise ValueError(f"{name} row {i + 1}: {len(firsts)} words but {len(tags)} tags (tags are one per "
+                         f"whitespace-separated word)")
+    index = {label: k for k, label in enumerate(labels)}
+    out = [IGNORE] * len(enc.ids)
+    for t, tag in zip(firsts, tags):
+        if tag not in index:
+            raise ValueError(f"{name} row {i + 1}: tag {tag!r} not seen in training")
+        if t is not None:  # None: the word was cut off by max_length
+            out[t] = index[tag]
+    return out
+
+
+def _word_spans(text):
+    spans, start = [], None
+    for j, ch in enumerate(text + " "):
+        if ch == " ":
+            if start is not None:
+                spans.append((start, j))
+                start = None
+        elif start is None:
+            start = j
+    return spans
+
+
+def _pad(lists, pad, width=None):
+    width = width or max(len(x) for x in lists)
+    width = -(-width // 8) * 8  # few distinct shapes to compile
+    out = np.full((len(lists), width), pad, np.int32)
+    for i, x in enumerate(lists):
+        out[i, :len(x)] = x
+    return out
+
+
+# ------------------------------------------------------------------------------------------ model
+def _network(backbone, task, num_labels, dropout):
+    import keras
+
+    class TaskNetwork(keras.Model):
+        def __init__(self):
+            super().__init__(name="task")
+            self.backbone = backbone
+            self.dropout = keras.layers.Dropout(dropout)
+            self.head = None
+            if task != "sentence-embedding":
+                self.head = keras.layers.Dense(
+                    num_labels, name="task_head", dtype="float32",
+                    kernel_initializer=keras.initializers.TruncatedNormal(stddev=backbone.config.initializer_range))
+
+        def call(self, features, training=False):
+            from kbert.embed.pooling import pool
+
+            from kbert.models.backbone import INPUT_NAMES
+
+            features = {k: features[k] for k in INPUT_NAMES}  # the order the functional backbone declares
+            out = self.backbone(features, training=training)
+            if task == "sentence-embedding":
+                return pool(out["hidden_states"], features["padding_mask"], "mean")
+            x = out["sequence_output"] if task == "tagging" else out["pooled_output"]
+            return self.head(self.dropout(keras.ops.cast(x, "float32"), training=training))
+
+    return TaskNetwork()
+
+
+class TaskModel:
+    """A fine-tuned model: backbone, task head, tokenizer and label names.
+
+    Example:
+        >>> model = kbert.TaskModel.load("sentiment-model")
+        >>> model.predict(["재밌어요", "최악"])     # class probabilities [2, num_labels]
+        >>> model.labels                            # ['0', '1']
+    """
+
+    def __init__(self, network, tokenizer, meta: dict):
+        self.network, self.tokenizer, self.meta = network, tokenizer, meta
+        self.task, self.labels = meta["task"], meta.get("labels")
+        self.max_length = meta.get("max_length", 128)
+        self._fn = None
+
+    @classmethod
+    def load(cls, model_dir: str, dtype: Optional[str] = None) -> "TaskModel":
+        from kbert.embed.embedder import Embedder
+        from kbert.models.io import assign_weights, read_safetensors
+
+        path = os.path.join(model_dir, TASK_FILE)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{model_dir!r} is not a fine-tuned model dir: {TASK_FILE} is missing "
+                                    f"(`kbert finetune` writes it)")
+        with open(path, encoding="utf-8") as f:
+            meta = json.load(f)
+        emb = Embedder.load(model_dir, dtype=dtype)
+        labels = meta.get("labels") or []
+        num = 1 if meta["task"] == "regression" else len(labels)
+        network = _network(emb.backbone, meta["task"], num, 0.0)
+        _build(network, emb.tokenizer)
+        if network.head is not None:
+            tensors = read_safetensors(os.path.join(model_dir, HEAD_FILE))
+            assign_weights(network.head, tensors, os.path.join(model_dir, HEAD_FILE))
+        return cls(network, emb.tokenizer, meta)
+
+    def save(self, model_dir: str) -> str:
+        from kbert.models.io import save_model
+
+        save_model(self.network.backbone, model_dir, tokenizer=self.tokenizer)
+        if self.network.head is not None:
+            import keras
+            from safetensors.numpy import save_file
+
+            tensors = {v.path: np.ascontiguousarray(keras.ops.convert_to_numpy(v)) for v in self.network.head.weights}
+            tmp = os.path.join(model_dir, HEAD_FILE + ".tmp")
+            save_file(tensors, tmp, metadata={"format": "kbert"})
+            os.replace(tmp, os.path.join(model_dir, HEAD_FILE))
+        with open(os.path.join(model_dir, TASK_FILE), "w", encoding="utf-8") as f:
+            json.dump(self.meta, f, indent=2, ensure_ascii=False)
+            f.write("\n")
+        return model_dir
+
+    def _call(self, ids, segments):
+        import tensorflow as tf
+
+        if self._fn is None:
+            self._fn = tf.function(lambda x: self.network(x, training=False), reduce_retracing=True)
+        return np.asarray(self._fn(_features(ids, segments, self.tokenizer.pad_id)), np.float32)
+
+    def predict(self, texts, pairs=None, batch_size: int = 64):
+        """classification / pair-classification: probabilities `[n, labels]`; regression: values `[n]`;
+        tagging: for each text a list of `(word, tag)`; sentence-embedding: unit vectors `[n, hidden]`."""
+        from kbert.embed.embedder import _text_list
+
+        single = isinstance(texts, (str, bytes))
+        texts = _text_list(texts)
+        if pairs is not None:
+            pairs = _text_list(pairs)
+        if self.task == "sentence-embedding":
+            out = _embed(self._call, self.tokenizer, texts, self.max_length, batch_size)
+            return out[0] if single else out
+        encodings = self.tokenizer.encode_batch(texts, pairs=pairs, max_length=self.max_length)
+        rows = []
+        for start in range(0, len(encodings), batch_size):
+            chunk = encodings[start:start + batch_size]
+            ids = [e.ids for e in chunk]
+            segs = [_segments(e.ids, self.tokenizer.sep_id) for e in chunk]
+            logits = self._call(_pad(ids, self.tokenizer.pad_id), _pad(segs, 0))
+            if self.task == "tagging":
+                for e, row in zip(chunk, logits):
+                    words = [e.normalized[s:t] for s, t in _word_spans(e.normalized)]
+                    rows.append([(w, self.labels[int(np.argmax(row[p]))]) for w, p in zip(words, _first_pieces(e))
+                                 if p is not None])
+            elif self.task == "regression":
+                rows.extend(logits[:, 0])
+            else:
+                z = logits - logits.max(axis=1, keepdims=True)
+                p = np.exp(z)
+                rows.extend(p / p.sum(axis=1, keepdims=True))
+        out = rows if self.task == "tagging" else np.asarray(rows, np.float32)
+        return out[0] if single else out
+
+
+def _segments(ids, sep_id):
+    first = ids.index(sep_id) if sep_id in ids else len(ids) - 1
+    return [0] * (first + 1) + [1] * (len(ids) - first - 1)
+
+
+def _first_pieces(enc) -> List[Optional[int]]:
+    """For each whitespace word of the normalized text, the index of its first token (None when
+    truncation cut the word off)."""
+    out = []
+    for s, e in _word_spans(enc.normalized):
+        out.append(next((t for t, (a, b) in enumerate(enc.offsets) if b > a and a < e and b > s and t > 0), None))
+    return out
+
+
+def _features(ids, segments, pad_id):
+    import tensorflow as tf
+
+    return {"token_ids": tf.constant(ids), "segment_ids": tf.constant(segments),
+            "padding_mask": tf.constant((ids != pad_id) | (np.arange(ids.shape[1]) == 0), tf.int32)}
+
+
+def _embed(call, tokenizer, texts, max_length, batch_size):
+    ids = [e.ids for e in tokenizer.encode_batch(texts, max_length=max_length)]
+    return _embed_ids(call, ids, tokenizer.pad_id, batch_size)
+
+
+def _build(network, tokenizer):
+    ids = np.array([[tokenizer.cls_id, tokenizer.sep_id]], np.int32)
+    network(_features(ids, np.zeros_like(ids), tokenizer.pad_id))
+
+
+# ------------------------------------------------------------------------------------------ metrics
+def _rank(x):
+    """Ranks with ties sharing their average rank (as scipy.stats.rankdata)."""
+    _, inverse, counts = np.unique(x, return_inverse=True, return_counts=True)
+    ends = np.cumsum(counts)
+    return (ends - (counts - 1) / 2.0)[inverse]
+
+
+def pearson(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    if len(a) < 2 or a.std() == 0 or b.std() == 0:
+        return 0.0
+    return float(np.corrcoef(a, b)[0, 1])
+
+
+def spearman(a, b) -> float:
+    return pearson(_rank(np.asarray(a, np.float64)), _rank(np.asarray(b, np.float64)))
+
+
+def _macro_f1(y, p, k):
+    scores = []
+    for c in range(k):
+        tp = np.sum((p == c) & (y == c))
+        denom = np.sum(p == c) + np.sum(y == c)
+        if denom:
+            scores.append(2 * tp / denom)
+    return float(np.mean(scores)) if scores else 0.0
+
+
+# ------------------------------------------------------------------------------------------ training
+def finetune(model: str, task: str, train, dev=None, out_dir: str = "finetuned", text_column: str = "text",
+             pair_column: Optional[str] = None, label_column: Optional[str] = "label",
+             labels: Optional[Sequence[str]] = None, epochs: float = 3, batch_size: int = 32,
+             learning_rate: float = 5e-5, warmup: float = 0.1, weight_decay: float = 0.01,
+             max_length: int = 128, dropout: float = 0.1, patience: Optional[int] = 2,
+             eval_every: Optional[int] = None, max_steps: Optional[int] = None, seed: int = 0,
+             progress: bool = True, dtype: Optional[str] = None) -> dict:
+    """Fine-tunes the model dir `model` on `train`; returns a summary with the dev history.
+
+    Args:
+        model: a model dir (`kbert.load_model` formats) with its tokenizer.
+        task: one of `TASKS` (see the module docstring).
+        train, dev: TSV / CSV / JSONL paths or lists of dicts. Without `dev`, the last model is saved.
+        text_column, pair_column, label_column: column names (`pair_column` for pair tasks and bi-encoders;
+            `label_column=None` for a bi-encoder trained on (anchor, positive) pairs).
+        labels: class names in order (default: the sorted labels of `train`).
+        epochs, batch_size, learning_rate, warmup (fraction of steps), weight_decay, max_length, dropout.
+        patience: stop after this many evaluations without a better dev score (None: never).
+        eval_every: evaluate every N steps (default: once per epoch).
+        max_steps: cap on optimizer steps.
+        dtype: dtype policy for the backbone (e.g. "mixed_bfloat16").
+
+    Example:
+        >>> kbert.finetune("my-model", "classification", "train.tsv", "dev.tsv", out_dir="sentiment",
+        ...                text_column="document", label_column="label")
+    """
+    import keras
+    import tensorflow as tf
+
+    from kbert.embed.embedder import Embedder
+    from kbert.utils import progress_bar
+
+    if task not in TASKS:
+        raise ValueError(f"`task` must be one of {TASKS}. Received: task={task!r}")
+    if task == "pair-classification" and not pair_column:
+        raise ValueError("task='pair-classification' needs `pair_column` (the second text)")
+    if task == "sentence-embedding" and not pair_column:
+        raise ValueError("task='sentence-embedding' needs `pair_column` (the second sentence of each pair)")
+    if task != "sentence-embedding" and not label_column:
+        raise ValueError(f"task={task!r} needs `label_column`")
+    for name, value in (("epochs", epochs), ("batch_size", batch_size), ("learning_rate", learning_rate),
+                        ("max_length", max_length)):
+        if not isinstance(value, (int, float)) or value <= 0:
+            raise ValueError(f"`{name}` must be a positive number. Received: {name}={value!r}")
+    keras.utils.set_random_seed(seed)
+    emb = Embedder.load(model, max_length=max_length, dtype=dtype)
+    tokenizer, backbone = emb.tokenizer, emb.backbone
+    max_length = emb.max_length
+    columns = [text_column, pair_column, label_column]
+    train_rows = read_rows(train, columns)
+    dev_rows = read_rows(dev, columns) if dev is not None else None
+    if task in ("classification", "pair-classification"):
+        labels = [str(x) for x in (labels or sorted({str(r[label_column]) for r in train_rows}))]
+        if len(labels) < 2:
+            raise ValueError(f"Classification needs at least 2 labels; the training data has {labels}")
+    elif task == "tagging":
+        labels = labels or sorted({t for i, r in enumerate(train_rows) for t in _tags(r[label_column], "train", i)})
+        labels = [str(x) for x in labels]
+    else:
+        labels = None
+    spec = dict(task=task, text_column=text_column, pair_column=pair_column, label_column=label_column)
+    train_ex = _encode_split(train_rows, spec, tokenizer, labels, max_length, "train")
+    dev_ex = _encode_split(dev_rows, spec, tokenizer, labels, max_length, "dev") if dev_rows else None
+    score_max = 1.0
+    if task == "sentence-embedding" and train_ex.labels is not None:
+        score_max = float(np.max(np.abs(train_ex.labels))) or 1.0
+
+    num_labels = 1 if task == "regression" else (len(labels) if labels else 0)
+    network = _network(backbone, task, num_labels, dropout)
+    _build(network, tokenizer)
+    steps_per_epoch = math.ceil(len(train_ex) / batch_size)
+    total = max(1, int(math.ceil(steps_per_epoch * epochs)))
+    if max_steps:
+        total = min(total, int(max_steps))
+    eval_every = int(eval_every or steps_per_epoch)
+    from kbert.train.optimizers import NO_DECAY, WarmupDecay
+
+    optimizer = keras.optimizers.AdamW(
+        learning_rate=WarmupDecay(learning_rate, total, int(warmup * total)), weight_decay=weight_decay,
+        epsilon=1e-6, global_clipnorm=1.0)
+    optimizer.exclude_from_weight_decay(var_names=list(NO_DECAY))
+    optimizer.build(network.trainable_variables)
+
+    def loss_fn(outputs, y):
+        if task in ("classification", "pair-classification"):
+            return keras.ops.mean(keras.losses.sparse_categorical_crossentropy(y, outputs, from_logits=True))
+        if task == "regression":
+            return keras.ops.mean(keras.ops.square(outputs[:, 0] - y))
+        if task == "tagging":
+            valid = keras.ops.cast(y >= 0, "float32")
+            ce = keras.losses.sparse_categorical_crossentropy(keras.ops.maximum(y, 0), outputs, from_logits=True)
+            return keras.ops.sum(ce * valid) / keras.ops.maximum(keras.ops.sum(valid), 1.0)
+        raise AssertionError(task)
+
+    def bi_encoder_loss(features, n, y):
+        v = network(features, training=True)
+        v = v / keras.ops.maximum(keras.ops.norm(v, axis=-1, keepdims=True), 1e-12)
+        a, b = v[:n], v[n:]
+        if y is None:  # in-batch negatives: a[i] should pick b[i] among all b
+            scores = keras.ops.matmul(a, keras.ops.transpose(b)) * 20.0
+            target = keras.ops.arange(n)
+            return keras.ops.mean(keras.losses.sparse_categorical_crossentropy(target, scores, from_logits=True))
+        cos = keras.ops.sum(a * b, axis=-1)
+        return keras.ops.mean(keras.ops.square(cos - y / score_max))
+
+    # The pooler feeds only the [CLS] heads: bi-encoders and taggers leave it untouched.
+    variables = [v for v in network.trainable_variables
+                 if task in ("classification", "pair-classification", "regression") or not v.path.startswith("pooler/")]
+
+    @tf.function(reduce_retracing=True)
+    def train_step(features, y, n):
+        with tf.GradientTape() as tape:
+            if task == "sentence-embedding":
+                loss = bi_encoder_loss(features, n, y)
+            else:
+                loss = loss_fn(network(features, training=True), y)
+        grads = tape.gradient(loss, variables)
+        optimizer.apply_gradients(zip(grads, variables))
+        return loss
+
+    @tf.function(reduce_retracing=True)
+    def infer(features):
+        return network(features, training=False)
+
+    def call_infer(ids, segments):
+        return np.asarray(infer(_features(ids, segments, tokenizer.pad_id)), np.float32)
+
+    def evaluate(ex) -> Dict[str, float]:
+        if task == "sentence-embedding":
+            a = _embed_ids(call_infer, ex.ids, tokenizer.pad_id, batch_size)
+            b = _embed_ids(call_infer, ex.pair_ids, tokenizer.pad_id, batch_size)
+            if ex.labels is not None:
+                cos = np.sum(a * b, axis=1)
+                return {"spearman": spearman(cos, ex.labels), "pearson": pearson(cos, ex.labels)}
+            return {"recall@1": float(np.mean(np.argmax(a @ b.T, axis=1) == np.arange(len(a))))}
+        outputs = []
+        for start in range(0, len(ex), batch_size):
+            ids = _pad(ex.ids[start:start + batch_size], tokenizer.pad_id)
+            segs = _pad(ex.segments[start:start + batch_size], 0, ids.shape[1])
+            out = call_infer(ids, segs)
+            outputs.extend(out if task == "tagging" else list(out))
+        if task == "regression":
+            pred = np.array([o[0] for o in outputs])
+            return {"spearman": spearman(pred, ex.labels), "pearson": pearson(pred, ex.labels),
+                    "mse": float(np.mean((pred - ex.labels) ** 2))}
+        if task == "tagging":
+            y = np.concatenate([np.array(l) for l in ex.labels])
+            p = np.concatenate([np.argmax(o[:len(l)], axis=-1) for o, l in zip(outputs, ex.labels)])
+            keep = y >= 0
+            return {"accuracy": float(np.mean(p[keep] == y[keep])), "macro_f1": _macro_f1(y[keep], p[keep], len(labels))}
+        pred = np.argmax(np.stack(outputs), axis=1)
+        return {"accuracy": float(np.mean(pred == ex.labels)), "macro_f1": _macro_f1(ex.labels, pred, len(labels))}
+
+    key = {"classification": "accuracy", "pair-classification": "accuracy", "tagging": "accuracy",
+           "regression": "spearman"}.get(task)
+    if task == "sentence-embedding":
+        key = "spearman" if (dev_ex is not None and dev_ex.labels is not None) else "recall@1"
+    meta = {"task": task, "labels": labels, "max_length": max_length, "text_column": text_column,
+            "pair_column": pair_column, "label_column": label_column, "pooling": "mean" if task == "sentence-embedding" else None,
+            "base_model": os.path.abspath(model) if isinstance(model, str) else None}
+    result = TaskModel(network, tokenizer, meta)
+    history, best, best_step, bad = [], None, 0, 0
+    baseline = evaluate(dev_ex) if dev_ex is not None else None
+    if baseline is not None and progress:
+        print(f"before training: dev " + " ".join(f"{k} {v:.4f}" for k, v in baseline.items()), flush=True)
+    rng = np.random.default_rng(seed)
+    bar = progress_bar(total=total, desc=f"finetune {task}", unit=" steps", enabled=progress)
+    step, stopped, start_time, losses = 0, "steps", time.time(), []
+    while step < total:
+        order = rng.permutation(len(train_ex))
+        for first in range(0, len(order), batch_size):
+            index = order[first:first + batch_size]
+            if task == "sentence-embedding":
+                both = [train_ex.ids[i] for i in index] + [train_ex.pair_ids[i] for i in index]
+                ids = _pad(both, tokenizer.pad_id)
+                features = _features(ids, np.zeros_like(ids), tokenizer.pad_id)
+                y = None if train_ex.labels is None else tf.constant(train_ex.labels[index])
+            else:
+                ids = _pad([train_ex.ids[i] for i in index], tokenizer.pad_id)
+                features = _features(ids, _pad([train_ex.segments[i] for i in index], 0, ids.shape[1]),
+                                     tokenizer.pad_id)
+                if task == "tagging":
+                    y = tf.constant(_pad([train_ex.labels[i] for i in index], IGNORE, ids.shape[1]))
+                else:
+                    y = tf.constant(train_ex.labels[index])
+            loss = float(train_step(features, y, tf.constant(len(index))))
+            if not math.isfinite(loss):
+                raise FloatingPointError(f"Fine-tuning diverged at step {step + 1} (loss {loss}); lower "
+                                         f"`learning_rate` (now {learning_rate})")
+            losses.append(loss)
+            step += 1
+            bar.update(1)
+            bar.set_postfix(loss=f"{np.mean(losses[-50:]):.4f}")
+            if step % eval_every == 0 or step == total:
+                entry = {"step": step, "epoch": round(step / steps_per_epoch, 3),
+                         "train_loss": float(np.mean(losses[-eval_every:]))}
+                improved = True
+                if dev_ex is not None:
+                    metrics = evaluate(dev_ex)
+                    entry.update({f"dev_{k}": v for k, v in metrics.items()})
+                    improved = best is None or metrics[key] > best
+                history.append(entry)
+                if improved:
+                    best, best_step, bad = (entry.get(f"dev_{key}"), step, 0)
+                    result.save(out_dir)
+                else:
+                    bad += 1
+                if progress:
+                    shown = " ".join(f"{k} {v:.4f}" for k, v in entry.items() if k not in ("step", "epoch"))
+                    bar.write(f"epoch {entry['epoch']:g} step {step}: {shown}" + (" (best, saved)" if improved else ""))
+                if patience is not None and dev_ex is not None and bad >= patience:
+                    stopped = "early_stopping"
+                    break
+            if step >= total:
+                break
+        if stopped == "early_stopping":
+            break
+    bar.close()
+    return {"task": task, "model_dir": out_dir, "steps": step, "stopped_by": stopped, "history": history,
+            "baseline": baseline, "best_step": best_step, "metric": key if dev_ex is not None else None,
+            "best": best, "labels": labels, "seconds": time.time() - start_time}
+
+
+def _embed_ids(call, id_lists, pad_id, batch_size):
+    vectors = []
+    for start in range(0, len(id_lists), batch_size):
+        ids = _pad(id_lists[start:start + batch_size], pad_id)
+        vectors.append(call(ids, np.zeros_like(ids)))
+    out = np.concatenate(vectors) if vectors else np.zeros((0, 0), np.float32)
+    return out / np.maximum(np.linalg.norm(out, axis=1, keepdims=True), 1e-12)
