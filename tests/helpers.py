@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
+import pytest
+
+# The developers' and CI's real Korean data (never copied into the repo): ../shared/data beside the checkout.
+SHARED = os.environ.get("KBERT_SHARED_DATA") or os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data")
+needs_shared = pytest.mark.skipif(not os.path.isdir(SHARED), reason=f"the shared Korean data is not at {SHARED}")
 
 KOREAN_SENTENCES = [
     "대한민국은 민주공화국이다.",

@@ -14,8 +14,8 @@ from kbert.data.corpus import Corpus, corpus, split_sentences_rules, strip_wiki_
 from kbert.data.masking import example_keys, make_spec, mask_tokens
 from kbert.data.pairs import build_examples
 from kbert.data.pretraining import pretraining_dataset
+from helpers import SHARED, needs_shared
 
-SHARED = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data")
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +105,7 @@ def test_recipes_and_errors(tmp_path):
         list(corpus(_write(str(tmp_path / "x.tsv"), "a\tb\n1\t2\n"), column="text"))
 
 
-@pytest.mark.skipif(not os.path.isdir(SHARED), reason="../shared/data is not present")
+@needs_shared
 def test_movie_review_recipe_groups_by_movie():
     c = corpus("movie-reviews", path=os.path.join(SHARED, "movie-reviews", "reviews.tsv.gz"))
     first = []

@@ -166,7 +166,10 @@ def _pad(lists, pad, width=None):
 
 
 # ------------------------------------------------------------------------------------------ model
-def _network(backbone, task, num_labels, dropout):
+def _network(backbone, task, num_labels, dropout, target=(0.0, 1.0)):
+    """Backbone + head. Regression outputs `head * std + mean` of the training targets, so the head learns
+    a standardized value whatever the label scale (a 1-10 rating needs no large bias to be learned)."""
+    mean, std = float(target[0]), float(target[1]) or 1.0
     import keras
 
     class TaskNetwork(keras.Model):
@@ -190,7 +193,8 @@ def _network(backbone, task, num_labels, dropout):
             if task == "sentence-embedding":
                 return pool(out["hidden_states"], features["padding_mask"], "mean")
             x = out["sequence_output"] if task == "tagging" else out["pooled_output"]
-            return self.head(self.dropout(keras.ops.cast(x, "float32"), training=training))
+            logits = self.head(self.dropout(keras.ops.cast(x, "float32"), training=training))
+            return logits * std + mean if task == "regression" else logits
 
     return TaskNetwork()
 
@@ -224,7 +228,7 @@ class TaskModel:
         emb = Embedder.load(model_dir, dtype=dtype)
         labels = meta.get("labels") or []
         num = 1 if meta["task"] == "regression" else len(labels)
-        network = _network(emb.backbone, meta["task"], num, 0.0)
+        network = _network(emb.backbone, meta["task"], num, 0.0, meta.get("target") or (0.0, 1.0))
         _build(network, emb.tokenizer)
         if network.head is not None:
             tensors = read_safetensors(os.path.join(model_dir, HEAD_FILE))
@@ -418,7 +422,10 @@ def finetune(model: str, task: str, train, dev=None, out_dir: str = "finetuned",
         score_max = float(np.max(np.abs(train_ex.labels))) or 1.0
 
     num_labels = 1 if task == "regression" else (len(labels) if labels else 0)
-    network = _network(backbone, task, num_labels, dropout)
+    target = (0.0, 1.0)
+    if task == "regression":
+        target = (float(np.mean(train_ex.labels)), float(np.std(train_ex.labels)) or 1.0)
+    network = _network(backbone, task, num_labels, dropout, target)
     _build(network, tokenizer)
     steps_per_epoch = math.ceil(len(train_ex) / batch_size)
     total = max(1, int(math.ceil(steps_per_epoch * epochs)))
@@ -437,7 +444,7 @@ def finetune(model: str, task: str, train, dev=None, out_dir: str = "finetuned",
         if task in ("classification", "pair-classification"):
             return keras.ops.mean(keras.losses.sparse_categorical_crossentropy(y, outputs, from_logits=True))
         if task == "regression":
-            return keras.ops.mean(keras.ops.square(outputs[:, 0] - y))
+            return keras.ops.mean(keras.ops.square((outputs[:, 0] - y) / target[1]))
         if task == "tagging":
             valid = keras.ops.cast(y >= 0, "float32")
             ce = keras.losses.sparse_categorical_crossentropy(keras.ops.maximum(y, 0), outputs, from_logits=True)
@@ -509,7 +516,8 @@ def finetune(model: str, task: str, train, dev=None, out_dir: str = "finetuned",
         key = "spearman" if (dev_ex is not None and dev_ex.labels is not None) else "recall@1"
     meta = {"task": task, "labels": labels, "max_length": max_length, "text_column": text_column,
             "pair_column": pair_column, "label_column": label_column, "pooling": "mean" if task == "sentence-embedding" else None,
-            "base_model": os.path.abspath(model) if isinstance(model, str) else None}
+            "base_model": os.path.abspath(model) if isinstance(model, str) else None,
+            "target": list(target) if task == "regression" else None}
     result = TaskModel(network, tokenizer, meta)
     history, best, best_step, bad = [], None, 0, 0
     baseline = evaluate(dev_ex) if dev_ex is not None else None

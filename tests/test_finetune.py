@@ -1,0 +1,234 @@
+"""Fine-tuning (all tasks), the string-in SavedModel export, and bad input to the embedding API.
+
+The learning tests use real Korean data from ../shared/data (NSMC-style movie-review sentiment, KorSTS,
+question pairs) and a small randomly initialized model, so they check that training learns, not a score.
+"""
+
+import json
+import os
+import resource
+import subprocess
+import sys
+import warnings
+
+import numpy as np
+import pytest
+
+import kbert
+from kbert.data.corpus import movie_review_sentiment
+from kbert.train.finetune import _rank, pearson, spearman
+from helpers import SHARED, needs_shared
+
+pytestmark = needs_shared
+REVIEWS = os.path.join(SHARED, "movie-reviews")
+KORSTS = os.path.join(SHARED, "korsts")
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """A tokenizer learned on reviews and KorSTS, and a random 2-layer BERT (hidden 64) as a model dir."""
+    texts = [r["text"] for r in movie_review_sentiment(REVIEWS, "train", limit=20000, seed=1)]
+    with open(os.path.join(KORSTS, "sts-train.tsv"), encoding="utf-8") as f:
+        texts += [c for line in f for c in line.rstrip("\n").split("\t")[5:7]]
+    tok = kbert.Tokenizer.train(texts, vocab_size=3000, progress=False)
+    cfg = kbert.ModelConfig.preset("bert-tiny", vocab_size=tok.vocab_size, hidden_size=64, num_heads=2,
+                                   intermediate_size=128, max_position=128)
+    path = str(tmp_path_factory.mktemp("base"))
+    kbert.save_model(kbert.BertBackbone(cfg), path, tokenizer=tok)
+    return path
+
+
+@pytest.fixture(scope="module")
+def sentiment(base, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("sentiment"))
+    train = movie_review_sentiment(REVIEWS, "train", limit=4000)
+    dev = movie_review_sentiment(REVIEWS, "dev", limit=1000)
+    summary = kbert.finetune(base, "classification", train, dev, out_dir=out, epochs=3, learning_rate=1e-3,
+                             max_length=64, progress=False)
+    return out, summary, dev
+
+
+@pytest.fixture(scope="module")
+def sts(base, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("sts"))
+    summary = kbert.finetune(base, "sentence-embedding", os.path.join(KORSTS, "sts-train.tsv"),
+                             os.path.join(KORSTS, "sts-dev.tsv"), out_dir=out, text_column="sentence1",
+                             pair_column="sentence2", label_column="score", epochs=2, learning_rate=5e-4,
+                             max_length=64, progress=False)
+    return out, summary
+
+
+def test_sentiment_finetuning_beats_the_majority_class(sentiment):
+    out, summary, dev = sentiment
+    assert summary["baseline"]["accuracy"] == pytest.approx(0.5, abs=0.02)  # balanced dev: majority = 50%
+    assert summary["best"] >= 0.68, summary["history"]
+    assert summary["metric"] == "accuracy" and summary["labels"] == ["0", "1"]
+    assert len(summary["history"]) == 3 and all("dev_macro_f1" in h for h in summary["history"])
+    # The saved dir is the best checkpoint: reloading reproduces the best dev accuracy.
+    model = kbert.TaskModel.load(out)
+    probs = model.predict([r["text"] for r in dev])
+    assert probs.shape == (len(dev), 2) and np.allclose(probs.sum(axis=1), 1, atol=1e-5)
+    accuracy = np.mean(np.argmax(probs, axis=1) == np.array([int(r["label"]) for r in dev]))
+    assert accuracy == pytest.approx(summary["best"], abs=1e-6)
+    assert model.predict("정말 재밌고 감동적인 영화").shape == (2,)
+    assert kbert.Embedder.load(out).encode("영화").shape == (64,)  # also an ordinary model dir
+
+
+def test_sts_bi_encoder_raises_dev_spearman(sts):
+    out, summary = sts
+    assert summary["metric"] == "spearman"
+    assert summary["best"] > summary["baseline"]["spearman"] + 0.05, (summary["baseline"], summary["history"])
+    emb = kbert.Embedder.load(out)
+    with open(os.path.join(KORSTS, "sts-dev.tsv"), encoding="utf-8") as f:
+        rows = [line.rstrip("\n").split("\t") for line in f][1:]
+    a = emb.encode([r[5] for r in rows])
+    b = emb.encode([r[6] for r in rows])
+    # Embedder.encode (mean pooling) gives the vectors the bi-encoder was selected with.
+    assert spearman(np.sum(a * b, axis=1), [float(r[4]) for r in rows]) == pytest.approx(summary["best"], abs=1e-4)
+
+
+def test_spearman_and_pearson_against_hand_values():
+    assert list(_rank(np.array([10.0, 20.0, 20.0, 5.0]))) == [2.0, 3.5, 3.5, 1.0]  # ties share the mean rank
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 1000]) == pytest.approx(1.0)
+    assert spearman([1, 2, 3], [3, 2, 1]) == pytest.approx(-1.0)
+    assert pearson([1, 2, 3], [2, 4, 7]) == pytest.approx(np.corrcoef([1, 2, 3], [2, 4, 7])[0, 1])
+    assert pearson([1, 1, 1], [1, 2, 3]) == 0.0
+
+
+def test_regression_pair_classification_and_tagging(base, tmp_path):
+    import csv
+    import gzip
+
+    # Regression: a review's rating (1-10) from its text.
+    with gzip.open(os.path.join(REVIEWS, "reviews.tsv.gz"), "rt", encoding="utf-8") as f:
+        reader = csv.DictReader(f, delimiter="\t", quoting=csv.QUOTE_NONE)
+        reviews = [r for _, r in zip(range(6000), reader) if r["text"].strip()]
+    summary = kbert.finetune(base, "regression", reviews[:5000], reviews[5000:], out_dir=str(tmp_path / "rating"),
+                             label_column="rating", epochs=2, learning_rate=1e-3, max_length=64, progress=False)
+    assert summary["metric"] == "spearman"
+    assert summary["best"] > summary["baseline"]["spearman"] + 0.1, (summary["baseline"], summary["history"])
+    values = kbert.TaskModel.load(str(tmp_path / "rating")).predict(["최고의 영화", "최악"])
+    assert values.shape == (2,) and values[0] > values[1]
+
+    # Pair classification (question pairs) runs end to end and exports with a two-input signature whose
+    # in-graph truncation (longer segment first) matches the Python tokenizer: export() checks it at 1e-5.
+    qp = os.path.join(SHARED, "question-pair")
+    kbert.finetune(base, "pair-classification", os.path.join(qp, "train.txt"), os.path.join(qp, "validation.txt"),
+                   out_dir=str(tmp_path / "qp"), text_column="question1", pair_column="question2",
+                   label_column="is_duplicate", max_steps=20, progress=False)
+    path = kbert.export(str(tmp_path / "qp"), str(tmp_path / "qp-serving"), signature="classify", max_length=16)
+    import tensorflow as tf
+
+    fn = tf.saved_model.load(path).signatures["serving_default"]
+    assert sorted(fn.structured_input_signature[1]) == ["text_pairs", "texts"]
+
+    with open(os.path.join(KORSTS, "sts-train.tsv"), encoding="utf-8") as f:
+        header, *rows = [line.rstrip("\n").split("\t") for line in f]
+    data = [dict(zip(header, r)) for r in rows[:1500]]
+    # Tagging: a word is "J" when it ends in a common particle; learnable from subword context.
+    sents = [r["sentence1"] for r in data]
+    tag_rows = [{"text": s, "label": " ".join("J" if w[-1] in "은는이가을를에" else "O" for w in s.split())}
+                for s in sents]
+    summary = kbert.finetune(base, "tagging", tag_rows[:1200], tag_rows[1200:], out_dir=str(tmp_path / "tag"),
+                             epochs=2, learning_rate=2e-3, max_length=64, progress=False)
+    majority = np.mean([t == "O" for r in tag_rows[1200:] for t in r["label"].split()])
+    assert summary["best"] > majority + 0.05, (majority, summary["history"])
+    tagged = kbert.TaskModel.load(str(tmp_path / "tag")).predict("학교에서 친구를 만났다")
+    assert [w for w, _ in tagged] == ["학교에서", "친구를", "만났다"] and all(t in ("J", "O") for _, t in tagged)
+
+
+def test_finetune_bad_input(base, tmp_path):
+    train = tmp_path / "train.tsv"
+    train.write_text("text\tlabel\n좋다\t1\n싫다\t0\n", encoding="utf-8")
+    dev = tmp_path / "dev.tsv"
+    dev.write_text("text\tlabel\n좋다\t2\n", encoding="utf-8")
+    with pytest.raises(ValueError, match="no column 'sentence'"):
+        kbert.finetune(base, "classification", str(train), text_column="sentence", progress=False)
+    with pytest.raises(ValueError, match=r"labels not seen in training: \['2'\]"):
+        kbert.finetune(base, "classification", str(train), str(dev), out_dir=str(tmp_path / "m"), progress=False)
+    with pytest.raises(ValueError, match="`task` must be one of"):
+        kbert.finetune(base, "ner", str(train), progress=False)
+    with pytest.raises(ValueError, match="needs `pair_column`"):
+        kbert.finetune(base, "pair-classification", str(train), progress=False)
+    with pytest.raises(ValueError, match="2 words but 1 tags"):
+        kbert.finetune(base, "tagging", [{"text": "두 단어", "label": "O"}], progress=False)
+    with pytest.raises(ValueError, match="is not a number"):
+        kbert.finetune(base, "regression", [{"text": "a", "label": "x"}], progress=False)
+    with pytest.raises(FileNotFoundError, match="Data file not found"):
+        kbert.finetune(base, "classification", str(tmp_path / "missing.tsv"), progress=False)
+    with pytest.raises(FileNotFoundError, match="not a fine-tuned model dir"):
+        kbert.TaskModel.load(base)
+
+
+def test_exported_savedmodel_equals_encode_in_a_fresh_process(sentiment, sts, tmp_path):
+    texts = ["대한민국은 민주공화국이다.", "", "배우들 연기가 정말 좋았다 " * 30, "ㅋㅋㅋㅋ 최악", b"\xff\xfe bad utf-8"]
+    embed_dir = kbert.export(sts[0], str(tmp_path / "embed"))
+    classify_dir = kbert.export(sentiment[0], str(tmp_path / "classify"), signature="classify")
+    assert embed_dir.endswith(os.path.join("embed", "1")) and os.path.isfile(os.path.join(embed_dir, "saved_model.pb"))
+    inputs = tmp_path / "texts.bin"  # raw bytes, one text per record (length-prefixed)
+    inputs.write_bytes(b"".join(len(t).to_bytes(4, "little") + t for t in
+                                (t if isinstance(t, bytes) else t.encode("utf-8") for t in texts)))
+    script = (
+        "import sys, numpy as np, tensorflow as tf, tensorflow_text\n"
+        "data, texts = open(sys.argv[1], 'rb').read(), []\n"
+        "while data:\n"
+        "    n = int.from_bytes(data[:4], 'little'); texts.append(data[4:4 + n]); data = data[4 + n:]\n"
+        "e = tf.saved_model.load(sys.argv[2]).signatures['serving_default'](texts=tf.constant(texts))\n"
+        "c = tf.saved_model.load(sys.argv[3]).signatures['serving_default'](texts=tf.constant(texts))\n"
+        "np.save(sys.argv[4], e['embeddings'].numpy()); np.save(sys.argv[5], c['probabilities'].numpy())\n"
+        "assert not any(m.startswith('kbert') for m in sys.modules), 'kbert was imported'\n")
+    out_e, out_c = str(tmp_path / "e.npy"), str(tmp_path / "c.npy")
+    subprocess.run([sys.executable, "-c", script, str(inputs), embed_dir, classify_dir, out_e, out_c], check=True,
+                   env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}, cwd=str(tmp_path))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        expected_e = kbert.Embedder.load(sts[0]).encode(texts)
+    expected_c = kbert.TaskModel.load(sentiment[0]).predict(texts)
+    np.testing.assert_allclose(np.load(out_e), expected_e, atol=1e-5)
+    np.testing.assert_allclose(np.load(out_c), expected_c, atol=1e-5)
+    with pytest.raises(FileExistsError, match="overwrite"):
+        kbert.export(sts[0], str(tmp_path / "embed"))
+    with pytest.raises(ValueError, match="signature='classify' needs"):
+        kbert.export(sts[0], str(tmp_path / "x"), signature="classify")
+
+
+def test_encode_bad_input_and_scale(sentiment):
+    emb = kbert.Embedder.load(sentiment[0])
+    with pytest.raises(TypeError, match="Received: NoneType"):
+        emb.encode(None)
+    with pytest.raises(TypeError, match="item 1 is int"):
+        emb.encode(["좋다", 3])
+    bad = emb.encode(b"\xff\xfe\xfd")  # invalid UTF-8: replacement characters, a defined vector
+    assert bad.shape == (64,) and np.isfinite(bad).all()
+    with pytest.warns(UserWarning, match="1 of 1 texts are longer than 64 tokens"):
+        huge = emb.encode("가나다라 " * 200_000)  # a 1 MB string: truncated with a warning
+    assert np.isfinite(huge).all()
+    texts = [f"{i}번째 리뷰 정말 재밌다" for i in range(100_000)]
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    vectors = emb.encode(texts, batch_size=256, progress=False)
+    grown_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+    assert vectors.shape == (100_000, 64) and np.isfinite(vectors).all()
+    np.testing.assert_allclose(vectors[[0, 99_999]], emb.encode([texts[0], texts[-1]]), atol=1e-5)
+    assert grown_mb < 600, f"encoding 100K texts grew the process by {grown_mb:.0f} MB"
+
+
+def test_finetune_and_export_cli(base, tmp_path, capsys):
+    from kbert.cli import main
+
+    rows = movie_review_sentiment(REVIEWS, "train", limit=200)
+    train = tmp_path / "train.tsv"
+    train.write_text("document\tlabel\n" + "".join(f"{r['text']}\t{r['label']}\n" for r in rows), encoding="utf-8")
+    out = str(tmp_path / "model")
+    assert main(["finetune", "--model", base, "--task", "classification", "--train", str(train), "--dev", str(train),
+                 "--out", out, "--text-column", "document", "--max-steps", "4", "--eval-every", "2"]) == 0
+    printed = capsys.readouterr().out
+    assert "best dev accuracy" in printed and out in printed
+    history = json.load(open(os.path.join(out, "finetune_history.json"), encoding="utf-8"))
+    assert [h["step"] for h in history["history"]] == [2, 4]
+    assert main(["export", "--model", out, "--out", str(tmp_path / "serving"), "--signature", "classify"]) == 0
+    assert os.path.isfile(os.path.join(tmp_path, "serving", "1", "saved_model.pb"))
+    assert main(["export", "--model", out, "--out", str(tmp_path / "serving"), "--signature", "classify"]) == 1
+    assert "--overwrite" in capsys.readouterr().err
+    assert main(["finetune", "--model", base, "--task", "classification", "--train", str(train),
+                 "--out", out, "--text-column", "document", "--label-column", "stars"]) == 1
+    assert "no column 'stars'" in capsys.readouterr().err
