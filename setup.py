@@ -23,6 +23,9 @@ setup(
     extras_require={
         "mecab": ["mecab-ko>=1.0"],
         "kiwi": ["kiwipiepy>=0.17"],
+        "faiss": ["faiss-cpu>=1.8"],
+        # benchmarks/embed.py compares against sentence-transformers on the same weights.
+        "bench": ["sentence-transformers>=3", "torch==2.13.0", "transformers>=4.40,<6"],
         "test": [
             "pytest>=8",
             "mecab-ko>=1.0",
@@ -32,6 +35,7 @@ setup(
             "transformers>=4.40,<6",
             # The JAX backend test runs the same model code under KERAS_BACKEND=jax.
             "jax>=0.4.30",
+            "faiss-cpu>=1.8",
         ],
     },
     entry_points={"console_scripts": ["kbert=kbert.cli:main"]},

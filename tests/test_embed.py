@@ -81,6 +81,13 @@ def test_similarity_and_search(emb):
     assert emb.search(TEXTS[0], vectors, top_k=1)[0][0] == 0
     with pytest.raises(ValueError, match="top_k"):
         emb.search("x", TEXTS, top_k=0)
+    # FAISS's exact inner-product index gives the same hits as the matrix search.
+    rng = np.random.default_rng(0)
+    corpus_vectors, queries = rng.normal(size=(500, 32)), rng.normal(size=(7, 32))
+    exact = emb.search(queries, corpus_vectors, top_k=5)
+    fast = emb.search(queries, corpus_vectors, top_k=5, index="faiss")
+    assert [[j for j, _ in h] for h in fast] == [[j for j, _ in h] for h in exact]
+    np.testing.assert_allclose([[v for _, v in h] for h in fast], [[v for _, v in h] for h in exact], atol=1e-5)
 
 
 def test_embed_command(emb, tmp_path, capsys):
@@ -115,3 +122,18 @@ def test_quickstart_runs_end_to_end(tmp_path, capsys):
     assert emb.encode("대한민국은 민주공화국이다.").shape == (128,)
     assert main(["quickstart", "--out", out, "--steps", "6"]) == 0  # a rerun finds the finished run
     assert "already holds a finished run" in capsys.readouterr().out
+
+
+def test_wordpiece_tokenizer_exports_to_transformers(tmp_path):
+    import transformers
+
+    from helpers import KOREAN_SENTENCES
+
+    tok = kbert.Tokenizer.train(corpus(["kolaw", "kobill"]), vocab_size=2000, algorithm="wordpiece", progress=False)
+    tok.export_transformers(str(tmp_path))
+    hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    for text in KOREAN_SENTENCES + ["  여러   공백\t탭 ", "헌법 제1조 ①항"]:
+        assert hf(text)["input_ids"] == tok.encode(text).ids, text
+    sp = kbert.Tokenizer.train(corpus(["kolaw"]), vocab_size=800, progress=False)
+    with pytest.raises(ValueError, match="Only plain WordPiece"):
+        sp.export_transformers(str(tmp_path / "sp"))

@@ -373,6 +373,28 @@ class Tokenizer:
             json.dump(meta, f, indent=2, ensure_ascii=False)
         return directory
 
+    def export_transformers(self, directory: str) -> str:
+        """Writes `vocab.txt` + `tokenizer_config.json` so `transformers.AutoTokenizer` (BertTokenizer) reads
+        this WordPiece vocabulary with Korean-safe settings (no accent stripping, so no NFD).
+
+        Only WordPiece vocabularies without a morpheme analyzer map onto a `transformers` tokenizer exactly;
+        other kinds raise ValueError.
+        """
+        if self.kind != "wordpiece" or self.morphemes:
+            raise ValueError("Only plain WordPiece tokenizers export to transformers; this one is "
+                             f"{self.kind!r}{' with ' + self.morphemes + ' morphemes' if self.morphemes else ''}")
+        os.makedirs(directory, exist_ok=True)
+        with open(os.path.join(directory, VOCAB_FILE), "w", encoding="utf-8") as f:
+            f.write("\n".join(self.vocab) + "\n")
+        config = {"tokenizer_class": "BertTokenizer", "do_lower_case": self.lowercase, "strip_accents": False,
+                  "tokenize_chinese_chars": True, "model_max_length": 512,
+                  "unk_token": self.vocab[self.unk_id], "sep_token": self.vocab[self.sep_id],
+                  "pad_token": self.vocab[self.pad_id], "cls_token": self.vocab[self.cls_id],
+                  "mask_token": self.vocab[self.mask_id]}
+        with open(os.path.join(directory, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+            json.dump(config, f, indent=2, ensure_ascii=False)
+        return directory
+
     @classmethod
     def load(cls, path: str, **overrides) -> "Tokenizer":
         """A kbert tokenizer dir, a WordPiece `vocab.txt`, a SentencePiece `.model`, or a directory
