@@ -373,6 +373,12 @@ def export_transformers(model, directory: str, tokenizer=None) -> str:
     save_file(hf, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(directory, "config.json"), "w", encoding="utf-8") as f:
         json.dump(config_to_hf(config, with_heads=heads), f, indent=2)
-    if tokenizer is not None and hasattr(tokenizer, "export_transformers"):
-        tokenizer.export_transformers(directory)
+    if tokenizer is not None:
+        if getattr(tokenizer, "kind", None) == "wordpiece" and not tokenizer.morphemes:
+            tokenizer.export_transformers(directory)
+        else:
+            import warnings
+
+            warnings.warn("The tokenizer was not written: only plain WordPiece vocabularies map exactly onto a "
+                          "transformers tokenizer", stacklevel=2)
     return directory

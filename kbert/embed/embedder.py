@@ -6,7 +6,8 @@
     emb.encode_words("학교에서 공부했다", unit="eojeol")  # [(word, start, end, vector), ...]
 
 Texts are tokenized once, sorted by length and run in batches padded only to the longest text of each batch
-(rounded up to a multiple of 8, so few shapes are compiled); results come back in input order. Texts longer
+(the compiled graph is shape-generic, so exact widths cost no recompilation); results come back in input
+order. Texts longer
 than `max_length` are truncated with one warning that counts them. An empty or blank text encodes as
 `[CLS] [SEP]`, a defined vector.
 """
@@ -87,7 +88,7 @@ class Embedder:
         for start in range(0, len(order), batch_size):
             index = order[start:start + batch_size]
             width = max(len(id_lists[i]) for i in index)
-            width = min(-(-width // 8) * 8, self.max_length)
+            width = min(width, self.max_length)  # exact: reduce_retracing makes the graph shape-generic
             ids = np.full((len(index), width), self.tokenizer.pad_id, np.int32)
             mask = np.zeros((len(index), width), np.int32)
             for row, i in enumerate(index):

@@ -1,0 +1,117 @@
+"""Sentence-embedding throughput (sentences/s, mean pooling, unit vectors, batch 64) on movie reviews:
+kbert's `Embedder.encode` beside sentence-transformers on the same architecture and weights, and the
+exported string-in SavedModel, in one run.
+
+The model is bert-mini sized (4 layers, 256 hidden, 4 heads) with a WordPiece vocabulary learned on the
+reviews; its weights go to sentence-transformers through `kbert.export_transformers` (tokenizer included),
+so both sides tokenize identically and the vectors agree (the script prints the largest difference).
+Throughput does not depend on the weights' values, so the model is randomly initialized.
+
+    python benchmarks/embed.py --reviews ../shared/data/movie-reviews/reviews.tsv.gz --texts 10000
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import gzip
+import os
+import sys
+import tempfile
+import time
+import warnings
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def read_reviews(path, n, skip=0):
+    out = []
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        for i, row in enumerate(csv.DictReader(f, delimiter="\t", quoting=csv.QUOTE_NONE)):
+            if i >= skip and row["text"].strip():
+                out.append(row["text"])
+                if len(out) == n:
+                    break
+    return out
+
+
+def timed(fn, repeats):
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        result = fn()
+        best = min(best, time.perf_counter() - start)
+    return best, result
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--reviews", default=os.path.join("..", "shared", "data", "movie-reviews", "reviews.tsv.gz"))
+    parser.add_argument("--texts", type=int, default=10000)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=2, help="best of N timed passes per side")
+    args = parser.parse_args()
+
+    import numpy as np
+    import tensorflow as tf
+    import torch
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
+
+    import kbert
+
+    work = tempfile.mkdtemp(prefix="kbert-embed-bench-")
+    texts = read_reviews(args.reviews, args.texts)
+    print(f"{len(texts)} reviews, mean {np.mean([len(t) for t in texts]):.0f} chars; batch {args.batch_size}; "
+          f"CPU threads: torch {torch.get_num_threads()}, os {os.cpu_count()}")
+    tok = kbert.Tokenizer.train(read_reviews(args.reviews, 50000, skip=args.texts), vocab_size=8000,
+                                algorithm="wordpiece", progress=False)
+    cfg = kbert.ModelConfig.preset("bert-mini", vocab_size=tok.vocab_size)
+    backbone = kbert.BertBackbone(cfg)
+    kbert_dir, hf_dir = os.path.join(work, "kbert"), os.path.join(work, "hf")
+    kbert.save_model(backbone, kbert_dir, tokenizer=tok)
+    kbert.export_transformers(backbone, hf_dir, tokenizer=tok)
+
+    emb = kbert.Embedder.load(kbert_dir)
+    st = SentenceTransformer(modules=[Transformer(hf_dir, max_seq_length=cfg.max_position),
+                                      Pooling(cfg.hidden_size, pooling_mode="mean")], device="cpu")
+    served = tf.saved_model.load(kbert.export(kbert_dir, os.path.join(work, "serving")))
+    serve = served.signatures["serving_default"]
+
+    def run_kbert():
+        return emb.encode(texts, batch_size=args.batch_size, progress=False)
+
+    def run_st():
+        return st.encode(texts, batch_size=args.batch_size, normalize_embeddings=True, convert_to_numpy=True)
+
+    def run_savedmodel(order=None):
+        order = np.arange(len(texts)) if order is None else order
+        out = np.zeros((len(texts), cfg.hidden_size), np.float32)
+        for i in range(0, len(texts), args.batch_size):
+            index = order[i:i + args.batch_size]
+            out[index] = serve(texts=tf.constant([texts[j] for j in index]))["embeddings"].numpy()
+        return out
+
+    by_length = np.argsort([len(t) for t in texts], kind="stable")  # what a batching client can do
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for fn in (run_kbert, run_st, run_savedmodel):  # warm-up: graph tracing, thread pools
+            fn() if fn is not run_savedmodel else serve(texts=tf.constant(texts[:args.batch_size]))
+        rows = []
+        for name, fn in (("kbert Embedder.encode", run_kbert), ("sentence-transformers", run_st),
+                         ("kbert SavedModel, batches in input order", run_savedmodel),
+                         ("kbert SavedModel, batches sorted by text length", lambda: run_savedmodel(by_length))):
+            seconds, vectors = timed(fn, args.repeats)
+            rows.append((name, len(texts) / seconds, vectors))
+    ref = rows[1][1]
+    print(f"\n| side | sentences/s | vs sentence-transformers | max |diff| vs kbert |")
+    print("|---|---:|---:|---:|")
+    for name, speed, vectors in rows:
+        diff = float(np.max(np.abs(vectors - rows[0][2])))
+        print(f"| {name} | {speed:,.0f} | {speed / ref:.2f}x | {diff:.1e} |")
+
+
+if __name__ == "__main__":
+    main()
