@@ -137,3 +137,14 @@ def test_wordpiece_tokenizer_exports_to_transformers(tmp_path):
     sp = kbert.Tokenizer.train(corpus(["kolaw"]), vocab_size=800, progress=False)
     with pytest.raises(ValueError, match="Only plain WordPiece"):
         sp.export_transformers(str(tmp_path / "sp"))
+
+
+def test_encode_under_mixed_precision(emb, tmp_path):
+    model_dir = str(tmp_path / "m")
+    kbert.save_model(emb.backbone, model_dir, tokenizer=emb.tokenizer)
+    full = emb.encode(TEXTS)
+    for policy in ("mixed_bfloat16", "mixed_float16"):
+        half = kbert.Embedder.load(model_dir, dtype=policy)
+        v = half.encode(TEXTS)
+        assert v.dtype == np.float32 and np.isfinite(v).all()
+        assert np.min(np.sum(v * full, axis=1)) > 0.99, policy  # same directions as float32
