@@ -158,6 +158,9 @@ def _pretrain(args):
 def _plan(args):
     from kbert.train.memory import parse_memory, plan_batch_size
 
+    if args.probe:
+        return _probe(args)
+    args.memory = args.memory or "12GB"
     seq_lens = [int(x) for x in args.seq_lens.split(",")]
     rows = plan_batch_size(args.model, args.memory, seq_lens, target_batch=args.target_batch, replicas=args.replicas,
                            optimizer=args.optimizer, precision=args.precision, recompute=args.recompute)
@@ -172,6 +175,23 @@ def _plan(args):
             line += (f" {r['micro_batch']} x {r['accumulation']} x {r['replicas']} |" if r["micro_batch"] else
                      " does not fit |")
         print(line)
+
+
+def _probe(args):
+    from kbert.train.probe import probe_table
+
+    seq_lens = [int(x) for x in args.seq_lens.split(",")]
+    rows = probe_table(args.model, seq_lens, optimizer=args.optimizer, precision=args.precision,
+                       memory=args.memory)
+    gb = lambda b: f"{b / 1e9:.2f} GB" if b else "n/a"  # noqa: E731
+    print(f"{args.model}, {args.optimizer}, {args.precision}: planned vs measured on this device")
+    print("| seq len | planned max batch | probed max batch | planned memory | measured peak | error |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        error = f"{r['error'] * 100:+.0f}%" if r["error"] is not None else "n/a"
+        probed = f"{r['probed_batch']}" + (" (cap)" if r["limited_by"] == "max_batch" else "")
+        print(f"| {r['seq_len']} | {r['planned_batch'] if r['planned_batch'] is not None else 'n/a'} | {probed} | "
+              f"{gb(r['planned_bytes'])} | {gb(r['measured_bytes'])} | {error} |")
 
 
 def _embed(args):
@@ -380,13 +400,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("plan", help="the largest batch that fits device memory, per sequence length")
     p.add_argument("--model", default="bert-base", help="preset name")
-    p.add_argument("--memory", default="12GB", help="device memory, e.g. 12GB, 80GiB")
+    p.add_argument("--memory", help="device memory, e.g. 12GB, 80GiB (default 12GB; with --probe: the device's)")
     p.add_argument("--seq-lens", default="64,128,256,320,384,512")
     p.add_argument("--optimizer", choices=("adam", "adamw", "lamb", "sgd"), default="adamw")
     p.add_argument("--precision", choices=("float32", "mixed_float16", "mixed_bfloat16"), default="float32")
     p.add_argument("--target-batch", type=int, help="global batch to reach with accumulation and replicas")
     p.add_argument("--replicas", type=int, default=1)
     p.add_argument("--recompute", action="store_true", help="activation recomputation")
+    p.add_argument("--probe", action="store_true",
+                   help="measure on this accelerator: real training steps, binary search on out-of-memory")
     p.set_defaults(func=_plan)
     return parser
 
@@ -407,7 +429,7 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         sys.stderr.write("kbert: interrupted\n")
         return 130
-    except (ValueError, TypeError, FileNotFoundError, ImportError, OSError, ArithmeticError) as e:
+    except (ValueError, TypeError, FileNotFoundError, ImportError, OSError, ArithmeticError, MemoryError) as e:
         if os.environ.get("KBERT_DEBUG"):
             raise
         sys.stderr.write(f"kbert {args.command}: error: {str(e).splitlines()[0]}\n")

@@ -1,5 +1,6 @@
 """The pretraining loop: learning, resume, accumulation, strategies, signals and bad configs."""
 
+import json
 import os
 import signal
 import subprocess
@@ -234,3 +235,79 @@ def test_lamb_trains_and_decay_excludes_layer_norm_and_biases(tok_dir, tmp_path)
     summary = pretrain(_config(tok_dir, str(tmp_path / "lamb"), 60, optimizer={"name": "lamb", "learning_rate": 1e-2}),
                        progress=False)
     assert np.mean(summary["history"][-5:]) < np.mean(summary["history"][:5]) - 0.2  # it learns
+
+
+def test_out_of_memory_halves_the_micro_batch_and_resumes(tok_dir, tmp_path, monkeypatch):
+    import tensorflow as tf
+
+    from kbert.train import loop
+
+    data = {"source": "dummy", "mask_rate": 0.5, "max_predictions": 10, "shuffle_buffer": 0, "whole_word": False}
+    opt = {"learning_rate": 1.0, "epsilon": 1.0, "weight_decay": 0.0, "clip_norm": None, "warmup_steps": 0,
+           "decay": "constant"}
+    trainer = {"checkpoint_every": 2}
+    reference = pretrain(_config(tok_dir, str(tmp_path / "a"), 6, data=data, optimizer=opt, trainer=trainer),
+                         progress=False)
+    calls = {"n": 0}
+
+    def device(per_replica_batch):  # memory runs out at step 4 for batches above 8 (as a longer batch might)
+        calls["n"] += 1
+        if calls["n"] >= 4 and per_replica_batch > 8:
+            raise tf.errors.ResourceExhaustedError(None, None, "OOM when allocating tensor")
+
+    monkeypatch.setattr(loop, "_simulated_memory_limit", device)
+    out = str(tmp_path / "b")
+    summary = pretrain(_config(tok_dir, out, 6, data=data, optimizer=opt, trainer=trainer), progress=False)
+    assert summary["oom_retries"] == 1 and summary["accumulation"] == 2 and summary["global_batch"] == 16
+    assert summary["finished"] and summary["step"] == 6
+    # resumed from ckpt-2 with 8 x 2: the same optimization as the run that never ran out of memory
+    np.testing.assert_allclose(summary["history"], reference["history"][2:], rtol=1e-5)
+    assert json.load(open(os.path.join(out, "config.json")))["trainer"]["accumulation"] == 2
+
+    monkeypatch.undo()  # the production hook again: it reads KBERT_SIMULATE_OOM_ABOVE
+    monkeypatch.setenv("KBERT_SIMULATE_OOM_ABOVE", "0")  # nothing fits: 4 -> 2 -> 1, then a clear error
+    with pytest.raises(MemoryError, match="cannot halve further"):
+        pretrain(_config(tok_dir, str(tmp_path / "c"), 2, data=data, trainer={"batch_size": 4}), progress=False)
+
+
+def test_probe_binary_search_finds_the_largest_batch_that_fits(monkeypatch, capsys):
+    from kbert.cli import main
+    from kbert.train.probe import build_trainer, is_out_of_memory, probe_batch_size
+
+    cfg = kbert.ModelConfig.preset("bert-tiny", vocab_size=200, hidden_size=32, num_heads=2, intermediate_size=64,
+                                   max_position=32)
+    monkeypatch.setenv("KBERT_SIMULATE_OOM_ABOVE", "13")  # real training steps; this "device" holds 13
+    trainer = build_trainer(cfg)
+    up = probe_batch_size(cfg, 16, start=4, max_batch=64, steps=1, model=trainer)
+    assert up["max_batch"] == 13 and up["limited_by"] == "memory"
+    assert [b for b, ok, _ in up["tried"]] == [4, 8, 16, 12, 14, 13]
+    down = probe_batch_size(cfg, 16, start=40, max_batch=64, steps=1, model=trainer)
+    assert down["max_batch"] == 13 and [b for b, ok, _ in down["tried"]][:3] == [40, 20, 10]
+    capped = probe_batch_size(cfg, 16, start=4, max_batch=8, steps=1, model=trainer)
+    assert capped["max_batch"] == 8 and capped["limited_by"] == "max_batch"
+    monkeypatch.setenv("KBERT_SIMULATE_OOM_ABOVE", "0")
+    assert probe_batch_size(cfg, 16, start=2, steps=1, model=trainer)["max_batch"] == 0  # nothing fits
+    assert is_out_of_memory(RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate"))
+    assert not is_out_of_memory(ValueError("shapes do not match"))
+    monkeypatch.delenv("KBERT_SIMULATE_OOM_ABOVE")
+    assert main(["plan", "--model", "bert-tiny", "--probe", "--seq-lens", "16"]) == 1  # CPU: says what to do
+    assert "found none" in capsys.readouterr().err
+
+
+def test_schedule_counts_optimizer_steps_under_accumulation():
+    import keras
+
+    from kbert.train.optimizers import WarmupDecay
+
+    # Keras calls schedules with its micro-step counter: with 4 micro-batches per update, micro-step 40 is
+    # optimizer step 10 (warm-up over: the peak), not step 40.
+    plain, accumulated = WarmupDecay(1.0, 100, 10), WarmupDecay(1.0, 100, 10, accumulation=4)
+    for step in (0, 5, 10, 50, 99):
+        np.testing.assert_allclose(float(accumulated(step * 4 + 3)), float(plain(step)), rtol=1e-6)
+    opt = keras.optimizers.AdamW(learning_rate=accumulated, gradient_accumulation_steps=4)
+    v = keras.Variable(np.zeros(3, "float32"))
+    opt.build([v])
+    for _ in range(12):  # 3 optimizer updates
+        opt.apply([keras.ops.ones(3)], [v])
+    assert int(opt.iterations) == 3
+    np.testing.assert_allclose(float(opt.learning_rate), float(plain(3)), rtol=1e-6)

@@ -56,6 +56,7 @@ class TrainerConfig:
     checkpoint_every: int = 500
     keep_checkpoints: int = 3
     memory: Optional[str] = None  # device memory for batch_size="auto" when it cannot be read ("12GB")
+    oom_fallback: bool = True  # on out-of-memory: halve the micro-batch, double accumulation, resume
 
 
 @dataclasses.dataclass

@@ -84,7 +84,7 @@ def pretrain(config: Union[PretrainConfig, dict, str], overrides=None, resume: b
     from kbert.models.backbone import Pretrainer, build_backbone
     from kbert.models.io import save_model
     from kbert.text.tokenizer import Tokenizer
-    from kbert.train.optimizers import make_optimizer
+    from kbert.train.optimizers import make_optimizer, sync_iterations
     from kbert.train.strategy import device_kind, make_strategy, resolve_precision
     from kbert.utils import progress_bar
 
@@ -136,11 +136,20 @@ def pretrain(config: Union[PretrainConfig, dict, str], overrides=None, resume: b
         keras.mixed_precision.set_dtype_policy("float32")
 
     # 3. resume
-    checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer, step=step)
+    # Optimizer state by variable path, not by position: a run that changes gradient accumulation (the OOM
+    # fallback) adds accumulator variables, and positional matching would pair the wrong tensors.
+    # Gradient accumulators are left out: checkpoints are written between optimizer steps, where they are zero,
+    # so a checkpoint restores into a run with any accumulation.
+    kept = [v for v in optimizer.variables if "gradient_accumulator" not in v.path]
+    slots = {_slot_key(v.path): v.value for v in kept}
+    if len(slots) != len(kept):
+        raise AssertionError("optimizer variables do not have unique names; please report this")
+    checkpoint = tf.train.Checkpoint(model=model, optimizer=slots, step=step)
     manager = tf.train.CheckpointManager(checkpoint, ckpt_dir, max_to_keep=t.keep_checkpoints)
     if manager.latest_checkpoint:
         checkpoint.restore(manager.latest_checkpoint).assert_existing_objects_matched()
     start = int(step.numpy())
+    sync_iterations(optimizer, start, t.accumulation)
 
     # 4. data, skipped forward to the restored step
     def dataset_fn(ctx):
@@ -194,9 +203,15 @@ def pretrain(config: Union[PretrainConfig, dict, str], overrides=None, resume: b
     history, last = [], {}
     t0, s0 = time.perf_counter(), start
     end = t.steps if stop_after is None else min(t.steps, start + stop_after)
+    oom = None
     try:
         while int(step.numpy()) < end:
-            metrics = {k: float(v) for k, v in train_step(iterator).items()}
+            try:
+                _simulated_memory_limit(micro_batch // replicas)
+                metrics = {k: float(v) for k, v in train_step(iterator).items()}
+            except tf.errors.ResourceExhaustedError as e:
+                oom = e
+                break
             current = int(step.numpy())
             if not math.isfinite(metrics["loss"]):
                 good = manager.latest_checkpoint or "none yet"
@@ -214,7 +229,8 @@ def pretrain(config: Union[PretrainConfig, dict, str], overrides=None, resume: b
                     for k, v in metrics.items():
                         tf.summary.scalar(k, v)
                     tf.summary.scalar("tokens_per_second", tps)
-                    tf.summary.scalar("learning_rate", float(_learning_rate(optimizer, current - 1)))
+                    lr = _learning_rate(optimizer, (current - 1) * t.accumulation)  # the schedule counts micro-steps
+                    tf.summary.scalar("learning_rate", float(lr))
             bar.update(1)
             if current % t.checkpoint_every == 0:
                 manager.save(checkpoint_number=current)
@@ -224,6 +240,8 @@ def pretrain(config: Union[PretrainConfig, dict, str], overrides=None, resume: b
         bar.close()
         for s, handler in previous.items():
             signal.signal(s, handler)
+    if oom is not None:
+        return _retry_smaller(config, oom, micro_batch // replicas, manager.latest_checkpoint, progress, end)
     current = int(step.numpy())
     if not manager.latest_checkpoint or not manager.latest_checkpoint.endswith(f"-{current}"):
         manager.save(checkpoint_number=current)  # at exit: a signal, stop_after, or the last step
@@ -236,6 +254,50 @@ def pretrain(config: Union[PretrainConfig, dict, str], overrides=None, resume: b
         summary["model_dir"] = save_model(model, os.path.join(out, "model"), tokenizer=tokenizer)
     elapsed = time.perf_counter() - t0
     summary["tokens_per_second"] = (current - s0) * tokens_per_step / elapsed if current > s0 else 0.0
+    return summary
+
+
+def _slot_key(path: str) -> str:
+    """`adam_w_2/layer_0_qkv_kernel_momentum` -> `layer_0_qkv_kernel_momentum`: the optimizer's own name
+    changes with every optimizer a process creates, so it is not part of the key."""
+    return path.split("/", 1)[-1].replace("/", ".")
+
+
+def _simulated_memory_limit(per_replica_batch: int) -> None:
+    """Fault injection for testing OOM handling without a GPU: with KBERT_SIMULATE_OOM_ABOVE=N set, a step
+    whose per-replica micro-batch exceeds N raises the ResourceExhaustedError a real device would."""
+    limit = os.environ.get("KBERT_SIMULATE_OOM_ABOVE")
+    if limit and per_replica_batch > int(limit):
+        import tensorflow as tf
+
+        raise tf.errors.ResourceExhaustedError(None, None, f"simulated OOM: per-replica batch {per_replica_batch} "
+                                                           f"> KBERT_SIMULATE_OOM_ABOVE={limit}")
+
+
+def _retry_smaller(config, error, per_replica_batch, checkpoint, progress, end):
+    """Out of memory in a step: halve the micro-batch and double accumulation (same global batch, so the
+    same optimization), then resume from the last checkpoint (or the start, which is reproducible)."""
+    import gc
+    import sys
+
+    import keras
+
+    t = config.trainer
+    if not t.oom_fallback or per_replica_batch < 2:
+        raise MemoryError(
+            f"Out of memory with a per-replica micro-batch of {per_replica_batch} "
+            f"({'oom_fallback is off' if not t.oom_fallback else 'cannot halve further'}): use a smaller model, "
+            f"shorter data.max_seq_len, precision=mixed_bfloat16 or activation recomputation. "
+            f"Device said: {str(error).splitlines()[0][:200]}") from None
+    t.accumulation *= 2
+    sys.stderr.write(f"kbert pretrain: out of memory at per-replica micro-batch {per_replica_batch}; retrying with "
+                     f"{per_replica_batch // 2} x {t.accumulation} accumulation steps (global batch {t.batch_size} "
+                     f"unchanged) from {checkpoint or 'the start'}\n")
+    keras.backend.clear_session()
+    gc.collect()
+    restart = int(checkpoint.rsplit("-", 1)[1]) if checkpoint else 0
+    summary = pretrain(config, resume=True, progress=progress, stop_after=end - restart)
+    summary["oom_retries"] = summary.get("oom_retries", 0) + 1
     return summary
 
 

@@ -14,16 +14,16 @@ NO_DECAY = ("bias", "beta", "gamma", "layer_norm", "layernorm")
 @keras.saving.register_keras_serializable("kbert")
 class WarmupDecay(keras.optimizers.schedules.LearningRateSchedule):
     """`peak * step / warmup` for `step < warmup`, then polynomial decay (power 1: linear) to `end` at
-    `total_steps`. Steps are optimizer updates (Keras' `iterations` already counts a group of accumulated
-    micro-batches as one)."""
+    `total_steps`. Steps are optimizer updates: Keras calls a schedule with its raw micro-step counter, which
+    with gradient accumulation advances once per micro-batch, so that counter is divided by `accumulation`."""
 
-    def __init__(self, peak, total_steps, warmup_steps=0, end=0.0, power=1.0):
+    def __init__(self, peak, total_steps, warmup_steps=0, end=0.0, power=1.0, accumulation=1):
         self.peak, self.total_steps, self.warmup_steps = float(peak), int(total_steps), int(warmup_steps)
-        self.end, self.power = float(end), float(power)
+        self.end, self.power, self.accumulation = float(end), float(power), int(accumulation)
 
     def __call__(self, step):
         ops = keras.ops
-        step = ops.cast(step, "float32")
+        step = ops.floor(ops.cast(step, "float32") / float(self.accumulation))
         warm = self.peak * (step + 1.0) / max(self.warmup_steps, 1)
         span = max(self.total_steps - self.warmup_steps, 1)
         frac = ops.clip((step - self.warmup_steps) / span, 0.0, 1.0)
@@ -32,7 +32,7 @@ class WarmupDecay(keras.optimizers.schedules.LearningRateSchedule):
 
     def get_config(self):
         return {"peak": self.peak, "total_steps": self.total_steps, "warmup_steps": self.warmup_steps,
-                "end": self.end, "power": self.power}
+                "end": self.end, "power": self.power, "accumulation": self.accumulation}
 
 
 def make_optimizer(config, total_steps: int, accumulation: int = 1, precision: str = "float32"):
@@ -45,7 +45,7 @@ def make_optimizer(config, total_steps: int, accumulation: int = 1, precision: s
         raise ValueError(f"`trainer.accumulation` must be a positive integer. Received: {accumulation!r}")
     power = 1.0 if config.decay == "linear" else config.power
     end = config.learning_rate if config.decay == "constant" else config.end_learning_rate
-    schedule = WarmupDecay(config.learning_rate, total_steps, config.warmup_steps, end, power)
+    schedule = WarmupDecay(config.learning_rate, total_steps, config.warmup_steps, end, power, accumulation)
     kwargs = dict(learning_rate=schedule, weight_decay=config.weight_decay, beta_1=config.beta_1,
                   beta_2=config.beta_2, epsilon=config.epsilon, global_clipnorm=config.clip_norm,
                   gradient_accumulation_steps=accumulation if accumulation > 1 else None)
@@ -54,3 +54,11 @@ def make_optimizer(config, total_steps: int, accumulation: int = 1, precision: s
     if precision == "mixed_float16":
         optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
     return optimizer
+
+
+def sync_iterations(optimizer, steps: int, accumulation: int) -> None:
+    """Sets Keras' raw micro-step counter to `steps` optimizer updates of `accumulation` micro-batches, so a
+    checkpoint written with one accumulation resumes with another (Adam's bias correction and the schedule
+    read that counter)."""
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    inner._iterations.assign(steps * accumulation)
