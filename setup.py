@@ -25,7 +25,7 @@ setup(
         "kiwi": ["kiwipiepy>=0.17"],
         "faiss": ["faiss-cpu>=1.8"],
         # benchmarks/embed.py compares against sentence-transformers on the same weights.
-        "bench": ["sentence-transformers>=3", "torch==2.13.0", "transformers>=4.40,<6"],
+        "bench": ["sentence-transformers>=3", "torch==2.13.0", "transformers>=4.40,<6", "scikit-learn>=1.4"],
         "test": [
             "pytest>=8",
             "mecab-ko>=1.0",
@@ -36,6 +36,11 @@ setup(
             # The JAX backend test runs the same model code under KERAS_BACKEND=jax.
             "jax>=0.4.30",
             "faiss-cpu>=1.8",
+            # The tutorial notebooks run end to end in the test suite.
+            "nbclient>=0.10",
+            "nbformat>=5",
+            "ipykernel>=6",
+            "matplotlib>=3.8",
         ],
     },
     entry_points={"console_scripts": ["kbert=kbert.cli:main"]},

@@ -188,7 +188,7 @@ def main():
     # 3. sentiment
     train = movie_review_sentiment(reviews, "train", limit=args.train_examples, seed=args.seed)
     dev = movie_review_sentiment(reviews, "dev", limit=args.dev_examples, seed=args.seed)
-    settings = dict(epochs=2, batch_size=32, learning_rate=1e-4, max_length=64, patience=None, seed=args.seed,
+    settings = dict(epochs=2, batch_size=32, learning_rate=2e-4, max_length=64, patience=None, seed=args.seed,
                     progress=True)
     baseline = stage(args.out, "sentiment-tfidf", lambda: {"accuracy": tfidf_sentiment(train, dev),
                                                            "train": len(train), "dev": len(dev)})
@@ -201,11 +201,14 @@ def main():
 
     # 4. sentence embeddings
     sts_train, sts_dev = read_sts(os.path.join(korsts, "sts-train.tsv")), read_sts(os.path.join(korsts, "sts-dev.tsv"))
+    sts_epochs = 4
+    if args.small:
+        sts_train, sts_dev, sts_epochs = sts_train[:800], sts_dev[:400], 1
     sts_tfidf = stage(args.out, "sts-tfidf", lambda: {"spearman": tfidf_sts(sts_train, sts_dev)})
     sts = stage(args.out, "sts-bi-encoder", lambda: {
         k: v for k, v in kbert.finetune(pre["model_dir"], "sentence-embedding", sts_train, sts_dev,
                                         out_dir=os.path.join(args.out, "sts"), text_column="sentence1",
-                                        pair_column="sentence2", label_column="score", epochs=4, batch_size=32,
+                                        pair_column="sentence2", label_column="score", epochs=sts_epochs, batch_size=32,
                                         learning_rate=2e-4, max_length=64, patience=None, seed=args.seed,
                                         progress=True).items()
         if k in ("best", "baseline", "history")})

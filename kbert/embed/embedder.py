@@ -6,7 +6,7 @@
     emb.encode_words("학교에서 공부했다", unit="eojeol")  # [(word, start, end, vector), ...]
 
 Texts are tokenized once, sorted by length and run in batches padded only to the longest text of each batch
-(the compiled graph is shape-generic, so exact widths cost no recompilation); results come back in input
+(the graph is traced once for any shape, so exact widths cost no recompilation); results come back in input
 order. Texts longer
 than `max_length` are truncated with one warning that counts them. An empty or blank text encodes as
 `[CLS] [SEP]`, a defined vector.
@@ -75,7 +75,9 @@ class Embedder:
                     return out["hidden_states"]
                 return pool(out["hidden_states"], x["padding_mask"], pooling, layers)
 
-            self._fns[key] = tf.function(run, reduce_retracing=True)
+            spec = tf.TensorSpec([None, None], tf.int32)  # one trace for every batch shape
+            self._fns[key] = tf.function(run, input_signature=[
+                {"token_ids": spec, "segment_ids": spec, "padding_mask": spec}])
         out = self._fns[key]({"token_ids": tf.constant(ids), "segment_ids": tf.zeros_like(ids),
                               "padding_mask": tf.constant(mask)})
         if pooling is not None:
@@ -88,7 +90,7 @@ class Embedder:
         for start in range(0, len(order), batch_size):
             index = order[start:start + batch_size]
             width = max(len(id_lists[i]) for i in index)
-            width = min(width, self.max_length)  # exact: reduce_retracing makes the graph shape-generic
+            width = min(width, self.max_length)  # exact: the traced graph takes any shape
             ids = np.full((len(index), width), self.tokenizer.pad_id, np.int32)
             mask = np.zeros((len(index), width), np.int32)
             for row, i in enumerate(index):

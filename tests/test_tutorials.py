@@ -1,0 +1,41 @@
+"""Every tutorial notebook runs end to end with SMALL=1 (what CI checks), without an error cell."""
+
+import os
+
+import pytest
+
+from helpers import SHARED, needs_shared
+
+TUTORIALS = os.path.join(os.path.dirname(__file__), "..", "tutorials")
+NOTEBOOKS = [
+    "01_tokenization.ipynb",
+    "02_pretraining.ipynb",
+    pytest.param("03_finetuning.ipynb", marks=needs_shared),
+    pytest.param("04_embeddings.ipynb", marks=needs_shared),
+]
+
+
+def run_notebook(name, work, monkeypatch):
+    import nbformat
+    from nbclient import NotebookClient
+
+    monkeypatch.setenv("KBERT_TUTORIAL_SMALL", "1")
+    monkeypatch.setenv("KBERT_TUTORIAL_WORK", str(work))
+    monkeypatch.setenv("KBERT_SHARED_DATA", os.path.abspath(SHARED))
+    monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", "3")
+    book = nbformat.read(os.path.join(TUTORIALS, name), as_version=4)
+    NotebookClient(book, timeout=900, kernel_name="python3",
+                   resources={"metadata": {"path": os.path.abspath(TUTORIALS)}}).execute()
+    return book
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_tutorial_runs_end_to_end(name, tmp_path, monkeypatch):
+    book = run_notebook(name, tmp_path / "work", monkeypatch)
+    errors = [o for c in book.cells if c.cell_type == "code" for o in c.get("outputs", [])
+              if o.get("output_type") == "error"]
+    assert not errors
+    images = [o for c in book.cells if c.cell_type == "code" for o in c.get("outputs", [])
+              if "image/png" in o.get("data", {})]
+    expected_figures = {"01": 1, "02": 2, "03": 1, "04": 2}[name[:2]]
+    assert len(images) >= expected_figures, f"{name}: {len(images)} figures"
