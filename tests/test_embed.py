@@ -48,6 +48,21 @@ def test_mean_pooling_matches_a_direct_computation(emb):
     np.testing.assert_allclose(emb.encode(TEXTS[1], normalize=False), hidden[0].mean(axis=0), atol=1e-5)
 
 
+def test_every_pooling_matches_a_hand_computation_with_padding_excluded(emb):
+    texts = ["모든 국민은 법 앞에 평등하다.", "짧다"]  # different lengths: the short one is padded in the batch
+    for i, text in enumerate(texts):
+        ids = emb.tokenizer.encode(text).ids
+        hidden = emb._run(np.array([ids], np.int32), np.ones((1, len(ids)), np.int32))  # unpadded, by hand
+        last, first = hidden[-1][0], hidden[1][0]
+        expected = {"mean": last.mean(0), "cls": last[0], "max": last.max(0),
+                    "first_last_avg": ((first + last) / 2).mean(0)}
+        layered = ((hidden[1][0] + hidden[2][0]) / 2).mean(0)
+        for pooling, want in expected.items():
+            got = emb.encode(texts, pooling=pooling, normalize=False, batch_size=2)[i]
+            np.testing.assert_allclose(got, want, atol=1e-5, err_msg=pooling)
+        np.testing.assert_allclose(emb.encode(texts, layers=[1, 2], normalize=False)[i], layered, atol=1e-5)
+
+
 def test_truncation_warns_with_a_count(emb):
     long = "헌법 " * 200
     with pytest.warns(UserWarning, match="1 of 2 texts are longer than 64 tokens"):

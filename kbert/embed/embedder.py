@@ -14,7 +14,6 @@ than `max_length` are truncated with one warning that counts them. An empty or b
 
 from __future__ import annotations
 
-import json
 import os
 import warnings
 from typing import List, Optional, Sequence, Union
@@ -46,10 +45,11 @@ class Embedder:
         from kbert.text.tokenizer import Tokenizer
 
         backbone = load_model(model_dir, output_hidden_states=True, dtype=dtype)
-        task_file = os.path.join(model_dir, "kbert_task.json")
-        if max_length is None and os.path.isfile(task_file):  # a fine-tuned dir: the length it was tuned at
-            with open(task_file, encoding="utf-8") as f:
-                max_length = json.load(f).get("max_length")
+        from kbert.train.finetune import read_task_meta
+
+        task = read_task_meta(model_dir)
+        if max_length is None and task:  # a fine-tuned dir: the length it was tuned at
+            max_length = task.get("max_length")
         tok_dir = os.path.join(model_dir, TOKENIZER_DIR)
         try:
             tokenizer = Tokenizer.load(tok_dir if os.path.isdir(tok_dir) else model_dir)

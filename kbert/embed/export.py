@@ -145,7 +145,9 @@ def export(model_dir: str, out_dir: str, signature: str = "embed", pooling: Opti
         if not overwrite:
             raise FileExistsError(f"{target} exists; pass overwrite=True (--overwrite) or another version")
         shutil.rmtree(target)
-    meta = _task_meta(model_dir)
+    from kbert.train.finetune import read_task_meta
+
+    meta = read_task_meta(model_dir)
     if signature == "embed":
         emb = Embedder.load(model_dir, max_length=max_length)
         tokenizer, backbone = emb.tokenizer, emb.backbone
@@ -179,16 +181,6 @@ def export(model_dir: str, out_dir: str, signature: str = "embed", pooling: Opti
     if check:
         _self_check(target, model_dir, signature, pooling, layers, normalize, limit, meta)
     return target
-
-
-def _task_meta(model_dir):
-    from kbert.train.finetune import TASK_FILE
-
-    path = os.path.join(model_dir, TASK_FILE)
-    if not os.path.isfile(path):
-        return None
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
 
 
 def _self_check(path, model_dir, signature, pooling, layers, normalize, max_length, meta):

@@ -76,6 +76,18 @@ def _text(row, column, where):
     return str(value)
 
 
+def read_task_meta(model_dir: str) -> Optional[dict]:
+    """The `kbert_task.json` of a fine-tuned model dir (task, labels, max_length, ...), or None."""
+    path = os.path.join(model_dir, TASK_FILE)
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        try:
+            return json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} is not valid JSON: {e}") from None
+
+
 class _Examples:
     """Tokenized examples of one split: ids, segment ids and labels (per-token labels for tagging)."""
 
@@ -219,12 +231,10 @@ class TaskModel:
         from kbert.embed.embedder import Embedder
         from kbert.models.io import assign_weights, read_safetensors
 
-        path = os.path.join(model_dir, TASK_FILE)
-        if not os.path.isfile(path):
+        meta = read_task_meta(model_dir)
+        if meta is None:
             raise FileNotFoundError(f"{model_dir!r} is not a fine-tuned model dir: {TASK_FILE} is missing "
                                     f"(`kbert finetune` writes it)")
-        with open(path, encoding="utf-8") as f:
-            meta = json.load(f)
         emb = Embedder.load(model_dir, dtype=dtype)
         labels = meta.get("labels") or []
         num = 1 if meta["task"] == "regression" else len(labels)
