@@ -163,9 +163,11 @@ def _plan(args):
     args.memory = args.memory or "12GB"
     seq_lens = [int(x) for x in args.seq_lens.split(",")]
     rows = plan_batch_size(args.model, args.memory, seq_lens, target_batch=args.target_batch, replicas=args.replicas,
-                           optimizer=args.optimizer, precision=args.precision, recompute=args.recompute)
+                           optimizer=args.optimizer, precision=args.precision, recompute=args.recompute,
+                           compiler=args.compiler)
     print(f"{args.model}, {args.memory} ({parse_memory(args.memory) / 1e9:.1f} GB), {args.optimizer}, {args.precision}"
-          + (", activation recomputation" if args.recompute else ""))
+          + (", activation recomputation" if args.recompute else "")
+          + (", XLA-compiled step" if args.compiler == "xla" else ", op-by-op step (no XLA)"))
     header = "| seq len | max batch | planned memory |" + (" micro-batch x accumulation x replicas |" if args.target_batch else "")
     print(header)
     print("|---|---|---|" + ("---|" if args.target_batch else ""))
@@ -407,6 +409,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target-batch", type=int, help="global batch to reach with accumulation and replicas")
     p.add_argument("--replicas", type=int, default=1)
     p.add_argument("--recompute", action="store_true", help="activation recomputation")
+    p.add_argument("--compiler", choices=("xla", "none"), default="xla",
+                   help="how the train step runs: xla (kbert's default on GPU/TPU) or none (op by op, as TF 1.x; "
+                        "the coefficients behind google-research/bert's 12 GB table)")
     p.add_argument("--probe", action="store_true",
                    help="measure on this accelerator: real training steps, binary search on out-of-memory")
     p.set_defaults(func=_plan)

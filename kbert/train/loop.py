@@ -268,10 +268,14 @@ def _simulated_memory_limit(per_replica_batch: int) -> None:
     whose per-replica micro-batch exceeds N raises the ResourceExhaustedError a real device would."""
     limit = os.environ.get("KBERT_SIMULATE_OOM_ABOVE")
     if limit and per_replica_batch > int(limit):
+        import keras
+
+        message = f"simulated OOM: per-replica batch {per_replica_batch} > KBERT_SIMULATE_OOM_ABOVE={limit}"
+        if keras.backend.backend() != "tensorflow":  # what XLA raises on JAX
+            raise RuntimeError(f"RESOURCE_EXHAUSTED: {message}")
         import tensorflow as tf
 
-        raise tf.errors.ResourceExhaustedError(None, None, f"simulated OOM: per-replica batch {per_replica_batch} "
-                                                           f"> KBERT_SIMULATE_OOM_ABOVE={limit}")
+        raise tf.errors.ResourceExhaustedError(None, None, message)
 
 
 def _retry_smaller(config, error, per_replica_batch, checkpoint, progress, end):

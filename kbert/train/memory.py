@@ -1,7 +1,9 @@
 """How many sequences fit in device memory: one memory model of the architecture, a few global coefficients.
 
     memory(batch, seq) = WORKSPACE
-                       + params x (weights + gradients + slots x (4 + EXTRA_BYTES_PER_SLOT) [+ 16-bit copy])
+                       + params x (weights 4 + slots x 4 [+ 2 for the 16-bit copy] [+ gradients 4
+                                   + slots x EXTRA_BYTES_PER_SLOT, where they are live at the peak]
+                                   [+ 4 for gradient accumulators])
                        + batch x seq x layers_computed x ACT_TOKEN_BYTES_PER_HIDDEN x
                              (hidden + intermediate x INTERMEDIATE_FACTOR) x act_bytes
                        + batch x heads x seq^2 x layers_computed x ATTN_BYTES_PER_SCORE x act_bytes
@@ -10,36 +12,69 @@
 - parameters: counted from the ModelConfig (ALBERT shares one group's weights across layers, so its
   parameter memory is small while its activations still grow with the number of layers computed);
 - optimizer slots: Adam / AdamW / LAMB keep 2 per parameter, SGD none; mixed precision keeps fp32 weights
-  (the policy's variables) and computes activations in 16 bits;
-- activations kept for the backward pass per token and layer: QKV, attention output, two residual adds,
-  two LayerNorms, dropout masks and the backward pass's temporaries (`ACT_TOKEN_BYTES_PER_HIDDEN` tensors of
-  size hidden) and the feed-forward intermediate with its GELU input/output (`INTERMEDIATE_FACTOR` tensors of
-  size intermediate);
-- attention scores, softmax and dropout mask per head: `ATTN_BYTES_PER_SCORE` seq x seq tensors per layer;
+  (the policy's variables) and computes activations in 16 bits (`act_bytes`: 4 in float32; under mixed
+  precision a little over 2, since softmax inputs, LayerNorm statistics and the loss stay in float32);
+- activations kept for the backward pass per token and layer: `ACT_TOKEN_BYTES_PER_HIDDEN` tensors of width
+  hidden (QKV, attention output, residual adds, LayerNorms, backward temporaries; more with dropout, for
+  its masks) and `INTERMEDIATE_FACTOR` of width intermediate (dense output, GELU output);
+- attention scores and softmax per head: `ATTN_BYTES_PER_SCORE` seq x seq tensors per layer (more with
+  attention dropout, for its mask);
+- the masked-LM head: logits, softmax and their gradient at the masked positions only;
 - activation recomputation keeps only each layer's input (1 tensor of size hidden per token) plus one
-  layer's full activations;
-- gradient accumulation divides the batch that must fit by the number of micro-batches.
+  layer's full activations; gradient accumulation divides the batch that must fit by the number of
+  micro-batches and adds one fp32 accumulator per parameter.
 
-The coefficients are global and documented here, never fitted per row: one set of four values (chosen on a
-small grid of round numbers) puts every row of the reference table within 27%. The sanity anchor is the 12 GB table
-in google-research/bert's README (TF 1.11, fp32, Adam; tests check it within 35%); `kbert plan --probe`
-measures the real peak on the device at hand.
+The coefficients depend on how the train step is executed, so there are two global sets, `COMPILERS`:
+
+- `"xla"` (kbert's default on GPU and TPU, and what `kbert plan --probe` runs): XLA fuses the elementwise
+  work and frees each activation as soon as its gradient is formed, so far fewer tensors are kept and the
+  gradients are never all live at the activation peak. Chosen (round values on a small grid, never
+  underestimating by more than 2%) from 12 peaks measured on an NVIDIA H100 (`benchmarks/gpu.py`, Keras on
+  JAX; benchmarks/README.md has the table): BERT-Base at seq 128 and 512, float32 and bf16, batches 8 to
+  256, plus BERT-Large, BERT-Small and ALBERT-Base (no dropout): every point within +9% / -1%;
+- `"none"` (op-by-op graph execution, TensorFlow without XLA): the sanity anchor is the 12 GB table in
+  google-research/bert's README (TF 1.11, fp32, Adam); one set of round values puts every row within 27%
+  (tests check 35%).
+
+Never fitted per row. `kbert plan --probe` measures the real peak on the device at hand.
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
 from kbert.data.masking import default_max_predictions
 
-ACT_TOKEN_BYTES_PER_HIDDEN = 28  # tensors of width `hidden` kept per token per layer (forward + backward temporaries)
-INTERMEDIATE_FACTOR = 3  # tensors of width `intermediate` kept per token per layer (dense out, GELU in/out)
-ATTN_BYTES_PER_SCORE = 4  # seq x seq tensors per head per layer (scores, softmax, dropout mask, its gradient)
-WORKSPACE_BYTES = 0.5e9  # framework, cuDNN/cuBLAS workspaces, allocator fragmentation
-EXTRA_BYTES_PER_SLOT = 4  # optimizer temporaries: the update materializes each slot's new value once
+
+@dataclass(frozen=True)
+class MemoryCoefficients:
+    act_token_bytes_per_hidden: float  # ACT_TOKEN_BYTES_PER_HIDDEN: width-`hidden` tensors kept per token per layer
+    dropout_masks_per_hidden: float  # more width-`hidden` tensors kept when `dropout` > 0 (the masks)
+    intermediate_factor: float  # INTERMEDIATE_FACTOR: width-`intermediate` tensors kept per token per layer
+    attn_bytes_per_score: float  # ATTN_BYTES_PER_SCORE: seq x seq tensors per head per layer
+    attn_dropout_masks: float  # more seq x seq tensors per head per layer when `attention_dropout` > 0
+    workspace_bytes: float  # WORKSPACE_BYTES: framework workspaces, allocator fragmentation
+    extra_bytes_per_slot: float  # EXTRA_BYTES_PER_SLOT: optimizer temporaries per slot
+    gradients_live_at_peak: bool  # all gradients held at once beside the activations
+    mixed_act_bytes: float  # bytes per activation element under mixed precision
+    mlm_logit_copies: float  # copies of the [masked positions x vocab] logits (logits, softmax, gradient)
+    mlm_logits_float32: bool  # the logits' copies are float32 even under mixed precision
+
+
+COMPILERS = {
+    "xla": MemoryCoefficients(act_token_bytes_per_hidden=12, dropout_masks_per_hidden=2, intermediate_factor=2,
+                              attn_bytes_per_score=1.5, attn_dropout_masks=1, workspace_bytes=0,
+                              extra_bytes_per_slot=0, gradients_live_at_peak=False, mixed_act_bytes=2.25,
+                              mlm_logit_copies=2, mlm_logits_float32=False),
+    "none": MemoryCoefficients(act_token_bytes_per_hidden=28, dropout_masks_per_hidden=0, intermediate_factor=3,
+                               attn_bytes_per_score=4, attn_dropout_masks=0, workspace_bytes=0.5e9,
+                               extra_bytes_per_slot=4, gradients_live_at_peak=True, mixed_act_bytes=2,
+                               mlm_logit_copies=3, mlm_logits_float32=True),
+}
 OPTIMIZER_SLOTS = {"adam": 2, "adamw": 2, "lamb": 2, "adafactor": 1, "sgd": 0, "momentum": 1}
-PRECISION_ACT_BYTES = {"float32": 4, "mixed_float16": 2, "mixed_bfloat16": 2}
+PRECISIONS = ("float32", "mixed_float16", "mixed_bfloat16")
 
 
 def parse_memory(text) -> float:
@@ -57,31 +92,42 @@ def parse_memory(text) -> float:
 
 def estimate_memory(config, batch: int, seq_len: int, optimizer: str = "adamw", precision: str = "float32",
                     max_predictions: Optional[int] = None, accumulation: int = 1,
-                    recompute: bool = False) -> Dict[str, float]:
-    """Bytes needed to train `config` (a ModelConfig) on `batch` x `seq_len`, by component."""
+                    recompute: bool = False, compiler: str = "xla") -> Dict[str, float]:
+    """Bytes needed to train `config` (a ModelConfig) on `batch` x `seq_len`, by component. `compiler`:
+    "xla" (the train step compiled with XLA, kbert's default on GPU/TPU) or "none" (op-by-op)."""
     if optimizer not in OPTIMIZER_SLOTS:
         raise ValueError(f"`optimizer` must be one of {tuple(OPTIMIZER_SLOTS)}. Received: {optimizer!r}")
-    if precision not in PRECISION_ACT_BYTES:
-        raise ValueError(f"`precision` must be one of {tuple(PRECISION_ACT_BYTES)}. Received: {precision!r}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"`precision` must be one of {PRECISIONS}. Received: {precision!r}")
+    if compiler not in COMPILERS:
+        raise ValueError(f"`compiler` must be one of {tuple(COMPILERS)}. Received: {compiler!r}")
+    c = COMPILERS[compiler]
     params = config.num_parameters()
     slots = OPTIMIZER_SLOTS[optimizer]
-    act = PRECISION_ACT_BYTES[precision]
-    # fp32 weights + fp32 gradients + slots (+ a 16-bit copy of the weights for the compute under mixed precision)
-    state = params * (4 + 4 + 4 * slots + (2 if act == 2 else 0) + EXTRA_BYTES_PER_SLOT * slots)
+    mixed = precision != "float32"
+    act = c.mixed_act_bytes if mixed else 4
+    per_param = 4 + 4 * slots + (2 if mixed else 0)  # fp32 weights, slots, the 16-bit copy under mixed precision
+    if c.gradients_live_at_peak:
+        per_param += 4 + c.extra_bytes_per_slot * slots
+    if accumulation > 1:
+        per_param += 4  # the fp32 gradient accumulators
+    state = params * per_param
     micro = max(1, -(-batch // accumulation))
     h, i, heads, layers = config.hidden_size, config.intermediate_size, config.num_heads, config.num_layers
-    per_layer_tokens = micro * seq_len * (ACT_TOKEN_BYTES_PER_HIDDEN * h + INTERMEDIATE_FACTOR * i) * act
-    per_layer_attn = micro * heads * seq_len * seq_len * ATTN_BYTES_PER_SCORE * act
+    hidden_tensors = c.act_token_bytes_per_hidden + (c.dropout_masks_per_hidden if config.dropout > 0 else 0)
+    score_tensors = c.attn_bytes_per_score + (c.attn_dropout_masks if config.attention_dropout > 0 else 0)
+    per_layer_tokens = micro * seq_len * (hidden_tensors * h + c.intermediate_factor * i) * act
+    per_layer_attn = micro * heads * seq_len * seq_len * score_tensors * act
     if recompute:
         activations = layers * micro * seq_len * h * act + per_layer_tokens + per_layer_attn
     else:
         activations = layers * (per_layer_tokens + per_layer_attn)
     predictions = max_predictions or default_max_predictions(seq_len)
     embeddings = micro * seq_len * (config.embedding_size or h) * act * 4
-    mlm = micro * predictions * config.vocab_size * 4 * 3
-    total = WORKSPACE_BYTES + state + activations + embeddings + mlm
-    return {"total": total, "workspace": WORKSPACE_BYTES, "weights_grads_slots": state, "activations": activations,
-            "embeddings": embeddings, "mlm_head": mlm, "micro_batch": micro}
+    mlm = micro * predictions * config.vocab_size * c.mlm_logit_copies * (4 if c.mlm_logits_float32 else act)
+    total = c.workspace_bytes + state + activations + embeddings + mlm
+    return {"total": total, "workspace": c.workspace_bytes, "weights_grads_slots": state,
+            "activations": activations, "embeddings": embeddings, "mlm_head": mlm, "micro_batch": micro}
 
 
 def max_batch_size(config, memory, seq_len: int, **kwargs) -> int:
@@ -103,10 +149,11 @@ def max_batch_size(config, memory, seq_len: int, **kwargs) -> int:
 
 def plan_batch_size(config, memory, seq_lens: Sequence[int] = (128,), target_batch: Optional[int] = None,
                     replicas: int = 1, optimizer: str = "adamw", precision: str = "float32", margin: float = 0.0,
-                    recompute: bool = False) -> List[Dict]:
+                    recompute: bool = False, compiler: str = "xla") -> List[Dict]:
     """`kbert.plan_batch_size(...)`: for each sequence length, the max micro-batch per replica that fits
     `memory` (less a safety `margin` fraction) and, for a `target_batch` (global), the micro-batch x
-    accumulation steps x replicas that reaches it."""
+    accumulation steps x replicas that reaches it. `compiler`: "xla" (kbert's default on GPU/TPU) or "none"
+    (op-by-op execution; the coefficients anchored on google-research/bert's 12 GB table)."""
     from kbert.models.config import ModelConfig
 
     if isinstance(config, str):
@@ -116,10 +163,9 @@ def plan_batch_size(config, memory, seq_lens: Sequence[int] = (128,), target_bat
     for seq in seq_lens:
         if seq > config.max_position:
             raise ValueError(f"seq_len {seq} is beyond the model's position embeddings ({config.max_position})")
-        best = max_batch_size(config, budget, seq, optimizer=optimizer, precision=precision, recompute=recompute)
-        row = {"seq_len": seq, "max_batch": best,
-               "memory_at_max": estimate_memory(config, max(best, 1), seq, optimizer=optimizer,
-                                                precision=precision, recompute=recompute)["total"]}
+        kw = dict(optimizer=optimizer, precision=precision, recompute=recompute, compiler=compiler)
+        best = max_batch_size(config, budget, seq, **kw)
+        row = {"seq_len": seq, "max_batch": best, "memory_at_max": estimate_memory(config, max(best, 1), seq, **kw)["total"]}
         if target_batch:
             if target_batch % replicas:
                 raise ValueError(f"target batch {target_batch} is not divisible by {replicas} replicas")
@@ -128,7 +174,9 @@ def plan_batch_size(config, memory, seq_lens: Sequence[int] = (128,), target_bat
                 row.update(micro_batch=0, accumulation=None, replicas=replicas)
             else:
                 accumulation = -(-per_replica // best)
-                while per_replica % accumulation:  # equal micro-batches
+                # equal micro-batches, and room for the gradient accumulators once there is accumulation
+                while per_replica % accumulation or (accumulation > 1 and estimate_memory(
+                        config, per_replica, seq, accumulation=accumulation, **kw)["total"] > budget):
                     accumulation += 1
                 row.update(micro_batch=per_replica // accumulation, accumulation=accumulation, replicas=replicas)
         rows.append(row)
@@ -149,8 +197,10 @@ def plan_for_config(config, model_config, precision: str, replicas: int, device:
             memory = details.get("memory_limit")
     if memory is None:
         memory = "8GB" if device == "cpu" else "16GB"
+    jit = config.runtime.jit
+    compiler = "xla" if (jit is True or (jit == "auto" and device in ("gpu", "tpu"))) else "none"
     best = max_batch_size(model_config, parse_memory(memory) * 0.9, config.data.max_seq_len,
-                          optimizer=config.optimizer.name, precision=precision)
+                          optimizer=config.optimizer.name, precision=precision, compiler=compiler)
     if best == 0:
         raise ValueError(f"The model does not fit in {memory} at max_seq_len={config.data.max_seq_len} even with "
                          f"batch 1; use a smaller model, shorter sequences or mixed precision")
