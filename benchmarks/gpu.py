@@ -180,7 +180,7 @@ def run_all(args) -> dict:
         print("|---:|---:|---:|---:|---:|")
         for r in out["probe"]:
             print(f"| {r['seq_len']} | {r['planned_batch']} | {r['probed_batch']} | "
-                  f"{(r['planned_bytes'] or {}).get('total', 0) / 1e9:.2f} | {(r['measured_bytes'] or 0) / 1e9:.2f} |")
+                  f"{(r['planned_bytes'] or 0) / 1e9:.2f} | {(r['measured_bytes'] or 0) / 1e9:.2f} |")
     return out
 
 

@@ -184,7 +184,7 @@ def _probe(args):
 
     seq_lens = [int(x) for x in args.seq_lens.split(",")]
     rows = probe_table(args.model, seq_lens, optimizer=args.optimizer, precision=args.precision,
-                       memory=args.memory)
+                       memory=args.memory, verbose=True)
     gb = lambda b: f"{b / 1e9:.2f} GB" if b else "n/a"  # noqa: E731
     print(f"{args.model}, {args.optimizer}, {args.precision}: planned vs measured on this device")
     print("| seq len | planned max batch | probed max batch | planned memory | measured peak | error |")

@@ -316,7 +316,18 @@ def test_probe_binary_search_finds_the_largest_batch_that_fits(monkeypatch, caps
     assert probe_batch_size(cfg, 16, start=2, steps=1, model=trainer)["max_batch"] == 0  # nothing fits
     assert is_out_of_memory(RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate"))
     assert not is_out_of_memory(ValueError("shapes do not match"))
-    monkeypatch.delenv("KBERT_SIMULATE_OOM_ABOVE")
+    # the table: planned vs probed batch, planned vs measured bytes (a stand-in peak reader on CPU)
+    from kbert.train import probe
+
+    monkeypatch.setenv("KBERT_SIMULATE_OOM_ABOVE", "13")
+    monkeypatch.setattr(probe, "peak_memory", lambda: 2e8)
+    (row,) = probe.probe_table(cfg, [16], memory="0.3GB")
+    assert row["probed_batch"] == 13 and row["planned_batch"] > 13
+    assert isinstance(row["planned_bytes"], float) and row["error"] == pytest.approx(row["planned_bytes"] / 2e8 - 1)
+    monkeypatch.setattr(probe, "probe_table", lambda *a, **k: [row])
+    assert main(["plan", "--model", "bert-tiny", "--probe", "--seq-lens", "16"]) == 0
+    assert f"| 16 | {row['planned_batch']} | 13 |" in capsys.readouterr().out
+    monkeypatch.undo()
     assert main(["plan", "--model", "bert-tiny", "--probe", "--seq-lens", "16"]) == 1  # CPU: says what to do
     assert "found none" in capsys.readouterr().err
 
@@ -338,3 +349,27 @@ def test_schedule_counts_optimizer_steps_under_accumulation():
         opt.apply([keras.ops.ones(3)], [v])
     assert int(opt.iterations) == 3
     np.testing.assert_allclose(float(opt.learning_rate), float(plain(3)), rtol=1e-6)
+
+
+JAX_PROBE = """
+import json, sys
+sys.modules["tensorflow"] = None  # the device machines have JAX but no TensorFlow: the probe must not need it
+import kbert
+from kbert.train.probe import probe_batch_size
+cfg = kbert.ModelConfig.preset("bert-tiny", vocab_size=200, hidden_size=32, num_heads=2, intermediate_size=64,
+                               max_position=32)
+print(json.dumps(probe_batch_size(cfg, 16, start=4, max_batch=64, steps=1)))
+"""
+
+
+def test_probe_on_the_jax_backend_reports_compiled_bytes_per_batch():
+    pytest.importorskip("jax")
+    env = dict(os.environ, KERAS_BACKEND="jax", JAX_PLATFORMS="cpu", KBERT_SIMULATE_OOM_ABOVE="13")
+    proc = subprocess.run([sys.executable, "-c", JAX_PROBE], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert found["max_batch"] == 13
+    fitted = {batch: peak for batch, ok, peak in found["tried"] if ok}
+    assert sorted(fitted) == [4, 8, 12, 13]
+    peaks = [fitted[b] for b in sorted(fitted)]  # XLA's own count for each batch: grows with the batch
+    assert all(isinstance(p, int) and p > 0 for p in peaks) and peaks == sorted(peaks) and peaks[0] < peaks[-1]

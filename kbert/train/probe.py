@@ -11,6 +11,7 @@ and on the JAX backend (`device.memory_stats()`), where TensorFlow is not instal
 from __future__ import annotations
 
 import gc
+import sys
 from typing import Dict, List, Optional
 
 import numpy as np
@@ -65,6 +66,37 @@ def peak_memory() -> Optional[int]:
     return int(tf.config.experimental.get_memory_info("GPU:0")["peak"])
 
 
+def compiled_step_bytes(trainer, features, labels) -> Optional[int]:
+    """JAX: the bytes XLA allocates for one training step at these shapes (arguments + outputs + temporaries,
+    less the donated state that outputs reuse), from the compiled program's memory analysis. JAX's
+    allocator peak cannot be reset within a process (after one out-of-memory trial it stays near the
+    limit), so this is the per-batch figure there. None where the backend does not report it."""
+    if _backend() != "jax":
+        return None
+    import jax
+
+    state = trainer._get_jax_state(trainable_variables=True, non_trainable_variables=True,
+                                   optimizer_variables=True, metrics_variables=True)
+    shapes = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), (state, (features, labels)))
+    m = jax.jit(trainer.train_step, donate_argnums=0).lower(*shapes).compile().memory_analysis()
+    if m is None:
+        return None
+    return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes)
+
+
+def _no_silent_recomputation():
+    """JAX: XLA's rematerialization pass makes a step that does not fit recompute activations instead of
+    failing, so every batch would "fit" (only slower); the probe turns it off to find the batch that fits
+    as written."""
+    if _backend() == "jax":
+        import jax
+
+        try:
+            jax.config.update("jax_compiler_enable_remat_pass", False)
+        except (AttributeError, KeyError):  # an older JAX without the option
+            pass
+
+
 def synthetic_batch(config, batch: int, seq_len: int, predictions: int, seed: int = 0):
     rng = np.random.default_rng(seed)
     features = {
@@ -100,7 +132,7 @@ def build_trainer(config, optimizer: str = "adamw", precision: str = "float32"):
 
 def probe_batch_size(config, seq_len: int, optimizer: str = "adamw", precision: str = "float32",
                      start: Optional[int] = None, max_batch: int = 4096, steps: int = 2,
-                     predictions: Optional[int] = None, model=None) -> Dict:
+                     predictions: Optional[int] = None, model=None, verbose: bool = False) -> Dict:
     """Largest batch (at most `max_batch`) for which `steps` training steps run without running out of
     memory, with the measured peak at that batch. Returns a dict with `max_batch`, `peak_bytes` and the
     `tried` list of (batch, fitted, peak_bytes)."""
@@ -108,6 +140,7 @@ def probe_batch_size(config, seq_len: int, optimizer: str = "adamw", precision: 
     from kbert.train.loop import _simulated_memory_limit
 
     predictions = predictions or default_max_predictions(seq_len, 0.15)
+    _no_silent_recomputation()
     model = model or build_trainer(config, optimizer, precision)
     tried: List = []
     peaks = {}
@@ -123,10 +156,15 @@ def probe_batch_size(config, seq_len: int, optimizer: str = "adamw", precision: 
             if not is_out_of_memory(e):
                 raise
             tried.append((batch, False, None))
+            if verbose:
+                print(f"  seq {seq_len}: batch {batch} runs out of memory", file=sys.stderr, flush=True)
             gc.collect()
             return False
-        peaks[batch] = peak_memory()
+        peaks[batch] = compiled_step_bytes(model, features, labels) if _backend() == "jax" else peak_memory()
         tried.append((batch, True, peaks[batch]))
+        if verbose:
+            peak = f", peak {peaks[batch] / 1e9:.2f} GB" if peaks[batch] else ""
+            print(f"  seq {seq_len}: batch {batch} fits{peak}", file=sys.stderr, flush=True)
         return True
 
     lo, hi = 0, None  # lo fits (0: nothing yet), hi does not (None: nothing failed yet)
@@ -166,7 +204,7 @@ def device_memory() -> Optional[int]:
 
 
 def probe_table(model: str, seq_lens, optimizer: str = "adamw", precision: str = "float32",
-                memory=None, max_batch: int = 4096) -> List[Dict]:
+                memory=None, max_batch: int = 4096, verbose: bool = False) -> List[Dict]:
     """For each sequence length: the planner's max batch for the device memory, the probed max batch,
     and planned vs measured peak memory at the probed batch."""
     import os
@@ -184,9 +222,9 @@ def probe_table(model: str, seq_lens, optimizer: str = "adamw", precision: str =
     for seq in seq_lens:
         planned = max_batch_size(config, total, seq, optimizer=optimizer, precision=precision) if total else None
         found = probe_batch_size(config, seq, optimizer, precision, start=planned or 8, max_batch=max_batch,
-                                 model=trainer)
-        estimate = estimate_memory(config, found["max_batch"], seq, optimizer=optimizer, precision=precision) \
-            if found["max_batch"] else None
+                                 model=trainer, verbose=verbose)
+        estimate = estimate_memory(config, found["max_batch"], seq, optimizer=optimizer,
+                                   precision=precision)["total"] if found["max_batch"] else None
         measured = found["peak_bytes"]
         rows.append({"seq_len": seq, "planned_batch": planned, "probed_batch": found["max_batch"],
                      "planned_bytes": estimate, "measured_bytes": measured, "limited_by": found["limited_by"],
