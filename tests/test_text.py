@@ -58,6 +58,43 @@ def test_tf_normalize_matches_python(repeat):
     assert one == kbert.normalize(texts[0])
 
 
+def test_tf_normalize_fast_path_edges():
+    """Strings one character away from "already normal" must still take the full chain."""
+    import tensorflow as tf
+
+    from kbert.text.normalize import tf_normalize
+
+    texts = ["한국어 문장", "한국어  문장", " 한국어", "한국어 ", "한국어\t문장", "한국어\u3000문장",
+             "가\u11a8", "\u1100\u1161", "e\u0301", "\u212b", "\u2329괄호\u232a", "a\u200bb", "a\u00adb",
+             "♥♡★ ☆ ○", "ㅋㅋ ㅎㅎ", "Ｆｕｌｌ", "😀👍🏻", "\ufffd", ""]
+    raw = [t.encode("utf-8") for t in texts] + [b"\xed\x95\x9c\xff", b"ab\xc0\xaf", b"\xed\xa0\x80x"]
+    expected = [kbert.normalize(t) for t in raw]
+    assert [t.decode("utf-8") for t in tf_normalize(tf.constant(raw)).numpy()] == expected
+    grid = tf_normalize(tf.reshape(tf.constant(raw[:20]), [4, 5])).numpy()  # any shape
+    assert grid.shape == (4, 5) and [t.decode("utf-8") for t in grid.ravel()] == expected[:20]
+
+
+def test_tf_normalize_stable_set_is_stable():
+    """Every character the graph normalizer lets through untouched is one NFC, control removal and
+    whitespace collapsing leave alone, and no neighbour composes with it."""
+    import re
+
+    from kbert.text.normalize import _CONTROL_RE, _RE2_STABLE, _SPACE_RE
+
+    second = {int(d.split()[1], 16) for d in (unicodedata.decomposition(chr(c)) for c in range(0x110000))
+              if d and not d.startswith("<") and len(d.split()) == 2}
+    second |= set(range(0x1161, 0x1176)) | set(range(0x11a8, 0x11c3))  # Hangul vowel and final jamo
+    bounds = [int(h, 16) for h in re.findall(r"\\x\{([0-9a-f]+)\}", _RE2_STABLE)]
+    ranges = list(zip(bounds[::2], bounds[1::2]))
+    assert ranges and all(a <= b for a, b in ranges)
+    for a, b in ranges:
+        for cp in range(a, b + 1):
+            c = chr(cp)
+            assert unicodedata.category(c) not in ("Mn", "Mc", "Me", "Cc", "Cf", "Cs", "Co"), hex(cp)
+            assert unicodedata.normalize("NFC", c) == c and not unicodedata.combining(c), hex(cp)
+            assert cp not in second and not _CONTROL_RE.match(c) and not _SPACE_RE.match(c), hex(cp)
+
+
 # ------------------------------------------------------------------------------------ morphemes
 SENTENCE = "학교에서 공부했어요. 옛한글 ᄒᆞᆫ글과 ㅋㅋ BERT2024!"
 
