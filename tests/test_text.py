@@ -167,6 +167,24 @@ def test_round_trip(tokenizers, key):
         assert enc.ids[0] == tok.cls_id and enc.ids[-1] == tok.sep_id
 
 
+@pytest.mark.parametrize("key", [("unigram", "mecab"), ("bpe", "mecab")])
+def test_morpheme_aware_pieces_stay_inside_morphemes(tokenizers, key):
+    """No piece crosses a morpheme boundary, eojeols alone start with `▁`, and no joiner token is spent."""
+    from kbert.text.tokenizer import JOINER
+
+    tok = tokenizers[key]
+    assert not any(JOINER in piece for piece in tok.vocab)
+    for text in ["학교에서 공부했어요", "이 법은 국민의 권리를 보장한다.", "제1조(목적) 대통령령으로 정한다"]:
+        enc = tok.encode(text, add_special_tokens=False)
+        morphs = kbert.morphemes("mecab")(text)
+        for s, e in enc.offsets:
+            assert s == e or any(m.start <= s and e <= m.end for m in morphs), (text, s, e)
+        assert sum(t.startswith("\u2581") for t in enc.tokens) == len(text.split())
+        assert enc.ids == tok.ids_batch([text])[0]
+        assert all(text[s:e] == t.lstrip("\u2581") for t, (s, e) in zip(enc.tokens, enc.offsets)
+                   if not t.startswith("<0x"))
+
+
 def test_wordpiece_round_trip_up_to_spaces(tokenizers):
     tok = tokenizers[("wordpiece", None)]
     text = "제1조(목적) 이 법은 국민의 권리를 보장한다."

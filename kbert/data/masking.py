@@ -9,8 +9,8 @@ example index keeps growing across epochs. This replaces `create_pretraining_dat
 Rules (as in BERT / ALBERT):
 - candidates are real tokens that are not special tokens ([CLS], [SEP], [PAD], ...): those are never masked;
 - masking units are tokens, or with `whole_word=True` whole words: a word is a token that starts a word
-  (SentencePiece `▁x`, WordPiece not `##x`; for morpheme-aware tokenizers each morpheme) plus the
-  continuation pieces after it; with `ngram=n > 1` runs of 1..n consecutive units, length k drawn with
+  (SentencePiece `▁x`, WordPiece not `##x`; so an eojeol, also for morpheme-aware SentencePiece
+  vocabularies, whose continuing morphemes carry no `▁`) plus the continuation pieces after it; with `ngram=n > 1` runs of 1..n consecutive units, length k drawn with
   probability proportional to 1/k (ALBERT's n-gram masking);
 - `round(mask_rate * candidates)` tokens per sequence (at least 1, at most `max_predictions`) are chosen
   by picking units in random order; a unit is taken whole or not at all;

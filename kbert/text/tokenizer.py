@@ -7,9 +7,11 @@ Two kinds of vocabulary, each with a Python path and an in-graph path that give 
   punctuation splitting + greedy longest-match WordPiece), run eagerly for Python calls.
 
 Text is normalized first with `kbert.normalize` (NFC, never NFD). A morpheme-aware tokenizer
-(`morphemes="mecab"`, ...) splits every eojeol into morphemes before the subword model: morphemes after
-the first in an eojeol carry a joiner mark (U+E000), so `decode` restores the original spacing. Its
-analyzer runs in Python: in `tf.data` it is wrapped in `tf.numpy_function`, so only plain subword
+(`morphemes="mecab"`, ...) splits every eojeol into morphemes before the subword model. With SentencePiece
+each morpheme is encoded on its own, so no piece crosses a morpheme boundary: the first morpheme of an
+eojeol starts with `▁`, the others do not (`학교에서` -> `▁학교 에서`), which costs no extra tokens and lets
+`decode` restore the spacing. (WordPiece vocabularies mark continuing morphemes with a joiner, U+E000.)
+The analyzer runs in Python: in `tf.data` it is wrapped in `tf.numpy_function`, so only plain subword
 tokenizers are pure graphs (and exportable to a SavedModel without Python).
 """
 
@@ -73,7 +75,7 @@ class Tokenizer:
             import sentencepiece as spm
 
             self._spm_proto = bytes(model)
-            self._sp = spm.SentencePieceProcessor(model_proto=self._spm_proto)
+            self._sp = spm.SentencePieceProcessor(model_proto=self._encoder_proto())
             self.vocab = [self._sp.id_to_piece(i) for i in range(self._sp.get_piece_size())]
         else:
             self.vocab = list(model)
@@ -110,7 +112,24 @@ class Tokenizer:
         if self.kind == "sentencepiece":
             import sentencepiece as spm
 
-            self._sp = spm.SentencePieceProcessor(model_proto=self._spm_proto)
+            self._sp = spm.SentencePieceProcessor(model_proto=self._encoder_proto())
+
+    @property
+    def _segmented(self) -> bool:
+        """SentencePiece + morphemes: every morpheme is encoded on its own (see the module docstring)."""
+        return self.kind == "sentencepiece" and bool(self.morphemes)
+
+    def _encoder_proto(self) -> bytes:
+        """The model proto the encoders run. Segmented tokenizers write each eojeol-initial morpheme
+        with its leading space, so SentencePiece's own dummy prefix is turned off."""
+        if not self._segmented:
+            return self._spm_proto
+        from sentencepiece import sentencepiece_model_pb2
+
+        proto = sentencepiece_model_pb2.ModelProto()
+        proto.ParseFromString(self._spm_proto)
+        proto.normalizer_spec.add_dummy_prefix = False
+        return proto.SerializeToString()
 
     def fingerprint(self) -> str:
         """A short hash of the vocabulary and normalization options (records remember which tokenizer
@@ -136,8 +155,34 @@ class Tokenizer:
             self._analyzer = morphemes(self.morphemes)
         return self._analyzer
 
+    def _segments(self, text: str):
+        """Normalized text -> [(segment, start, eojeol_initial)]: one per morpheme, in order, each a run of
+        `text[start:]`; eojeol-initial segments carry a leading space (SentencePiece's `▁`)."""
+        if not text:
+            return []
+        starts = {m.start for m in self._analyzer_fn()(text)}
+        bounds, word_start = [], True
+        for i, ch in enumerate(text):
+            if ch == " ":
+                word_start = True
+                continue
+            if word_start or i in starts:
+                bounds.append([i, i, word_start])
+            bounds[-1][1] = i + 1
+            word_start = False
+        return [((" " if first else "") + text[a:b], a, first) for a, b, first in bounds]
+
+    def _training_line(self, text: str) -> str:
+        """Normalized text -> the line the vocabulary learner sees (morphemes split by JOINER, which
+        SentencePiece's `pretokenization_delimiter` removes; no piece crosses it)."""
+        if self._segmented:
+            return "".join(seg if first and i else (seg[1:] if first else JOINER + seg)
+                           for i, (seg, _, first) in enumerate(self._segments(text)))
+        return self._presplit(text)[0] if self.morphemes else text
+
     def _presplit(self, text: str):
-        """Normalized text -> (subword-model input, map from input char index to text char index)."""
+        """WordPiece + morphemes: normalized text -> (subword-model input with a space and JOINER before
+        every morpheme that continues an eojeol, map from input char index to text char index)."""
         if not self.morphemes or not text:
             return text, list(range(len(text) + 1))
         starts = {m.start for m in self._analyzer_fn()(text)}
@@ -179,6 +224,8 @@ class Tokenizer:
 
     def _pieces_batch(self, texts: List[str]):
         """For normalized texts: lists of (id, piece, start, end) with offsets into each text."""
+        if self._segmented:
+            return self._segmented_pieces(texts)
         pre = [self._presplit(t) for t in texts]
         results = []
         if self.kind == "sentencepiece":
@@ -204,6 +251,24 @@ class Tokenizer:
             for i, s, e in zip(row_ids, row_s, row_e):
                 cs, ce = b2c[s], b2c[e]
                 items.append((i, self.vocab[i], index[cs], index[ce - 1] + 1 if ce > cs else index[cs]))
+            results.append(items)
+        return results
+
+    def _segmented_pieces(self, texts: List[str]):
+        rows = [self._segments(t) for t in texts]
+        flat = [seg for row in rows for seg, _, _ in row]
+        protos = iter(self._sp.encode(flat, return_type="proto") if flat else [])
+        results = []
+        for row in rows:
+            items = []
+            for seg, start, first in row:
+                b2c = _byte_to_char(seg)
+                shift = start - 1 if first else start  # the leading space is not in the text
+                for piece in next(protos).pieces:
+                    s, e = b2c[piece.begin], b2c[piece.end]
+                    if s < e and seg[s] == " ":
+                        s += 1
+                    items.append((piece.id, piece.piece, shift + s, shift + max(e, s)))
             results.append(items)
         return results
 
@@ -241,6 +306,10 @@ class Tokenizer:
         pipeline uses (same ids as `encode(t, add_special_tokens=False).ids`)."""
         if not normalized:
             texts = [self.normalize(self._check_text(t)) for t in texts]
+        if self._segmented:
+            rows = [[seg for seg, _, _ in self._segments(t)] for t in texts]
+            flat = iter(self._sp.encode([seg for row in rows for seg in row]))
+            return [[i for _ in row for i in next(flat)] for row in rows]
         if self.morphemes:
             texts = [self._presplit(t)[0] for t in texts]
         if not texts:
@@ -251,9 +320,10 @@ class Tokenizer:
         return (ids.merge_dims(1, 2) if ids.ragged_rank > 1 else ids).to_list()
 
     def word_start_table(self) -> np.ndarray:
-        """bool [vocab_size]: True where a token begins a word (a whitespace word, or a morpheme for
-        morpheme-aware tokenizers) and for special tokens; False for continuation pieces (`##x` in
-        WordPiece, pieces without `▁` in SentencePiece). Whole-word masking groups tokens with it."""
+        """bool [vocab_size]: True where a token begins a word and for special tokens; False for
+        continuation pieces (`##x` in WordPiece, pieces without `▁` in SentencePiece). Whole-word masking
+        groups tokens with it: words are eojeols (morpheme-aware SentencePiece vocabularies too, whose
+        continuing morphemes have no `▁`; morpheme-aware WordPiece ones mask morphemes)."""
         if self.kind == "sentencepiece":
             table = np.array([p.startswith("\u2581") for p in self.vocab])
         else:
@@ -282,6 +352,8 @@ class Tokenizer:
             ids = [i for i in ids if i not in special]
         if self.kind == "sentencepiece":
             text = self._sp.decode(ids)
+            if self._segmented and text.startswith(" "):  # no dummy prefix to drop: drop the first space
+                text = text[1:]
         else:
             words = []
             for i in ids:
@@ -314,7 +386,7 @@ class Tokenizer:
             import tensorflow_text as tf_text
 
             with tf.init_scope():  # the model resource must outlive the first graph that uses it
-                self._graph = tf_text.SentencepieceTokenizer(model=self._spm_proto, out_type=tf.int32)
+                self._graph = tf_text.SentencepieceTokenizer(model=self._encoder_proto(), out_type=tf.int32)
         return self._graph
 
     def tf_tokenize(self, texts, add_special_tokens: bool = True):
@@ -332,10 +404,12 @@ class Tokenizer:
             normalized = tf_normalize(batch, form=self.form, repeat=self.repeat, lowercase=self.lowercase)
         else:
             normalized = self._py_strings(batch, self.normalize)
-        if self.morphemes:
+        if self._segmented:
+            normalized = self._py_segments(normalized)  # ragged [batch, (morphemes)]
+        elif self.morphemes:
             normalized = self._py_strings(normalized, lambda t: self._presplit(t)[0])
         ids = self._graph_tokenizer().tokenize(normalized)
-        if isinstance(ids, tf.RaggedTensor) and ids.ragged_rank > 1:  # FastBert: [batch, words, pieces]
+        if isinstance(ids, tf.RaggedTensor) and ids.ragged_rank > 1:  # [batch, words or morphemes, pieces]
             ids = ids.merge_dims(1, 2)
         if add_special_tokens:
             n = tf.shape(batch)[0]
@@ -353,6 +427,20 @@ class Tokenizer:
 
         out = tf.numpy_function(run, [texts], tf.string, stateful=False)
         return tf.reshape(out, tf.shape(texts))
+
+    def _py_segments(self, texts):
+        import tensorflow as tf
+
+        def run(arr):
+            rows = [[seg.encode("utf-8") for seg, _, _ in self._segments(t.decode("utf-8", errors="replace"))]
+                    for t in arr]
+            flat = np.array([seg for row in rows for seg in row] or [b""], dtype=object)[:sum(map(len, rows))]
+            return flat, np.array([len(row) for row in rows], np.int64)
+
+        flat, lengths = tf.numpy_function(run, [texts], [tf.string, tf.int64], stateful=False)
+        flat.set_shape([None])
+        lengths.set_shape([None])
+        return tf.RaggedTensor.from_row_lengths(flat, lengths)
 
     def __call__(self, texts):
         """`ds.map(tok)`: the in-graph tokenizer (see `tf_tokenize`)."""
@@ -468,6 +556,7 @@ class Tokenizer:
         helper = cls.__new__(cls)  # only for normalize/presplit with these options
         helper.form, helper.repeat, helper.lowercase = form, repeat, lowercase
         helper.morphemes, helper._analyzer = morphemes, None
+        helper.kind = "wordpiece" if algorithm == "wordpiece" else "sentencepiece"
         lines, hangul, n_lines = _prepare_training_text(helper, inputs, min_line_chars, progress)
         if n_lines == 0:
             raise ValueError("Tokenizer.train found no text in `inputs` (empty files or only whitespace)")
@@ -486,6 +575,8 @@ class Tokenizer:
                 # text round-trips (WordPiece cannot use byte pieces and keeps [UNK]).
                 byte_fallback=algorithm != "wordpiece",
             )
+            if helper._segmented:  # no piece crosses a morpheme boundary; the delimiter itself is dropped
+                spm_args["pretokenization_delimiter"] = JOINER
             model = _train_spm(spm, spm_args, progress)
         finally:
             os.remove(lines)
@@ -574,8 +665,7 @@ def _prepare_training_text(helper, inputs, min_line_chars, progress):
             if len(text) < min_line_chars:
                 continue
             hangul.update(ch for ch in text if _is_hangul_syllable(ch))
-            if helper.morphemes:
-                text = Tokenizer._presplit(helper, text)[0]
+            text = helper._training_line(text)
             # Very long lines are cut into 16K-character pieces: SentencePiece skips longer sentences.
             for i in range(0, len(text), 1 << 14):
                 out.write(text[i:i + (1 << 14)] + "\n")
