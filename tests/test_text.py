@@ -183,6 +183,9 @@ def test_morpheme_aware_pieces_stay_inside_morphemes(tokenizers, key):
         assert enc.ids == tok.ids_batch([text])[0]
         assert all(text[s:e] == t.lstrip("\u2581") for t, (s, e) in zip(enc.tokens, enc.offsets)
                    if not t.startswith("<0x"))
+    many = [f"{i}번째 문장에서 공부했어요" for i in range(2100)]  # enough for the analyzer's worker processes
+    assert [e.ids[1:-1] for e in tok.encode_batch(many)] == [tok.encode(t, add_special_tokens=False).ids
+                                                             for t in many[:3]] + tok.ids_batch(many)[3:]
 
 
 def test_wordpiece_round_trip_up_to_spaces(tokenizers):

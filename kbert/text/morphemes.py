@@ -110,10 +110,12 @@ class Analyzer:
     def batch(self, texts: Iterable[str], workers: Optional[int] = None, chunksize: int = 256) -> List[List[Morpheme]]:
         """Analyzes many texts, in `workers` processes (default: all cores) when there are many."""
         texts = list(texts)
-        workers = workers or os.cpu_count() or 1
-        if workers <= 1 or len(texts) < 2000:
-            return [self(t) for t in texts]
         import multiprocessing as mp
+
+        workers = workers or os.cpu_count() or 1
+        # A daemon process (a pool worker, e.g. the pretraining pipeline's) cannot start processes.
+        if workers <= 1 or len(texts) < 2000 or mp.current_process().daemon:
+            return [self(t) for t in texts]
 
         # konlpy's taggers run in a JVM, which does not survive fork: their workers are spawned.
         ctx = mp.get_context("spawn" if self.name in ("okt", "komoran", "hannanum", "kkma") else "fork")
@@ -198,12 +200,17 @@ class KiwiAnalyzer(Analyzer):
         return out
 
     def batch(self, texts, workers=None, chunksize=256):
+        import multiprocessing as mp
+
         texts = list(texts)
-        if self._impl is None:
-            self._impl = self._load()
-        # Kiwi parallelizes itself over a list of texts.
-        kiwi = _need("kiwipiepy", "kiwipiepy", "kiwi").Kiwi(num_workers=workers or os.cpu_count() or 1)
-        return [self._from_tokens(t, toks) for t, toks in zip(texts, kiwi.tokenize(texts))]
+        workers = workers or os.cpu_count() or 1
+        if workers <= 1 or len(texts) < 2000 or mp.current_process().daemon:
+            return [self(t) for t in texts]
+        # Kiwi parallelizes itself over a list of texts; its multi-threaded instance takes seconds to
+        # build, so it is kept.
+        if getattr(self, "_threaded", (None, None))[0] != workers:
+            self._threaded = (workers, _need("kiwipiepy", "kiwipiepy", "kiwi").Kiwi(num_workers=workers))
+        return [self._from_tokens(t, toks) for t, toks in zip(texts, self._threaded[1].tokenize(texts))]
 
 
 class KonlpyAnalyzer(Analyzer):

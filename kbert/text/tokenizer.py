@@ -155,12 +155,17 @@ class Tokenizer:
             self._analyzer = morphemes(self.morphemes)
         return self._analyzer
 
-    def _segments(self, text: str):
+    def _morphemes_batch(self, texts: List[str]):
+        """The analyzer's morphemes for many texts (on all cores when there are thousands)."""
+        return self._analyzer_fn().batch(texts) if self.morphemes else [None] * len(texts)
+
+    def _segments(self, text: str, morphs=None):
         """Normalized text -> [(segment, start, eojeol_initial)]: one per morpheme, in order, each a run of
-        `text[start:]`; eojeol-initial segments carry a leading space (SentencePiece's `▁`)."""
+        `text[start:]`; eojeol-initial segments carry a leading space (SentencePiece's `▁`). `morphs`: the
+        analyzer's output for `text`, when already computed."""
         if not text:
             return []
-        starts = {m.start for m in self._analyzer_fn()(text)}
+        starts = {m.start for m in (self._analyzer_fn()(text) if morphs is None else morphs)}
         bounds, word_start = [], True
         for i, ch in enumerate(text):
             if ch == " ":
@@ -172,20 +177,20 @@ class Tokenizer:
             word_start = False
         return [((" " if first else "") + text[a:b], a, first) for a, b, first in bounds]
 
-    def _training_line(self, text: str) -> str:
+    def _training_line(self, text: str, morphs=None) -> str:
         """Normalized text -> the line the vocabulary learner sees (morphemes split by JOINER, which
         SentencePiece's `pretokenization_delimiter` removes; no piece crosses it)."""
         if self._segmented:
             return "".join(seg if first and i else (seg[1:] if first else JOINER + seg)
-                           for i, (seg, _, first) in enumerate(self._segments(text)))
-        return self._presplit(text)[0] if self.morphemes else text
+                           for i, (seg, _, first) in enumerate(self._segments(text, morphs)))
+        return self._presplit(text, morphs)[0] if self.morphemes else text
 
-    def _presplit(self, text: str):
+    def _presplit(self, text: str, morphs=None):
         """WordPiece + morphemes: normalized text -> (subword-model input with a space and JOINER before
         every morpheme that continues an eojeol, map from input char index to text char index)."""
         if not self.morphemes or not text:
             return text, list(range(len(text) + 1))
-        starts = {m.start for m in self._analyzer_fn()(text)}
+        starts = {m.start for m in (self._analyzer_fn()(text) if morphs is None else morphs)}
         out, index = [], []
         word_start = True
         for i, ch in enumerate(text):
@@ -226,7 +231,7 @@ class Tokenizer:
         """For normalized texts: lists of (id, piece, start, end) with offsets into each text."""
         if self._segmented:
             return self._segmented_pieces(texts)
-        pre = [self._presplit(t) for t in texts]
+        pre = [self._presplit(t, m) for t, m in zip(texts, self._morphemes_batch(texts))]
         results = []
         if self.kind == "sentencepiece":
             protos = self._sp.encode([p for p, _ in pre], return_type="proto")
@@ -255,7 +260,7 @@ class Tokenizer:
         return results
 
     def _segmented_pieces(self, texts: List[str]):
-        rows = [self._segments(t) for t in texts]
+        rows = [self._segments(t, m) for t, m in zip(texts, self._morphemes_batch(texts))]
         flat = [seg for row in rows for seg, _, _ in row]
         protos = iter(self._sp.encode(flat, return_type="proto") if flat else [])
         results = []
@@ -659,18 +664,29 @@ def _prepare_training_text(helper, inputs, min_line_chars, progress):
     fd, path = tempfile.mkstemp(prefix="kbert-vocab-", suffix=".txt")
     hangul, n = set(), 0
     bar = progress_bar(desc="normalizing", unit=" lines", enabled=progress)
+
+    def flush(chunk, out):
+        # Morpheme analysis runs on all cores, a chunk at a time.
+        for text, morphs in zip(chunk, helper._morphemes_batch(chunk)):
+            text = helper._training_line(text, morphs)
+            # Very long lines are cut into 16K-character pieces: SentencePiece skips longer sentences.
+            for i in range(0, len(text), 1 << 14):
+                out.write(text[i:i + (1 << 14)] + "\n")
+        bar.update(len(chunk))
+        chunk.clear()
+
+    chunk = []
     with os.fdopen(fd, "w", encoding="utf-8") as out:
         for raw in _iter_lines(inputs):
             text = helper.normalize(raw)
             if len(text) < min_line_chars:
                 continue
             hangul.update(ch for ch in text if _is_hangul_syllable(ch))
-            text = helper._training_line(text)
-            # Very long lines are cut into 16K-character pieces: SentencePiece skips longer sentences.
-            for i in range(0, len(text), 1 << 14):
-                out.write(text[i:i + (1 << 14)] + "\n")
+            chunk.append(text)
             n += 1
-            bar.update(1)
+            if len(chunk) >= (20_000 if helper.morphemes else 1):
+                flush(chunk, out)
+        flush(chunk, out)
     bar.close()
     return path, hangul, n
 
