@@ -138,6 +138,30 @@ def test_mlm_head_is_tied_to_token_embedding():
     assert model.mlm_head.token_embedding is model.backbone.token_embedding
 
 
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"])
+def test_dropout_rate_independence_and_expectation(policy):
+    """kbert's Dropout (two elements per random draw) drops at the configured rate, independently in the
+    two halves that share a draw, keeps expectations, draws a fresh mask each call, and is the identity
+    when not training."""
+    from kbert.models.layers import Dropout
+
+    layer = Dropout(0.1, seed=7, dtype=policy)
+    x = np.ones((64, 128, 256), "float32")
+    y = np.asarray(layer(x, training=True), "float32")
+    dropped = y == 0
+    assert abs(dropped.mean() - 0.1) < 0.002
+    assert abs(y.mean() - 1.0) < 0.005 and np.allclose(y[~dropped], 1 / (1 - 3277 / 32768), rtol=1e-2)
+    both = (dropped[..., :128] & dropped[..., 128:]).mean()  # the two halves of one 30-bit draw
+    assert abs(both - 0.01) < 0.001
+    assert (np.asarray(layer(x, training=True), "float32") != y).mean() > 0.15  # a new mask each call
+    assert np.array_equal(np.asarray(layer(x, training=False), "float32"), x)
+    odd = np.asarray(Dropout(0.5, seed=1)(np.ones((256, 7), "float32"), training=True))
+    assert 0.4 < (odd == 0).mean() < 0.6  # odd last dimension: keras.random.dropout
+    assert np.array_equal(np.asarray(Dropout(0.0)(x, training=True)), x)
+    with pytest.raises(ValueError, match="rate"):
+        Dropout(1.0)
+
+
 def test_pretrainer_fit_lowers_loss():
     cfg = tiny("bert", dropout=0.0, attention_dropout=0.0)
     model = kbert.Pretrainer(kbert.build_backbone(cfg), pair_objective=None)

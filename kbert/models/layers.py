@@ -34,6 +34,50 @@ def activation(name: str):
     raise ValueError(f"Unknown activation {name!r}")
 
 
+class Dropout(keras.layers.Layer):
+    """Inverted dropout that draws half the random numbers of `keras.layers.Dropout`.
+
+    One 30-bit random integer gives two independent 15-bit uniforms (its low and high halves), so two
+    elements share one draw; random-number generation was about a tenth of a BERT training step on CPU
+    and GPU. An element is dropped with probability round(rate * 2^15) / 2^15 (0.1 -> 0.100006) and kept
+    ones are scaled by the exact inverse of the keep probability, so expectations are unchanged. Falls back
+    to `keras.random.dropout` for an odd last dimension.
+    """
+
+    _BITS = 15
+
+    def __init__(self, rate: float, seed=None, **kwargs):
+        super().__init__(**kwargs)
+        if not 0.0 <= rate < 1.0:
+            raise ValueError(f"`rate` must be in [0, 1). Received: rate={rate!r}")
+        self.rate, self.seed = float(rate), seed
+        if self.rate > 0:  # as keras.layers.Dropout: creating one draws from the global seed
+            self.seed_generator = keras.random.SeedGenerator(seed)
+        self.built = True
+
+    def call(self, x, training=None):
+        if not training or self.rate == 0.0:
+            return x
+        shape = tuple(ops.shape(x))
+        last = shape[-1]
+        if not isinstance(last, int) or last % 2:
+            return keras.random.dropout(x, self.rate, seed=self.seed_generator)
+        threshold = int(round(self.rate * (1 << self._BITS)))
+        bits = keras.random.randint(shape[:-1] + (last // 2,), 0, 1 << (2 * self._BITS), dtype="int32",
+                                    seed=self.seed_generator)
+        low = ops.bitwise_and(bits, (1 << self._BITS) - 1)
+        high = ops.right_shift(bits, self._BITS)
+        keep = ops.greater_equal(ops.concatenate([low, high], axis=-1), threshold)
+        scale = ops.cast((1 << self._BITS) / ((1 << self._BITS) - threshold), x.dtype)
+        return ops.where(keep, x * scale, ops.zeros_like(x))
+
+    def compute_output_shape(self, input_shape):
+        return input_shape
+
+    def get_config(self):
+        return {**super().get_config(), "rate": self.rate, "seed": self.seed}
+
+
 def attention_bias(padding_mask):
     """[b, s] mask of 1 (token) / 0 (padding) -> additive float32 attention bias [b, 1, 1, s].
 
@@ -63,7 +107,7 @@ class Embeddings(keras.layers.Layer):
             config.type_vocab_size, e, embeddings_initializer=init, dtype=self.dtype_policy, name="segment_embedding")
         self.norm = keras.layers.LayerNormalization(
             epsilon=config.layer_norm_epsilon, dtype=self.dtype_policy, name="norm")
-        self.dropout = keras.layers.Dropout(config.dropout, dtype=self.dtype_policy)
+        self.dropout = Dropout(config.dropout, dtype=self.dtype_policy)
         self.projection = None
         if e != config.hidden_size:
             self.projection = keras.layers.Dense(
@@ -108,8 +152,8 @@ class TransformerBlock(keras.layers.Layer):
             config.intermediate_size, kernel_initializer=init, dtype=p, name="intermediate")
         self.output_dense = keras.layers.Dense(h, kernel_initializer=init, dtype=p, name="output")
         self.output_norm = keras.layers.LayerNormalization(epsilon=eps, dtype=p, name="output_norm")
-        self.attention_dropout = keras.layers.Dropout(config.attention_dropout, dtype=p)
-        self.hidden_dropout = keras.layers.Dropout(config.dropout, dtype=p)
+        self.attention_dropout = Dropout(config.attention_dropout, dtype=p)
+        self.hidden_dropout = Dropout(config.dropout, dtype=p)
         self.act = activation(config.hidden_act)
         self.scale = 1.0 / math.sqrt(config.head_size)
 
