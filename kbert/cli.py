@@ -240,7 +240,7 @@ def _finetune(args):
                        pair_column=args.pair_column, label_column=None if args.no_label else args.label_column,
                        epochs=args.epochs, batch_size=args.batch_size, learning_rate=args.learning_rate,
                        max_length=args.max_length, patience=args.patience, eval_every=args.eval_every,
-                       max_steps=args.max_steps, seed=args.seed)
+                       max_steps=args.max_steps, seed=args.seed, group_by_length=not args.no_group_by_length)
     best = f"best dev {summary['metric']} {summary['best']:.4f} at step {summary['best_step']}" \
         if summary["best"] is not None else "no dev set: the last model"
     print(f"{summary['task']}: {summary['steps']} steps ({summary['stopped_by']}), {best}; "
@@ -388,6 +388,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-every", type=int, help="steps between dev evaluations (default: each epoch)")
     p.add_argument("--max-steps", type=int)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-group-by-length", action="store_true",
+                   help="plain shuffled batches instead of batches of similar length (less padding, faster)")
     p.set_defaults(func=_finetune)
 
     p = sub.add_parser("export", help="a SavedModel that takes raw strings (TF Serving layout DIR/VERSION/)")

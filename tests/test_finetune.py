@@ -16,7 +16,7 @@ import pytest
 
 import kbert
 from kbert.data.corpus import movie_review_sentiment
-from kbert.train.finetune import _rank, pearson, spearman
+from kbert.train.finetune import _batches, _Examples, _rank, pearson, spearman
 from helpers import SHARED, needs_shared
 
 pytestmark = needs_shared
@@ -93,6 +93,30 @@ def test_spearman_and_pearson_against_hand_values():
     assert spearman([1, 2, 3], [3, 2, 1]) == pytest.approx(-1.0)
     assert pearson([1, 2, 3], [2, 4, 7]) == pytest.approx(np.corrcoef([1, 2, 3], [2, 4, 7])[0, 1])
     assert pearson([1, 1, 1], [1, 2, 3]) == 0.0
+
+
+def test_length_grouped_batches_cover_every_example_once_with_little_padding():
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(3, 120, size=5000)
+    ex = _Examples([[7] * n for n in lengths], None, np.zeros(5000))
+    pair = _Examples([[7] * 3 for _ in lengths], None, None, pair_ids=[[7] * n for n in lengths[::-1]])
+    for group in (True, False):
+        epochs = [_batches(np.random.default_rng(s), ex, 32, group) for s in (1, 2)]
+        for batches in epochs:
+            flat = np.concatenate(batches)
+            assert sorted(flat) == list(range(5000)) and max(len(b) for b in batches) == 32
+        assert not all(np.array_equal(a, b) for a, b in zip(*epochs))  # reshuffled each epoch
+        padding = np.mean([lengths[b].max() - lengths[b].mean() for b in epochs[0]])
+        if group:
+            assert padding < 3, padding  # the same lengths within a batch, give or take a few
+            order = [lengths[b].max() for b in epochs[0]]
+            assert order != sorted(order)  # but the batches themselves are not in length order
+        else:
+            assert padding > 30, padding
+    # pairs (bi-encoders) are grouped by the longer side
+    batches = _batches(np.random.default_rng(0), pair, 32, True)
+    longer = np.maximum(3, lengths[::-1])
+    assert np.mean([longer[b].max() - longer[b].mean() for b in batches]) < 3
 
 
 def test_regression_pair_classification_and_tagging(base, tmp_path):
