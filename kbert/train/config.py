@@ -64,7 +64,7 @@ class RuntimeConfig:
     strategy: str = "auto"  # auto | tpu | mirrored | multiworker | cpu
     tpu: Optional[str] = None
     precision: str = "auto"  # auto | float32 | mixed_float16 | mixed_bfloat16
-    jit: Union[bool, str] = "auto"  # XLA for the train step ("auto": on GPU/TPU)
+    jit: Union[bool, str] = "auto"  # XLA for the train step ("auto": on one device; TPUs compile anyway)
     seed: int = 0
 
 

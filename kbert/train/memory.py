@@ -26,7 +26,7 @@
 
 The coefficients depend on how the train step is executed, so there are two global sets, `COMPILERS`:
 
-- `"xla"` (kbert's default on GPU and TPU, and what `kbert plan --probe` runs): XLA fuses the elementwise
+- `"xla"` (kbert's default on one device and on TPU, and what `kbert plan --probe` runs): XLA fuses the elementwise
   work and frees each activation as soon as its gradient is formed, so far fewer tensors are kept and the
   gradients are never all live at the activation peak. Chosen (round values on a small grid, never
   underestimating by more than 2%) from 12 peaks measured on an NVIDIA H100 (`benchmarks/gpu.py`, Keras on
@@ -94,7 +94,7 @@ def estimate_memory(config, batch: int, seq_len: int, optimizer: str = "adamw", 
                     max_predictions: Optional[int] = None, accumulation: int = 1,
                     recompute: bool = False, compiler: str = "xla") -> Dict[str, float]:
     """Bytes needed to train `config` (a ModelConfig) on `batch` x `seq_len`, by component. `compiler`:
-    "xla" (the train step compiled with XLA, kbert's default on GPU/TPU) or "none" (op-by-op)."""
+    "xla" (the train step compiled with XLA, kbert's default) or "none" (op-by-op)."""
     if optimizer not in OPTIMIZER_SLOTS:
         raise ValueError(f"`optimizer` must be one of {tuple(OPTIMIZER_SLOTS)}. Received: {optimizer!r}")
     if precision not in PRECISIONS:
@@ -152,7 +152,7 @@ def plan_batch_size(config, memory, seq_lens: Sequence[int] = (128,), target_bat
                     recompute: bool = False, compiler: str = "xla") -> List[Dict]:
     """`kbert.plan_batch_size(...)`: for each sequence length, the max micro-batch per replica that fits
     `memory` (less a safety `margin` fraction) and, for a `target_batch` (global), the micro-batch x
-    accumulation steps x replicas that reaches it. `compiler`: "xla" (kbert's default on GPU/TPU) or "none"
+    accumulation steps x replicas that reaches it. `compiler`: "xla" (kbert's default) or "none"
     (op-by-op execution; the coefficients anchored on google-research/bert's 12 GB table)."""
     from kbert.models.config import ModelConfig
 
@@ -198,7 +198,7 @@ def plan_for_config(config, model_config, precision: str, replicas: int, device:
     if memory is None:
         memory = "8GB" if device == "cpu" else "16GB"
     jit = config.runtime.jit
-    compiler = "xla" if (jit is True or (jit == "auto" and device in ("gpu", "tpu"))) else "none"
+    compiler = "xla" if jit in (True, "auto") else "none"
     best = max_batch_size(model_config, parse_memory(memory) * 0.9, config.data.max_seq_len,
                           optimizer=config.optimizer.name, precision=precision, compiler=compiler)
     if best == 0:
