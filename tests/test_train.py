@@ -67,12 +67,20 @@ def test_resume_continues_with_identical_next_step(tok_dir, tmp_path):
 
 def test_sigterm_saves_and_stops(tok_dir, tmp_path):
     out = str(tmp_path / "run")
-    timer = threading.Timer(6.0, lambda: os.kill(os.getpid(), signal.SIGTERM))
+    done = threading.Event()
+
+    def preempt():  # once pretrain has installed its handler (setup time varies), let it step, then SIGTERM
+        while signal.getsignal(signal.SIGTERM) is signal.SIG_DFL and not done.wait(0.05):
+            pass
+        if not done.wait(4.0):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    timer = threading.Thread(target=preempt, daemon=True)
     timer.start()
     try:
         summary = pretrain(_config(tok_dir, out, 100_000), progress=False)
     finally:
-        timer.cancel()
+        done.set()
     assert summary["stopped_by"] == "SIGTERM" and 0 < summary["step"] < 100_000
     assert summary["checkpoint"].endswith(f"ckpt-{summary['step']}")
     again = pretrain(_config(tok_dir, out, 100_000), progress=False, stop_after=1)
