@@ -68,6 +68,10 @@ def config_from_hf(hf: dict, source: str = "config.json") -> ModelConfig:
 
 
 def config_to_hf(config: ModelConfig, with_heads: bool) -> dict:
+    if config.norm_first:
+        raise ValueError("This model has pre-LayerNorm blocks (`norm_first=True`); transformers' BERT and "
+                         "ALBERT are post-LayerNorm, so it cannot be written in their format. Save it with "
+                         "`kbert.save_model` instead.")
     arch = config.architecture
     out = {
         "model_type": arch,
@@ -358,6 +362,7 @@ def export_transformers(model, directory: str, tokenizer=None) -> str:
         config, pair, heads = model.config, None, False
     else:
         raise TypeError(f"export_transformers expects a kbert backbone or Pretrainer. Received: {type(model).__name__}")
+    config_to_hf(config, with_heads=False)  # raises for configs transformers cannot represent
     if heads and pair != ("nsp" if config.architecture == "bert" else "sop"):
         heads = False  # transformers' pretraining classes need the matching pair head; export the encoder
     import keras

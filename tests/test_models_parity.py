@@ -167,3 +167,53 @@ def test_load_google_tf1_checkpoint(tmp_path, architecture):
     batch = random_batch()
     model = kbert.load_model(str(tmp_path), with_heads=True, output_hidden_states=True)
     _assert_same(_kbert_outputs(model, batch), hf_outputs(ref_model, batch), batch)
+
+
+def test_norm_first_matches_transformers_prelayernorm():
+    """Pre-LayerNorm blocks (`norm_first=True`) against transformers' RobertaPreLayerNormModel.
+
+    RoBERTa numbers positions from padding_idx + 1 = 2, so kbert's position table is its rows 2 onwards;
+    the pre-attention norm is kbert's `attention_norm`, the pre-feed-forward norm `output_norm`.
+    """
+    from kbert.convert import hf_to_kbert
+    from kbert.models.io import assign_weights
+
+    torch.manual_seed(0)
+    hf_config = transformers.RobertaPreLayerNormConfig(
+        vocab_size=99, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=37,
+        max_position_embeddings=66, type_vocab_size=2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        pad_token_id=1, layer_norm_eps=1e-12)
+    ref = transformers.RobertaPreLayerNormModel(hf_config).eval()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    sd = {k: v.numpy() for k, v in ref.state_dict().items()}
+    renamed = {}
+    for name, value in sd.items():
+        name = (name.replace(".attention.LayerNorm.", ".attention.output.LayerNorm.")
+                .replace(".intermediate.LayerNorm.", ".output.LayerNorm."))
+        if name == "embeddings.position_embeddings.weight":
+            value = value[2:]
+        renamed[name] = value
+    config = kbert.ModelConfig(vocab_size=99, hidden_size=32, num_layers=3, num_heads=4, intermediate_size=37,
+                               max_position=64, dropout=0.0, attention_dropout=0.0, norm_first=True)
+    model = kbert.BertBackbone(config, output_hidden_states=True)
+    mapped = hf_to_kbert(renamed, config)
+    mapped["final_norm/gamma"], mapped["final_norm/beta"] = sd["LayerNorm.weight"], sd["LayerNorm.bias"]
+    assign_weights(model, mapped, "RobertaPreLayerNormModel")
+    assert model.count_params() == config.num_parameters()
+
+    batch = random_batch()  # token ids >= 2, so RoBERTa's positions run 2, 3, ... over every token
+    with torch.no_grad():
+        out = ref(input_ids=torch.tensor(batch["token_ids"], dtype=torch.long),
+                  token_type_ids=torch.tensor(batch["segment_ids"], dtype=torch.long),
+                  attention_mask=torch.tensor(batch["padding_mask"], dtype=torch.long), output_hidden_states=True)
+    ours = model(batch)
+    valid = batch["padding_mask"]
+    assert max_abs_diff_valid(ours["sequence_output"], out.last_hidden_state.numpy(), valid) <= TOL
+    assert np.max(np.abs(np.asarray(ours["pooled_output"]) - out.pooler_output.numpy())) <= TOL
+    for i in range(config.num_layers):  # unnormalized residual streams, as transformers returns them
+        assert max_abs_diff_valid(ours["hidden_states"][i], out.hidden_states[i].numpy(), valid) <= TOL
+    np.testing.assert_allclose(ours["hidden_states"][-1], ours["sequence_output"])
+    with pytest.raises(ValueError, match="pre-LayerNorm"):
+        kbert.export_transformers(model, "unused")

@@ -30,7 +30,8 @@ class Backbone(keras.Model):
     Inputs: a dict of `token_ids` [b, s] int, `segment_ids` [b, s] int, `padding_mask` [b, s] (1 = token,
     0 = padding). Outputs: a dict of `sequence_output` [b, s, h], `pooled_output` [b, h] and, with
     `output_hidden_states=True`, `hidden_states`: a list of L+1 tensors [b, s, h] (the encoder input,
-    then every layer's output), as the embedding API needs for layer pooling.
+    then every layer's output), as the embedding API needs for layer pooling. With
+    `config.norm_first` the last of them is the final LayerNorm's output, equal to `sequence_output`.
     """
 
     architecture = None
@@ -47,12 +48,17 @@ class Backbone(keras.Model):
         embeddings = Embeddings(config, dtype=policy, name="embeddings")
         blocks = self._make_blocks(config, policy)
         pooler = Pooler(config, dtype=policy, name="pooler")
+        final_norm = (keras.layers.LayerNormalization(epsilon=config.layer_norm_epsilon, dtype=policy,
+                                                      name="final_norm") if config.norm_first else None)
 
         _, x = embeddings(inputs["token_ids"], inputs["segment_ids"])
         hidden = [x]
         for block in blocks:
             x = block(x, inputs["padding_mask"])
             hidden.append(x)
+        if final_norm is not None:  # pre-LN: the last output is normalized, and so is its hidden state
+            x = final_norm(x)
+            hidden[-1] = x
         outputs = {"sequence_output": x, "pooled_output": pooler(x)}
         if output_hidden_states:
             outputs["hidden_states"] = hidden
@@ -64,6 +70,7 @@ class Backbone(keras.Model):
         self.embeddings = embeddings
         self.blocks = blocks
         self.pooler = pooler
+        self.final_norm = final_norm
 
     def _make_blocks(self, config, policy):
         raise NotImplementedError

@@ -34,6 +34,10 @@ class ModelConfig:
         layer_norm_epsilon: epsilon of every LayerNorm.
         initializer_range: stddev of the truncated-normal initializer.
         pad_token_id: id of `[PAD]`.
+        norm_first: pre-LayerNorm blocks (Xiong et al., 2020): LayerNorm before attention and before the
+            feed-forward layer, residuals left unnormalized, one final LayerNorm after the last block.
+            They train with larger learning rates and short warmups where post-LN stalls. `False`
+            (BERT's post-LayerNorm) is what existing checkpoints use and what `export_transformers` writes.
 
     Example:
         >>> cfg = ModelConfig.preset("bert-mini", vocab_size=8000)
@@ -57,6 +61,7 @@ class ModelConfig:
     layer_norm_epsilon: float = 1e-12
     initializer_range: float = 0.02
     pad_token_id: int = 0
+    norm_first: bool = False
 
     def __post_init__(self):
         self.validate()
@@ -90,6 +95,8 @@ class ModelConfig:
         for name in ("dropout", "attention_dropout"):
             value = getattr(self, name)
             need(0.0 <= value < 1.0, f"`{name}` must be in [0, 1). Received: {name}={value!r}")
+        need(isinstance(self.norm_first, bool),
+             f"`norm_first` must be True or False. Received: norm_first={self.norm_first!r}")
         need(0 <= self.pad_token_id < self.vocab_size,
              f"`pad_token_id` must be a valid token id (< vocab_size={self.vocab_size}). "
              f"Received: pad_token_id={self.pad_token_id}")
@@ -112,7 +119,8 @@ class ModelConfig:
             emb += e * h + h
         block = 4 * (h * h + h) + (h * i + i) + (i * h + h) + 4 * h
         blocks = self.num_groups if self.architecture == "albert" else self.num_layers
-        return emb + blocks * block + (h * h + h)
+        final_norm = 2 * h if self.norm_first else 0
+        return emb + blocks * block + final_norm + (h * h + h)
 
     # ------------------------------------------------------------- (de)serialize
     def to_dict(self) -> Dict[str, Any]:

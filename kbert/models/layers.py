@@ -133,7 +133,7 @@ class Embeddings(keras.layers.Layer):
 
 
 class TransformerBlock(keras.layers.Layer):
-    """Post-LayerNorm transformer encoder block as in BERT.
+    """Transformer encoder block: post-LayerNorm as in BERT, or pre-LayerNorm with `config.norm_first`.
 
     Query, key and value are one fused [h, 3h] projection: one large matmul runs faster than three
     small ones on every backend, and it converts losslessly from separate q/k/v weights.
@@ -168,6 +168,13 @@ class TransformerBlock(keras.layers.Layer):
         self.output_norm.build(lead + (h,))
 
     def call(self, x, padding_mask, training=None):
+        if self.config.norm_first:  # x + attn(LN(x)), then x + ffn(LN(x))
+            x = x + self._attention(self.attention_norm(x), padding_mask, training)
+            return x + self._feed_forward(self.output_norm(x), training)
+        x = self.attention_norm(x + self._attention(x, padding_mask, training))
+        return self.output_norm(x + self._feed_forward(x, training))
+
+    def _attention(self, x, padding_mask, training):
         cfg = self.config
         b, s = ops.shape(x)[0], ops.shape(x)[1]
         n, d = cfg.num_heads, cfg.head_size
@@ -178,11 +185,10 @@ class TransformerBlock(keras.layers.Layer):
         probs = ops.softmax(ops.cast(scores, "float32") + attention_bias(padding_mask), axis=-1)
         probs = self.attention_dropout(ops.cast(probs, x.dtype), training=training)
         context = ops.reshape(ops.einsum("bnqk,bknd->bqnd", probs, v), (b, s, n * d))  # [b, s, h]
-        attn = self.hidden_dropout(self.attention_output(context), training=training)
-        x = self.attention_norm(x + attn)
-        ffn = self.output_dense(self.act(self.intermediate(x)))
-        ffn = self.hidden_dropout(ffn, training=training)
-        return self.output_norm(x + ffn)
+        return self.hidden_dropout(self.attention_output(context), training=training)
+
+    def _feed_forward(self, x, training):
+        return self.hidden_dropout(self.output_dense(self.act(self.intermediate(x))), training=training)
 
 
 class Pooler(keras.layers.Layer):
