@@ -251,7 +251,7 @@ def main():
     print("\n| measure | kbert | reference |")
     print("|---|---:|---:|")
     print(f"| pretraining: steps x batch 32 x seq 64 (MLM only), tokens/s | {pre['steps']} steps in {pre.get('minutes', '?')} min, "
-          f"{pre['tokens_per_second']:,} tok/s, MLM accuracy {pre['final_mlm_accuracy']:.3f} | budget {args.minutes:g} min |")
+          f"{pre['tokens_per_second']:,} tok/s, MLM accuracy {pre['final_mlm_accuracy']:.3f} (mean of the last 100 steps) | budget {args.minutes:g} min |")
     print(f"| sentiment dev accuracy, pretrained | {runs['pretrained']['best']:.4f} | TF-IDF char 1-3 + LR "
           f"{baseline['accuracy']:.4f} |")
     print(f"| sentiment dev accuracy, random init | {runs['random-init']['best']:.4f} | gain from pretraining "

@@ -148,8 +148,12 @@ def _pretrain(args):
     config = PretrainConfig.load(args.config, overrides)
     summary = pretrain(config, resume=not args.no_resume)
     state = "finished" if summary["finished"] else f"stopped at step {summary['step']} ({summary['stopped_by']})"
-    print(f"{state}: loss {summary['loss']:.4f}, MLM accuracy {summary['mlm_accuracy']:.3f}, "
-          f"{summary['tokens_per_second']:,.0f} tokens/s on {summary['replicas']} replica(s), {summary['precision']}")
+    if summary["history"]:
+        print(f"{state}: last {min(len(summary['history']), 100)} steps' mean loss {summary['loss']:.4f}, MLM accuracy "
+              f"{summary['mlm_accuracy']:.3f}; {summary['tokens_per_second']:,.0f} tokens/s on {summary['replicas']} "
+              f"replica(s), {summary['precision']}")
+    else:
+        print(f"{state}: nothing left to train at step {summary['step']} (delete the output dir to start over)")
     print(f"checkpoint: {summary['checkpoint']}")
     if summary.get("model_dir"):
         print(f"model: {summary['model_dir']}")

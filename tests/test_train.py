@@ -47,6 +47,9 @@ def test_tiny_model_learns_and_writes_a_loadable_model(tok_dir, tmp_path):
     start, end = np.mean(history[:5]), np.mean(history[-10:])
     # MLM + NSP loss: ~8.0 at the start (log 1500 + log 2), ~6.8 after 300 steps of this 64-wide model
     assert end < start - 1.0, (start, end)
+    # the summary reports the last 100 steps' means, not one batch's values
+    np.testing.assert_allclose(summary["loss"], np.mean(history[-100:]), rtol=1e-6)
+    assert 0.0 < summary["mlm_accuracy"] < 1.0
     model = kbert.load_model(summary["model_dir"])
     assert model.config.hidden_size == 64
     assert os.path.isfile(os.path.join(summary["model_dir"], "tokenizer", "tokenizer.json"))
@@ -381,3 +384,16 @@ def test_probe_on_the_jax_backend_reports_compiled_bytes_per_batch():
     assert sorted(fitted) == [4, 8, 12, 13]
     peaks = [fitted[b] for b in sorted(fitted)]  # XLA's own count for each batch: grows with the batch
     assert all(isinstance(p, int) and p > 0 for p in peaks) and peaks == sorted(peaks) and peaks[0] < peaks[-1]
+
+
+def test_cli_pretrain_reports_means_and_a_finished_run(tok_dir, tmp_path, capsys):
+    import json
+
+    from kbert.cli import main
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(_config(tok_dir, str(tmp_path / "run"), 4)), encoding="utf-8")
+    assert main(["pretrain", "--config", str(path)]) == 0
+    assert "finished: last 4 steps' mean loss" in capsys.readouterr().out
+    assert main(["pretrain", "--config", str(path)]) == 0  # already finished: says so, no traceback
+    assert "nothing left to train at step 4" in capsys.readouterr().out

@@ -12,11 +12,12 @@ model directory (`kbert.load_model` / `kbert.Embedder.load` read it) with the to
 
 from __future__ import annotations
 
+import collections
 import math
 import os
 import signal
 import time
-from typing import Optional, Union
+from typing import Dict, Optional, Union
 
 from kbert.train.config import PretrainConfig
 
@@ -66,9 +67,23 @@ def _validate(config: PretrainConfig):
             raise ValueError(f"`trainer.{key}` must be a positive integer. Received: {value!r}")
 
 
+_RECENT_STEPS = 100  # the summary and the progress bar average the metrics of this many last steps
+
+
+def _mean_metrics(recent) -> Dict[str, float]:
+    """Mean of each metric over a sequence of per-step metric dicts ({} when empty)."""
+    if not recent:
+        return {}
+    return {k: sum(m[k] for m in recent) / len(recent) for k in recent[-1]}
+
+
 def pretrain(config: Union[PretrainConfig, dict, str], overrides=None, resume: bool = True, progress: bool = True,
              stop_after: Optional[int] = None):
     """Pretrains a BERT/ALBERT and returns a summary dict (steps, final loss, model dir, ...).
+
+    The summary's `loss` and `mlm_accuracy` (and the progress bar's) are means over the last (up to)
+    100 steps of this call: one batch's MLM accuracy swings by several points. `history` holds every
+    step's loss.
 
     Args:
         config: a `PretrainConfig`, a dict, or a YAML/JSON path (with `overrides`, "key.sub=value" strings).
@@ -204,7 +219,7 @@ def pretrain(config: Union[PretrainConfig, dict, str], overrides=None, resume: b
     tokens_per_step = t.batch_size * d.max_seq_len
     bar = progress_bar(total=t.steps, desc="pretrain", unit="step", enabled=progress)
     bar.update(start)
-    history, last = [], {}
+    history, recent = [], collections.deque(maxlen=_RECENT_STEPS)
     t0, s0 = time.perf_counter(), start
     end = t.steps if stop_after is None else min(t.steps, start + stop_after)
     oom = None
@@ -223,11 +238,12 @@ def pretrain(config: Union[PretrainConfig, dict, str], overrides=None, resume: b
                                        f"The last good checkpoint is intact: {good}. Lower optimizer.learning_rate, "
                                        f"raise warmup_steps or use float32/bfloat16")
             history.append(metrics["loss"])
-            last = metrics
+            recent.append(metrics)
             if current % t.log_every == 0 or current == end:
                 elapsed = max(time.perf_counter() - t0, 1e-9)
                 tps = (current - s0) * tokens_per_step / elapsed
-                bar.set_postfix(loss=f"{metrics['loss']:.3f}", mlm_acc=f"{metrics.get('mlm_accuracy', 0):.3f}",
+                smooth = _mean_metrics(recent)
+                bar.set_postfix(loss=f"{smooth['loss']:.3f}", mlm_acc=f"{smooth.get('mlm_accuracy', 0):.3f}",
                                 tok_s=f"{tps:,.0f}")
                 with writer.as_default(step=current):
                     for k, v in metrics.items():
@@ -250,8 +266,9 @@ def pretrain(config: Union[PretrainConfig, dict, str], overrides=None, resume: b
     if not manager.latest_checkpoint or not manager.latest_checkpoint.endswith(f"-{current}"):
         manager.save(checkpoint_number=current)  # at exit: a signal, stop_after, or the last step
     writer.flush()
+    smooth = _mean_metrics(recent)
     summary = {"step": current, "finished": current >= t.steps, "stopped_by": stop["signal"],
-               "loss": last.get("loss"), "mlm_accuracy": last.get("mlm_accuracy"), "history": history,
+               "loss": smooth.get("loss"), "mlm_accuracy": smooth.get("mlm_accuracy"), "history": history,
                "checkpoint": manager.latest_checkpoint, "replicas": replicas, "precision": precision,
                "global_batch": t.batch_size, "accumulation": t.accumulation}
     if current >= t.steps:  # 6. the final model dir
