@@ -149,7 +149,7 @@ def _pretrain(args):
     summary = pretrain(config, resume=not args.no_resume)
     state = "finished" if summary["finished"] else f"stopped at step {summary['step']} ({summary['stopped_by']})"
     if summary["history"]:
-        print(f"{state}: last {min(len(summary['history']), 100)} steps' mean loss {summary['loss']:.4f}, MLM accuracy "
+        print(f"{state}: last {summary['mean_of_steps']} steps' mean loss {summary['loss']:.4f}, MLM accuracy "
               f"{summary['mlm_accuracy']:.3f}; {summary['tokens_per_second']:,.0f} tokens/s on {summary['replicas']} "
               f"replica(s), {summary['precision']}")
     else:

@@ -67,11 +67,15 @@ def config_from_hf(hf: dict, source: str = "config.json") -> ModelConfig:
     return ModelConfig(**fields)
 
 
-def config_to_hf(config: ModelConfig, with_heads: bool) -> dict:
+def _check_exportable(config: ModelConfig) -> None:
     if config.norm_first:
         raise ValueError("This model has pre-LayerNorm blocks (`norm_first=True`); transformers' BERT and "
                          "ALBERT are post-LayerNorm, so it cannot be written in their format. Save it with "
                          "`kbert.save_model` instead.")
+
+
+def config_to_hf(config: ModelConfig, with_heads: bool) -> dict:
+    _check_exportable(config)
     arch = config.architecture
     out = {
         "model_type": arch,
@@ -362,7 +366,7 @@ def export_transformers(model, directory: str, tokenizer=None) -> str:
         config, pair, heads = model.config, None, False
     else:
         raise TypeError(f"export_transformers expects a kbert backbone or Pretrainer. Received: {type(model).__name__}")
-    config_to_hf(config, with_heads=False)  # raises for configs transformers cannot represent
+    _check_exportable(config)  # before any tensor is converted
     if heads and pair != ("nsp" if config.architecture == "bert" else "sop"):
         heads = False  # transformers' pretraining classes need the matching pair head; export the encoder
     import keras

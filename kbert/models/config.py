@@ -36,7 +36,7 @@ class ModelConfig:
         pad_token_id: id of `[PAD]`.
         norm_first: pre-LayerNorm blocks (Xiong et al., 2020): LayerNorm before attention and before the
             feed-forward layer, residuals left unnormalized, one final LayerNorm after the last block.
-            They train with larger learning rates and short warmups where post-LN stalls. `False`
+            Deep stacks of them tolerate larger learning rates and shorter warm-ups than post-LN. `False`
             (BERT's post-LayerNorm) is what existing checkpoints use and what `export_transformers` writes.
 
     Example:

@@ -81,9 +81,9 @@ def pretrain(config: Union[PretrainConfig, dict, str], overrides=None, resume: b
              stop_after: Optional[int] = None):
     """Pretrains a BERT/ALBERT and returns a summary dict (steps, final loss, model dir, ...).
 
-    The summary's `loss` and `mlm_accuracy` (and the progress bar's) are means over the last (up to)
-    100 steps of this call: one batch's MLM accuracy swings by several points. `history` holds every
-    step's loss.
+    The summary's `loss` and `mlm_accuracy` (and the progress bar's) are means over the last
+    `mean_of_steps` (up to 100) steps of this call: one batch's MLM accuracy swings by several points.
+    `history` holds every step's loss.
 
     Args:
         config: a `PretrainConfig`, a dict, or a YAML/JSON path (with `overrides`, "key.sub=value" strings).
@@ -268,7 +268,8 @@ def pretrain(config: Union[PretrainConfig, dict, str], overrides=None, resume: b
     writer.flush()
     smooth = _mean_metrics(recent)
     summary = {"step": current, "finished": current >= t.steps, "stopped_by": stop["signal"],
-               "loss": smooth.get("loss"), "mlm_accuracy": smooth.get("mlm_accuracy"), "history": history,
+               "loss": smooth.get("loss"), "mlm_accuracy": smooth.get("mlm_accuracy"), "mean_of_steps": len(recent),
+               "history": history,
                "checkpoint": manager.latest_checkpoint, "replicas": replicas, "precision": precision,
                "global_batch": t.batch_size, "accumulation": t.accumulation}
     if current >= t.steps:  # 6. the final model dir
