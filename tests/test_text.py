@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import kbert
-from helpers import KOREAN_SENTENCES
+from helpers import KOREAN_SENTENCES, SHARED, needs_shared
 
 import konlpy
 
@@ -217,6 +217,41 @@ def test_python_and_tf_data_ids_identical(tokenizers, key):
                for row in b.to_list()]
     assert unbatched == expect and batched == expect
     assert [e.ids for e in tok.encode_batch(VARIED)] == expect
+
+
+def _fast_bert_ids(tok, texts):
+    ids = tok._fast_bert().tokenize(texts)
+    return (ids.merge_dims(1, 2) if ids.ragged_rank > 1 else ids).to_list()
+
+
+def test_python_wordpiece_splits_every_code_point_like_tensorflow_text():
+    """The pure-Python WordPiece (the pipeline's `ids_batch`) classifies all 1.1M code points (word
+    character, separator, or a word of its own) exactly as tensorflow-text's FastBertTokenizer."""
+    from kbert.text.wordpiece import WordPieceIds
+
+    tok = kbert.Tokenizer("wordpiece", ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "a", "##a"])
+    texts = ["a" + chr(c) + "a" for c in range(0x110000) if not 0xD800 <= c <= 0xDFFF]
+    expect = _fast_bert_ids(tok, texts)
+    got = WordPieceIds(tok.vocab, tok.unk_id).ids_batch(texts)
+    wrong = [hex(ord(t[1])) for t, a, b in zip(texts, got, expect) if a != b]
+    assert not wrong, f"{len(wrong)} code points split differently, first ones: {wrong[:20]}"
+    assert {tuple(r) for r in expect} == {(5, 5), (5, 1, 5), (1,), (5, 6, 6)}  # all three classes occur
+
+
+@needs_shared
+def test_python_wordpiece_ids_match_tensorflow_text_on_reviews(tokenizers):
+    """`ids_batch` (pure Python, no TensorFlow) == FastBertTokenizer on 20K real reviews and edge cases."""
+    import gzip
+
+    tok = tokenizers[("wordpiece", None)]
+    with gzip.open(os.path.join(SHARED, "movie-reviews", "reviews.tsv.gz"), "rt", encoding="utf-8") as f:
+        next(f)
+        reviews = [line.rstrip("\n").split("\t")[-1] for _, line in zip(range(20000), f)]
+    edge = ["가" * 134, "ab" * 201, "가" * 133, "ab" * 200, "😀👍🏻 좋아요!!", "x\u200by\ufeffz",
+            "漢字混用 文章입니다", "##가 [UNK] [MASK]", "", " ", "1,000원.. 10.5%"]
+    texts = [kbert.normalize(t) for t in reviews + edge + VARIED]
+    assert tok.ids_batch(texts, normalized=True) == _fast_bert_ids(tok, texts)
+    assert tok.ids_batch(edge[:2]) == [[tok.unk_id], [tok.unk_id]]  # over 400 UTF-8 bytes: one [UNK]
 
 
 def test_no_unk_for_hangul_seen_in_training(tokenizers):

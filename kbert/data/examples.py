@@ -61,7 +61,8 @@ class ExampleBuilder:
 
 def _init_worker(builder):
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    # one thread per worker (WordPiece tokenizes through TensorFlow here): the workers are the parallelism
+    # one thread per worker if TensorFlow is used here (`kbert data prepare` writes TFRecords): the workers
+    # are the parallelism. Tokenizing needs no TensorFlow (SentencePiece, or kbert's Python WordPiece).
     os.environ.setdefault("TF_NUM_INTRAOP_THREADS", "1")
     os.environ.setdefault("TF_NUM_INTEROP_THREADS", "1")
     _STATE["builder"] = builder

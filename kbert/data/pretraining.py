@@ -90,9 +90,17 @@ def pretraining_dataset(source, tokenizer, objective: str = "mlm+nsp", max_seq_l
         check_objective(objective)
         corpus = source if isinstance(source, Corpus) else Corpus(source)
         builder = ExampleBuilder(corpus, tokenizer, objective, max_seq_len, short_seq_prob)
-        _check_yields_examples(builder, seed, docs_per_block)
+        workers = resolve_workers(workers)
+        # one pool for every epoch, started first: the workers spawn while this process checks the source
+        pool = start_pool(builder, workers) if workers else None
+        try:
+            _check_yields_examples(builder, seed, docs_per_block)
+        except BaseException:
+            if pool is not None:
+                pool.terminate()
+            raise
         examples = _raw_examples(builder, seed, workers, docs_per_block, num_pipelines, pipeline_id,
-                                 report, max_seq_len, repeat)
+                                 report, max_seq_len, repeat, pool)
         repeat = False
 
     if max_predictions is None:
@@ -152,11 +160,9 @@ def _check_yields_examples(builder: ExampleBuilder, seed: int, docs_per_block: i
                      f"(NSP/SOP need documents with at least two tokens): {report}")
 
 
-def _raw_examples(builder, seed, workers, docs_per_block, num_pipelines, pipeline_id, report, max_seq_len, repeat):
+def _raw_examples(builder, seed, workers, docs_per_block, num_pipelines, pipeline_id, report, max_seq_len, repeat,
+                 pool):
     import tensorflow as tf
-
-    workers = resolve_workers(workers)
-    pool = start_pool(builder, workers) if workers else None  # one pool for every epoch, warming up already
 
     def generate(epoch):
         for _, block in example_blocks(builder, seed, int(epoch), workers, docs_per_block, report,

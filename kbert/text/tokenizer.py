@@ -4,7 +4,9 @@ Two kinds of vocabulary, each with a Python path and an in-graph path that give 
 - SentencePiece (unigram or BPE): `sentencepiece` in Python, tensorflow-text `SentencepieceTokenizer`
   in the graph, the same model proto in both.
 - WordPiece (`vocab.txt`, as KLUE-BERT and KcBERT ship): tensorflow-text `FastBertTokenizer` (BERT's
-  punctuation splitting + greedy longest-match WordPiece), run eagerly for Python calls.
+  punctuation splitting + greedy longest-match WordPiece), run eagerly for Python calls that need offsets;
+  `ids_batch` (the pretraining pipeline's path) gives the same ids in pure Python (`kbert.text.wordpiece`),
+  so worker processes never import TensorFlow.
 
 Text is normalized first with `kbert.normalize` (NFC, never NFD). A morpheme-aware tokenizer
 (`morphemes="mecab"`, ...) splits every eojeol into morphemes before the subword model. With SentencePiece
@@ -26,6 +28,7 @@ from typing import Iterable, List, NamedTuple, Optional, Sequence, Union
 import numpy as np
 
 from kbert.text.normalize import normalize, tf_normalize
+from kbert.text.wordpiece import WordPieceIds
 
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 ALGORITHMS = ("unigram", "bpe", "wordpiece")
@@ -33,6 +36,7 @@ JOINER = "\ue000"  # marks a morpheme that continues an eojeol (no space before 
 CONFIG_FILE = "tokenizer.json"
 SPM_FILE = "spm.model"
 VOCAB_FILE = "vocab.txt"
+_MAX_BYTES_PER_WORD = 400  # longer words are one [UNK] (tensorflow-text's and kbert's Python WordPiece)
 
 
 class Encoding(NamedTuple):
@@ -90,6 +94,7 @@ class Tokenizer:
                                  f"{{'{role}': ...}} with the token it uses")
             self.special_ids[role] = self._index[token]
         self._graph = None
+        self._wordpiece_ids = None
 
     # ------------------------------------------------------------------ properties
     @property
@@ -104,7 +109,7 @@ class Tokenizer:
 
     def __getstate__(self):  # picklable for worker processes: native handles are rebuilt there
         state = dict(self.__dict__)
-        state.update(_sp=None, _graph=None, _analyzer=None)
+        state.update(_sp=None, _graph=None, _analyzer=None, _wordpiece_ids=None)
         return state
 
     def __setstate__(self, state):
@@ -321,8 +326,9 @@ class Tokenizer:
             return []
         if self.kind == "sentencepiece":
             return self._sp.encode(list(texts))
-        ids = self._fast_bert().tokenize(list(texts))
-        return (ids.merge_dims(1, 2) if ids.ragged_rank > 1 else ids).to_list()
+        if self._wordpiece_ids is None:  # pure Python, same ids as tensorflow-text: no TensorFlow in workers
+            self._wordpiece_ids = WordPieceIds(self.vocab, self.unk_id, _MAX_BYTES_PER_WORD)
+        return self._wordpiece_ids.ids_batch(texts)
 
     def word_start_table(self) -> np.ndarray:
         """bool [vocab_size]: True where a token begins a word and for special tokens; False for
@@ -378,7 +384,8 @@ class Tokenizer:
 
             with tf.init_scope():  # built eagerly even when first used inside ds.map
                 self._graph = tf_text.FastBertTokenizer(
-                vocab=self.vocab, suffix_indicator="##", max_bytes_per_word=400, token_out_type=tf.int32,
+                vocab=self.vocab, suffix_indicator="##", max_bytes_per_word=_MAX_BYTES_PER_WORD,
+                token_out_type=tf.int32,
                 unknown_token=self.vocab[self.unk_id], no_pretokenization=False,
                 support_detokenization=True, lower_case_nfd_strip_accents=False)
         return self._graph
