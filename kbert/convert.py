@@ -1,4 +1,9 @@
-"""Checkpoints in and out: kbert model dirs, Hugging Face BERT/ALBERT dirs, Google TF1 checkpoints.
+"""Checkpoints in and out: kbert model dirs, Hugging Face BERT/ALBERT/ELECTRA dirs, Google TF1 checkpoints.
+
+An ELECTRA discriminator (KoELECTRA) is a BERT encoder whose embeddings may be narrower than the hidden
+size (`embeddings_project`, kbert's `embeddings/projection`) and that has no pooler: it loads as a kbert
+BERT backbone with `embedding_size` set and a freshly initialized pooler (fine-tuning trains it, as
+ELECTRA's own classification head is trained; `pooled_output` means nothing before that).
 
 Foreign weight names are translated here and nowhere else. Every format is first read into a dict of
 Hugging Face style names (`encoder.layer.0.attention.self.query.weight`, torch [out, in] layout), then
@@ -31,8 +36,9 @@ def config_from_hf(hf: dict, source: str = "config.json") -> ModelConfig:
     model_type = hf.get("model_type")
     if model_type is None:  # Google's JSON has no model_type; ALBERT's has embedding_size.
         model_type = "albert" if "embedding_size" in hf else "bert"
-    if model_type not in ("bert", "albert"):
-        raise ValueError(f"{source}: model_type {model_type!r} is not supported; kbert loads 'bert' and 'albert'")
+    if model_type not in ("bert", "albert", "electra"):
+        raise ValueError(f"{source}: model_type {model_type!r} is not supported; kbert loads 'bert', 'albert' "
+                         "and 'electra' (the discriminator)")
     act = hf.get("hidden_act", "gelu")
     if act not in _HF_ACT:
         raise ValueError(f"{source}: hidden_act {act!r} is not supported. Supported: {sorted(_HF_ACT)}")
@@ -46,7 +52,7 @@ def config_from_hf(hf: dict, source: str = "config.json") -> ModelConfig:
     if missing:
         raise ValueError(f"{source}: config is missing required key(s) {missing}")
     fields = dict(
-        architecture=model_type,
+        architecture="albert" if model_type == "albert" else "bert",
         vocab_size=hf["vocab_size"],
         hidden_size=hf["hidden_size"],
         num_layers=hf["num_hidden_layers"],
@@ -64,10 +70,16 @@ def config_from_hf(hf: dict, source: str = "config.json") -> ModelConfig:
     if model_type == "albert":
         fields["embedding_size"] = hf.get("embedding_size", 128)
         fields["num_groups"] = hf.get("num_hidden_groups", 1)
+    if model_type == "electra" and hf.get("embedding_size", hf["hidden_size"]) != hf["hidden_size"]:
+        fields["embedding_size"] = hf["embedding_size"]
     return ModelConfig(**fields)
 
 
 def _check_exportable(config: ModelConfig) -> None:
+    if config.architecture == "bert" and config.embedding_dim != config.hidden_size:
+        raise ValueError(f"This BERT model has embedding_size={config.embedding_dim} != hidden_size="
+                         f"{config.hidden_size} (an ELECTRA-style projection); transformers' BERT has no such "
+                         "projection, so it cannot be written in its format. Save it with `kbert.save_model`.")
     if config.norm_first:
         raise ValueError("This model has pre-LayerNorm blocks (`norm_first=True`); transformers' BERT and "
                          "ALBERT are post-LayerNorm, so it cannot be written in their format. Save it with "
@@ -136,6 +148,8 @@ def _pairs(config: ModelConfig):
         dense("encoder.embedding_hidden_mapping_in", "embeddings/projection")
         dense("pooler", "pooler/dense")
     else:
+        if config.embedding_dim != config.hidden_size:
+            dense("embeddings_project", "embeddings/projection")  # ELECTRA
         dense("pooler.dense", "pooler/dense")
     blocks, sub = _hf_layout(config)
     for hf_prefix, name in blocks:
@@ -199,7 +213,7 @@ def _normalize_hf_names(tensors: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]
     """Strips the base-model prefix and maps legacy LayerNorm gamma/beta names."""
     out = {}
     for name, value in tensors.items():
-        for prefix in ("bert.", "albert."):
+        for prefix in ("bert.", "albert.", "electra."):
             if name.startswith(prefix):
                 name = name[len(prefix):]
         name = re.sub(r"LayerNorm\.gamma$", "LayerNorm.weight", name)
@@ -217,8 +231,10 @@ def _read_json(path: str) -> dict:
             raise ValueError(f"{path} is not valid JSON: {e}") from None
 
 
-def _read_hf_dir(directory: str) -> Tuple[ModelConfig, Dict[str, np.ndarray]]:
-    config = config_from_hf(_read_json(os.path.join(directory, "config.json")), source=directory)
+def _read_hf_dir(directory: str) -> Tuple[ModelConfig, Dict[str, np.ndarray], bool]:
+    """(config, tensors, whether it is an ELECTRA discriminator)."""
+    hf_config = _read_json(os.path.join(directory, "config.json"))
+    config = config_from_hf(hf_config, source=directory)
     st = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
     bins = sorted(glob.glob(os.path.join(directory, "pytorch_model*.bin")))
     tensors = {}
@@ -237,11 +253,11 @@ def _read_hf_dir(directory: str) -> Tuple[ModelConfig, Dict[str, np.ndarray]]:
     else:
         raise FileNotFoundError(f"{directory} has config.json but no weight file "
                                 "(model.safetensors or pytorch_model.bin)")
-    return config, _normalize_hf_names(tensors)
+    return config, _normalize_hf_names(tensors), hf_config.get("model_type") == "electra"
 
 
 _TF1_BERT_RULES = [
-    (r"^bert/", ""),
+    (r"^(bert|electra)/", ""),
     (r"^embeddings/word_embeddings$", "embeddings.word_embeddings.weight"),
     (r"^embeddings/position_embeddings$", "embeddings.position_embeddings.weight"),
     (r"^embeddings/token_type_embeddings$", "embeddings.token_type_embeddings.weight"),
@@ -263,6 +279,8 @@ def _tf1_name(name: str, architecture: str) -> Optional[str]:
     """Google TF1 variable name -> Hugging Face style name (None for optimizer slots and counters)."""
     if name.endswith(("adam_m", "adam_v")) or "global_step" in name or name.startswith("cls/predictions/output_weights"):
         return None
+    if name.startswith(("generator", "discriminator_predictions")):  # ELECTRA's generator and RTD head
+        return None
     for pattern, repl in _TF1_BERT_RULES:
         name = re.sub(pattern, repl, name)
     if architecture == "albert":
@@ -281,31 +299,36 @@ def _tf1_name(name: str, architecture: str) -> Optional[str]:
     return name
 
 
-def _read_tf1_dir(directory: str) -> Tuple[ModelConfig, Dict[str, np.ndarray]]:
+def _read_tf1_dir(directory: str) -> Tuple[ModelConfig, Dict[str, np.ndarray], bool]:
+    """(config, tensors, whether it is an ELECTRA discriminator: variables under `electra/`)."""
     config_path = next((os.path.join(directory, n) for n in ("bert_config.json", "albert_config.json", "config.json")
                         if os.path.isfile(os.path.join(directory, n))), None)
     if config_path is None:
         raise FileNotFoundError(f"{directory} has a TF1 checkpoint but no bert_config.json / albert_config.json")
     hf_config = _read_json(config_path)
-    if "albert" in os.path.basename(config_path):
-        hf_config.setdefault("model_type", "albert")
-    config = config_from_hf(hf_config, source=config_path)
-    architecture = config.architecture
     index = sorted(glob.glob(os.path.join(directory, "*.index")))
     if not index:
         raise FileNotFoundError(f"{directory} has {os.path.basename(config_path)} but no model.ckpt*.index")
     import tensorflow as tf  # only TF1 checkpoints need TensorFlow
 
     reader = tf.train.load_checkpoint(index[-1][: -len(".index")])
+    names = list(reader.get_variable_to_shape_map())
+    electra = any(n.startswith("electra/") for n in names)
+    if electra:
+        hf_config["model_type"] = "electra"  # google-research/electra names; its config may lack model_type
+    elif "albert" in os.path.basename(config_path):
+        hf_config.setdefault("model_type", "albert")
+    config = config_from_hf(hf_config, source=config_path)
+    architecture = config.architecture
     tensors = {}
-    for name in reader.get_variable_to_shape_map():
+    for name in names:
         hf_name = _tf1_name(name, architecture)
         if hf_name is None:
             continue
         value = reader.get_tensor(name).astype(np.float32)
         # TF1 dense kernels are [in, out]; the HF layout is [out, in].
         tensors[hf_name] = value.T if name.endswith("/kernel") else value
-    return config, tensors
+    return config, tensors, electra
 
 
 def detect_format(directory: str) -> str:
@@ -325,7 +348,10 @@ def detect_format(directory: str) -> str:
 # ------------------------------------------------------------------------------------ public API
 def load_model(directory: str, with_heads: bool = False, output_hidden_states: bool = False,
                dtype: Optional[str] = None):
-    """Loads a kbert model dir, a Hugging Face BERT/ALBERT dir or a Google TF1 checkpoint dir.
+    """Loads a kbert model dir, a Hugging Face BERT/ALBERT/ELECTRA dir or a Google TF1 checkpoint dir.
+
+    ELECTRA (KoELECTRA) loads its discriminator as a BERT backbone; its pooler, which ELECTRA does not
+    have, is freshly initialized (see the module docstring), and `with_heads` gives fresh MLM/NSP heads.
 
     Args:
         directory: the model directory.
@@ -342,15 +368,16 @@ def load_model(directory: str, with_heads: bool = False, output_hidden_states: b
     if fmt == "kbert":
         return load_kbert_dir(directory, with_heads=with_heads, output_hidden_states=output_hidden_states,
                               dtype=dtype)
-    config, tensors = _read_hf_dir(directory) if fmt == "hf" else _read_tf1_dir(directory)
+    config, tensors, electra = _read_hf_dir(directory) if fmt == "hf" else _read_tf1_dir(directory)
+    no_pooler = ("pooler/",) if electra else ()  # ELECTRA has none: the fresh one stays
     backbone = build_backbone(config, output_hidden_states=output_hidden_states, dtype=dtype)
     if not with_heads:
-        assign_weights(backbone, hf_to_kbert(tensors, config), directory)
+        assign_weights(backbone, hf_to_kbert(tensors, config), directory, allow_missing=no_pooler)
         return backbone
     pair = "sop" if config.architecture == "albert" else "nsp"
     model = build_pretrainer(Pretrainer(backbone, pair_objective=pair))
     mapped = hf_to_kbert(tensors, config, pair_objective=pair, heads=True)
-    assign_weights(model, mapped, directory, allow_missing=("pretrainer/",))
+    assign_weights(model, mapped, directory, allow_missing=("pretrainer/",) + no_pooler)
     return model
 
 

@@ -217,3 +217,93 @@ def test_norm_first_matches_transformers_prelayernorm():
     np.testing.assert_allclose(ours["hidden_states"][-1], ours["sequence_output"])
     with pytest.raises(ValueError, match="pre-LayerNorm"):
         kbert.export_transformers(model, "unused")
+
+
+# ------------------------------------------------------------------------------------ ELECTRA (KoELECTRA)
+def _tiny_electra(cls_name, seed=0, **overrides):
+    """A random transformers ELECTRA model (noised like `tiny_hf_pretraining_model`) in eval mode."""
+    common = dict(vocab_size=99, embedding_size=16, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
+                  intermediate_size=37, max_position_embeddings=64, type_vocab_size=2, hidden_dropout_prob=0.0,
+                  attention_probs_dropout_prob=0.0)
+    common.update(overrides)
+    torch.manual_seed(seed)
+    model = getattr(transformers, cls_name)(transformers.ElectraConfig(**common)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return model
+
+
+def _electra_hidden_states(model, batch):
+    base = model.electra if hasattr(model, "electra") else model
+    with torch.no_grad():
+        out = base(input_ids=torch.tensor(batch["token_ids"], dtype=torch.long),
+                   token_type_ids=torch.tensor(batch["segment_ids"], dtype=torch.long),
+                   attention_mask=torch.tensor(batch["padding_mask"], dtype=torch.long), output_hidden_states=True)
+    return [h.numpy() for h in out.hidden_states]
+
+
+def _assert_same_hidden(backbone, ref_hidden, batch):
+    ours = backbone({k: batch[k] for k in batch})["hidden_states"]
+    assert len(ours) == len(ref_hidden)
+    for i, (a, b) in enumerate(zip(ours, ref_hidden)):
+        assert max_abs_diff_valid(np.asarray(a), b, batch["padding_mask"]) <= TOL, f"hidden state {i} differs"
+
+
+@pytest.mark.parametrize("cls_name,overrides", [("ElectraModel", {}),  # embedding 16 -> hidden 32 projection
+                                                ("ElectraForPreTraining", {"embedding_size": 32})])
+def test_load_hf_electra_discriminator_matches_transformers(tmp_path, cls_name, overrides):
+    ref = _tiny_electra(cls_name, **overrides)
+    ref.save_pretrained(tmp_path / "hf")
+    backbone = kbert.load_model(str(tmp_path / "hf"), output_hidden_states=True)
+    expect_e = overrides.get("embedding_size", 16)
+    assert backbone.config.architecture == "bert" and backbone.config.embedding_dim == expect_e
+    batch = random_batch()
+    _assert_same_hidden(backbone, _electra_hidden_states(ref, batch), batch)
+    # the pooler ELECTRA lacks is fresh; fine-tuning and the Embedder (mean pooling) work on top
+    model = kbert.load_model(str(tmp_path / "hf"), with_heads=True)
+    assert np.asarray(model.backbone(batch)["pooled_output"]).shape == (4, 32)
+    if expect_e != 32:
+        with pytest.raises(ValueError, match="embedding_size=16 != hidden_size=32"):
+            kbert.export_transformers(backbone, str(tmp_path / "out"))
+
+
+def test_load_google_tf1_electra_checkpoint(tmp_path):
+    """google-research/electra variable names (`electra/...`, generator and RTD head left out), as KoELECTRA's
+    TF1 checkpoints ship them, written independently of kbert's reader."""
+    import json
+
+    import tensorflow as tf
+
+    ref = _tiny_electra("ElectraForPreTraining")
+    names = {}
+    for k, v in ref.state_dict().items():
+        v = v.numpy()
+        if "position_ids" in k:
+            continue
+        n = k.replace("encoder.layer.", "encoder/layer_").replace(".", "/")
+        if "LayerNorm" in n:
+            n = n.replace("/weight", "/gamma").replace("/bias", "/beta")
+        elif n.endswith("/weight") and "embeddings/" in n and "embeddings_project" not in n:
+            n = n[:-len("/weight")]
+        elif n.endswith("/weight"):
+            n, v = n[:-len("weight")] + "kernel", v.T
+        names[n] = v
+    names["generator/encoder/layer_0/attention/self/query/kernel"] = np.zeros((8, 8), "float32")
+    names["generator_predictions/output_bias"] = np.zeros((99,), "float32")
+    assert "electra/embeddings_project/kernel" in names and "discriminator_predictions/dense/kernel" in names
+    graph = tf.Graph()
+    with graph.as_default():
+        variables = [tf.compat.v1.Variable(v, name=n) for n, v in names.items()]
+        saver = tf.compat.v1.train.Saver(variables)
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            saver.save(sess, str(tmp_path / "model.ckpt"))
+    cfg = ref.config.to_dict()
+    with open(tmp_path / "config.json", "w") as f:  # no model_type: the variable names say ELECTRA
+        json.dump({k: cfg[k] for k in ("vocab_size", "embedding_size", "hidden_size", "num_hidden_layers",
+                                       "num_attention_heads", "intermediate_size", "hidden_act",
+                                       "max_position_embeddings", "type_vocab_size")}, f)
+    backbone = kbert.load_model(str(tmp_path), output_hidden_states=True)
+    batch = random_batch()
+    _assert_same_hidden(backbone, _electra_hidden_states(ref, batch), batch)
