@@ -17,6 +17,7 @@ _EXPORTS = {
     "BertBackbone": "kbert.models.backbone",
     "AlbertBackbone": "kbert.models.backbone",
     "Pretrainer": "kbert.models.backbone",
+    "ElectraPretrainer": "kbert.models.electra",
     "build_backbone": "kbert.models.backbone",
     "save_model": "kbert.models.io",
     "load_model": "kbert.convert",

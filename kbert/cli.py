@@ -149,9 +149,11 @@ def _pretrain(args):
     summary = pretrain(config, resume=not args.no_resume)
     state = "finished" if summary["finished"] else f"stopped at step {summary['step']} ({summary['stopped_by']})"
     if summary["history"]:
+        rtd = (f", replaced-token accuracy {summary['rtd_accuracy']:.3f} (generator's MLM accuracy above)"
+               if "rtd_accuracy" in summary else "")
         print(f"{state}: last {summary['mean_of_steps']} steps' mean loss {summary['loss']:.4f}, MLM accuracy "
-              f"{summary['mlm_accuracy']:.3f}; {summary['tokens_per_second']:,.0f} tokens/s on {summary['replicas']} "
-              f"replica(s), {summary['precision']}")
+              f"{summary['mlm_accuracy']:.3f}{rtd}; {summary['tokens_per_second']:,.0f} tokens/s on "
+              f"{summary['replicas']} replica(s), {summary['precision']}")
     else:
         print(f"{state}: nothing left to train at step {summary['step']} (delete the output dir to start over)")
     print(f"checkpoint: {summary['checkpoint']}")

@@ -349,3 +349,64 @@ def test_corrupt_weight_file_is_named(tmp_path):
     weights.write_bytes(weights.read_bytes()[:100])
     with pytest.raises(ValueError, match="kbert_weights.safetensors is not a readable safetensors file"):
         kbert.load_model(str(tmp_path / "m"))
+
+
+# ------------------------------------------------------------------------------------ ELECTRA
+def _electra_case():
+    cfg = kbert.ModelConfig.preset("bert-tiny", vocab_size=99, max_position=64)
+    model = kbert.ElectraPretrainer(kbert.BertBackbone(cfg), generator_size=0.25, seed=0)
+    batch = random_batch()  # lengths 9, 5, 12, 1
+    features = dict(batch, mask_positions=np.array([[1, 3, 0], [2, 4, 0], [5, 6, 7], [0, 0, 0]], "int32"))
+    labels = {"mask_ids": np.array([[11, 12, 0], [13, 14, 0], [15, 16, 17], [0, 0, 0]], "int32"),
+              "mask_weights": np.array([[1, 1, 0], [1, 1, 0], [1, 1, 1], [0, 0, 0]], "float32")}
+    return model, features, labels
+
+
+def test_electra_generator_is_a_quarter_of_the_discriminator():
+    from kbert.models.electra import generator_config
+
+    g = generator_config(kbert.ModelConfig.preset("bert-base", vocab_size=32000))
+    assert (g.hidden_size, g.num_heads, g.intermediate_size, g.num_layers) == (192, 3, 768, 12)
+    model, _, _ = _electra_case()
+    assert model.generator.config.hidden_size == 32 and model.backbone.config.hidden_size == 128
+    paths = [v.path for v in model.trainable_variables]
+    assert len(paths) == len(set(paths))  # optimizer slots are keyed by path
+    with pytest.raises(ValueError, match="generator_size"):
+        kbert.ElectraPretrainer(model.backbone, generator_size=0.0)
+
+
+def test_electra_corruption_replaces_only_real_masked_positions():
+    model, features, labels = _electra_case()
+    # a generator sure of token 40 everywhere, except that slot (2, 1) is sure of the original token 16
+    logits = np.full((4, 3, 99), -1e4, "float32")
+    logits[..., 40] = 1e4
+    logits[2, 1, 40], logits[2, 1, 16] = -1e4, 1e4
+    corrupted, replaced = (np.asarray(x) for x in model.corrupt(features, labels, logits))
+    expect = features["token_ids"].copy()
+    for b, row in enumerate(features["mask_positions"]):
+        for slot, pos in enumerate(row):
+            if labels["mask_weights"][b, slot]:
+                expect[b, pos] = 16 if (b, slot) == (2, 1) else 40
+    np.testing.assert_array_equal(corrupted, expect)  # padding slots (weight 0, position 0) leave [CLS] alone
+    want = np.zeros_like(replaced)
+    for b, pos in [(0, 1), (0, 3), (1, 2), (1, 4), (2, 5), (2, 7)]:  # (2, 6) got its original token back
+        want[b, pos] = 1.0
+    np.testing.assert_array_equal(replaced, want)
+
+
+def test_electra_losses_and_gradients():
+    import tensorflow as tf
+
+    model, features, labels = _electra_case()
+    with tf.GradientTape() as tape:
+        losses = model.compute_losses(features, labels, training=True)
+    for k in ("mlm_loss", "rtd_loss", "rtd_accuracy", "replaced_fraction", "mlm_accuracy"):
+        assert np.isfinite(float(losses[k])), k
+    np.testing.assert_allclose(float(losses["loss"]), float(losses["mlm_loss"]) + 50 * float(losses["rtd_loss"]),
+                               rtol=1e-5)
+    grads = dict(zip([v.path for v in model.trainable_variables],
+                     tape.gradient(losses["loss"], model.trainable_variables)))
+    # both networks learn; the discriminator's pooler is unused by the objective
+    assert grads["generator/layer_0/qkv/kernel"] is not None and grads["layer_0/qkv/kernel"] is not None
+    assert all(g is not None for p, g in grads.items() if "pooler" not in p), \
+        [p for p, g in grads.items() if g is None]

@@ -2,5 +2,6 @@
 
 from kbert.models.backbone import AlbertBackbone, BertBackbone, Pretrainer, build_backbone
 from kbert.models.config import ModelConfig
+from kbert.models.electra import ElectraPretrainer
 
-__all__ = ["AlbertBackbone", "BertBackbone", "ModelConfig", "Pretrainer", "build_backbone"]
+__all__ = ["AlbertBackbone", "BertBackbone", "ElectraPretrainer", "ModelConfig", "Pretrainer", "build_backbone"]

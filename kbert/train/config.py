@@ -4,6 +4,7 @@ Unknown keys fail with the key named; the resolved config is written next to the
 
     model: bert-tiny                # a preset name, or a full ModelConfig mapping
     data: {source: [kolaw, kobill], tokenizer: out/tokenizer, objective: mlm+nsp, max_seq_len: 128}
+                                    # objective: mlm | mlm+nsp (BERT) | mlm+sop (ALBERT) | electra
     optimizer: {name: adamw, learning_rate: 1e-4, warmup_steps: 100}
     trainer: {steps: 1000, batch_size: 32}
     runtime: {strategy: auto, precision: auto}
@@ -21,7 +22,7 @@ from typing import Any, List, Optional, Union
 class DataConfig:
     source: Any = None  # corpus (paths / recipe names), a records dir, or "dummy"
     tokenizer: Optional[str] = None  # tokenizer dir / vocab.txt / .model
-    objective: str = "mlm+nsp"
+    objective: str = "mlm+nsp"  # mlm | mlm+nsp | mlm+sop | electra (replaced-token detection, MLM data)
     max_seq_len: int = 128
     max_predictions: Optional[int] = None
     mask_rate: float = 0.15
@@ -60,6 +61,12 @@ class TrainerConfig:
 
 
 @dataclasses.dataclass
+class ElectraConfig:  # used with data.objective = "electra" (replaced-token detection)
+    generator_size: float = 0.25  # generator width / discriminator width
+    rtd_weight: float = 50.0  # loss = generator MLM loss + rtd_weight x replaced-token loss
+
+
+@dataclasses.dataclass
 class RuntimeConfig:
     strategy: str = "auto"  # auto | tpu | mirrored | multiworker | cpu
     tpu: Optional[str] = None
@@ -75,6 +82,7 @@ class PretrainConfig:
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
     runtime: RuntimeConfig = dataclasses.field(default_factory=RuntimeConfig)
+    electra: ElectraConfig = dataclasses.field(default_factory=ElectraConfig)
     output_dir: str = "kbert-pretrain"
 
     def to_dict(self) -> dict:

@@ -26,8 +26,16 @@ class TrainingDiverged(RuntimeError):
     """The loss became NaN or Inf."""
 
 
+OBJECTIVES = ("mlm", "mlm+nsp", "mlm+sop", "electra")
+
+
 def _objective_head(objective: str) -> Optional[str]:
-    return {"mlm": None, "mlm+nsp": "nsp", "mlm+sop": "sop"}[objective]
+    return {"mlm": None, "mlm+nsp": "nsp", "mlm+sop": "sop", "electra": None}[objective]
+
+
+def _data_objective(objective: str) -> str:
+    """ELECTRA trains on masked-LM examples (the generator fills the masks)."""
+    return "mlm" if objective == "electra" else objective
 
 
 def _model_config(config: PretrainConfig, tokenizer):
@@ -59,6 +67,12 @@ def _validate(config: PretrainConfig):
         raise ValueError("`data.source` is missing: a corpus (paths or names), a records dir, or 'dummy'")
     if d.tokenizer is None:
         raise ValueError("`data.tokenizer` is missing: a tokenizer dir (`kbert tokenizer train`), vocab.txt or .model")
+    if d.objective not in OBJECTIVES:
+        raise ValueError(f"`data.objective` must be one of {OBJECTIVES}. Received: {d.objective!r}")
+    e = config.electra
+    if not 0.0 < e.generator_size <= 1.0 or not e.rtd_weight > 0:
+        raise ValueError(f"`electra.generator_size` must be in (0, 1] and `electra.rtd_weight` positive. "
+                         f"Received: generator_size={e.generator_size!r}, rtd_weight={e.rtd_weight!r}")
     if not isinstance(t.steps, int) or t.steps < 1:
         raise ValueError(f"`trainer.steps` must be a positive integer. Received: {t.steps!r}")
     for key in ("log_every", "checkpoint_every", "keep_checkpoints", "accumulation"):
@@ -97,6 +111,7 @@ def pretrain(config: Union[PretrainConfig, dict, str], overrides=None, resume: b
     from kbert.data.masking import default_max_predictions
     from kbert.data.pretraining import pretraining_dataset
     from kbert.models.backbone import Pretrainer, build_backbone
+    from kbert.models.electra import ElectraPretrainer
     from kbert.models.io import save_model
     from kbert.text.tokenizer import Tokenizer
     from kbert.train.optimizers import make_optimizer, sync_iterations
@@ -141,7 +156,11 @@ def pretrain(config: Union[PretrainConfig, dict, str], overrides=None, resume: b
     try:
         with strategy.scope():
             backbone = build_backbone(model_config)
-            model = Pretrainer(backbone, pair_objective=_objective_head(d.objective))
+            if d.objective == "electra":
+                model = ElectraPretrainer(backbone, generator_size=config.electra.generator_size,
+                                          rtd_weight=config.electra.rtd_weight, seed=rt.seed)
+            else:
+                model = Pretrainer(backbone, pair_objective=_objective_head(d.objective))
             optimizer = make_optimizer(config.optimizer, t.steps, t.accumulation, precision)
             model(_dummy_features(d.max_seq_len, d.max_predictions or default_max_predictions(d.max_seq_len,
                                                                                               d.mask_rate)))
@@ -159,7 +178,9 @@ def pretrain(config: Union[PretrainConfig, dict, str], overrides=None, resume: b
     slots = {_slot_key(v.path): v.value for v in kept}
     if len(slots) != len(kept):
         raise AssertionError("optimizer variables do not have unique names; please report this")
-    checkpoint = tf.train.Checkpoint(model=model, optimizer=slots, step=step)
+    # ELECTRA's sampling noise state: a Keras SeedGenerator is not tracked with the model's weights
+    extra = {"sampling_seed": model.seed_generator.state.value} if d.objective == "electra" else {}
+    checkpoint = tf.train.Checkpoint(model=model, optimizer=slots, step=step, **extra)
     manager = tf.train.CheckpointManager(checkpoint, ckpt_dir, max_to_keep=t.keep_checkpoints)
     if manager.latest_checkpoint:
         checkpoint.restore(manager.latest_checkpoint).assert_existing_objects_matched()
@@ -168,7 +189,8 @@ def pretrain(config: Union[PretrainConfig, dict, str], overrides=None, resume: b
 
     # 4. data, skipped forward to the restored step
     def dataset_fn(ctx):
-        return pretraining_dataset(d.source, tokenizer, objective=d.objective, max_seq_len=d.max_seq_len,
+        return pretraining_dataset(d.source, tokenizer, objective=_data_objective(d.objective),
+                                   max_seq_len=d.max_seq_len,
                                    batch_size=micro_batch, mask_rate=d.mask_rate, max_predictions=d.max_predictions,
                                    whole_word=d.whole_word, ngram=d.ngram, short_seq_prob=d.short_seq_prob,
                                    seed=rt.seed, shuffle_buffer=d.shuffle_buffer, start_batch=start * t.accumulation,
@@ -181,7 +203,7 @@ def pretrain(config: Union[PretrainConfig, dict, str], overrides=None, resume: b
     def replica_step(features, labels):
         with tf.GradientTape() as tape:
             outputs = model(features, training=True)
-            losses = model.compute_losses(features, labels, outputs)
+            losses = model.compute_losses(features, labels, outputs, training=True)
             loss = losses["loss"] / replicas
             scaled = optimizer.scale_loss(loss) if hasattr(optimizer, "scale_loss") else loss
         grads = tape.gradient(scaled, model.trainable_variables)
@@ -243,8 +265,10 @@ def pretrain(config: Union[PretrainConfig, dict, str], overrides=None, resume: b
                 elapsed = max(time.perf_counter() - t0, 1e-9)
                 tps = (current - s0) * tokens_per_step / elapsed
                 smooth = _mean_metrics(recent)
-                bar.set_postfix(loss=f"{smooth['loss']:.3f}", mlm_acc=f"{smooth.get('mlm_accuracy', 0):.3f}",
-                                tok_s=f"{tps:,.0f}")
+                shown = dict(loss=f"{smooth['loss']:.3f}", mlm_acc=f"{smooth.get('mlm_accuracy', 0):.3f}")
+                if "rtd_accuracy" in smooth:  # ELECTRA: the discriminator's accuracy over all tokens
+                    shown["rtd_acc"] = f"{smooth['rtd_accuracy']:.3f}"
+                bar.set_postfix(**shown, tok_s=f"{tps:,.0f}")
                 with writer.as_default(step=current):
                     for k, v in metrics.items():
                         tf.summary.scalar(k, v)
@@ -269,11 +293,14 @@ def pretrain(config: Union[PretrainConfig, dict, str], overrides=None, resume: b
     smooth = _mean_metrics(recent)
     summary = {"step": current, "finished": current >= t.steps, "stopped_by": stop["signal"],
                "loss": smooth.get("loss"), "mlm_accuracy": smooth.get("mlm_accuracy"), "mean_of_steps": len(recent),
+               **({"rtd_accuracy": smooth["rtd_accuracy"]} if "rtd_accuracy" in smooth else {}),
+               "metrics": smooth,
                "history": history,
                "checkpoint": manager.latest_checkpoint, "replicas": replicas, "precision": precision,
                "global_batch": t.batch_size, "accumulation": t.accumulation}
     if current >= t.steps:  # 6. the final model dir
-        summary["model_dir"] = save_model(model, os.path.join(out, "model"), tokenizer=tokenizer)
+        kept = model.backbone if d.objective == "electra" else model  # ELECTRA keeps the discriminator
+        summary["model_dir"] = save_model(kept, os.path.join(out, "model"), tokenizer=tokenizer)
     elapsed = time.perf_counter() - t0
     summary["tokens_per_second"] = (current - s0) * tokens_per_step / elapsed if current > s0 else 0.0
     return summary
