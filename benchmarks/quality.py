@@ -192,14 +192,11 @@ def main():
             with open(planned, encoding="utf-8") as f:
                 steps = json.load(f)["steps"]
         if steps is None:
-            # two short runs, each compiling its step: their difference is the rate without the compilation
-            timed = []
-            for n in (10, 50):  # the warm-up schedule does not depend on the total step count
-                t = time.time()
-                kbert.pretrain(config, progress=True, stop_after=n)
-                timed.append(time.time() - t)
+            # a short run (inside the warm-up, which does not depend on the total step count); its steady
+            # rate leaves out the first step (tracing, XLA compilation)
+            summary = kbert.pretrain(config, progress=True, stop_after=60)
             tokens_per_step = config["trainer"]["batch_size"] * config["data"]["max_seq_len"]
-            rate = 0.95 * 40 / max(timed[1] - timed[0], 1e-3)  # the first steps run ~8% faster than the rest
+            rate = 0.97 * summary["steady_tokens_per_second"] / tokens_per_step  # later steps run a little slower
             left = args.minutes * 60 - (time.time() - start)
             steps = 60 + max(40, int(left * rate))
             with open(planned, "w", encoding="utf-8") as f:

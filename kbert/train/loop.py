@@ -97,7 +97,9 @@ def pretrain(config: Union[PretrainConfig, dict, str], overrides=None, resume: b
 
     The summary's `loss` and `mlm_accuracy` (and the progress bar's) are means over the last
     `mean_of_steps` (up to 100) steps of this call: one batch's MLM accuracy swings by several points.
-    `history` holds every step's loss.
+    `history` holds every step's loss. `tokens_per_second` is this call's rate from its start (compilation
+    included); `steady_tokens_per_second` leaves out its first step (tracing, XLA compilation, the pipeline's
+    start-up) and the final saves: the rate to plan further steps with.
 
     Args:
         config: a `PretrainConfig`, a dict, or a YAML/JSON path (with `overrides`, "key.sub=value" strings).
@@ -243,6 +245,7 @@ def pretrain(config: Union[PretrainConfig, dict, str], overrides=None, resume: b
     bar.update(start)
     history, recent = [], collections.deque(maxlen=_RECENT_STEPS)
     t0, s0 = time.perf_counter(), start
+    t1 = s1 = None  # after this call's first step (tracing, XLA compilation): the steady rate starts there
     end = t.steps if stop_after is None else min(t.steps, start + stop_after)
     oom = None
     try:
@@ -254,6 +257,8 @@ def pretrain(config: Union[PretrainConfig, dict, str], overrides=None, resume: b
                 oom = e
                 break
             current = int(step.numpy())
+            if t1 is None:
+                t1, s1 = time.perf_counter(), current
             if not math.isfinite(metrics["loss"]):
                 good = manager.latest_checkpoint or "none yet"
                 raise TrainingDiverged(f"Loss became {metrics['loss']} at step {current}; stopped without saving. "
@@ -281,6 +286,7 @@ def pretrain(config: Union[PretrainConfig, dict, str], overrides=None, resume: b
             if stop["signal"]:
                 break
     finally:
+        t_end = time.perf_counter()
         bar.close()
         for s, handler in previous.items():
             signal.signal(s, handler)
@@ -303,6 +309,9 @@ def pretrain(config: Union[PretrainConfig, dict, str], overrides=None, resume: b
         summary["model_dir"] = save_model(kept, os.path.join(out, "model"), tokenizer=tokenizer)
     elapsed = time.perf_counter() - t0
     summary["tokens_per_second"] = (current - s0) * tokens_per_step / elapsed if current > s0 else 0.0
+    # without the first step of this call (tracing, compilation, the pipeline's start): what more steps cost
+    summary["steady_tokens_per_second"] = ((current - s1) * tokens_per_step / max(t_end - t1, 1e-9)
+                                           if s1 is not None and current > s1 else summary["tokens_per_second"])
     return summary
 
 
