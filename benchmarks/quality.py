@@ -8,7 +8,8 @@
    fine-tuning), XLA-compiled steps;
 3. sentiment: NSMC-style train/dev sets from the reviews (ratings 1-4 vs 9-10, balanced, <= 140 chars,
    split by movie); the pretrained model and the same model from random initialization fine-tuned with the
-   same settings, and a TF-IDF character 1-3-gram + logistic-regression baseline;
+   same settings (the random-init reference runs last, after stage 4), and a TF-IDF character 1-3-gram +
+   logistic-regression baseline;
 4. sentence embeddings: the STS bi-encoder fine-tuned from the pretrained model on KorSTS train, Spearman on
    KorSTS dev, beside TF-IDF character n-gram cosine.
 
