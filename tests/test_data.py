@@ -367,3 +367,51 @@ def test_bad_sources_fail_clearly(tok, tmp_path):
         pretraining_dataset("dummy", tok, max_seq_len=16, max_predictions=17)
     with pytest.raises(ValueError, match="objective"):
         pretraining_dataset("dummy", tok, objective="nsp")
+
+
+def test_dead_workers_raise_instead_of_hanging(tmp_path):
+    """A script without `if __name__ == "__main__":` re-runs itself in each spawned worker, which Python stops
+    during start-up. multiprocessing.Pool restarted such workers forever (the script hung); now the
+    pipeline raises an error that says how to fix the script."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        "import kbert\n"
+        "text = kbert.corpus('kolaw')\n"
+        "tok = kbert.Tokenizer.train(text, vocab_size=800, progress=False)\n"
+        "ds = kbert.pretraining_dataset(text, tok, 'mlm', 32, batch_size=4, repeat=False, workers=2)\n"
+        "print(sum(1 for _ in ds), 'batches')\n", encoding="utf-8")
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240,
+                         cwd=str(tmp_path))
+    assert run.returncode != 0
+    assert "WorkerError" in run.stderr and 'if __name__ == "__main__":' in run.stderr
+    assert "batches" not in run.stdout
+    # the same script, guarded, works
+    guarded = tmp_path / "guarded.py"
+    lines = script.read_text(encoding="utf-8").splitlines()
+    guarded.write_text("\n".join([lines[0], "if __name__ == '__main__':"] + ["    " + l for l in lines[1:]]) + "\n",
+                       encoding="utf-8")
+    run = subprocess.run([sys.executable, str(guarded)], capture_output=True, text=True, timeout=240,
+                         cwd=str(tmp_path))
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert int(run.stdout.split()[0]) > 0
+
+
+def test_worker_killed_from_outside_raises(tok):
+    """A worker that dies mid-task (e.g. killed for memory) is an error, not a wait forever."""
+    import os
+    import signal
+
+    from kbert import workers
+
+    ex = workers.start(1)
+    try:
+        pid = workers.result(ex.submit(os.getpid))
+        future = ex.submit(signal.pause)  # never returns by itself
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(workers.WorkerError, match="worker process died"):
+            workers.result(future)
+    finally:
+        workers.stop(ex)

@@ -11,12 +11,12 @@ depend on the number of workers. Both `pretraining_dataset` (from raw text) and 
 from __future__ import annotations
 
 import collections
-import multiprocessing as mp
 import os
 from typing import Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 
+from kbert import workers as _workers
 from kbert.data.corpus import Corpus, CorpusReport
 from kbert.data.pairs import build_examples
 
@@ -95,8 +95,13 @@ def resolve_workers(workers: Optional[int]) -> int:
 def start_pool(builder: ExampleBuilder, workers: int):
     """Worker processes for `example_blocks(pool=...)`, started now (spawning and importing take seconds:
     start them while the rest of the input pipeline is being built, and keep them across epochs)."""
-    ctx = mp.get_context("spawn")  # never fork a process that has TensorFlow's threads running
-    return ctx.Pool(workers, initializer=_init_worker, initargs=(builder,))
+    # spawned: never fork a process that has TensorFlow's threads running
+    return _workers.start(workers, _init_worker, (builder,))
+
+
+def stop_pool(pool) -> None:
+    """Stops a pool from `start_pool` now (running blocks are abandoned)."""
+    _workers.stop(pool)
 
 
 def example_blocks(builder: ExampleBuilder, seed: int, epoch: int = 0, workers: Optional[int] = None,
@@ -121,17 +126,17 @@ def example_blocks(builder: ExampleBuilder, seed: int, epoch: int = 0, workers: 
     try:
         pending = collections.deque()
         for task in tasks:  # at most 2 blocks per worker in flight: a huge corpus is never read ahead
-            pending.append(pool.apply_async(_run_block, (task,)))
+            pending.append(pool.submit(_run_block, task))
             while len(pending) >= 2 * workers:
                 yield _collect(pending.popleft(), report)
         while pending:
             yield _collect(pending.popleft(), report)
     finally:
         if own:
-            pool.terminate()
+            stop_pool(pool)
 
 
 def _collect(result, report: CorpusReport):
-    i, (block, r) = result.get()
+    i, (block, r) = _workers.result(result, "while building pretraining examples")
     report.add(r)
     return i, block

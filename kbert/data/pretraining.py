@@ -23,7 +23,7 @@ import sys
 from typing import Optional
 
 from kbert.data.corpus import Corpus, CorpusReport
-from kbert.data.examples import ExampleBuilder, block_seed, example_blocks, resolve_workers, start_pool
+from kbert.data.examples import ExampleBuilder, block_seed, example_blocks, resolve_workers, start_pool, stop_pool
 from kbert.data.masking import default_max_predictions, example_keys, make_spec, mask_tokens, regular_token_ids
 from kbert.data.pairs import check_objective
 from kbert.data import records as _records
@@ -55,7 +55,8 @@ def pretraining_dataset(source, tokenizer, objective: str = "mlm+nsp", max_seq_l
         repeat: loop forever (pretraining) or stop after one pass.
         start_batch: skip this many batches (resume: the masks of later batches are unchanged).
         input_context: a `tf.distribute.InputContext` (from `distribute_datasets_from_function`).
-        workers: processes for raw text (None: all cores; 0: this process).
+        workers: processes for raw text (None: all cores; 0: this process). They are spawned, so a script
+            that uses them needs `if __name__ == "__main__":` (without it, `kbert.workers.WorkerError` says so).
         report: a `CorpusReport` filled while raw text is read.
     """
     import tensorflow as tf
@@ -97,7 +98,7 @@ def pretraining_dataset(source, tokenizer, objective: str = "mlm+nsp", max_seq_l
             _check_yields_examples(builder, seed, docs_per_block)
         except BaseException:
             if pool is not None:
-                pool.terminate()
+                stop_pool(pool)
             raise
         examples = _raw_examples(builder, seed, workers, docs_per_block, num_pipelines, pipeline_id,
                                  report, max_seq_len, repeat, pool)

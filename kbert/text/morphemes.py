@@ -13,8 +13,9 @@ be rebuilt from morphemes.
 from __future__ import annotations
 
 import os
-from concurrent.futures import ProcessPoolExecutor
 from typing import Callable, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
+
+from kbert import workers as _workers
 
 BACKENDS = ("mecab", "kiwi", "okt", "komoran", "hannanum", "kkma", "konlpy-mecab")
 
@@ -113,14 +114,15 @@ class Analyzer:
         import multiprocessing as mp
 
         workers = workers or os.cpu_count() or 1
-        # A daemon process (a pool worker, e.g. the pretraining pipeline's) cannot start processes.
-        if workers <= 1 or len(texts) < 2000 or mp.current_process().daemon:
+        # A worker process (e.g. the pretraining pipeline's) does not start processes of its own: the
+        # workers already use the cores, and a daemon process cannot.
+        if workers <= 1 or len(texts) < 2000 or mp.current_process().daemon or _workers.in_worker():
             return [self(t) for t in texts]
 
         # konlpy's taggers run in a JVM, which does not survive fork: their workers are spawned.
-        ctx = mp.get_context("spawn" if self.name in ("okt", "komoran", "hannanum", "kkma") else "fork")
-        with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker, initargs=(self.name,)) as ex:
-            return list(ex.map(_analyze_in_worker, texts, chunksize=chunksize))
+        context = "spawn" if self.name in ("okt", "komoran", "hannanum", "kkma") else "fork"
+        with _workers.start(workers, _init_worker, (self.name,), context=context) as ex:
+            return _workers.map_list(ex, _analyze_in_worker, texts, chunksize, f"in morphemes({self.name!r}).batch")
 
     def words(self, text: str) -> List[List[Morpheme]]:
         """Morphemes grouped by eojeol (whitespace word)."""

@@ -1,0 +1,79 @@
+"""Worker processes that fail loudly instead of hanging.
+
+`multiprocessing.Pool` replaces a worker that dies and keeps waiting for its result. The commonest way to
+kill them is a script without `if __name__ == "__main__":`: processes started with "spawn" (kbert's
+pretraining pipeline, konlpy's JVM taggers) re-run the script, which starts processes again, and Python
+stops that worker during its start-up. The pool then restarts it forever and the caller hangs. A
+`ProcessPoolExecutor` notices the dead process; `result` turns that into an error that says what to do.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+
+_IN_WORKER = "KBERT_IN_WORKER"
+
+
+class WorkerError(RuntimeError):
+    """A worker process died (it did not raise: an exception in a task comes back as itself)."""
+
+
+_HINT = ("a kbert worker process died{where}. When this runs from a script, put the script's code under "
+         "`if __name__ == \"__main__\":` (worker processes are started with multiprocessing's \"spawn\", which "
+         "re-runs the script in each of them), or pass workers=0 to do the work in this process. Otherwise the "
+         "worker was killed from outside (e.g. out of memory); its error, if any, is printed above.")
+
+
+def in_worker() -> bool:
+    """True inside a process started by `start` (such a process does not start pools of its own)."""
+    return os.environ.get(_IN_WORKER) == "1"
+
+
+def _init(initializer, initargs):
+    os.environ[_IN_WORKER] = "1"
+    if initializer is not None:
+        initializer(*initargs)
+
+
+def _ready():
+    return os.getpid()
+
+
+def start(workers: int, initializer=None, initargs=(), context: str = "spawn") -> ProcessPoolExecutor:
+    """`workers` processes, started now (spawning and importing take seconds: start them early).
+
+    Each process runs `initializer(*initargs)` once. Use `result(future)` to read what they return.
+    """
+    import multiprocessing as mp
+
+    ex = ProcessPoolExecutor(workers, mp_context=mp.get_context(context), initializer=_init,
+                             initargs=(initializer, initargs))
+    for _ in range(workers):  # an executor spawns a process per submitted task until it has `workers`
+        ex.submit(_ready)
+    return ex
+
+
+def result(future, where: str = ""):
+    """`future.result()`, with a dead worker process reported as a `WorkerError` that says what to do."""
+    try:
+        return future.result()
+    except BrokenProcessPool as e:
+        raise WorkerError(_HINT.format(where=f" {where}" if where else "")) from e
+
+
+def map_list(ex: ProcessPoolExecutor, fn, items, chunksize: int = 1, where: str = "") -> list:
+    """`list(ex.map(fn, items, chunksize=chunksize))`, with a dead worker reported as in `result`."""
+    try:
+        return list(ex.map(fn, items, chunksize=chunksize))
+    except BrokenProcessPool as e:
+        raise WorkerError(_HINT.format(where=f" {where}" if where else "")) from e
+
+
+def stop(ex: ProcessPoolExecutor) -> None:
+    """Stops the workers now: queued tasks are dropped and running ones killed."""
+    ex.shutdown(wait=False, cancel_futures=True)
+    for p in list((getattr(ex, "_processes", None) or {}).values()):  # no public way before Python 3.14
+        if p.is_alive():
+            p.terminate()
