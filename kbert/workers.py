@@ -13,7 +13,7 @@ import os
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
-_IN_WORKER = "KBERT_IN_WORKER"
+_STATE = {"in_worker": False}
 
 
 class WorkerError(RuntimeError):
@@ -28,11 +28,11 @@ _HINT = ("a kbert worker process died{where}. When this runs from a script, put 
 
 def in_worker() -> bool:
     """True inside a process started by `start` (such a process does not start pools of its own)."""
-    return os.environ.get(_IN_WORKER) == "1"
+    return _STATE["in_worker"]
 
 
 def _init(initializer, initargs):
-    os.environ[_IN_WORKER] = "1"
+    _STATE["in_worker"] = True  # a module global: no setenv in a process that may have been forked
     if initializer is not None:
         initializer(*initargs)
 

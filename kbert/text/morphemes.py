@@ -13,6 +13,7 @@ be rebuilt from morphemes.
 from __future__ import annotations
 
 import os
+import sys
 from typing import Callable, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 from kbert import workers as _workers
@@ -119,8 +120,12 @@ class Analyzer:
         if workers <= 1 or len(texts) < 2000 or mp.current_process().daemon or _workers.in_worker():
             return [self(t) for t in texts]
 
-        # konlpy's taggers run in a JVM, which does not survive fork: their workers are spawned.
-        context = "spawn" if self.name in ("okt", "komoran", "hannanum", "kkma") else "fork"
+        # konlpy's taggers run in a JVM, which does not survive fork: their workers are spawned. So are the
+        # others' once a JVM runs in this process (a forked child inherits its half-copied state and can
+        # hang, e.g. when garbage collection touches a Java object).
+        jpype = sys.modules.get("jpype")
+        jvm = jpype is not None and getattr(jpype, "isJVMStarted", lambda: False)()
+        context = "spawn" if jvm or self.name in ("okt", "komoran", "hannanum", "kkma") else "fork"
         with _workers.start(workers, _init_worker, (self.name,), context=context) as ex:
             return _workers.map_list(ex, _analyze_in_worker, texts, chunksize, f"in morphemes({self.name!r}).batch")
 
