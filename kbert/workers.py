@@ -9,6 +9,7 @@ stops that worker during its start-up. The pool then restarts it forever and the
 
 from __future__ import annotations
 
+import contextlib
 import os
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -55,20 +56,25 @@ def start(workers: int, initializer=None, initargs=(), context: str = "spawn") -
     return ex
 
 
-def result(future, where: str = ""):
-    """`future.result()`, with a dead worker process reported as a `WorkerError` that says what to do."""
+@contextlib.contextmanager
+def _reported(where: str):
+    """A dead worker (the executor's BrokenProcessPool) becomes a `WorkerError` that says what to do."""
     try:
-        return future.result()
+        yield
     except BrokenProcessPool as e:
         raise WorkerError(_HINT.format(where=f" {where}" if where else "")) from e
+
+
+def result(future, where: str = ""):
+    """`future.result()`, with a dead worker process reported as a `WorkerError`."""
+    with _reported(where):
+        return future.result()
 
 
 def map_list(ex: ProcessPoolExecutor, fn, items, chunksize: int = 1, where: str = "") -> list:
     """`list(ex.map(fn, items, chunksize=chunksize))`, with a dead worker reported as in `result`."""
-    try:
+    with _reported(where):
         return list(ex.map(fn, items, chunksize=chunksize))
-    except BrokenProcessPool as e:
-        raise WorkerError(_HINT.format(where=f" {where}" if where else "")) from e
 
 
 def stop(ex: ProcessPoolExecutor) -> None:
