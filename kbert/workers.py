@@ -32,8 +32,29 @@ def in_worker() -> bool:
     return _STATE["in_worker"]
 
 
+def _exit_with_parent():
+    """Ends this worker when the process that started it dies. A parent killed by SIGKILL, the OOM killer
+    or an unhandled SIGTERM runs no clean-up, and its idle workers would otherwise wait for tasks forever
+    (each holding its memory): the task queue's pipe never reports end-of-file, because every worker
+    holds a copy of its write end. multiprocessing's parent sentinel does report it."""
+    import multiprocessing as mp
+    import threading
+    from multiprocessing.connection import wait
+
+    parent = mp.parent_process()
+    if parent is None or parent.sentinel is None:
+        return
+
+    def watch():
+        wait([parent.sentinel])
+        os._exit(1)
+
+    threading.Thread(target=watch, name="kbert-exit-with-parent", daemon=True).start()
+
+
 def _init(initializer, initargs):
     _STATE["in_worker"] = True  # a module global: no setenv in a process that may have been forked
+    _exit_with_parent()
     if initializer is not None:
         initializer(*initargs)
 

@@ -399,6 +399,48 @@ def test_dead_workers_raise_instead_of_hanging(tmp_path):
     assert int(run.stdout.split()[0]) > 0
 
 
+@pytest.mark.parametrize("context", ["spawn", "fork"])
+def test_workers_exit_when_their_parent_is_killed(tmp_path, context):
+    """A parent killed without clean-up (SIGKILL, the OOM killer) leaves no idle workers behind."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "parent.py"
+    script.write_text(
+        "import os, signal, sys\n"
+        "from kbert import workers\n"
+        "if __name__ == '__main__':\n"
+        f"    ex = workers.start(2, context={context!r})\n"
+        "    pids = {workers.result(ex.submit(os.getpid)) for _ in range(20)}\n"
+        "    print(' '.join(map(str, sorted(pids))), flush=True)\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(kbert.__file__)))  # the kbert under test
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    # stdout to a file: a pipe stays open while any worker lives, and reading it would wait for them
+    with open(tmp_path / "out.txt", "w") as out:
+        run = subprocess.run([sys.executable, str(script)], stdout=out, stderr=subprocess.PIPE, text=True,
+                             timeout=120, env=env)
+    run.stdout = (tmp_path / "out.txt").read_text()
+    assert run.returncode == -signal.SIGKILL, run.stderr
+    pids = [int(p) for p in run.stdout.split()]
+    assert pids, run.stderr
+
+    def alive(pid):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        with open(f"/proc/{pid}/stat") as f:  # an exited child of init may linger as a zombie for a moment
+            return f.read().split(") ")[-1][0] != "Z"
+
+    deadline = time.time() + 20
+    while any(alive(p) for p in pids) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not [p for p in pids if alive(p)], "workers outlived their killed parent"
+
+
 def test_worker_killed_from_outside_raises(tok):
     """A worker that dies mid-task (e.g. killed for memory) is an error, not a wait forever."""
     import os
