@@ -14,6 +14,9 @@ beside google-research/bert's `create_pretraining_data.py` algorithm in one run.
 Both sides use the same 32K WordPiece vocabulary (kbert's wordpiece trainer on the same reviews).
 
     python benchmarks/pipeline.py --reviews ../shared/data/movie-reviews/reviews.tsv.gz --docs 100000
+
+`--scaling` adds raw-text passes with 1, 2, ... `os.cpu_count()` worker processes (how the rate grows with
+cores).
 """
 
 from __future__ import annotations
@@ -292,6 +295,8 @@ def main(argv=None):
     parser.add_argument("--record-batches", type=int, default=400, help="batches timed from records")
     parser.add_argument("--workers", type=int, default=None)
     parser.add_argument("--repeats", type=int, default=3, help="timed passes from raw text per vocabulary")
+    parser.add_argument("--scaling", action="store_true",
+                        help="also time raw-text passes with 1, 2, ... cpu_count workers (unigram and WordPiece)")
     args = parser.parse_args(argv)
 
     import tensorflow as tf
@@ -326,11 +331,11 @@ def main(argv=None):
     small = os.path.join(tmp, "warmup.tsv.gz")
     write_reviews(args.reviews, small, 2000)
 
-    def raw_pass(tokenizer, source):
+    def raw_pass(tokenizer, source, workers=args.workers):
         t0 = time.perf_counter()
         ds = kbert.pretraining_dataset(source, tokenizer, "mlm+nsp", args.seq, batch_size=args.batch,
                                        max_predictions=args.max_predictions, repeat=False, drop_remainder=False,
-                                       workers=args.workers, docs_per_block=128)
+                                       workers=workers, docs_per_block=128)
         n, t, n_steady, t_steady = timed_pass(ds, t0=t0)
         return n, t, n / t, n_steady / max(t_steady, 1e-9)
 
@@ -350,6 +355,14 @@ def main(argv=None):
               f"{', '.join(f'{x:,.0f}' for x in rates)}); {steady:,.0f} seq/s after the first batch")
     raw_rate, steady_rate = medians["32K WordPiece"]
     uni_rate, uni_steady = medians["32K unigram"]
+    scaling = {}
+    if args.scaling:  # does the raw-text rate grow with worker processes (one per core)?
+        for label, tokenizer in (("32K unigram", uni), ("32K WordPiece", tok)):
+            for workers in range(1, (os.cpu_count() or 1) + 1):
+                rates = sorted(raw_pass(tokenizer, corpus, workers)[2] for _ in range(args.repeats))
+                scaling[label, workers] = rates[len(rates) // 2]
+                print(f"scaling, {label}, {workers} worker(s): {scaling[label, workers]:,.0f} seq/s "
+                      f"(median of {len(rates)}: {', '.join(f'{x:,.0f}' for x in rates)})")
 
     # 3. prepare records, then read + mask
     out = os.path.join(tmp, "records")
@@ -402,6 +415,9 @@ def main(argv=None):
     print(f"| kbert from raw text (unigram), start-up included | {uni_rate:,.0f} | {uni_rate / ref_rate:.1f}x | >= 5,000 |")
     print(f"| kbert from raw text (unigram), after the first batch | {uni_steady:,.0f} | {uni_steady / ref_rate:.1f}x | |")
     print(f"| kbert from TFRecords | {rec_rate:,.0f} | {rec_rate / ref_rate:.1f}x | >= 20,000 |")
+    for (label, workers), r in scaling.items():
+        print(f"| kbert from raw text ({label}), {workers} worker(s), start-up included | {r:,.0f} | "
+              f"{r / ref_rate:.1f}x | |")
     for name, r in rates.items():
         print(f"| masking alone: {name} | {r:,.0f} | | |")
 
