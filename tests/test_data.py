@@ -418,22 +418,21 @@ def test_workers_exit_when_their_parent_is_killed(tmp_path, context):
         "    os.kill(os.getpid(), signal.SIGKILL)\n")
     root = os.path.dirname(os.path.dirname(os.path.abspath(kbert.__file__)))  # the kbert under test
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
-    # stdout to a file: a pipe stays open while any worker lives, and reading it would wait for them
-    with open(tmp_path / "out.txt", "w") as out:
-        run = subprocess.run([sys.executable, str(script)], stdout=out, stderr=subprocess.PIPE, text=True,
-                             timeout=120, env=env)
-    run.stdout = (tmp_path / "out.txt").read_text()
-    assert run.returncode == -signal.SIGKILL, run.stderr
-    pids = [int(p) for p in run.stdout.split()]
-    assert pids, run.stderr
+    # output to files, not pipes: a pipe stays open while any worker lives, and reading it would wait for them
+    with open(tmp_path / "out.txt", "w") as out, open(tmp_path / "err.txt", "w") as err:
+        returncode = subprocess.run([sys.executable, str(script)], stdout=out, stderr=err, timeout=120,
+                                    env=env).returncode
+    stderr = (tmp_path / "err.txt").read_text()
+    assert returncode == -signal.SIGKILL, stderr
+    pids = [int(p) for p in (tmp_path / "out.txt").read_text().split()]
+    assert pids, stderr
 
     def alive(pid):
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+        try:  # an exited child of init may linger as a zombie for a moment
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().split(") ")[-1][0] != "Z"
+        except FileNotFoundError:
             return False
-        with open(f"/proc/{pid}/stat") as f:  # an exited child of init may linger as a zombie for a moment
-            return f.read().split(") ")[-1][0] != "Z"
 
     deadline = time.time() + 20
     while any(alive(p) for p in pids) and time.time() < deadline:
