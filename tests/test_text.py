@@ -1,6 +1,8 @@
 """Normalization, morpheme analyzers and the Tokenizer (Python vs tf.data, training, imports, bad input)."""
 
 import os
+import subprocess
+import sys
 import unicodedata
 
 import numpy as np
@@ -110,6 +112,27 @@ def test_morpheme_offsets_slice_back(name):
     if name in ("mecab", "okt"):  # analyzers that report surface forms
         assert all(m.form == m.surface for m in ms)
     assert analyzer("") == [] and analyzer("   ") == []
+
+
+def test_konlpy_analyzers_unhook_jpype_from_python_gc():
+    """JPype hooks every Python collection once the JVM is up and calls glibc's mallinfo() from it, which in
+    a process of a few GB with TensorFlow's threads costs ~45 ms per collection: pure-Python code in this
+    suite ran 20-60x slower after the konlpy tests (the code-point WordPiece test: 11 s alone, 5 min here).
+    kbert removes the hook when it starts a konlpy tagger; a fresh interpreter shows the hook there before."""
+    script = (
+        "import gc, sys, _jpype, kbert\n"
+        "hooked = lambda: sum(cb is _jpype._collect for cb in gc.callbacks)\n"
+        "import jpype, konlpy.jvm\n"
+        "konlpy.jvm.init_jvm()\n"  # the JVM started outside kbert: JPype's hook is in place
+        "assert jpype.isJVMStarted() and hooked(), gc.callbacks\n"
+        "a = kbert.morphemes('okt')\n"
+        "assert [m.surface for m in a('학교에서 공부했다')][:2] == ['학교', '에서']\n"
+        "assert hooked() == 0, gc.callbacks\n"
+        "print('ok')\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(kbert.__file__)),
+                                                       os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
 
 
 def test_morpheme_batch_matches_single():
