@@ -21,17 +21,19 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def run_arguments(description):
+    """The arguments both this script and linear_probe.py take: a quality.py run and the sentiment split."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--run", required=True, help="a benchmarks/quality.py --out directory")
     parser.add_argument("--shared", default=os.path.join("..", "shared", "data"))
     parser.add_argument("--sizes", default="2000,10000", help="labelled training reviews, comma-separated")
-    parser.add_argument("--epochs", type=float, default=3.0)
     parser.add_argument("--dev-examples", type=int, default=5000)
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+    return parser
 
-    import kbert
+
+def load_run(args):
+    """(pretraining summary, {"pretrained": dir, "random-init": dir}, sorted sizes, train rows, dev rows)."""
     from kbert.data.corpus import movie_review_sentiment
 
     with open(os.path.join(args.run, "pretraining.json"), encoding="utf-8") as f:
@@ -41,9 +43,20 @@ def main():
         if not os.path.isdir(path):
             sys.exit(f"{path} is missing: run benchmarks/quality.py --out {args.run} first")
     reviews = os.path.join(args.shared, "movie-reviews", "reviews.tsv.gz")
-    sizes = [int(s) for s in args.sizes.split(",")]
-    train_all = movie_review_sentiment(reviews, "train", limit=max(sizes), seed=args.seed)
+    sizes = sorted(int(s) for s in args.sizes.split(","))
+    train_all = movie_review_sentiment(reviews, "train", limit=sizes[-1], seed=args.seed)
     dev = movie_review_sentiment(reviews, "dev", limit=args.dev_examples, seed=args.seed)
+    return pre, models, sizes, train_all, dev
+
+
+def main():
+    parser = run_arguments(__doc__.splitlines()[0])
+    parser.add_argument("--epochs", type=float, default=3.0)
+    args = parser.parse_args()
+
+    import kbert
+
+    pre, models, sizes, train_all, dev = load_run(args)
     print(f"objective {pre.get('objective', 'mlm')}, {pre['steps']} pretraining steps; dev {len(dev):,} reviews")
 
     rows = []

@@ -11,39 +11,25 @@ can wash them out; pooling and layer choices can be compared without training a 
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from label_curve import load_run, run_arguments  # noqa: E402  (the same run layout and sentiment split)
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--run", required=True, help="a benchmarks/quality.py --out directory")
-    parser.add_argument("--shared", default=os.path.join("..", "shared", "data"))
-    parser.add_argument("--sizes", default="2000,10000", help="labelled training reviews, comma-separated")
-    parser.add_argument("--dev-examples", type=int, default=5000)
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+    args = run_arguments(__doc__.splitlines()[0]).parse_args()
 
     import numpy as np
     from sklearn.linear_model import LogisticRegression
     from sklearn.preprocessing import StandardScaler
 
     import kbert
-    from kbert.data.corpus import movie_review_sentiment
 
-    with open(os.path.join(args.run, "pretraining.json"), encoding="utf-8") as f:
-        pre = json.load(f)
-    models = {"pretrained": pre["model_dir"], "random-init": os.path.join(args.run, "random-init")}
-    sizes = sorted(int(n) for n in args.sizes.split(","))
-    reviews = os.path.join(args.shared, "movie-reviews", "reviews.tsv.gz")
-    train = movie_review_sentiment(reviews, "train", limit=sizes[-1], seed=args.seed)
-    dev = movie_review_sentiment(reviews, "dev", limit=args.dev_examples, seed=args.seed)
+    _, models, sizes, train, dev = load_run(args)
     y_train = np.array([int(r["label"]) for r in train])
     y_dev = np.array([int(r["label"]) for r in dev])
 
