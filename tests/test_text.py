@@ -120,7 +120,7 @@ def test_konlpy_analyzers_unhook_jpype_from_python_gc():
     suite ran 20-60x slower after the konlpy tests (the code-point WordPiece test: 11 s alone, 5 min here).
     kbert removes the hook when it starts a konlpy tagger; a fresh interpreter shows the hook there before."""
     script = (
-        "import gc, sys, _jpype, kbert\n"
+        "import gc, _jpype, kbert\n"
         "hooked = lambda: sum(cb is _jpype._collect for cb in gc.callbacks)\n"
         "import jpype, konlpy.jvm\n"
         "konlpy.jvm.init_jvm()\n"  # the JVM started outside kbert: JPype's hook is in place

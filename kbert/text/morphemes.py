@@ -221,15 +221,15 @@ class KiwiAnalyzer(Analyzer):
 
 
 def _unlink_jvm_gc():
-    """Stop JPype from running a Java garbage collection from inside Python's collections.
+    """Take JPype's hook out of Python's garbage collector.
 
-    Once the JVM is up, JPype hooks every Python collection (generation 0 included) and asks Java for a full
-    GC whenever the process's memory is above its high-water mark (jpype-project/jpype#1197, #1315). In a
-    process that already holds a few GB (a model, a large corpus in memory) that is every collection, and
-    with konlpy's dictionaries loaded each Java GC takes tens of milliseconds: allocation-heavy Python code
-    ran 20-60x slower in the same process (1.1M short texts through WordPiece: 11 s -> 5 min). The link
-    exists to break reference cycles between Python and Java objects; konlpy's taggers only pass strings
-    and lists across, which both sides free on their own, and Java still collects its heap when it needs to.
+    Once the JVM is up, JPype runs a callback on every Python collection (generation 0 included) that reads
+    the process's memory with glibc's mallinfo() and asks Java for a GC above a high-water mark
+    (jpype-project/jpype#1197, #1315). In a process of a few GB with TensorFlow's threads (many malloc
+    arenas) mallinfo() alone took ~45 ms per call (seen with `py-spy dump --native`), so allocation-heavy
+    Python code ran 20-60x slower (1.1M short texts through WordPiece: 11 s -> 5 min). The hook exists to
+    break reference cycles between Python and Java objects; konlpy's taggers only pass strings and lists
+    across, which both sides free on their own, and Java still collects its heap when it needs to.
     """
     jpype = sys.modules.get("_jpype")
     collect = getattr(jpype, "_collect", None)
