@@ -261,6 +261,18 @@ def test_python_wordpiece_splits_every_code_point_like_tensorflow_text():
     assert {tuple(r) for r in expect} == {(5, 5), (5, 1, 5), (1,), (5, 6, 6)}  # all three classes occur
 
 
+def test_wordpiece_class_tables_are_what_unicodedata_and_the_icu_additions_give():
+    """The constant word/whitespace/punctuation tables (a process no longer scans `unicodedata` at start-up)
+    are exactly what `_derive_tables` computes from Python 3.11's Unicode database and the ICU additions, so
+    they can be regenerated when tensorflow-text's ICU moves on (the test above checks them against it)."""
+    from kbert.text import wordpiece
+
+    whitespace, punctuation = wordpiece._derive_tables()
+    assert wordpiece._parse_ranges(wordpiece._WHITESPACE) == whitespace
+    assert wordpiece._parse_ranges(wordpiece._PUNCTUATION) == punctuation
+    assert (0xAC00, 0xAC00) not in punctuation and any(a <= 0x4E00 <= b for a, b in punctuation)
+
+
 @needs_shared
 def test_python_wordpiece_ids_match_tensorflow_text_on_reviews(tokenizers):
     """`ids_batch` (pure Python, no TensorFlow) == FastBertTokenizer on 20K real reviews and edge cases."""
