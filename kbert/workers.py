@@ -70,10 +70,23 @@ def start(workers: int, initializer=None, initargs=(), context: str = "spawn") -
     """
     import multiprocessing as mp
 
+    import threading
+
     ex = ProcessPoolExecutor(workers, mp_context=mp.get_context(context), initializer=_init,
                              initargs=(initializer, initargs))
-    for _ in range(workers):  # an executor spawns a process per submitted task until it has `workers`
-        ex.submit(_ready)
+
+    def spawn():  # an executor spawns a process per submitted task until it has `workers`
+        try:
+            for _ in range(workers):
+                ex.submit(_ready)
+        except RuntimeError:  # shut down or broken meanwhile: the caller's own submit or result reports it
+            pass
+
+    # Spawning blocks: the parent writes each process's pickled start-up data (the initializer's arguments,
+    # e.g. a tokenizer: ~1 MB) into a pipe that the child reads only once its interpreter is up (~0.35 s per
+    # worker). A thread does that, so the caller goes on meanwhile; `stop` waits for it.
+    ex._kbert_spawner = threading.Thread(target=spawn, name="kbert-spawn-workers", daemon=True)
+    ex._kbert_spawner.start()
     return ex
 
 
@@ -100,6 +113,9 @@ def map_list(ex: ProcessPoolExecutor, fn, items, chunksize: int = 1, where: str 
 
 def stop(ex: ProcessPoolExecutor) -> None:
     """Stops the workers now: queued tasks are dropped and running ones killed."""
+    spawner = getattr(ex, "_kbert_spawner", None)
+    if spawner is not None:  # every process is known before they are stopped
+        spawner.join()
     ex.shutdown(wait=False, cancel_futures=True)
     for p in list((getattr(ex, "_processes", None) or {}).values()):  # no public way before Python 3.14
         if p.is_alive():
