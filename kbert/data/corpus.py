@@ -218,11 +218,15 @@ class CorpusReport:
         return dataclasses.asdict(self)
 
 
+_BINARY_CHARS = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ufffd]")  # C0 controls but tab/newlines, U+FFFD
+
+
 def _looks_binary(text: str) -> bool:
     if "\x00" in text:
         return True
-    bad = sum(1 for ch in text if ch == "\ufffd" or (ch < " " and ch not in "\t\n\r"))
-    return bad > max(2, len(text) // 10)
+    if _BINARY_CHARS.search(text) is None:  # almost every line: no per-character Python loop
+        return False
+    return len(_BINARY_CHARS.findall(text)) > max(2, len(text) // 10)
 
 
 # --------------------------------------------------------------------------- recipes

@@ -152,9 +152,10 @@ def _signature(max_seq_len):
 
 def _check_yields_examples(builder: ExampleBuilder, seed: int, docs_per_block: int):
     """Fails at construction, with the cleaning report, when the source has no usable examples (instead of
-    a dataset that repeats nothing forever)."""
+    a dataset that repeats nothing forever). Small blocks: this runs in the caller's process before the
+    workers take over, and usually the first few documents settle it."""
     report = CorpusReport()
-    for _, block in example_blocks(builder, seed, 0, 0, docs_per_block, report):
+    for _, block in example_blocks(builder, seed, 0, 0, min(docs_per_block, 16), report):
         if len(block["lengths"]):
             return
     raise ValueError(f"{builder.corpus!r} gives no pretraining examples for objective={builder.objective!r} "
