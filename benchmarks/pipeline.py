@@ -16,7 +16,9 @@ Both sides use the same 32K WordPiece vocabulary (kbert's wordpiece trainer on t
     python benchmarks/pipeline.py --reviews ../shared/data/movie-reviews/reviews.tsv.gz --docs 100000
 
 `--scaling` adds raw-text passes with 1, 2, ... `os.cpu_count()` worker processes (how the rate grows with
-cores).
+cores). The reference runs once per round of kbert passes (`--repeats` rounds), and the medians are compared:
+the goals (5,000/s from raw text, 20,000/s from records, where the issue measured the reference at ~2,700/s)
+are printed also as multiples of the reference in this run, since this machine's speed swings between runs.
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ sys.path.append(os.path.dirname(_HERE))
 
 
 # ------------------------------------------------------------------ the reference algorithm, in Python
+ISSUE_REFERENCE_RATE = 2700  # sequences/s the issue measured for the reference on this machine
+
+
 def _is_punct(ch):
     cp = ord(ch)
     if 33 <= cp <= 47 or 58 <= cp <= 64 or 91 <= cp <= 96 or 123 <= cp <= 126:
@@ -316,12 +321,6 @@ def main(argv=None):
     tok = kbert.Tokenizer.train(corpus, vocab_size=args.vocab_size, algorithm="wordpiece", progress=False)
     print(f"WordPiece vocabulary of {tok.vocab_size:,} trained in {time.perf_counter() - t0:.1f}s")
 
-    # 1. the reference
-    n_ref, t_ref = run_reference(docs, tok.vocab, args.seq, args.max_predictions, os.path.join(tmp, "ref.tfrecord"))
-    ref_rate = n_ref / t_ref
-    print(f"reference create_pretraining_data (Python, 1 core, dupe_factor=1): {n_ref:,} sequences in "
-          f"{t_ref:.1f}s = {ref_rate:,.0f} seq/s")
-
     # 2. kbert from raw text, full passes (with and without the workers' start-up), with the WordPiece
     # vocabulary and with kbert's default SentencePiece unigram vocabulary. Neither has TensorFlow in its
     # worker processes. A warm-up pass on 2,000 reviews first pays this process's one-time TensorFlow / tf.data
@@ -341,10 +340,20 @@ def main(argv=None):
 
     for tokenizer in (tok, uni):
         raw_pass(tokenizer, kbert.corpus("movie-reviews", path=small))
+    # 1. the reference, one pass per round beside kbert's (ratios within a round's machine state)
+    def reference_pass():
+        n, t = run_reference(docs, tok.vocab, args.seq, args.max_predictions, os.path.join(tmp, "ref.tfrecord"))
+        return n / t
+
     runs = {"32K WordPiece": [], "32K unigram": []}
+    ref_rates = []
     for _ in range(args.repeats):
+        ref_rates.append(reference_pass())
         for label, tokenizer in (("32K WordPiece", tok), ("32K unigram", uni)):
             runs[label].append(raw_pass(tokenizer, corpus))
+    ref_rate = sorted(ref_rates)[len(ref_rates) // 2]
+    print(f"reference create_pretraining_data (Python, 1 core, dupe_factor=1): {ref_rate:,.0f} seq/s (median of "
+          f"{len(ref_rates)}: {', '.join(f'{x:,.0f}' for x in sorted(ref_rates))})")
     medians = {}
     for label, results in runs.items():
         rates = sorted(r[2] for r in results)
@@ -406,15 +415,25 @@ def main(argv=None):
         rates[name] = n / (time.perf_counter() - t0)
         print(f"masking alone, {name}: {rates[name]:,.0f} seq/s")
 
+    # The issue's goals are absolute rates on this machine where it measured the reference at ~2,700/s; the
+    # machine's speed swings by 2x between sessions, so the same goals are also given as multiples of the
+    # reference measured in this run.
+    def goal(rate, absolute):
+        ratio = absolute / ISSUE_REFERENCE_RATE
+        met = "met" if rate / ref_rate >= ratio else "not met"
+        return f">= {absolute:,} (>= {ratio:.2f}x: {met})"
+
     print()
     print(f"| path | sequences/s | vs reference ({ref_rate:,.0f}/s) | goal |")
     print("|---|---|---|---|")
     print(f"| reference create_pretraining_data (pure Python, 1 core) | {ref_rate:,.0f} | 1.0x | |")
-    print(f"| kbert from raw text (WordPiece), start-up included | {raw_rate:,.0f} | {raw_rate / ref_rate:.1f}x | >= 5,000 |")
+    print(f"| kbert from raw text (WordPiece), start-up included | {raw_rate:,.0f} | {raw_rate / ref_rate:.1f}x | "
+          f"{goal(raw_rate, 5000)} |")
     print(f"| kbert from raw text (WordPiece), after the first batch | {steady_rate:,.0f} | {steady_rate / ref_rate:.1f}x | |")
-    print(f"| kbert from raw text (unigram), start-up included | {uni_rate:,.0f} | {uni_rate / ref_rate:.1f}x | >= 5,000 |")
+    print(f"| kbert from raw text (unigram), start-up included | {uni_rate:,.0f} | {uni_rate / ref_rate:.1f}x | "
+          f"{goal(uni_rate, 5000)} |")
     print(f"| kbert from raw text (unigram), after the first batch | {uni_steady:,.0f} | {uni_steady / ref_rate:.1f}x | |")
-    print(f"| kbert from TFRecords | {rec_rate:,.0f} | {rec_rate / ref_rate:.1f}x | >= 20,000 |")
+    print(f"| kbert from TFRecords | {rec_rate:,.0f} | {rec_rate / ref_rate:.1f}x | {goal(rec_rate, 20000)} |")
     for (label, workers), r in scaling.items():
         print(f"| kbert from raw text ({label}), {workers} worker(s), start-up included | {r:,.0f} | "
               f"{r / ref_rate:.1f}x | |")
