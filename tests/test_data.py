@@ -280,6 +280,28 @@ def _examples_of(ds):
     return out
 
 
+def test_hand_serialized_records_are_tf_train_examples():
+    """`kbert data prepare`'s workers encode records without TensorFlow; they must be the same
+    `tf.train.Example`s that TensorFlow builds, and read back through `parse_batch`."""
+    import tensorflow as tf
+
+    cases = [(np.array([2, 300, 70000, 3, 5, 3], "<i4"), 4, 1), (np.array([2, 3], "<i4"), 2, 0),
+             (np.array([2] + [31999] * 600 + [3], "<i4"), 300, -1)]
+    serialized = []
+    for ids, num_a, label in cases:
+        data = records.serialize_example(ids.tobytes(), num_a, label)
+        expect = tf.train.Example(features=tf.train.Features(feature={
+            "token_ids": tf.train.Feature(bytes_list=tf.train.BytesList(value=[ids.tobytes()])),
+            "num_a": tf.train.Feature(int64_list=tf.train.Int64List(value=[num_a])),
+            "pair_label": tf.train.Feature(int64_list=tf.train.Int64List(value=[label]))}))
+        assert tf.train.Example.FromString(data) == expect
+        serialized.append(data)
+    ids, lengths, num_a, labels = records.parse_batch(tf.constant(serialized), 602)
+    assert lengths.numpy().tolist() == [6, 2, 602] and num_a.numpy().tolist() == [4, 2, 300]
+    assert labels.numpy().tolist() == [1, 0, -1]
+    assert ids.numpy()[0, :6].tolist() == cases[0][0].tolist() and not ids.numpy()[0, 6:].any()
+
+
 def test_records_equal_raw_text_and_resume_after_interrupt(tok, tmp_path, monkeypatch):
     kwargs = dict(objective="mlm+nsp", max_seq_len=64, seed=2)
     raw = pretraining_dataset(["kolaw", "kobill"], tok, batch_size=16, workers=0, repeat=False,

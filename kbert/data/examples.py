@@ -34,7 +34,7 @@ class ExampleBuilder:
                  shard_writer=None):
         self.corpus, self.tokenizer = corpus, tokenizer
         self.objective, self.max_seq_len, self.short_seq_prob = objective, max_seq_len, short_seq_prob
-        self.shard_writer = shard_writer  # set by `kbert data prepare`: workers write their own shard
+        self.shard_writer = shard_writer  # set by `kbert data prepare`: workers serialize their shard's records
 
     def _same_normalization(self) -> bool:
         """True when the corpus already normalized exactly as the tokenizer would (skip doing it twice)."""
@@ -60,9 +60,10 @@ class ExampleBuilder:
 
 
 def _init_worker(builder):
+    # No TensorFlow is needed here: tokenizing uses SentencePiece or kbert's Python WordPiece, and `kbert data
+    # prepare` serializes records by hand (the calling process writes them). Should a tokenizer import it
+    # anyway, one thread per worker: the workers are the parallelism.
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    # one thread per worker if TensorFlow is used here (`kbert data prepare` writes TFRecords): the workers
-    # are the parallelism. Tokenizing needs no TensorFlow (SentencePiece, or kbert's Python WordPiece).
     os.environ.setdefault("TF_NUM_INTRAOP_THREADS", "1")
     os.environ.setdefault("TF_NUM_INTEROP_THREADS", "1")
     _STATE["builder"] = builder

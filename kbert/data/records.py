@@ -1,10 +1,12 @@
 """TFRecord shards of tokenized, unmasked segment pairs: parallel, resumable writing and streaming reads.
 
 A records directory holds `shard-00000.tfrecord`, ... and `manifest.json` (the settings, the tokenizer's
-fingerprint, and for every finished shard its example count, byte size and cleaning report). Each shard is
-written by one worker process to a temporary name and renamed when complete, and the manifest is
-rewritten after every shard, so an interrupted `kbert data prepare` loses at most the shards in flight:
-run it again and it skips every shard already listed (the corpus is re-read, but not re-tokenized).
+fingerprint, and for every finished shard its example count, byte size and cleaning report). Each shard's
+records are tokenized and serialized by a worker process (without TensorFlow: the few protobuf fields are
+encoded here, which spares every worker a ~4 s TensorFlow import) and written by the calling process to a
+temporary name, renamed when complete; the manifest is rewritten after every shard, so an interrupted
+`kbert data prepare` loses at most the shards in flight: run it again and it skips every shard already
+listed (the corpus is re-read, but not re-tokenized).
 
 Each record is a `tf.train.Example` with `token_ids` (little-endian int32 bytes of `[CLS] A [SEP] B [SEP]`),
 `num_a` (tokens up to and including the first [SEP]) and `pair_label`. Masking is not stored: it is drawn
@@ -32,29 +34,59 @@ def shard_name(index: int) -> str:
     return f"shard-{index:05d}.tfrecord"
 
 
+def _varint(n: int) -> bytes:
+    n &= 0xFFFFFFFFFFFFFFFF  # int64 as protobuf encodes it (a negative value takes 10 bytes)
+    out = bytearray()
+    while n > 0x7F:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _field(tag: int, payload: bytes) -> bytes:
+    """A length-delimited protobuf field (`tag` = field number << 3 | 2)."""
+    return bytes([tag]) + _varint(len(payload)) + payload
+
+
+def _entry(key: bytes, feature: bytes) -> bytes:  # one `Features.feature` map entry: key = 1, value = 2
+    return _field(0x0A, _field(0x0A, key) + _field(0x12, feature))
+
+
+def serialize_example(token_ids: bytes, num_a: int, pair_label: int) -> bytes:
+    """The bytes of `tf.train.Example` with features `token_ids` (bytes_list), `num_a` and `pair_label`
+    (int64_list), encoded without TensorFlow. Example.features = 1; Features.feature = 1 (a map);
+    Feature.bytes_list = 1, Feature.int64_list = 3; BytesList.value = 1; Int64List.value = 1 (packed)."""
+    entries = (_entry(b"token_ids", _field(0x0A, _field(0x0A, token_ids)))
+               + _entry(b"num_a", _field(0x1A, _field(0x0A, _varint(num_a))))
+               + _entry(b"pair_label", _field(0x1A, _field(0x0A, _varint(pair_label)))))
+    return _field(0x0A, entries)
+
+
 class ShardWriter:
-    """Runs in a worker: serializes one block of examples to its shard file (atomically)."""
+    """Calling it (in a worker) serializes one block of examples; `write` (in the calling process) writes
+    them to the block's shard file, atomically."""
 
     def __init__(self, out_dir: str):
         self.out_dir = out_dir
 
     def __call__(self, index: int, block) -> dict:
+        records = [serialize_example(ids[:n].astype("<i4").tobytes(), int(a), int(label))
+                   for ids, n, a, label in zip(block["token_ids"], block["lengths"], block["num_a"],
+                                               block["pair_labels"])]
+        return {"records": records, "tokens": int(block["lengths"].sum())}
+
+    def write(self, index: int, shard: dict) -> dict:
         import tensorflow as tf
 
         path = os.path.join(self.out_dir, shard_name(index))
         tmp = path + ".tmp"
         with tf.io.TFRecordWriter(tmp) as writer:
-            for ids, n, a, label in zip(block["token_ids"], block["lengths"], block["num_a"], block["pair_labels"]):
-                feature = {
-                    "token_ids": tf.train.Feature(bytes_list=tf.train.BytesList(
-                        value=[ids[:n].astype("<i4").tobytes()])),
-                    "num_a": tf.train.Feature(int64_list=tf.train.Int64List(value=[int(a)])),
-                    "pair_label": tf.train.Feature(int64_list=tf.train.Int64List(value=[int(label)])),
-                }
-                writer.write(tf.train.Example(features=tf.train.Features(feature=feature)).SerializeToString())
+            for record in shard["records"]:
+                writer.write(record)
         os.replace(tmp, path)
-        return {"file": shard_name(index), "examples": int(len(block["lengths"])), "bytes": os.path.getsize(path),
-                "tokens": int(block["lengths"].sum())}
+        return {"file": shard_name(index), "examples": len(shard["records"]), "bytes": os.path.getsize(path),
+                "tokens": shard["tokens"]}
 
 
 def _write_json(path: str, obj):
@@ -108,15 +140,15 @@ def prepare(source, tokenizer, out_dir: str, objective: str = "mlm+nsp", max_seq
                 "shards": {str(k): v for k, v in sorted(shards.items())}}
     _write_json(manifest_path, manifest)
 
-    builder = ExampleBuilder(corpus, tokenizer, objective, max_seq_len, short_seq_prob,
-                             shard_writer=ShardWriter(out_dir))
+    writer = ShardWriter(out_dir)
+    builder = ExampleBuilder(corpus, tokenizer, objective, max_seq_len, short_seq_prob, shard_writer=writer)
     report = CorpusReport()
     bar = progress_bar(desc="prepare", unit="shard", enabled=progress)
     resumed = len(shards)
     bar.update(resumed)
-    for index, entry in example_blocks(builder, seed, 0, workers, docs_per_shard, report,
+    for index, shard in example_blocks(builder, seed, 0, workers, docs_per_shard, report,
                                        keep=lambda i: i not in shards):
-        shards[index] = entry
+        shards[index] = writer.write(index, shard)
         manifest["shards"] = {str(k): v for k, v in sorted(shards.items())}
         _write_json(manifest_path, manifest)
         bar.update(1)
