@@ -69,7 +69,6 @@ def start(workers: int, initializer=None, initargs=(), context: str = "spawn") -
     Each process runs `initializer(*initargs)` once. Use `result(future)` to read what they return.
     """
     import multiprocessing as mp
-
     import threading
 
     ex = ProcessPoolExecutor(workers, mp_context=mp.get_context(context), initializer=_init,

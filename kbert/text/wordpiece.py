@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import itertools
 import re
-from typing import Dict, List, Sequence
+from typing import Dict, List, Sequence, Tuple
 
 # The character classes as tensorflow-text 2.21 (its ICU) has them, as code point ranges in hex: words
 # separate at "whitespace" (Unicode categories Cc, Cf, Zs, Zl, Zp), and every "punctuation" character (BERT's
@@ -161,11 +161,12 @@ class WordPieceIds:
         # Cache by whitespace-separated chunk (an eojeol with its punctuation): `str.split` runs in C and
         # splits only where tensorflow-text splits too (Python's whitespace is a subset of categories
         # Cc/Zs/Zl/Zp), so a chunk's ids are its words' ids; a chunk seen before costs one lookup, and the
-        # loop over chunks runs in C (`map` over the cache's `__getitem__`; `_Chunks.__missing__` computes new ones).
+        # loop over chunks runs in C (`map` over the cache's `__getitem__`; `_Chunks.__missing__` computes new
+        # ones).
         get, chain = self._chunks.__getitem__, itertools.chain.from_iterable
         return [list(chain(map(get, text.split()))) for text in texts]
 
-    def _chunk(self, chunk: str) -> List[int]:
+    def _chunk(self, chunk: str) -> Tuple[int, ...]:
         cache = self._chunks
         if len(cache) >= _CACHE_LIMIT:
             cache.clear()
@@ -191,5 +192,5 @@ class _Chunks(dict):
         super().__init__()
         self._owner = owner
 
-    def __missing__(self, chunk: str) -> List[int]:
+    def __missing__(self, chunk: str) -> Tuple[int, ...]:
         return self._owner._chunk(chunk)
