@@ -239,12 +239,11 @@ class Tokenizer:
         pre = [self._presplit(t, m) for t, m in zip(texts, self._morphemes_batch(texts))]
         results = []
         if self.kind == "sentencepiece":
-            protos = self._sp.encode([p for p, _ in pre], return_type="proto")
+            protos = self._sp.encode([p for p, _ in pre], out_type="immutable_proto")  # character offsets
             for (inp, index), proto in zip(pre, protos):
-                b2c = _byte_to_char(inp)
                 items = []
                 for piece in proto.pieces:
-                    s, e = b2c[piece.begin], b2c[piece.end]
+                    s, e = piece.begin, piece.end
                     if s < e and inp[s] == " ":  # the piece's ▁ stands for the space: not part of the span
                         s += 1
                     start = index[s] if s < len(index) else index[-1]
@@ -267,15 +266,14 @@ class Tokenizer:
     def _segmented_pieces(self, texts: List[str]):
         rows = [self._segments(t, m) for t, m in zip(texts, self._morphemes_batch(texts))]
         flat = [seg for row in rows for seg, _, _ in row]
-        protos = iter(self._sp.encode(flat, return_type="proto") if flat else [])
+        protos = iter(self._sp.encode(flat, out_type="immutable_proto") if flat else [])  # character offsets
         results = []
         for row in rows:
             items = []
             for seg, start, first in row:
-                b2c = _byte_to_char(seg)
                 shift = start - 1 if first else start  # the leading space is not in the text
                 for piece in next(protos).pieces:
-                    s, e = b2c[piece.begin], b2c[piece.end]
+                    s, e = piece.begin, piece.end
                     if s < e and seg[s] == " ":
                         s += 1
                     items.append((piece.id, piece.piece, shift + s, shift + max(e, s)))
@@ -594,9 +592,12 @@ class Tokenizer:
                 # tokens per review (benchmarks/README.md). The seed stays >= 8x the vocabulary.
                 spm_args.update(seed_sentencepiece_size=min(1_000_000, max(200_000, 8 * vocab_size)),
                                 num_sub_iterations=1)
-            if helper._segmented:  # no piece crosses a morpheme boundary; the delimiter itself is dropped
+            if helper._segmented:  # no piece crosses a morpheme boundary
                 spm_args["pretokenization_delimiter"] = JOINER
-            model = _train_spm(spm, spm_args, progress)
+                spm_args["vocab_size"] += 1  # sentencepiece < 0.2.2 makes the delimiter a piece: dropped below
+            model = _train_spm(spm, spm_args, progress, extra=spm_args["vocab_size"] - vocab_size)
+            if helper._segmented:
+                model = _drop_piece(model, JOINER, vocab_size)
         finally:
             os.remove(lines)
         if algorithm != "wordpiece":
@@ -705,28 +706,47 @@ def _prepare_training_text(helper, inputs, min_line_chars, progress):
     return path, hangul, n
 
 
-def _train_spm(spm, args, progress):
+def _train_spm(spm, args, progress, extra=0):
+    """Trains; `extra` pieces were asked for beyond the user's vocab_size (subtracted in error messages)."""
     import io
     import re
 
     model = io.BytesIO()
     if progress:
-        print(f"training {args['model_type']} vocabulary of {args['vocab_size']} with SentencePiece "
+        print(f"training {args['model_type']} vocabulary of {args['vocab_size'] - extra} with SentencePiece "
               f"on {args['num_threads']} threads ...", flush=True)
     try:
         spm.SentencePieceTrainer.train(model_writer=model, **args)
     except RuntimeError as e:
         m = re.search(r"Vocabulary size too high \((\d+)\)\. Please set it to a value <= (\d+)", str(e))
         if m:
-            raise ValueError(f"vocab_size={m.group(1)} is too large for this corpus: it supports at most "
-                             f"{m.group(2)}; use a smaller vocab_size or more text") from None
+            raise ValueError(f"vocab_size={int(m.group(1)) - extra} is too large for this corpus: it supports at "
+                             f"most {int(m.group(2)) - extra}; use a smaller vocab_size or more text") from None
         m = re.search(r"Vocabulary size is smaller than required_chars\. (\d+) vs (\d+)", str(e))
         if m:
-            raise ValueError(f"vocab_size={m.group(1)} is too small: the text needs {m.group(2)} single characters "
+            raise ValueError(f"vocab_size={int(m.group(1)) - extra} is too small: the text needs "
+                             f"{int(m.group(2)) - extra} single characters "
                              f"and special tokens (every Hangul syllable seen is kept); use a larger "
                              f"vocab_size") from None
         raise ValueError(f"SentencePiece training failed: {e}") from None
     return model.getvalue()
+
+
+def _drop_piece(model: bytes, piece: str, vocab_size: int) -> bytes:
+    """The model without `piece`; if it has no such piece but more than `vocab_size` pieces, without its
+    lowest-scoring multi-character piece instead (single characters keep the text free of [UNK])."""
+    from sentencepiece import sentencepiece_model_pb2
+
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString(model)
+    normal = sentencepiece_model_pb2.ModelProto.SentencePiece.NORMAL
+    drop = [i for i, p in enumerate(proto.pieces) if p.piece == piece]
+    if not drop and len(proto.pieces) > vocab_size:
+        candidates = [i for i, p in enumerate(proto.pieces) if p.type == normal and len(p.piece.lstrip("\u2581")) > 1]
+        drop = [min(candidates, key=lambda i: proto.pieces[i].score)] if candidates else []
+    for i in sorted(drop, reverse=True):
+        del proto.pieces[i]
+    return proto.SerializeToString()
 
 
 def _spm_to_wordpiece(model: bytes, vocab_size: int, user_defined_symbols) -> List[str]:
