@@ -1,8 +1,10 @@
-"""Small shared helpers: compressed text files, progress bars."""
+"""Small shared helpers: compressed text files, progress bars, pausing the cycle collector."""
 
 from __future__ import annotations
 
 import bz2
+import contextlib
+import gc
 import gzip
 import io
 import os
@@ -24,6 +26,20 @@ def open_text(path: str):
     """Opens a text file for reading, transparently decompressing .gz / .bz2. Invalid UTF-8 bytes become
     U+FFFD instead of stopping the read (web corpora have them)."""
     return io.TextIOWrapper(open_binary(path), encoding="utf-8", errors="replace", newline=None)
+
+
+@contextlib.contextmanager
+def no_gc():
+    """Pauses Python's cycle collector while building many small acyclic objects (tuples of strings and
+    ints): every collection walks all live containers, so building 10^6 of them paid for ~10^3 walks over
+    a growing heap (morpheme lists for 20K reviews: 4x slower to unpickle, 4.5x to build)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class _NoBar:

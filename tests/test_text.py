@@ -114,6 +114,28 @@ def test_morpheme_offsets_slice_back(name):
     assert analyzer("") == [] and analyzer("   ") == []
 
 
+def test_mecab_fast_offsets_equal_general_alignment():
+    """MeCab's morphemes take their offsets by searching forward in the text; the general `align` (used
+    for the other analyzers) gives the same on real reviews and on awkward whitespace, and neither makes
+    a morpheme of a space character (MeCab tags U+3000 as a symbol)."""
+    from kbert.text.morphemes import Analyzer
+
+    analyzer = kbert.morphemes("mecab")
+    texts = VARIED + [SENTENCE, "[ 스토리 7 ]\u3000화려한 액션", "\u3000전각 공백\u3000", "탭\t다음\n줄", "😀👍🏻 좋아",
+                      "x\u200by", "漢字 ㅋㅋㅋ", "a  b", "\u00a0앞뒤\u00a0", "제1조(목적)"]
+    if os.path.isdir(SHARED):
+        import gzip
+
+        with gzip.open(os.path.join(SHARED, "movie-reviews", "reviews.tsv.gz"), "rt", encoding="utf-8") as f:
+            next(f)
+            texts += [line.rstrip("\n").split("\t")[-1] for _, line in zip(range(3000), f)]
+    for text in texts:
+        fast = analyzer(text)
+        assert fast == Analyzer.__call__(analyzer, text), text
+        assert all(text[m.start:m.end] == m.surface and not m.surface.isspace() for m in fast), text
+    assert [m.surface for m in analyzer("[ 스토리 7 ]\u3000화려한")][-2:] == ["화려", "한"]
+
+
 def test_konlpy_analyzers_unhook_jpype_from_python_gc():
     """JPype hooks every Python collection once the JVM is up and calls glibc's mallinfo() from it, which in
     a process of a few GB with TensorFlow's threads costs ~45 ms per collection: pure-Python code in this
@@ -135,8 +157,9 @@ def test_konlpy_analyzers_unhook_jpype_from_python_gc():
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
 
 
-def test_morpheme_batch_matches_single():
-    analyzer = kbert.morphemes("mecab")
+@pytest.mark.parametrize("name", ["mecab", "kiwi"])
+def test_morpheme_batch_matches_single(name):
+    analyzer = kbert.morphemes(name)
     texts = KOREAN_SENTENCES * 400  # large enough to use worker processes
     assert analyzer.batch(texts, workers=2) == [analyzer(t) for t in texts]
 
