@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 import unicodedata
+import warnings
 
 import numpy as np
 import pytest
@@ -288,6 +289,19 @@ def test_python_and_tf_data_ids_identical_on_reviews_with_tied_segmentations(alg
     python = [e.ids for e in tok.encode_batch(texts)]
     assert [i for i, (a, b) in enumerate(zip(python, graph)) if a != b] == []
     assert [ids[1:-1] for ids in python] == tok.ids_batch(texts)
+
+
+def test_sentencepiece_version_outside_the_pin_warns(monkeypatch):
+    import sentencepiece
+    from kbert.text import tokenizer as module
+
+    assert sentencepiece.__version__ in ("0.2.0", "0.2.1")  # what setup.py pins
+    monkeypatch.setattr(module, "_VERSION_WARNED", [])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        module._check_sentencepiece_version("0.2.1")
+    with pytest.warns(UserWarning, match=r"sentencepiece 0\.2\.2 is installed.*<0\.2\.2"):
+        module._check_sentencepiece_version("0.2.2")
 
 
 def _fast_bert_ids(tok, texts):
