@@ -451,6 +451,18 @@ def test_sentencepiece_model_tokenizes_like_sentencepiece(tmp_path):
     assert (ours.pad_id, ours.unk_id, ours.cls_id, ours.sep_id, ours.mask_id) == (0, 1, 2, 3, 4)
     for text in [t for t in VARIED if t]:
         assert ours.encode(text, add_special_tokens=False).ids == ref.encode(kbert.normalize(text)), text
+    # In the graph too, with [CLS]/[SEP] added by the op (control pieces) or concatenated (user-defined ones).
+    import tensorflow as tf
+
+    spm.SentencePieceTrainer.train(input=str(lines), model_prefix=str(tmp_path / "ud"), vocab_size=1500,
+                                   pad_id=0, unk_id=1, bos_id=-1, eos_id=-1, pad_piece="<pad>",
+                                   user_defined_symbols="[CLS],[SEP],[MASK]", minloglevel=2)
+    user_defined = kbert.Tokenizer.load(str(tmp_path / "ud.model"))
+    for tok, by_op in ((ours, True), (user_defined, False)):
+        assert (tok._graph_with_specials() is not None) == by_op
+        graph = [row for b in tf.data.Dataset.from_tensor_slices(VARIED).batch(4).map(tok) for row in b.to_list()]
+        assert graph == [tok.encode(t).ids for t in VARIED]
+        assert graph[VARIED.index("")] == [tok.cls_id, tok.sep_id]
 
 
 def test_load_errors(tmp_path):

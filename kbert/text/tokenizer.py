@@ -95,6 +95,7 @@ class Tokenizer:
                                  f"{{'{role}': ...}} with the token it uses")
             self.special_ids[role] = self._index[token]
         self._graph = None
+        self._graph_special = None
         self._wordpiece_ids = None
 
     # ------------------------------------------------------------------ properties
@@ -110,7 +111,7 @@ class Tokenizer:
 
     def __getstate__(self):  # picklable for worker processes: native handles are rebuilt there
         state = dict(self.__dict__)
-        state.update(_sp=None, _graph=None, _analyzer=None, _wordpiece_ids=None)
+        state.update(_sp=None, _graph=None, _graph_special=None, _analyzer=None, _wordpiece_ids=None)
         return state
 
     def __setstate__(self, state):
@@ -400,6 +401,27 @@ class Tokenizer:
                 self._graph = tf_text.SentencepieceTokenizer(model=self._encoder_proto(), out_type=tf.int32)
         return self._graph
 
+    def _graph_with_specials(self):
+        """Plain SentencePiece whose [CLS]/[SEP] are control pieces: an op that adds them itself (as
+        SentencePiece's BOS/EOS), cheaper than concatenating ragged columns (~0.8 us per line); else None."""
+        if self._graph_special is None:
+            self._graph_special = False
+            if self.kind == "sentencepiece" and not self.morphemes and \
+                    self._sp.is_control(self.cls_id) and self._sp.is_control(self.sep_id):
+                import tensorflow as tf
+                import tensorflow_text as tf_text
+                from sentencepiece import sentencepiece_model_pb2
+
+                proto = sentencepiece_model_pb2.ModelProto()
+                proto.ParseFromString(self._encoder_proto())
+                spec = proto.trainer_spec
+                spec.bos_id, spec.bos_piece = self.cls_id, self.vocab[self.cls_id]
+                spec.eos_id, spec.eos_piece = self.sep_id, self.vocab[self.sep_id]
+                with tf.init_scope():
+                    self._graph_special = tf_text.SentencepieceTokenizer(
+                        model=proto.SerializeToString(), out_type=tf.int32, add_bos=True, add_eos=True)
+        return self._graph_special or None
+
     def tf_tokenize(self, texts, add_special_tokens: bool = True):
         """Graph op: string tensor [] or [batch] -> int32 ids [n] or ragged [batch, (n)].
 
@@ -419,10 +441,11 @@ class Tokenizer:
             normalized = self._py_segments(normalized)  # ragged [batch, (morphemes)]
         elif self.morphemes:
             normalized = self._py_strings(normalized, lambda t: self._presplit(t)[0])
-        ids = self._graph_tokenizer().tokenize(normalized)
+        special = self._graph_with_specials() if add_special_tokens else None
+        ids = (special or self._graph_tokenizer()).tokenize(normalized)
         if isinstance(ids, tf.RaggedTensor) and ids.ragged_rank > 1:  # [batch, words or morphemes, pieces]
             ids = ids.merge_dims(1, 2)
-        if add_special_tokens:
+        if add_special_tokens and special is None:
             n = tf.shape(batch)[0]
             cls = tf.fill([n, 1], tf.constant(self.cls_id, tf.int32))
             sep = tf.fill([n, 1], tf.constant(self.sep_id, tf.int32))
