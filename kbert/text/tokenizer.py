@@ -29,6 +29,7 @@ import numpy as np
 
 from kbert.text.normalize import normalize, tf_normalize
 from kbert.text.wordpiece import WordPieceIds
+from kbert.utils import no_gc
 
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 ALGORITHMS = ("unigram", "bpe", "wordpiece")
@@ -287,6 +288,10 @@ class Tokenizer:
         """`encode` for many texts at once (SentencePiece encodes them on all cores)."""
         if isinstance(texts, (str, bytes)):
             raise TypeError("encode_batch expects a list of texts; use encode() for one text")
+        with no_gc():  # ~10 tuples per piece, none in a cycle: 15K -> 19K reviews/s (kbert.utils.no_gc)
+            return self._encode_batch(texts, pairs, add_special_tokens, max_length)
+
+    def _encode_batch(self, texts, pairs, add_special_tokens, max_length):
         texts = [self.normalize(self._check_text(t)) for t in texts]
         pieces = self._pieces_batch(texts)
         pair_pieces = None
