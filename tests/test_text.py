@@ -69,8 +69,10 @@ def test_tf_normalize_fast_path_edges():
 
     texts = ["한국어 문장", "한국어  문장", " 한국어", "한국어 ", "한국어\t문장", "한국어\u3000문장",
              "가\u11a8", "\u1100\u1161", "e\u0301", "\u212b", "\u2329괄호\u232a", "a\u200bb", "a\u00adb",
-             "♥♡★ ☆ ○", "ㅋㅋ ㅎㅎ", "Ｆｕｌｌ", "😀👍🏻", "\ufffd", ""]
-    raw = [t.encode("utf-8") for t in texts] + [b"\xed\x95\x9c\xff", b"ab\xc0\xaf", b"\xed\xa0\x80x"]
+             "♥♡★ ☆ ○", "ㅋㅋ ㅎㅎ", "Ｆｕｌｌ", "😀👍🏻", "\ufffd", "",
+             # only extra ASCII spaces (the cheap path), and one step away from it
+             "  앞  뒤   공백  ", "   ", " ", "a  b ", "  가\u11a8  ", "  a\u200bb ", "  한국어\t문장 ", "  \u3000 "]
+    raw = [t.encode("utf-8") for t in texts] + [b"\xed\x95\x9c\xff", b"ab\xc0\xaf", b"\xed\xa0\x80x", b"a  \xff  b "]
     expected = [kbert.normalize(t) for t in raw]
     assert [t.decode("utf-8") for t in tf_normalize(tf.constant(raw)).numpy()] == expected
     grid = tf_normalize(tf.reshape(tf.constant(raw[:20]), [4, 5])).numpy()  # any shape

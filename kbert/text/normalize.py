@@ -37,6 +37,9 @@ _RE2_STABLE = (r"\x{21}-\x{7e}\x{a1}-\x{ac}\x{ae}-\x{2ff}\x{400}-\x{482}\x{48a}-
                r"\x{232b}-\x{2adb}\x{2add}-\x{2bff}\x{3001}-\x{3029}\x{3030}-\x{3098}\x{309b}-\x{318e}"
                r"\x{4e00}-\x{9fff}\x{ac00}-\x{d7a3}\x{ff01}-\x{ffef}\x{1f300}-\x{1faff}")
 _RE2_ALREADY_NORMAL = f"(?:[{_RE2_STABLE}]+(?: [{_RE2_STABLE}]+)*)?"
+# Of the other strings, nearly all (99.5% of the reviews that fail the test above) differ only by extra
+# ASCII spaces: for those, collapsing and trimming spaces is the whole chain.
+_RE2_STABLE_AND_SPACES = f"[{_RE2_STABLE} ]*"
 
 
 def _check(form: str, repeat: Optional[int]):
@@ -98,13 +101,23 @@ def tf_normalize(texts, form: str = "NFC", repeat: Optional[int] = None, lowerca
     # chain's transcode and regex passes cost more than the tokenizer itself). Invalid UTF-8 never
     # matches, so it always takes the full chain.
     todo = tf.where(tf.logical_not(tf.strings.regex_full_match(flat, _RE2_ALREADY_NORMAL)))
-    flat = tf.tensor_scatter_nd_update(flat, todo, _tf_normalize_nfc(tf.gather_nd(flat, todo)))
+    flat = tf.tensor_scatter_nd_update(flat, todo, _tf_normalize_rest(tf.gather_nd(flat, todo)))
     texts = tf.reshape(flat, shape)
     if lowercase:
         texts = tf.strings.lower(texts, encoding="utf-8")
     if repeat is not None:
         texts = _tf_cut_repeats(texts, repeat)
     return texts
+
+
+def _tf_normalize_rest(texts):
+    """The strings that are not already normal: extra spaces only -> collapse and trim; others -> the
+    full chain (about 6% and 0.03% of movie reviews)."""
+    import tensorflow as tf
+
+    spaces = tf.strings.strip(tf.strings.regex_replace(texts, "  +", " "))
+    hard = tf.where(tf.logical_not(tf.strings.regex_full_match(texts, _RE2_STABLE_AND_SPACES)))
+    return tf.tensor_scatter_nd_update(spaces, hard, _tf_normalize_nfc(tf.gather_nd(texts, hard)))
 
 
 def _tf_normalize_nfc(texts):
