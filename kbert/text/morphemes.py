@@ -13,6 +13,7 @@ be rebuilt from morphemes.
 from __future__ import annotations
 
 import os
+import re
 import sys
 from typing import Callable, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
@@ -193,24 +194,19 @@ class MecabAnalyzer(Analyzer):
             self._impl = self._load()
         # MeCab's surfaces are the text's own characters in order, so each is found where the last one
         # ended (after spaces): no general alignment (2x faster). Anything else takes `align`.
-        out, cursor, find, isspace = [], 0, text.find, str.isspace
-        for line in self._impl.parse(text).split("\n"):
-            tab = line.find("\t")
-            if tab <= 0:
-                continue
-            surface = line[:tab]
+        out, cursor, find, isspace, make = [], 0, text.find, str.isspace, tuple.__new__
+        for surface, tag in _MECAB_LINE.findall(self._impl.parse(text)):
             pos = find(surface, cursor)
             if pos < 0 or (pos > cursor and not text[cursor:pos].isspace()):
                 return align(text, self._pieces(text)) if text.strip() else []
             end = pos + len(surface)
-            if surface.isspace():  # MeCab tags U+3000 and the like as symbols: spaces are no morphemes
-                cursor = end
-                continue
-            comma = line.find(",", tab)
-            out.append(Morpheme(surface, line[tab + 1:comma if comma > 0 else len(line)], pos, end,
-                                pos == 0 or isspace(text[pos - 1]), surface))
+            if not isspace(surface):  # MeCab tags U+3000 and the like as symbols: spaces are no morphemes
+                out.append(make(Morpheme, (surface, tag, pos, end, pos == 0 or isspace(text[pos - 1]), surface)))
             cursor = end
         return out
+
+
+_MECAB_LINE = re.compile(r"^([^\t\n]+)\t([^,\n]*)", re.M)  # surface and first feature (the tag) of a line
 
 
 class KiwiAnalyzer(Analyzer):
