@@ -4,7 +4,8 @@
    SentencePiece alone on the same raw lines.
 2. Morpheme pre-tokenization lines/s per backend (`kbert.morphemes(name).batch`).
 3. In-graph tokenization lines/s in tf.data: `ds.map(tok)` (normalization + tokenization + [CLS]/[SEP])
-   vs a bare tensorflow-text SentencepieceTokenizer on the same model.
+   for unigram, BPE and WordPiece vocabularies of the same size, vs a bare tensorflow-text
+   SentencepieceTokenizer on the unigram model.
 
     python benchmarks/tokenization.py --reviews ../shared/data/movie-reviews/reviews.tsv.gz
 """
@@ -47,7 +48,9 @@ def main(argv=None):
     parser.add_argument("--vocab-size", type=int, default=32000)
     parser.add_argument("--morph-lines", type=int, default=20000, help="lines per morpheme backend")
     parser.add_argument("--backends", default="mecab,kiwi,komoran,okt")
-    parser.add_argument("--rounds", type=int, default=3, help="alternating in-graph rounds (kbert, bare)")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating in-graph rounds")
+    parser.add_argument("--graph-algorithms", default="unigram,bpe,wordpiece",
+                        help="kbert vocabularies measured in the graph (unigram is always measured)")
     parser.add_argument("--stages", default="vocab,morphemes,graph",
                         help="measurements to run; without `vocab`, the in-graph stage trains its vocabulary "
                              "(untimed) on the first 200K lines")
@@ -106,19 +109,28 @@ def main(argv=None):
             pass
         return len(texts) / (time.perf_counter() - t), len(texts) / (time.process_time() - c)
 
-    # Rounds alternate the two so that both see the same machine; medians. On this shared 2-core machine
-    # a pass sometimes gets one core (wall rates halve), while lines per CPU-second stay within ~3%.
+    # The same text through kbert's other plain subword kinds (vocabularies of the same size, trained
+    # untimed on the same first 200K reviews): WordPiece runs on tensorflow-text's FastBertTokenizer.
+    kinds = {"unigram": tok}
+    for algorithm in [a for a in args.graph_algorithms.split(",") if a and a != "unigram"]:
+        kinds[algorithm] = kbert.Tokenizer.train(texts[:200_000], vocab_size=args.vocab_size, algorithm=algorithm,
+                                                 progress=False)
+    # Rounds alternate all of them so that each sees the same machine; medians. On this shared 2-core
+    # machine a pass sometimes gets one core (wall rates halve), while lines per CPU-second stay within ~3%.
     bare = tf_text.SentencepieceTokenizer(model=tok._spm_proto, out_type=tf.int32)
-    runs = {"bare": [], "kbert": []}
+    runs = {name: [] for name in ["bare"] + list(kinds)}
     for _ in range(args.rounds):
         runs["bare"].append(rate(bare.tokenize))
-        runs["kbert"].append(rate(tok))
+        for name, t in kinds.items():
+            runs[name].append(rate(t))
     med = {k: [statistics.median(x[i] for x in v) for i in (0, 1)] for k, v in runs.items()}
-    print(f"in-graph tf.data, median of {args.rounds} alternating rounds (normalize + tokenize + [CLS]/[SEP]):")
-    for name, label in (("kbert", "kbert"), ("bare", "bare tensorflow-text SentencepieceTokenizer")):
-        print(f"  {label:45s} {med[name][0]:9,.0f} lines/s wall, {med[name][1]:9,.0f} lines per CPU-second")
-    print(f"  ratio kbert/bare: wall {med['kbert'][0] / med['bare'][0]:.2f}, CPU {med['kbert'][1] / med['bare'][1]:.2f}"
-          f" (goal >= 250,000 lines/s where the issue measured the bare op at ~233,000: {250 / 233:.2f}x)")
+    print(f"in-graph tf.data, median of {args.rounds} alternating rounds (kbert: normalize + tokenize + [CLS]/[SEP]):")
+    print(f"  {'bare tensorflow-text SentencepieceTokenizer':48s} {med['bare'][0]:9,.0f} lines/s wall, "
+          f"{med['bare'][1]:9,.0f} lines per CPU-second")
+    for name in kinds:
+        print(f"  {'kbert, ' + name:48s} {med[name][0]:9,.0f} lines/s wall, {med[name][1]:9,.0f} lines per "
+              f"CPU-second: {med[name][0] / med['bare'][0]:.2f}x / {med[name][1] / med['bare'][1]:.2f}x the bare op")
+    print(f"  goal: >= 250,000 lines/s, where the issue measured the bare op at ~233,000 ({250 / 233:.2f}x it)")
 
 
 if __name__ == "__main__":
