@@ -306,6 +306,21 @@ def test_sentencepiece_version_outside_the_pin_warns(monkeypatch):
         module._check_sentencepiece_version("0.2.2")
 
 
+def test_offsets_from_ids_equal_sentencepiece_protos(tokenizers):
+    """kbert's SentencePiece models see the text as given, so `encode` takes offsets from the ids alone
+    (pieces spell `▁` + text); SentencePiece's own protos give the same, byte pieces and literal `▁` too."""
+    from kbert.text.tokenizer import _iter_lines
+
+    tok = tokenizers[("unigram", None)]
+    assert tok._piece_lengths() is not None
+    texts = VARIED + ["a 😀 b", "가😀나", "\u2581", "a \u2581 b", "▁▁x", "漢字混用 文章입니다", "x\u200dy", "🇰🇷🏳️‍🌈",
+                      "\ue000", "\ud7fb", "[MASK] [CLS]"] + list(_iter_lines(TRAIN_FILES))[:2000]
+    norm = [tok.normalize(t) for t in texts]
+    assert tok._walked_pieces(norm) == tok._proto_pieces(norm)
+    bpe = tokenizers[("bpe", None)]
+    assert bpe._piece_lengths() is not None and bpe._walked_pieces(norm) == bpe._proto_pieces(norm)
+
+
 def _fast_bert_ids(tok, texts):
     ids = tok._fast_bert().tokenize(texts)
     return (ids.merge_dims(1, 2) if ids.ragged_rank > 1 else ids).to_list()
@@ -451,6 +466,7 @@ def test_sentencepiece_model_tokenizes_like_sentencepiece(tmp_path):
     ours = kbert.Tokenizer.load(str(tmp_path / "ko.model"))
     ref = spm.SentencePieceProcessor(model_file=str(tmp_path / "ko.model"))
     assert (ours.pad_id, ours.unk_id, ours.cls_id, ours.sep_id, ours.mask_id) == (0, 1, 2, 3, 4)
+    assert ours._piece_lengths() is None  # SentencePiece's own normalization: offsets come from its protos
     for text in [t for t in VARIED if t]:
         assert ours.encode(text, add_special_tokens=False).ids == ref.encode(kbert.normalize(text)), text
     # In the graph too, with [CLS]/[SEP] added by the op (control pieces) or concatenated (user-defined ones).
