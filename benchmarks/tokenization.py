@@ -3,7 +3,8 @@
 1. Vocabulary training time: `kbert.Tokenizer.train` (normalize + Hangul coverage + SentencePiece) vs
    SentencePiece alone on the same raw lines.
 2. Morpheme pre-tokenization lines/s per backend (`kbert.morphemes(name).batch`).
-3. In-graph tokenization lines/s in tf.data: `ds.map(tok)` (normalization + tokenization + [CLS]/[SEP])
+3. Python `encode_batch` (ids + offsets) vs sentencepiece's own encoder with offsets.
+4. In-graph tokenization lines/s in tf.data: `ds.map(tok)` (normalization + tokenization + [CLS]/[SEP])
    for unigram, BPE and WordPiece vocabularies of the same size, vs a bare tensorflow-text
    SentencepieceTokenizer on the unigram model.
 
@@ -51,7 +52,7 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=3, help="alternating in-graph rounds")
     parser.add_argument("--graph-algorithms", default="unigram,bpe,wordpiece",
                         help="kbert vocabularies measured in the graph (unigram is always measured)")
-    parser.add_argument("--stages", default="vocab,morphemes,graph",
+    parser.add_argument("--stages", default="vocab,morphemes,python,graph",
                         help="measurements to run; without `vocab`, the in-graph stage trains its vocabulary "
                              "(untimed) on the first 200K lines")
     args = parser.parse_args(argv)
@@ -94,7 +95,24 @@ def main(argv=None):
         analyzer.batch(sample)
         print(f"morphemes {name:9s} {len(sample) / (time.perf_counter() - t):9,.0f} lines/s")
 
-    # 3. in-graph tokenization
+    # 3. Python encode with offsets
+    if "python" in stages:
+        sample = texts[:200_000]
+        rounds = {"kbert": [], "sentencepiece": []}
+        for _ in range(args.rounds):
+            t = time.perf_counter()
+            tok.encode_batch(sample)
+            rounds["kbert"].append(len(sample) / (time.perf_counter() - t))
+            t = time.perf_counter()
+            for proto in tok._sp.encode(sample, out_type="immutable_proto"):
+                [(p.id, p.begin, p.end) for p in proto.pieces]
+            rounds["sentencepiece"].append(len(sample) / (time.perf_counter() - t))
+        k, r = statistics.median(rounds["kbert"]), statistics.median(rounds["sentencepiece"])
+        print(f"Python encode with offsets, {len(sample):,} reviews, median of {args.rounds}: kbert encode_batch "
+              f"(normalize + ids + offsets + [CLS]/[SEP]) {k:,.0f} lines/s, sentencepiece immutable protos "
+              f"(ids + offsets) {r:,.0f} lines/s ({k / r:.2f}x)")
+
+    # 4. in-graph tokenization
     if "graph" not in stages:
         return
 
