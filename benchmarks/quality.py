@@ -142,6 +142,8 @@ def main():
     parser.add_argument("--epochs", type=float, default=1.0, help="sentiment fine-tuning epochs")
     parser.add_argument("--dev-examples", type=int, default=10000)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--embedding-init", choices=("cooccurrence", "random"), default="cooccurrence",
+                        help="token embeddings to start pretraining from (trainer.embedding_init)")
     parser.add_argument("--objective", choices=("mlm", "electra"), default="mlm",
                         help="pretraining objective: masked LM, or ELECTRA's replaced-token detection")
     parser.add_argument("--small", action="store_true", help="a few minutes end to end (checks the chain)")
@@ -182,7 +184,8 @@ def main():
               # ELECTRA-Small's learning rate; masked LM trains fastest at 1e-3 here
               "optimizer": {"name": "adamw", "learning_rate": 5e-4 if args.objective == "electra" else 1e-3,
                             "warmup_steps": 300, "weight_decay": 0.01},
-              "trainer": {"steps": 100_000, "batch_size": 32, "log_every": 10, "checkpoint_every": 250},
+              "trainer": {"steps": 100_000, "batch_size": 32, "log_every": 10, "checkpoint_every": 250,
+                          "embedding_init": args.embedding_init},
               "runtime": {"strategy": "cpu", "seed": args.seed, "jit": True}, "output_dir": run_dir}
 
     def pretraining():
@@ -212,6 +215,7 @@ def main():
                 "model_dir": summary["model_dir"], "minutes": round((time.time() - start) / 60, 1),
                 "first_loss": history[0], "final_loss": float(sum(history[-20:]) / len(history[-20:])),
                 "final_mlm_accuracy": summary["mlm_accuracy"], "objective": args.objective,
+                "embedding_init": args.embedding_init,
                 **({"final_rtd_accuracy": summary["rtd_accuracy"]} if "rtd_accuracy" in summary else {})}
 
     pre = stage(args.out, "pretraining", pretraining)

@@ -219,6 +219,60 @@ def test_bad_configs_name_the_key(tok_dir, tmp_path):
     assert cfg.optimizer.learning_rate == 3e-4 and cfg.trainer.batch_size == "auto" and cfg.model == "bert-mini"
 
 
+def test_cooccurrence_embeddings_put_words_of_one_context_together(tok_dir, tmp_path):
+    """Two families of words that never share a line: PPMI + SVD vectors must separate them, be
+    deterministic, and leave tokens never seen (special tokens) at the model's random initialization."""
+    import random
+
+    from kbert.train.embedding_init import cooccurrence_embeddings
+
+    tok = kbert.Tokenizer.load(tok_dir)
+    words = []
+    for piece in tok.vocab:
+        word = piece[1:]
+        if (piece.startswith("\u2581") and len(word) >= 2 and all("\uac00" <= c <= "\ud7a3" for c in word)
+                and tok.encode(word, add_special_tokens=False).ids == [tok.vocab.index(piece)]):
+            words.append(word)
+        if len(words) == 40:
+            break
+    assert len(words) == 40
+    families = [words[:20], words[20:]]
+    rng = random.Random(0)
+    text = tmp_path / "families.txt"
+    with open(text, "w", encoding="utf-8") as f:
+        for i in range(3000):
+            f.write(" ".join(rng.choices(families[i % 2], k=10)) + "\n\n")
+    table = cooccurrence_embeddings(str(text), tok, tok.vocab_size, 32, progress=False)
+    assert table.shape == (tok.vocab_size, 32) and table.dtype == np.float32
+    np.testing.assert_array_equal(table, cooccurrence_embeddings(str(text), tok, tok.vocab_size, 32,
+                                                                 progress=False))
+    ids = [[tok.encode(w, add_special_tokens=False).ids[0] for w in family] for family in families]
+    unit = table / np.linalg.norm(table, axis=1, keepdims=True)
+    within = np.mean([unit[f] @ unit[f].T for f in ids])
+    across = np.mean(unit[ids[0]] @ unit[ids[1]].T)
+    assert within > 0.5 and across < 0.1, (within, across)
+    unseen = table[[tok.mask_id, tok.cls_id, tok.pad_id]]
+    assert 0.01 < unseen.std() < 0.03  # the model's initializer_range (0.02)
+
+
+def test_embedding_init_from_cooccurrence_starts_pretraining(tok_dir, tmp_path):
+    from kbert.train.embedding_init import cooccurrence_embeddings
+
+    summary = pretrain(_config(tok_dir, str(tmp_path / "run"), 2, trainer={"embedding_init": "cooccurrence"}),
+                       progress=False)
+    tok = kbert.Tokenizer.load(tok_dir)
+    table = cooccurrence_embeddings(["kolaw", "kobill"], tok, tok.vocab_size, TINY["hidden_size"], seed=3,
+                                    progress=False)
+    learned = kbert.load_model(summary["model_dir"]).token_embedding.embeddings.numpy()
+    # two warm-up steps of Adam (lr 2e-4, 4e-4) move each weight by at most ~6e-4
+    assert np.abs(learned - table).max() < 1e-3
+    with pytest.raises(ValueError, match="trainer.embedding_init"):
+        pretrain(_config(tok_dir, str(tmp_path / "a"), 2, trainer={"embedding_init": "glove"}), progress=False)
+    with pytest.raises(ValueError, match="embedding_init: cooccurrence.*raw"):
+        pretrain(_config(tok_dir, str(tmp_path / "b"), 2, data={"source": "dummy"},
+                         trainer={"embedding_init": "cooccurrence"}), progress=False)
+
+
 # ---------------------------------------------------------------- memory planner
 def test_planner_matches_the_reference_12gb_table():
     from kbert.train.memory import REFERENCE_12GB, plan_batch_size

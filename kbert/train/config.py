@@ -58,6 +58,9 @@ class TrainerConfig:
     keep_checkpoints: int = 3
     memory: Optional[str] = None  # device memory for batch_size="auto" when it cannot be read ("12GB")
     oom_fallback: bool = True  # on out-of-memory: halve the micro-batch, double accumulation, resume
+    # token embeddings to start from: "random" (BERT's), or "cooccurrence": PPMI + SVD vectors of the raw-text
+    # source, computed in about a minute (kbert/train/embedding_init.py); pays off most when compute is short
+    embedding_init: str = "random"
 
 
 @dataclasses.dataclass

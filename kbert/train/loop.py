@@ -27,6 +27,7 @@ class TrainingDiverged(RuntimeError):
 
 
 OBJECTIVES = ("mlm", "mlm+nsp", "mlm+sop", "electra")
+EMBEDDING_INITS = ("random", "cooccurrence")
 
 
 def _objective_head(objective: str) -> Optional[str]:
@@ -73,6 +74,13 @@ def _validate(config: PretrainConfig):
     if not 0.0 < e.generator_size <= 1.0 or not e.rtd_weight > 0:
         raise ValueError(f"`electra.generator_size` must be in (0, 1] and `electra.rtd_weight` positive. "
                          f"Received: generator_size={e.generator_size!r}, rtd_weight={e.rtd_weight!r}")
+    if t.embedding_init not in EMBEDDING_INITS:
+        raise ValueError(f"`trainer.embedding_init` must be one of {EMBEDDING_INITS}. Received: {t.embedding_init!r}")
+    from kbert.data.pretraining import _is_records
+
+    if t.embedding_init == "cooccurrence" and (d.source == "dummy" or _is_records(d.source)):
+        raise ValueError("`trainer.embedding_init: cooccurrence` counts tokens in raw text, but `data.source` is "
+                         f"{d.source!r}: point `data.source` at the raw corpus, or use embedding_init: random")
     if not isinstance(t.steps, int) or t.steps < 1:
         raise ValueError(f"`trainer.steps` must be a positive integer. Received: {t.steps!r}")
     for key in ("log_every", "checkpoint_every", "keep_checkpoints", "accumulation"):
@@ -186,6 +194,10 @@ def pretrain(config: Union[PretrainConfig, dict, str], overrides=None, resume: b
     manager = tf.train.CheckpointManager(checkpoint, ckpt_dir, max_to_keep=t.keep_checkpoints)
     if manager.latest_checkpoint:
         checkpoint.restore(manager.latest_checkpoint).assert_existing_objects_matched()
+    elif t.embedding_init == "cooccurrence":  # a fresh run (deterministic, so a restart from step 0 repeats it)
+        from kbert.train.embedding_init import initialize_token_embeddings
+
+        initialize_token_embeddings(backbone, d.source, tokenizer, seed=rt.seed, progress=progress)
     start = int(step.numpy())
     sync_iterations(optimizer, start, t.accumulation)
 
