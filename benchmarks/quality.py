@@ -5,7 +5,8 @@
    dev split left out) plus the Korean statutes, for a wall-clock budget (`--minutes`, default 55). The recipe
    spends a small budget on as many updates as it can: masked-LM only (no NSP), 64-token sequences (reviews
    are short), batches of 32, no dropout while pretraining (dropout 0.1 is restored in the saved model for
-   fine-tuning), XLA-compiled steps;
+   fine-tuning), XLA-compiled steps, and token embeddings started from the text's co-occurrence statistics
+   (`trainer.embedding_init: cooccurrence`, inside the budget; `--embedding-init random` for BERT's start);
 3. sentiment: NSMC-style train/dev sets from the reviews (ratings 1-4 vs 9-10, balanced, <= 140 chars,
    split by movie); the pretrained model and the same model from random initialization fine-tuned with the
    same settings (the random-init reference runs last, after stage 4), and a TF-IDF character 1-3-gram +
