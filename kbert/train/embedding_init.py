@@ -18,8 +18,9 @@ The result is deterministic for a seed. Measured in benchmarks/README.md (issue 
 
 from __future__ import annotations
 
+import itertools
 import time
-from typing import Iterable, Optional
+from typing import Iterable, Iterator
 
 import numpy as np
 
@@ -29,37 +30,25 @@ DEFAULT_MAX_TOKENS = 20_000_000
 
 
 def token_lines(source, tokenizer, max_tokens: int = DEFAULT_MAX_TOKENS, progress: bool = True,
-                chunk: int = 4096) -> Iterable[np.ndarray]:
+                chunk: int = 4096) -> Iterator[np.ndarray]:
     """Token ids (without special tokens) of each sentence of a raw-text `source`, until `max_tokens`."""
     from kbert.data.corpus import Corpus
 
-    corpus = source if isinstance(source, Corpus) else Corpus(source)
+    sentences = (source if isinstance(source, Corpus) else Corpus(source)).texts()  # normalized
     seen = 0
     bar = progress_bar(total=max_tokens, desc="co-occurrence: tokenizing", unit="tok", enabled=progress)
-    batch = []
-
-    def flush():
-        nonlocal seen
-        out = []
-        for ids in tokenizer.ids_batch(batch, normalized=True):
-            if seen >= max_tokens:
-                break
-            ids = np.asarray(ids[:max_tokens - seen], dtype=np.int64)
-            seen += ids.size
-            out.append(ids)
-        bar.update(sum(a.size for a in out))
-        batch.clear()
-        return out
-
     try:
-        for document in corpus:
-            batch.extend(document)
-            if len(batch) >= chunk:
-                yield from flush()
+        while seen < max_tokens:
+            batch = list(itertools.islice(sentences, chunk))
+            if not batch:
+                return
+            for ids in tokenizer.ids_batch(batch, normalized=True):
+                ids = np.asarray(ids[:max_tokens - seen], dtype=np.int64)
+                seen += ids.size
+                bar.update(ids.size)
+                yield ids
                 if seen >= max_tokens:
                     return
-        if batch:
-            yield from flush()
     finally:
         bar.close()
 
@@ -134,11 +123,11 @@ def cooccurrence_embeddings(source, tokenizer, vocab_size: int, dim: int, window
 
 
 def initialize_token_embeddings(backbone, source, tokenizer, seed: int = 0, progress: bool = True,
-                                max_tokens: Optional[int] = None) -> None:
+                                max_tokens: int = DEFAULT_MAX_TOKENS) -> None:
     """Assigns `cooccurrence_embeddings` of `source` to `backbone`'s token embedding table."""
     variable = backbone.token_embedding.embeddings
     vocab_size, dim = (int(n) for n in variable.shape)
     table = cooccurrence_embeddings(source, tokenizer, vocab_size, dim, seed=seed, progress=progress,
-                                    max_tokens=max_tokens or DEFAULT_MAX_TOKENS,
+                                    max_tokens=max_tokens,
                                     initializer_range=backbone.config.initializer_range)
     variable.assign(table.astype(variable.dtype))
