@@ -246,7 +246,8 @@ def _finetune(args):
                        pair_column=args.pair_column, label_column=None if args.no_label else args.label_column,
                        epochs=args.epochs, batch_size=args.batch_size, learning_rate=args.learning_rate,
                        max_length=args.max_length, patience=args.patience, eval_every=args.eval_every,
-                       max_steps=args.max_steps, seed=args.seed, group_by_length=not args.no_group_by_length)
+                       max_steps=args.max_steps, seed=args.seed, group_by_length=not args.no_group_by_length,
+                       similarity_loss=args.similarity_loss)
     best = f"best dev {summary['metric']} {summary['best']:.4f} at step {summary['best_step']}" \
         if summary["best"] is not None else "no dev set: the last model"
     print(f"{summary['task']}: {summary['steps']} steps ({summary['stopped_by']}), {best}; "
@@ -386,6 +387,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pair-column", help="second text (pair tasks, sentence-embedding)")
     p.add_argument("--label-column", default="label", help="label, score, or space-separated tags")
     p.add_argument("--no-label", action="store_true", help="sentence-embedding from (anchor, positive) pairs")
+    p.add_argument("--similarity-loss", choices=("cosine", "cosent"), default="cosine",
+                   help="sentence-embedding with scores: cosine regression or CoSENT's ranking loss")
     p.add_argument("--epochs", type=float, default=3)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--learning-rate", "--lr", type=float, default=5e-5)
