@@ -133,6 +133,7 @@ def test_quickstart_runs_end_to_end(tmp_path, capsys):
     assert main(["quickstart", "--out", out, "--steps", "6"]) == 0
     text = capsys.readouterr().out
     assert "[4/4] embeddings" in text and "done in" in text
+    assert text.count("words nearest '") == 3  # the word-vector example: 3 frequent words and their neighbours
     emb = kbert.Embedder.load(f"{out}/model")  # what `kbert embed` and users load
     assert emb.encode("대한민국은 민주공화국이다.").shape == (128,)
     assert main(["quickstart", "--out", out, "--steps", "6"]) == 0  # a rerun finds the finished run
