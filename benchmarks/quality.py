@@ -15,7 +15,9 @@
    KorSTS dev, beside TF-IDF character n-gram cosine.
 
 Every stage writes its result under `--out` and is skipped when rerun (pretraining resumes from its last
-checkpoint), so an interrupted run continues where it stopped. Seeded: reruns give the same figures.
+checkpoint), so an interrupted run continues where it stopped. Seeded: reruns give the same figures. A rerun
+with another `--epochs` on the same `--out` reuses stages 1, 2 and 4 and fine-tunes the sentiment models again
+(stages `sentiment-*-Nep`).
 
     python benchmarks/quality.py --shared ../shared/data --out ~/.cache/kbert/quality
     python benchmarks/quality.py --small      # minutes: checks the chain, not the figures
@@ -239,8 +241,10 @@ def main():
     runs = {}
 
     def sentiment(name, model_dir):
-        out_dir = os.path.join(args.out, f"sentiment-{name}")
-        runs[name] = stage(args.out, f"sentiment-{name}", lambda: {
+        # another epoch count is another stage, so one --out dir holds both and the pretraining is reused
+        stage_name = f"sentiment-{name}" + ("" if args.epochs == 1 else f"-{args.epochs:g}ep")
+        out_dir = os.path.join(args.out, stage_name)
+        runs[name] = stage(args.out, stage_name, lambda: {
             k: v for k, v in kbert.finetune(model_dir, "classification", train, dev, out_dir=out_dir, **settings).items()
             if k in ("best", "best_step", "history", "steps")})
 
