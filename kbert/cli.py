@@ -237,6 +237,19 @@ def _embed(args):
         print(f"wrote {sum(len(c) for c in chunks)} vectors to {args.out}", file=sys.stderr)
 
 
+def _layers_arg(text):
+    """`--layers`: "-1", "all" or comma-separated layer indices (0 = embedding output)."""
+    if text is None:
+        return -1
+    if text == "all":
+        return "all"
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--layers: expected all, -1 or comma-separated integers such as 0,4; got {text!r}")
+    return values[0] if len(values) == 1 else values
+
+
 def _finetune(args):
     import json
 
@@ -247,7 +260,8 @@ def _finetune(args):
                        epochs=args.epochs, batch_size=args.batch_size, learning_rate=args.learning_rate,
                        max_length=args.max_length, patience=args.patience, eval_every=args.eval_every,
                        max_steps=args.max_steps, seed=args.seed, group_by_length=not args.no_group_by_length,
-                       similarity_loss=args.similarity_loss)
+                       similarity_loss=args.similarity_loss, pooling=args.pooling or "mean",
+                       layers=_layers_arg(args.layers))
     best = f"best dev {summary['metric']} {summary['best']:.4f} at step {summary['best_step']}" \
         if summary["best"] is not None else "no dev set: the last model"
     print(f"{summary['task']}: {summary['steps']} steps ({summary['stopped_by']}), {best}; "
@@ -368,7 +382,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("embed", help="sentence (or word) vectors for lines of text (stdin or --input)")
     p.add_argument("--model", required=True, help="model dir (kbert, or Hugging Face with its vocab)")
     p.add_argument("--input", help="text file, one text per line (default: stdin)")
-    p.add_argument("--pooling", choices=("mean", "cls", "max", "first_last_avg"), default="mean")
+    p.add_argument("--pooling", choices=("mean", "cls", "max", "first_last_avg"),
+                   help="default: the model's own (a fine-tuned bi-encoder's pooling), else mean")
     p.add_argument("--words", action="store_true", help="word vectors instead of sentence vectors")
     p.add_argument("--unit", choices=("eojeol", "morpheme", "subword"), default="eojeol", help="with --words")
     p.add_argument("--format", choices=("jsonl", "npy"), default="jsonl")
@@ -389,6 +404,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-label", action="store_true", help="sentence-embedding from (anchor, positive) pairs")
     p.add_argument("--similarity-loss", choices=("cosine", "cosent"), default="cosine",
                    help="sentence-embedding with scores: cosine regression or CoSENT's ranking loss")
+    p.add_argument("--pooling", choices=("mean", "cls", "max", "first_last_avg"),
+                   help="sentence-embedding: how token vectors become the sentence vector (default mean)")
+    p.add_argument("--layers", help="sentence-embedding: layers averaged before pooling: -1 (the last, default), "
+                                    "all, or indices such as 0,4 (0 = embedding output)")
     p.add_argument("--epochs", type=float, default=3)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--learning-rate", "--lr", type=float, default=5e-5)

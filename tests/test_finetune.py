@@ -107,6 +107,34 @@ def test_cosent_loss_against_a_double_loop_and_in_training(base, tmp_path):
         kbert.finetune(base, "sentence-embedding", [], similarity_loss="mse", progress=False)
 
 
+def test_bi_encoder_pooling_over_layers_is_saved_and_reused(base, tmp_path):
+    """`pooling`/`layers` train the bi-encoder on averaged layers; the dir remembers them, so `Embedder.encode`
+    and `kbert export` give the vectors the model was selected with."""
+    out = str(tmp_path / "layers")
+    summary = kbert.finetune(base, "sentence-embedding", os.path.join(KORSTS, "sts-train.tsv"),
+                             os.path.join(KORSTS, "sts-dev.tsv"), out_dir=out, text_column="sentence1",
+                             pair_column="sentence2", label_column="score", epochs=1, max_steps=40,
+                             learning_rate=5e-4, max_length=64, progress=False, layers=(0, 1, 2))
+    emb = kbert.Embedder.load(out)
+    assert (emb.pooling, emb.layers) == ("mean", [0, 1, 2])
+    with open(os.path.join(KORSTS, "sts-dev.tsv"), encoding="utf-8") as f:
+        rows = [line.rstrip("\n").split("\t") for line in f][1:]
+    a, b = emb.encode([r[5] for r in rows]), emb.encode([r[6] for r in rows])
+    assert spearman(np.sum(a * b, axis=1), [float(r[4]) for r in rows]) == pytest.approx(summary["best"], abs=1e-4)
+    texts = ["영화가 정말 재밌다", "법률 조항을 개정한다"]
+    assert np.allclose(emb.encode(texts), emb.encode(texts, pooling="mean", layers=[0, 1, 2]))
+    assert not np.allclose(emb.encode(texts), emb.encode(texts, layers=-1), atol=1e-3)  # not the last layer alone
+    assert kbert.Embedder.load(base).layers == -1  # a plain model dir: mean pooling of the last layer
+    path = kbert.export(out, str(tmp_path / "export"))  # checks the SavedModel against encode() itself
+    with open(os.path.join(path, "assets.extra", "kbert.json"), encoding="utf-8") as f:
+        assert json.load(f)["layers"] == [0, 1, 2]
+    with pytest.raises(ValueError, match="apply to task='sentence-embedding' only"):
+        kbert.finetune(base, "classification", [], layers=[0, 1], progress=False)
+    with pytest.raises(ValueError, match="`layers` entries must be in"):
+        kbert.finetune(base, "sentence-embedding", os.path.join(KORSTS, "sts-dev.tsv"), text_column="sentence1",
+                       pair_column="sentence2", label_column="score", layers=[5], progress=False)
+
+
 def test_spearman_and_pearson_against_hand_values():
     assert list(_rank(np.array([10.0, 20.0, 20.0, 5.0]))) == [2.0, 3.5, 3.5, 1.0]  # ties share the mean rank
     assert spearman([1, 2, 3, 4], [10, 20, 30, 1000]) == pytest.approx(1.0)
@@ -276,3 +304,14 @@ def test_finetune_and_export_cli(base, tmp_path, capsys):
     assert main(["finetune", "--model", base, "--task", "classification", "--train", str(train),
                  "--out", out, "--text-column", "document", "--label-column", "stars"]) == 1
     assert "no column 'stars'" in capsys.readouterr().err
+    pairs = tmp_path / "pairs.tsv"
+    pairs.write_text("a\tb\tscore\n" + "".join(f"{r['text']}\t{r['text'][:20]}\t{i % 6}\n" for i, r in enumerate(rows)),
+                     encoding="utf-8")
+    bi = str(tmp_path / "bi-encoder")
+    assert main(["finetune", "--model", base, "--task", "sentence-embedding", "--train", str(pairs), "--out", bi,
+                 "--text-column", "a", "--pair-column", "b", "--label-column", "score", "--max-steps", "2",
+                 "--layers", "all"]) == 0
+    assert kbert.Embedder.load(bi).layers == [0, 1, 2]
+    assert main(["finetune", "--model", base, "--task", "sentence-embedding", "--train", str(pairs), "--out", bi,
+                 "--text-column", "a", "--pair-column", "b", "--layers", "last"]) == 1
+    assert "--layers: expected all, -1 or comma-separated integers" in capsys.readouterr().err

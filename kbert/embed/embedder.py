@@ -31,10 +31,14 @@ WORD_POOLINGS = ("mean", "first")
 class Embedder:
     """Sentence and word embeddings from a BERT/ALBERT backbone and its tokenizer."""
 
-    def __init__(self, backbone, tokenizer, max_length: Optional[int] = None):
+    def __init__(self, backbone, tokenizer, max_length: Optional[int] = None, pooling: str = "mean",
+                 layers: Union[int, List[int]] = -1):
         if not getattr(backbone, "output_hidden_states", False):
             raise ValueError("Embedder needs a backbone built with output_hidden_states=True; use Embedder.load(dir)")
+        check_pooling(pooling, layers, backbone.config.num_layers + 1)
         self.backbone, self.tokenizer = backbone, tokenizer
+        # the sentence pooling `encode` uses by default: a bi-encoder dir's own (`kbert.finetune(pooling=...)`)
+        self.pooling, self.layers = pooling, layers
         self.max_length = min(max_length or backbone.config.max_position, backbone.config.max_position)
         self._fns = {}
 
@@ -59,7 +63,11 @@ class Embedder:
         if tokenizer.vocab_size > backbone.config.vocab_size:
             raise ValueError(f"The tokenizer has {tokenizer.vocab_size} tokens but the model only "
                              f"{backbone.config.vocab_size} embeddings")
-        return cls(backbone, tokenizer, max_length)
+        pooling, layers = "mean", -1
+        if task and task.get("task") == "sentence-embedding":
+            pooling, layers = task.get("pooling") or "mean", task.get("layers", -1)
+            layers = -1 if layers is None else layers
+        return cls(backbone, tokenizer, max_length, pooling, layers)
 
     # ----------------------------------------------------------------- running the model
     def _run(self, ids: np.ndarray, mask: np.ndarray, pooling: Optional[str] = None, layers=-1):
@@ -127,8 +135,19 @@ class Embedder:
         chosen = check_pooling("mean", layers, len(hidden))
         return np.mean([hidden[l] for l in chosen], axis=0)
 
+    def resolve_pooling(self, pooling: Optional[str] = None, layers=None):
+        """`(pooling, layers)` with None replaced by the model's defaults, validated."""
+        if pooling is None:
+            pooling = self.pooling
+            layers = self.layers if layers is None else layers
+        elif layers is None:
+            layers = self.layers if pooling == self.pooling else -1
+        check_pooling(pooling, layers, self.backbone.config.num_layers + 1)
+        return pooling, layers
+
     # ----------------------------------------------------------------- public API
-    def encode(self, texts: Union[str, Sequence[str]], pooling: str = "mean", layers: Union[int, List[int]] = -1,
+    def encode(self, texts: Union[str, Sequence[str]], pooling: Optional[str] = None,
+               layers: Union[int, List[int], None] = None,
                normalize: bool = True, batch_size: int = 64, max_length: Optional[int] = None,
                progress: Optional[bool] = None) -> np.ndarray:
         """Sentence vectors `[n, hidden]` (a single string gives `[hidden]`), float32, in input order.
@@ -137,9 +156,11 @@ class Embedder:
             vector; poor for similarity before fine-tuning), "max", or "first_last_avg" (mean pooling of the
             first and last layers averaged, a strong untuned baseline).
         layers: -1, or a list of layers to average before pooling (0 = embedding output).
+            Both default to the model's own: a bi-encoder fine-tuned by `kbert.finetune` pools as it was
+            trained (`self.pooling`, `self.layers`); any other model, mean pooling of the last layer.
         normalize: unit length, so dot products are cosine similarities.
         """
-        check_pooling(pooling, layers, self.backbone.config.num_layers + 1)
+        pooling, layers = self.resolve_pooling(pooling, layers)
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"`batch_size` must be a positive integer. Received: batch_size={batch_size!r}")
         single = isinstance(texts, (str, bytes))

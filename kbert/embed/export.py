@@ -117,15 +117,15 @@ def _head_outputs(module, x, task):
 
 
 def export(model_dir: str, out_dir: str, signature: str = "embed", pooling: Optional[str] = None,
-           layers: Union[int, List[int]] = -1, normalize: bool = True, max_length: Optional[int] = None,
+           layers: Union[int, List[int], None] = None, normalize: bool = True, max_length: Optional[int] = None,
            version: int = 1, overwrite: bool = False, check: bool = True) -> str:
     """Writes `out_dir/<version>/` (TensorFlow Serving's layout) and returns that path.
 
     Args:
         model_dir: a model dir `kbert.Embedder.load` reads (for `classify`: a `kbert finetune` output).
         signature: "embed" (vectors) or "classify" (class probabilities / regression values).
-        pooling, layers, normalize: as `Embedder.encode` (pooling defaults to the model's fine-tuned
-            pooling, else "mean").
+        pooling, layers, normalize: as `Embedder.encode` (pooling and layers default to the model's
+            fine-tuned pooling, else mean pooling of the last layer).
         max_length: longest input in tokens (default: the model's maximum); longer inputs are truncated.
         version: the numbered subdirectory TF Serving loads.
         overwrite: replace an existing `out_dir/<version>`.
@@ -134,7 +134,6 @@ def export(model_dir: str, out_dir: str, signature: str = "embed", pooling: Opti
     import tensorflow as tf
 
     from kbert.embed.embedder import Embedder
-    from kbert.embed.pooling import check_pooling
 
     if signature not in SIGNATURES:
         raise ValueError(f"`signature` must be one of {SIGNATURES}. Received: signature={signature!r}")
@@ -151,8 +150,7 @@ def export(model_dir: str, out_dir: str, signature: str = "embed", pooling: Opti
     if signature == "embed":
         emb = Embedder.load(model_dir, max_length=max_length)
         tokenizer, backbone = emb.tokenizer, emb.backbone
-        pooling = pooling or (meta or {}).get("pooling") or "mean"
-        check_pooling(pooling, layers, backbone.config.num_layers + 1)
+        pooling, layers = emb.resolve_pooling(pooling, layers)
         _check_tokenizer(tokenizer)
         module = _module(backbone, tokenizer, signature, emb.max_length, pooling, layers, normalize)
         limit = emb.max_length
@@ -175,7 +173,7 @@ def export(model_dir: str, out_dir: str, signature: str = "embed", pooling: Opti
     tf.saved_model.save(module, tmp, signatures={"serving_default": module.serve})
     os.makedirs(os.path.join(tmp, "assets.extra"), exist_ok=True)  # TF Serving's place for extra files
     with open(os.path.join(tmp, "assets.extra", "kbert.json"), "w", encoding="utf-8") as f:
-        json.dump({"signature": signature, "pooling": pooling, "max_length": limit, "normalize": normalize,
+        json.dump({"signature": signature, "pooling": pooling, "layers": layers, "max_length": limit, "normalize": normalize,
                    "task": (meta or {}).get("task"), "labels": (meta or {}).get("labels")}, f, ensure_ascii=False)
     os.replace(tmp, target)
     if check:

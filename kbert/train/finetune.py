@@ -180,7 +180,7 @@ def _pad(lists, pad, width=None):
 
 
 # ------------------------------------------------------------------------------------------ model
-def _network(backbone, task, num_labels, dropout, target=(0.0, 1.0)):
+def _network(backbone, task, num_labels, dropout, target=(0.0, 1.0), pooling="mean", layers=-1):
     """Backbone + head. Regression outputs `head * std + mean` of the training targets, so the head learns
     a standardized value whatever the label scale (a 1-10 rating needs no large bias to be learned)."""
     mean, std = float(target[0]), float(target[1]) or 1.0
@@ -205,7 +205,7 @@ def _network(backbone, task, num_labels, dropout, target=(0.0, 1.0)):
             features = {k: features[k] for k in INPUT_NAMES}  # the order the functional backbone declares
             out = self.backbone(features, training=training)
             if task == "sentence-embedding":
-                return pool(out["hidden_states"], features["padding_mask"], "mean")
+                return pool(out["hidden_states"], features["padding_mask"], pooling, layers)
             x = out["sequence_output"] if task == "tagging" else out["pooled_output"]
             logits = self.head(self.dropout(keras.ops.cast(x, "float32"), training=training))
             return logits * std + mean if task == "regression" else logits
@@ -240,7 +240,8 @@ class TaskModel:
         emb = Embedder.load(model_dir, dtype=dtype)
         labels = meta.get("labels") or []
         num = 1 if meta["task"] == "regression" else len(labels)
-        network = _network(emb.backbone, meta["task"], num, 0.0, meta.get("target") or (0.0, 1.0))
+        network = _network(emb.backbone, meta["task"], num, 0.0, meta.get("target") or (0.0, 1.0),
+                           meta.get("pooling") or "mean", meta.get("layers", -1))
         _build(network, emb.tokenizer)
         if network.head is not None:
             tensors = read_safetensors(os.path.join(model_dir, HEAD_FILE))
@@ -373,7 +374,8 @@ def finetune(model: str, task: str, train, dev=None, out_dir: str = "finetuned",
              max_length: int = 128, dropout: float = 0.1, patience: Optional[int] = 2,
              eval_every: Optional[int] = None, max_steps: Optional[int] = None, seed: int = 0,
              progress: bool = True, dtype: Optional[str] = None, group_by_length: bool = True,
-             similarity_loss: str = "cosine") -> dict:
+             similarity_loss: str = "cosine", pooling: str = "mean",
+             layers: Union[int, Sequence[int], str] = -1) -> dict:
     """Fine-tunes the model dir `model` on `train`; returns a summary with the dev history.
 
     Args:
@@ -395,6 +397,11 @@ def finetune(model: str, task: str, train, dev=None, out_dir: str = "finetuned",
             cosine onto score / max score, Sentence-BERT's CosineSimilarityLoss) or "cosent" (CoSENT: a
             ranking loss over the pairs of each batch, every pair scored higher should have the higher cosine;
             on bert-mini and KorSTS it scored 0.725 vs cosine's 0.729, benchmarks/README.md).
+        pooling, layers: for a sentence-embedding task, how token vectors become the sentence vector, as in
+            `Embedder.encode` ("mean" of the last layer by default; `layers="all"` averages every layer, the
+            embedding output included, before pooling). Saved with the model, so
+            `Embedder.load(out_dir).encode` and `kbert export` pool the same way. On bert-mini and KorSTS,
+            all layers scored 0.741 vs the last layer's 0.735 (benchmarks/README.md).
 
     Example:
         >>> kbert.finetune("my-model", "classification", "train.tsv", "dev.tsv", out_dir="sentiment",
@@ -414,6 +421,9 @@ def finetune(model: str, task: str, train, dev=None, out_dir: str = "finetuned",
         raise ValueError("task='pair-classification' needs `pair_column` (the second text)")
     if task == "sentence-embedding" and not pair_column:
         raise ValueError("task='sentence-embedding' needs `pair_column` (the second sentence of each pair)")
+    if task != "sentence-embedding" and (pooling != "mean" or layers != -1):
+        raise ValueError(f"`pooling` and `layers` apply to task='sentence-embedding' only (the other tasks' heads "
+                         f"read [CLS] or every token). Received: task={task!r}, pooling={pooling!r}, layers={layers!r}")
     if task != "sentence-embedding" and not label_column:
         raise ValueError(f"task={task!r} needs `label_column`")
     for name, value in (("epochs", epochs), ("batch_size", batch_size), ("learning_rate", learning_rate),
@@ -424,6 +434,13 @@ def finetune(model: str, task: str, train, dev=None, out_dir: str = "finetuned",
     emb = Embedder.load(model, max_length=max_length, dtype=dtype)
     tokenizer, backbone = emb.tokenizer, emb.backbone
     max_length = emb.max_length
+    if task == "sentence-embedding":
+        from kbert.embed.pooling import check_pooling
+
+        if isinstance(layers, str) and layers == "all":
+            layers = list(range(backbone.config.num_layers + 1))
+        layers = layers if isinstance(layers, int) else list(layers)
+        check_pooling(pooling, layers, backbone.config.num_layers + 1)
     columns = [text_column, pair_column, label_column]
     train_rows = read_rows(train, columns)
     dev_rows = read_rows(dev, columns) if dev is not None else None
@@ -447,7 +464,7 @@ def finetune(model: str, task: str, train, dev=None, out_dir: str = "finetuned",
     target = (0.0, 1.0)
     if task == "regression":
         target = (float(np.mean(train_ex.labels)), float(np.std(train_ex.labels)) or 1.0)
-    network = _network(backbone, task, num_labels, dropout, target)
+    network = _network(backbone, task, num_labels, dropout, target, pooling, layers)
     _build(network, tokenizer)
     steps_per_epoch = math.ceil(len(train_ex) / batch_size)
     total = max(1, int(math.ceil(steps_per_epoch * epochs)))
@@ -541,7 +558,8 @@ def finetune(model: str, task: str, train, dev=None, out_dir: str = "finetuned",
     if task == "sentence-embedding":
         key = "spearman" if (dev_ex is not None and dev_ex.labels is not None) else "recall@1"
     meta = {"task": task, "labels": labels, "max_length": max_length, "text_column": text_column,
-            "pair_column": pair_column, "label_column": label_column, "pooling": "mean" if task == "sentence-embedding" else None,
+            "pair_column": pair_column, "label_column": label_column, "pooling": pooling if task == "sentence-embedding" else None,
+            "layers": layers if task == "sentence-embedding" else None,
             "base_model": os.path.abspath(model) if isinstance(model, str) else None,
             "target": list(target) if task == "regression" else None}
     result = TaskModel(network, tokenizer, meta)
