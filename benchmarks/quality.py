@@ -144,6 +144,10 @@ def main():
                         help="sentiment training examples (NSMC has 150,000)")
     parser.add_argument("--epochs", type=float, default=1.0, help="sentiment fine-tuning epochs")
     parser.add_argument("--dev-examples", type=int, default=10000)
+    parser.add_argument("--pooling", choices=("pooler", "mean", "cls", "max"), default="pooler",
+                        help="what the sentiment head reads (kbert.finetune's pooling)")
+    parser.add_argument("--layers", default="-1", help="with --pooling mean/cls/max: -1, all, or indices like 0,4")
+    parser.add_argument("--sts-layers", default="all", help="layers the bi-encoder averages: -1, all, or 0,4")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--embedding-init", choices=("cooccurrence", "random"), default="cooccurrence",
                         help="token embeddings to start pretraining from (trainer.embedding_init)")
@@ -234,7 +238,11 @@ def main():
     # 3. sentiment
     train = movie_review_sentiment(reviews, "train", limit=args.train_examples, seed=args.seed)
     dev = movie_review_sentiment(reviews, "dev", limit=args.dev_examples, seed=args.seed)
+    def layers_arg(text):
+        return "all" if text == "all" else ([int(v) for v in text.split(",")] if "," in text else int(text))
+
     settings = dict(epochs=args.epochs, batch_size=32, learning_rate=2e-4, max_length=64, patience=None,
+                    pooling=args.pooling, layers=layers_arg(args.layers),
                     eval_every=max(1, int(len(train) * args.epochs / 32 / 4)), seed=args.seed, progress=True)
     baseline = stage(args.out, "sentiment-tfidf", lambda: {"accuracy": tfidf_sentiment(train, dev),
                                                            "train": len(train), "dev": len(dev)})
@@ -243,6 +251,8 @@ def main():
     def sentiment(name, model_dir):
         # another epoch count is another stage, so one --out dir holds both and the pretraining is reused
         stage_name = f"sentiment-{name}" + ("" if args.epochs == 1 else f"-{args.epochs:g}ep")
+        if args.pooling != "pooler":
+            stage_name += f"-{args.pooling}-{args.layers.replace(',', '.')}"
         out_dir = os.path.join(args.out, stage_name)
         runs[name] = stage(args.out, stage_name, lambda: {
             k: v for k, v in kbert.finetune(model_dir, "classification", train, dev, out_dir=out_dir, **settings).items()
@@ -255,9 +265,11 @@ def main():
     if args.small:
         sts_train, sts_dev, sts_epochs = sts_train[:800], sts_dev[:400], 1
     sts_tfidf = stage(args.out, "sts-tfidf", lambda: {"spearman": tfidf_sts(sts_train, sts_dev)})
-    sts = stage(args.out, "sts-bi-encoder", lambda: {
+    sts_stage = "sts-bi-encoder" + ("" if args.sts_layers == "-1" else f"-layers-{args.sts_layers.replace(',', '.')}")
+    sts = stage(args.out, sts_stage, lambda: {
         k: v for k, v in kbert.finetune(pre["model_dir"], "sentence-embedding", sts_train, sts_dev,
-                                        out_dir=os.path.join(args.out, "sts"), text_column="sentence1",
+                                        out_dir=os.path.join(args.out, sts_stage), text_column="sentence1",
+                                        layers=layers_arg(args.sts_layers),
                                         pair_column="sentence2", label_column="score", epochs=sts_epochs, batch_size=32,
                                         learning_rate=2e-4, max_length=64, patience=None, seed=args.seed,
                                         progress=True).items()

@@ -260,7 +260,7 @@ def _finetune(args):
                        epochs=args.epochs, batch_size=args.batch_size, learning_rate=args.learning_rate,
                        max_length=args.max_length, patience=args.patience, eval_every=args.eval_every,
                        max_steps=args.max_steps, seed=args.seed, group_by_length=not args.no_group_by_length,
-                       similarity_loss=args.similarity_loss, pooling=args.pooling or "mean",
+                       similarity_loss=args.similarity_loss, pooling=args.pooling,
                        layers=_layers_arg(args.layers))
     best = f"best dev {summary['metric']} {summary['best']:.4f} at step {summary['best_step']}" \
         if summary["best"] is not None else "no dev set: the last model"
@@ -404,10 +404,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-label", action="store_true", help="sentence-embedding from (anchor, positive) pairs")
     p.add_argument("--similarity-loss", choices=("cosine", "cosent"), default="cosine",
                    help="sentence-embedding with scores: cosine regression or CoSENT's ranking loss")
-    p.add_argument("--pooling", choices=("mean", "cls", "max", "first_last_avg"),
-                   help="sentence-embedding: how token vectors become the sentence vector (default mean)")
-    p.add_argument("--layers", help="sentence-embedding: layers averaged before pooling: -1 (the last, default), "
-                                    "all, or indices such as 0,4 (0 = embedding output)")
+    p.add_argument("--pooling", choices=("pooler", "mean", "cls", "max", "first_last_avg"),
+                   help="the vector a head reads or a bi-encoder outputs (default: pooler for heads, "
+                        "mean for sentence-embedding)")
+    p.add_argument("--layers", help="with --pooling other than pooler: layers averaged before pooling: -1 (the "
+                                    "last, default), all, or indices such as 0,4 (0 = embedding output)")
     p.add_argument("--epochs", type=float, default=3)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--learning-rate", "--lr", type=float, default=5e-5)

@@ -128,11 +128,42 @@ def test_bi_encoder_pooling_over_layers_is_saved_and_reused(base, tmp_path):
     path = kbert.export(out, str(tmp_path / "export"))  # checks the SavedModel against encode() itself
     with open(os.path.join(path, "assets.extra", "kbert.json"), encoding="utf-8") as f:
         assert json.load(f)["layers"] == [0, 1, 2]
-    with pytest.raises(ValueError, match="apply to task='sentence-embedding' only"):
-        kbert.finetune(base, "classification", [], layers=[0, 1], progress=False)
+    with pytest.raises(ValueError, match="do not apply to task='tagging'"):
+        kbert.finetune(base, "tagging", [], layers=[0, 1], progress=False)
+    with pytest.raises(ValueError, match="the pooler is a classification head's input"):
+        kbert.finetune(base, "sentence-embedding", os.path.join(KORSTS, "sts-dev.tsv"), text_column="sentence1",
+                       pair_column="sentence2", label_column="score", pooling="pooler", progress=False)
     with pytest.raises(ValueError, match="`layers` entries must be in"):
         kbert.finetune(base, "sentence-embedding", os.path.join(KORSTS, "sts-dev.tsv"), text_column="sentence1",
                        pair_column="sentence2", label_column="score", layers=[5], progress=False)
+
+
+def test_classification_head_on_mean_pooled_layers(base, tmp_path):
+    """`pooling`/`layers` also choose what a classification head reads (instead of BERT's pooler); the dir
+    remembers it, so `TaskModel.predict` and the exported classify signature reproduce the selected model,
+    and the unused pooler is left as it was."""
+    out = str(tmp_path / "mean-head")
+    train = movie_review_sentiment(REVIEWS, "train", limit=3000)
+    dev = movie_review_sentiment(REVIEWS, "dev", limit=500)
+    summary = kbert.finetune(base, "classification", train, dev, out_dir=out, epochs=1, learning_rate=1e-3,
+                             max_length=64, progress=False, pooling="mean", layers="all")
+    assert summary["best"] >= 0.6, summary["history"]
+    with open(os.path.join(out, "kbert_task.json"), encoding="utf-8") as f:
+        meta = json.load(f)
+    assert (meta["pooling"], meta["layers"]) == ("mean", [0, 1, 2])
+    model = kbert.TaskModel.load(out)
+    probs = model.predict([r["text"] for r in dev])
+    accuracy = np.mean(np.argmax(probs, axis=1) == np.array([int(r["label"]) for r in dev]))
+    assert accuracy == pytest.approx(summary["best"], abs=1e-6)
+    before, after = kbert.load_model(base), kbert.load_model(out)
+    pooler = [i for i, v in enumerate(before.weights) if "pooler" in v.path]
+    assert pooler and all(np.array_equal(before.weights[i].numpy(), after.weights[i].numpy()) for i in pooler)
+    assert not np.array_equal(before.weights[0].numpy(), after.weights[0].numpy())  # the rest was trained
+    kbert.export(out, str(tmp_path / "serving"), signature="classify")  # checks it against predict() at 1e-5
+    with pytest.raises(ValueError, match="`layers` must be -1 with it"):
+        kbert.finetune(base, "classification", train, pooling="pooler", layers="all", progress=False)
+    with pytest.raises(ValueError, match=r"`pooling` must be one of \('pooler', 'mean'"):
+        kbert.finetune(base, "classification", train, pooling="sum", progress=False)
 
 
 def test_spearman_and_pearson_against_hand_values():

@@ -180,9 +180,17 @@ def _pad(lists, pad, width=None):
 
 
 # ------------------------------------------------------------------------------------------ model
-def _network(backbone, task, num_labels, dropout, target=(0.0, 1.0), pooling="mean", layers=-1):
+def _default_pooling(task):
+    """What a task pools when `pooling` is not given (and what model dirs written before the option mean)."""
+    return {"sentence-embedding": "mean", "tagging": None}.get(task, "pooler")
+
+
+def _network(backbone, task, num_labels, dropout, target=(0.0, 1.0), pooling=None, layers=-1):
     """Backbone + head. Regression outputs `head * std + mean` of the training targets, so the head learns
-    a standardized value whatever the label scale (a 1-10 rating needs no large bias to be learned)."""
+    a standardized value whatever the label scale (a 1-10 rating needs no large bias to be learned).
+    `pooling` is what the head (or a bi-encoder's output) reads: "pooler" (BERT's tanh layer over [CLS]) or
+    one of `kbert.embed.pooling.POOLINGS` over `layers`."""
+    pooling = pooling or _default_pooling(task)
     mean, std = float(target[0]), float(target[1]) or 1.0
     import keras
 
@@ -206,7 +214,12 @@ def _network(backbone, task, num_labels, dropout, target=(0.0, 1.0), pooling="me
             out = self.backbone(features, training=training)
             if task == "sentence-embedding":
                 return pool(out["hidden_states"], features["padding_mask"], pooling, layers)
-            x = out["sequence_output"] if task == "tagging" else out["pooled_output"]
+            if task == "tagging":
+                x = out["sequence_output"]
+            elif pooling == "pooler":
+                x = out["pooled_output"]
+            else:
+                x = pool(out["hidden_states"], features["padding_mask"], pooling, layers)
             logits = self.head(self.dropout(keras.ops.cast(x, "float32"), training=training))
             return logits * std + mean if task == "regression" else logits
 
@@ -240,8 +253,9 @@ class TaskModel:
         emb = Embedder.load(model_dir, dtype=dtype)
         labels = meta.get("labels") or []
         num = 1 if meta["task"] == "regression" else len(labels)
+        layers = meta.get("layers")
         network = _network(emb.backbone, meta["task"], num, 0.0, meta.get("target") or (0.0, 1.0),
-                           meta.get("pooling") or "mean", meta.get("layers", -1))
+                           meta.get("pooling"), -1 if layers is None else layers)
         _build(network, emb.tokenizer)
         if network.head is not None:
             tensors = read_safetensors(os.path.join(model_dir, HEAD_FILE))
@@ -367,6 +381,28 @@ def _macro_f1(y, p, k):
 
 
 # ------------------------------------------------------------------------------------------ training
+def _check_head_pooling(task, pooling, layers, num_hidden):
+    """Validated `(pooling, layers)` for a task; `layers="all"` becomes the list of every hidden state."""
+    from kbert.embed.pooling import POOLINGS, check_pooling
+
+    if pooling == "pooler":
+        if task == "sentence-embedding":
+            raise ValueError(f"`pooling` for task='sentence-embedding' must be one of {POOLINGS} (the pooler "
+                             f"is a classification head's input). Received: pooling='pooler'")
+        if layers != -1:
+            raise ValueError(f"pooling='pooler' reads the last layer's [CLS]; `layers` must be -1 with it. "
+                             f"Received: layers={layers!r}")
+        return pooling, -1
+    if pooling not in POOLINGS:
+        choices = POOLINGS if task == "sentence-embedding" else ("pooler",) + POOLINGS
+        raise ValueError(f"`pooling` must be one of {choices}. Received: pooling={pooling!r}")
+    if isinstance(layers, str) and layers == "all":
+        layers = list(range(num_hidden))
+    layers = layers if isinstance(layers, int) else list(layers)
+    check_pooling(pooling, layers, num_hidden)
+    return pooling, layers
+
+
 def finetune(model: str, task: str, train, dev=None, out_dir: str = "finetuned", text_column: str = "text",
              pair_column: Optional[str] = None, label_column: Optional[str] = "label",
              labels: Optional[Sequence[str]] = None, epochs: float = 3, batch_size: int = 32,
@@ -374,7 +410,7 @@ def finetune(model: str, task: str, train, dev=None, out_dir: str = "finetuned",
              max_length: int = 128, dropout: float = 0.1, patience: Optional[int] = 2,
              eval_every: Optional[int] = None, max_steps: Optional[int] = None, seed: int = 0,
              progress: bool = True, dtype: Optional[str] = None, group_by_length: bool = True,
-             similarity_loss: str = "cosine", pooling: str = "mean",
+             similarity_loss: str = "cosine", pooling: Optional[str] = None,
              layers: Union[int, Sequence[int], str] = -1) -> dict:
     """Fine-tunes the model dir `model` on `train`; returns a summary with the dev history.
 
@@ -397,11 +433,14 @@ def finetune(model: str, task: str, train, dev=None, out_dir: str = "finetuned",
             cosine onto score / max score, Sentence-BERT's CosineSimilarityLoss) or "cosent" (CoSENT: a
             ranking loss over the pairs of each batch, every pair scored higher should have the higher cosine;
             on bert-mini and KorSTS it scored 0.725 vs cosine's 0.729, benchmarks/README.md).
-        pooling, layers: for a sentence-embedding task, how token vectors become the sentence vector, as in
-            `Embedder.encode` ("mean" of the last layer by default; `layers="all"` averages every layer, the
-            embedding output included, before pooling). Saved with the model, so
-            `Embedder.load(out_dir).encode` and `kbert export` pool the same way. On bert-mini and KorSTS,
-            all layers scored 0.741 vs the last layer's 0.735 (benchmarks/README.md).
+        pooling, layers: how token vectors become the one vector a sentence-embedding task outputs or a
+            classification / pair-classification / regression head reads: one of "mean", "cls", "max",
+            "first_last_avg" over `layers` as in `Embedder.encode` (`layers="all"` averages every layer, the
+            embedding output included, before pooling), or for the heads "pooler" (BERT's tanh layer over
+            the last layer's [CLS], with `layers=-1`). Defaults: "mean" for sentence-embedding, "pooler"
+            for the heads; tagging reads every token and takes neither. Saved with the model, so
+            `Embedder.load(out_dir).encode`, `TaskModel.predict` and `kbert export` pool the same way. On
+            bert-mini, KorSTS: all layers 0.741 vs the last layer's 0.735; sentiment: see benchmarks/README.md.
 
     Example:
         >>> kbert.finetune("my-model", "classification", "train.tsv", "dev.tsv", out_dir="sentiment",
@@ -421,9 +460,9 @@ def finetune(model: str, task: str, train, dev=None, out_dir: str = "finetuned",
         raise ValueError("task='pair-classification' needs `pair_column` (the second text)")
     if task == "sentence-embedding" and not pair_column:
         raise ValueError("task='sentence-embedding' needs `pair_column` (the second sentence of each pair)")
-    if task != "sentence-embedding" and (pooling != "mean" or layers != -1):
-        raise ValueError(f"`pooling` and `layers` apply to task='sentence-embedding' only (the other tasks' heads "
-                         f"read [CLS] or every token). Received: task={task!r}, pooling={pooling!r}, layers={layers!r}")
+    if task == "tagging" and (pooling is not None or layers != -1):
+        raise ValueError(f"`pooling` and `layers` do not apply to task='tagging' (its head reads every token of the "
+                         f"last layer). Received: pooling={pooling!r}, layers={layers!r}")
     if task != "sentence-embedding" and not label_column:
         raise ValueError(f"task={task!r} needs `label_column`")
     for name, value in (("epochs", epochs), ("batch_size", batch_size), ("learning_rate", learning_rate),
@@ -434,13 +473,9 @@ def finetune(model: str, task: str, train, dev=None, out_dir: str = "finetuned",
     emb = Embedder.load(model, max_length=max_length, dtype=dtype)
     tokenizer, backbone = emb.tokenizer, emb.backbone
     max_length = emb.max_length
-    if task == "sentence-embedding":
-        from kbert.embed.pooling import check_pooling
-
-        if isinstance(layers, str) and layers == "all":
-            layers = list(range(backbone.config.num_layers + 1))
-        layers = layers if isinstance(layers, int) else list(layers)
-        check_pooling(pooling, layers, backbone.config.num_layers + 1)
+    if task != "tagging":
+        pooling, layers = _check_head_pooling(task, pooling or _default_pooling(task), layers,
+                                              backbone.config.num_layers + 1)
     columns = [text_column, pair_column, label_column]
     train_rows = read_rows(train, columns)
     dev_rows = read_rows(dev, columns) if dev is not None else None
@@ -558,8 +593,7 @@ def finetune(model: str, task: str, train, dev=None, out_dir: str = "finetuned",
     if task == "sentence-embedding":
         key = "spearman" if (dev_ex is not None and dev_ex.labels is not None) else "recall@1"
     meta = {"task": task, "labels": labels, "max_length": max_length, "text_column": text_column,
-            "pair_column": pair_column, "label_column": label_column, "pooling": pooling if task == "sentence-embedding" else None,
-            "layers": layers if task == "sentence-embedding" else None,
+            "pair_column": pair_column, "label_column": label_column, "pooling": pooling, "layers": None if task == "tagging" else layers,
             "base_model": os.path.abspath(model) if isinstance(model, str) else None,
             "target": list(target) if task == "regression" else None}
     result = TaskModel(network, tokenizer, meta)
