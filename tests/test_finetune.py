@@ -335,6 +335,11 @@ def test_finetune_and_export_cli(base, tmp_path, capsys):
     assert main(["finetune", "--model", base, "--task", "classification", "--train", str(train),
                  "--out", out, "--text-column", "document", "--label-column", "stars"]) == 1
     assert "no column 'stars'" in capsys.readouterr().err
+    assert main(["finetune", "--model", base, "--task", "classification", "--train", str(train), "--out",
+                 str(tmp_path / "mean-head"), "--text-column", "document", "--max-steps", "2", "--pooling", "mean",
+                 "--layers", "0,2"]) == 0
+    meta = json.load(open(os.path.join(tmp_path, "mean-head", "kbert_task.json"), encoding="utf-8"))
+    assert (meta["pooling"], meta["layers"]) == ("mean", [0, 2])
     pairs = tmp_path / "pairs.tsv"
     pairs.write_text("a\tb\tscore\n" + "".join(f"{r['text']}\t{r['text'][:20]}\t{i % 6}\n" for i, r in enumerate(rows)),
                      encoding="utf-8")
