@@ -261,7 +261,7 @@ def _finetune(args):
                        max_length=args.max_length, patience=args.patience, eval_every=args.eval_every,
                        max_steps=args.max_steps, seed=args.seed, group_by_length=not args.no_group_by_length,
                        similarity_loss=args.similarity_loss, pooling=args.pooling,
-                       layers=_layers_arg(args.layers))
+                       layers=_layers_arg(args.layers), backbone_dropout=args.backbone_dropout)
     best = f"best dev {summary['metric']} {summary['best']:.4f} at step {summary['best_step']}" \
         if summary["best"] is not None else "no dev set: the last model"
     print(f"{summary['task']}: {summary['steps']} steps ({summary['stopped_by']}), {best}; "
@@ -409,6 +409,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "mean for sentence-embedding)")
     p.add_argument("--layers", help="with --pooling other than pooler: layers averaged before pooling: -1 (the "
                                     "last, default), all, or indices such as 0,4 (0 = embedding output)")
+    p.add_argument("--backbone-dropout", type=float,
+                   help="dropout inside the backbone while fine-tuning (default: the model's own, BERT's 0.1)")
     p.add_argument("--epochs", type=float, default=3)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--learning-rate", "--lr", type=float, default=5e-5)

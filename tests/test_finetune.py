@@ -240,6 +240,32 @@ def test_regression_pair_classification_and_tagging(base, tmp_path):
     assert [w for w, _ in tagged] == ["학교에서", "친구를", "만났다"] and all(t in ("J", "O") for _, t in tagged)
 
 
+def test_backbone_dropout_rebuilds_the_same_weights_without_noise(base, tmp_path):
+    """`backbone_dropout` copies the weights into a backbone with the new rates: with 0.0 a training-mode call
+    equals the original's inference call; the written dir keeps the rate; bad rates are refused."""
+    from kbert.train.finetune import _with_dropout
+
+    original = kbert.load_model(base, output_hidden_states=True)
+    assert original.config.dropout > 0
+    quiet = _with_dropout(original, 0.0)
+    ids = np.array([[2, 10, 11, 12, 3]], "int32")
+    feats = {"token_ids": ids, "segment_ids": np.zeros_like(ids), "padding_mask": np.ones_like(ids)}
+    reference = np.asarray(original(feats, training=False)["sequence_output"])
+    assert np.allclose(np.asarray(quiet(feats, training=True)["sequence_output"]), reference, atol=1e-5)
+    assert not np.allclose(np.asarray(original(feats, training=True)["sequence_output"]), reference, atol=1e-3)
+    assert _with_dropout(quiet, 0.0) is quiet
+    out = str(tmp_path / "quiet")
+    kbert.finetune(base, "sentence-embedding", os.path.join(KORSTS, "sts-dev.tsv"), out_dir=out,
+                   text_column="sentence1", pair_column="sentence2", label_column="score", epochs=1, max_steps=3,
+                   max_length=32, progress=False, backbone_dropout=0.0)
+    config = kbert.load_model(out).config
+    assert (config.dropout, config.attention_dropout) == (0.0, 0.0)
+    for bad in (1.0, -0.1, "0.1", True):
+        with pytest.raises(ValueError, match="`backbone_dropout` must be None or a rate"):
+            kbert.finetune(base, "classification", [{"text": "좋다", "label": "1"}], backbone_dropout=bad,
+                           progress=False)
+
+
 def test_finetune_bad_input(base, tmp_path):
     train = tmp_path / "train.tsv"
     train.write_text("text\tlabel\n좋다\t1\n싫다\t0\n", encoding="utf-8")
@@ -346,8 +372,9 @@ def test_finetune_and_export_cli(base, tmp_path, capsys):
     bi = str(tmp_path / "bi-encoder")
     assert main(["finetune", "--model", base, "--task", "sentence-embedding", "--train", str(pairs), "--out", bi,
                  "--text-column", "a", "--pair-column", "b", "--label-column", "score", "--max-steps", "2",
-                 "--layers", "all"]) == 0
+                 "--layers", "all", "--backbone-dropout", "0"]) == 0
     assert kbert.Embedder.load(bi).layers == [0, 1, 2]
+    assert kbert.load_model(bi).config.attention_dropout == 0.0
     assert main(["finetune", "--model", base, "--task", "sentence-embedding", "--train", str(pairs), "--out", bi,
                  "--text-column", "a", "--pair-column", "b", "--layers", "last"]) == 1
     assert "--layers: expected all, -1 or comma-separated integers" in capsys.readouterr().err

