@@ -11,7 +11,8 @@
    split by movie); the pretrained model and the same model from random initialization fine-tuned with the
    same settings (the random-init reference runs last, after stage 4), and a TF-IDF character 1-3-gram +
    logistic-regression baseline;
-4. sentence embeddings: the STS bi-encoder fine-tuned from the pretrained model on KorSTS train, Spearman on
+4. sentence embeddings: the STS bi-encoder fine-tuned from the pretrained model on KorSTS train (mean pooling
+   over all layers, no dropout in the backbone: `--sts-layers`, `--sts-dropout`), Spearman on
    KorSTS dev, beside TF-IDF character n-gram cosine.
 
 Every stage writes its result under `--out` and is skipped when rerun (pretraining resumes from its last
@@ -148,6 +149,8 @@ def main():
                         help="what the sentiment head reads (kbert.finetune's pooling)")
     parser.add_argument("--layers", default="-1", help="with --pooling mean/cls/max: -1, all, or indices like 0,4")
     parser.add_argument("--sts-layers", default="all", help="layers the bi-encoder averages: -1, all, or 0,4")
+    parser.add_argument("--sts-dropout", type=float, default=0.0,
+                        help="dropout inside the backbone while tuning the bi-encoder (kbert.finetune's default 0)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--embedding-init", choices=("cooccurrence", "random"), default="cooccurrence",
                         help="token embeddings to start pretraining from (trainer.embedding_init)")
@@ -265,11 +268,12 @@ def main():
     if args.small:
         sts_train, sts_dev, sts_epochs = sts_train[:800], sts_dev[:400], 1
     sts_tfidf = stage(args.out, "sts-tfidf", lambda: {"spearman": tfidf_sts(sts_train, sts_dev)})
-    sts_stage = "sts-bi-encoder" + ("" if args.sts_layers == "-1" else f"-layers-{args.sts_layers.replace(',', '.')}")
+    sts_stage = ("sts-bi-encoder" + ("" if args.sts_layers == "-1" else f"-layers-{args.sts_layers.replace(',', '.')}")
+                 + f"-dropout-{args.sts_dropout:g}")
     sts = stage(args.out, sts_stage, lambda: {
         k: v for k, v in kbert.finetune(pre["model_dir"], "sentence-embedding", sts_train, sts_dev,
                                         out_dir=os.path.join(args.out, sts_stage), text_column="sentence1",
-                                        layers=layers_arg(args.sts_layers),
+                                        layers=layers_arg(args.sts_layers), backbone_dropout=args.sts_dropout,
                                         pair_column="sentence2", label_column="score", epochs=sts_epochs, batch_size=32,
                                         learning_rate=2e-4, max_length=64, patience=None, seed=args.seed,
                                         progress=True).items()

@@ -410,7 +410,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", help="with --pooling other than pooler: layers averaged before pooling: -1 (the "
                                     "last, default), all, or indices such as 0,4 (0 = embedding output)")
     p.add_argument("--backbone-dropout", type=float,
-                   help="dropout inside the backbone while fine-tuning (default: the model's own, BERT's 0.1)")
+                   help="dropout inside the backbone while fine-tuning (default: 0 for sentence-embedding "
+                        "with scores, else the model's own, BERT's 0.1)")
     p.add_argument("--epochs", type=float, default=3)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--learning-rate", "--lr", type=float, default=5e-5)

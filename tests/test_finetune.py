@@ -257,9 +257,16 @@ def test_backbone_dropout_rebuilds_the_same_weights_without_noise(base, tmp_path
     out = str(tmp_path / "quiet")
     kbert.finetune(base, "sentence-embedding", os.path.join(KORSTS, "sts-dev.tsv"), out_dir=out,
                    text_column="sentence1", pair_column="sentence2", label_column="score", epochs=1, max_steps=3,
-                   max_length=32, progress=False, backbone_dropout=0.0)
+                   max_length=32, progress=False)  # a bi-encoder regressed onto scores: 0.0 by default
     config = kbert.load_model(out).config
     assert (config.dropout, config.attention_dropout) == (0.0, 0.0)
+    kbert.finetune(base, "classification", [{"text": "좋다", "label": "1"}, {"text": "싫다", "label": "0"}],
+                   out_dir=out + "-head", max_steps=1, progress=False)  # heads keep the model's own rate
+    assert kbert.load_model(out + "-head").config.dropout == original.config.dropout
+    kbert.finetune(base, "sentence-embedding", os.path.join(KORSTS, "sts-dev.tsv"), out_dir=out + "-kept",
+                   text_column="sentence1", pair_column="sentence2", label_column="score", max_steps=1,
+                   max_length=32, progress=False, backbone_dropout=0.2)
+    assert kbert.load_model(out + "-kept").config.attention_dropout == 0.2
     for bad in (1.0, -0.1, "0.1", True):
         with pytest.raises(ValueError, match="`backbone_dropout` must be None or a rate"):
             kbert.finetune(base, "classification", [{"text": "좋다", "label": "1"}], backbone_dropout=bad,
@@ -372,9 +379,9 @@ def test_finetune_and_export_cli(base, tmp_path, capsys):
     bi = str(tmp_path / "bi-encoder")
     assert main(["finetune", "--model", base, "--task", "sentence-embedding", "--train", str(pairs), "--out", bi,
                  "--text-column", "a", "--pair-column", "b", "--label-column", "score", "--max-steps", "2",
-                 "--layers", "all", "--backbone-dropout", "0"]) == 0
+                 "--layers", "all", "--backbone-dropout", "0.05"]) == 0
     assert kbert.Embedder.load(bi).layers == [0, 1, 2]
-    assert kbert.load_model(bi).config.attention_dropout == 0.0
+    assert kbert.load_model(bi).config.attention_dropout == 0.05
     assert main(["finetune", "--model", base, "--task", "sentence-embedding", "--train", str(pairs), "--out", bi,
                  "--text-column", "a", "--pair-column", "b", "--layers", "last"]) == 1
     assert "--layers: expected all, -1 or comma-separated integers" in capsys.readouterr().err
