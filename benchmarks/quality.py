@@ -166,6 +166,7 @@ def main():
 
     import kbert
     from kbert.data.corpus import movie_review_sentiment
+    from kbert.embed.pooling import parse_layers
 
     reviews = os.path.join(args.shared, "movie-reviews", "reviews.tsv.gz")
     statutes = os.path.join(args.shared, "korean-statutes", "documents.jsonl.gz")
@@ -242,11 +243,8 @@ def main():
     # 3. sentiment
     train = movie_review_sentiment(reviews, "train", limit=args.train_examples, seed=args.seed)
     dev = movie_review_sentiment(reviews, "dev", limit=args.dev_examples, seed=args.seed)
-    def layers_arg(text):
-        return "all" if text == "all" else ([int(v) for v in text.split(",")] if "," in text else int(text))
-
     settings = dict(epochs=args.epochs, batch_size=32, learning_rate=2e-4, max_length=64, patience=None,
-                    pooling=args.pooling, layers=layers_arg(args.layers),
+                    pooling=args.pooling, layers=parse_layers(args.layers),
                     eval_every=max(1, int(len(train) * args.epochs / 32 / 4)), seed=args.seed, progress=True)
     baseline = stage(args.out, "sentiment-tfidf", lambda: {"accuracy": tfidf_sentiment(train, dev),
                                                            "train": len(train), "dev": len(dev)})
@@ -274,7 +272,7 @@ def main():
     sts = stage(args.out, sts_stage, lambda: {
         k: v for k, v in kbert.finetune(pre["model_dir"], "sentence-embedding", sts_train, sts_dev,
                                         out_dir=os.path.join(args.out, sts_stage), text_column="sentence1",
-                                        layers=layers_arg(args.sts_layers), backbone_dropout=args.sts_dropout,
+                                        layers=parse_layers(args.sts_layers, "--sts-layers"), backbone_dropout=args.sts_dropout,
                                         pair_column="sentence2", label_column="score", epochs=sts_epochs, batch_size=32,
                                         learning_rate=2e-4, max_length=64, patience=None, seed=args.seed,
                                         progress=True).items()

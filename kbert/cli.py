@@ -237,22 +237,10 @@ def _embed(args):
         print(f"wrote {sum(len(c) for c in chunks)} vectors to {args.out}", file=sys.stderr)
 
 
-def _layers_arg(text):
-    """`--layers`: "-1", "all" or comma-separated layer indices (0 = embedding output)."""
-    if text is None:
-        return -1
-    if text == "all":
-        return "all"
-    try:
-        values = [int(v) for v in text.split(",")]
-    except ValueError:
-        raise ValueError(f"--layers: expected all, -1 or comma-separated integers such as 0,4; got {text!r}")
-    return values[0] if len(values) == 1 else values
-
-
 def _finetune(args):
     import json
 
+    from kbert.embed.pooling import parse_layers
     from kbert.train.finetune import finetune
 
     summary = finetune(args.model, args.task, args.train, args.dev, out_dir=args.out, text_column=args.text_column,
@@ -261,7 +249,7 @@ def _finetune(args):
                        max_length=args.max_length, patience=args.patience, eval_every=args.eval_every,
                        max_steps=args.max_steps, seed=args.seed, group_by_length=not args.no_group_by_length,
                        similarity_loss=args.similarity_loss, pooling=args.pooling,
-                       layers=_layers_arg(args.layers), backbone_dropout=args.backbone_dropout)
+                       layers=parse_layers(args.layers), backbone_dropout=args.backbone_dropout)
     best = f"best dev {summary['metric']} {summary['best']:.4f} at step {summary['best_step']}" \
         if summary["best"] is not None else "no dev set: the last model"
     print(f"{summary['task']}: {summary['steps']} steps ({summary['stopped_by']}), {best}; "

@@ -3,7 +3,7 @@ bi-encoder fine-tuning, so the three give the same vectors."""
 
 from __future__ import annotations
 
-from typing import List, Sequence, Union
+from typing import List, Optional, Sequence, Union
 
 from keras import ops
 
@@ -52,3 +52,16 @@ def pool(hidden_states, padding_mask, pooling: str = "mean", layers: Union[int, 
     if normalize:
         vec = vec / ops.maximum(ops.sqrt(ops.sum(vec * vec, axis=-1, keepdims=True)), 1e-12)
     return vec
+
+
+def parse_layers(text: Optional[str], name: str = "--layers"):
+    """A command-line layer choice: None or "-1" -> -1, "all" -> "all", "0,4" -> [0, 4] (0 = embedding output)."""
+    if text is None:
+        return -1
+    if text == "all":
+        return "all"
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise ValueError(f"{name}: expected all, -1 or comma-separated integers such as 0,4; got {text!r}") from None
+    return values[0] if len(values) == 1 else values

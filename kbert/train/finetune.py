@@ -503,10 +503,9 @@ def finetune(model: str, task: str, train, dev=None, out_dir: str = "finetuned",
         backbone_dropout = 0.0
     keras.utils.set_random_seed(seed)
     emb = Embedder.load(model, max_length=max_length, dtype=dtype)
-    if backbone_dropout is not None:
-        emb = Embedder(_with_dropout(emb.backbone, float(backbone_dropout), dtype), emb.tokenizer, emb.max_length,
-                       emb.pooling, emb.layers)
     tokenizer, backbone = emb.tokenizer, emb.backbone
+    if backbone_dropout is not None:
+        backbone = _with_dropout(backbone, float(backbone_dropout), dtype)
     max_length = emb.max_length
     if task != "tagging":
         pooling, layers = _check_head_pooling(task, pooling or _default_pooling(task), layers,
