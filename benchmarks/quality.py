@@ -155,6 +155,8 @@ def main():
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--embedding-init", choices=("cooccurrence", "random"), default="cooccurrence",
                         help="token embeddings to start pretraining from (trainer.embedding_init)")
+    parser.add_argument("--learning-rate", type=float, default=None,
+                        help="peak pretraining learning rate (default: 1e-3 for mlm, 5e-4 for electra)")
     parser.add_argument("--objective", choices=("mlm", "electra"), default="mlm",
                         help="pretraining objective: masked LM, or ELECTRA's replaced-token detection")
     parser.add_argument("--small", action="store_true", help="a few minutes end to end (checks the chain)")
@@ -194,7 +196,7 @@ def main():
               "data": {"source": text, "tokenizer": tok_dir, "objective": args.objective, "max_seq_len": 64,
                        "workers": 1},
               # ELECTRA-Small's learning rate; masked LM trains fastest at 1e-3 here
-              "optimizer": {"name": "adamw", "learning_rate": 5e-4 if args.objective == "electra" else 1e-3,
+              "optimizer": {"name": "adamw", "learning_rate": args.learning_rate or (5e-4 if args.objective == "electra" else 1e-3),
                             "warmup_steps": 300, "weight_decay": 0.01},
               "trainer": {"steps": 100_000, "batch_size": 32, "log_every": 10, "checkpoint_every": 250,
                           "embedding_init": args.embedding_init},
