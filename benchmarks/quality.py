@@ -9,16 +9,16 @@
    (`trainer.embedding_init: cooccurrence`, inside the budget; `--embedding-init random` for BERT's start);
 3. sentiment: NSMC-style train/dev sets from the reviews (ratings 1-4 vs 9-10, balanced, <= 140 chars,
    split by movie); the pretrained model and the same model from random initialization fine-tuned with the
-   same settings (the random-init reference runs last, after stage 4), and a TF-IDF character 1-3-gram +
+   same settings (2 epochs, up to 128 tokens: `--epochs`, `--max-length`) (the random-init reference runs last, after stage 4), and a TF-IDF character 1-3-gram +
    logistic-regression baseline;
 4. sentence embeddings: the STS bi-encoder fine-tuned from the pretrained model on KorSTS train (mean pooling
    over all layers, no dropout in the backbone: `--sts-layers`, `--sts-dropout`), Spearman on
-   KorSTS dev, beside TF-IDF character n-gram cosine.
+   KorSTS dev averaged over three fine-tuning seeds (`--sts-seeds`), beside TF-IDF character n-gram cosine.
 
 Every stage writes its result under `--out` and is skipped when rerun (pretraining resumes from its last
 checkpoint), so an interrupted run continues where it stopped. Seeded: reruns give the same figures. A rerun
-with another `--epochs` on the same `--out` reuses stages 1, 2 and 4 and fine-tunes the sentiment models again
-(stages `sentiment-*-Nep`).
+with another `--epochs` or `--max-length` on the same `--out` reuses stages 1, 2 and 4 and fine-tunes the
+sentiment models again (stages `sentiment-*-Nep-lenL`).
 
     python benchmarks/quality.py --shared ../shared/data --out ~/.cache/kbert/quality
     python benchmarks/quality.py --small      # minutes: checks the chain, not the figures
@@ -146,12 +146,17 @@ def main():
     parser.add_argument("--epochs", type=float, default=2.0,
                         help="sentiment fine-tuning epochs (2: the best of 1/2/3 on run 6, benchmarks/README.md)")
     parser.add_argument("--dev-examples", type=int, default=10000)
+    parser.add_argument("--max-length", type=int, default=128,
+                        help="sentiment fine-tuning length in tokens ([CLS]/[SEP] included); 64 cuts 1.9%% of dev reviews")
     parser.add_argument("--pooling", choices=("pooler", "mean", "cls", "max"), default="pooler",
                         help="what the sentiment head reads (kbert.finetune's pooling)")
     parser.add_argument("--layers", default="-1", help="with --pooling mean/cls/max: -1, all, or indices like 0,4")
     parser.add_argument("--sts-layers", default="all", help="layers the bi-encoder averages: -1, all, or 0,4")
     parser.add_argument("--sts-dropout", type=float, default=0.0,
                         help="dropout inside the backbone while tuning the bi-encoder (kbert.finetune's default 0)")
+    parser.add_argument("--sts-seeds", type=int, default=3,
+                        help="bi-encoder fine-tuning seeds (--seed, --seed+1, ...); the table reports their mean: one "
+                             "seed's Spearman moves by ~0.3 points from seed to seed (benchmarks/README.md)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--embedding-init", choices=("cooccurrence", "random"), default="cooccurrence",
                         help="token embeddings to start pretraining from (trainer.embedding_init)")
@@ -161,6 +166,10 @@ def main():
                         help="pretraining objective: masked LM, or ELECTRA's replaced-token detection")
     parser.add_argument("--small", action="store_true", help="a few minutes end to end (checks the chain)")
     args = parser.parse_args()
+    if args.max_length < 8:
+        parser.error(f"--max-length must be at least 8 tokens, got {args.max_length}")
+    if args.sts_seeds < 1:
+        parser.error(f"--sts-seeds must be at least 1, got {args.sts_seeds}")
     if args.small:
         args.minutes, args.train_examples, args.dev_examples = 1.0, 2000, 1000
         args.out = args.out.rstrip("/") + "-small"
@@ -245,7 +254,7 @@ def main():
     # 3. sentiment
     train = movie_review_sentiment(reviews, "train", limit=args.train_examples, seed=args.seed)
     dev = movie_review_sentiment(reviews, "dev", limit=args.dev_examples, seed=args.seed)
-    settings = dict(epochs=args.epochs, batch_size=32, learning_rate=2e-4, max_length=64, patience=None,
+    settings = dict(epochs=args.epochs, batch_size=32, learning_rate=2e-4, max_length=args.max_length, patience=None,
                     pooling=args.pooling, layers=parse_layers(args.layers),
                     eval_every=max(1, int(len(train) * args.epochs / 32 / 4)), seed=args.seed, progress=True)
     baseline = stage(args.out, "sentiment-tfidf", lambda: {"accuracy": tfidf_sentiment(train, dev),
@@ -255,6 +264,8 @@ def main():
     def sentiment(name, model_dir):
         # another epoch count is another stage, so one --out dir holds both and the pretraining is reused
         stage_name = f"sentiment-{name}" + ("" if args.epochs == 1 else f"-{args.epochs:g}ep")
+        if args.max_length != 64:  # runs before --max-length fine-tuned at 64 under the plain names
+            stage_name += f"-len{args.max_length}"
         if args.pooling != "pooler":
             stage_name += f"-{args.pooling}-{args.layers.replace(',', '.')}"
         out_dir = os.path.join(args.out, stage_name)
@@ -271,14 +282,21 @@ def main():
     sts_tfidf = stage(args.out, "sts-tfidf", lambda: {"spearman": tfidf_sts(sts_train, sts_dev)})
     sts_stage = ("sts-bi-encoder" + ("" if args.sts_layers == "-1" else f"-layers-{args.sts_layers.replace(',', '.')}")
                  + f"-dropout-{args.sts_dropout:g}")
-    sts = stage(args.out, sts_stage, lambda: {
-        k: v for k, v in kbert.finetune(pre["model_dir"], "sentence-embedding", sts_train, sts_dev,
-                                        out_dir=os.path.join(args.out, sts_stage), text_column="sentence1",
-                                        layers=parse_layers(args.sts_layers, "--sts-layers"), backbone_dropout=args.sts_dropout,
-                                        pair_column="sentence2", label_column="score", epochs=sts_epochs, batch_size=32,
-                                        learning_rate=2e-4, max_length=64, patience=None, seed=args.seed,
-                                        progress=True).items()
-        if k in ("best", "baseline", "history")})
+    def bi_encoder(seed):
+        # the first seed keeps the stage name runs before --sts-seeds wrote, so their dirs are reused
+        name = sts_stage + ("" if seed == args.seed else f"-seed{seed}")
+        return stage(args.out, name, lambda: {
+            k: v for k, v in kbert.finetune(pre["model_dir"], "sentence-embedding", sts_train, sts_dev,
+                                            out_dir=os.path.join(args.out, name), text_column="sentence1",
+                                            layers=parse_layers(args.sts_layers, "--sts-layers"),
+                                            backbone_dropout=args.sts_dropout, pair_column="sentence2",
+                                            label_column="score", epochs=sts_epochs, batch_size=32,
+                                            learning_rate=2e-4, max_length=64, patience=None, seed=seed,
+                                            progress=True).items()
+            if k in ("best", "baseline", "history")})
+
+    sts_runs = [bi_encoder(args.seed + i) for i in range(args.sts_seeds)]
+    sts_mean = sum(r["best"] for r in sts_runs) / len(sts_runs)
 
     # 5. the reference last: the same fine-tuning from random initialization (what the pretraining adds)
     sentiment("random-init", random_dir)
@@ -293,8 +311,9 @@ def main():
           f"{baseline['accuracy']:.4f} |")
     print(f"| sentiment dev accuracy, random init | {runs['random-init']['best']:.4f} | gain from pretraining "
           f"{(runs['pretrained']['best'] - runs['random-init']['best']) * 100:+.1f} points |")
-    print(f"| KorSTS dev Spearman, bi-encoder | {sts['best']:.4f} (before fine-tuning {sts['baseline']['spearman']:.4f})"
-          f" | TF-IDF char 1-3 cosine {sts_tfidf['spearman']:.4f} |")
+    each = ", ".join(f"{r['best']:.4f}" for r in sts_runs)
+    print(f"| KorSTS dev Spearman, bi-encoder, mean of {len(sts_runs)} fine-tuning seed(s) | {sts_mean:.4f} ({each}; "
+          f"before fine-tuning {sts_runs[0]['baseline']['spearman']:.4f}) | TF-IDF char 1-3 cosine {sts_tfidf['spearman']:.4f} |")
     print(f"\n(pretraining text: {data['reviews_chars'] / 1e6:.1f}M characters of reviews in "
           f"{data['reviews_documents']:,} movies, {data['statutes_chars'] / 1e6:.1f}M of statutes; sentiment {len(train):,} train / "
           f"{len(dev):,} dev; total {(time.time() - t0) / 60:.1f} min this run)")
