@@ -9,8 +9,8 @@
    (`trainer.embedding_init: cooccurrence`, inside the budget; `--embedding-init random` for BERT's start);
 3. sentiment: NSMC-style train/dev sets from the reviews (ratings 1-4 vs 9-10, balanced, <= 140 chars,
    split by movie); the pretrained model and the same model from random initialization fine-tuned with the
-   same settings (2 epochs, up to 128 tokens: `--epochs`, `--max-length`) (the random-init reference runs last, after stage 4), and a TF-IDF character 1-3-gram +
-   logistic-regression baseline;
+   same settings (2 epochs, up to 128 tokens: `--epochs`, `--max-length`; the random-init reference runs
+   last, after stage 4), and a TF-IDF character 1-3-gram + logistic-regression baseline;
 4. sentence embeddings: the STS bi-encoder fine-tuned from the pretrained model on KorSTS train (mean pooling
    over all layers, no dropout in the backbone: `--sts-layers`, `--sts-dropout`), Spearman on
    KorSTS dev averaged over three fine-tuning seeds (`--sts-seeds`), beside TF-IDF character n-gram cosine.
@@ -282,13 +282,15 @@ def main():
     sts_tfidf = stage(args.out, "sts-tfidf", lambda: {"spearman": tfidf_sts(sts_train, sts_dev)})
     sts_stage = ("sts-bi-encoder" + ("" if args.sts_layers == "-1" else f"-layers-{args.sts_layers.replace(',', '.')}")
                  + f"-dropout-{args.sts_dropout:g}")
+    sts_layers = parse_layers(args.sts_layers, "--sts-layers")
+
     def bi_encoder(seed):
         # the first seed keeps the stage name runs before --sts-seeds wrote, so their dirs are reused
         name = sts_stage + ("" if seed == args.seed else f"-seed{seed}")
         return stage(args.out, name, lambda: {
             k: v for k, v in kbert.finetune(pre["model_dir"], "sentence-embedding", sts_train, sts_dev,
                                             out_dir=os.path.join(args.out, name), text_column="sentence1",
-                                            layers=parse_layers(args.sts_layers, "--sts-layers"),
+                                            layers=sts_layers,
                                             backbone_dropout=args.sts_dropout, pair_column="sentence2",
                                             label_column="score", epochs=sts_epochs, batch_size=32,
                                             learning_rate=2e-4, max_length=64, patience=None, seed=seed,
