@@ -21,10 +21,11 @@ class WorkerError(RuntimeError):
     """A worker process died (it did not raise: an exception in a task comes back as itself)."""
 
 
-_HINT = ("a kbert worker process died{where}. When this runs from a script, put the script's code under "
-         "`if __name__ == \"__main__\":` (worker processes are started with multiprocessing's \"spawn\", which "
-         "re-runs the script in each of them), or pass workers=0 to do the work in this process. Otherwise the "
-         "worker was killed from outside (e.g. out of memory); its error, if any, is printed above.")
+_FIX = ("put the script's code under `if __name__ == \"__main__\":` (worker processes are started with "
+        "multiprocessing's \"spawn\", which re-runs the script in each of them), or pass workers=0 to do the work "
+        "in this process")
+_HINT = ("a kbert worker process died{where}. When this runs from a script, " + _FIX + ". Otherwise the worker "
+         "was killed from outside (e.g. out of memory); its error, if any, is printed above.")
 
 
 def in_worker() -> bool:
@@ -59,6 +60,19 @@ def _init(initializer, initargs):
         initializer(*initargs)
 
 
+def refuse_in_spawn_bootstrap(what: str = "kbert") -> None:
+    """Raises at once when this process is a spawned worker still re-running its parent's unguarded script.
+
+    Checked before `what` builds anything: such a run would start workers of its own and could wait on them
+    forever, which leaves its parent waiting on it. Failing here ends the worker during its start-up, which
+    its parent reports as a `WorkerError` with the fix (see `result`)."""
+    import multiprocessing as mp
+
+    if getattr(mp.current_process(), "_inheriting", False):
+        raise RuntimeError(f"{what} was called in a worker process that is re-running this script as it starts: "
+                           + _FIX + ".")
+
+
 def _ready():
     return os.getpid()
 
@@ -71,6 +85,7 @@ def start(workers: int, initializer=None, initargs=(), context: str = "spawn") -
     import multiprocessing as mp
     import threading
 
+    refuse_in_spawn_bootstrap("kbert.workers.start")
     ex = ProcessPoolExecutor(workers, mp_context=mp.get_context(context), initializer=_init,
                              initargs=(initializer, initargs))
 

@@ -150,6 +150,21 @@ def test_sigterm_saves_and_stops(tok_dir, tmp_path):
     assert again["step"] == summary["step"] + 1
 
 
+def test_unguarded_pretraining_script_fails_with_the_fix_instead_of_hanging(tok_dir, tmp_path):
+    """`kbert.pretrain` with data workers, from a script without `if __name__ == "__main__":`: each spawned
+    worker re-runs the script. The worker's own pretrain used to start workers of its own and wait on them
+    forever (its parent with it); now the worker stops at once and the run ends with an error naming the fix."""
+    cfg = _config(tok_dir, str(tmp_path / "run"), 5, data={"workers": 1}, trainer={"batch_size": 4})
+    script = tmp_path / "unguarded.py"
+    script.write_text(f"import kbert\nprint(kbert.pretrain({cfg!r}, progress=False)['finished'])\n",
+                      encoding="utf-8")
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                         cwd=str(tmp_path))
+    assert run.returncode != 0 and "True" not in run.stdout
+    assert "WorkerError" in run.stderr and 'if __name__ == "__main__":' in run.stderr
+    assert "kbert.pretrain was called in a worker process" in run.stderr  # the worker's own report
+
+
 def test_gradient_accumulation_equals_one_large_batch(tok_dir, tmp_path):
     # Token-level masking at a rate that always hits max_predictions: every sequence has exactly 10 targets,
     # so the mean of micro-batch means is the batch mean. A huge epsilon makes Adam an SGD-like update

@@ -128,6 +128,9 @@ def pretrain(config: Union[PretrainConfig, dict, str], overrides=None, resume: b
     from kbert.train.strategy import device_kind, make_strategy, resolve_precision
     from kbert.utils import progress_bar
 
+    from kbert.workers import refuse_in_spawn_bootstrap
+
+    refuse_in_spawn_bootstrap("kbert.pretrain")
     if isinstance(config, str) or config is None:
         config = PretrainConfig.load(config, overrides)
     elif isinstance(config, dict):
@@ -268,6 +271,9 @@ def pretrain(config: Union[PretrainConfig, dict, str], overrides=None, resume: b
             except tf.errors.ResourceExhaustedError as e:
                 oom = e
                 break
+            except tf.errors.OpError:
+                _let_the_pipeline_settle()
+                raise
             current = int(step.numpy())
             if t1 is None:
                 t1, s1 = time.perf_counter(), current
@@ -373,6 +379,14 @@ def _retry_smaller(config, error, per_replica_batch, checkpoint, progress, end):
     summary = pretrain(config, resume=True, progress=progress, stop_after=end - restart)
     summary["oom_retries"] = summary.get("oom_retries", 0) + 1
     return summary
+
+
+def _let_the_pipeline_settle(seconds: float = 1.0) -> None:
+    """After an error from the input pipeline (e.g. a dead worker process), waits a moment before the error
+    propagates. tf.data's threads go on calling the pipeline's Python generator (which needs the GIL) until
+    their buffers hold the error; the iterator's destructor waits for those threads while its caller holds
+    the GIL, so tearing it down mid-call would deadlock the process instead of reporting the error."""
+    time.sleep(seconds)  # releases the GIL
 
 
 def _main_thread() -> bool:
