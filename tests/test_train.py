@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import warnings
 
 import numpy as np
 import pytest
@@ -163,6 +164,39 @@ def test_unguarded_pretraining_script_fails_with_the_fix_instead_of_hanging(tok_
     assert run.returncode != 0 and "True" not in run.stdout
     assert "WorkerError" in run.stderr and 'if __name__ == "__main__":' in run.stderr
     assert "kbert.pretrain was called in a worker process" in run.stderr  # the worker's own report
+
+
+def test_bfloat16_on_cpu_runs_without_xla_and_warns_where_it_is_emulated(tok_dir, tmp_path, monkeypatch):
+    """mixed_bfloat16 on CPU: TensorFlow's own kernels use the CPU's bf16 instructions and XLA's do not, so
+    `jit: auto` leaves XLA off there (and on for float32); where the CPU has no such instructions, bf16 is
+    emulated and kbert says so."""
+    from kbert.train import strategy
+
+    runs = {}
+    for precision in ("float32", "mixed_bfloat16"):
+        runs[precision] = pretrain(_config(tok_dir, str(tmp_path / precision), 3,
+                                           runtime={"precision": precision}), progress=False)
+    assert (runs["float32"]["jit"], runs["mixed_bfloat16"]["jit"]) == (True, False)
+    assert runs["mixed_bfloat16"]["precision"] == "mixed_bfloat16"
+    # the same seeded model and batches: bf16 matmuls move the first loss only in the later digits
+    first = [runs[p]["history"][0] for p in ("float32", "mixed_bfloat16")]
+    assert abs(first[0] - first[1]) < 0.05 and all(np.isfinite(x) for x in first), first
+    cpu = strategy.make_strategy("cpu")
+    monkeypatch.setattr(strategy, "cpu_has_native_bf16", lambda: False)
+    with pytest.warns(UserWarning, match="emulated"):
+        assert strategy.resolve_precision("mixed_bfloat16", cpu) == "mixed_bfloat16"
+    monkeypatch.setattr(strategy, "cpu_has_native_bf16", lambda: True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert strategy.resolve_precision("mixed_bfloat16", cpu) == "mixed_bfloat16"
+        assert strategy.resolve_precision("auto", cpu) == "float32"  # a choice on CPUs, not the default
+    monkeypatch.undo()
+    fake = tmp_path / "cpuinfo"
+    for flags, expected in (("fpu avx2 avx512f avx512_bf16 avx512_vnni", True), ("fpu avx2 amx_bf16 amx_tile", True),
+                            ("fpu avx2 avx512f avx512_vnni", False)):
+        fake.write_text(f"processor\t: 0\nflags\t\t: {flags}\n", encoding="utf-8")
+        assert strategy.cpu_has_native_bf16(str(fake)) is expected, flags
+    assert strategy.cpu_has_native_bf16(str(tmp_path / "missing")) is False
 
 
 def test_gradient_accumulation_equals_one_large_batch(tok_dir, tmp_path):
