@@ -3,10 +3,13 @@ checkpointing): tokens/s and model-FLOPs utilization (MFU) against this machine'
 
 Runs `kbert.pretrain` on the synthetic `dummy` source (so the figure is the trainer's, not the corpus
 reader's) for each model, after a warm-up run that compiles the step, and prints tokens/s and MFU beside the
-bare-matmul peak measured in the same run. On a GPU machine the same models run on Keras' JAX backend with
+bare-matmul peak measured in the same run. `--precisions float32,mixed_bfloat16` runs each model in both
+and prints bf16's tokens/s as a ratio of float32's (on a CPU with native bf16 instructions; XLA on for
+float32, off for bf16: `runtime.jit: auto`). On a GPU machine the same models run on Keras' JAX backend with
 `benchmarks/train_step.py`-style synthetic batches (see benchmarks/README.md for the device figures).
 
     python benchmarks/pretrain.py --models bert-tiny,bert-mini --seq 128 --batch 32 --steps 40
+    python benchmarks/pretrain.py --models bert-mini --seq 64 --precisions float32,mixed_bfloat16
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ def main(argv=None):
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--vocab-size", type=int, default=32000)
+    parser.add_argument("--precisions", default="float32",
+                        help="comma-separated runtime.precision values, each model in each (float32 first: the reference)")
     args = parser.parse_args(argv)
 
     import kbert
@@ -42,32 +47,38 @@ def main(argv=None):
     # a small tokenizer for the dummy source; the model's embedding table has the full --vocab-size
     tok = kbert.Tokenizer.train(kbert.corpus(["kolaw", "kobill"]), vocab_size=2000, progress=False)
     tok.save(os.path.join(tmp, "tok"))
-    peak = matmul_peak()
-    print(f"{os.cpu_count()} cpus; measured fp32 matmul peak {peak / 1e9:.1f} GFLOP/s")
-    print("| model | params | tokens/s | MFU |")
-    print("|---|---|---|---|")
+    precisions = args.precisions.split(",")
+    peaks = {p: matmul_peak(dtype=p.replace("mixed_", "")) for p in precisions}
+    print(f"{os.cpu_count()} cpus; measured matmul peak "
+          + ", ".join(f"{p}: {v / 1e9:.1f} GFLOP/s" for p, v in peaks.items()))
+    print("| model | params | precision | XLA | tokens/s | vs first precision | MFU (of its matmul peak) |")
+    print("|---|---|---|---|---|---|---|")
     for name in args.models.split(","):
         cfg = ModelConfig.preset(name, vocab_size=args.vocab_size)
         predictions = default_max_predictions(args.seq)
-        config = {"model": {"preset": name, "vocab_size": args.vocab_size}, "data": {"source": "dummy", "tokenizer": os.path.join(tmp, "tok"),
-                                          "max_seq_len": args.seq, "max_predictions": predictions},
-                  "optimizer": {"learning_rate": 1e-4, "warmup_steps": 10},
-                  "trainer": {"steps": args.steps, "batch_size": args.batch, "log_every": 10,
-                              "checkpoint_every": 10 ** 9},
-                  "runtime": {"strategy": "auto", "precision": "auto"}}
-        out = os.path.join(tmp, name)
-        kbert.pretrain(dict(config, output_dir=out), progress=False, stop_after=5)  # compile + warm-up
-        t0 = time.perf_counter()
-        summary = kbert.pretrain(dict(config, output_dir=out), progress=False)
-        elapsed = time.perf_counter() - t0
-        tps = summary["tokens_per_second"]
         flops = train_flops_per_step({"hidden": cfg.hidden_size, "intermediate": cfg.intermediate_size,
                                       "layers": cfg.num_layers, "vocab": cfg.vocab_size}, args.batch, args.seq,
                                      predictions)
-        steps_per_s = tps / (args.batch * args.seq)
-        print(f"| {name} | {cfg.num_parameters() / 1e6:.1f}M | {tps:,.0f} | {flops * steps_per_s / peak * 100:.1f}% |"
-              f"  ({args.steps - 5} steps in {elapsed:.1f}s incl. start-up and the final save)")
-
+        first = None
+        for precision in precisions:
+            config = {"model": {"preset": name, "vocab_size": args.vocab_size},
+                      "data": {"source": "dummy", "tokenizer": os.path.join(tmp, "tok"),
+                               "max_seq_len": args.seq, "max_predictions": predictions},
+                      "optimizer": {"learning_rate": 1e-4, "warmup_steps": 10},
+                      "trainer": {"steps": args.steps, "batch_size": args.batch, "log_every": 10,
+                                  "checkpoint_every": 10 ** 9},
+                      "runtime": {"strategy": "auto", "precision": precision}}
+            out = os.path.join(tmp, f"{name}-{precision}")
+            kbert.pretrain(dict(config, output_dir=out), progress=False, stop_after=5)  # compile + warm-up
+            t0 = time.perf_counter()
+            summary = kbert.pretrain(dict(config, output_dir=out), progress=False)
+            elapsed = time.perf_counter() - t0
+            tps = summary["tokens_per_second"]
+            first = first or tps
+            steps_per_s = tps / (args.batch * args.seq)
+            print(f"| {name} | {cfg.num_parameters() / 1e6:.1f}M | {summary['precision']} | {summary['jit']} | "
+                  f"{tps:,.0f} | {tps / first:.2f}x | {flops * steps_per_s / peaks[precision] * 100:.1f}% |"
+                  f"  ({args.steps - 5} steps in {elapsed:.1f}s incl. start-up and the final save)")
 
 if __name__ == "__main__":
     main()

@@ -37,12 +37,12 @@ def synthetic_batch(batch, seq, vocab, predictions, seed=0):
     return features, mask_ids
 
 
-def matmul_peak(n=1024, repeats=20):
-    """Measured fp32 matmul FLOP/s of this machine through TensorFlow (same threads as training)."""
+def matmul_peak(n=1024, repeats=20, dtype="float32"):
+    """Measured matmul FLOP/s of this machine through TensorFlow (same threads as training), in `dtype`."""
     import tensorflow as tf
 
-    a = tf.random.normal((n, n))
-    b = tf.random.normal((n, n))
+    a = tf.cast(tf.random.normal((n, n)), dtype)
+    b = tf.cast(tf.random.normal((n, n)), dtype)
     f = tf.function(lambda a, b: tf.matmul(a, b))
     f(a, b).numpy()
     best = 0.0
