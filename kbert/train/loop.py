@@ -127,7 +127,6 @@ def pretrain(config: Union[PretrainConfig, dict, str], overrides=None, resume: b
     from kbert.train.optimizers import make_optimizer, sync_iterations
     from kbert.train.strategy import device_kind, make_strategy, resolve_precision
     from kbert.utils import progress_bar
-
     from kbert.workers import refuse_in_spawn_bootstrap
 
     refuse_in_spawn_bootstrap("kbert.pretrain")
