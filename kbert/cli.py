@@ -249,9 +249,12 @@ def _finetune(args):
                        max_length=args.max_length, patience=args.patience, eval_every=args.eval_every,
                        max_steps=args.max_steps, seed=args.seed, group_by_length=not args.no_group_by_length,
                        similarity_loss=args.similarity_loss, pooling=args.pooling,
-                       layers=parse_layers(args.layers), backbone_dropout=args.backbone_dropout)
+                       layers=parse_layers(args.layers), backbone_dropout=args.backbone_dropout,
+                       resume=not args.no_resume, checkpoint_every=args.checkpoint_every)
     best = f"best dev {summary['metric']} {summary['best']:.4f} at step {summary['best_step']}" \
-        if summary["best"] is not None else "no dev set: the last model"
+        if summary["best"] is not None else ("no dev set: the last model" if summary["history"] else "no model yet")
+    if summary["checkpoint"]:
+        best += "; stopped with a checkpoint, the same command resumes it"
     print(f"{summary['task']}: {summary['steps']} steps ({summary['stopped_by']}), {best}; "
           f"model dir: {summary['model_dir']}")
     with open(f"{summary['model_dir']}/finetune_history.json", "w", encoding="utf-8") as f:
@@ -410,6 +413,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-group-by-length", action="store_true",
                    help="plain shuffled batches instead of batches of similar length (less padding, faster)")
+    p.add_argument("--checkpoint-every", type=int, default=1000,
+                   help="steps between checkpoints of the whole run (also after each evaluation and at Ctrl-C / "
+                        "SIGTERM); an interrupted run resumes when the same command is run again")
+    p.add_argument("--no-resume", action="store_true", help="start over instead of resuming OUT/checkpoints")
     p.set_defaults(func=_finetune)
 
     p = sub.add_parser("export", help="a SavedModel that takes raw strings (TF Serving layout DIR/VERSION/)")

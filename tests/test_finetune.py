@@ -7,8 +7,10 @@ question pairs) and a small randomly initialized model, so they check that train
 import json
 import os
 import resource
+import signal
 import subprocess
 import sys
+import threading
 import warnings
 
 import numpy as np
@@ -271,6 +273,75 @@ def test_backbone_dropout_rebuilds_the_same_weights_without_noise(base, tmp_path
         with pytest.raises(ValueError, match="`backbone_dropout` must be None or a rate"):
             kbert.finetune(base, "classification", [{"text": "좋다", "label": "1"}], backbone_dropout=bad,
                            progress=False)
+
+
+def test_interrupted_finetuning_resumes_to_the_same_result(base, tmp_path):
+    """A run stopped mid-epoch and between evaluations (with dropout on, so the seeds matter) continues from
+    its checkpoint and ends exactly as the uninterrupted run: same dev history, same best, same model."""
+    train = movie_review_sentiment(REVIEWS, "train", limit=600, seed=2)
+    dev = movie_review_sentiment(REVIEWS, "dev", limit=200)
+    args = dict(epochs=2, learning_rate=1e-3, max_length=48, eval_every=10, checkpoint_every=7, patience=None,
+                progress=False)
+    full = kbert.finetune(base, "classification", train, dev, out_dir=str(tmp_path / "full"), **args)
+    per_epoch = -(-len(train) // 32)
+    assert full["steps"] == 2 * per_epoch and full["checkpoint"] is None
+    # in the second epoch, neither at an evaluation nor at a periodic checkpoint
+    cut = next(s for s in range(per_epoch + 1, 2 * per_epoch) if s % 10 and s % 7)
+    out = str(tmp_path / "part")
+    part = kbert.finetune(base, "classification", train, dev, out_dir=out, stop_after=cut, **args)
+    assert (part["steps"], part["stopped_by"]) == (cut, "stop_after") and part["checkpoint"].endswith(f"ckpt-{cut}")
+    assert len(part["history"]) == cut // 10 and os.path.isdir(os.path.join(out, "checkpoints"))
+    rest = kbert.finetune(base, "classification", train, dev, out_dir=out, **args)
+    assert (rest["steps"], rest["stopped_by"], rest["checkpoint"]) == (2 * per_epoch, "steps", None)
+    assert not os.path.exists(os.path.join(out, "checkpoints"))  # finished: only the model dir is left
+    assert [h["step"] for h in rest["history"]] == [h["step"] for h in full["history"]]
+    for key in ("train_loss", "dev_accuracy"):
+        np.testing.assert_allclose([h[key] for h in rest["history"]], [h[key] for h in full["history"]],
+                                   rtol=1e-4, atol=1e-4)
+    assert (rest["best_step"], rest["baseline"]) == (full["best_step"], full["baseline"])
+    texts = [r["text"] for r in dev[:16]]
+    np.testing.assert_allclose(kbert.TaskModel.load(out).predict(texts),
+                               kbert.TaskModel.load(str(tmp_path / "full")).predict(texts),
+                               atol=1e-4)
+
+
+def test_finetuning_checkpoint_refuses_other_settings_and_sigterm_stops_with_one(base, tmp_path):
+    train = movie_review_sentiment(REVIEWS, "train", limit=300, seed=3)
+    out = str(tmp_path / "run")
+    first = kbert.finetune(base, "classification", train, out_dir=out, max_length=32, stop_after=3, progress=False)
+    assert first["stopped_by"] == "stop_after"
+    with pytest.raises(ValueError, match=r"interrupted fine-tuning run \(step 3\).*learning_rate: 5e-05 -> 0.001"):
+        kbert.finetune(base, "classification", train, out_dir=out, max_length=32, learning_rate=1e-3,
+                       progress=False)
+    with pytest.raises(ValueError, match="interrupted fine-tuning run .*data"):
+        kbert.finetune(base, "classification", train[:-1], out_dir=out, max_length=32, progress=False)
+    over = kbert.finetune(base, "classification", train, out_dir=out, max_length=32, learning_rate=1e-3,
+                          resume=False, stop_after=1, progress=False)
+    assert over["steps"] == 1  # started over
+    with pytest.raises(ValueError, match="`stop_after` must be None or a positive integer"):
+        kbert.finetune(base, "classification", train, out_dir=out, stop_after=0, progress=False)
+
+    done = threading.Event()
+
+    def preempt():  # once finetune has installed its handler, let it step, then SIGTERM
+        while signal.getsignal(signal.SIGTERM) is signal.SIG_DFL and not done.wait(0.05):
+            pass
+        if not done.wait(2.0):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=preempt, daemon=True).start()
+    out = str(tmp_path / "preempted")
+    try:
+        stopped = kbert.finetune(base, "classification", train, out_dir=out, epochs=200, max_length=32,
+                                 progress=False)
+    finally:
+        done.set()
+    assert stopped["stopped_by"] == "SIGTERM" and 0 < stopped["steps"] < 200 * 10
+    assert stopped["checkpoint"].endswith(f"ckpt-{stopped['steps']}")
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handed back
+    again = kbert.finetune(base, "classification", train, out_dir=out, epochs=200, max_length=32, stop_after=1,
+                           progress=False)
+    assert again["steps"] == stopped["steps"] + 1
 
 
 def test_finetune_bad_input(base, tmp_path):

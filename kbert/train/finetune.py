@@ -430,7 +430,8 @@ def finetune(model: str, task: str, train, dev=None, out_dir: str = "finetuned",
              eval_every: Optional[int] = None, max_steps: Optional[int] = None, seed: int = 0,
              progress: bool = True, dtype: Optional[str] = None, group_by_length: bool = True,
              similarity_loss: str = "cosine", pooling: Optional[str] = None,
-             layers: Union[int, Sequence[int], str] = -1, backbone_dropout: Optional[float] = None) -> dict:
+             layers: Union[int, Sequence[int], str] = -1, backbone_dropout: Optional[float] = None,
+             resume: bool = True, checkpoint_every: Optional[int] = 1000, stop_after: Optional[int] = None) -> dict:
     """Fine-tunes the model dir `model` on `train`; returns a summary with the dev history.
 
     Args:
@@ -467,6 +468,15 @@ def finetune(model: str, task: str, train, dev=None, out_dir: str = "finetuned",
             for the heads; tagging reads every token and takes neither. Saved with the model, so
             `Embedder.load(out_dir).encode`, `TaskModel.predict` and `kbert export` pool the same way. On
             bert-mini, KorSTS: all layers 0.741 vs the last layer's 0.735; sentiment: see benchmarks/README.md.
+        resume: continue an interrupted run from `out_dir/checkpoints` (the default). A run stopped by SIGINT or
+            SIGTERM (or by a crash after a checkpoint) saves its whole state there: weights, optimizer, dropout
+            seeds, batch order, dev history and the best score so far, so the same call picks up at that step
+            and ends as an uninterrupted run would. The checkpoint must come from the same settings and data
+            (else a ValueError names what differs); `resume=False` deletes it and starts over. Removed when
+            the run ends.
+        checkpoint_every: steps between checkpoints (besides one after each dev evaluation and one at a
+            stop); None: only those.
+        stop_after: stop (with a checkpoint) after this many steps in this call, as a preemption would.
 
     Example:
         >>> kbert.finetune("my-model", "classification", "train.tsv", "dev.tsv", out_dir="sentiment",
@@ -499,6 +509,9 @@ def finetune(model: str, task: str, train, dev=None, out_dir: str = "finetuned",
                                          not isinstance(backbone_dropout, (int, float)) or
                                          not 0.0 <= backbone_dropout < 1.0):
         raise ValueError(f"`backbone_dropout` must be None or a rate in [0, 1). Received: {backbone_dropout!r}")
+    for name, value in (("checkpoint_every", checkpoint_every), ("stop_after", stop_after)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"`{name}` must be None or a positive integer. Received: {name}={value!r}")
     if backbone_dropout is None and task == "sentence-embedding" and label_column:
         backbone_dropout = 0.0
     keras.utils.set_random_seed(seed)
@@ -631,64 +644,205 @@ def finetune(model: str, task: str, train, dev=None, out_dir: str = "finetuned",
             "base_model": os.path.abspath(model) if isinstance(model, str) else None,
             "target": list(target) if task == "regression" else None}
     result = TaskModel(network, tokenizer, meta)
-    history, best, best_step, bad = [], None, 0, 0
-    baseline = evaluate(dev_ex) if dev_ex is not None else None
-    if baseline is not None and progress:
-        print(f"before training: dev " + " ".join(f"{k} {v:.4f}" for k, v in baseline.items()), flush=True)
+    # what a resumed run must share with the interrupted one
+    settings = dict(model=meta["base_model"] or repr(model), data=_data_fingerprint(train_ex, dev_ex), task=task,
+                    text_column=text_column, pair_column=pair_column, label_column=label_column, labels=labels,
+                    epochs=epochs, batch_size=batch_size, learning_rate=learning_rate, warmup=warmup,
+                    weight_decay=weight_decay, max_length=max_length, dropout=dropout, patience=patience,
+                    eval_every=eval_every, total_steps=total, seed=seed, dtype=dtype, group_by_length=group_by_length,
+                    similarity_loss=similarity_loss, pooling=pooling, layers=layers,
+                    backbone_dropout=backbone_dropout)
+    saver = _Checkpoints(os.path.join(out_dir, CHECKPOINT_DIR), network, optimizer, settings, resume)
+    saved = saver.restore()
     rng = np.random.default_rng(seed)
+    if saved is None:
+        history, best, best_step, bad, losses, step = [], None, 0, 0, [], 0
+        baseline = evaluate(dev_ex) if dev_ex is not None else None
+        if baseline is not None and progress:
+            print(f"before training: dev " + " ".join(f"{k} {v:.4f}" for k, v in baseline.items()), flush=True)
+    else:
+        history, best, best_step, bad, losses, step, baseline = (
+            saved[k] for k in ("history", "best", "best_step", "bad", "losses", "step", "baseline"))
+        for _ in range(step // steps_per_epoch):  # the batch order of the finished epochs, drawn again
+            _batches(rng, train_ex, batch_size, group_by_length)
+        if progress:
+            print(f"resumed at step {step} of {total} from {saver.path}", flush=True)
+    keep = max(eval_every, 50)
+    skip = step % steps_per_epoch  # batches of the current epoch that were trained before the restart
+    end = total if stop_after is None else min(total, step + stop_after)
     bar = progress_bar(total=total, desc=f"finetune {task}", unit=" steps", enabled=progress)
-    step, stopped, start_time, losses = 0, "steps", time.time(), []
-    while step < total:
-        for index in _batches(rng, train_ex, batch_size, group_by_length):
-            if task == "sentence-embedding":
-                both = [train_ex.ids[i] for i in index] + [train_ex.pair_ids[i] for i in index]
-                ids = _pad(both, tokenizer.pad_id)
-                features = _features(ids, np.zeros_like(ids), tokenizer.pad_id)
-                y = None if train_ex.labels is None else tf.constant(train_ex.labels[index])
-            else:
-                ids = _pad([train_ex.ids[i] for i in index], tokenizer.pad_id)
-                features = _features(ids, _pad([train_ex.segments[i] for i in index], 0, ids.shape[1]),
-                                     tokenizer.pad_id)
-                if task == "tagging":
-                    y = tf.constant(_pad([train_ex.labels[i] for i in index], IGNORE, ids.shape[1]))
+    bar.update(step)
+    stopped, start_time, saved_at = "steps", time.time(), step
+    with _StopSignals() as signals:
+        while step < end and stopped == "steps":
+            for index in _batches(rng, train_ex, batch_size, group_by_length)[skip:]:
+                if task == "sentence-embedding":
+                    both = [train_ex.ids[i] for i in index] + [train_ex.pair_ids[i] for i in index]
+                    ids = _pad(both, tokenizer.pad_id)
+                    features = _features(ids, np.zeros_like(ids), tokenizer.pad_id)
+                    y = None if train_ex.labels is None else tf.constant(train_ex.labels[index])
                 else:
-                    y = tf.constant(train_ex.labels[index])
-            loss = float(train_step(features, y, tf.constant(len(index))))
-            if not math.isfinite(loss):
-                raise FloatingPointError(f"Fine-tuning diverged at step {step + 1} (loss {loss}); lower "
-                                         f"`learning_rate` (now {learning_rate})")
-            losses.append(loss)
-            step += 1
-            bar.update(1)
-            bar.set_postfix(loss=f"{np.mean(losses[-50:]):.4f}")
-            if step % eval_every == 0 or step == total:
-                entry = {"step": step, "epoch": round(step / steps_per_epoch, 3),
-                         "train_loss": float(np.mean(losses[-eval_every:]))}
-                improved = True
-                if dev_ex is not None:
-                    metrics = evaluate(dev_ex)
-                    entry.update({f"dev_{k}": v for k, v in metrics.items()})
-                    improved = best is None or metrics[key] > best
-                history.append(entry)
-                if improved:
-                    best, best_step, bad = (entry.get(f"dev_{key}"), step, 0)
-                    result.save(out_dir)
-                else:
-                    bad += 1
-                if progress:
-                    shown = " ".join(f"{k} {v:.4f}" for k, v in entry.items() if k not in ("step", "epoch"))
-                    bar.write(f"epoch {entry['epoch']:g} step {step}: {shown}" + (" (best, saved)" if improved else ""))
-                if patience is not None and dev_ex is not None and bad >= patience:
-                    stopped = "early_stopping"
+                    ids = _pad([train_ex.ids[i] for i in index], tokenizer.pad_id)
+                    features = _features(ids, _pad([train_ex.segments[i] for i in index], 0, ids.shape[1]),
+                                         tokenizer.pad_id)
+                    if task == "tagging":
+                        y = tf.constant(_pad([train_ex.labels[i] for i in index], IGNORE, ids.shape[1]))
+                    else:
+                        y = tf.constant(train_ex.labels[index])
+                loss = float(train_step(features, y, tf.constant(len(index))))
+                if not math.isfinite(loss):
+                    raise FloatingPointError(f"Fine-tuning diverged at step {step + 1} (loss {loss}); lower "
+                                             f"`learning_rate` (now {learning_rate})"
+                                             + (f"; the checkpoint of step {saved_at} is kept" if saved_at else ""))
+                losses.append(loss)
+                if len(losses) > 2 * keep:  # the train loss is a mean over the last evaluation's window
+                    del losses[:-keep]
+                step += 1
+                bar.update(1)
+                bar.set_postfix(loss=f"{np.mean(losses[-50:]):.4f}")
+                evaluated = step % eval_every == 0 or step == total
+                if evaluated:
+                    entry = {"step": step, "epoch": round(step / steps_per_epoch, 3),
+                             "train_loss": float(np.mean(losses[-eval_every:]))}
+                    improved = True
+                    if dev_ex is not None:
+                        metrics = evaluate(dev_ex)
+                        entry.update({f"dev_{k}": v for k, v in metrics.items()})
+                        improved = best is None or metrics[key] > best
+                    history.append(entry)
+                    if improved:
+                        best, best_step, bad = (entry.get(f"dev_{key}"), step, 0)
+                        result.save(out_dir)
+                    else:
+                        bad += 1
+                    if progress:
+                        shown = " ".join(f"{k} {v:.4f}" for k, v in entry.items() if k not in ("step", "epoch"))
+                        bar.write(f"epoch {entry['epoch']:g} step {step}: {shown}"
+                                  + (" (best, saved)" if improved else ""))
+                    if patience is not None and dev_ex is not None and bad >= patience:
+                        stopped = "early_stopping"
+                        break
+                if step >= total:
                     break
-            if step >= total:
-                break
-        if stopped == "early_stopping":
-            break
+                if signals.received or step >= end:
+                    stopped = signals.received or "stop_after"
+                if stopped != "steps" or evaluated or (checkpoint_every and step % checkpoint_every == 0):
+                    saver.save(step, dict(history=history, best=best, best_step=best_step, bad=bad, losses=losses[-keep:],
+                                          baseline=baseline))
+                    saved_at = step
+                if stopped != "steps":
+                    break
+            skip = 0
     bar.close()
+    if stopped in ("steps", "early_stopping"):
+        saver.remove()  # finished: the best model is in out_dir
+    elif progress:
+        print(f"fine-tuning stopped at step {step} ({stopped}); the same call resumes from {saver.path}", flush=True)
     return {"task": task, "model_dir": out_dir, "steps": step, "stopped_by": stopped, "history": history,
             "baseline": baseline, "best_step": best_step, "metric": key if dev_ex is not None else None,
-            "best": best, "labels": labels, "seconds": time.time() - start_time}
+            "best": best, "labels": labels, "seconds": time.time() - start_time,
+            "checkpoint": None if stopped in ("steps", "early_stopping") else saver.path}
+
+
+CHECKPOINT_DIR = "checkpoints"
+
+
+def _data_fingerprint(train_ex, dev_ex) -> str:
+    """A digest of the encoded training and dev examples: a resumed run must see the same data."""
+    import hashlib
+
+    h = hashlib.sha1()
+    for ex in (train_ex, dev_ex):
+        if ex is None:
+            h.update(b"none")
+            continue
+        for lists in (ex.ids, ex.pair_ids or []):
+            h.update(np.asarray([len(x) for x in lists], np.int64).tobytes())
+            h.update(np.concatenate([np.asarray(x, np.int64) for x in lists] or [np.zeros(0, np.int64)]).tobytes())
+        if ex.labels is not None:
+            labels = ex.labels if isinstance(ex.labels, np.ndarray) else np.concatenate(
+                [np.asarray(x, np.float64) for x in ex.labels] or [np.zeros(0)])
+            h.update(np.asarray(labels, np.float64).tobytes())
+    return h.hexdigest()
+
+
+class _Checkpoints:
+    """The whole state of a fine-tuning run in one TensorFlow checkpoint: every network variable (dropout
+    seeds included), the optimizer's variables, and a JSON string with the loop's bookkeeping and the
+    settings it was made with, so a restart with other settings is refused instead of silently mixed."""
+
+    def __init__(self, directory, network, optimizer, settings, resume):
+        import shutil
+
+        import tensorflow as tf
+
+        self.directory, self.settings = directory, json.loads(json.dumps(settings, default=str))
+        if not resume and os.path.isdir(directory):
+            shutil.rmtree(directory)
+        self.state = tf.Variable("", dtype=tf.string, trainable=False)
+        self.checkpoint = tf.train.Checkpoint(
+            network={str(i): v.value for i, v in enumerate(network.variables)},
+            optimizer={str(i): v.value for i, v in enumerate(optimizer.variables)}, state=self.state)
+        self.manager = tf.train.CheckpointManager(self.checkpoint, directory, max_to_keep=1)
+
+    @property
+    def path(self) -> Optional[str]:
+        return self.manager.latest_checkpoint
+
+    def restore(self) -> Optional[dict]:
+        import tensorflow as tf
+
+        path = self.manager.latest_checkpoint
+        if not path:
+            return None
+        saved = json.loads(tf.train.load_checkpoint(path).get_tensor("state/.ATTRIBUTES/VARIABLE_VALUE"))
+        differ = sorted(k for k in set(saved["settings"]) | set(self.settings)
+                        if saved["settings"].get(k) != self.settings.get(k))
+        if differ:
+            shown = ", ".join(f"{k}: {saved['settings'].get(k)!r} -> {self.settings.get(k)!r}" for k in differ)
+            raise ValueError(f"{self.directory!r} holds an interrupted fine-tuning run (step {saved['step']}) with "
+                             f"other settings ({shown}); rerun with its settings to resume it, pass resume=False "
+                             f"(CLI: --no-resume) to start over, or choose another out_dir")
+        self.checkpoint.restore(path).assert_consumed()
+        return saved
+
+    def save(self, step: int, bookkeeping: dict) -> None:
+        self.state.assign(json.dumps({"settings": self.settings, "step": step, **bookkeeping}))
+        self.manager.save(checkpoint_number=step)
+
+    def remove(self) -> None:
+        import shutil
+
+        if os.path.isdir(self.directory):
+            shutil.rmtree(self.directory)
+
+
+class _StopSignals:
+    """SIGINT / SIGTERM end the current step instead of the process (in the main thread; elsewhere Python
+    delivers no signals): `received` names the signal, and the loop saves and returns."""
+
+    def __enter__(self):
+        import signal
+        import threading
+
+        self.received = None
+        self.previous = {}
+        if threading.current_thread() is threading.main_thread():
+            for s in (signal.SIGINT, signal.SIGTERM):
+                self.previous[s] = signal.signal(s, self._on_signal)
+        return self
+
+    def _on_signal(self, signum, frame):
+        import signal
+
+        self.received = signal.Signals(signum).name
+
+    def __exit__(self, *exc):
+        import signal
+
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+        return False
 
 
 def cosent_loss(cos, scores, scale: float = 20.0):
