@@ -162,6 +162,30 @@ def test_dropout_rate_independence_and_expectation(policy):
         Dropout(1.0)
 
 
+def test_exact_gelu_matches_keras_and_keeps_16_bit_dtypes():
+    """kbert's GELU (erf form, float32 inside for 16-bit inputs: TensorFlow's bfloat16 erfc is a slow
+    scalar loop) is Keras' exact GELU: to 1e-6 in float32, to bfloat16's rounding in bfloat16, with the
+    same gradient, and returns the input's dtype."""
+    from kbert.models.layers import gelu
+
+    x = np.concatenate([np.linspace(-12, 12, 4001), np.random.default_rng(0).normal(0, 4, 4000)]).astype("float32")
+    want = np.asarray(keras.ops.gelu(x, approximate=False))
+    assert np.abs(np.asarray(gelu(x)) - want).max() < 2e-6
+    for dtype in ("bfloat16", "float16"):
+        y = gelu(keras.ops.cast(x, dtype))
+        assert keras.backend.standardize_dtype(y.dtype) == dtype
+        xr = np.asarray(keras.ops.cast(keras.ops.cast(x, dtype), "float32"))  # the input as rounded
+        ref = np.asarray(keras.ops.gelu(xr, approximate=False))
+        assert np.allclose(np.asarray(keras.ops.cast(y, "float32")), ref, rtol=1e-2, atol=1e-3)
+    import tensorflow as tf
+
+    v = tf.constant(x)
+    with tf.GradientTape(persistent=True) as tape:
+        tape.watch(v)
+        mine, theirs = gelu(v), keras.ops.gelu(v, approximate=False)
+    assert np.abs(tape.gradient(mine, v).numpy() - tape.gradient(theirs, v).numpy()).max() < 1e-5
+
+
 def test_pretrainer_fit_lowers_loss():
     cfg = tiny("bert", dropout=0.0, attention_dropout=0.0)
     model = kbert.Pretrainer(kbert.build_backbone(cfg), pair_objective=None)

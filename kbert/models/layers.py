@@ -22,9 +22,26 @@ def initializer(config: ModelConfig):
     return keras.initializers.TruncatedNormal(stddev=config.initializer_range)
 
 
+_SQRT_HALF = 0.7071067811865476
+
+
+def gelu(x):
+    """Exact GELU, `0.5 x (1 + erf(x / sqrt(2)))`, computed in float32 for 16-bit inputs.
+
+    `ops.gelu(approximate=False)` on TensorFlow evaluates `erfc` on bfloat16 one element at a time through
+    the C library, whose cost grows with |x|: on a 2-core CPU bert-mini's pretraining step slowed by a quarter
+    as training spread the pre-activations (15 ms per [2048, 1024] GELU at std 4, against 2.4 ms for this
+    form, which uses the vectorized float32 `erf`). Within 1e-6 of `ops.gelu` in float32.
+    """
+    dtype = keras.backend.standardize_dtype(x.dtype)
+    if dtype in ("bfloat16", "float16"):
+        return ops.cast(gelu(ops.cast(x, "float32")), dtype)
+    return 0.5 * x * (1.0 + ops.erf(x * _SQRT_HALF))
+
+
 def activation(name: str):
     if name == "gelu":
-        return lambda x: ops.gelu(x, approximate=False)
+        return gelu
     if name == "gelu_tanh":
         return lambda x: ops.gelu(x, approximate=True)
     if name == "relu":
