@@ -8,7 +8,9 @@ import gc
 import gzip
 import io
 import os
+import signal
 import sys
+import threading
 
 
 def open_binary(path: str):
@@ -62,3 +64,25 @@ def progress_bar(total=None, desc="", unit="it", enabled=True):
     except ImportError:
         return _NoBar()
     return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, dynamic_ncols=True, mininterval=0.5)
+
+
+class StopSignals:
+    """While open, SIGINT / SIGTERM end a training loop's current step instead of the process: `received`
+    names the signal, and the loop saves and returns; the previous handlers come back on exit. Outside the
+    main thread (where Python delivers no signals) it installs nothing and `received` stays None."""
+
+    def __enter__(self):
+        self.received = None
+        self.previous = {}
+        if threading.current_thread() is threading.main_thread():
+            for s in (signal.SIGINT, signal.SIGTERM):
+                self.previous[s] = signal.signal(s, self._on_signal)
+        return self
+
+    def _on_signal(self, signum, frame):
+        self.received = signal.Signals(signum).name
+
+    def __exit__(self, *exc):
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+        return False

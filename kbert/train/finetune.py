@@ -486,7 +486,7 @@ def finetune(model: str, task: str, train, dev=None, out_dir: str = "finetuned",
     import tensorflow as tf
 
     from kbert.embed.embedder import Embedder
-    from kbert.utils import progress_bar
+    from kbert.utils import StopSignals, progress_bar
 
     if task not in TASKS:
         raise ValueError(f"`task` must be one of {TASKS}. Received: task={task!r}")
@@ -673,7 +673,7 @@ def finetune(model: str, task: str, train, dev=None, out_dir: str = "finetuned",
     bar = progress_bar(total=total, desc=f"finetune {task}", unit=" steps", enabled=progress)
     bar.update(step)
     stopped, start_time, saved_at = "steps", time.time(), step
-    with _StopSignals() as signals:
+    with StopSignals() as signals:
         while step < end and stopped == "steps":
             for index in _batches(rng, train_ex, batch_size, group_by_length)[skip:]:
                 if task == "sentence-embedding":
@@ -815,34 +815,6 @@ class _Checkpoints:
 
         if os.path.isdir(self.directory):
             shutil.rmtree(self.directory)
-
-
-class _StopSignals:
-    """SIGINT / SIGTERM end the current step instead of the process (in the main thread; elsewhere Python
-    delivers no signals): `received` names the signal, and the loop saves and returns."""
-
-    def __enter__(self):
-        import signal
-        import threading
-
-        self.received = None
-        self.previous = {}
-        if threading.current_thread() is threading.main_thread():
-            for s in (signal.SIGINT, signal.SIGTERM):
-                self.previous[s] = signal.signal(s, self._on_signal)
-        return self
-
-    def _on_signal(self, signum, frame):
-        import signal
-
-        self.received = signal.Signals(signum).name
-
-    def __exit__(self, *exc):
-        import signal
-
-        for s, handler in self.previous.items():
-            signal.signal(s, handler)
-        return False
 
 
 def cosent_loss(cos, scores, scale: float = 20.0):

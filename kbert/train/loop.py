@@ -15,7 +15,6 @@ from __future__ import annotations
 import collections
 import math
 import os
-import signal
 import time
 from typing import Dict, Optional, Union
 
@@ -126,7 +125,7 @@ def pretrain(config: Union[PretrainConfig, dict, str], overrides=None, resume: b
     from kbert.text.tokenizer import Tokenizer
     from kbert.train.optimizers import make_optimizer, sync_iterations
     from kbert.train.strategy import device_kind, make_strategy, resolve_precision
-    from kbert.utils import progress_bar
+    from kbert.utils import StopSignals, progress_bar
     from kbert.workers import refuse_in_spawn_bootstrap
 
     refuse_in_spawn_bootstrap("kbert.pretrain")
@@ -248,13 +247,6 @@ def pretrain(config: Union[PretrainConfig, dict, str], overrides=None, resume: b
         step.assign_add(1)
         return {k: v / t.accumulation for k, v in total.items()}
 
-    stop = {"signal": None}
-
-    def on_signal(signum, frame):
-        stop["signal"] = signal.Signals(signum).name
-
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)} \
-        if _main_thread() else {}
     writer = tf.summary.create_file_writer(os.path.join(out, "logs"))
     tokens_per_step = t.batch_size * d.max_seq_len
     bar = progress_bar(total=t.steps, desc="pretrain", unit="step", enabled=progress)
@@ -264,51 +256,51 @@ def pretrain(config: Union[PretrainConfig, dict, str], overrides=None, resume: b
     t1 = s1 = None  # after this call's first step (tracing, XLA compilation): the steady rate starts there
     end = t.steps if stop_after is None else min(t.steps, start + stop_after)
     oom = None
-    try:
-        while int(step.numpy()) < end:
-            try:
-                _simulated_memory_limit(micro_batch // replicas)
-                metrics = {k: float(v) for k, v in train_step(iterator).items()}
-            except tf.errors.ResourceExhaustedError as e:
-                oom = e
-                break
-            except tf.errors.OpError:
-                _let_the_pipeline_settle()
-                raise
-            current = int(step.numpy())
-            if t1 is None:
-                t1, s1 = time.perf_counter(), current
-            if not math.isfinite(metrics["loss"]):
-                good = manager.latest_checkpoint or "none yet"
-                raise TrainingDiverged(f"Loss became {metrics['loss']} at step {current}; stopped without saving. "
-                                       f"The last good checkpoint is intact: {good}. Lower optimizer.learning_rate, "
-                                       f"raise warmup_steps or use float32/bfloat16")
-            history.append(metrics["loss"])
-            recent.append(metrics)
-            if current % t.log_every == 0 or current == end:
-                elapsed = max(time.perf_counter() - t0, 1e-9)
-                tps = (current - s0) * tokens_per_step / elapsed
-                smooth = _mean_metrics(recent)
-                shown = dict(loss=f"{smooth['loss']:.3f}", mlm_acc=f"{smooth.get('mlm_accuracy', 0):.3f}")
-                if "rtd_accuracy" in smooth:  # ELECTRA: the discriminator's accuracy over all tokens
-                    shown["rtd_acc"] = f"{smooth['rtd_accuracy']:.3f}"
-                bar.set_postfix(**shown, tok_s=f"{tps:,.0f}")
-                with writer.as_default(step=current):
-                    for k, v in metrics.items():
-                        tf.summary.scalar(k, v)
-                    tf.summary.scalar("tokens_per_second", tps)
-                    lr = _learning_rate(optimizer, (current - 1) * t.accumulation)  # the schedule counts micro-steps
-                    tf.summary.scalar("learning_rate", float(lr))
-            bar.update(1)
-            if current % t.checkpoint_every == 0:
-                manager.save(checkpoint_number=current)
-            if stop["signal"]:
-                break
-    finally:
-        t_end = time.perf_counter()
-        bar.close()
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+    with StopSignals() as signals:  # Ctrl-C / SIGTERM: finish the step, save, return
+        try:
+            while int(step.numpy()) < end:
+                try:
+                    _simulated_memory_limit(micro_batch // replicas)
+                    metrics = {k: float(v) for k, v in train_step(iterator).items()}
+                except tf.errors.ResourceExhaustedError as e:
+                    oom = e
+                    break
+                except tf.errors.OpError:
+                    _let_the_pipeline_settle()
+                    raise
+                current = int(step.numpy())
+                if t1 is None:
+                    t1, s1 = time.perf_counter(), current
+                if not math.isfinite(metrics["loss"]):
+                    good = manager.latest_checkpoint or "none yet"
+                    raise TrainingDiverged(f"Loss became {metrics['loss']} at step {current}; stopped without "
+                                           f"saving. The last good checkpoint is intact: {good}. Lower "
+                                           f"optimizer.learning_rate, raise warmup_steps or use float32/bfloat16")
+                history.append(metrics["loss"])
+                recent.append(metrics)
+                if current % t.log_every == 0 or current == end:
+                    elapsed = max(time.perf_counter() - t0, 1e-9)
+                    tps = (current - s0) * tokens_per_step / elapsed
+                    smooth = _mean_metrics(recent)
+                    shown = dict(loss=f"{smooth['loss']:.3f}", mlm_acc=f"{smooth.get('mlm_accuracy', 0):.3f}")
+                    if "rtd_accuracy" in smooth:  # ELECTRA: the discriminator's accuracy over all tokens
+                        shown["rtd_acc"] = f"{smooth['rtd_accuracy']:.3f}"
+                    bar.set_postfix(**shown, tok_s=f"{tps:,.0f}")
+                    with writer.as_default(step=current):
+                        for k, v in metrics.items():
+                            tf.summary.scalar(k, v)
+                        tf.summary.scalar("tokens_per_second", tps)
+                        # the schedule counts micro-steps
+                        lr = _learning_rate(optimizer, (current - 1) * t.accumulation)
+                        tf.summary.scalar("learning_rate", float(lr))
+                bar.update(1)
+                if current % t.checkpoint_every == 0:
+                    manager.save(checkpoint_number=current)
+                if signals.received:
+                    break
+        finally:
+            t_end = time.perf_counter()
+            bar.close()
     if oom is not None:
         return _retry_smaller(config, oom, micro_batch // replicas, manager.latest_checkpoint, progress, end)
     current = int(step.numpy())
@@ -316,7 +308,7 @@ def pretrain(config: Union[PretrainConfig, dict, str], overrides=None, resume: b
         manager.save(checkpoint_number=current)  # at exit: a signal, stop_after, or the last step
     writer.flush()
     smooth = _mean_metrics(recent)
-    summary = {"step": current, "finished": current >= t.steps, "stopped_by": stop["signal"],
+    summary = {"step": current, "finished": current >= t.steps, "stopped_by": signals.received,
                "loss": smooth.get("loss"), "mlm_accuracy": smooth.get("mlm_accuracy"), "mean_of_steps": len(recent),
                **({"rtd_accuracy": smooth["rtd_accuracy"]} if "rtd_accuracy" in smooth else {}),
                "metrics": smooth,
@@ -388,12 +380,6 @@ def _let_the_pipeline_settle(seconds: float = 1.0) -> None:
     their buffers hold the error; the iterator's destructor waits for those threads while its caller holds
     the GIL, so tearing it down mid-call would deadlock the process instead of reporting the error."""
     time.sleep(seconds)  # releases the GIL
-
-
-def _main_thread() -> bool:
-    import threading
-
-    return threading.current_thread() is threading.main_thread()
 
 
 def _learning_rate(optimizer, iteration):
