@@ -164,7 +164,7 @@ def test_dropout_rate_independence_and_expectation(policy):
 
 def test_exact_gelu_matches_keras_and_keeps_16_bit_dtypes():
     """kbert's GELU (erf form, float32 inside for 16-bit inputs: TensorFlow's bfloat16 erfc is a slow
-    scalar loop) is Keras' exact GELU: to 1e-6 in float32, to bfloat16's rounding in bfloat16, with the
+    scalar loop) is Keras' exact GELU: to 2e-6 in float32, to bfloat16's rounding in bfloat16, with the
     same gradient, and returns the input's dtype."""
     from kbert.models.layers import gelu
 
