@@ -175,6 +175,11 @@ def main():
         parser.error(f"--max-length must be at least 8 tokens, got {args.max_length}")
     if args.sts_seeds < 1:
         parser.error(f"--sts-seeds must be at least 1, got {args.sts_seeds}")
+    # the TF-IDF baselines run after the pretraining: a missing package must stop the run before that hour
+    import importlib.util
+
+    if importlib.util.find_spec("sklearn") is None:
+        parser.error("the TF-IDF baselines need scikit-learn: pip install scikit-learn (or pip install -e '.[bench]')")
     if args.small:
         args.minutes, args.train_examples, args.dev_examples = 1.0, 2000, 1000
         args.out = args.out.rstrip("/") + "-small"
