@@ -12,10 +12,10 @@ setup(
         "tensorflow>=2.21,<2.22",
         "tensorflow-text>=2.21,<2.22",
         "keras>=3.8,<4",
-        # tensorflow-text 2.21's in-graph SentencepieceTokenizer breaks ties between equal-score
-        # segmentations (`..` + `...` vs `...` + `..`) as sentencepiece 0.2.0-0.2.1 do; 0.2.2 and later
-        # choose differently, and Python ids would then differ from `ds.map(tok)` on ~0.6% of reviews.
-        "sentencepiece>=0.2.0,<0.2.2",
+        # sentencepiece 0.2.2 changed how unigram ties between equal-score segmentations are broken
+        # (`..` + `...` vs `...` + `..`); kbert's in-graph unigram path (tensorflow-text's fast op) follows
+        # 0.2.2-0.2.3 exactly, so Python ids equal `ds.map(tok)`'s on every review (tests check it).
+        "sentencepiece>=0.2.2,<0.2.4",
         "konlpy>=0.6,<0.7",
         "numpy>=1.26,<3",
         "safetensors>=0.4",

@@ -273,8 +273,9 @@ def test_python_and_tf_data_ids_identical(tokenizers, key):
 @pytest.mark.parametrize("algorithm", ["unigram", "bpe"])
 def test_python_and_tf_data_ids_identical_on_reviews_with_tied_segmentations(algorithm):
     """Runs like `.....` or `ㅋㅋㅋㅋ` have segmentations of equal score (`..` + `...` or `...` + `..`);
-    sentencepiece 0.2.2+ breaks such ties differently from tensorflow-text's op (0.6% of reviews), which
-    is why setup.py pins sentencepiece. Real reviews, plus runs of each length after varied prefixes."""
+    sentencepiece 0.2.2+ breaks such ties differently from tensorflow-text's SentencePiece op (0.6% of
+    reviews), so kbert's unigram graph runs the fast op, which breaks them as 0.2.2+ does, and setup.py
+    pins sentencepiece. Real reviews, plus runs of each length after varied prefixes."""
     import gzip
 
     import tensorflow as tf
@@ -293,17 +294,83 @@ def test_python_and_tf_data_ids_identical_on_reviews_with_tied_segmentations(alg
     assert [ids[1:-1] for ids in python] == tok.ids_batch(texts)
 
 
+def _graph_rows(tok, texts, **kwargs):
+    import tensorflow as tf
+
+    f = tf.function(lambda x: tok.tf_tokenize(x, **kwargs))
+    return [row for i in range(0, len(texts), 64) for row in f(tf.constant(texts[i:i + 64])).to_list()]
+
+
+HARD_LINES = ["", "▁", "▁▁ ▁", "<0x41>", "[CLS] [UNK]", "😀", "😀.......😀", "가😀😀나 ........", "䨻䨻 ㅋㅋㅋㅋㅋ䨻",
+              "\uf8ff\uf8fe\uf8ff", "영화 \uf8ff 최고 ...... 👍🏻👍🏻", "ᄒᆞᆫ글 ........ 𠀀", "a\u200bb .... ☃☃☃"]
+
+
+@pytest.mark.parametrize("kind", ["byte fallback", "unk", "user-defined"])
+def test_fast_unigram_graph_equals_sentencepiece_on_hard_lines(tmp_path, tokenizers, kind):
+    """Unigram models run tensorflow-text's fast op in the graph; lines with characters outside the
+    vocabulary are encoded again with a placeholder piece scored as sentencepiece's unknown node, and
+    lines too long for the op to follow sentencepiece (its 1e5 score rebasing) go to sentencepiece."""
+    import sentencepiece as spm
+
+    if kind == "byte fallback":
+        tok = tokenizers[("unigram", None)]
+    elif kind == "unk":  # no byte fallback: runs of unknown characters are one [UNK]
+        from kbert.text.tokenizer import _iter_lines
+
+        lines = tmp_path / "train.txt"
+        lines.write_text("".join(list(_iter_lines(TRAIN_FILES))[:3000]), encoding="utf-8")
+        spm.SentencePieceTrainer.train(input=str(lines), model_prefix=str(tmp_path / "u"), vocab_size=1500,
+                                       pad_id=0, unk_id=1, bos_id=-1, eos_id=-1, pad_piece="[PAD]",
+                                       unk_piece="[UNK]", control_symbols="[CLS],[SEP],[MASK]",
+                                       normalization_rule_name="identity", remove_extra_whitespaces=False,
+                                       minloglevel=2)
+        tok = kbert.Tokenizer.load(str(tmp_path / "u.model"))
+    else:
+        tok = kbert.Tokenizer.train(TRAIN_FILES, vocab_size=1500, user_defined_symbols=["[사진]", "영화관"],
+                                    progress=False)
+    parts = tok._unigram_graph()
+    assert parts is not None and (parts["byte_table"] is None) == (kind == "unk")
+    long_line = "영화관 정말 ㅋㅋㅋ ..... [사진] " * (parts["max_bytes"] // 30) + "😀...."
+    assert len(long_line.encode()) > parts["max_bytes"]
+    texts = HARD_LINES + [t + " [사진]영화관 ㅋㅋㅋㅋㅋ" for t in HARD_LINES] + VARIED + [long_line]
+    for special in (True, False):
+        python = [e.ids for e in tok.encode_batch(texts, add_special_tokens=special)]
+        assert _graph_rows(tok, texts, add_special_tokens=special) == python
+        # A SavedModel-ready graph (no Python) sends the long line to tensorflow-text's SentencePiece op.
+        assert _graph_rows(tok, texts[:-1], add_special_tokens=special, portable=True) == python[:-1]
+    if kind == "unk":
+        assert python[texts.index("😀.......😀")].count(tok.unk_id) == 2
+        assert python[texts.index("\uf8ff\uf8fe\uf8ff")] == [tok.vocab.index("\u2581"), tok.unk_id]
+
+
+def test_unigram_models_the_fast_op_cannot_read_run_sentencepiece(tmp_path):
+    """A model with sentencepiece's own normalization map (ALBERT/KoBERT style) is not read by the fast op
+    as sentencepiece reads it: `ds.map(tok)` then calls sentencepiece through `tf.numpy_function`."""
+    import sentencepiece as spm
+    from kbert.text.tokenizer import _iter_lines
+
+    lines = tmp_path / "train.txt"
+    lines.write_text("".join(list(_iter_lines(TRAIN_FILES))[:3000]), encoding="utf-8")
+    spm.SentencePieceTrainer.train(input=str(lines), model_prefix=str(tmp_path / "n"), vocab_size=1500,
+                                   pad_id=0, unk_id=1, bos_id=-1, eos_id=-1, pad_piece="<pad>",
+                                   control_symbols="[CLS],[SEP],[MASK]", minloglevel=2)
+    tok = kbert.Tokenizer.load(str(tmp_path / "n.model"))
+    assert tok._unigram_graph() is None
+    texts = HARD_LINES + VARIED + ["Ｆｕｌｌ　ｗｉｄｔｈ ....... ①②"]
+    assert _graph_rows(tok, texts) == [e.ids for e in tok.encode_batch(texts)]
+
+
 def test_sentencepiece_version_outside_the_pin_warns(monkeypatch):
     import sentencepiece
     from kbert.text import tokenizer as module
 
-    assert sentencepiece.__version__ in ("0.2.0", "0.2.1")  # what setup.py pins
+    assert sentencepiece.__version__ in ("0.2.2", "0.2.3")  # what setup.py pins
     monkeypatch.setattr(module, "_VERSION_WARNED", [])
     with warnings.catch_warnings():
         warnings.simplefilter("error")
+        module._check_sentencepiece_version("0.2.3")
+    with pytest.warns(UserWarning, match=r"sentencepiece 0\.2\.1 is installed.*>=0\.2\.2"):
         module._check_sentencepiece_version("0.2.1")
-    with pytest.warns(UserWarning, match=r"sentencepiece 0\.2\.2 is installed.*<0\.2\.2"):
-        module._check_sentencepiece_version("0.2.2")
 
 
 def test_offsets_from_ids_equal_sentencepiece_protos(tokenizers):

@@ -43,7 +43,7 @@ def _graph_inputs(tokenizer, texts, pairs, max_length: int):
     truncates (the longer segment first) and padded to the longest row."""
     import tensorflow as tf
 
-    a = tokenizer.tf_tokenize(texts, add_special_tokens=False)
+    a = tokenizer.tf_tokenize(texts, add_special_tokens=False, portable=True)
     n = tf.shape(texts)[0]
     cls = tf.RaggedTensor.from_tensor(tf.fill([n, 1], tf.constant(tokenizer.cls_id, tf.int32)))
     sep = tf.RaggedTensor.from_tensor(tf.fill([n, 1], tf.constant(tokenizer.sep_id, tf.int32)))
@@ -52,7 +52,7 @@ def _graph_inputs(tokenizer, texts, pairs, max_length: int):
         ids = tf.concat([cls, a, sep], axis=1)
         segments = tf.zeros_like(ids)
     else:
-        b = tokenizer.tf_tokenize(pairs, add_special_tokens=False)
+        b = tokenizer.tf_tokenize(pairs, add_special_tokens=False, portable=True)
         budget = max_length - 3
         la, lb = a.row_lengths(), b.row_lengths()
         half_floor, half_ceil = budget // 2, budget - budget // 2

@@ -1,8 +1,11 @@
 """kbert.Tokenizer: Korean subword tokenization in Python and inside TensorFlow graphs.
 
 Two kinds of vocabulary, each with a Python path and an in-graph path that give identical ids:
-- SentencePiece (unigram or BPE): `sentencepiece` in Python, tensorflow-text `SentencepieceTokenizer`
-  in the graph, the same model proto in both.
+- SentencePiece (unigram or BPE): `sentencepiece` (>= 0.2.2) in Python; in the graph, unigram models run
+  tensorflow-text's `FastSentencepieceTokenizer`, which is sentencepiece's own Viterbi (same float32
+  arithmetic, same tie-breaking) at twice the speed of its `SentencepieceTokenizer` op, with lines holding
+  characters outside the vocabulary re-encoded in the graph as sentencepiece scores them
+  (`Tokenizer._unigram_graph`); BPE models run `SentencepieceTokenizer`. The same model proto in both.
 - WordPiece (`vocab.txt`, as KLUE-BERT and KcBERT ship): tensorflow-text `FastBertTokenizer` (BERT's
   punctuation splitting + greedy longest-match WordPiece), run eagerly for Python calls that need offsets;
   `ids_batch` (the pretraining pipeline's path) gives the same ids in pure Python (`kbert.text.wordpiece`),
@@ -97,6 +100,7 @@ class Tokenizer:
             self.special_ids[role] = self._index[token]
         self._graph = None
         self._graph_special = None
+        self._graph_unigram = None
         self._wordpiece_ids = None
 
     # ------------------------------------------------------------------ properties
@@ -258,13 +262,12 @@ class Tokenizer:
     def _proto_pieces(self, texts: List[str]):
         """Plain SentencePiece: offsets from SentencePiece's own protos (character offsets)."""
         results = []
-        for text, proto in zip(texts, self._sp.encode(list(texts), out_type="immutable_proto")):
+        for text, enc in zip(texts, self._sp.encode(list(texts), return_type="offset_mapping")):
             items = []
-            for piece in proto.pieces:
-                s, e = piece.begin, piece.end
+            for i, piece, (s, e) in zip(enc["ids"], enc["pieces"], enc["offsets"]):
                 if s < e and text[s] == " ":  # the piece's ▁ stands for the space: not part of the span
                     s += 1
-                items.append((piece.id, piece.piece, s, max(s, e)))
+                items.append((i, piece, s, max(s, e)))
             results.append(items)
         return results
 
@@ -327,17 +330,17 @@ class Tokenizer:
     def _segmented_pieces(self, texts: List[str]):
         rows = [self._segments(t, m) for t, m in zip(texts, self._morphemes_batch(texts))]
         flat = [seg for row in rows for seg, _, _ in row]
-        protos = iter(self._sp.encode(flat, out_type="immutable_proto") if flat else [])  # character offsets
+        encoded = iter(self._sp.encode(flat, return_type="offset_mapping") if flat else [])  # character offsets
         results = []
         for row in rows:
             items = []
             for seg, start, first in row:
                 shift = start - 1 if first else start  # the leading space is not in the text
-                for piece in next(protos).pieces:
-                    s, e = piece.begin, piece.end
+                enc = next(encoded)
+                for i, piece, (s, e) in zip(enc["ids"], enc["pieces"], enc["offsets"]):
                     if s < e and seg[s] == " ":
                         s += 1
-                    items.append((piece.id, piece.piece, shift + s, shift + max(e, s)))
+                    items.append((i, piece, shift + s, shift + max(e, s)))
             results.append(items)
         return results
 
@@ -464,6 +467,70 @@ class Tokenizer:
                 self._graph = tf_text.SentencepieceTokenizer(model=self._encoder_proto(), out_type=tf.int32)
         return self._graph
 
+    def _unigram_graph(self):
+        """For plain unigram SentencePiece models: tensorflow-text's `FastSentencepieceTokenizer` pair
+        (with and without [CLS]/[SEP]) plus what decides which lines it may answer; None for other models.
+
+        The fast op runs the same Viterbi as sentencepiece >= 0.2.2's encoder (float32 scores, candidates
+        in the same order, a strict comparison), so on these models it gives sentencepiece's ids, ties
+        between equal-score segmentations included, checked on every one of 637,843 movie reviews.
+        Where the two are not the same algorithm the line is handed to sentencepiece itself (see
+        `_graph_ids`): characters outside the vocabulary (the fast op has no byte fallback and scores
+        unknown characters per byte), and lines long enough for sentencepiece to rebase its running score
+        (|score| > 1e5). The model qualifies when the op reads it as sentencepiece does: unigram, no
+        precompiled normalization map (kbert normalizes first), no unused pieces, and every character of
+        a piece is a piece of its own (so sentencepiece scores an unknown character only where no piece
+        could cover it)."""
+        if self._graph_unigram is None:
+            self._graph_unigram = False
+            if self.kind == "sentencepiece" and not self.morphemes:
+                self._graph_unigram = _fast_unigram_parts(self._encoder_proto(), self.cls_id, self.sep_id) or False
+        return self._graph_unigram or None
+
+    def _graph_ids(self, normalized, add_special_tokens: bool, portable: bool):
+        """Ids of a 1-D batch of normalized strings from the fast unigram op. Lines with characters
+        outside the vocabulary are encoded again in the graph with each such character standing for
+        sentencepiece's unknown node (`_unknown_rows`); lines too long for the op to follow sentencepiece
+        (see `_unigram_graph`, none in ordinary text) go to sentencepiece in Python (`tf.numpy_function`)
+        or, in a `portable` graph, to tensorflow-text's SentencePiece op."""
+        import tensorflow as tf
+
+        parts = self._unigram_graph()
+        key = "special" if add_special_tokens else "plain"
+        ids = parts[key].tokenize(normalized)
+        values, splits = ids.values, tf.cast(ids.row_splits, tf.int64)
+        count = tf.concat([[0], tf.cumsum(tf.cast(tf.gather(parts["bad"], values), tf.int32))], 0)
+        long = tf.strings.length(normalized) > parts["max_bytes"]
+        unknown = tf.logical_and(tf.gather(count, splits[1:]) > tf.gather(count, splits[:-1]), tf.logical_not(long))
+        rows_u, rows_l = tf.where(unknown)[:, 0], tf.where(long)[:, 0]
+        flat_u, lengths_u = _unknown_rows(parts, key, tf.gather(normalized, rows_u))
+        texts_l = tf.gather(normalized, rows_l)
+        if portable:
+            special = self._graph_with_specials() if add_special_tokens else None
+
+            def slow():
+                r = (special or self._graph_tokenizer()).tokenize(texts_l).with_row_splits_dtype(tf.int64)
+                if add_special_tokens and special is None:
+                    r = _add_specials(r, self.cls_id, self.sep_id)
+                return r.values, r.row_lengths()
+        else:
+            def slow():
+                r = self._py_ids(texts_l, add_special_tokens)
+                return r.values, r.row_lengths()
+        flat_l, lengths_l = tf.cond(tf.size(rows_l) > 0, slow,
+                                    lambda: (tf.zeros([0], tf.int32), tf.zeros([0], tf.int64)))
+        rows = tf.concat([rows_u, rows_l], 0)
+        other_values, other_lengths = tf.concat([flat_u, flat_l], 0), tf.concat([lengths_u, lengths_l], 0)
+        # Row i of the result: row i of `ids`, or for a redone line its row of `other`. Every output value
+        # is gathered from [ids.values; other values] at its position plus its row's shift.
+        other_starts = tf.cumsum(other_lengths, exclusive=True)
+        lengths = tf.tensor_scatter_nd_update(splits[1:] - splits[:-1], rows[:, None], other_lengths)
+        base = tf.tensor_scatter_nd_update(splits[:-1], rows[:, None],
+                                           tf.size(values, out_type=tf.int64) + other_starts)
+        shift = tf.repeat(base - tf.cumsum(lengths, exclusive=True), lengths)
+        out = tf.gather(tf.concat([values, other_values], 0), tf.range(tf.size(shift, out_type=tf.int64)) + shift)
+        return tf.RaggedTensor.from_row_lengths(out, lengths, validate=False)
+
     def _graph_with_specials(self):
         """Plain SentencePiece whose [CLS]/[SEP] are control pieces: an op that adds them itself (as
         SentencePiece's BOS/EOS), cheaper than concatenating ragged columns (~0.8 us per line); else None."""
@@ -485,12 +552,25 @@ class Tokenizer:
                         model=proto.SerializeToString(), out_type=tf.int32, add_bos=True, add_eos=True)
         return self._graph_special or None
 
-    def tf_tokenize(self, texts, add_special_tokens: bool = True):
+    def tf_tokenize(self, texts, add_special_tokens: bool = True, portable: bool = False):
         """Graph op: string tensor [] or [batch] -> int32 ids [n] or ragged [batch, (n)].
 
         Same ids as `encode(...).ids`. Morpheme-aware tokenizers call their analyzer through
-        `tf.numpy_function` (Python) before the in-graph subword model.
+        `tf.numpy_function` (Python) before the in-graph subword model. Unigram SentencePiece models run
+        tensorflow-text's fast unigram op (see `_unigram_graph`); a line over ~3.5 KB goes to sentencepiece
+        through `tf.numpy_function`.
+
+        `portable=True` builds a graph without Python (for a SavedModel): such a line then goes through
+        tensorflow-text's SentencePiece op, which breaks ties between equal-score segmentations as
+        sentencepiece <= 0.2.1 did, so on a long line with a tie (a run like `.......`) the ids can differ
+        from Python's.
         """
+        import tensorflow as tf
+
+        # Only Python-level branching here: autograph (inside a caller's tf.function) must leave it alone.
+        return tf.autograph.experimental.do_not_convert(self._tf_tokenize)(texts, add_special_tokens, portable)
+
+    def _tf_tokenize(self, texts, add_special_tokens: bool, portable: bool):
         import tensorflow as tf
 
         texts = tf.convert_to_tensor(texts, tf.string)
@@ -504,16 +584,35 @@ class Tokenizer:
             normalized = self._py_segments(normalized)  # ragged [batch, (morphemes)]
         elif self.morphemes:
             normalized = self._py_strings(normalized, lambda t: self._presplit(t)[0])
+        if not self.morphemes and self._unigram_graph():
+            ids = self._graph_ids(normalized, add_special_tokens, portable)
+            return ids[0] if scalar else ids
+        if self.kind == "sentencepiece" and not self.morphemes and not portable and _is_unigram(self._spm_proto):
+            ids = self._py_ids(normalized, add_special_tokens)  # a model the fast op cannot read exactly
+            return ids[0] if scalar else ids
         special = self._graph_with_specials() if add_special_tokens else None
         ids = (special or self._graph_tokenizer()).tokenize(normalized)
         if isinstance(ids, tf.RaggedTensor) and ids.ragged_rank > 1:  # [batch, words or morphemes, pieces]
             ids = ids.merge_dims(1, 2)
         if add_special_tokens and special is None:
-            n = tf.shape(batch)[0]
-            cls = tf.fill([n, 1], tf.constant(self.cls_id, tf.int32))
-            sep = tf.fill([n, 1], tf.constant(self.sep_id, tf.int32))
-            ids = tf.concat([tf.RaggedTensor.from_tensor(cls), ids, tf.RaggedTensor.from_tensor(sep)], axis=1)
+            ids = _add_specials(ids, self.cls_id, self.sep_id)
         return ids[0] if scalar else ids
+
+    def _py_ids(self, texts, add_special_tokens: bool):
+        """sentencepiece's own ids for a 1-D batch of normalized strings, through `tf.numpy_function`."""
+        import tensorflow as tf
+
+        cls, sep = ([self.cls_id], [self.sep_id]) if add_special_tokens else ([], [])
+
+        def run(arr):
+            rows = [cls + r + sep for r in self._sp.encode([t.decode("utf-8") for t in arr])] if len(arr) else []
+            flat = np.fromiter((i for r in rows for i in r), np.int32, sum(map(len, rows)))
+            return flat, np.array([len(r) for r in rows], np.int64)
+
+        flat, lengths = tf.numpy_function(run, [texts], [tf.int32, tf.int64], stateful=False)
+        flat.set_shape([None])
+        lengths.set_shape([None])
+        return tf.RaggedTensor.from_row_lengths(flat, lengths, validate=False)
 
     @staticmethod
     def _py_strings(texts, fn):
@@ -681,7 +780,6 @@ class Tokenizer:
                                 num_sub_iterations=1)
             if helper._segmented:  # no piece crosses a morpheme boundary
                 spm_args["pretokenization_delimiter"] = JOINER
-                spm_args["vocab_size"] += 1  # sentencepiece < 0.2.2 makes the delimiter a piece: dropped below
             model = _train_spm(spm, spm_args, progress, extra=spm_args["vocab_size"] - vocab_size)
             if helper._segmented:
                 model = _drop_piece(model, JOINER, vocab_size)
@@ -698,19 +796,162 @@ _VERSION_WARNED = []
 
 
 def _check_sentencepiece_version(version: str):
-    """tensorflow-text 2.21's op breaks ties between equal-score segmentations as sentencepiece <= 0.2.1
-    does; from 0.2.2 Python ids differ from `ds.map(tok)` on runs like `.....` (0.6% of movie reviews)."""
+    """sentencepiece 0.2.2 changed how unigram ties between equal-score segmentations are broken (`..` +
+    `...` vs `...` + `..`); kbert's in-graph unigram path follows 0.2.2-0.2.3, so with an older version
+    Python ids differ from `ds.map(tok)` on runs like `.....` (0.6% of movie reviews)."""
     try:
-        newer = tuple(int(x) for x in version.split(".")[:3]) >= (0, 2, 2)
+        older = tuple(int(x) for x in version.split(".")[:3]) < (0, 2, 2)
     except ValueError:
         return
-    if newer and not _VERSION_WARNED:
+    if older and not _VERSION_WARNED:
         import warnings
 
         _VERSION_WARNED.append(version)
-        warnings.warn(f"sentencepiece {version} is installed; kbert needs <0.2.2 (setup.py pins it) for "
-                      "Python ids equal to the in-graph tokenizer's: pip install 'sentencepiece>=0.2.0,<0.2.2'",
+        warnings.warn(f"sentencepiece {version} is installed; kbert needs >=0.2.2 (setup.py pins it) for "
+                      "Python ids equal to the in-graph tokenizer's: pip install 'sentencepiece>=0.2.2,<0.2.4'",
                       stacklevel=3)
+
+
+def _add_specials(ids, cls_id: int, sep_id: int):
+    """[CLS] + row + [SEP] for every row of a ragged [batch, (n)] int32 tensor."""
+    import tensorflow as tf
+
+    n = ids.nrows()
+    cls = tf.RaggedTensor.from_tensor(tf.fill([n, 1], tf.constant(cls_id, tf.int32)))
+    sep = tf.RaggedTensor.from_tensor(tf.fill([n, 1], tf.constant(sep_id, tf.int32)))
+    return tf.concat([cls.with_row_splits_dtype(ids.row_splits.dtype), ids,
+                      sep.with_row_splits_dtype(ids.row_splits.dtype)], axis=1)
+
+
+def _is_unigram(model: bytes) -> bool:
+    from sentencepiece import sentencepiece_model_pb2
+
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString(model)
+    return proto.trainer_spec.model_type == sentencepiece_model_pb2.TrainerSpec.UNIGRAM
+
+
+def _fast_unigram_parts(model: bytes, cls_id: int, sep_id: int):
+    """tensorflow-text `FastSentencepieceTokenizer`s for a unigram model they read as sentencepiece does
+    (see `Tokenizer._unigram_graph`), a table of the ids that send a line to sentencepiece, and the longest
+    normalized line (bytes) whose running score stays inside sentencepiece's 1e5 rebasing threshold; or
+    None when the model does not qualify."""
+    import tensorflow as tf
+    import tensorflow_text as tf_text
+    from sentencepiece import sentencepiece_model_pb2 as pb
+
+    proto = pb.ModelProto()
+    proto.ParseFromString(model)
+    kinds = pb.ModelProto.SentencePiece
+    norm = proto.normalizer_spec
+    if proto.trainer_spec.model_type != pb.TrainerSpec.UNIGRAM or norm.precompiled_charsmap \
+            or proto.trainer_spec.treat_whitespace_as_suffix or not norm.escape_whitespaces:
+        return None
+    if any(p.type == kinds.UNUSED for p in proto.pieces):
+        return None
+    scored = [p for p in proto.pieces if p.type in (kinds.NORMAL, kinds.USER_DEFINED)]
+    singles = {p.piece for p in scored if len(p.piece) == 1}
+    if not scored or any(ch not in singles for p in scored for ch in p.piece):
+        return None
+    # sentencepiece >= 0.2.2 scores a user-defined piece 0.1 * (bytes - 1) as a float32; the fast op reads
+    # the stored score, so the copy it gets carries that score.
+    for p in proto.pieces:
+        if p.type == kinds.USER_DEFINED:
+            p.score = float(np.float32(0.1 * (len(p.piece.encode("utf-8")) - 1)))
+    min_score = min(p.score for p in proto.pieces if p.type == kinds.NORMAL) if any(
+        p.type == kinds.NORMAL for p in proto.pieces) else 0.0
+    per_piece = max(abs(min_score - 10.0), max(abs(p.score) for p in scored))
+    bad = np.array([p.type not in (kinds.NORMAL, kinds.USER_DEFINED) and i not in (cls_id, sep_id)
+                    for i, p in enumerate(proto.pieces)])
+    if "\u2581" not in singles:
+        return None
+    # Lines with a character no piece covers are encoded again with every such character replaced by a
+    # placeholder that is a piece scored as sentencepiece scores its unknown node (min score - 10, in
+    # float32); the placeholder's id then becomes the character's UTF-8 byte pieces (byte fallback) or
+    # [UNK] (runs of them merged into one, as sentencepiece does).
+    cps = sorted(ord(c) for c in singles | {" "})
+    placeholder = next(chr(c) for c in range(0xF8FF, 0xE000, -1) if chr(c) not in singles)
+    unk_id = next(i for i, p in enumerate(proto.pieces) if p.type == kinds.UNKNOWN)
+    byte_ids = {p.piece: i for i, p in enumerate(proto.pieces) if p.type == kinds.BYTE}
+    byte_table = [byte_ids.get(f"<0x{b:02X}>", -1) for b in range(256)]
+    byte_fallback = proto.trainer_spec.byte_fallback and min(byte_table) >= 0
+    models = {}
+    for key, specials in (("plain", False), ("special", True)):
+        if specials:
+            proto.trainer_spec.bos_id, proto.trainer_spec.bos_piece = cls_id, proto.pieces[cls_id].piece
+            proto.trainer_spec.eos_id, proto.trainer_spec.eos_piece = sep_id, proto.pieces[sep_id].piece
+        models[key] = proto.SerializeToString()
+        extended = pb.ModelProto()
+        extended.CopyFrom(proto)
+        extended.pieces.add(piece=placeholder, score=float(np.float32(min_score) - np.float32(10.0)),
+                            type=kinds.NORMAL)
+        models[key + "_unknown"] = extended.SerializeToString()
+    try:
+        with tf.init_scope():
+            parts = {key: tf_text.FastSentencepieceTokenizer(m, add_bos=key.startswith("special"),
+                                                             add_eos=key.startswith("special"))
+                     for key, m in models.items()}
+            parts.update(bad=tf.constant(bad), max_bytes=int(0.9e5 / per_piece) - 3,
+                         known=_char_class(cps), placeholder=placeholder, placeholder_id=len(proto.pieces),
+                         unk_id=unk_id, byte_table=tf.constant(byte_table, tf.int32) if byte_fallback else None)
+            return parts
+    except Exception:  # a model the converter refuses
+        return None
+
+
+def _char_class(codepoints) -> str:
+    """An RE2 character class body (no brackets) for sorted code points, as ranges."""
+    ranges, start, prev = [], codepoints[0], codepoints[0]
+    for c in codepoints[1:] + [None]:
+        if c is not None and c == prev + 1:
+            prev = c
+            continue
+        ranges.append(f"\\x{{{start:X}}}" + (f"-\\x{{{prev:X}}}" if prev > start else ""))
+        if c is not None:
+            start = prev = c
+    return "".join(ranges)
+
+
+def _unknown_rows(parts, key: str, texts):
+    """(flat int32 ids, int64 row lengths) for normalized lines holding characters outside the
+    vocabulary, as sentencepiece encodes them (see `_fast_unigram_parts`)."""
+    import tensorflow as tf
+
+    known = parts["known"]
+    mapped = tf.strings.regex_replace(texts, f"[^{known}]", parts["placeholder"])
+    ids = parts[key + "_unknown"].tokenize(mapped)
+    values, rowids = ids.values, tf.cast(ids.value_rowids(), tf.int64)
+    is_ph = tf.equal(values, parts["placeholder_id"])
+    if parts["byte_table"] is None:  # [UNK], one per run of unknown characters
+        previous = tf.concat([[False], is_ph[:-1]], 0)
+        same_row = tf.concat([[False], tf.equal(rowids[1:], rowids[:-1])], 0)
+        keep = tf.logical_not(tf.logical_and(is_ph, tf.logical_and(previous, same_row)))
+        out = tf.where(is_ph, tf.constant(parts["unk_id"], tf.int32), values)
+        lengths = tf.math.unsorted_segment_sum(tf.cast(keep, tf.int64), rowids, tf.size(texts, out_type=tf.int64))
+        return tf.boolean_mask(out, keep), lengths
+    # Byte fallback: the k-th placeholder of the batch is the k-th unknown character of the batch.
+    chars = tf.strings.unicode_split(tf.strings.regex_replace(texts, f"[{known}]", ""), "UTF-8").flat_values
+    char_bytes = tf.strings.bytes_split(chars)
+    byte_ids = tf.gather(parts["byte_table"],
+                         tf.cast(tf.reshape(tf.io.decode_raw(char_bytes.flat_values, tf.uint8), [-1]), tf.int32))
+    char_len, char_start = char_bytes.row_lengths(), char_bytes.row_splits[:-1]
+    rank = tf.maximum(tf.cumsum(tf.cast(is_ph, tf.int64)) - 1, 0)
+    width = tf.where(is_ph, _safe_gather(char_len, rank), 1)
+    source = tf.repeat(tf.range(tf.size(values, out_type=tf.int64)), width)
+    within = tf.range(tf.size(source, out_type=tf.int64)) - tf.repeat(tf.cumsum(width, exclusive=True), width)
+    byte_at = _safe_gather(char_start, tf.gather(rank, source)) + within
+    out = tf.where(tf.gather(is_ph, source), _safe_gather(byte_ids, byte_at), tf.gather(values, source))
+    lengths = tf.math.unsorted_segment_sum(width, rowids, tf.size(texts, out_type=tf.int64))
+    return out, lengths
+
+
+def _safe_gather(params, indices):
+    """`tf.gather` that reads index 0 of an empty `params` (or past its end) as 0: the rows where the
+    index is meaningless are masked out by the caller."""
+    import tensorflow as tf
+
+    padded = tf.concat([params, tf.zeros([1], params.dtype)], 0)
+    return tf.gather(padded, tf.minimum(indices, tf.cast(tf.size(params), indices.dtype)))
 
 
 def _byte_to_char(text: str) -> List[int]:
