@@ -142,12 +142,14 @@ def main(argv=None):
         for name, t in kinds.items():
             runs[name].append(rate(t))
     med = {k: [statistics.median(x[i] for x in v) for i in (0, 1)] for k, v in runs.items()}
+    best = {k: max(x[0] for x in v) for k, v in runs.items()}  # the passes that got both cores
     print(f"in-graph tf.data, median of {args.rounds} alternating rounds (kbert: normalize + tokenize + [CLS]/[SEP]):")
-    print(f"  {'bare tensorflow-text SentencepieceTokenizer':48s} {med['bare'][0]:9,.0f} lines/s wall, "
-          f"{med['bare'][1]:9,.0f} lines per CPU-second")
+    print(f"  {'bare tensorflow-text SentencepieceTokenizer':44s} {med['bare'][0]:9,.0f} lines/s wall "
+          f"(best {best['bare']:9,.0f}), {med['bare'][1]:9,.0f} lines per CPU-second")
     for name in kinds:
-        print(f"  {'kbert, ' + name:48s} {med[name][0]:9,.0f} lines/s wall, {med[name][1]:9,.0f} lines per "
-              f"CPU-second: {med[name][0] / med['bare'][0]:.2f}x / {med[name][1] / med['bare'][1]:.2f}x the bare op")
+        print(f"  {'kbert, ' + name:44s} {med[name][0]:9,.0f} lines/s wall (best {best[name]:9,.0f}), "
+              f"{med[name][1]:9,.0f} lines per CPU-second: {med[name][0] / med['bare'][0]:.2f}x wall / "
+              f"{best[name] / best['bare']:.2f}x best wall / {med[name][1] / med['bare'][1]:.2f}x CPU the bare op")
     print(f"  goal: >= 250,000 lines/s, where the issue measured the bare op at ~233,000 ({250 / 233:.2f}x it)")
 
 
