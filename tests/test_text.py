@@ -338,6 +338,9 @@ def test_fast_unigram_graph_equals_sentencepiece_on_hard_lines(tmp_path, tokeniz
         assert _graph_rows(tok, texts, add_special_tokens=special) == python
         # A SavedModel-ready graph (no Python) sends the long line to tensorflow-text's SentencePiece op.
         assert _graph_rows(tok, texts[:-1], add_special_tokens=special, portable=True) == python[:-1]
+    import pickle
+
+    assert pickle.loads(pickle.dumps(tok)).encode(texts[6]).ids == tok.encode(texts[6]).ids  # after graph use
     if kind == "unk":
         assert python[texts.index("😀.......😀")].count(tok.unk_id) == 2
         assert python[texts.index("\uf8ff\uf8fe\uf8ff")] == [tok.vocab.index("\u2581"), tok.unk_id]

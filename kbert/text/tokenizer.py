@@ -116,7 +116,8 @@ class Tokenizer:
 
     def __getstate__(self):  # picklable for worker processes: native handles are rebuilt there
         state = dict(self.__dict__)
-        state.update(_sp=None, _graph=None, _graph_special=None, _analyzer=None, _wordpiece_ids=None)
+        state.update(_sp=None, _graph=None, _graph_special=None, _graph_unigram=None, _analyzer=None,
+                     _wordpiece_ids=None)
         return state
 
     def __setstate__(self, state):
@@ -474,10 +475,11 @@ class Tokenizer:
         The fast op runs the same Viterbi as sentencepiece >= 0.2.2's encoder (float32 scores, candidates
         in the same order, a strict comparison), so on these models it gives sentencepiece's ids, ties
         between equal-score segmentations included, checked on every one of 637,843 movie reviews.
-        Where the two are not the same algorithm the line is handed to sentencepiece itself (see
-        `_graph_ids`): characters outside the vocabulary (the fast op has no byte fallback and scores
-        unknown characters per byte), and lines long enough for sentencepiece to rebase its running score
-        (|score| > 1e5). The model qualifies when the op reads it as sentencepiece does: unigram, no
+        Where the two differ, `_graph_ids` steps in: the fast op has no byte fallback and scores an unknown
+        character per byte, so lines with characters outside the vocabulary are encoded again with a
+        placeholder piece scored as sentencepiece's unknown node (`_unknown_rows`); sentencepiece rebases
+        its running score past |1e5| and the op does not, so lines that long go to sentencepiece itself.
+        The model qualifies when the op reads it as sentencepiece does: unigram, no
         precompiled normalization map (kbert normalizes first), no unused pieces, and every character of
         a piece is a piece of its own (so sentencepiece scores an unknown character only where no piece
         could cover it)."""
