@@ -301,6 +301,22 @@ def _graph_rows(tok, texts, **kwargs):
     return [row for i in range(0, len(texts), 64) for row in f(tf.constant(texts[i:i + 64])).to_list()]
 
 
+def _spm_model(tmp_path, name: str, **options) -> str:
+    """A 1,500-piece unigram `.model` trained by sentencepiece itself on the test corpus, the way other
+    tools ship them: <pad>=0 <unk>=1 [CLS]=2 [SEP]=3 [MASK]=4 and spm's own nmt_nfkc rule unless overridden."""
+    import sentencepiece as spm
+    from kbert.text.tokenizer import _iter_lines
+
+    lines = tmp_path / "train.txt"
+    if not lines.exists():
+        lines.write_text("".join(list(_iter_lines(TRAIN_FILES))[:3000]), encoding="utf-8")
+    args = dict(pad_id=0, unk_id=1, bos_id=-1, eos_id=-1, pad_piece="<pad>", control_symbols="[CLS],[SEP],[MASK]")
+    args.update(options)
+    spm.SentencePieceTrainer.train(input=str(lines), model_prefix=str(tmp_path / name), vocab_size=1500,
+                                   minloglevel=2, **args)
+    return str(tmp_path / f"{name}.model")
+
+
 HARD_LINES = ["", "▁", "▁▁ ▁", "<0x41>", "[CLS] [UNK]", "😀", "😀.......😀", "가😀😀나 ........", "䨻䨻 ㅋㅋㅋㅋㅋ䨻",
               "\uf8ff\uf8fe\uf8ff", "영화 \uf8ff 최고 ...... 👍🏻👍🏻", "ᄒᆞᆫ글 ........ 𠀀", "a\u200bb .... ☃☃☃"]
 
@@ -310,21 +326,11 @@ def test_fast_unigram_graph_equals_sentencepiece_on_hard_lines(tmp_path, tokeniz
     """Unigram models run tensorflow-text's fast op in the graph; lines with characters outside the
     vocabulary are encoded again with a placeholder piece scored as sentencepiece's unknown node, and
     lines too long for the op to follow sentencepiece (its 1e5 score rebasing) go to sentencepiece."""
-    import sentencepiece as spm
-
     if kind == "byte fallback":
         tok = tokenizers[("unigram", None)]
     elif kind == "unk":  # no byte fallback: runs of unknown characters are one [UNK]
-        from kbert.text.tokenizer import _iter_lines
-
-        lines = tmp_path / "train.txt"
-        lines.write_text("".join(list(_iter_lines(TRAIN_FILES))[:3000]), encoding="utf-8")
-        spm.SentencePieceTrainer.train(input=str(lines), model_prefix=str(tmp_path / "u"), vocab_size=1500,
-                                       pad_id=0, unk_id=1, bos_id=-1, eos_id=-1, pad_piece="[PAD]",
-                                       unk_piece="[UNK]", control_symbols="[CLS],[SEP],[MASK]",
-                                       normalization_rule_name="identity", remove_extra_whitespaces=False,
-                                       minloglevel=2)
-        tok = kbert.Tokenizer.load(str(tmp_path / "u.model"))
+        tok = kbert.Tokenizer.load(_spm_model(tmp_path, "u", pad_piece="[PAD]", unk_piece="[UNK]",
+                                              normalization_rule_name="identity", remove_extra_whitespaces=False))
     else:
         tok = kbert.Tokenizer.train(TRAIN_FILES, vocab_size=1500, user_defined_symbols=["[사진]", "영화관"],
                                     progress=False)
@@ -349,15 +355,7 @@ def test_fast_unigram_graph_equals_sentencepiece_on_hard_lines(tmp_path, tokeniz
 def test_unigram_models_the_fast_op_cannot_read_run_sentencepiece(tmp_path):
     """A model with sentencepiece's own normalization map (ALBERT/KoBERT style) is not read by the fast op
     as sentencepiece reads it: `ds.map(tok)` then calls sentencepiece through `tf.numpy_function`."""
-    import sentencepiece as spm
-    from kbert.text.tokenizer import _iter_lines
-
-    lines = tmp_path / "train.txt"
-    lines.write_text("".join(list(_iter_lines(TRAIN_FILES))[:3000]), encoding="utf-8")
-    spm.SentencePieceTrainer.train(input=str(lines), model_prefix=str(tmp_path / "n"), vocab_size=1500,
-                                   pad_id=0, unk_id=1, bos_id=-1, eos_id=-1, pad_piece="<pad>",
-                                   control_symbols="[CLS],[SEP],[MASK]", minloglevel=2)
-    tok = kbert.Tokenizer.load(str(tmp_path / "n.model"))
+    tok = kbert.Tokenizer.load(_spm_model(tmp_path, "n"))
     assert tok._unigram_graph() is None
     texts = HARD_LINES + VARIED + ["Ｆｕｌｌ　ｗｉｄｔｈ ....... ①②"]
     assert _graph_rows(tok, texts) == [e.ids for e in tok.encode_batch(texts)]
@@ -526,14 +524,7 @@ def test_sentencepiece_model_tokenizes_like_sentencepiece(tmp_path):
     import sentencepiece as spm
 
     # An ALBERT/KoBERT-style model: <pad>=0 <unk>=1 [CLS]=2 [SEP]=3 [MASK]=4 and spm's own nmt_nfkc rule.
-    lines = tmp_path / "train.txt"
-    from kbert.text.tokenizer import _iter_lines
-
-    lines.write_text("".join(list(_iter_lines(TRAIN_FILES))[:3000]), encoding="utf-8")
-    spm.SentencePieceTrainer.train(input=str(lines), model_prefix=str(tmp_path / "ko"), vocab_size=1500,
-                                   pad_id=0, unk_id=1, bos_id=-1, eos_id=-1, pad_piece="<pad>",
-                                   control_symbols="[CLS],[SEP],[MASK]", minloglevel=2)
-    ours = kbert.Tokenizer.load(str(tmp_path / "ko.model"))
+    ours = kbert.Tokenizer.load(_spm_model(tmp_path, "ko"))
     ref = spm.SentencePieceProcessor(model_file=str(tmp_path / "ko.model"))
     assert (ours.pad_id, ours.unk_id, ours.cls_id, ours.sep_id, ours.mask_id) == (0, 1, 2, 3, 4)
     assert ours._piece_lengths() is None  # SentencePiece's own normalization: offsets come from its protos
@@ -542,10 +533,8 @@ def test_sentencepiece_model_tokenizes_like_sentencepiece(tmp_path):
     # In the graph too, with [CLS]/[SEP] added by the op (control pieces) or concatenated (user-defined ones).
     import tensorflow as tf
 
-    spm.SentencePieceTrainer.train(input=str(lines), model_prefix=str(tmp_path / "ud"), vocab_size=1500,
-                                   pad_id=0, unk_id=1, bos_id=-1, eos_id=-1, pad_piece="<pad>",
-                                   user_defined_symbols="[CLS],[SEP],[MASK]", minloglevel=2)
-    user_defined = kbert.Tokenizer.load(str(tmp_path / "ud.model"))
+    user_defined = kbert.Tokenizer.load(_spm_model(tmp_path, "ud", control_symbols="",
+                                                   user_defined_symbols="[CLS],[SEP],[MASK]"))
     for tok, by_op in ((ours, True), (user_defined, False)):
         assert (tok._graph_with_specials() is not None) == by_op
         graph = [row for b in tf.data.Dataset.from_tensor_slices(VARIED).batch(4).map(tok) for row in b.to_list()]
