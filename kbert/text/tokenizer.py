@@ -546,9 +546,7 @@ class Tokenizer:
 
                 proto = sentencepiece_model_pb2.ModelProto()
                 proto.ParseFromString(self._encoder_proto())
-                spec = proto.trainer_spec
-                spec.bos_id, spec.bos_piece = self.cls_id, self.vocab[self.cls_id]
-                spec.eos_id, spec.eos_piece = self.sep_id, self.vocab[self.sep_id]
+                _specials_as_bos_eos(proto, self.cls_id, self.sep_id)
                 with tf.init_scope():
                     self._graph_special = tf_text.SentencepieceTokenizer(
                         model=proto.SerializeToString(), out_type=tf.int32, add_bos=True, add_eos=True)
@@ -586,7 +584,7 @@ class Tokenizer:
             normalized = self._py_segments(normalized)  # ragged [batch, (morphemes)]
         elif self.morphemes:
             normalized = self._py_strings(normalized, lambda t: self._presplit(t)[0])
-        if not self.morphemes and self._unigram_graph():
+        if self._unigram_graph():
             ids = self._graph_ids(normalized, add_special_tokens, portable)
             return ids[0] if scalar else ids
         if self.kind == "sentencepiece" and not self.morphemes and not portable and _is_unigram(self._spm_proto):
@@ -825,6 +823,13 @@ def _add_specials(ids, cls_id: int, sep_id: int):
                       sep.with_row_splits_dtype(ids.row_splits.dtype)], axis=1)
 
 
+def _specials_as_bos_eos(proto, cls_id: int, sep_id: int):
+    """Points a ModelProto's BOS/EOS at [CLS]/[SEP], so an op that adds BOS/EOS adds them."""
+    spec = proto.trainer_spec
+    spec.bos_id, spec.bos_piece = cls_id, proto.pieces[cls_id].piece
+    spec.eos_id, spec.eos_piece = sep_id, proto.pieces[sep_id].piece
+
+
 def _is_unigram(model: bytes) -> bool:
     from sentencepiece import sentencepiece_model_pb2
 
@@ -853,20 +858,17 @@ def _fast_unigram_parts(model: bytes, cls_id: int, sep_id: int):
         return None
     scored = [p for p in proto.pieces if p.type in (kinds.NORMAL, kinds.USER_DEFINED)]
     singles = {p.piece for p in scored if len(p.piece) == 1}
-    if not scored or any(ch not in singles for p in scored for ch in p.piece):
+    if not scored or "\u2581" not in singles or any(ch not in singles for p in scored for ch in p.piece):
         return None
     # sentencepiece >= 0.2.2 scores a user-defined piece 0.1 * (bytes - 1) as a float32; the fast op reads
     # the stored score, so the copy it gets carries that score.
     for p in proto.pieces:
         if p.type == kinds.USER_DEFINED:
             p.score = float(np.float32(0.1 * (len(p.piece.encode("utf-8")) - 1)))
-    min_score = min(p.score for p in proto.pieces if p.type == kinds.NORMAL) if any(
-        p.type == kinds.NORMAL for p in proto.pieces) else 0.0
+    min_score = min((p.score for p in proto.pieces if p.type == kinds.NORMAL), default=0.0)
     per_piece = max(abs(min_score - 10.0), max(abs(p.score) for p in scored))
     bad = np.array([p.type not in (kinds.NORMAL, kinds.USER_DEFINED) and i not in (cls_id, sep_id)
                     for i, p in enumerate(proto.pieces)])
-    if "\u2581" not in singles:
-        return None
     # Lines with a character no piece covers are encoded again with every such character replaced by a
     # placeholder that is a piece scored as sentencepiece scores its unknown node (min score - 10, in
     # float32); the placeholder's id then becomes the character's UTF-8 byte pieces (byte fallback) or
@@ -880,8 +882,7 @@ def _fast_unigram_parts(model: bytes, cls_id: int, sep_id: int):
     models = {}
     for key, specials in (("plain", False), ("special", True)):
         if specials:
-            proto.trainer_spec.bos_id, proto.trainer_spec.bos_piece = cls_id, proto.pieces[cls_id].piece
-            proto.trainer_spec.eos_id, proto.trainer_spec.eos_piece = sep_id, proto.pieces[sep_id].piece
+            _specials_as_bos_eos(proto, cls_id, sep_id)
         models[key] = proto.SerializeToString()
         extended = pb.ModelProto()
         extended.CopyFrom(proto)
