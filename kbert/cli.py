@@ -164,8 +164,8 @@ def _pretrain(args):
 def _plan(args):
     from kbert.train.memory import parse_memory, plan_batch_size
 
-    if args.probe:
-        return _probe(args)
+    if args.probe or args.exact:
+        return _measure(args)
     args.memory = args.memory or "12GB"
     seq_lens = [int(x) for x in args.seq_lens.split(",")]
     rows = plan_batch_size(args.model, args.memory, seq_lens, target_batch=args.target_batch, replicas=args.replicas,
@@ -185,21 +185,37 @@ def _plan(args):
         print(line)
 
 
-def _probe(args):
+def _measure(args):
+    """--exact (compile and read XLA's memory analysis) and/or --probe (real steps) beside the analytic plan."""
+    import keras
+
     from kbert.train.probe import probe_table
 
+    if args.exact and keras.backend.backend() != "jax":
+        raise ValueError("--exact reads the memory analysis of the step XLA compiles on Keras' JAX backend; "
+                         "run it as `KERAS_BACKEND=jax kbert plan --exact ...` (pip install jax)")
     seq_lens = [int(x) for x in args.seq_lens.split(",")]
     rows = probe_table(args.model, seq_lens, optimizer=args.optimizer, precision=args.precision,
-                       memory=args.memory, verbose=True)
+                       memory=args.memory, verbose=True, exact=args.exact or keras.backend.backend() == "jax",
+                       probe=args.probe)
     gb = lambda b: f"{b / 1e9:.2f} GB" if b else "n/a"  # noqa: E731
-    print(f"{args.model}, {args.optimizer}, {args.precision}: planned vs measured on this device")
-    print("| seq len | planned max batch | probed max batch | planned memory | measured peak | error |")
-    print("|---|---|---|---|---|---|")
+    na = lambda v: "n/a" if v is None else str(v)  # noqa: E731
+    exact = "exact_batch" in rows[0]
+    what = "planned vs compiled" + (" vs probed" if args.probe else "")
+    print(f"{args.model}, {args.optimizer}, {args.precision}: {what} on this device"
+          + (f" ({args.memory})" if args.memory else ""))
+    print("| seq len | planned max batch |" + (" exact max batch |" if exact else "")
+          + (" probed max batch |" if args.probe else "") + " planned memory | measured | planned vs measured |")
+    print("|---|---|" + ("---|" if exact else "") + ("---|" if args.probe else "") + "---|---|---|")
     for r in rows:
         error = f"{r['error'] * 100:+.0f}%" if r["error"] is not None else "n/a"
-        probed = f"{r['probed_batch']}" + (" (cap)" if r["limited_by"] == "max_batch" else "")
-        print(f"| {r['seq_len']} | {r['planned_batch'] if r['planned_batch'] is not None else 'n/a'} | {probed} | "
-              f"{gb(r['planned_bytes'])} | {gb(r['measured_bytes'])} | {error} |")
+        line = f"| {r['seq_len']} | {na(r['planned_batch'])} |"
+        if exact:
+            line += f" {na(r['exact_batch'])} |"
+        if args.probe:
+            line += f" {r['probed_batch']}" + (" (cap)" if r["limited_by"] == "max_batch" else "") + " |"
+        measured = r.get("measured_bytes") or r.get("exact_bytes")
+        print(line + f" {gb(r['planned_bytes'])} | {gb(measured)} | {error} |")
 
 
 def _embed(args):
@@ -441,8 +457,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compiler", choices=("xla", "none"), default="xla",
                    help="how the train step runs: xla (kbert's default on GPU/TPU) or none (op by op, as TF 1.x; "
                         "the coefficients behind google-research/bert's 12 GB table)")
+    p.add_argument("--exact", action="store_true",
+                   help="JAX backend: compile the training step at candidate batches and read XLA's memory "
+                        "analysis (nothing runs; on CPU give --memory)")
     p.add_argument("--probe", action="store_true",
-                   help="measure on this accelerator: real training steps, binary search on out-of-memory")
+                   help="measure on this accelerator: start at the --exact batch (JAX) and confirm it with real "
+                        "training steps at that batch and one above")
     p.set_defaults(func=_plan)
     return parser
 

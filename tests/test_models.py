@@ -339,6 +339,25 @@ batch = {k: np.asarray(v, "int32") for k, v in json.load(open(sys.argv[2])).item
 out = model(batch)
 np.savez(sys.argv[3], mlm=np.asarray(out["mlm_logits"]), pair=np.asarray(out["pair_logits"]),
          seq=np.asarray(model.backbone({k: batch[k] for k in ("token_ids", "segment_ids", "padding_mask")})["sequence_output"]))
+# Training with attention dropout 0 takes the fused `ops.dot_product_attention` path: the same outputs and
+# gradients as the explicit einsum-softmax-einsum form.
+import dataclasses, jax
+from kbert.models import layers
+plain = kbert.build_backbone(dataclasses.replace(model.config, dropout=0.0, attention_dropout=0.0))
+inputs = {k: batch[k] for k in ("token_ids", "segment_ids", "padding_mask")}
+keep = batch["padding_mask"].astype(bool)
+def run(fused):
+    layers._fused_attention_applies = lambda rate, training: fused
+    def loss(tv):
+        out, _ = plain.stateless_call(tv, [v.value for v in plain.non_trainable_variables], inputs,
+                                      training=True)
+        return (out["sequence_output"] ** 2 * keep[..., None]).sum(), out["sequence_output"]
+    (value, seq), grads = jax.value_and_grad(loss, has_aux=True)([v.value for v in plain.trainable_variables])
+    return np.asarray(seq)[keep], [np.asarray(g) for g in grads]
+(fused_seq, fused_grads), (plain_seq, plain_grads) = run(True), run(False)
+np.testing.assert_allclose(fused_seq, plain_seq, atol=1e-5)
+for a, b in zip(fused_grads, plain_grads):
+    np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4)
 # A training step runs on JAX too.
 keras.config.set_dtype_policy("mixed_bfloat16")
 bf = kbert.Pretrainer(kbert.build_backbone(model.config))

@@ -30,7 +30,11 @@ class ModelConfig:
         type_vocab_size: number of segment ids.
         hidden_act: `"gelu"` (exact, BERT), `"gelu_tanh"` (approximate, ALBERT), `"relu"` or `"tanh"`.
         dropout: dropout on embeddings, attention output and feed-forward output.
-        attention_dropout: dropout on attention probabilities.
+        attention_dropout: dropout on attention probabilities. `0.0` (what MosaicBERT and ModernBERT
+            pretrain with, and the ALBERT presets' default) lets Keras' JAX backend run each block's
+            attention as one fused kernel (cuDNN flash attention on Ampere+ GPUs, splash attention on TPUs)
+            in training too: `ModelConfig.preset("bert-base", attention_dropout=0.0)`, or
+            `--set model.attention_dropout=0` on `kbert pretrain`. benchmarks/README.md has the speed-up.
         layer_norm_epsilon: epsilon of every LayerNorm.
         initializer_range: stddev of the truncated-normal initializer.
         pad_token_id: id of `[PAD]`.

@@ -105,6 +105,21 @@ def attention_bias(padding_mask):
     return ((1.0 - mask) * _MASK_BIAS)[:, None, None, :]
 
 
+def _fused_attention_applies(attention_dropout: float, training) -> bool:
+    """Whether a block's attention runs as one fused `ops.dot_product_attention` call.
+
+    On Keras' JAX backend that call is cuDNN's flash attention on Ampere+ GPUs (bf16/fp16) and Pallas'
+    splash attention on TPUs, falling back to XLA's einsum-softmax-einsum (float32 softmax, as below)
+    elsewhere. Neither fused kernel has dropout on the attention probabilities, so it applies only when
+    attention dropout is 0 (as MosaicBERT and ModernBERT pretrain: `ModelConfig(attention_dropout=0.0)`)
+    or outside training. On TensorFlow Keras' version is the same einsums with extra masking passes, so the
+    explicit form stays there.
+    """
+    if keras.backend.backend() != "jax":
+        return False
+    return attention_dropout == 0.0 or not training
+
+
 class Embeddings(keras.layers.Layer):
     """Token + position + segment embeddings, LayerNorm, dropout, and (ALBERT) projection e -> h.
 
@@ -197,11 +212,16 @@ class TransformerBlock(keras.layers.Layer):
         n, d = cfg.num_heads, cfg.head_size
         # split (not slicing): its gradient is a concat, where a strided slice's gradient pads and adds.
         q, k, v = (ops.reshape(t, (b, s, n, d)) for t in ops.split(self.qkv(x), 3, axis=-1))  # [b, s, n, d]
-        scores = ops.einsum("bqnd,bknd->bnqk", q * ops.cast(self.scale, q.dtype), k)  # [b, n, s, s]
-        # Softmax in float32 so fp16/bf16 scores do not overflow.
-        probs = ops.softmax(ops.cast(scores, "float32") + attention_bias(padding_mask), axis=-1)
-        probs = self.attention_dropout(ops.cast(probs, x.dtype), training=training)
-        context = ops.reshape(ops.einsum("bnqk,bknd->bqnd", probs, v), (b, s, n * d))  # [b, s, h]
+        if _fused_attention_applies(self.attention_dropout.rate, training):
+            keep = ops.cast(padding_mask, "bool")[:, None, None, :]  # [b, 1, 1, s]
+            context = ops.dot_product_attention(q, k, v, mask=keep, scale=self.scale)  # [b, s, n, d]
+        else:
+            scores = ops.einsum("bqnd,bknd->bnqk", q * ops.cast(self.scale, q.dtype), k)  # [b, n, s, s]
+            # Softmax in float32 so fp16/bf16 scores do not overflow.
+            probs = ops.softmax(ops.cast(scores, "float32") + attention_bias(padding_mask), axis=-1)
+            probs = self.attention_dropout(ops.cast(probs, x.dtype), training=training)
+            context = ops.einsum("bnqk,bknd->bqnd", probs, v)  # [b, s, n, d]
+        context = ops.reshape(context, (b, s, n * d))  # [b, s, h]
         return self.hidden_dropout(self.attention_output(context), training=training)
 
     def _feed_forward(self, x, training):

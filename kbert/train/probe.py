@@ -1,11 +1,20 @@
-"""`kbert plan --probe`: the largest batch that really trains on the accelerator at hand.
+"""`kbert plan --exact` and `kbert plan --probe`: the largest batch that trains on the device at hand.
 
-Real training steps (forward, backward, optimizer update) on synthetic batches, batch sizes doubled from the
-planner's estimate until one runs out of memory, then a binary search between the last that fit and the
-first that did not; out-of-memory errors are caught (TensorFlow's ResourceExhaustedError, XLA's
-RESOURCE_EXHAUSTED on JAX) and the device's peak memory is read after each step that fit. Written in
-Keras only (`train_on_batch`), so it runs on the TensorFlow backend (`tf.config.experimental.get_memory_info`)
-and on the JAX backend (`device.memory_stats()`), where TensorFlow is not installed.
+- `--exact` (Keras' JAX backend): XLA compiles the training step (forward, backward, optimizer update, the
+  model state donated as in `fit`) at candidate batch sizes and reports the bytes the compiled program needs
+  (`memory_analysis()`: arguments + outputs + temporaries - donated buffers the outputs reuse). Nothing is
+  executed, so it works on CPU too (on the CPU's compiled program, against a `memory` you name). The search
+  starts at the analytic planner's batch and steps by the secant through the measured points (memory is
+  close to linear in the batch), so it needs 3-5 compilations per sequence length.
+- `--probe`: starts at the `--exact` answer (the analytic one on TensorFlow) and confirms it with one real
+  step at that batch and one just above, searching further only when one of those surprises; each step
+  reuses the executable `--exact` compiled for its batch. Out-of-memory errors are caught (TensorFlow's
+  ResourceExhaustedError, XLA's RESOURCE_EXHAUSTED on JAX), and the model state is restored from a host copy
+  when a failed step had already consumed it.
+
+The synthetic batches are arguments of the compiled step, never constants inside it, and XLA's
+rematerialization pass is off (otherwise a step that does not fit silently recomputes activations instead
+of failing, and every batch "fits").
 """
 
 from __future__ import annotations
@@ -66,6 +75,22 @@ def peak_memory() -> Optional[int]:
     return int(tf.config.experimental.get_memory_info("GPU:0")["peak"])
 
 
+def _size(n: float) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"
+
+
+def _state_of(trainer):
+    return trainer._get_jax_state(trainable_variables=True, non_trainable_variables=True,
+                                  optimizer_variables=True, metrics_variables=True)
+
+
+def _program_bytes(compiled) -> Optional[int]:
+    m = compiled.memory_analysis()
+    if m is None:
+        return None
+    return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes)
+
+
 def compiled_step_bytes(trainer, features, labels) -> Optional[int]:
     """JAX: the bytes XLA allocates for one training step at these shapes (arguments + outputs + temporaries,
     less the donated state that outputs reuse), from the compiled program's memory analysis. JAX's
@@ -75,13 +100,96 @@ def compiled_step_bytes(trainer, features, labels) -> Optional[int]:
         return None
     import jax
 
-    state = trainer._get_jax_state(trainable_variables=True, non_trainable_variables=True,
-                                   optimizer_variables=True, metrics_variables=True)
-    shapes = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), (state, (features, labels)))
-    m = jax.jit(trainer.train_step, donate_argnums=0).lower(*shapes).compile().memory_analysis()
-    if m is None:
-        return None
-    return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes)
+    shapes = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype),
+                                    (_state_of(trainer), (features, labels)))
+    return _program_bytes(jax.jit(trainer.train_step, donate_argnums=0).lower(*shapes).compile())
+
+
+class CompiledStep:
+    """One model's training step compiled by XLA (Keras' JAX backend) at the batch sizes asked for.
+
+    Each batch size is compiled once; its memory analysis (`bytes`) and its real execution (`run`) share
+    that executable. The batch is an argument of the program (shapes only at compile time), and the model
+    state is threaded through the runs (donated, as `fit` does), restored from a host copy if a step that
+    ran out of memory had consumed it.
+
+    Args:
+        trainer: a compiled `Pretrainer` (`build_trainer`).
+        config: its `ModelConfig`.
+        seq_len: tokens per sequence.
+        predictions: masked positions per sequence (default: 15% of `seq_len`, as pretraining).
+    """
+
+    def __init__(self, trainer, config, seq_len: int, predictions: Optional[int] = None, host_state=None):
+        import jax
+
+        from kbert.data.masking import default_max_predictions
+
+        if _backend() != "jax":
+            raise ValueError("compiling the training step for its memory analysis needs Keras' JAX backend; "
+                             "run with KERAS_BACKEND=jax (pip install -e \".[jax]\" or `pip install jax`)")
+        self.trainer, self.config, self.seq_len = trainer, config, seq_len
+        self.predictions = predictions or default_max_predictions(seq_len, 0.15)
+        one = synthetic_batch(config, 1, seq_len, self.predictions)
+        if host_state is None:
+            if not trainer.built or trainer.optimizer is None or not trainer.optimizer.built:
+                trainer._symbolic_build(data_batch=one)  # optimizer slots and metrics, nothing executed
+            # The runs use their own copy of the state (donated step after step); the trainer's device copy
+            # is released so that the device holds the state once, as in training.
+            state = _state_of(trainer)
+            host_state = jax.device_get(state)
+            for x in jax.tree_util.tree_leaves(state):
+                x.delete()
+        self.host_state = host_state
+        self.state = None
+        self._state_spec = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), host_state)
+        self._one = one
+        self._jit = jax.jit(trainer.train_step, donate_argnums=0)
+        self._compiled: Dict[int, object] = {}
+
+    def release(self):
+        """Frees the device copy of the state (the host copy stays for the next `run`)."""
+        import jax
+
+        if self.state is not None:
+            for x in jax.tree_util.tree_leaves(self.state):
+                if not x.is_deleted():
+                    x.delete()
+        self.state = None
+
+    def _data_spec(self, batch: int):
+        import jax
+
+        return jax.tree_util.tree_map(
+            lambda x: jax.ShapeDtypeStruct((batch,) + tuple(np.shape(x))[1:], x.dtype), self._one)
+
+    def compiled(self, batch: int):
+        if batch not in self._compiled:
+            _no_silent_recomputation()
+            self._compiled[batch] = self._jit.lower(self._state_spec, self._data_spec(batch)).compile()
+        return self._compiled[batch]
+
+    def bytes(self, batch: int) -> Optional[int]:
+        """Bytes the step at `batch` needs on this device, by XLA's memory analysis (nothing runs)."""
+        return _program_bytes(self.compiled(batch))
+
+    def run(self, batch: int, steps: int = 1) -> Dict[str, float]:
+        """`steps` real training steps at `batch`; an out-of-memory error propagates."""
+        import jax
+
+        if self.state is None or any(x.is_deleted() for x in jax.tree_util.tree_leaves(self.state)):
+            self.state = jax.device_put(self.host_state)  # first run, or a failed step consumed it
+        compiled = self.compiled(batch)
+        features, labels = synthetic_batch(self.config, batch, self.seq_len, self.predictions)
+        data = None
+        try:
+            data = jax.device_put((features, labels))
+            for _ in range(steps):
+                logs, self.state = compiled(self.state, data)
+            jax.block_until_ready(logs)
+        finally:
+            del data
+        return {k: float(v) for k, v in logs.items()}
 
 
 def _no_silent_recomputation():
@@ -130,28 +238,98 @@ def build_trainer(config, optimizer: str = "adamw", precision: str = "float32"):
     return model
 
 
+def exact_batch_size(config, seq_len: int, memory=None, optimizer: str = "adamw", precision: str = "float32",
+                     start: Optional[int] = None, max_batch: int = 4096, step: Optional[CompiledStep] = None,
+                     verbose: bool = False) -> Dict:
+    """The largest batch (at most `max_batch`) whose compiled training step needs at most `memory` bytes
+    (default: the device's limit), by XLA's memory analysis; nothing is executed. Keras' JAX backend only.
+
+    The search keeps the largest batch known to fit (`lo`) and the smallest known not to (`hi`) and tries
+    the secant prediction through the two nearest measured points (bisection when it stalls), starting from
+    `start` (default: the analytic planner's batch). Returns a dict with `max_batch`, `bytes` at it,
+    `budget`, `limited_by` and `tried` [(batch, bytes)].
+
+    Example:
+        >>> exact_batch_size(ModelConfig.preset("bert-base"), 128, "12GB", precision="mixed_bfloat16")
+    """
+    from kbert.train.memory import estimate_memory, max_batch_size, parse_memory
+
+    budget = parse_memory(memory) if memory else device_memory()
+    if not budget:
+        raise ValueError("`memory` is required where the device does not report its memory (CPU): name the "
+                         "device you are planning for, e.g. --memory 12GB")
+    step = step or CompiledStep(build_trainer(config, optimizer, precision), config, seq_len)
+    sizes: Dict[int, int] = {}
+
+    def size(batch: int) -> int:
+        if batch not in sizes:
+            sizes[batch] = step.bytes(batch)
+            if verbose:
+                fit = "fits" if sizes[batch] <= budget else "does not fit"
+                print(f"  seq {seq_len}: batch {batch} compiles to {_size(sizes[batch])} ({fit})",
+                      file=sys.stderr, flush=True)
+        return sizes[batch]
+
+    if start is None:
+        start = max_batch_size(config, budget, seq_len, optimizer=optimizer, precision=precision)
+    lo, hi = 0, max_batch + 1  # lo fits (0: none known), hi does not (max_batch + 1: the cap)
+    batch, stalled = max(1, min(start or 1, max_batch)), 0
+    for _ in range(64):  # the secant converges in a few steps; bisection bounds the rest (log2 of max_batch)
+        if size(batch) <= budget:
+            lo = batch
+        else:
+            hi = batch
+        if hi - lo <= 1:
+            break
+        known = sorted(sizes)
+        if len(known) >= 2:  # the secant through the two measured points nearest the boundary
+            a, b = sorted(known, key=lambda k: abs(sizes[k] - budget))[:2]
+            slope = (sizes[b] - sizes[a]) / (b - a) if b != a else 0
+            guess = int(a + (budget - sizes[a]) // slope) if slope > 0 else (lo + hi) // 2
+        else:  # one point: the bytes above the model state (analytic) grow in proportion to the batch
+            state = estimate_memory(config, 1, seq_len, optimizer=optimizer, precision=precision)["weights_grads_slots"]
+            above = sizes[batch] - state
+            guess = int(batch * (budget - state) / above) if above > 0 and budget > state else batch // 2
+        clamped = min(max(guess, lo + 1), hi - 1)  # a prediction on a known point: its neighbour inside
+        stalled = stalled + 1 if clamped != guess else 0
+        if stalled >= 3:  # three neighbour steps in a row: memory is not near-linear here; bisect
+            clamped, stalled = (lo + hi) // 2, 0
+        batch = clamped
+    return {"seq_len": seq_len, "max_batch": lo, "bytes": sizes.get(lo), "budget": budget,
+            "limited_by": "max_batch" if lo >= max_batch else "memory",
+            "tried": [(b, sizes[b]) for b in sizes]}
+
+
 def probe_batch_size(config, seq_len: int, optimizer: str = "adamw", precision: str = "float32",
-                     start: Optional[int] = None, max_batch: int = 4096, steps: int = 2,
-                     predictions: Optional[int] = None, model=None, verbose: bool = False) -> Dict:
-    """Largest batch (at most `max_batch`) for which `steps` training steps run without running out of
-    memory, with the measured peak at that batch. Returns a dict with `max_batch`, `peak_bytes` and the
-    `tried` list of (batch, fitted, peak_bytes)."""
+                     start: Optional[int] = None, max_batch: int = 4096, steps: int = 1,
+                     predictions: Optional[int] = None, model=None, verbose: bool = False,
+                     step: Optional[CompiledStep] = None) -> Dict:
+    """Largest batch (at most `max_batch`) for which `steps` real training steps run without running out of
+    memory. Starts at `start` (best: the `exact_batch_size` answer) and tries `start + 1`; when both answer
+    as expected that is the whole probe, otherwise it doubles up or halves down from there and bisects.
+    Returns a dict with `max_batch`, `peak_bytes` (JAX: the compiled program's bytes; TensorFlow: the
+    allocator's peak) and the `tried` list of (batch, fitted, peak_bytes)."""
     from kbert.data.masking import default_max_predictions
     from kbert.train.loop import _simulated_memory_limit
 
     predictions = predictions or default_max_predictions(seq_len, 0.15)
     _no_silent_recomputation()
-    model = model or build_trainer(config, optimizer, precision)
+    if _backend() == "jax" and step is None:
+        step = CompiledStep(model or build_trainer(config, optimizer, precision), config, seq_len, predictions)
+    model = model or (step.trainer if step is not None else build_trainer(config, optimizer, precision))
     tried: List = []
     peaks = {}
 
     def fits(batch: int) -> bool:
-        features, labels = synthetic_batch(config, batch, seq_len, predictions)
         try:
             _simulated_memory_limit(batch)
-            _reset_peak()
-            for _ in range(steps):
-                model.train_on_batch(features, labels)
+            if step is not None:
+                step.run(batch, steps)
+            else:
+                features, labels = synthetic_batch(config, batch, seq_len, predictions)
+                _reset_peak()
+                for _ in range(steps):
+                    model.train_on_batch(features, labels)
         except Exception as e:  # noqa: BLE001 - only out-of-memory is an answer; anything else re-raises
             if not is_out_of_memory(e):
                 raise
@@ -160,10 +338,10 @@ def probe_batch_size(config, seq_len: int, optimizer: str = "adamw", precision: 
                 print(f"  seq {seq_len}: batch {batch} runs out of memory", file=sys.stderr, flush=True)
             gc.collect()
             return False
-        peaks[batch] = compiled_step_bytes(model, features, labels) if _backend() == "jax" else peak_memory()
+        peaks[batch] = step.bytes(batch) if step is not None else peak_memory()
         tried.append((batch, True, peaks[batch]))
         if verbose:
-            peak = f", peak {peaks[batch] / 1e9:.2f} GB" if peaks[batch] else ""
+            peak = f", {_size(peaks[batch])}" if peaks[batch] else ""
             print(f"  seq {seq_len}: batch {batch} fits{peak}", file=sys.stderr, flush=True)
         return True
 
@@ -171,7 +349,12 @@ def probe_batch_size(config, seq_len: int, optimizer: str = "adamw", precision: 
     batch = max(1, min(start or 8, max_batch))
     if fits(batch):
         lo = batch
-        while lo < max_batch and hi is None:  # double until something fails
+        if lo < max_batch:  # one just above: the answer is confirmed when it does not fit
+            if fits(lo + 1):
+                lo += 1
+            else:
+                hi = lo + 1
+        while lo < max_batch and hi is None:  # the start was low: double until something fails
             batch = min(2 * lo, max_batch)
             if fits(batch):
                 lo = batch
@@ -204,30 +387,47 @@ def device_memory() -> Optional[int]:
 
 
 def probe_table(model: str, seq_lens, optimizer: str = "adamw", precision: str = "float32",
-                memory=None, max_batch: int = 4096, verbose: bool = False) -> List[Dict]:
-    """For each sequence length: the planner's max batch for the device memory, the probed max batch,
-    and planned vs measured peak memory at the probed batch."""
+                memory=None, max_batch: int = 4096, verbose: bool = False, exact: bool = True,
+                probe: bool = True) -> List[Dict]:
+    """For each sequence length: the analytic planner's max batch, the `--exact` one (JAX) and the probed
+    one (real steps, `probe=True`), with planned vs compiled vs measured bytes."""
     import os
 
     from kbert.models.config import ModelConfig
     from kbert.train.memory import estimate_memory, max_batch_size, parse_memory
 
-    if accelerator() is None and not os.environ.get("KBERT_SIMULATE_OOM_ABOVE"):
+    if probe and accelerator() is None and not os.environ.get("KBERT_SIMULATE_OOM_ABOVE"):
         raise ValueError("--probe measures an accelerator and found none (on CPU memory is not the limit); run "
-                         "it on a GPU or TPU, or read the planner's table")
+                         "it on a GPU or TPU, or read the planner's table (--exact with --memory compiles the "
+                         "step for a device you name)")
+    exact = exact and _backend() == "jax"
     config = ModelConfig.preset(model) if isinstance(model, str) else model
     total = parse_memory(memory) if memory else device_memory()
     trainer = build_trainer(config, optimizer, precision)
-    rows = []
+    rows, host_state = [], None
     for seq in seq_lens:
         planned = max_batch_size(config, total, seq, optimizer=optimizer, precision=precision) if total else None
-        found = probe_batch_size(config, seq, optimizer, precision, start=planned or 8, max_batch=max_batch,
-                                 model=trainer, verbose=verbose)
-        estimate = estimate_memory(config, found["max_batch"], seq, optimizer=optimizer,
-                                   precision=precision)["total"] if found["max_batch"] else None
-        measured = found["peak_bytes"]
-        rows.append({"seq_len": seq, "planned_batch": planned, "probed_batch": found["max_batch"],
-                     "planned_bytes": estimate, "measured_bytes": measured, "limited_by": found["limited_by"],
-                     "error": (estimate - measured) / measured if estimate and measured else None,
-                     "tried": found["tried"]})
+        row = {"seq_len": seq, "planned_batch": planned}
+        step = CompiledStep(trainer, config, seq, host_state=host_state) if _backend() == "jax" else None
+        host_state = step.host_state if step is not None else None
+        start = planned or 8
+        if exact:
+            found = exact_batch_size(config, seq, total, optimizer, precision, start=start, max_batch=max_batch,
+                                     step=step, verbose=verbose)
+            row.update(exact_batch=found["max_batch"], exact_bytes=found["bytes"], exact_tried=found["tried"])
+            start = found["max_batch"] or 1
+        if probe:
+            found = probe_batch_size(config, seq, optimizer, precision, start=start, max_batch=max_batch,
+                                     model=trainer, verbose=verbose, step=step)
+            row.update(probed_batch=found["max_batch"], measured_bytes=found["peak_bytes"],
+                       limited_by=found["limited_by"], tried=found["tried"])
+        if step is not None:
+            step.release()
+        reference = row.get("probed_batch", row.get("exact_batch"))
+        estimate = estimate_memory(config, reference, seq, optimizer=optimizer,
+                                   precision=precision)["total"] if reference else None
+        measured = row.get("measured_bytes", row.get("exact_bytes"))
+        row.update(planned_bytes=estimate,
+                   error=(estimate - measured) / measured if estimate and measured else None)
+        rows.append(row)
     return rows
