@@ -1,5 +1,6 @@
-"""GPU figures for pretraining on Keras' JAX backend (no TensorFlow needed): bf16 vs fp32 tokens/s, MFU against
-the measured matmul peak, and the memory planner's estimate vs the measured peak.
+"""GPU figures for pretraining on Keras' JAX backend (no TensorFlow needed), with Hugging Face in the same run:
+tokens/s and MFU against the matmul peak measured in that run, the memory planner against XLA's compiled
+program and the allocator's peak, `kbert plan --exact` / `--probe`, and the 12 GB table on a capped GPU.
 
 The backbones are kbert's own (`keras.ops` only), trained with the masked-LM + NSP objective on synthetic
 batches that stay on the device, so the figure is the model's step and not an input pipeline:
@@ -8,11 +9,17 @@ batches that stay on the device, so the figure is the model's step and not an in
   backend's default precision, TF32 on NVIDIA GPUs since Ampere);
 - `throughput`: Keras' own JAX `train_step` (forward, backward, AdamW update) under `jax.jit` with the state
   donated, timed over `--steps` steps after two warm-up steps; tokens/s and MFU = model FLOPs per second /
-  measured bf16 peak (the convention of the PaLM paper: the model's matmul FLOPs, no recomputation counted);
-- `memory`: `Pretrainer.train_on_batch` (what `kbert plan --probe` runs) in a fresh process per point, the
-  peak bytes the device allocator saw, beside `kbert.train.memory.estimate_memory` for the same point;
-- `all`: each of the above in its own process (peak memory is per process on JAX) and one table at the end,
-  also written to `--out/gpu.json`.
+  measured bf16 peak (the convention of the PaLM paper: the model's matmul FLOPs, no recomputation counted).
+  `--variants` runs several `ModelConfig` overrides in one process (`default`, `attention_dropout=0.0`, ...)
+  and says whether XLA's program holds cuDNN's fused attention;
+- `hf`: the peer, transformers' `BertForPreTraining` (SDPA attention, bf16 autocast, fused AdamW, labels at
+  the same number of masked positions) eager and under `torch.compile`, same shape, same FLOP count;
+- `memory`: `Pretrainer.train_on_batch` (what `fit` runs) in a fresh process per point: the allocator's peak,
+  XLA's memory analysis of the same compiled step and `kbert.train.memory.estimate_memory`;
+- `capped`: run under `XLA_PYTHON_CLIENT_MEM_FRACTION` = `--cap` / device memory: `kbert plan --exact` and
+  `--probe` per sequence length beside the analytic `kbert plan --memory` answer;
+- `all`: each of the above in its own process (JAX's peak memory is per process), most important first,
+  skipping what would not finish by `--budget` seconds, then one set of tables; also `--out/gpu.json`.
 
     KERAS_BACKEND=jax python benchmarks/gpu.py all --out /tmp/gpu
 """
@@ -58,15 +65,43 @@ def matmul_peak(dtype: str, n: int = 8192, repeats: int = 10) -> float:
     return 2 * n ** 3 * repeats / (time.perf_counter() - t)
 
 
+IMPLEMENTATION_SWITCHES = {
+    # the backend's random-number generator (threefry on JAX) for dropout masks instead of the counter hash
+    "dropout_masks=generator": ("_counter_hash_applies", lambda: False),
+    # the explicit einsum-softmax-einsum attention even where the fused kernel applies
+    "attention=explicit": ("_fused_attention_applies", lambda rate, training: False),
+}
+
+
+def _switch_implementation(overrides):
+    """Applies the IMPLEMENTATION_SWITCHES named in `overrides` (kbert code paths, for before/after figures)."""
+    from kbert.models import layers
+
+    originals = _switch_implementation.__dict__.setdefault("originals", {})
+    for name, _ in IMPLEMENTATION_SWITCHES.values():  # each variant starts from kbert's own code paths
+        setattr(layers, name, originals.setdefault(name, getattr(layers, name)))
+    for item in overrides or ():
+        if item in IMPLEMENTATION_SWITCHES:
+            name, replacement = IMPLEMENTATION_SWITCHES[item]
+            setattr(layers, name, replacement)
+
+
 def _config(model: str, vocab: int, overrides=()):
-    """A preset with `--set field=value` overrides (e.g. attention_dropout=0.0)."""
+    """A preset with `--set field=value` overrides (e.g. attention_dropout=0.0); implementation switches
+    (IMPLEMENTATION_SWITCHES) are not ModelConfig fields and are skipped here."""
     from kbert.models.config import ModelConfig
 
     fields = {}
-    for item in overrides or ():
+    for item in [o for o in overrides or () if o not in IMPLEMENTATION_SWITCHES]:
         key, value = item.split("=", 1)
         fields[key] = json.loads(value) if value[:1] in "0123456789-[{tfn" else value
     return ModelConfig.preset(model, vocab_size=vocab, **fields)
+
+
+def _uses_fused_attention(step, state, data) -> bool:
+    """Whether XLA's program for this step calls cuDNN's fused attention (or a Pallas/Mosaic kernel on TPU)."""
+    text = step.lower(state, data).compile().as_text()
+    return "__cudnn$fmha" in text or "tpu_custom_call" in text
 
 
 def throughput(model: str, seq: int, batch: int, precision: str, steps: int, vocab: int, overrides=()) -> dict:
@@ -77,6 +112,7 @@ def throughput(model: str, seq: int, batch: int, precision: str, steps: int, voc
     from kbert.train.probe import build_trainer, synthetic_batch
 
     config = _config(model, vocab, overrides)
+    _switch_implementation(overrides)
     predictions = default_max_predictions(seq)
     trainer = build_trainer(config, "adamw", precision)
     features, labels = synthetic_batch(config, batch, seq, predictions)
@@ -85,6 +121,7 @@ def throughput(model: str, seq: int, batch: int, precision: str, steps: int, voc
                                    optimizer_variables=True, metrics_variables=True)
     step = jax.jit(trainer.train_step, donate_argnums=0)
     data = jax.device_put((features, labels))
+    fused = _uses_fused_attention(step, state, data)
     t_compile = time.perf_counter()
     for _ in range(2):
         logs, state = step(state, data)
@@ -96,11 +133,79 @@ def throughput(model: str, seq: int, batch: int, precision: str, steps: int, voc
     jax.block_until_ready((logs, state))
     elapsed = time.perf_counter() - t
     flops = train_flops_per_step(config, batch, seq, predictions)
-    return {"model": model, "seq": seq, "batch": batch, "precision": precision, "steps": steps,
+    del state, data, trainer
+    return {"impl": "kbert", "model": model, "seq": seq, "batch": batch, "precision": precision, "steps": steps,
             "step_ms": elapsed / steps * 1e3, "tokens_per_s": batch * seq * steps / elapsed,
             "model_flops_per_s": flops * steps / elapsed, "compile_and_warmup_s": compile_s,
-            "loss": float(logs["loss"]), "keras": keras.__version__, "jax": jax.__version__,
-            "device": str(jax.devices()[0].device_kind), "overrides": list(overrides or ())}
+            "fused_attention": fused, "loss": float(logs["loss"]), "keras": keras.__version__,
+            "jax": jax.__version__, "device": str(jax.devices()[0].device_kind), "overrides": list(overrides or ())}
+
+
+def hf(model: str, seq: int, batch: int, steps: int, vocab: int, overrides=(), modes=("eager", "compile")) -> list:
+    """transformers' BertForPreTraining on torch: SDPA attention, bf16 autocast, fused AdamW; MLM labels at
+    the same number of masked positions as kbert (HF's head still projects every position)."""
+    os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"  # should anything start JAX here, it takes no memory
+    import torch
+    import transformers
+
+    from kbert.data.masking import default_max_predictions
+
+    config = _config(model, vocab, overrides)
+    predictions = default_max_predictions(seq)
+    hf_config = transformers.BertConfig(
+        vocab_size=config.vocab_size, hidden_size=config.hidden_size, num_hidden_layers=config.num_layers,
+        num_attention_heads=config.num_heads, intermediate_size=config.intermediate_size,
+        max_position_embeddings=config.max_position, hidden_dropout_prob=config.dropout,
+        attention_probs_dropout_prob=config.attention_dropout, attn_implementation="sdpa")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(5, vocab, (batch, seq), generator=g).to(device)
+    segments = (torch.arange(seq)[None, :] >= seq // 2).long().repeat(batch, 1).to(device)
+    mask = torch.ones(batch, seq, dtype=torch.long, device=device)
+    labels = torch.full((batch, seq), -100, dtype=torch.long)
+    for row in range(batch):
+        labels[row, torch.randperm(seq, generator=g)[:predictions]] = torch.randint(5, vocab, (predictions,),
+                                                                                  generator=g)
+    labels = labels.to(device)
+    nsp = torch.randint(0, 2, (batch,), generator=g).to(device)
+    results = []
+    for mode in modes:
+        torch.manual_seed(0)
+        net = transformers.BertForPreTraining(hf_config).to(device).train()
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-5, fused=device == "cuda")
+        forward = torch.compile(net) if mode == "compile" else net
+
+        def step():
+            with torch.autocast(device, dtype=torch.bfloat16):
+                loss = forward(input_ids=ids, token_type_ids=segments, attention_mask=mask, labels=labels,
+                               next_sentence_label=nsp).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss
+
+        t_compile = time.perf_counter()
+        for _ in range(3):
+            loss = step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        compile_s = time.perf_counter() - t_compile
+        t = time.perf_counter()
+        for _ in range(steps):
+            loss = step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - t
+        flops = train_flops_per_step(config, batch, seq, predictions)
+        results.append({"impl": f"hf-{mode}", "model": model, "seq": seq, "batch": batch,
+                        "precision": "bf16 autocast", "steps": steps, "step_ms": elapsed / steps * 1e3,
+                        "tokens_per_s": batch * seq * steps / elapsed, "model_flops_per_s": flops * steps / elapsed,
+                        "compile_and_warmup_s": compile_s, "loss": float(loss), "torch": torch.__version__,
+                        "transformers": transformers.__version__, "overrides": list(overrides or ())})
+        del net, opt, forward
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return results
 
 
 def memory(model: str, seq: int, batch: int, precision: str, vocab: int) -> dict:
@@ -108,85 +213,179 @@ def memory(model: str, seq: int, batch: int, precision: str, vocab: int) -> dict
 
     from kbert.data.masking import default_max_predictions
     from kbert.train.memory import estimate_memory
-    from kbert.train.probe import build_trainer, peak_memory, synthetic_batch
+    from kbert.train.probe import build_trainer, compiled_step_bytes, peak_memory, synthetic_batch
 
     config = _config(model, vocab)
     trainer = build_trainer(config, "adamw", precision)
     features, labels = synthetic_batch(config, batch, seq, default_max_predictions(seq))
     for _ in range(3):
         logs = trainer.train_on_batch(features, labels, return_dict=True)
-    estimate = estimate_memory(config, batch, seq, optimizer="adamw", precision=precision)
     measured = peak_memory()
+    compiled = compiled_step_bytes(trainer, features, labels)
+    estimate = estimate_memory(config, batch, seq, optimizer="adamw", precision=precision)
     return {"model": model, "seq": seq, "batch": batch, "precision": precision, "measured_bytes": measured,
-            "planned_bytes": estimate["total"],
+            "compiled_bytes": compiled, "planned_bytes": estimate["total"],
             "error": (estimate["total"] - measured) / measured if measured else None,
+            "error_vs_compiled": (estimate["total"] - compiled) / compiled if compiled else None,
             "components": {k: v for k, v in estimate.items() if k != "total"}, "loss": float(logs["loss"]),
             "device": str(jax.devices()[0].device_kind)}
+
+
+def capped(model: str, seqs, precision: str, vocab: int, cap: str) -> list:
+    """Under a memory cap (the child is started with XLA_PYTHON_CLIENT_MEM_FRACTION set): the analytic plan
+    for `cap`, `--exact` and `--probe` per sequence length."""
+    from kbert.train.memory import plan_batch_size
+    from kbert.train.probe import device_memory, probe_table
+
+    config = _config(model, vocab)
+    rows = probe_table(config, seqs, optimizer="adamw", precision=precision, verbose=True,
+                       memory=None if device_memory() else cap)  # CPU (a dry run): the cap stands in
+    plan = {r["seq_len"]: r["max_batch"] for r in plan_batch_size(config, cap, seqs, optimizer="adamw",
+                                                                  precision=precision)}
+    for r in rows:
+        r.update(model=model, precision=precision, cap=cap, device_limit=device_memory(),
+                 plan_for_cap=plan[r["seq_len"]])
+    return rows
 
 
 def probe(model: str, seqs, precision: str, vocab: int) -> list:
     from kbert.train.probe import probe_table
 
-    rows = probe_table(_config(model, vocab), seqs, optimizer="adamw", precision=precision)
-    return rows
+    return probe_table(_config(model, vocab), seqs, optimizer="adamw", precision=precision, verbose=True)
 
 
-def _child(args, extra) -> dict:
-    """Runs one measurement in a fresh process (JAX's peak memory counter is per process)."""
+def _device_bytes() -> int:
+    """Total memory of GPU 0 from nvidia-smi (the parent must not start JAX: it would take the memory)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30).stdout
+        return int(out.split()[0]) * 2 ** 20
+    except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
+        return 0
+
+
+class _Clock:
+    def __init__(self, budget: float):
+        self.end = time.perf_counter() + budget
+
+    def left(self) -> float:
+        return self.end - time.perf_counter()
+
+
+def _child(args, extra, clock: _Clock, needs: float = 60, env=None):
+    """Runs one measurement in a fresh process (JAX's peak memory counter is per process); skipped when fewer
+    than `needs` seconds of the budget are left, and stopped at the budget."""
+    if clock.left() < needs:
+        print(f"# skipped (budget): {' '.join(extra)}", flush=True)
+        return {"error": "skipped: time budget", "cmd": extra}
     cmd = [sys.executable, os.path.abspath(__file__), *extra, "--vocab", str(args.vocab), "--json"]
     print("$", " ".join(cmd[2:]), flush=True)
-    env = dict(os.environ)
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.child_timeout)
+    t = time.perf_counter()
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, **(env or {})),
+                              timeout=max(10, min(args.child_timeout, clock.left())))
+    except subprocess.TimeoutExpired as e:
+        print(f"   timed out after {time.perf_counter() - t:.0f} s", (e.stderr or b"")[-1500:], flush=True)
+        return {"error": "timeout", "cmd": extra}
     lines = [line for line in done.stdout.splitlines() if line.startswith("{") or line.startswith("[")]
     if done.returncode or not lines:
         print(done.stdout[-2000:], done.stderr[-3000:], flush=True)
         return {"error": f"exit {done.returncode}", "cmd": extra}
     result = json.loads(lines[-1])
-    print("  ", json.dumps(result)[:400], flush=True)
+    print(f"   ({time.perf_counter() - t:.0f} s)", json.dumps(result)[:600], flush=True)
     return result
 
 
+def _save(args, out):
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "gpu.json"), "w") as f:
+            json.dump(out, f, indent=1, default=str)
+
+
 def run_all(args) -> dict:
-    out = {"peak": _child(args, ["peak", "--peak-n", str(args.peak_n)])}
-    out["throughput"] = [_child(args, ["throughput", "--model", args.model, "--seq", str(seq), "--batch",
-                                       str(batch), "--precision", p, "--steps", str(args.steps)])
-                         for p in ("float32", "mixed_bfloat16")
-                         for seq, batch in ((128, args.batch), (512, max(1, args.batch // 4)))]
-    out["memory"] = [_child(args, ["memory", "--model", args.model, "--seq", str(seq), "--batch", str(batch),
-                                   "--precision", p])
-                     for p in ("float32", "mixed_bfloat16")
-                     for seq, batch in ((128, 32), (128, 256), (512, 8), (512, 64))]
-    if args.probe:
-        out["probe"] = _child(args, ["probe", "--model", args.model, "--seqs", args.probe, "--precision", "float32"])
-    peak_bf16 = out["peak"].get("bfloat16")
-    print(f"\ndevice: {out['throughput'][0].get('device')}; measured matmul peak: bf16 "
-          f"{(peak_bf16 or 0) / 1e12:.0f} TFLOP/s, fp32 (default precision) "
-          f"{out['peak'].get('float32', 0) / 1e12:.0f} TFLOP/s")
-    print("\n| model | seq | batch | precision | step ms | tokens/s | MFU (of bf16 peak) | of fp32 peak |")
-    print("|---|---:|---:|---|---:|---:|---:|---:|")
-    for r in out["throughput"]:
-        if "tokens_per_s" in r:
-            print(f"| {r['model']} | {r['seq']} | {r['batch']} | {r['precision']} | {r['step_ms']:.1f} | "
-                  f"{r['tokens_per_s']:,.0f} | {r['model_flops_per_s'] / peak_bf16 * 100:.1f}% | "
-                  f"{r['model_flops_per_s'] / out['peak']['float32'] * 100:.1f}% |")
-    print("\n| model | seq | batch | precision | planned GB | measured peak GB | planned vs measured |")
-    print("|---|---:|---:|---|---:|---:|---:|")
-    for r in out["memory"]:
-        if r.get("measured_bytes"):
-            print(f"| {r['model']} | {r['seq']} | {r['batch']} | {r['precision']} | {r['planned_bytes'] / 1e9:.2f} | "
-                  f"{r['measured_bytes'] / 1e9:.2f} | {r['error'] * 100:+.1f}% |")
-    if isinstance(out.get("probe"), list):
-        print("\n| seq | planned max batch | probed max batch | planned GB at probed | measured GB |")
-        print("|---:|---:|---:|---:|---:|")
-        for r in out["probe"]:
-            print(f"| {r['seq_len']} | {r['planned_batch']} | {r['probed_batch']} | "
-                  f"{(r['planned_bytes'] or 0) / 1e9:.2f} | {(r['measured_bytes'] or 0) / 1e9:.2f} |")
+    clock = _Clock(args.budget)
+    m, b, steps = args.model, str(args.batch), str(args.steps)
+    out = {"peak": _child(args, ["peak", "--peak-n", str(args.peak_n)], clock, 20)}
+    out["throughput"] = _child(args, ["throughput", "--model", m, "--seq", "128", "--batch", b, "--precision",
+                                      "mixed_bfloat16", "--steps", steps, "--variants", args.variants], clock, 90)
+    out["hf"] = _child(args, ["hf", "--model", m, "--seq", "128", "--batch", b, "--steps", steps,
+                              "--variants", args.variants], clock, 120)
+    _save(args, out)
+    total = _device_bytes()
+    out["capped"] = []
+    for precision in args.cap_precisions.split(","):
+        env = {"XLA_PYTHON_CLIENT_MEM_FRACTION": f"{min(0.95, parse_bytes(args.cap) / total):.4f}"} if total else {}
+        out["capped"].append(_child(args, ["capped", "--model", m, "--seqs", args.cap_seqs, "--precision", precision,
+                                           "--cap", args.cap], clock, 120, env))
+        _save(args, out)
+    out["memory"] = [_child(args, ["memory", "--model", m, "--seq", str(seq), "--batch", str(batch),
+                                   "--precision", p], clock, 45)
+                     for p, seq, batch in (("mixed_bfloat16", 128, 256), ("mixed_bfloat16", 512, 64),
+                                           ("mixed_bfloat16", 128, 32), ("float32", 128, 256))]
+    _save(args, out)
+    report(out)
     return out
+
+
+def parse_bytes(text) -> float:
+    from kbert.train.memory import parse_memory
+
+    return parse_memory(text)
+
+
+def _rows(value):
+    if isinstance(value, list):
+        return [r for r in value if isinstance(r, dict)]
+    return [value] if isinstance(value, dict) and "error" not in value else []
+
+
+def report(out: dict):
+    peak = out.get("peak") or {}
+    peak_bf16, peak_fp32 = peak.get("bfloat16"), peak.get("float32")
+    runs = _rows(out.get("throughput")) + _rows(out.get("hf"))
+    device = next((r.get("device") for r in runs if r.get("device")), "?")
+    if peak_bf16:
+        print(f"\ndevice: {device}; measured matmul peak: bf16 {peak_bf16 / 1e12:.0f} TFLOP/s, fp32 (default "
+              f"precision) {(peak_fp32 or 0) / 1e12:.0f} TFLOP/s")
+    compiled = {tuple(r.get("overrides") or []): r["tokens_per_s"] for r in runs if r.get("impl") == "hf-compile"}
+    print("\n| implementation | overrides | seq | batch | step ms | tokens/s | MFU (of bf16 peak) | vs HF compiled |"
+          " fused attention |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---|")
+    for r in runs:
+        if "tokens_per_s" not in r:
+            continue
+        key = tuple(r.get("overrides") or [])
+        mfu = f"{r['model_flops_per_s'] / peak_bf16 * 100:.1f}%" if peak_bf16 else "n/a"
+        ratio = f"{r['tokens_per_s'] / compiled[key]:.2f}x" if key in compiled else "n/a"
+        print(f"| {r['impl']} | {' '.join(key) or 'BERT defaults'} | {r['seq']} | {r['batch']} | {r['step_ms']:.1f} | "
+              f"{r['tokens_per_s']:,.0f} | {mfu} | {ratio} | {r.get('fused_attention', '')} |")
+    memory_rows = [r for r in out.get("memory", []) if r.get("measured_bytes")]
+    if memory_rows:
+        print("\n| model | seq | batch | precision | planned GB | XLA compiled GB | allocator peak GB | planned vs "
+              "compiled | planned vs peak |")
+        print("|---|---:|---:|---|---:|---:|---:|---:|---:|")
+        for r in memory_rows:
+            c = r.get("compiled_bytes")
+            print(f"| {r['model']} | {r['seq']} | {r['batch']} | {r['precision']} | {r['planned_bytes'] / 1e9:.2f} | "
+                  f"{(c or 0) / 1e9:.2f} | {r['measured_bytes'] / 1e9:.2f} | "
+                  f"{(r['error_vs_compiled'] or 0) * 100:+.1f}% | {r['error'] * 100:+.1f}% |")
+    capped_rows = [r for rows in out.get("capped", []) for r in _rows(rows) if "seq_len" in r]
+    if capped_rows:
+        print("\n| model | precision | cap | seq | `plan --memory` batch | `--exact` batch | probed batch | plan / probed |"
+              " exact GB | tries (batch, fits) |")
+        print("|---|---|---|---:|---:|---:|---:|---:|---:|---|")
+        for r in capped_rows:
+            probed = r.get("probed_batch")
+            ratio = f"{r['plan_for_cap'] / probed:.2f}" if probed else "n/a"
+            tries = " ".join(f"{b}{'+' if ok else '-'}" for b, ok, _ in r.get("tried", []))
+            print(f"| {r['model']} | {r['precision']} | {r['cap']} | {r['seq_len']} | {r['plan_for_cap']} | "
+                  f"{r.get('exact_batch')} | {probed} | {ratio} | {(r.get('exact_bytes') or 0) / 1e9:.2f} | {tries} |")
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=("all", "peak", "throughput", "memory", "probe"))
+    parser.add_argument("what", choices=("all", "peak", "throughput", "hf", "memory", "probe", "capped"))
     parser.add_argument("--model", default="bert-base")
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--seqs", default="128,512")
@@ -195,25 +394,42 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--set", action="append", default=[], help="ModelConfig override, e.g. attention_dropout=0")
-    parser.add_argument("--probe", default="", help="all: also probe these sequence lengths, e.g. 512")
+    parser.add_argument("--hf-modes", default="eager,compile", help="hf: modes of the first variant (later "
+                        "variants: compile only)")
+    parser.add_argument("--variants", default="default;dropout_masks=generator;attention_dropout=0.0;"
+                                              "attention_dropout=0.0,attention=explicit",
+                        help="throughput/hf/all: ';'-separated override sets ('default' = none; ',' joins "
+                             "several overrides in one set; IMPLEMENTATION_SWITCHES switch kbert code paths)")
+    parser.add_argument("--cap", default="12GB", help="capped/all: the memory the GPU is capped at")
+    parser.add_argument("--cap-seqs", default="128,512", help="all: sequence lengths of the capped table")
+    parser.add_argument("--cap-precisions", default="mixed_bfloat16", help="all: precisions of the capped table")
     parser.add_argument("--peak-n", type=int, default=8192, help="matrix size of the peak measurement")
+    parser.add_argument("--budget", type=float, default=480, help="all: seconds; later stages are skipped past it")
     parser.add_argument("--child-timeout", type=int, default=300)
     parser.add_argument("--out", default=None)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
+    variants = [[] if v.strip() in ("", "default") else v.split(",") for v in args.variants.split(";")]
     if args.what == "all":
-        result = run_all(args)
-        if args.out:
-            os.makedirs(args.out, exist_ok=True)
-            with open(os.path.join(args.out, "gpu.json"), "w") as f:
-                json.dump(result, f, indent=1, default=str)
+        run_all(args)
         return
     if args.what == "peak":
         result = {"bfloat16": matmul_peak("bfloat16", args.peak_n), "float32": matmul_peak("float32", args.peak_n)}
     elif args.what == "throughput":
-        result = throughput(args.model, args.seq, args.batch, args.precision, args.steps, args.vocab, args.set)
+        sets = [args.set] if args.set else variants
+        result = [throughput(args.model, args.seq, args.batch, args.precision, args.steps, args.vocab, overrides)
+                  for overrides in sets]
+    elif args.what == "hf":
+        sets = [args.set] if args.set else variants
+        sets = [[o for o in v if o not in IMPLEMENTATION_SWITCHES] for v in sets]
+        sets = [v for i, v in enumerate(sets) if v not in sets[:i]]  # kbert's own switches mean nothing here
+        result = [r for i, overrides in enumerate(sets)
+                  for r in hf(args.model, args.seq, args.batch, args.steps, args.vocab, overrides,
+                              modes=args.hf_modes.split(",") if i == 0 else ["compile"])]
     elif args.what == "memory":
         result = memory(args.model, args.seq, args.batch, args.precision, args.vocab)
+    elif args.what == "capped":
+        result = capped(args.model, [int(s) for s in args.seqs.split(",")], args.precision, args.vocab, args.cap)
     else:
         result = probe(args.model, [int(s) for s in args.seqs.split(",")], args.precision, args.vocab)
     print(json.dumps(result, default=str))

@@ -51,14 +51,41 @@ def activation(name: str):
     raise ValueError(f"Unknown activation {name!r}")
 
 
-class Dropout(keras.layers.Layer):
-    """Inverted dropout that draws half the random numbers of `keras.layers.Dropout`.
+def _uint32(value):
+    return ops.convert_to_tensor(value, dtype="uint32")
 
-    One 30-bit random integer gives two independent 15-bit uniforms (its low and high halves), so two
-    elements share one draw; random-number generation was about a tenth of a BERT training step on CPU
-    and GPU. An element is dropped with probability round(rate * 2^15) / 2^15 (0.1 -> 0.100006) and kept
-    ones are scaled by the exact inverse of the keep probability, so expectations are unchanged. Falls back
-    to `keras.random.dropout` for an odd last dimension.
+
+def _mix32(x):
+    """A bijective 32-bit integer hash with low bias (C. Wellons' "lowbias32"): two multiply-xorshift rounds."""
+    x = ops.bitwise_xor(x, ops.right_shift(x, _uint32(16)))
+    x = x * _uint32(0x7FEB352D)
+    x = ops.bitwise_xor(x, ops.right_shift(x, _uint32(15)))
+    x = x * _uint32(0x846CA68B)
+    return ops.bitwise_xor(x, ops.right_shift(x, _uint32(16)))
+
+
+def _counter_hash_applies() -> bool:
+    """Dropout masks from a counter hash (JAX) instead of the backend's random-number generator (elsewhere)."""
+    return keras.backend.backend() == "jax"
+
+
+class Dropout(keras.layers.Layer):
+    """Inverted dropout with masks that cost little to draw.
+
+    - On Keras' JAX backend the mask is a counter-based hash: element i of a call keeps its value when
+      `hash(hash(i + k0) ^ k1) >= rate * 2^32`, with (k0, k1) hashed from the layer's seed generator (a fresh
+      pair per call, so a fresh mask per step). It is a few integer operations per element that XLA fuses
+      into the neighbouring kernels, where JAX's threefry generator is a separate, ALU-heavy pass over the
+      tensor (the approach of fused dropout kernels such as Apex's and FlashAttention's Philox, with a
+      cheaper hash). The rate is exact to 2^-32.
+    - Elsewhere one 30-bit random integer gives two independent 15-bit uniforms (its low and high halves),
+      so two elements share one draw of the backend's generator (half the draws of `keras.layers.Dropout`);
+      an element is dropped with probability round(rate * 2^15) / 2^15 (0.1 -> 0.100006). Falls back to
+      `keras.random.dropout` for an odd last dimension.
+
+    Kept elements are scaled by the exact inverse of the keep probability, so expectations are unchanged.
+    Why the draws matter: random-number generation was about a tenth of a BERT training step (figures in
+    benchmarks/README.md).
     """
 
     _BITS = 15
@@ -76,8 +103,19 @@ class Dropout(keras.layers.Layer):
         if not training or self.rate == 0.0:
             return x
         shape = tuple(ops.shape(x))
+        if not all(isinstance(d, int) for d in shape):
+            return keras.random.dropout(x, self.rate, seed=self.seed_generator)
+        if _counter_hash_applies():
+            threshold = min(int(round(self.rate * 2.0 ** 32)), 2 ** 32 - 1)
+            seed = ops.cast(self.seed_generator.next(), "uint32")  # [2]
+            k0 = _mix32(seed[0] ^ _uint32(0x9E3779B9))
+            k1 = _mix32(seed[1] + k0)
+            counters = ops.reshape(ops.arange(math.prod(shape), dtype="uint32"), shape)  # fused by XLA
+            keep = ops.greater_equal(_mix32(ops.bitwise_xor(_mix32(counters + k0), k1)), _uint32(threshold))
+            scale = ops.cast(2.0 ** 32 / (2.0 ** 32 - threshold), x.dtype)
+            return ops.where(keep, x * scale, ops.zeros_like(x))
         last = shape[-1]
-        if not isinstance(last, int) or last % 2:
+        if last % 2:
             return keras.random.dropout(x, self.rate, seed=self.seed_generator)
         threshold = int(round(self.rate * (1 << self._BITS)))
         bits = keras.random.randint(shape[:-1] + (last // 2,), 0, 1 << (2 * self._BITS), dtype="int32",
