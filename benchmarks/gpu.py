@@ -33,6 +33,8 @@ import subprocess
 import sys
 import time
 
+import numpy as np
+
 os.environ.setdefault("KERAS_BACKEND", "jax")
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(_HERE))
@@ -70,6 +72,9 @@ IMPLEMENTATION_SWITCHES = {
     "dropout_masks=generator": ("_counter_hash_applies", lambda: False),
     # the explicit einsum-softmax-einsum attention even where the fused kernel applies
     "attention=explicit": ("_fused_attention_applies", lambda rate, training: False),
+    # the padding mask handed to the fused kernel as [b, 1, s, s] or as per-row lengths (cuDNN's padding mask)
+    "attention_mask=square": ("_ATTENTION_MASK", "square"),
+    "attention_mask=lengths": ("_ATTENTION_MASK", "lengths"),
 }
 
 
@@ -98,9 +103,9 @@ def _config(model: str, vocab: int, overrides=()):
     return ModelConfig.preset(model, vocab_size=vocab, **fields)
 
 
-def _uses_fused_attention(step, state, data) -> bool:
+def _uses_fused_attention(compiled) -> bool:
     """Whether XLA's program for this step calls cuDNN's fused attention (or a Pallas/Mosaic kernel on TPU)."""
-    text = step.lower(state, data).compile().as_text()
+    text = compiled.as_text()
     return "__cudnn$fmha" in text or "tpu_custom_call" in text
 
 
@@ -119,9 +124,9 @@ def throughput(model: str, seq: int, batch: int, precision: str, steps: int, voc
     trainer.train_on_batch(features, labels)  # builds the optimizer and metrics
     state = trainer._get_jax_state(trainable_variables=True, non_trainable_variables=True,
                                    optimizer_variables=True, metrics_variables=True)
-    step = jax.jit(trainer.train_step, donate_argnums=0)
     data = jax.device_put((features, labels))
-    fused = _uses_fused_attention(step, state, data)
+    step = jax.jit(trainer.train_step, donate_argnums=0).lower(state, data).compile()
+    fused = _uses_fused_attention(step)
     t_compile = time.perf_counter()
     for _ in range(2):
         logs, state = step(state, data)
@@ -139,6 +144,70 @@ def throughput(model: str, seq: int, batch: int, precision: str, steps: int, voc
             "model_flops_per_s": flops * steps / elapsed, "compile_and_warmup_s": compile_s,
             "fused_attention": fused, "loss": float(logs["loss"]), "keras": keras.__version__,
             "jax": jax.__version__, "device": str(jax.devices()[0].device_kind), "overrides": list(overrides or ())}
+
+
+def attention(batch: int, seq: int, heads: int = 12, head_size: int = 64, repeats: int = 20) -> list:
+    """Which forms of masked attention reach cuDNN's fused kernel on this device, and forward + backward time
+    of each at one BERT layer's shape ([batch, seq, heads, head_size], bf16, a padding mask)."""
+    import jax
+    import jax.numpy as jnp
+    import keras
+
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.normal(size=(batch, seq, heads, head_size)), "bfloat16") for _ in range(3))
+    lengths = jnp.asarray(rng.integers(seq // 2, seq + 1, batch), "int32")
+    mask = jnp.arange(seq)[None, :] < lengths[:, None]  # [b, s] right padding
+    scale = head_size ** -0.5
+    forms = {
+        "keras mask [b,1,1,s]": lambda q, k, v: keras.ops.dot_product_attention(
+            q, k, v, mask=mask[:, None, None, :], scale=scale),
+        "keras mask [b,1,s,s]": lambda q, k, v: keras.ops.dot_product_attention(
+            q, k, v, mask=jnp.broadcast_to(mask[:, None, None, :], (batch, 1, seq, seq)), scale=scale),
+        "keras mask [b,1,1,s] flash=True": lambda q, k, v: keras.ops.dot_product_attention(
+            q, k, v, mask=mask[:, None, None, :], scale=scale, flash_attention=True),
+        "jax cudnn mask [b,1,1,s]": lambda q, k, v: jax.nn.dot_product_attention(
+            q, k, v, mask=mask[:, None, None, :], scale=scale, implementation="cudnn"),
+        "jax cudnn mask [b,1,s,s]": lambda q, k, v: jax.nn.dot_product_attention(
+            q, k, v, mask=jnp.broadcast_to(mask[:, None, None, :], (batch, 1, seq, seq)), scale=scale,
+            implementation="cudnn"),
+        "jax cudnn lengths": lambda q, k, v: jax.nn.dot_product_attention(
+            q, k, v, scale=scale, query_seq_lengths=lengths, key_value_seq_lengths=lengths, implementation="cudnn"),
+        "jax xla mask": lambda q, k, v: jax.nn.dot_product_attention(
+            q, k, v, mask=mask[:, None, None, :], scale=scale, implementation="xla"),
+    }
+    rows = []
+    reference = None
+    for name, fn in forms.items():
+        def loss(q, k, v):
+            out = fn(q, k, v)
+            return (out.astype("float32") * mask[:, :, None, None]).sum(), out
+
+        row = {"form": name}
+        try:
+            step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)).lower(q, k, v).compile()
+            row["fused"] = "__cudnn$fmha" in step.as_text()
+            (value, out), grads = step(q, k, v)
+            jax.block_until_ready(grads)
+            t = time.perf_counter()
+            for _ in range(repeats):
+                (value, out), grads = step(q, k, v)
+            jax.block_until_ready(grads)
+            row["ms"] = (time.perf_counter() - t) / repeats * 1e3
+            keep = np.asarray(mask)
+            got = np.asarray(out.astype("float32"))[keep]
+            reference = got if reference is None else reference
+            row["max_abs_diff_vs_first"] = float(np.abs(got - reference).max())
+        except Exception as e:  # noqa: BLE001 - a diagnosis: report and go on
+            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+        rows.append(row)
+    try:
+        from keras.src.backend.jax.nn import _can_use_flash_attention
+
+        _can_use_flash_attention(q, k, v, None, raise_error=True)
+        rows.append({"form": "keras _can_use_flash_attention", "fused": True})
+    except Exception as e:  # noqa: BLE001
+        rows.append({"form": "keras _can_use_flash_attention", "error": f"{type(e).__name__}: {str(e)[:300]}"})
+    return rows
 
 
 def hf(model: str, seq: int, batch: int, steps: int, vocab: int, overrides=(), modes=("eager", "compile")) -> list:
@@ -385,7 +454,7 @@ def report(out: dict):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=("all", "peak", "throughput", "hf", "memory", "probe", "capped"))
+    parser.add_argument("what", choices=("all", "peak", "throughput", "hf", "memory", "probe", "capped", "attention"))
     parser.add_argument("--model", default="bert-base")
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--seqs", default="128,512")
@@ -417,8 +486,14 @@ def main(argv=None):
         result = {"bfloat16": matmul_peak("bfloat16", args.peak_n), "float32": matmul_peak("float32", args.peak_n)}
     elif args.what == "throughput":
         sets = [args.set] if args.set else variants
-        result = [throughput(args.model, args.seq, args.batch, args.precision, args.steps, args.vocab, overrides)
-                  for overrides in sets]
+        result = []
+        for overrides in sets:
+            try:
+                result.append(throughput(args.model, args.seq, args.batch, args.precision, args.steps, args.vocab,
+                                         overrides))
+            except Exception as e:  # noqa: BLE001 - one variant's failure is its row, the others still run
+                result.append({"impl": "kbert", "overrides": overrides,
+                               "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"})
     elif args.what == "hf":
         sets = [args.set] if args.set else variants
         sets = [[o for o in v if o not in IMPLEMENTATION_SWITCHES] for v in sets]
@@ -426,6 +501,8 @@ def main(argv=None):
         result = [r for i, overrides in enumerate(sets)
                   for r in hf(args.model, args.seq, args.batch, args.steps, args.vocab, overrides,
                               modes=args.hf_modes.split(",") if i == 0 else ["compile"])]
+    elif args.what == "attention":
+        result = attention(args.batch, args.seq)
     elif args.what == "memory":
         result = memory(args.model, args.seq, args.batch, args.precision, args.vocab)
     elif args.what == "capped":

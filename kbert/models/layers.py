@@ -158,6 +158,27 @@ def _fused_attention_applies(attention_dropout: float, training) -> bool:
     return attention_dropout == 0.0 or not training
 
 
+# How the padding mask reaches the fused kernel: "broadcast" ([b, 1, 1, s]), "square" ([b, 1, s, s], the
+# bias shape cuDNN's kernel takes) or "lengths" (JAX only: per-row key lengths, cuDNN's padding mask type;
+# right-padded batches only, which is what kbert's pipelines build).
+_ATTENTION_MASK = "broadcast"
+
+
+def _fused_attention(q, k, v, padding_mask, scale):
+    """q, k, v [b, s, n, d], padding_mask [b, s] -> [b, s, n, d] through `ops.dot_product_attention`."""
+    b, s = ops.shape(q)[0], ops.shape(q)[1]
+    if _ATTENTION_MASK == "lengths":
+        import jax  # only on the JAX backend (`_fused_attention_applies`)
+
+        lengths = ops.sum(ops.cast(padding_mask, "int32"), axis=1)  # [b]
+        return jax.nn.dot_product_attention(q, k, v, scale=scale, key_value_seq_lengths=lengths,
+                                            query_seq_lengths=lengths, implementation="cudnn")
+    keep = ops.cast(padding_mask, "bool")[:, None, None, :]  # [b, 1, 1, s]
+    if _ATTENTION_MASK == "square":
+        keep = ops.broadcast_to(keep, (b, 1, s, s))
+    return ops.dot_product_attention(q, k, v, mask=keep, scale=scale)
+
+
 class Embeddings(keras.layers.Layer):
     """Token + position + segment embeddings, LayerNorm, dropout, and (ALBERT) projection e -> h.
 
@@ -251,8 +272,7 @@ class TransformerBlock(keras.layers.Layer):
         # split (not slicing): its gradient is a concat, where a strided slice's gradient pads and adds.
         q, k, v = (ops.reshape(t, (b, s, n, d)) for t in ops.split(self.qkv(x), 3, axis=-1))  # [b, s, n, d]
         if _fused_attention_applies(self.attention_dropout.rate, training):
-            keep = ops.cast(padding_mask, "bool")[:, None, None, :]  # [b, 1, 1, s]
-            context = ops.dot_product_attention(q, k, v, mask=keep, scale=self.scale)  # [b, s, n, d]
+            context = _fused_attention(q, k, v, padding_mask, self.scale)  # [b, s, n, d]
         else:
             scores = ops.einsum("bqnd,bknd->bnqk", q * ops.cast(self.scale, q.dtype), k)  # [b, n, s, s]
             # Softmax in float32 so fp16/bf16 scores do not overflow.
