@@ -72,9 +72,15 @@ IMPLEMENTATION_SWITCHES = {
     "dropout_masks=generator": ("_counter_hash_applies", lambda: False),
     # the explicit einsum-softmax-einsum attention even where the fused kernel applies
     "attention=explicit": ("_fused_attention_applies", lambda rate, training: False),
-    # the padding mask handed to the fused kernel as [b, 1, s, s] or as per-row lengths (cuDNN's padding mask)
-    "attention_mask=square": ("_ATTENTION_MASK", "square"),
-    "attention_mask=lengths": ("_ATTENTION_MASK", "lengths"),
+    # the padding mask handed to the fused kernel as [b, 1, 1, s] (which cuDNN refuses: XLA's attention runs)
+    "attention_mask=broadcast": ("_fused_attention", lambda q, k, v, mask, scale: __import__("keras").ops
+                                 .dot_product_attention(q, k, v, mask=mask.astype(bool)[:, None, None, :],
+                                                        scale=scale)),
+    # ... or as per-row key lengths, cuDNN's padding mask type (right-padded batches only)
+    "attention_mask=lengths": ("_fused_attention", lambda q, k, v, mask, scale: __import__("jax").nn
+                               .dot_product_attention(q, k, v, scale=scale, implementation="cudnn",
+                                                      query_seq_lengths=mask.astype("int32").sum(1),
+                                                      key_value_seq_lengths=mask.astype("int32").sum(1))),
 }
 
 

@@ -158,24 +158,14 @@ def _fused_attention_applies(attention_dropout: float, training) -> bool:
     return attention_dropout == 0.0 or not training
 
 
-# How the padding mask reaches the fused kernel: "broadcast" ([b, 1, 1, s]), "square" ([b, 1, s, s], the
-# bias shape cuDNN's kernel takes) or "lengths" (JAX only: per-row key lengths, cuDNN's padding mask type;
-# right-padded batches only, which is what kbert's pipelines build).
-_ATTENTION_MASK = "broadcast"
-
-
 def _fused_attention(q, k, v, padding_mask, scale):
-    """q, k, v [b, s, n, d], padding_mask [b, s] -> [b, s, n, d] through `ops.dot_product_attention`."""
-    b, s = ops.shape(q)[0], ops.shape(q)[1]
-    if _ATTENTION_MASK == "lengths":
-        import jax  # only on the JAX backend (`_fused_attention_applies`)
+    """q, k, v [b, s, n, d], padding_mask [b, s] -> [b, s, n, d] through `ops.dot_product_attention`.
 
-        lengths = ops.sum(ops.cast(padding_mask, "int32"), axis=1)  # [b]
-        return jax.nn.dot_product_attention(q, k, v, scale=scale, key_value_seq_lengths=lengths,
-                                            query_seq_lengths=lengths, implementation="cudnn")
-    keep = ops.cast(padding_mask, "bool")[:, None, None, :]  # [b, 1, 1, s]
-    if _ATTENTION_MASK == "square":
-        keep = ops.broadcast_to(keep, (b, 1, s, s))
+    The mask goes in as [b, 1, s, s]: cuDNN's fused kernel takes a mask only as a bias of the full
+    [query, key] shape and refuses [b, 1, 1, s] (Keras then falls back to XLA's unfused attention).
+    """
+    b, s = ops.shape(q)[0], ops.shape(q)[1]
+    keep = ops.broadcast_to(ops.cast(padding_mask, "bool")[:, None, None, :], (b, 1, s, s))  # [b, 1, s, s]
     return ops.dot_product_attention(q, k, v, mask=keep, scale=scale)
 
 

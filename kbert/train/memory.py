@@ -64,8 +64,8 @@ class MemoryCoefficients:
 
 
 COMPILERS = {
-    "xla": MemoryCoefficients(act_token_bytes_per_hidden=12, dropout_masks_per_hidden=2, intermediate_factor=2,
-                              attn_bytes_per_score=1.5, attn_dropout_masks=1, workspace_bytes=0,
+    "xla": MemoryCoefficients(act_token_bytes_per_hidden=6.5, dropout_masks_per_hidden=1, intermediate_factor=2,
+                              attn_bytes_per_score=1.5, attn_dropout_masks=0.75, workspace_bytes=0,
                               extra_bytes_per_slot=0, gradients_live_at_peak=False, mixed_act_bytes=2.25,
                               mlm_logit_copies=2, mlm_logits_float32=False),
     "none": MemoryCoefficients(act_token_bytes_per_hidden=28, dropout_masks_per_hidden=0, intermediate_factor=3,
