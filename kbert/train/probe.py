@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import gc
 import sys
+import time
 from typing import Dict, List, Optional
 
 import numpy as np
@@ -406,6 +407,7 @@ def probe_table(model: str, seq_lens, optimizer: str = "adamw", precision: str =
     trainer = build_trainer(config, optimizer, precision)
     rows, host_state = [], None
     for seq in seq_lens:
+        started = time.perf_counter()
         planned = max_batch_size(config, total, seq, optimizer=optimizer, precision=precision) if total else None
         row = {"seq_len": seq, "planned_batch": planned}
         step = CompiledStep(trainer, config, seq, host_state=host_state) if _backend() == "jax" else None
@@ -427,7 +429,7 @@ def probe_table(model: str, seq_lens, optimizer: str = "adamw", precision: str =
         estimate = estimate_memory(config, reference, seq, optimizer=optimizer,
                                    precision=precision)["total"] if reference else None
         measured = row.get("measured_bytes", row.get("exact_bytes"))
-        row.update(planned_bytes=estimate,
+        row.update(planned_bytes=estimate, seconds=time.perf_counter() - started,
                    error=(estimate - measured) / measured if estimate and measured else None)
         rows.append(row)
     return rows
