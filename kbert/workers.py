@@ -77,6 +77,27 @@ def _ready():
     return os.getpid()
 
 
+def _main_not_rerun() -> None:
+    """A script read from standard input (`python - < script.py`, a heredoc) has `__file__ == "<stdin>"`, which
+    "spawn" would try to re-run in each worker (FileNotFoundError: the worker dies). kbert's workers run only
+    kbert's own functions and need nothing of `__main__`, so such a `__main__` loses the name of a file that
+    does not exist, and its workers start as those of `python -c` do. (The executor may spawn a process at
+    any later submit, so this cannot be undone once the workers are up.)"""
+    import sys
+
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if path is None or os.path.exists(path) or getattr(getattr(main, "__spec__", None), "name", None):
+        return
+    del main.__file__
+
+
+def submit(ex: ProcessPoolExecutor, fn, *args, where: str = ""):
+    """`ex.submit(fn, *args)`, with a pool broken by a dead worker reported as in `result`."""
+    with _reported(where):
+        return ex.submit(fn, *args)
+
+
 def start(workers: int, initializer=None, initargs=(), context: str = "spawn") -> ProcessPoolExecutor:
     """`workers` processes, started now (spawning and importing take seconds: start them early).
 
@@ -86,6 +107,8 @@ def start(workers: int, initializer=None, initargs=(), context: str = "spawn") -
     import threading
 
     refuse_in_spawn_bootstrap("kbert.workers.start")
+    if context == "spawn":
+        _main_not_rerun()
     ex = ProcessPoolExecutor(workers, mp_context=mp.get_context(context), initializer=_init,
                              initargs=(initializer, initargs))
 

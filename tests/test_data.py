@@ -421,6 +421,36 @@ def test_dead_workers_raise_instead_of_hanging(tmp_path):
     assert int(run.stdout.split()[0]) > 0
 
 
+def test_workers_start_from_a_script_read_on_standard_input(tmp_path):
+    """`python - <<EOF` (`__file__ == "<stdin>"`): spawn would re-run "<stdin>" in each worker, which died with
+    FileNotFoundError; the workers now start without re-running `__main__`. Then a pool broken by a dead
+    worker is reported as a WorkerError from `submit` too, not a raw BrokenProcessPool."""
+    import subprocess
+    import sys
+
+    script = ("import kbert\n"
+              "text = kbert.corpus('kolaw')\n"
+              "tok = kbert.Tokenizer.train(text, vocab_size=800, progress=False)\n"
+              "ds = kbert.pretraining_dataset(text, tok, 'mlm', 32, batch_size=4, repeat=False, workers=2)\n"
+              "print(sum(1 for _ in ds), 'batches')\n"
+              "import os, signal\n"
+              "from kbert import workers\n"
+              "ex = workers.start(1)\n"
+              "os.kill(workers.result(ex.submit(os.getpid)), signal.SIGKILL)\n"
+              "try:\n"
+              "    workers.result(ex.submit(os.getpid))\n"
+              "except workers.WorkerError:\n"
+              "    pass\n"
+              "try:\n"
+              "    workers.submit(ex, os.getpid)\n"
+              "except workers.WorkerError as e:\n"
+              "    print('reported:', e)\n")
+    run = subprocess.run([sys.executable, "-"], input=script, capture_output=True, text=True, timeout=240,
+                         cwd=str(tmp_path))
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert int(run.stdout.split()[0]) > 0 and "reported: a kbert worker process died" in run.stdout
+
+
 @pytest.mark.parametrize("context", ["spawn", "fork"])
 def test_workers_exit_when_their_parent_is_killed(tmp_path, context):
     """A parent killed without clean-up (SIGKILL, the OOM killer) leaves no idle workers behind."""

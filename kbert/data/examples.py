@@ -127,7 +127,7 @@ def example_blocks(builder: ExampleBuilder, seed: int, epoch: int = 0, workers: 
     try:
         pending = collections.deque()
         for task in tasks:  # at most 2 blocks per worker in flight: a huge corpus is never read ahead
-            pending.append(pool.submit(_run_block, task))
+            pending.append(_workers.submit(pool, _run_block, task, where="while building pretraining examples"))
             while len(pending) >= 2 * workers:
                 yield _collect(pending.popleft(), report)
         while pending:
