@@ -12,6 +12,10 @@ import os
 import sys
 
 
+# Exit statuses of a run stopped by a signal, as shells report them (128 + the signal's number).
+_SIGNAL_EXIT = {"SIGINT": 130, "SIGTERM": 143}
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, exit 2, no usage block
         sys.stderr.write(f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
@@ -159,6 +163,9 @@ def _pretrain(args):
     print(f"checkpoint: {summary['checkpoint']}")
     if summary.get("model_dir"):
         print(f"model: {summary['model_dir']}")
+    if summary.get("stopped_by"):  # a stopped run is not a finished one: `pretrain && finetune` must not go on
+        print(f"stopped at step {summary['step']}; rerun the same command to resume", file=sys.stderr)
+        return _SIGNAL_EXIT.get(summary["stopped_by"], 1)
 
 
 def _plan(args):
@@ -275,6 +282,9 @@ def _finetune(args):
           f"model dir: {summary['model_dir']}")
     with open(f"{summary['model_dir']}/finetune_history.json", "w", encoding="utf-8") as f:
         json.dump(summary, f, indent=2, ensure_ascii=False)
+    if summary["stopped_by"] in _SIGNAL_EXIT:
+        print(f"stopped at step {summary['steps']}; rerun the same command to resume", file=sys.stderr)
+        return _SIGNAL_EXIT[summary["stopped_by"]]
 
 
 def _export(args):
@@ -479,7 +489,7 @@ def main(argv=None) -> int:
         parser.print_help()
         return 0
     try:
-        args.func(args)
+        status = args.func(args)
     except KeyboardInterrupt:
         sys.stderr.write("kbert: interrupted\n")
         return 130
@@ -488,7 +498,7 @@ def main(argv=None) -> int:
             raise
         sys.stderr.write(f"kbert {args.command}: error: {str(e).splitlines()[0]}\n")
         return 1
-    return 0
+    return status if isinstance(status, int) and not isinstance(status, bool) else 0
 
 
 if __name__ == "__main__":

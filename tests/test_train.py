@@ -650,3 +650,81 @@ def test_cli_pretrain_reports_means_and_a_finished_run(tok_dir, tmp_path, capsys
     assert "finished: last 4 steps' mean loss" in capsys.readouterr().out
     assert main(["pretrain", "--config", str(path)]) == 0  # already finished: says so, no traceback
     assert "nothing left to train at step 4" in capsys.readouterr().out
+
+
+def test_cli_stop_exits_non_zero_and_the_rerun_says_where_it_resumes(tok_dir, tmp_path, capsys):
+    """Ctrl-C / SIGTERM save and stop, and the command exits 130 / 143 as shells expect, so that
+    `kbert pretrain ... && kbert finetune ...` does not go on without a finished model."""
+    from kbert.cli import main
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(_config(tok_dir, str(tmp_path / "run"), 100_000)), encoding="utf-8")
+    done = threading.Event()
+
+    def preempt():
+        while signal.getsignal(signal.SIGTERM) is signal.SIG_DFL and not done.wait(0.05):
+            pass
+        if not done.wait(4.0):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=preempt, daemon=True).start()
+    try:
+        assert main(["pretrain", "--config", str(path)]) == 143
+    finally:
+        done.set()
+    err = capsys.readouterr().err
+    step = int(err.split("stopped at step ")[1].split(";")[0])
+    assert "rerun the same command to resume" in err
+    assert main(["pretrain", "--config", str(path), "--steps", str(step + 2)]) == 0  # more steps: allowed
+    assert f"resuming from step {step} " in capsys.readouterr().err
+
+
+def test_resume_with_other_settings_is_refused_by_name(tok_dir, tmp_path):
+    out = str(tmp_path / "run")
+    pretrain(_config(tok_dir, out, 3), progress=False)
+    saved = open(os.path.join(out, "config.json"), encoding="utf-8").read()
+    with pytest.raises(ValueError, match=r"model.*other settings|other settings.*model") as err:
+        pretrain(_config(tok_dir, out, 6, model=dict(TINY, hidden_size=32)), progress=False)
+    assert "hidden_size" in str(err.value) and "delete" in str(err.value)
+    with pytest.raises(ValueError, match=r"trainer.batch_size: 16 -> 8"):
+        pretrain(_config(tok_dir, out, 6, trainer={"batch_size": 8}), progress=False)
+    with pytest.raises(ValueError, match=r"data.source"):
+        pretrain(_config(tok_dir, out, 6, data={"source": "kolaw"}), progress=False)
+    assert open(os.path.join(out, "config.json"), encoding="utf-8").read() == saved  # never overwritten first
+    # the allowed changes: more steps, other logging/checkpoint cadence, micro-batching
+    summary = pretrain(_config(tok_dir, out, 5, trainer={"log_every": 1, "accumulation": 2}), progress=False)
+    assert summary["finished"] and summary["step"] == 5
+
+
+def test_a_truncated_checkpoint_falls_back_to_the_newest_intact_one(tok_dir, tmp_path):
+    out = str(tmp_path / "run")
+    pretrain(_config(tok_dir, out, 4, trainer={"checkpoint_every": 2}), progress=False)
+    ckpt = os.path.join(out, "checkpoints")
+    newest = [f for f in os.listdir(ckpt) if f.startswith("ckpt-4.data")][0]
+    with open(os.path.join(ckpt, newest), "r+b") as f:
+        f.truncate(100)
+    with pytest.warns(UserWarning, match="ckpt-4"):
+        summary = pretrain(_config(tok_dir, out, 6, trainer={"checkpoint_every": 2}), progress=False)
+    assert summary["finished"] and len(summary["history"]) == 4  # resumed at step 2: steps 3-6 ran
+    for f in os.listdir(ckpt):  # every checkpoint unreadable: a clear error, not a TensorFlow traceback
+        if ".data" in f:
+            open(os.path.join(ckpt, f), "wb").close()
+    with pytest.raises(ValueError, match="no checkpoint in .* can be read"):
+        pretrain(_config(tok_dir, out, 8, trainer={"checkpoint_every": 2}), progress=False)
+
+
+def test_cli_pretrains_from_a_records_dir(tok_dir, tmp_path, capsys):
+    """`kbert pretrain --corpus RECORDS_DIR` (what --help and README document): --corpus arrives as a list."""
+    from kbert.cli import main
+
+    records = str(tmp_path / "records")
+    assert main(["data", "prepare", "--corpus", "kolaw", "--tokenizer", tok_dir, "--out", records,
+                 "--max-seq-len", "32", "--workers", "0"]) == 0
+    out = str(tmp_path / "run")
+    assert main(["pretrain", "--corpus", records, "--tokenizer", tok_dir, "--out", out, "--steps", "3",
+                 "--batch-size", "8", "--strategy", "cpu", "--set", "data.max_seq_len=32",
+                 "--set", f"model={json.dumps(dict(TINY))}"]) == 0, capsys.readouterr().err
+    assert os.path.isdir(os.path.join(out, "model"))
+    with pytest.raises(ValueError, match="mixes a records dir"):
+        pretrain(_config(tok_dir, str(tmp_path / "mixed"), 2, data={"source": [records, "kolaw"],
+                                                                     "max_seq_len": 32}), progress=False)

@@ -29,10 +29,6 @@ from kbert.data.pairs import check_objective
 from kbert.data import records as _records
 
 
-def _is_records(source) -> bool:
-    return isinstance(source, (str, os.PathLike)) and os.path.isfile(os.path.join(source, _records.MANIFEST))
-
-
 def pretraining_dataset(source, tokenizer, objective: str = "mlm+nsp", max_seq_len: int = 128,
                         batch_size: int = 32, mask_rate: float = 0.15, max_predictions: Optional[int] = None,
                         whole_word: bool = True, ngram: int = 1, short_seq_prob: float = 0.1, seed: int = 0,
@@ -72,8 +68,9 @@ def pretraining_dataset(source, tokenizer, objective: str = "mlm+nsp", max_seq_l
     if isinstance(source, str) and source == "dummy":
         check_objective(objective)
         examples = _dummy_examples(tokenizer, objective, max_seq_len, stream_seed)
-    elif _is_records(source):
-        manifest, files = _records.shard_files(os.fspath(source))
+    elif _records.records_dir(source):
+        source = _records.records_dir(source)
+        manifest, files = _records.shard_files(source)
         if manifest["tokenizer"] != tokenizer.fingerprint():
             raise ValueError(f"{source!r} was prepared with another tokenizer (fingerprint {manifest['tokenizer']}, "
                              f"this one is {tokenizer.fingerprint()}); pass the tokenizer used by `kbert data prepare`")

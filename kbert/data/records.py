@@ -30,6 +30,18 @@ SETTINGS = ("tokenizer", "vocab_size", "objective", "max_seq_len", "short_seq_pr
             "sources")
 
 
+def records_dir(source) -> Optional[str]:
+    """The records dir `source` names (a path, or a list holding exactly one path, as `--corpus DIR` gives),
+    or None when it names none. A list that mixes a records dir with other sources is refused."""
+    items = list(source) if isinstance(source, (list, tuple)) else [source]
+    found = [os.fspath(x) for x in items if isinstance(x, (str, os.PathLike))
+             and os.path.isfile(os.path.join(os.fspath(x), MANIFEST))]
+    if found and len(items) > 1:
+        raise ValueError(f"`data.source` mixes a records dir ({found[0]!r}) with other sources ({len(items)} in all); "
+                         f"train from the records dir alone, or prepare one records dir from all the raw text")
+    return found[0] if found else None
+
+
 def shard_name(index: int) -> str:
     return f"shard-{index:05d}.tfrecord"
 

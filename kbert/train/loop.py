@@ -15,7 +15,9 @@ from __future__ import annotations
 import collections
 import math
 import os
+import sys
 import time
+import warnings
 from typing import Dict, Optional, Union
 
 from kbert.train.config import PretrainConfig
@@ -75,9 +77,9 @@ def _validate(config: PretrainConfig):
                          f"Received: generator_size={e.generator_size!r}, rtd_weight={e.rtd_weight!r}")
     if t.embedding_init not in EMBEDDING_INITS:
         raise ValueError(f"`trainer.embedding_init` must be one of {EMBEDDING_INITS}. Received: {t.embedding_init!r}")
-    from kbert.data.pretraining import _is_records
+    from kbert.data.records import records_dir
 
-    if t.embedding_init == "cooccurrence" and (d.source == "dummy" or _is_records(d.source)):
+    if t.embedding_init == "cooccurrence" and (d.source == "dummy" or records_dir(d.source)):
         raise ValueError("`trainer.embedding_init: cooccurrence` counts tokens in raw text, but `data.source` is "
                          f"{d.source!r}: point `data.source` at the raw corpus, or use embedding_init: random")
     if not isinstance(t.steps, int) or t.steps < 1:
@@ -86,6 +88,61 @@ def _validate(config: PretrainConfig):
         value = getattr(t, key)
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"`trainer.{key}` must be a positive integer. Received: {value!r}")
+
+
+def _restore_newest_intact(checkpoint, paths, ckpt_dir: str) -> str:
+    """Restores the newest checkpoint of `paths` that reads back whole: a truncated or missing file (a disk
+    that filled up, a copy cut short) falls back to the one before it, with a warning naming the bad one."""
+    import tensorflow as tf
+
+    bad = []
+    for path in reversed(list(paths)):
+        try:
+            checkpoint.restore(path).assert_existing_objects_matched()
+        except (tf.errors.OpError, ValueError, AssertionError, IndexError, OSError) as e:  # IndexError: cut short
+            bad.append(f"{path} ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
+            continue
+        if bad:
+            warnings.warn(f"resuming from {path}: newer checkpoint(s) could not be read: {'; '.join(bad)}")
+        return f"step {int(checkpoint.step.numpy())} ({path})"
+    raise ValueError(f"no checkpoint in {ckpt_dir!r} can be read: {'; '.join(bad)}. Restore the files from a copy, "
+                     f"or delete {ckpt_dir} to start over")
+
+
+# Settings a resumed run may change: how long and how often, where and how it runs, and the micro-batching
+# (checkpoints hold no gradient accumulators, so any accumulation restores). Everything else (the model,
+# the data, the optimizer, the global batch, the seed) decides what the checkpoint's numbers mean.
+RESUMABLE_CHANGES = ("trainer.steps", "trainer.log_every", "trainer.checkpoint_every", "trainer.keep_checkpoints",
+                     "trainer.accumulation", "trainer.memory", "trainer.oom_fallback", "data.workers",
+                     "runtime.strategy", "runtime.tpu", "runtime.jit", "output_dir")
+
+
+def _flat(values, prefix=""):
+    out = {}
+    for key, value in values.items():
+        if isinstance(value, dict) and not (prefix == "" and key == "model"):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:  # a one-item list is the item (`--corpus DIR` gives a list)
+            out[prefix + key] = value[0] if isinstance(value, list) and len(value) == 1 else value
+    return out
+
+
+def check_resumable(saved_path: str, config: PretrainConfig) -> None:
+    """Refuses to resume the run saved at `saved_path` (its config.json) with settings that change what its
+    checkpoints mean, naming each difference; the changes in RESUMABLE_CHANGES are allowed."""
+    import json
+
+    with open(saved_path, encoding="utf-8") as f:
+        saved = _flat(json.load(f))
+    current = _flat(json.loads(json.dumps(config.to_dict())))
+    differences = [f"{key}: {saved.get(key)!r} -> {current.get(key)!r}" for key in sorted(set(saved) | set(current))
+                   if key not in RESUMABLE_CHANGES and saved.get(key) != current.get(key)]
+    if differences:
+        out = os.path.dirname(saved_path)
+        raise ValueError(f"{out!r} holds checkpoints of a run with other settings ({'; '.join(differences)}). "
+                         f"Resume with the saved settings ({saved_path}), choose another output dir, or pass "
+                         f"delete {os.path.join(out, 'checkpoints')} to start over. Allowed "
+                         f"on resume: {', '.join(RESUMABLE_CHANGES)}")
 
 
 _RECENT_STEPS = 100  # the summary and the progress bar average the metrics of this many last steps
@@ -159,6 +216,8 @@ def pretrain(config: Union[PretrainConfig, dict, str], overrides=None, resume: b
     os.makedirs(out, exist_ok=True)
     if not resume and tf.train.latest_checkpoint(ckpt_dir):
         raise ValueError(f"{ckpt_dir!r} already has checkpoints; resume, or choose another output_dir")
+    if tf.train.latest_checkpoint(ckpt_dir) and os.path.isfile(os.path.join(out, "config.json")):
+        check_resumable(os.path.join(out, "config.json"), config)  # before the saved config is replaced
     config.save(os.path.join(out, "config.json"))
 
     # 2. model and optimizer under the strategy
@@ -194,7 +253,8 @@ def pretrain(config: Union[PretrainConfig, dict, str], overrides=None, resume: b
     checkpoint = tf.train.Checkpoint(model=model, optimizer=slots, step=step, **extra)
     manager = tf.train.CheckpointManager(checkpoint, ckpt_dir, max_to_keep=t.keep_checkpoints)
     if manager.latest_checkpoint:
-        checkpoint.restore(manager.latest_checkpoint).assert_existing_objects_matched()
+        restored = _restore_newest_intact(checkpoint, manager.checkpoints, ckpt_dir)
+        print(f"resuming from {restored}", file=sys.stderr, flush=True)
     elif t.embedding_init == "cooccurrence":  # a fresh run (deterministic, so a restart from step 0 repeats it)
         from kbert.train.embedding_init import initialize_token_embeddings
 
