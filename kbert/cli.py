@@ -37,6 +37,10 @@ def _info(args):
         print("devices:", ", ".join(devices))
     except ImportError as e:
         print(f"tensorflow/keras not importable: {e}")
+    print("text:", ", ".join(f"{name} {_version(module)}" for name, module in (
+        ("tensorflow-text", "tensorflow_text"), ("sentencepiece", "sentencepiece"), ("konlpy", "konlpy"),
+        ("mecab-ko", "mecab"), ("kiwipiepy", "kiwipiepy"), ("jax", "jax"))))
+    print(f"java (konlpy's taggers): {_java_version()}")
     from kbert.models.config import PRESETS, ModelConfig
 
     print("model presets:")
@@ -45,6 +49,32 @@ def _info(args):
         print(f"  {name:14s} L={cfg.num_layers:<3d} H={cfg.hidden_size:<5d} A={cfg.num_heads:<3d} "
               f"I={cfg.intermediate_size:<5d} E={cfg.embedding_dim:<5d} "
               f"params={cfg.num_parameters() / 1e6:6.1f}M (vocab {cfg.vocab_size})")
+
+
+def _version(module: str) -> str:
+    """An installed package's version without importing it (importing konlpy's taggers starts a JVM)."""
+    from importlib import metadata, util
+
+    names = {"tensorflow_text": "tensorflow-text", "mecab": "mecab-ko"}
+    try:
+        return metadata.version(names.get(module, module))
+    except metadata.PackageNotFoundError:
+        return "installed" if util.find_spec(module) else "not installed"
+
+
+def _java_version() -> str:
+    import shutil
+    import subprocess
+
+    java = shutil.which("java")
+    if java is None:
+        return "not found (konlpy's okt, komoran, hannanum and kkma need Java 8+)"
+    try:
+        done = subprocess.run([java, "-version"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"{java} does not run: {e}"
+    first = (done.stderr or done.stdout).strip().splitlines()
+    return f"{first[0] if first else 'unknown version'} ({java})"
 
 
 def _convert(args):
@@ -185,11 +215,24 @@ def _plan(args):
     print(header)
     print("|---|---|---|" + ("---|" if args.target_batch else ""))
     for r in rows:
+        if r["max_batch"] == 0:  # the estimate at batch 1 is the least memory this length needs
+            print(f"| {r['seq_len']} | does not fit | {r['memory_at_max'] / 1e9:.2f} GB at batch 1 |"
+                  + (" - |" if args.target_batch else ""))
+            continue
         line = f"| {r['seq_len']} | {r['max_batch']} | {r['memory_at_max'] / 1e9:.2f} GB |"
         if args.target_batch:
-            line += (f" {r['micro_batch']} x {r['accumulation']} x {r['replicas']} |" if r["micro_batch"] else
-                     " does not fit |")
+            line += f" {r['micro_batch']} x {r['accumulation']} x {r['replicas']} |"
         print(line)
+    misfits = [r for r in rows if r["max_batch"] == 0]
+    if misfits:
+        least = min(r["memory_at_max"] for r in misfits)
+        message = (f"{args.model} does not fit in {args.memory} at sequence length(s) "
+                   f"{', '.join(str(r['seq_len']) for r in misfits)} even with batch 1: it needs at least "
+                   f"{least / 1e9:.2f} GB there. Use more memory, mixed precision (--precision mixed_bfloat16), "
+                   f"activation recomputation (--recompute), shorter sequences or a smaller model")
+        if len(misfits) == len(rows):
+            raise ValueError(message)
+        print(f"note: {message}", file=sys.stderr)
 
 
 def _measure(args):
@@ -477,9 +520,38 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _quiet_tensorflow_start() -> None:
+    """Imports TensorFlow and enumerates its devices with file descriptor 2 pointed at /dev/null: its C++
+    runtime writes 6-8 start-up lines there (oneDNN, CUDA stubs, `failed call to cuInit` on a CPU machine)
+    before any log level applies, so TF_CPP_MIN_LOG_LEVEL cannot hide them. Skipped on another Keras backend,
+    when TensorFlow is already imported, or when the user asked for TensorFlow's logs
+    (TF_CPP_MIN_LOG_LEVEL=0 or 1)."""
+    if (os.environ.get("KERAS_BACKEND", "tensorflow") != "tensorflow" or "tensorflow" in sys.modules
+            or os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2") in ("0", "1")):
+        return
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    sys.stderr.flush()
+    fd = sys.stderr.fileno()
+    saved, devnull = os.dup(fd), os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, fd)
+        try:
+            import tensorflow as tf
+
+            tf.config.list_physical_devices()
+        except ImportError:
+            pass  # the command that needs it says what to install
+    finally:
+        os.dup2(saved, fd)
+        os.close(saved)
+        os.close(devnull)
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command:
+        _quiet_tensorflow_start()
     if args.version:
         import kbert
 

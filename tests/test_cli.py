@@ -75,3 +75,21 @@ def test_tokenizer_bad_vocab_size_is_one_line(tmp_path):
     assert proc.returncode == 1 and "too large for this corpus" in proc.stderr and "Traceback" not in proc.stderr
     proc = run("tokenizer", "train", "--input", str(f), "--vocab-size", "many", "--out", str(tmp_path / "t"))
     assert proc.returncode == 2
+
+
+def test_commands_start_without_tensorflow_log_noise_and_info_lists_the_text_stack():
+    proc = run("info")
+    assert proc.returncode == 0, proc.stderr
+    for noise in ("cuInit", "port.cc", "cudart_stub", "absl::InitializeLog"):
+        assert noise not in proc.stderr, proc.stderr
+    for name in ("tensorflow-text", "sentencepiece", "konlpy", "java"):
+        assert name in proc.stdout
+
+
+def test_plan_says_when_the_model_does_not_fit():
+    proc = run("plan", "--memory", "100MB", "--seq-lens", "128,512")
+    assert proc.returncode == 1
+    assert "does not fit in 100MB" in proc.stderr and "at least 1.43 GB" in proc.stderr
+    assert "| 128 | does not fit |" in proc.stdout
+    proc = run("plan", "--memory", "1.6GB", "--seq-lens", "64,512")  # some lengths fit: the table and a note
+    assert proc.returncode == 0 and "| 512 | does not fit |" in proc.stdout and "note:" in proc.stderr
