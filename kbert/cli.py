@@ -80,12 +80,27 @@ def _java_version() -> str:
 def _convert(args):
     import kbert
 
-    model = kbert.load_model(args.model, with_heads=args.with_heads)
+    from kbert.convert import model_dir_of
+    from kbert.models.io import TOKENIZER_DIR
+
+    source = model_dir_of(args.model)
+    model = kbert.load_model(source, with_heads=args.with_heads)
+    tokenizer = None
+    for where in (os.path.join(source, TOKENIZER_DIR), source):
+        try:
+            tokenizer = kbert.Tokenizer.load(where)
+            break
+        except (FileNotFoundError, ValueError):
+            continue
     if args.to == "kbert":
-        kbert.save_model(model, args.out)
+        kbert.save_model(model, args.out, tokenizer=tokenizer)
     else:
-        kbert.export_transformers(model, args.out)
-    print(f"wrote {args.to} model dir {args.out}")
+        kbert.export_transformers(model, args.out, tokenizer=tokenizer)
+        if tokenizer is not None:  # kbert (embed, finetune, export) reads its own copy in any vocabulary kind
+            tokenizer.save(os.path.join(args.out, TOKENIZER_DIR))
+    if tokenizer is None:
+        print(f"note: {args.model!r} holds no tokenizer kbert can read; {args.out} has none either", file=sys.stderr)
+    print(f"wrote {args.to} model dir {args.out}" + (" with its tokenizer" if tokenizer else ""))
 
 
 def _tokenizer_train(args):

@@ -345,6 +345,17 @@ def detect_format(directory: str) -> str:
         "model.safetensors (Hugging Face), or bert_config.json/albert_config.json + model.ckpt* (TF1)")
 
 
+def model_dir_of(directory: str) -> str:
+    """`directory`, or its `model/` subdir when `directory` is a run dir of `kbert pretrain` / `kbert quickstart`
+    (checkpoints, logs, the run's config.json and the final model in `model/`)."""
+    inner = os.path.join(directory, "model")
+    if os.path.isdir(directory) and not is_kbert_dir(directory) and is_kbert_dir(inner) and (
+            os.path.isdir(os.path.join(directory, "checkpoints"))
+            or not os.path.isfile(os.path.join(directory, "model.safetensors"))):
+        return inner
+    return directory
+
+
 # ------------------------------------------------------------------------------------ public API
 def load_model(directory: str, with_heads: bool = False, output_hidden_states: bool = False,
                dtype: Optional[str] = None):
@@ -354,7 +365,7 @@ def load_model(directory: str, with_heads: bool = False, output_hidden_states: b
     have, is freshly initialized (see the module docstring), and `with_heads` gives fresh MLM/NSP heads.
 
     Args:
-        directory: the model directory.
+        directory: the model directory (or a `kbert pretrain` output dir: its `model/`).
         with_heads: return a `kbert.Pretrainer` (masked-LM + NSP/SOP heads) instead of the backbone.
             Heads missing from the checkpoint are initialized fresh.
         output_hidden_states: the backbone also returns every layer's output.
@@ -364,6 +375,7 @@ def load_model(directory: str, with_heads: bool = False, output_hidden_states: b
         >>> backbone = kbert.load_model("klue-bert-base")       # a Hugging Face download
         >>> backbone = kbert.load_model("my-kbert-model")       # written by kbert.save_model / pretrain
     """
+    directory = model_dir_of(directory)  # a pretraining run dir: its final model
     fmt = detect_format(directory)
     if fmt == "kbert":
         return load_kbert_dir(directory, with_heads=with_heads, output_hidden_states=output_hidden_states,

@@ -93,3 +93,47 @@ def test_plan_says_when_the_model_does_not_fit():
     assert "| 128 | does not fit |" in proc.stdout
     proc = run("plan", "--memory", "1.6GB", "--seq-lens", "64,512")  # some lengths fit: the table and a note
     assert proc.returncode == 0 and "| 512 | does not fit |" in proc.stdout and "note:" in proc.stderr
+
+
+@pytest.mark.parametrize("algorithm", ["wordpiece", "unigram"])
+def test_convert_to_transformers_writes_the_tokenizer(tmp_path, algorithm):
+    """`kbert convert --to transformers` wrote no tokenizer: `kbert embed` on the result failed and
+    AutoTokenizer silently built a 5-token vocabulary. WordPiece goes out in transformers' format; every kind
+    goes out as kbert's own copy in tokenizer/, which kbert's commands read."""
+    import json
+
+    import transformers
+
+    import kbert
+    from helpers import KOREAN_SENTENCES
+    from test_text import TRAIN_FILES
+
+    tok = kbert.Tokenizer.train(TRAIN_FILES, vocab_size=800, algorithm=algorithm, progress=False)
+    config = kbert.ModelConfig.preset("bert-tiny", vocab_size=tok.vocab_size, max_position=64)
+    kbert.save_model(kbert.build_backbone(config), str(tmp_path / "kb"), tokenizer=tok)
+    proc = run("convert", "--model", str(tmp_path / "kb"), "--out", str(tmp_path / "hf"), "--to", "transformers")
+    assert proc.returncode == 0, proc.stderr
+    assert "with its tokenizer" in proc.stdout and (tmp_path / "hf" / "tokenizer").is_dir()
+    if algorithm == "wordpiece":
+        hf_tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+        assert len(hf_tok) == tok.vocab_size
+    text = tmp_path / "texts.txt"
+    text.write_text("\n".join(KOREAN_SENTENCES[:3]) + "\n", encoding="utf-8")
+    proc = subprocess.run([sys.executable, "-m", "kbert.cli", "embed", "--model", str(tmp_path / "hf")],
+                          stdin=open(text, encoding="utf-8"), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(rows) == 3
+
+
+def test_decode_takes_an_encoding_and_names_wrong_input():
+    import kbert
+    from test_text import TRAIN_FILES
+
+    tok = kbert.Tokenizer.train(TRAIN_FILES, vocab_size=800, progress=False)
+    enc = tok.encode("대한민국은 민주공화국이다.")
+    assert tok.decode(enc) == tok.decode(enc.ids) == "대한민국은 민주공화국이다."
+    with pytest.raises(TypeError, match="Encoding"):
+        tok.decode([enc, enc])
+    with pytest.raises(TypeError, match="kbert.normalize"):
+        tok.decode("대한민국")

@@ -725,6 +725,8 @@ def test_cli_pretrains_from_a_records_dir(tok_dir, tmp_path, capsys):
                  "--batch-size", "8", "--strategy", "cpu", "--set", "data.max_seq_len=32",
                  "--set", f"model={json.dumps(dict(TINY))}"]) == 0, capsys.readouterr().err
     assert os.path.isdir(os.path.join(out, "model"))
+    emb = kbert.Embedder.load(out)  # the run dir: its model/ (it said "config is missing required key(s)")
+    assert emb.encode(["대한민국은 민주공화국이다."]).shape == (1, 64)
     with pytest.raises(ValueError, match="mixes a records dir"):
         pretrain(_config(tok_dir, str(tmp_path / "mixed"), 2, data={"source": [records, "kolaw"],
                                                                      "max_seq_len": 32}), progress=False)

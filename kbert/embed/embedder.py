@@ -44,10 +44,11 @@ class Embedder:
 
     @classmethod
     def load(cls, model_dir: str, max_length: Optional[int] = None, dtype: Optional[str] = None) -> "Embedder":
-        from kbert.convert import load_model
+        from kbert.convert import load_model, model_dir_of
         from kbert.models.io import TOKENIZER_DIR
         from kbert.text.tokenizer import Tokenizer
 
+        model_dir = model_dir_of(model_dir)  # a pretraining run dir: its final model
         backbone = load_model(model_dir, output_hidden_states=True, dtype=dtype)
         from kbert.train.finetune import read_task_meta
 

@@ -419,9 +419,19 @@ class Tokenizer:
         return self.encode(text, add_special_tokens=False).tokens
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
-        """Text of `ids`. For SentencePiece vocabularies `decode(encode(x).ids) == normalize(x)`; WordPiece
-        cannot know whether punctuation had a space before it, and puts none before `##` pieces only."""
-        ids = [int(i) for i in ids]
+        """Text of `ids` (or of an `Encoding`, as `encode` returns). For SentencePiece vocabularies
+        `decode(encode(x)) == normalize(x)`; WordPiece cannot know whether punctuation had a space before it,
+        and puts none before `##` pieces only."""
+        if isinstance(ids, Encoding):
+            ids = ids.ids
+        elif isinstance(ids, (str, bytes)):
+            raise TypeError(f"decode expects token ids (a list of ints or an Encoding). Received a "
+                            f"{type(ids).__name__}: {str(ids)[:40]!r}; to normalize text use kbert.normalize")
+        try:
+            ids = [int(i) for i in ids]
+        except TypeError:
+            raise TypeError(f"decode expects token ids (a list of ints or an Encoding); received a sequence of "
+                            f"{type(next(iter(ids))).__name__}. A batch: [tok.decode(e) for e in encodings]") from None
         for i in ids:
             if not 0 <= i < self.vocab_size:
                 raise ValueError(f"Token id {i} is out of range for a vocabulary of {self.vocab_size}")
