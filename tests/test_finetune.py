@@ -456,3 +456,16 @@ def test_finetune_and_export_cli(base, tmp_path, capsys):
     assert main(["finetune", "--model", base, "--task", "sentence-embedding", "--train", str(pairs), "--out", bi,
                  "--text-column", "a", "--pair-column", "b", "--layers", "last"]) == 1
     assert "--layers: expected all, -1 or comma-separated integers" in capsys.readouterr().err
+
+
+def test_class_labels_are_stripped_and_empty_labels_refused(base, tmp_path, capsys):
+    """" 1" and "" used to become classes of their own (a 4-class model from a binary TSV)."""
+    rows = [{"text": t, "label": l} for t, l in [("재밌어요", "1"), ("최악이다", "0"), ("좋아요", " 1"),
+                                                  ("별로", "0 "), ("감동", "1"), ("지루", "0")]]
+    summary = kbert.finetune(base, "classification", rows, out_dir=str(tmp_path / "a"), epochs=1, max_length=16)
+    assert summary["labels"] == ["0", "1"]
+    assert "2 labels: '0' (3 rows), '1' (3 rows)" in capsys.readouterr().err
+    rows.append({"text": "빈 라벨", "label": "  "})
+    with pytest.raises(ValueError, match="train row 7: the label is empty"):
+        kbert.finetune(base, "classification", rows, out_dir=str(tmp_path / "b"), epochs=1, max_length=16,
+                       progress=False)

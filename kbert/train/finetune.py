@@ -23,6 +23,7 @@ import csv
 import json
 import math
 import os
+import sys
 import time
 from typing import Dict, List, Optional, Sequence, Union
 
@@ -121,11 +122,21 @@ def _encode_split(rows, spec, tokenizer, labels, max_length, name):
         y = [_word_labels(e, _tags(v, name, i), labels, name, i) for i, (e, v) in enumerate(zip(encodings, raw))]
     else:
         index = {label: k for k, label in enumerate(labels)}
-        unknown = sorted({str(v) for v in raw} - set(index))
+        raw = [_class_label(v, name, i) for i, v in enumerate(raw)]
+        unknown = sorted(set(raw) - set(index))
         if unknown:
             raise ValueError(f"{name} has labels not seen in training: {unknown[:5]} (training labels: {labels})")
-        y = np.array([index[str(v)] for v in raw], np.int32)
+        y = np.array([index[v] for v in raw], np.int32)
     return _Examples(ids, segments, y)
+
+
+def _class_label(value, name, i) -> str:
+    """A class label as its text with surrounding whitespace removed (" 1" and "1" are one class); an empty
+    label is an error naming its row."""
+    label = "" if value is None else str(value).strip()
+    if not label:
+        raise ValueError(f"{name} row {i + 1}: the label is empty; give every row a class, or drop the row")
+    return label
 
 
 def _number(value, name, i):
@@ -527,9 +538,16 @@ def finetune(model: str, task: str, train, dev=None, out_dir: str = "finetuned",
     train_rows = read_rows(train, columns)
     dev_rows = read_rows(dev, columns) if dev is not None else None
     if task in ("classification", "pair-classification"):
-        labels = [str(x) for x in (labels or sorted({str(r[label_column]) for r in train_rows}))]
+        labels = [str(x).strip() for x in (labels or sorted({_class_label(r[label_column], "train", i)
+                                                             for i, r in enumerate(train_rows)}))]
         if len(labels) < 2:
             raise ValueError(f"Classification needs at least 2 labels; the training data has {labels}")
+        if progress:  # the label set before training: an unexpected class shows here, not in the scores
+            import collections
+
+            counts = collections.Counter(_class_label(r[label_column], "train", i) for i, r in enumerate(train_rows))
+            print(f"{len(labels)} labels: " + ", ".join(f"{k!r} ({counts[k]} rows)" for k in labels),
+                  file=sys.stderr, flush=True)
     elif task == "tagging":
         labels = labels or sorted({t for i, r in enumerate(train_rows) for t in _tags(r[label_column], "train", i)})
         labels = [str(x) for x in labels]
