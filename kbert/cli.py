@@ -291,7 +291,7 @@ def _embed(args):
 
     from kbert.embed.embedder import Embedder
 
-    emb = Embedder.load(args.model)
+    emb = Embedder.load(args.model, max_length=args.max_length)
     if args.format == "npy" and not args.out:
         raise ValueError("--format npy needs --out FILE.npy")
     source = open(args.input, encoding="utf-8") if args.input else sys.stdin
@@ -464,6 +464,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=("jsonl", "npy"), default="jsonl")
     p.add_argument("--out", help="output file for --format npy")
     p.add_argument("--chunk", type=int, default=256, help="lines per batch of work")
+    p.add_argument("--max-length", type=int, help="tokens per text; longer texts are truncated with a warning "
+                                                  "(default: the model's limit)")
     p.set_defaults(func=_embed)
 
     p = sub.add_parser("finetune", help="train a task head (or a bi-encoder) on labelled data; keeps the best on dev")
@@ -490,7 +492,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--epochs", type=float, default=3)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--learning-rate", "--lr", type=float, default=5e-5)
-    p.add_argument("--max-length", type=int, default=128)
+    p.add_argument("--max-length", type=int, help="tokens per input (default 128, or the model's limit if lower)")
     p.add_argument("--patience", type=int, default=2, help="evaluations without improvement before stopping")
     p.add_argument("--eval-every", type=int, help="steps between dev evaluations (default: each epoch)")
     p.add_argument("--max-steps", type=int)

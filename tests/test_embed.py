@@ -164,3 +164,35 @@ def test_encode_under_mixed_precision(emb, tmp_path):
         v = half.encode(TEXTS)
         assert v.dtype == np.float32 and np.isfinite(v).all()
         assert np.min(np.sum(v * full, axis=1)) > 0.99, policy  # same directions as float32
+
+
+def test_lengths_beyond_the_positions_are_refused_everywhere(tmp_path):
+    """One rule for every entry: a max_length beyond the model's positions is an error with the limit (the
+    Embedder and export clamped it silently while pretraining refused it)."""
+    import warnings
+
+    from kbert.embed.export import export
+
+    tok = kbert.Tokenizer.train(corpus("kolaw"), vocab_size=1000, progress=False)
+    cfg = kbert.ModelConfig.preset("bert-tiny", vocab_size=tok.vocab_size, max_position=32)
+    kbert.save_model(kbert.build_backbone(cfg), str(tmp_path / "m"), tokenizer=tok)
+    with pytest.raises(ValueError, match="max_length`=4096 is beyond the model's 32 position embeddings"):
+        kbert.Embedder.load(str(tmp_path / "m"), max_length=4096)
+    emb = kbert.Embedder.load(str(tmp_path / "m"))
+    with pytest.raises(ValueError, match="beyond the model's 32"):
+        emb.encode(["법 앞에 평등하다"], max_length=100)
+    with pytest.raises(ValueError, match="beyond the model's 32"):
+        export(str(tmp_path / "m"), str(tmp_path / "serve"), max_length=100000)
+    with pytest.raises(ValueError, match="beyond the model's 32"):
+        kbert.finetune(str(tmp_path / "m"), "classification", [{"text": "좋다", "label": "1"},
+                                                                {"text": "싫다", "label": "0"}],
+                       out_dir=str(tmp_path / "ft"), max_length=4096, progress=False)
+    long = " ".join(["대한민국은 민주공화국이다."] * 20)
+    with warnings.catch_warnings(record=True) as caught:  # at the model's limit the hint says so
+        warnings.simplefilter("always")
+        emb.encode([long])
+    assert any("32 is the model's limit" in str(w.message) for w in caught)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        emb.encode([long], max_length=16)
+    assert any("pass max_length= up to 32" in str(w.message) for w in caught)

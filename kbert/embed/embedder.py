@@ -39,7 +39,7 @@ class Embedder:
         self.backbone, self.tokenizer = backbone, tokenizer
         # the sentence pooling `encode` uses by default: a bi-encoder dir's own (`kbert.finetune(pooling=...)`)
         self.pooling, self.layers = pooling, layers
-        self.max_length = min(max_length or backbone.config.max_position, backbone.config.max_position)
+        self.max_length = backbone.config.check_length(max_length or backbone.config.max_position)
         self._fns = {}
 
     @classmethod
@@ -111,14 +111,17 @@ class Embedder:
                 bar.update(len(index))
 
     def _max_length(self, max_length):
-        if max_length is not None and (not isinstance(max_length, int) or max_length < 2):
-            raise ValueError(f"`max_length` must be an integer >= 2. Received: max_length={max_length!r}")
-        return min(max_length or self.max_length, self.max_length)
+        if max_length is None:
+            return self.max_length
+        return self.backbone.config.check_length(max_length)
 
     def _warn_truncated(self, truncated, total, max_length):
         if truncated:
+            limit = self.backbone.config.max_position
+            hint = (f"pass max_length= up to {limit} to keep more" if max_length < limit else
+                    f"{limit} is the model's limit: split long texts to keep the rest")
             warnings.warn(f"{truncated} of {total} texts are longer than {max_length} tokens and were "
-                          f"truncated (pass max_length= up to {self.backbone.config.max_position})", stacklevel=3)
+                          f"truncated ({hint})", stacklevel=3)
 
     def _encode_texts(self, texts, max_length):
         """Full encodings (tokens and offsets) for word vectors; truncated with one counting warning."""

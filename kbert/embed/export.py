@@ -164,7 +164,7 @@ def export(model_dir: str, out_dir: str, signature: str = "embed", pooling: Opti
         model = TaskModel.load(model_dir)
         tokenizer = model.tokenizer
         _check_tokenizer(tokenizer)
-        limit = min(max_length or model.max_length, model.network.backbone.config.max_position)
+        limit = model.network.backbone.config.check_length(max_length or model.max_length)
         head = {"network": model.network, "pairs": bool(meta.get("pair_column"))}
         module = _module(model.network.backbone, tokenizer, signature, limit, None, -1, False, head, meta["task"])
     os.makedirs(out_dir, exist_ok=True)

@@ -126,6 +126,16 @@ class ModelConfig:
         final_norm = 2 * h if self.norm_first else 0
         return emb + blocks * block + final_norm + (h * h + h)
 
+    def check_length(self, max_length, name: str = "max_length") -> int:
+        """`max_length` (tokens per sequence) if the position embeddings cover it; otherwise a ValueError with
+        the limit. One rule for pretraining, fine-tuning, embedding and export: refuse, never clamp."""
+        if not isinstance(max_length, int) or isinstance(max_length, bool) or max_length < 2:
+            raise ValueError(f"`{name}` must be an integer >= 2. Received: {name}={max_length!r}")
+        if max_length > self.max_position:
+            raise ValueError(f"`{name}`={max_length} is beyond the model's {self.max_position} position embeddings "
+                             f"(`max_position`); use {name} <= {self.max_position}")
+        return max_length
+
     # ------------------------------------------------------------- (de)serialize
     def to_dict(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)

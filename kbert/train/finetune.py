@@ -437,7 +437,7 @@ def finetune(model: str, task: str, train, dev=None, out_dir: str = "finetuned",
              pair_column: Optional[str] = None, label_column: Optional[str] = "label",
              labels: Optional[Sequence[str]] = None, epochs: float = 3, batch_size: int = 32,
              learning_rate: float = 5e-5, warmup: float = 0.1, weight_decay: float = 0.01,
-             max_length: int = 128, dropout: float = 0.1, patience: Optional[int] = 2,
+             max_length: Optional[int] = None, dropout: float = 0.1, patience: Optional[int] = 2,
              eval_every: Optional[int] = None, max_steps: Optional[int] = None, seed: int = 0,
              progress: bool = True, dtype: Optional[str] = None, group_by_length: bool = True,
              similarity_loss: str = "cosine", pooling: Optional[str] = None,
@@ -452,7 +452,8 @@ def finetune(model: str, task: str, train, dev=None, out_dir: str = "finetuned",
         text_column, pair_column, label_column: column names (`pair_column` for pair tasks and bi-encoders;
             `label_column=None` for a bi-encoder trained on (anchor, positive) pairs).
         labels: class names in order (default: the sorted labels of `train`).
-        epochs, batch_size, learning_rate, warmup (fraction of steps), weight_decay, max_length.
+        epochs, batch_size, learning_rate, warmup (fraction of steps), weight_decay, max_length (tokens per
+            input; default 128, or the model's limit when lower; beyond the model's positions is an error).
         dropout: dropout on the head's input (classification, pair-classification, regression, tagging).
         backbone_dropout: dropout inside the backbone (embeddings, attention probabilities, attention and
             feed-forward outputs) while fine-tuning. None: 0.0 for a sentence-embedding task with scores
@@ -513,7 +514,7 @@ def finetune(model: str, task: str, train, dev=None, out_dir: str = "finetuned",
     if task != "sentence-embedding" and not label_column:
         raise ValueError(f"task={task!r} needs `label_column`")
     for name, value in (("epochs", epochs), ("batch_size", batch_size), ("learning_rate", learning_rate),
-                        ("max_length", max_length)):
+                        ("max_length", 128 if max_length is None else max_length)):
         if not isinstance(value, (int, float)) or value <= 0:
             raise ValueError(f"`{name}` must be a positive number. Received: {name}={value!r}")
     if backbone_dropout is not None and (isinstance(backbone_dropout, bool) or
@@ -526,7 +527,9 @@ def finetune(model: str, task: str, train, dev=None, out_dir: str = "finetuned",
     if backbone_dropout is None and task == "sentence-embedding" and label_column:
         backbone_dropout = 0.0
     keras.utils.set_random_seed(seed)
-    emb = Embedder.load(model, max_length=max_length, dtype=dtype)
+    emb = Embedder.load(model, max_length=max_length, dtype=dtype)  # refuses a length beyond the positions
+    if max_length is None:  # 128 tokens, or the model's limit when it has fewer positions
+        emb.max_length = min(128, emb.max_length)
     tokenizer, backbone = emb.tokenizer, emb.backbone
     if backbone_dropout is not None:
         backbone = _with_dropout(backbone, float(backbone_dropout), dtype)
