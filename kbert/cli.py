@@ -346,11 +346,15 @@ def _finetune(args):
 
 
 def _export(args):
+    import json
+
     from kbert.embed.export import export
 
     path = export(args.model, args.out, signature=args.signature, pooling=args.pooling, max_length=args.max_length,
                   version=args.model_version, overwrite=args.overwrite)
-    print(f"SavedModel ({args.signature}) written to {path}; checked against the Python API")
+    with open(os.path.join(path, "assets.extra", "kbert.json"), encoding="utf-8") as f:
+        signature = json.load(f)["signature"]
+    print(f"SavedModel ({signature}) written to {path}; checked against the Python API")
 
 
 def _quickstart(args):
@@ -508,7 +512,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("export", help="a SavedModel that takes raw strings (TF Serving layout DIR/VERSION/)")
     p.add_argument("--model", required=True, help="model dir (classify: a `kbert finetune` output)")
     p.add_argument("--out", required=True, help="export base dir; the model goes to OUT/VERSION/")
-    p.add_argument("--signature", choices=("embed", "classify"), default="embed")
+    p.add_argument("--signature", choices=("embed", "classify"),
+                   help="default: classify for a fine-tuned classifier/regressor dir, embed otherwise")
     p.add_argument("--pooling", choices=("mean", "cls", "max", "first_last_avg"), help="embed: default mean")
     p.add_argument("--max-length", type=int, help="longest input in tokens (default: the model's)")
     p.add_argument("--model-version", type=int, default=1, help="the numbered subdir TF Serving loads")

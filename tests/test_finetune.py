@@ -432,7 +432,8 @@ def test_finetune_and_export_cli(base, tmp_path, capsys):
     assert "best dev accuracy" in printed and out in printed
     history = json.load(open(os.path.join(out, "finetune_history.json"), encoding="utf-8"))
     assert [h["step"] for h in history["history"]] == [2, 4]
-    assert main(["export", "--model", out, "--out", str(tmp_path / "serving"), "--signature", "classify"]) == 0
+    assert main(["export", "--model", out, "--out", str(tmp_path / "serving")]) == 0  # a classifier: classify
+    assert "SavedModel (classify)" in capsys.readouterr().out
     assert os.path.isfile(os.path.join(tmp_path, "serving", "1", "saved_model.pb"))
     assert main(["export", "--model", out, "--out", str(tmp_path / "serving"), "--signature", "classify"]) == 1
     assert "--overwrite" in capsys.readouterr().err

@@ -730,3 +730,14 @@ def test_cli_pretrains_from_a_records_dir(tok_dir, tmp_path, capsys):
     with pytest.raises(ValueError, match="mixes a records dir"):
         pretrain(_config(tok_dir, str(tmp_path / "mixed"), 2, data={"source": [records, "kolaw"],
                                                                      "max_seq_len": 32}), progress=False)
+
+
+def test_pretrain_prints_what_it_will_do_and_refuses_a_file_as_output(tok_dir, tmp_path, capsys):
+    pretrain(_config(tok_dir, str(tmp_path / "run"), 2), progress=True)
+    err = capsys.readouterr().err
+    assert "pretrain: bert L=2 H=64 A=2" in err and "mlm+nsp, 2 steps" in err
+    assert "batch: 16 sequences per step = 1 replica(s) x 1 micro-step(s) x 16; precision float32 on cpu" in err
+    path = tmp_path / "a-file"
+    path.write_text("x")
+    with pytest.raises(ValueError, match="is a file; name a directory"):
+        pretrain(_config(tok_dir, str(path), 2), progress=False)

@@ -116,14 +116,16 @@ def _head_outputs(module, x, task):
     return {"probabilities": tf.nn.softmax(logits, axis=-1)}
 
 
-def export(model_dir: str, out_dir: str, signature: str = "embed", pooling: Optional[str] = None,
+def export(model_dir: str, out_dir: str, signature: Optional[str] = None, pooling: Optional[str] = None,
            layers: Union[int, List[int], None] = None, normalize: bool = True, max_length: Optional[int] = None,
            version: int = 1, overwrite: bool = False, check: bool = True) -> str:
     """Writes `out_dir/<version>/` (TensorFlow Serving's layout) and returns that path.
 
     Args:
         model_dir: a model dir `kbert.Embedder.load` reads (for `classify`: a `kbert finetune` output).
-        signature: "embed" (vectors) or "classify" (class probabilities / regression values).
+        signature: "embed" (vectors) or "classify" (class probabilities / regression values); default:
+            "classify" for a classification, pair-classification or regression dir of `kbert finetune`,
+            "embed" for every other model.
         pooling, layers, normalize: as `Embedder.encode` (pooling and layers default to the model's
             fine-tuned pooling, else mean pooling of the last layer).
         max_length: longest input in tokens (default: the model's maximum); longer inputs are truncated.
@@ -135,6 +137,12 @@ def export(model_dir: str, out_dir: str, signature: str = "embed", pooling: Opti
 
     from kbert.embed.embedder import Embedder
 
+    from kbert.train.finetune import read_task_meta
+
+    meta = read_task_meta(model_dir)
+    if signature is None:
+        classifier = meta is not None and meta.get("task") in ("classification", "pair-classification", "regression")
+        signature = "classify" if classifier else "embed"
     if signature not in SIGNATURES:
         raise ValueError(f"`signature` must be one of {SIGNATURES}. Received: signature={signature!r}")
     if not isinstance(version, int) or version < 1:
@@ -144,9 +152,6 @@ def export(model_dir: str, out_dir: str, signature: str = "embed", pooling: Opti
         if not overwrite:
             raise FileExistsError(f"{target} exists; pass overwrite=True (--overwrite) or another version")
         shutil.rmtree(target)
-    from kbert.train.finetune import read_task_meta
-
-    meta = read_task_meta(model_dir)
     if signature == "embed":
         emb = Embedder.load(model_dir, max_length=max_length)
         tokenizer, backbone = emb.tokenizer, emb.backbone

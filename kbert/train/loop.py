@@ -84,6 +84,8 @@ def _validate(config: PretrainConfig):
                          f"{d.source!r}: point `data.source` at the raw corpus, or use embedding_init: random")
     if not isinstance(t.steps, int) or t.steps < 1:
         raise ValueError(f"`trainer.steps` must be a positive integer. Received: {t.steps!r}")
+    if os.path.exists(config.output_dir) and not os.path.isdir(config.output_dir):
+        raise ValueError(f"`output_dir` {config.output_dir!r} is a file; name a directory (new or a run to resume)")
     for key in ("log_every", "checkpoint_every", "keep_checkpoints", "accumulation"):
         value = getattr(t, key)
         if not isinstance(value, int) or value < 1:
@@ -199,6 +201,7 @@ def pretrain(config: Union[PretrainConfig, dict, str], overrides=None, resume: b
     precision = resolve_precision(rt.precision, strategy)
     tokenizer = Tokenizer.load(d.tokenizer)
     model_config = _model_config(config, tokenizer)
+    plan = None
     if t.batch_size == "auto":
         from kbert.train.memory import plan_for_config
 
@@ -210,6 +213,15 @@ def pretrain(config: Union[PretrainConfig, dict, str], overrides=None, resume: b
         raise ValueError(f"`trainer.batch_size` ({t.batch_size}) must be divisible by replicas x accumulation "
                          f"({replicas} x {t.accumulation})")
     micro_batch = t.batch_size // t.accumulation  # global batch of one micro-step
+    if progress:  # one screen of what is about to run, before minutes of building and compiling
+        print(f"pretrain: {model_config.architecture} L={model_config.num_layers} H={model_config.hidden_size} "
+              f"A={model_config.num_heads} ({model_config.num_parameters() / 1e6:.1f}M parameters, vocab "
+              f"{model_config.vocab_size}), {d.objective}, {t.steps} steps\n"
+              f"  data: {d.source!r}, {d.max_seq_len} tokens per sequence\n"
+              f"  batch: {t.batch_size} sequences per step" + (" (planned by batch_size: auto)" if plan else "")
+              + f" = {replicas} replica(s) x {t.accumulation} micro-step(s) x {micro_batch // replicas}; "
+              f"precision {precision} on {device_kind(strategy)}\n  output: {config.output_dir}",
+              file=sys.stderr, flush=True)
 
     out = config.output_dir
     ckpt_dir = os.path.join(out, "checkpoints")
