@@ -29,6 +29,8 @@ setup(
         "faiss": ["faiss-cpu>=1.8"],
         # benchmarks/embed.py compares against sentence-transformers on the same weights.
         "bench": ["sentence-transformers>=3", "torch==2.13.0", "transformers>=4.40,<6", "scikit-learn>=1.4"],
+        # Opening and editing the tutorial notebooks (running them needs only [test]'s nbclient).
+        "tutorials": ["jupyterlab>=4", "nbconvert>=7", "nbclient>=0.10", "ipykernel>=6", "matplotlib>=3.8"],
         "test": [
             "pytest>=8",
             "mecab-ko>=1.0",

@@ -508,3 +508,18 @@ def test_worker_killed_from_outside_raises(tok):
             workers.result(future)
     finally:
         workers.stop(ex)
+
+
+def test_a_corpus_without_a_download_url_says_where_its_files_go(tmp_path, monkeypatch):
+    """README's `movie_review_sentiment(split="train")` pointed to `kbert corpus download movie-reviews`,
+    which then said the corpus has no download URL: both now say to pass the files or where to put them."""
+    from kbert.data.corpus import download, movie_review_sentiment
+
+    monkeypatch.setenv("KBERT_DATA", str(tmp_path))
+    with pytest.raises(FileNotFoundError) as err:
+        movie_review_sentiment(split="train")
+    message = str(err.value)
+    assert "pass path=" in message and str(tmp_path / "movie-reviews") in message
+    assert "kbert corpus download" not in message
+    with pytest.raises(ValueError, match="no download URL.*path="):
+        download("movie-reviews")

@@ -554,3 +554,26 @@ def test_load_errors(tmp_path):
     (tmp_path / "vocab.txt").write_text("a\nb\n")
     with pytest.raises(ValueError, match="no pad token '\\[PAD\\]'"):
         kbert.Tokenizer.load(str(tmp_path / "vocab.txt"))
+
+
+def test_konlpy_jvm_sends_crash_reports_to_the_temp_dir_and_leaves_sigint_to_python(tmp_path):
+    """A Jupyter kernel shutting down crashed the JVM inside JPype's SIGINT handler, and the JVM wrote
+    hs_err_pid*.log into the working directory (the tutorials folder). kbert starts konlpy's JVM without that
+    handler and with its crash reports in the temp dir."""
+    import json
+    import subprocess
+    import sys
+    import tempfile
+
+    code = ("import json, signal, kbert, jpype\n"
+            "kbert.morphemes('okt')('학교에서 공부했다')\n"
+            "args = [str(a) for a in jpype.JClass('java.lang.management.ManagementFactory')"
+            ".getRuntimeMXBean().getInputArguments()]\n"
+            "print(json.dumps({'args': args, 'sigint': signal.getsignal(signal.SIGINT) is signal.default_int_handler}))\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
+    assert run.returncode == 0, run.stderr[-2000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    crash = [a for a in out["args"] if a.startswith("-XX:ErrorFile=")]
+    assert crash and crash[0].startswith("-XX:ErrorFile=" + tempfile.gettempdir())
+    assert out["sigint"]  # Python's own KeyboardInterrupt handler, not JPype's
+    assert not list(tmp_path.glob("hs_err*"))

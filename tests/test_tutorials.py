@@ -39,3 +39,6 @@ def test_tutorial_runs_end_to_end(name, tmp_path, monkeypatch):
               if "image/png" in o.get("data", {})]
     expected_figures = {"01": 1, "02": 2, "03": 1, "04": 2}[name[:2]]
     assert len(images) >= expected_figures, f"{name}: {len(images)} figures"
+    import glob
+
+    assert not glob.glob(os.path.join(TUTORIALS, "hs_err_pid*.log"))  # no JVM crash report in the tree

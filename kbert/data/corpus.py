@@ -269,9 +269,12 @@ def _find(name: str, filenames: Sequence[str], path: Optional[str]) -> List[str]
             found = [os.path.join(base, f) for f in filenames if os.path.exists(os.path.join(base, f))]
             if found:
                 return found
+    recipe = RECIPES.get(name)
+    fetch = (f"run `kbert corpus download {name}`" if recipe is not None and recipe.urls else
+             f"put the files at {os.path.join(data_home(), name)} ($KBERT_DATA/{name}): it has no download URL")
     raise FileNotFoundError(
         f"Corpus {name!r} not found at {candidates[0]!r}: pass path=... (a file or the folder holding "
-        f"{', '.join(filenames)}) or run `kbert corpus download {name}`; see corpora/{name}/README.md")
+        f"{', '.join(filenames)}), or {fetch}; see corpora/{name}/README.md")
 
 
 RECIPES = {
@@ -311,7 +314,8 @@ def download(name: str, directory: Optional[str] = None, progress: bool = True) 
 
     recipe = _recipe(name)
     if not recipe.urls:
-        raise ValueError(f"Corpus {name!r} has no download URL ({recipe.description}); see {recipe.readme()}")
+        raise ValueError(f"Corpus {name!r} has no download URL ({recipe.description}): pass its files with "
+                         f"path=... (--path), or put them at {os.path.join(data_home(), name)}; see {recipe.readme()}")
     directory = directory or os.path.join(data_home(), name)
     os.makedirs(directory, exist_ok=True)
     paths = []

@@ -259,6 +259,35 @@ class KiwiAnalyzer(Analyzer):
         return [self._from_tokens(t, toks) for t, toks in zip(texts, kiwi.tokenize(texts))]
 
 
+def _start_jvm():
+    """Starts konlpy's JVM (its own `init_jvm`: class path, heap) without JPype's SIGINT handler, and with the
+    JVM's crash reports sent to the temp dir.
+
+    JPype's handler forwards SIGINT into the JVM; a Jupyter kernel shutting down (SIGINT, then SIGTERM while
+    the JVM is being torn down) crashed the JVM there, and the JVM wrote `hs_err_pid*.log` into the working
+    directory (the tutorials folder). Without the handler Ctrl-C reaches Python as a KeyboardInterrupt as
+    usual; a long Java call finishes first."""
+    import tempfile
+
+    import jpype
+    from konlpy import jvm
+
+    if jpype.isJVMStarted():
+        return
+    start = jpype.startJVM
+    crash_file = os.path.join(tempfile.gettempdir(), "kbert-jvm-crash-%p.log")
+
+    def start_quietly(*args, **kwargs):
+        kwargs["interrupt"] = False
+        return start(*args, f"-XX:ErrorFile={crash_file}", **kwargs)
+
+    jpype.startJVM = start_quietly
+    try:
+        jvm.init_jvm()
+    finally:
+        jpype.startJVM = start
+
+
 def _unlink_jvm_gc():
     """Take JPype's hook out of Python's garbage collector.
 
@@ -296,6 +325,8 @@ class KonlpyAnalyzer(Analyzer):
                 raise ImportError(f"morphemes({self.name!r}) runs konlpy's Java tagger and needs a JVM: "
                                   "install Java 8+ (e.g. apt-get install default-jre) and set JAVA_HOME")
         try:
+            if self.name != "konlpy-mecab":
+                _start_jvm()
             impl = getattr(tag, self._CLASSES[self.name])()
         except Exception as e:  # konlpy raises assorted errors for a missing JVM or MeCab install
             hint = ("pip install mecab-ko and use morphemes('mecab')" if self.name == "konlpy-mecab"
