@@ -577,3 +577,31 @@ def test_konlpy_jvm_sends_crash_reports_to_the_temp_dir_and_leaves_sigint_to_pyt
     assert crash and crash[0].startswith("-XX:ErrorFile=" + tempfile.gettempdir())
     assert out["sigint"]  # Python's own KeyboardInterrupt handler, not JPype's
     assert not list(tmp_path.glob("hs_err*"))
+
+
+def test_training_on_legacy_encodings_or_binary_files_says_which_file_and_what_to_do(tmp_path):
+    """A CP949/EUC-KR or binary file used to give a vocabulary of U+FFFD and byte garbage with exit 0."""
+    import subprocess
+    import sys
+
+    lines = ["대한민국은 민주공화국이다.", "모든 국민은 법 앞에 평등하다.", "학교에서 친구들과 점심을 먹었어요."]
+    legacy = tmp_path / "legacy.txt"
+    legacy.write_bytes(("\n".join(lines * 20) + "\n").encode("cp949"))
+    run = subprocess.run([sys.executable, "-m", "kbert.cli", "tokenizer", "train", "--input", str(legacy),
+                          "--vocab-size", "200", "--out", str(tmp_path / "tok")], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 1
+    assert f"{legacy} line 1" in run.stderr and "iconv -f cp949" in run.stderr
+    binary = tmp_path / "data.bin"
+    binary.write_bytes(bytes(range(256)) * 64)
+    with pytest.raises(ValueError, match="not text in any Korean encoding"):
+        kbert.Tokenizer.train([str(binary)], vocab_size=200, progress=False)
+    mixed = tmp_path / "mixed.txt"  # a few bad lines: left out, with a warning naming the first
+    mixed.write_bytes(("\n".join(TEXTS_FOR_MIXED * 30) + "\n").encode("utf-8") + "옛 인코딩 한 줄\n".encode("cp949"))
+    with pytest.warns(UserWarning, match=r"1 of \d+ lines of .*mixed.txt are not UTF-8 text \(first: .* line \d+\)"):
+        tok = kbert.Tokenizer.train([str(mixed)], vocab_size=317, progress=False)
+    assert "\ufffd" not in "".join(tok.vocab)
+
+
+TEXTS_FOR_MIXED = ["대한민국은 민주공화국이다.", "모든 국민은 법 앞에 평등하다.", "학교에서 친구들과 점심을 먹었어요.",
+                   "이 영화 정말 재밌다 ㅋㅋㅋㅋ", "서울특별시 강남구 테헤란로에서 회의가 열렸다."]

@@ -1009,9 +1009,52 @@ def _read_model(path: str, kind: str):
     return vocab
 
 
-def _iter_lines(inputs):
-    from kbert.utils import open_text
+def _undecodable_hint(raw: bytes) -> str:
+    """What an undecodable line probably is: Korean legacy text (CP949 / EUC-KR) or binary data."""
+    controls = sum(1 for b in raw if b < 9 or 13 < b < 32)
+    try:
+        text = raw.decode("cp949")
+    except UnicodeDecodeError:
+        text = None
+    if text is None or b"\x00" in raw or controls > max(2, len(raw) // 10):
+        return "it is not text in any Korean encoding kbert knows (binary data?): train on text files"
+    if any("\uac00" <= c <= "\ud7a3" for c in text):
+        return "it reads as Korean in CP949/EUC-KR: convert the file first, e.g. `iconv -f cp949 -t utf-8 IN > OUT`"
+    return "convert the file to UTF-8 first (e.g. `iconv -f ENCODING -t utf-8 IN > OUT`)"
 
+
+def _file_lines(path: str):
+    """A training file's lines as UTF-8 text. Lines that are not UTF-8 or look binary (NUL bytes) are dropped
+    and counted, with a warning that names the file, the first such line and the likely encoding; a file
+    that is mostly such lines is an error (its vocabulary would be U+FFFD and byte garbage)."""
+    import warnings
+
+    from kbert.utils import open_binary
+
+    total = bad = 0
+    first = None
+    with open_binary(path) as f:
+        for number, raw in enumerate(f, 1):
+            total += 1
+            try:
+                line = raw.decode("utf-8").replace("\r\n", "\n")  # as universal newlines read it
+            except UnicodeDecodeError:
+                line = None
+            if line is None or "\x00" in line:
+                bad += 1
+                first = first or (number, raw)
+                continue
+            yield line
+    if bad:
+        where = f"{path} line {first[0]}"
+        message = (f"{bad:,} of {total:,} lines of {path} are not UTF-8 text (first: {where}); "
+                   f"{_undecodable_hint(first[1])}")
+        if bad * 2 > total:
+            raise ValueError(message)
+        warnings.warn(message + "; those lines were left out", stacklevel=4)
+
+
+def _iter_lines(inputs):
     if isinstance(inputs, (str, os.PathLike)):
         inputs = [inputs]
     if hasattr(inputs, "texts") and callable(inputs.texts):  # a kbert Corpus
@@ -1019,9 +1062,7 @@ def _iter_lines(inputs):
     single = isinstance(inputs, (list, tuple)) and len(inputs) == 1
     for item in inputs:
         if isinstance(item, (str, os.PathLike)) and os.path.isfile(item):
-            with open_text(item) as f:
-                for line in f:
-                    yield line
+            yield from _file_lines(os.fspath(item))
         elif isinstance(item, str):
             if single and not any(c.isspace() for c in item) and ("/" in item or item.endswith(".txt")):
                 raise FileNotFoundError(f"Training input file not found: {item!r}")
