@@ -22,6 +22,8 @@ setup(
         "pyyaml>=6",
         "tqdm>=4.60",
         "tensorboard>=2.16",
+        # Model names such as "klue/bert-base": the Hub's own client, with its cache and offline mode.
+        "huggingface_hub>=0.20",
     ],
     extras_require={
         "mecab": ["mecab-ko>=1.0"],

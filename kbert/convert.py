@@ -345,6 +345,33 @@ def detect_format(directory: str) -> str:
         "model.safetensors (Hugging Face), or bert_config.json/albert_config.json + model.ckpt* (TF1)")
 
 
+# What a model needs from a Hugging Face Hub repo: configs, weights, vocabularies (not other frameworks' weights).
+HUB_FILES = ["*.json", "*.safetensors", "vocab.txt", "*.model", "*.txt", "*ckpt*", "pytorch_model.bin"]
+
+
+def resolve_hub_name(name: str) -> str:
+    """A local directory for `name`: itself when it is a path, else the snapshot of the Hugging Face Hub repo
+    `name` ("klue/roberta-base") through `huggingface_hub`, the hub's own client: its cache (HF_HOME /
+    HF_HUB_CACHE), its offline mode (HF_HUB_OFFLINE=1 reads the cache only), revisions and tokens. Only
+    the files a model needs are fetched (HUB_FILES)."""
+    if os.path.exists(name) or not isinstance(name, str):
+        return name
+    parts = name.split("/")
+    if len(parts) != 2 or not all(parts) or name.startswith((".", "~")):
+        return name  # not a repo id: the caller reports the missing directory
+    try:
+        import huggingface_hub
+    except ImportError:
+        raise ImportError(f"{name!r} is not a local directory; loading it from the Hugging Face Hub needs "
+                          f"huggingface_hub (pip install huggingface_hub)") from None
+    try:
+        return huggingface_hub.snapshot_download(name, allow_patterns=HUB_FILES)
+    except Exception as e:  # offline without a cached copy, an unknown repo, no network
+        raise FileNotFoundError(f"{name!r} is neither a local directory nor a Hugging Face Hub model kbert could "
+                                f"fetch ({type(e).__name__}: {str(e).splitlines()[0][:200]}); with HF_HUB_OFFLINE=1 "
+                                f"only models already in the cache load") from None
+
+
 def model_dir_of(directory: str) -> str:
     """`directory`, or its `model/` subdir when `directory` is a run dir of `kbert pretrain` / `kbert quickstart`
     (checkpoints, logs, the run's config.json and the final model in `model/`)."""
@@ -365,17 +392,18 @@ def load_model(directory: str, with_heads: bool = False, output_hidden_states: b
     have, is freshly initialized (see the module docstring), and `with_heads` gives fresh MLM/NSP heads.
 
     Args:
-        directory: the model directory (or a `kbert pretrain` output dir: its `model/`).
+        directory: the model directory (or a `kbert pretrain` output dir: its `model/`), or a Hugging Face
+            Hub name such as "klue/bert-base" (downloaded and cached by `huggingface_hub`).
         with_heads: return a `kbert.Pretrainer` (masked-LM + NSP/SOP heads) instead of the backbone.
             Heads missing from the checkpoint are initialized fresh.
         output_hidden_states: the backbone also returns every layer's output.
         dtype: dtype policy name, e.g. `"mixed_bfloat16"`; default: the global policy.
 
     Example:
-        >>> backbone = kbert.load_model("klue-bert-base")       # a Hugging Face download
+        >>> backbone = kbert.load_model("klue/bert-base")       # a Hugging Face Hub name (cached)
         >>> backbone = kbert.load_model("my-kbert-model")       # written by kbert.save_model / pretrain
     """
-    directory = model_dir_of(directory)  # a pretraining run dir: its final model
+    directory = model_dir_of(resolve_hub_name(directory))  # a hub name: its snapshot; a run dir: its model
     fmt = detect_format(directory)
     if fmt == "kbert":
         return load_kbert_dir(directory, with_heads=with_heads, output_hidden_states=output_hidden_states,

@@ -196,3 +196,46 @@ def test_lengths_beyond_the_positions_are_refused_everywhere(tmp_path):
         warnings.simplefilter("always")
         emb.encode([long], max_length=16)
     assert any("pass max_length= up to 32" in str(w.message) for w in caught)
+
+
+HUB_SCRIPT = r"""
+import json, sys
+import kbert
+emb = kbert.Embedder.load("kbert-test/tiny-bert")
+model = kbert.load_model("kbert-test/tiny-bert")
+try:
+    kbert.load_model("kbert-test/not-cached")
+except FileNotFoundError as e:
+    missing = str(e)
+print(json.dumps({"shape": list(emb.encode(["대한민국은 민주공화국이다."]).shape), "layers": model.config.num_layers,
+                  "missing": missing}))
+"""
+
+
+def test_hub_names_load_through_huggingface_hub_and_its_cache(tmp_path):
+    """`Embedder.load("org/name")` / `load_model(NAME)` resolve Hugging Face Hub names with huggingface_hub's
+    own snapshot_download. Nothing can be downloaded here: the test lays out a hub cache holding a tiny model
+    and runs offline (HF_HUB_OFFLINE=1), which is also how users run against their cache."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from helpers import tiny_hf_pretraining_model
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--kbert-test--tiny-bert"
+    snapshot = repo / "snapshots" / commit
+    tiny_hf_pretraining_model("bert").save_pretrained(snapshot)
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + list("대한민국은주공화이다.") + [f"##{c}" for c in "한국다"]
+    vocab += [f"[unused{i}]" for i in range(99 - len(vocab))]
+    (snapshot / "vocab.txt").write_text("\n".join(vocab) + "\n", encoding="utf-8")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    env = dict(os.environ, HF_HUB_CACHE=str(tmp_path / "hub"), HF_HUB_OFFLINE="1")
+    run = subprocess.run([sys.executable, "-c", HUB_SCRIPT], env=env, capture_output=True, text=True, timeout=300,
+                         cwd=str(tmp_path))
+    assert run.returncode == 0, run.stderr[-2000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert out["shape"] == [1, 32] and out["layers"] == 3
+    assert "kbert-test/not-cached" in out["missing"] and "HF_HUB_OFFLINE" in out["missing"]

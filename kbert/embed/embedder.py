@@ -44,11 +44,19 @@ class Embedder:
 
     @classmethod
     def load(cls, model_dir: str, max_length: Optional[int] = None, dtype: Optional[str] = None) -> "Embedder":
-        from kbert.convert import load_model, model_dir_of
+        """An Embedder for a model dir (kbert, Hugging Face with its vocab, or a `kbert pretrain` run dir: its
+        `model/`), or a Hugging Face Hub name ("klue/bert-base", fetched and cached by `huggingface_hub`;
+        HF_HUB_OFFLINE=1 reads the cache only).
+
+        Example:
+            >>> emb = kbert.Embedder.load("klue/bert-base")
+            >>> emb.encode(["대한민국은 민주공화국이다."]).shape
+        """
+        from kbert.convert import load_model, model_dir_of, resolve_hub_name
         from kbert.models.io import TOKENIZER_DIR
         from kbert.text.tokenizer import Tokenizer
 
-        model_dir = model_dir_of(model_dir)  # a pretraining run dir: its final model
+        model_dir = model_dir_of(resolve_hub_name(model_dir))  # a hub name: its snapshot; a run dir: its model
         backbone = load_model(model_dir, output_hidden_states=True, dtype=dtype)
         from kbert.train.finetune import read_task_meta
 
