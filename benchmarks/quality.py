@@ -187,7 +187,7 @@ def main():
 
     import kbert
     from kbert.data.corpus import movie_review_sentiment
-    from kbert.embed.pooling import parse_layers
+    from kbert.models.pooling import parse_layers
     from kbert.train.strategy import cpu_has_native_bf16
 
     if args.precision == "auto":

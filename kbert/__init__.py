@@ -33,7 +33,7 @@ _EXPORTS = {
     "plan_batch_size": "kbert.train.memory",
     "Embedder": "kbert.embed.embedder",
     "finetune": "kbert.train.finetune",
-    "TaskModel": "kbert.train.finetune",
+    "TaskModel": "kbert.embed.task_model",
     "export": "kbert.embed.export",
 }
 

@@ -321,7 +321,7 @@ def _embed(args):
 def _finetune(args):
     import json
 
-    from kbert.embed.pooling import parse_layers
+    from kbert.models.pooling import parse_layers
     from kbert.train.finetune import finetune
 
     summary = finetune(args.model, args.task, args.train, args.dev, out_dir=args.out, text_column=args.text_column,

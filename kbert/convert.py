@@ -372,6 +372,12 @@ def resolve_hub_name(name: str) -> str:
                                 f"only models already in the cache load") from None
 
 
+def check_vocabulary(config, vocab_size: int) -> None:
+    """A tokenizer of `vocab_size` ids fits a model of `config` (a ModelConfig): every id has an embedding."""
+    if vocab_size > config.vocab_size:
+        raise ValueError(f"The tokenizer has {vocab_size} tokens but the model only {config.vocab_size} embeddings")
+
+
 def model_dir_of(directory: str) -> str:
     """`directory`, or its `model/` subdir when `directory` is a run dir of `kbert pretrain` / `kbert quickstart`
     (checkpoints, logs, the run's config.json and the final model in `model/`)."""

@@ -14,11 +14,20 @@ import pytest
 
 import kbert
 from kbert.data.corpus import corpus
+from kbert.train import faults
 from kbert.train.config import PretrainConfig
 from kbert.train.loop import pretrain
 
 TINY = {"architecture": "bert", "hidden_size": 64, "num_layers": 2, "num_heads": 2, "intermediate_size": 128,
         "max_position": 128}
+
+
+@pytest.fixture(autouse=True)
+def _no_simulated_device():
+    """Every test starts and ends without a simulated out-of-memory hook."""
+    faults.set_memory_hook(None)
+    yield
+    faults.set_memory_hook(None)
 
 
 @pytest.fixture(scope="module")
@@ -464,8 +473,6 @@ def test_lamb_trains_and_decay_excludes_layer_norm_and_biases(tok_dir, tmp_path)
 def test_out_of_memory_halves_the_micro_batch_and_resumes(tok_dir, tmp_path, monkeypatch):
     import tensorflow as tf
 
-    from kbert.train import loop
-
     data = {"source": "dummy", "mask_rate": 0.5, "max_predictions": 10, "shuffle_buffer": 0, "whole_word": False}
     opt = {"learning_rate": 1.0, "epsilon": 1.0, "weight_decay": 0.0, "clip_norm": None, "warmup_steps": 0,
            "decay": "constant"}
@@ -479,7 +486,7 @@ def test_out_of_memory_halves_the_micro_batch_and_resumes(tok_dir, tmp_path, mon
         if calls["n"] >= 4 and per_replica_batch > 8:
             raise tf.errors.ResourceExhaustedError(None, None, "OOM when allocating tensor")
 
-    monkeypatch.setattr(loop, "_simulated_memory_limit", device)
+    faults.set_memory_hook(device)
     out = str(tmp_path / "b")
     summary = pretrain(_config(tok_dir, out, 6, data=data, optimizer=opt, trainer=trainer), progress=False)
     assert summary["oom_retries"] == 1 and summary["accumulation"] == 2 and summary["global_batch"] == 16
@@ -488,8 +495,7 @@ def test_out_of_memory_halves_the_micro_batch_and_resumes(tok_dir, tmp_path, mon
     np.testing.assert_allclose(summary["history"], reference["history"][2:], rtol=1e-5)
     assert json.load(open(os.path.join(out, "config.json")))["trainer"]["accumulation"] == 2
 
-    monkeypatch.undo()  # the production hook again: it reads KBERT_SIMULATE_OOM_ABOVE
-    monkeypatch.setenv("KBERT_SIMULATE_OOM_ABOVE", "0")  # nothing fits: 4 -> 2 -> 1, then a clear error
+    faults.simulate_out_of_memory_above(0)  # nothing fits: 4 -> 2 -> 1, then a clear error
     with pytest.raises(MemoryError, match="cannot halve further"):
         pretrain(_config(tok_dir, str(tmp_path / "c"), 2, data=data, trainer={"batch_size": 4}), progress=False)
 
@@ -500,7 +506,7 @@ def test_probe_binary_search_finds_the_largest_batch_that_fits(monkeypatch, caps
 
     cfg = kbert.ModelConfig.preset("bert-tiny", vocab_size=200, hidden_size=32, num_heads=2, intermediate_size=64,
                                    max_position=32)
-    monkeypatch.setenv("KBERT_SIMULATE_OOM_ABOVE", "13")  # real training steps; this "device" holds 13
+    faults.simulate_out_of_memory_above(13)  # real training steps; this "device" holds 13
     trainer = build_trainer(cfg)
     up = probe_batch_size(cfg, 16, start=4, max_batch=64, steps=1, model=trainer)
     assert up["max_batch"] == 13 and up["limited_by"] == "memory"
@@ -509,14 +515,14 @@ def test_probe_binary_search_finds_the_largest_batch_that_fits(monkeypatch, caps
     assert down["max_batch"] == 13 and [b for b, ok, _ in down["tried"]][:3] == [40, 20, 10]
     capped = probe_batch_size(cfg, 16, start=4, max_batch=8, steps=1, model=trainer)
     assert capped["max_batch"] == 8 and capped["limited_by"] == "max_batch"
-    monkeypatch.setenv("KBERT_SIMULATE_OOM_ABOVE", "0")
+    faults.simulate_out_of_memory_above(0)
     assert probe_batch_size(cfg, 16, start=2, steps=1, model=trainer)["max_batch"] == 0  # nothing fits
     assert is_out_of_memory(RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate"))
     assert not is_out_of_memory(ValueError("shapes do not match"))
     # the table: planned vs probed batch, planned vs measured bytes (a stand-in peak reader on CPU)
     from kbert.train import probe
 
-    monkeypatch.setenv("KBERT_SIMULATE_OOM_ABOVE", "13")
+    faults.simulate_out_of_memory_above(13)
     monkeypatch.setattr(probe, "peak_memory", lambda: 2e8)
     (row,) = probe.probe_table(cfg, [16], memory="0.3GB")
     assert row["probed_batch"] == 13 and row["planned_batch"] > 13
@@ -525,6 +531,7 @@ def test_probe_binary_search_finds_the_largest_batch_that_fits(monkeypatch, caps
     assert main(["plan", "--model", "bert-tiny", "--probe", "--seq-lens", "16"]) == 0
     assert f"| 16 | {row['planned_batch']} | 13 |" in capsys.readouterr().out
     monkeypatch.undo()
+    faults.set_memory_hook(None)
     assert main(["plan", "--model", "bert-tiny", "--probe", "--seq-lens", "16"]) == 1  # CPU: says what to do
     assert "found none" in capsys.readouterr().err
 
@@ -552,16 +559,18 @@ JAX_PROBE = """
 import json, sys
 sys.modules["tensorflow"] = None  # the device machines have JAX but no TensorFlow: the probe must not need it
 import kbert
+from kbert.train import faults
 from kbert.train.probe import probe_batch_size
 cfg = kbert.ModelConfig.preset("bert-tiny", vocab_size=200, hidden_size=32, num_heads=2, intermediate_size=64,
                                max_position=32)
+faults.simulate_out_of_memory_above(13)
 print(json.dumps(probe_batch_size(cfg, 16, start=4, max_batch=64, steps=1)))
 """
 
 
 def test_probe_on_the_jax_backend_reports_compiled_bytes_per_batch():
     pytest.importorskip("jax")
-    env = dict(os.environ, KERAS_BACKEND="jax", JAX_PLATFORMS="cpu", KBERT_SIMULATE_OOM_ABOVE="13")
+    env = dict(os.environ, KERAS_BACKEND="jax", JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-c", JAX_PROBE], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     found = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -577,6 +586,7 @@ import json, os, sys
 sys.modules["tensorflow"] = None  # the device machines have JAX but no TensorFlow
 import kbert
 from kbert.cli import main
+from kbert.train import faults
 from kbert.train.probe import (CompiledStep, build_trainer, compiled_step_bytes, exact_batch_size, probe_batch_size,
                                synthetic_batch)
 cfg = kbert.ModelConfig.preset("bert-tiny", vocab_size=300, hidden_size=32, num_heads=2, intermediate_size=64,
@@ -596,14 +606,14 @@ out["none"] = exact_batch_size(cfg, 32, memory=1e5)["max_batch"]
 step = CompiledStep(build_trainer(cfg), cfg, 32)
 b = exact_batch_size(cfg, 32, memory=6e6, step=step)["max_batch"]
 compiled = sorted(step._compiled)
-os.environ["KBERT_SIMULATE_OOM_ABOVE"] = str(b)
+faults.simulate_out_of_memory_above(b)
 probed = probe_batch_size(cfg, 32, start=b, step=step)
 out["probe"] = dict(batch=probed["max_batch"], tried=[(t[0], t[1]) for t in probed["tried"]],
                     recompiled=sorted(step._compiled) != compiled, has=[b in compiled, b + 1 in compiled])
 # ... and recovers when the device holds less than the compiled program says (the state survives a failed step)
-os.environ["KBERT_SIMULATE_OOM_ABOVE"] = str(b - 3)
+faults.simulate_out_of_memory_above(b - 3)
 out["lower"] = probe_batch_size(cfg, 32, start=b, step=step)["max_batch"]
-del os.environ["KBERT_SIMULATE_OOM_ABOVE"]
+faults.simulate_out_of_memory_above(None)
 out["cli"] = main(["plan", "--model", "bert-tiny", "--exact", "--memory", "0.3GB", "--seq-lens", "32"])
 out["cli_no_memory"] = main(["plan", "--model", "bert-tiny", "--exact", "--seq-lens", "32"])
 print(json.dumps(out))
@@ -613,7 +623,6 @@ print(json.dumps(out))
 def test_exact_plan_reads_the_compiled_program_and_the_probe_confirms_it():
     pytest.importorskip("jax")
     env = dict(os.environ, KERAS_BACKEND="jax", JAX_PLATFORMS="cpu")
-    env.pop("KBERT_SIMULATE_OOM_ABOVE", None)
     proc = subprocess.run([sys.executable, "-c", JAX_EXACT], env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])

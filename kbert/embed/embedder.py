@@ -14,14 +14,14 @@ than `max_length` are truncated with one warning that counts them. An empty or b
 
 from __future__ import annotations
 
-import os
 import warnings
 from typing import List, Optional, Sequence, Union
 
 import numpy as np
 
+from kbert.data.features import text_list
 from kbert.utils import progress_bar
-from kbert.embed.pooling import POOLINGS, check_pooling, pool  # noqa: F401  (POOLINGS re-exported)
+from kbert.models.pooling import POOLINGS, check_pooling, pool  # noqa: F401  (POOLINGS re-exported)
 
 ENCODE_CHUNK = 8192  # texts tokenized at a time by `encode`
 UNITS = ("eojeol", "morpheme", "subword")
@@ -52,26 +52,17 @@ class Embedder:
             >>> emb = kbert.Embedder.load("klue/bert-base")
             >>> emb.encode(["대한민국은 민주공화국이다."]).shape
         """
-        from kbert.convert import load_model, model_dir_of, resolve_hub_name
-        from kbert.models.io import TOKENIZER_DIR
+        from kbert.convert import check_vocabulary, load_model, model_dir_of, resolve_hub_name
+        from kbert.models.tasks import read_task_meta
         from kbert.text.tokenizer import Tokenizer
 
         model_dir = model_dir_of(resolve_hub_name(model_dir))  # a hub name: its snapshot; a run dir: its model
         backbone = load_model(model_dir, output_hidden_states=True, dtype=dtype)
-        from kbert.train.finetune import read_task_meta
-
         task = read_task_meta(model_dir)
         if max_length is None and task:  # a fine-tuned dir: the length it was tuned at
             max_length = task.get("max_length")
-        tok_dir = os.path.join(model_dir, TOKENIZER_DIR)
-        try:
-            tokenizer = Tokenizer.load(tok_dir if os.path.isdir(tok_dir) else model_dir)
-        except (FileNotFoundError, ValueError) as e:
-            raise FileNotFoundError(f"{model_dir!r} has no tokenizer kbert can read (a `tokenizer/` dir, vocab.txt "
-                                    f"or a SentencePiece .model): {e}") from None
-        if tokenizer.vocab_size > backbone.config.vocab_size:
-            raise ValueError(f"The tokenizer has {tokenizer.vocab_size} tokens but the model only "
-                             f"{backbone.config.vocab_size} embeddings")
+        tokenizer = Tokenizer.from_model_dir(model_dir)
+        check_vocabulary(backbone.config, tokenizer.vocab_size)
         pooling, layers = "mean", -1
         if task and task.get("task") == "sentence-embedding":
             pooling, layers = task.get("pooling") or "mean", task.get("layers", -1)
@@ -176,7 +167,7 @@ class Embedder:
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"`batch_size` must be a positive integer. Received: batch_size={batch_size!r}")
         single = isinstance(texts, (str, bytes))
-        texts = _text_list(texts)
+        texts = text_list(texts)
         max_length = self._max_length(max_length)
         out = np.zeros((len(texts), self.backbone.config.hidden_size), np.float32)
         show = progress if progress is not None else len(texts) >= 10 * batch_size
@@ -208,7 +199,7 @@ class Embedder:
         if pooling not in WORD_POOLINGS:
             raise ValueError(f"`pooling` must be one of {WORD_POOLINGS}. Received: pooling={pooling!r}")
         single = isinstance(texts, (str, bytes))
-        texts = _text_list(texts)
+        texts = text_list(texts)
         encodings = self._encode_texts(texts, max_length)
         analyzer = None
         if unit == "morpheme":
@@ -288,19 +279,6 @@ class Embedder:
         if isinstance(items, np.ndarray):
             return np.atleast_2d(items)
         return np.atleast_2d(self.encode(items, **options))
-
-
-def _text_list(texts) -> list:
-    """`texts` as a list of str/bytes, or a TypeError that names what was passed."""
-    if isinstance(texts, (str, bytes)):
-        return [texts]
-    if texts is None or isinstance(texts, (int, float, dict)) or not hasattr(texts, "__iter__"):
-        raise TypeError(f"Expected a string or a list of strings. Received: {type(texts).__name__}")
-    texts = list(texts)
-    for i, t in enumerate(texts):
-        if not isinstance(t, (str, bytes)):
-            raise TypeError(f"Expected a string or a list of strings; item {i} is {type(t).__name__}")
-    return texts
 
 
 def _unit(x) -> np.ndarray:

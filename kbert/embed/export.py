@@ -75,7 +75,7 @@ def _graph_inputs(tokenizer, texts, pairs, max_length: int):
 def _module(backbone, tokenizer, signature, max_length, pooling, layers, normalize, head=None, task=None):
     import tensorflow as tf
 
-    from kbert.embed.pooling import pool
+    from kbert.models.pooling import pool
 
     class Serving(tf.Module):
         def __init__(self):
@@ -137,7 +137,7 @@ def export(model_dir: str, out_dir: str, signature: Optional[str] = None, poolin
 
     from kbert.embed.embedder import Embedder
 
-    from kbert.train.finetune import read_task_meta
+    from kbert.models.tasks import read_task_meta
 
     meta = read_task_meta(model_dir)
     if signature is None:
@@ -160,7 +160,7 @@ def export(model_dir: str, out_dir: str, signature: Optional[str] = None, poolin
         module = _module(backbone, tokenizer, signature, emb.max_length, pooling, layers, normalize)
         limit = emb.max_length
     else:
-        from kbert.train.finetune import TaskModel
+        from kbert.embed.task_model import TaskModel
 
         if meta is None or meta.get("task") not in ("classification", "pair-classification", "regression"):
             raise ValueError(f"signature='classify' needs a classification, pair-classification or regression "
@@ -203,7 +203,7 @@ def _self_check(path, model_dir, signature, pooling, layers, normalize, max_leng
                 texts, pooling=pooling, layers=layers, normalize=normalize)
         got = fn(texts=tf.constant(texts))["embeddings"].numpy()
     else:
-        from kbert.train.finetune import TaskModel
+        from kbert.embed.task_model import TaskModel
 
         model = TaskModel.load(model_dir)
         model.max_length = max_length

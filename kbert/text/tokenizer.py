@@ -43,6 +43,9 @@ VOCAB_FILE = "vocab.txt"
 _MAX_BYTES_PER_WORD = 400  # longer words are one [UNK] (tensorflow-text's and kbert's Python WordPiece)
 
 
+# Where a model dir keeps its tokenizer (the same name as kbert.models.io.TOKENIZER_DIR).
+MODEL_TOKENIZER_DIR = "tokenizer"
+
 class Encoding(NamedTuple):
     """ids and tokens with [CLS]/[SEP]; offsets are character spans into `normalized` ((0, 0) for
     special tokens)."""
@@ -688,6 +691,17 @@ class Tokenizer:
         with open(os.path.join(directory, "tokenizer_config.json"), "w", encoding="utf-8") as f:
             json.dump(config, f, indent=2, ensure_ascii=False)
         return directory
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str) -> "Tokenizer":
+        """The tokenizer of a model dir: its `tokenizer/` subdir (kbert model dirs), else the vocabulary in the
+        dir itself (a Hugging Face dir's vocab.txt, a KoBERT/ALBERT `.model`)."""
+        sub = os.path.join(model_dir, MODEL_TOKENIZER_DIR)
+        try:
+            return cls.load(sub if os.path.isdir(sub) else model_dir)
+        except (FileNotFoundError, ValueError) as e:
+            raise FileNotFoundError(f"{model_dir!r} has no tokenizer kbert can read (a `tokenizer/` dir, vocab.txt "
+                                    f"or a SentencePiece .model): {e}") from None
 
     @classmethod
     def load(cls, path: str, **overrides) -> "Tokenizer":

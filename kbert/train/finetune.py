@@ -29,10 +29,11 @@ from typing import Dict, List, Optional, Sequence, Union
 
 import numpy as np
 
-TASKS = ("classification", "pair-classification", "regression", "tagging", "sentence-embedding")
+from kbert.data.features import build_network, first_pieces, pad, segment_ids, unit_vectors_in_batches
+from kbert.data.features import features as model_inputs
+from kbert.models.tasks import TASKS, TaskNetwork, default_pooling, save_task_head
+
 SIMILARITY_LOSSES = ("cosent", "cosine")
-TASK_FILE = "kbert_task.json"
-HEAD_FILE = "kbert_task.safetensors"
 IGNORE = -1  # tag label of tokens that are not the first piece of a word
 
 
@@ -79,18 +80,6 @@ def _text(row, column, where):
     return str(value)
 
 
-def read_task_meta(model_dir: str) -> Optional[dict]:
-    """The `kbert_task.json` of a fine-tuned model dir (task, labels, max_length, ...), or None."""
-    path = os.path.join(model_dir, TASK_FILE)
-    if not os.path.isfile(path):
-        return None
-    with open(path, encoding="utf-8") as f:
-        try:
-            return json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path} is not valid JSON: {e}") from None
-
-
 class _Examples:
     """Tokenized examples of one split: ids, segment ids and labels (per-token labels for tagging)."""
 
@@ -115,7 +104,7 @@ def _encode_split(rows, spec, tokenizer, labels, max_length, name):
         return _Examples(a, None, scores, pair_ids=b)
     encodings = tokenizer.encode_batch(texts, pairs=pairs, max_length=max_length)
     ids = [e.ids for e in encodings]
-    segments = [_segments(e.ids, tokenizer.sep_id) for e in encodings]
+    segments = [segment_ids(e.ids, tokenizer.sep_id) for e in encodings]
     if task == "regression":
         y = np.array([_number(v, name, i) for i, v in enumerate(raw)], np.float32)
     elif task == "tagging":
@@ -155,7 +144,7 @@ def _tags(value, name, i) -> List[str]:
 
 def _word_labels(enc, tags, labels, name, i) -> List[int]:
     """Per-token tag ids: each whitespace word's tag on its first subword, IGNORE elsewhere."""
-    firsts = _first_pieces(enc)
+    firsts = first_pieces(enc)
     if len(firsts) != len(tags):
         raise ValueError(f"{name} row {i + 1}: {len(firsts)} words but {len(tags)} tags (tags are one per "
                          f"whitespace-separated word)")
@@ -166,27 +155,6 @@ def _word_labels(enc, tags, labels, name, i) -> List[int]:
             raise ValueError(f"{name} row {i + 1}: tag {tag!r} not seen in training")
         if t is not None:  # None: the word was cut off by max_length
             out[t] = index[tag]
-    return out
-
-
-def _word_spans(text):
-    spans, start = [], None
-    for j, ch in enumerate(text + " "):
-        if ch == " ":
-            if start is not None:
-                spans.append((start, j))
-                start = None
-        elif start is None:
-            start = j
-    return spans
-
-
-def _pad(lists, pad, width=None):
-    width = width or max(len(x) for x in lists)
-    width = -(-width // 8) * 8  # few distinct shapes to compile
-    out = np.full((len(lists), width), pad, np.int32)
-    for i, x in enumerate(lists):
-        out[i, :len(x)] = x
     return out
 
 
@@ -208,177 +176,6 @@ def _with_dropout(backbone, rate, dtype=None):
     assign_weights(fresh, {p: keras.ops.convert_to_numpy(v) for p, v in variables_by_path(backbone).items()},
                    "the loaded backbone")
     return fresh
-
-
-def _default_pooling(task):
-    """What a task pools when `pooling` is not given (and what model dirs written before the option mean)."""
-    return {"sentence-embedding": "mean", "tagging": None}.get(task, "pooler")
-
-
-def _network(backbone, task, num_labels, dropout, target=(0.0, 1.0), pooling=None, layers=-1):
-    """Backbone + head. Regression outputs `head * std + mean` of the training targets, so the head learns
-    a standardized value whatever the label scale (a 1-10 rating needs no large bias to be learned).
-    `pooling` is what the head (or a bi-encoder's output) reads: "pooler" (BERT's tanh layer over [CLS]) or
-    one of `kbert.embed.pooling.POOLINGS` over `layers`."""
-    pooling = pooling or _default_pooling(task)
-    mean, std = float(target[0]), float(target[1]) or 1.0
-    import keras
-
-    class TaskNetwork(keras.Model):
-        def __init__(self):
-            super().__init__(name="task")
-            self.backbone = backbone
-            self.dropout = keras.layers.Dropout(dropout)
-            self.head = None
-            if task != "sentence-embedding":
-                self.head = keras.layers.Dense(
-                    num_labels, name="task_head", dtype="float32",
-                    kernel_initializer=keras.initializers.TruncatedNormal(stddev=backbone.config.initializer_range))
-
-        def call(self, features, training=False):
-            from kbert.embed.pooling import pool
-
-            from kbert.models.backbone import INPUT_NAMES
-
-            features = {k: features[k] for k in INPUT_NAMES}  # the order the functional backbone declares
-            out = self.backbone(features, training=training)
-            if task == "sentence-embedding":
-                return pool(out["hidden_states"], features["padding_mask"], pooling, layers)
-            if task == "tagging":
-                x = out["sequence_output"]
-            elif pooling == "pooler":
-                x = out["pooled_output"]
-            else:
-                x = pool(out["hidden_states"], features["padding_mask"], pooling, layers)
-            logits = self.head(self.dropout(keras.ops.cast(x, "float32"), training=training))
-            return logits * std + mean if task == "regression" else logits
-
-    return TaskNetwork()
-
-
-class TaskModel:
-    """A fine-tuned model: backbone, task head, tokenizer and label names.
-
-    Example:
-        >>> model = kbert.TaskModel.load("sentiment-model")
-        >>> model.predict(["재밌어요", "최악"])     # class probabilities [2, num_labels]
-        >>> model.labels                            # ['0', '1']
-    """
-
-    def __init__(self, network, tokenizer, meta: dict):
-        self.network, self.tokenizer, self.meta = network, tokenizer, meta
-        self.task, self.labels = meta["task"], meta.get("labels")
-        self.max_length = meta.get("max_length", 128)
-        self._fn = None
-
-    @classmethod
-    def load(cls, model_dir: str, dtype: Optional[str] = None) -> "TaskModel":
-        from kbert.embed.embedder import Embedder
-        from kbert.models.io import assign_weights, read_safetensors
-
-        meta = read_task_meta(model_dir)
-        if meta is None:
-            raise FileNotFoundError(f"{model_dir!r} is not a fine-tuned model dir: {TASK_FILE} is missing "
-                                    f"(`kbert finetune` writes it)")
-        emb = Embedder.load(model_dir, dtype=dtype)
-        labels = meta.get("labels") or []
-        num = 1 if meta["task"] == "regression" else len(labels)
-        layers = meta.get("layers")
-        network = _network(emb.backbone, meta["task"], num, 0.0, meta.get("target") or (0.0, 1.0),
-                           meta.get("pooling"), -1 if layers is None else layers)
-        _build(network, emb.tokenizer)
-        if network.head is not None:
-            tensors = read_safetensors(os.path.join(model_dir, HEAD_FILE))
-            assign_weights(network.head, tensors, os.path.join(model_dir, HEAD_FILE))
-        return cls(network, emb.tokenizer, meta)
-
-    def save(self, model_dir: str) -> str:
-        from kbert.models.io import save_model
-
-        save_model(self.network.backbone, model_dir, tokenizer=self.tokenizer)
-        if self.network.head is not None:
-            import keras
-            from safetensors.numpy import save_file
-
-            tensors = {v.path: np.ascontiguousarray(keras.ops.convert_to_numpy(v)) for v in self.network.head.weights}
-            tmp = os.path.join(model_dir, HEAD_FILE + ".tmp")
-            save_file(tensors, tmp, metadata={"format": "kbert"})
-            os.replace(tmp, os.path.join(model_dir, HEAD_FILE))
-        with open(os.path.join(model_dir, TASK_FILE), "w", encoding="utf-8") as f:
-            json.dump(self.meta, f, indent=2, ensure_ascii=False)
-            f.write("\n")
-        return model_dir
-
-    def _call(self, ids, segments):
-        import tensorflow as tf
-
-        if self._fn is None:
-            self._fn = tf.function(lambda x: self.network(x, training=False), reduce_retracing=True)
-        return np.asarray(self._fn(_features(ids, segments, self.tokenizer.pad_id)), np.float32)
-
-    def predict(self, texts, pairs=None, batch_size: int = 64):
-        """classification / pair-classification: probabilities `[n, labels]`; regression: values `[n]`;
-        tagging: for each text a list of `(word, tag)`; sentence-embedding: unit vectors `[n, hidden]`."""
-        from kbert.embed.embedder import _text_list
-
-        single = isinstance(texts, (str, bytes))
-        texts = _text_list(texts)
-        if pairs is not None:
-            pairs = _text_list(pairs)
-        if self.task == "sentence-embedding":
-            out = _embed(self._call, self.tokenizer, texts, self.max_length, batch_size)
-            return out[0] if single else out
-        encodings = self.tokenizer.encode_batch(texts, pairs=pairs, max_length=self.max_length)
-        rows = []
-        for start in range(0, len(encodings), batch_size):
-            chunk = encodings[start:start + batch_size]
-            ids = [e.ids for e in chunk]
-            segs = [_segments(e.ids, self.tokenizer.sep_id) for e in chunk]
-            logits = self._call(_pad(ids, self.tokenizer.pad_id), _pad(segs, 0))
-            if self.task == "tagging":
-                for e, row in zip(chunk, logits):
-                    words = [e.normalized[s:t] for s, t in _word_spans(e.normalized)]
-                    rows.append([(w, self.labels[int(np.argmax(row[p]))]) for w, p in zip(words, _first_pieces(e))
-                                 if p is not None])
-            elif self.task == "regression":
-                rows.extend(logits[:, 0])
-            else:
-                z = logits - logits.max(axis=1, keepdims=True)
-                p = np.exp(z)
-                rows.extend(p / p.sum(axis=1, keepdims=True))
-        out = rows if self.task == "tagging" else np.asarray(rows, np.float32)
-        return out[0] if single else out
-
-
-def _segments(ids, sep_id):
-    first = ids.index(sep_id) if sep_id in ids else len(ids) - 1
-    return [0] * (first + 1) + [1] * (len(ids) - first - 1)
-
-
-def _first_pieces(enc) -> List[Optional[int]]:
-    """For each whitespace word of the normalized text, the index of its first token (None when
-    truncation cut the word off)."""
-    out = []
-    for s, e in _word_spans(enc.normalized):
-        out.append(next((t for t, (a, b) in enumerate(enc.offsets) if b > a and a < e and b > s and t > 0), None))
-    return out
-
-
-def _features(ids, segments, pad_id):
-    import tensorflow as tf
-
-    return {"token_ids": tf.constant(ids), "segment_ids": tf.constant(segments),
-            "padding_mask": tf.constant((ids != pad_id) | (np.arange(ids.shape[1]) == 0), tf.int32)}
-
-
-def _embed(call, tokenizer, texts, max_length, batch_size):
-    ids = [e.ids for e in tokenizer.encode_batch(texts, max_length=max_length)]
-    return _embed_ids(call, ids, tokenizer.pad_id, batch_size)
-
-
-def _build(network, tokenizer):
-    ids = np.array([[tokenizer.cls_id, tokenizer.sep_id]], np.int32)
-    network(_features(ids, np.zeros_like(ids), tokenizer.pad_id))
 
 
 # ------------------------------------------------------------------------------------------ metrics
@@ -413,7 +210,7 @@ def _macro_f1(y, p, k):
 # ------------------------------------------------------------------------------------------ training
 def _check_head_pooling(task, pooling, layers, num_hidden):
     """Validated `(pooling, layers)` for a task; `layers="all"` becomes the list of every hidden state."""
-    from kbert.embed.pooling import POOLINGS, check_pooling
+    from kbert.models.pooling import POOLINGS, check_pooling
 
     if pooling == "pooler":
         if task == "sentence-embedding":
@@ -497,7 +294,9 @@ def finetune(model: str, task: str, train, dev=None, out_dir: str = "finetuned",
     import keras
     import tensorflow as tf
 
-    from kbert.embed.embedder import Embedder
+    from kbert.convert import check_vocabulary, load_model, model_dir_of, resolve_hub_name
+    from kbert.models.io import save_model
+    from kbert.text.tokenizer import Tokenizer
     from kbert.utils import StopSignals, progress_bar
 
     if task not in TASKS:
@@ -527,15 +326,17 @@ def finetune(model: str, task: str, train, dev=None, out_dir: str = "finetuned",
     if backbone_dropout is None and task == "sentence-embedding" and label_column:
         backbone_dropout = 0.0
     keras.utils.set_random_seed(seed)
-    emb = Embedder.load(model, max_length=max_length, dtype=dtype)  # refuses a length beyond the positions
-    if max_length is None:  # 128 tokens, or the model's limit when it has fewer positions
-        emb.max_length = min(128, emb.max_length)
-    tokenizer, backbone = emb.tokenizer, emb.backbone
+    model_dir = model_dir_of(resolve_hub_name(os.fspath(model)))  # a hub name: its snapshot; a run dir: its model
+    backbone = load_model(model_dir, output_hidden_states=True, dtype=dtype)
+    tokenizer = Tokenizer.from_model_dir(model_dir)
+    check_vocabulary(backbone.config, tokenizer.vocab_size)
+    # 128 tokens by default, or the model's limit when it has fewer positions; beyond them is an error
+    max_length = (min(128, backbone.config.max_position) if max_length is None
+                  else backbone.config.check_length(max_length))
     if backbone_dropout is not None:
         backbone = _with_dropout(backbone, float(backbone_dropout), dtype)
-    max_length = emb.max_length
     if task != "tagging":
-        pooling, layers = _check_head_pooling(task, pooling or _default_pooling(task), layers,
+        pooling, layers = _check_head_pooling(task, pooling or default_pooling(task), layers,
                                               backbone.config.num_layers + 1)
     columns = [text_column, pair_column, label_column]
     train_rows = read_rows(train, columns)
@@ -567,8 +368,8 @@ def finetune(model: str, task: str, train, dev=None, out_dir: str = "finetuned",
     target = (0.0, 1.0)
     if task == "regression":
         target = (float(np.mean(train_ex.labels)), float(np.std(train_ex.labels)) or 1.0)
-    network = _network(backbone, task, num_labels, dropout, target, pooling, layers)
-    _build(network, tokenizer)
+    network = TaskNetwork(backbone, task, num_labels, dropout, target, pooling, layers)
+    build_network(network, tokenizer)
     steps_per_epoch = math.ceil(len(train_ex) / batch_size)
     total = max(1, int(math.ceil(steps_per_epoch * epochs)))
     if max_steps:
@@ -626,12 +427,12 @@ def finetune(model: str, task: str, train, dev=None, out_dir: str = "finetuned",
         return network(features, training=False)
 
     def call_infer(ids, segments):
-        return np.asarray(infer(_features(ids, segments, tokenizer.pad_id)), np.float32)
+        return np.asarray(infer(model_inputs(ids, segments, tokenizer.pad_id)), np.float32)
 
     def evaluate(ex) -> Dict[str, float]:
         if task == "sentence-embedding":
-            a = _embed_ids(call_infer, ex.ids, tokenizer.pad_id, batch_size)
-            b = _embed_ids(call_infer, ex.pair_ids, tokenizer.pad_id, batch_size)
+            a = unit_vectors_in_batches(call_infer, ex.ids, tokenizer.pad_id, batch_size)
+            b = unit_vectors_in_batches(call_infer, ex.pair_ids, tokenizer.pad_id, batch_size)
             if ex.labels is not None:
                 cos = np.sum(a * b, axis=1)
                 return {"spearman": spearman(cos, ex.labels), "pearson": pearson(cos, ex.labels)}
@@ -640,8 +441,8 @@ def finetune(model: str, task: str, train, dev=None, out_dir: str = "finetuned",
         by_length = np.argsort([len(x) for x in ex.ids], kind="stable")  # little padding per batch
         for start in range(0, len(ex), batch_size):
             index = by_length[start:start + batch_size]
-            ids = _pad([ex.ids[i] for i in index], tokenizer.pad_id)
-            segs = _pad([ex.segments[i] for i in index], 0, ids.shape[1])
+            ids = pad([ex.ids[i] for i in index], tokenizer.pad_id)
+            segs = pad([ex.segments[i] for i in index], 0, ids.shape[1])
             for i, out in zip(index, call_infer(ids, segs)):
                 outputs[i] = out
         if task == "regression":
@@ -664,7 +465,6 @@ def finetune(model: str, task: str, train, dev=None, out_dir: str = "finetuned",
             "pair_column": pair_column, "label_column": label_column, "pooling": pooling, "layers": None if task == "tagging" else layers,
             "base_model": os.path.abspath(model) if isinstance(model, str) else None,
             "target": list(target) if task == "regression" else None}
-    result = TaskModel(network, tokenizer, meta)
     # what a resumed run must share with the interrupted one
     settings = dict(model=meta["base_model"] or repr(model), data=_data_fingerprint(train_ex, dev_ex), task=task,
                     text_column=text_column, pair_column=pair_column, label_column=label_column, labels=labels,
@@ -680,7 +480,7 @@ def finetune(model: str, task: str, train, dev=None, out_dir: str = "finetuned",
         history, best, best_step, bad, losses, step = [], None, 0, 0, [], 0
         baseline = evaluate(dev_ex) if dev_ex is not None else None
         if baseline is not None and progress:
-            print(f"before training: dev " + " ".join(f"{k} {v:.4f}" for k, v in baseline.items()), flush=True)
+            print("before training: dev " + " ".join(f"{k} {v:.4f}" for k, v in baseline.items()), flush=True)
     else:
         history, best, best_step, bad, losses, step, baseline = (
             saved[k] for k in ("history", "best", "best_step", "bad", "losses", "step", "baseline"))
@@ -699,15 +499,15 @@ def finetune(model: str, task: str, train, dev=None, out_dir: str = "finetuned",
             for index in _batches(rng, train_ex, batch_size, group_by_length)[skip:]:
                 if task == "sentence-embedding":
                     both = [train_ex.ids[i] for i in index] + [train_ex.pair_ids[i] for i in index]
-                    ids = _pad(both, tokenizer.pad_id)
-                    features = _features(ids, np.zeros_like(ids), tokenizer.pad_id)
+                    ids = pad(both, tokenizer.pad_id)
+                    features = model_inputs(ids, np.zeros_like(ids), tokenizer.pad_id)
                     y = None if train_ex.labels is None else tf.constant(train_ex.labels[index])
                 else:
-                    ids = _pad([train_ex.ids[i] for i in index], tokenizer.pad_id)
-                    features = _features(ids, _pad([train_ex.segments[i] for i in index], 0, ids.shape[1]),
+                    ids = pad([train_ex.ids[i] for i in index], tokenizer.pad_id)
+                    features = model_inputs(ids, pad([train_ex.segments[i] for i in index], 0, ids.shape[1]),
                                          tokenizer.pad_id)
                     if task == "tagging":
-                        y = tf.constant(_pad([train_ex.labels[i] for i in index], IGNORE, ids.shape[1]))
+                        y = tf.constant(pad([train_ex.labels[i] for i in index], IGNORE, ids.shape[1]))
                     else:
                         y = tf.constant(train_ex.labels[index])
                 loss = float(train_step(features, y, tf.constant(len(index))))
@@ -733,7 +533,8 @@ def finetune(model: str, task: str, train, dev=None, out_dir: str = "finetuned",
                     history.append(entry)
                     if improved:
                         best, best_step, bad = (entry.get(f"dev_{key}"), step, 0)
-                        result.save(out_dir)
+                        save_model(network.backbone, out_dir, tokenizer=tokenizer)
+                        save_task_head(network, meta, out_dir)
                     else:
                         bad += 1
                     if progress:
@@ -865,12 +666,3 @@ def _batches(rng, ex, batch_size, group_by_length, window=64):
         chunk = chunk[np.argsort(lengths[chunk], kind="stable")]
         batches.extend(chunk[i:i + batch_size] for i in range(0, len(chunk), batch_size))
     return [batches[i] for i in rng.permutation(len(batches))]
-
-
-def _embed_ids(call, id_lists, pad_id, batch_size):
-    vectors = []
-    for start in range(0, len(id_lists), batch_size):
-        ids = _pad(id_lists[start:start + batch_size], pad_id)
-        vectors.append(call(ids, np.zeros_like(ids)))
-    out = np.concatenate(vectors) if vectors else np.zeros((0, 0), np.float32)
-    return out / np.maximum(np.linalg.norm(out, axis=1, keepdims=True), 1e-12)

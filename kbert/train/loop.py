@@ -182,6 +182,7 @@ def pretrain(config: Union[PretrainConfig, dict, str], overrides=None, resume: b
     from kbert.models.electra import ElectraPretrainer
     from kbert.models.io import save_model
     from kbert.text.tokenizer import Tokenizer
+    from kbert.train import faults
     from kbert.train.optimizers import make_optimizer, sync_iterations
     from kbert.train.strategy import device_kind, make_strategy, resolve_precision
     from kbert.utils import StopSignals, progress_bar
@@ -332,7 +333,7 @@ def pretrain(config: Union[PretrainConfig, dict, str], overrides=None, resume: b
         try:
             while int(step.numpy()) < end:
                 try:
-                    _simulated_memory_limit(micro_batch // replicas)
+                    faults.check_memory(micro_batch // replicas)
                     metrics = {k: float(v) for k, v in train_step(iterator).items()}
                 except tf.errors.ResourceExhaustedError as e:
                     oom = e
@@ -402,21 +403,6 @@ def _slot_key(path: str) -> str:
     """`adam_w_2/layer_0_qkv_kernel_momentum` -> `layer_0_qkv_kernel_momentum`: the optimizer's own name
     changes with every optimizer a process creates, so it is not part of the key."""
     return path.split("/", 1)[-1].replace("/", ".")
-
-
-def _simulated_memory_limit(per_replica_batch: int) -> None:
-    """Fault injection for testing OOM handling without a GPU: with KBERT_SIMULATE_OOM_ABOVE=N set, a step
-    whose per-replica micro-batch exceeds N raises the ResourceExhaustedError a real device would."""
-    limit = os.environ.get("KBERT_SIMULATE_OOM_ABOVE")
-    if limit and per_replica_batch > int(limit):
-        import keras
-
-        message = f"simulated OOM: per-replica batch {per_replica_batch} > KBERT_SIMULATE_OOM_ABOVE={limit}"
-        if keras.backend.backend() != "tensorflow":  # what XLA raises on JAX
-            raise RuntimeError(f"RESOURCE_EXHAUSTED: {message}")
-        import tensorflow as tf
-
-        raise tf.errors.ResourceExhaustedError(None, None, message)
 
 
 def _retry_smaller(config, error, per_replica_batch, checkpoint, progress, end):

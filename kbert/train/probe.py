@@ -311,7 +311,7 @@ def probe_batch_size(config, seq_len: int, optimizer: str = "adamw", precision: 
     Returns a dict with `max_batch`, `peak_bytes` (JAX: the compiled program's bytes; TensorFlow: the
     allocator's peak) and the `tried` list of (batch, fitted, peak_bytes)."""
     from kbert.data.masking import default_max_predictions
-    from kbert.train.loop import _simulated_memory_limit
+    from kbert.train import faults
 
     predictions = predictions or default_max_predictions(seq_len, 0.15)
     _no_silent_recomputation()
@@ -323,7 +323,7 @@ def probe_batch_size(config, seq_len: int, optimizer: str = "adamw", precision: 
 
     def fits(batch: int) -> bool:
         try:
-            _simulated_memory_limit(batch)
+            faults.check_memory(batch)
             if step is not None:
                 step.run(batch, steps)
             else:
@@ -392,12 +392,13 @@ def probe_table(model: str, seq_lens, optimizer: str = "adamw", precision: str =
                 probe: bool = True) -> List[Dict]:
     """For each sequence length: the analytic planner's max batch, the `--exact` one (JAX) and the probed
     one (real steps, `probe=True`), with planned vs compiled vs measured bytes."""
-    import os
 
     from kbert.models.config import ModelConfig
     from kbert.train.memory import estimate_memory, max_batch_size, parse_memory
 
-    if probe and accelerator() is None and not os.environ.get("KBERT_SIMULATE_OOM_ABOVE"):
+    from kbert.train import faults
+
+    if probe and accelerator() is None and faults.memory_hook() is None:
         raise ValueError("--probe measures an accelerator and found none (on CPU memory is not the limit); run "
                          "it on a GPU or TPU, or read the planner's table (--exact with --memory compiles the "
                          "step for a device you name)")

@@ -1,0 +1,90 @@
+"""Model inputs from tokenized text, shared by fine-tuning (`kbert.train.finetune`) and prediction
+(`kbert.embed.task_model.TaskModel`), so training and serving build the same feature dicts.
+
+Shapes: b = batch, s = padded length (a multiple of 8, so few distinct shapes reach the compiler).
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import numpy as np
+
+
+def text_list(texts) -> list:
+    """`texts` as a list of str/bytes (one string becomes a list of one), or a TypeError naming what was
+    passed."""
+    if isinstance(texts, (str, bytes)):
+        return [texts]
+    if texts is None or isinstance(texts, (int, float, dict)) or not hasattr(texts, "__iter__"):
+        raise TypeError(f"Expected a string or a list of strings. Received: {type(texts).__name__}")
+    texts = list(texts)
+    for i, t in enumerate(texts):
+        if not isinstance(t, (str, bytes)):
+            raise TypeError(f"Expected a string or a list of strings; item {i} is {type(t).__name__}")
+    return texts
+
+
+def pad(lists, pad_id: int, width: Optional[int] = None) -> np.ndarray:
+    """Lists of ids -> int32 `[b, s]`, padded with `pad_id` to `width` (default: the longest) rounded up to
+    a multiple of 8."""
+    width = width or max(len(x) for x in lists)
+    width = -(-width // 8) * 8
+    out = np.full((len(lists), width), pad_id, np.int32)
+    for i, x in enumerate(lists):
+        out[i, :len(x)] = x
+    return out
+
+
+def segment_ids(ids, sep_id: int) -> List[int]:
+    """0 up to and including the first [SEP], 1 after it (the second text of a pair)."""
+    first = ids.index(sep_id) if sep_id in ids else len(ids) - 1
+    return [0] * (first + 1) + [1] * (len(ids) - first - 1)
+
+
+def features(ids: np.ndarray, segments: np.ndarray, pad_id: int) -> dict:
+    """`[b, s]` ids and segment ids -> the backbone's inputs (`token_ids`, `segment_ids`, `padding_mask`) as
+    tensors; position 0 is never masked, so an empty text still attends to its [CLS]."""
+    import tensorflow as tf
+
+    return {"token_ids": tf.constant(ids), "segment_ids": tf.constant(segments),
+            "padding_mask": tf.constant((ids != pad_id) | (np.arange(ids.shape[1]) == 0), tf.int32)}
+
+
+def word_spans(text: str):
+    """(start, end) of each whitespace-separated word of `text`."""
+    spans, start = [], None
+    for j, ch in enumerate(text + " "):
+        if ch == " ":
+            if start is not None:
+                spans.append((start, j))
+                start = None
+        elif start is None:
+            start = j
+    return spans
+
+
+def first_pieces(enc) -> List[Optional[int]]:
+    """For each whitespace word of `enc.normalized`, the index of its first token (None when truncation cut
+    the word off)."""
+    out = []
+    for s, e in word_spans(enc.normalized):
+        out.append(next((t for t, (a, b) in enumerate(enc.offsets) if b > a and a < e and b > s and t > 0), None))
+    return out
+
+
+def unit_vectors_in_batches(call, id_lists, pad_id: int, batch_size: int) -> np.ndarray:
+    """`call(ids, segments)` over `id_lists` in batches of `batch_size`, rows scaled to unit length
+    (`[n, h]`)."""
+    vectors = []
+    for start in range(0, len(id_lists), batch_size):
+        ids = pad(id_lists[start:start + batch_size], pad_id)
+        vectors.append(call(ids, np.zeros_like(ids)))
+    out = np.concatenate(vectors) if vectors else np.zeros((0, 0), np.float32)
+    return out / np.maximum(np.linalg.norm(out, axis=1, keepdims=True), 1e-12)
+
+
+def build_network(network, tokenizer) -> None:
+    """Builds a task network's weights (`kbert.models.tasks.TaskNetwork`) with one two-token input."""
+    ids = np.array([[tokenizer.cls_id, tokenizer.sep_id]], np.int32)
+    network(features(ids, np.zeros_like(ids), tokenizer.pad_id))

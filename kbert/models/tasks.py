@@ -1,0 +1,128 @@
+"""Fine-tuned task networks and the task-dir format.
+
+A task dir is a kbert model dir (backbone weights, config, tokenizer) plus `kbert_task.json` (the task, its
+labels, max_length, pooling, regression target scale, ...) and `kbert_task.safetensors` (the head's
+weights). `kbert.finetune` writes it; `kbert.TaskModel`, `kbert.Embedder` and `kbert export` read it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional, Sequence, Union
+
+import keras
+import numpy as np
+
+from kbert.models.backbone import INPUT_NAMES
+from kbert.models.pooling import pool
+
+TASKS = ("classification", "pair-classification", "regression", "tagging", "sentence-embedding")
+TASK_FILE = "kbert_task.json"
+HEAD_FILE = "kbert_task.safetensors"
+
+
+def read_task_meta(model_dir: str) -> Optional[dict]:
+    """The `kbert_task.json` of a fine-tuned model dir (task, labels, max_length, ...), or None."""
+    path = os.path.join(model_dir, TASK_FILE)
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        try:
+            return json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} is not valid JSON: {e}") from None
+
+
+def default_pooling(task: str) -> Optional[str]:
+    """What a task pools when `pooling` is not given (and what task dirs written before the option mean)."""
+    return {"sentence-embedding": "mean", "tagging": None}.get(task, "pooler")
+
+
+@keras.saving.register_keras_serializable(package="kbert")
+class TaskNetwork(keras.Model):
+    """Backbone + task head.
+
+    - classification / pair-classification: logits `[b, num_labels]` from the pooled representation;
+    - regression: `head * std + mean` of the training targets (`target=(mean, std)`), so the head learns a
+      standardized value whatever the label scale (a 1-10 rating needs no large bias to be learned);
+    - tagging: logits `[b, s, num_labels]` from every token of the last layer;
+    - sentence-embedding: the pooled vector `[b, h]` itself (no head).
+
+    `pooling` is what the head (or a bi-encoder's output) reads: "pooler" (BERT's tanh layer over [CLS]) or
+    one of `kbert.models.pooling.POOLINGS` over `layers`.
+
+    Args:
+        backbone: a kbert backbone built with `output_hidden_states=True` where `pooling` needs them.
+        task: one of `TASKS`.
+        num_labels: classes (1 for regression, 0 for sentence-embedding).
+        dropout: dropout on the head's input.
+        target: (mean, std) of regression targets.
+        pooling, layers: see above; default `default_pooling(task)` and the last layer.
+    """
+
+    def __init__(self, backbone, task: str, num_labels: int, dropout: float = 0.1, target=(0.0, 1.0),
+                 pooling: Optional[str] = None, layers: Union[int, Sequence[int]] = -1, **kwargs):
+        super().__init__(name=kwargs.pop("name", "task"), **kwargs)
+        if task not in TASKS:
+            raise ValueError(f"`task` must be one of {TASKS}. Received: task={task!r}")
+        self.backbone, self.task, self.num_labels = backbone, task, int(num_labels)
+        self.dropout_rate, self.target = float(dropout), (float(target[0]), float(target[1]) or 1.0)
+        self.pooling, self.pooled_layers = pooling or default_pooling(task), layers
+        self.dropout = keras.layers.Dropout(self.dropout_rate)
+        self.head = None
+        if task != "sentence-embedding":
+            self.head = keras.layers.Dense(
+                self.num_labels, name="task_head", dtype="float32",
+                kernel_initializer=keras.initializers.TruncatedNormal(stddev=backbone.config.initializer_range))
+
+    def call(self, features, training=False):
+        features = {k: features[k] for k in INPUT_NAMES}  # the order the functional backbone declares
+        out = self.backbone(features, training=training)
+        if self.task == "sentence-embedding":
+            return pool(out["hidden_states"], features["padding_mask"], self.pooling, self.pooled_layers)
+        if self.task == "tagging":
+            x = out["sequence_output"]  # [b, s, h]
+        elif self.pooling == "pooler":
+            x = out["pooled_output"]  # [b, h]
+        else:
+            x = pool(out["hidden_states"], features["padding_mask"], self.pooling, self.pooled_layers)  # [b, h]
+        logits = self.head(self.dropout(keras.ops.cast(x, "float32"), training=training))
+        mean, std = self.target
+        return logits * std + mean if self.task == "regression" else logits
+
+    def get_config(self):
+        return {"backbone": keras.saving.serialize_keras_object(self.backbone), "task": self.task,
+                "num_labels": self.num_labels, "dropout": self.dropout_rate, "target": list(self.target),
+                "pooling": self.pooling, "name": self.name,
+                "layers": self.pooled_layers if isinstance(self.pooled_layers, int) else list(self.pooled_layers)}
+
+    @classmethod
+    def from_config(cls, config):
+        config = dict(config)
+        config["backbone"] = keras.saving.deserialize_keras_object(config["backbone"])
+        return cls(**config)
+
+
+def save_task_head(network: TaskNetwork, meta: dict, model_dir: str) -> None:
+    """Writes the head's weights (`HEAD_FILE`, when the task has a head) and `meta` (`TASK_FILE`) into
+    `model_dir`, beside the backbone that `kbert.save_model` wrote there."""
+    if network.head is not None:
+        from safetensors.numpy import save_file
+
+        tensors = {v.path: np.ascontiguousarray(keras.ops.convert_to_numpy(v)) for v in network.head.weights}
+        tmp = os.path.join(model_dir, HEAD_FILE + ".tmp")
+        save_file(tensors, tmp, metadata={"format": "kbert"})
+        os.replace(tmp, os.path.join(model_dir, HEAD_FILE))
+    with open(os.path.join(model_dir, TASK_FILE), "w", encoding="utf-8") as f:
+        json.dump(meta, f, indent=2, ensure_ascii=False)
+        f.write("\n")
+
+
+def load_task_head(network: TaskNetwork, model_dir: str) -> None:
+    """Reads the head's weights of a task dir into a built `network` (nothing to read without a head)."""
+    from kbert.models.io import assign_weights, read_safetensors
+
+    if network.head is not None:
+        path = os.path.join(model_dir, HEAD_FILE)
+        assign_weights(network.head, read_safetensors(path), path)
