@@ -18,7 +18,6 @@ global batch.
 
 from __future__ import annotations
 
-import os
 import sys
 from typing import Optional
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-import unicodedata
 from typing import Iterable, List, NamedTuple, Optional, Sequence, Union
 
 import numpy as np
