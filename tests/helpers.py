@@ -92,3 +92,16 @@ def max_abs_diff_valid(a, b, padding_mask):
     """Max |a - b| over non-padding positions of [b, s, ...] arrays."""
     keep = padding_mask.astype(bool)
     return float(np.max(np.abs(np.asarray(a)[keep] - np.asarray(b)[keep])))
+
+
+def run_on_jax(script: str, timeout: int = 600, env=None):
+    """Runs `script` in a fresh Python under Keras' JAX backend on CPU (Keras fixes its backend at import, and
+    this process runs TensorFlow) and returns the JSON object of its last output line."""
+    import json
+    import subprocess
+    import sys
+
+    env = dict(os.environ, KERAS_BACKEND="jax", JAX_PLATFORMS="cpu", **(env or {}))
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1]), proc

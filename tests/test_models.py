@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import kbert
-from helpers import random_batch
+from helpers import random_batch, run_on_jax
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -194,10 +194,7 @@ def test_dropout_on_jax_draws_masks_from_a_counter_hash():
     """On JAX the masks come from a counter hash fused into the neighbouring kernels: the same statistics
     (rate, expectation, independence between neighbours, rows and calls) as a random-number generator."""
     pytest.importorskip("jax")
-    env = dict(os.environ, KERAS_BACKEND="jax", JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-c", JAX_DROPOUT], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out, _ = run_on_jax(JAX_DROPOUT)
     for policy in ("float32", "mixed_bfloat16"):
         r = out[policy]
         assert abs(r["rate"] - 0.1) < 0.002 and abs(r["mean"] - 1.0) < 0.005, r

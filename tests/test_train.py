@@ -17,6 +17,7 @@ from kbert.data.corpus import corpus
 from kbert.train import faults
 from kbert.train.config import PretrainConfig
 from kbert.train.loop import pretrain
+from helpers import run_on_jax
 
 TINY = {"architecture": "bert", "hidden_size": 64, "num_layers": 2, "num_heads": 2, "intermediate_size": 128,
         "max_position": 128}
@@ -570,10 +571,7 @@ print(json.dumps(probe_batch_size(cfg, 16, start=4, max_batch=64, steps=1)))
 
 def test_probe_on_the_jax_backend_reports_compiled_bytes_per_batch():
     pytest.importorskip("jax")
-    env = dict(os.environ, KERAS_BACKEND="jax", JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-c", JAX_PROBE], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    found, _ = run_on_jax(JAX_PROBE)
     assert found["max_batch"] == 13
     fitted = {batch: peak for batch, ok, peak in found["tried"] if ok}
     assert sorted(fitted) == [4, 5, 10, 12, 13]
@@ -622,10 +620,7 @@ print(json.dumps(out))
 
 def test_exact_plan_reads_the_compiled_program_and_the_probe_confirms_it():
     pytest.importorskip("jax")
-    env = dict(os.environ, KERAS_BACKEND="jax", JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-c", JAX_EXACT], env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out, proc = run_on_jax(JAX_EXACT, timeout=900)
     for budget in ("2500000.0", "6000000.0"):
         r = out[budget]
         assert r["batch"] > 0 and r["bytes"] <= float(budget) < r["above"], r  # the largest that fits
