@@ -151,12 +151,24 @@ def test_dropout_rate_independence_and_expectation(policy):
     dropped = y == 0
     assert abs(dropped.mean() - 0.1) < 0.002
     assert abs(y.mean() - 1.0) < 0.005 and np.allclose(y[~dropped], 1 / (1 - 3277 / 32768), rtol=1e-2)
-    both = (dropped[..., :128] & dropped[..., 128:]).mean()  # the two halves of one 30-bit draw
+    flat = dropped.reshape(-1)
+    both = (flat[:flat.size // 2] & flat[flat.size // 2:]).mean()  # the two halves of one 30-bit draw
     assert abs(both - 0.01) < 0.001
     assert (np.asarray(layer(x, training=True), "float32") != y).mean() > 0.15  # a new mask each call
     assert np.array_equal(np.asarray(layer(x, training=False), "float32"), x)
-    odd = np.asarray(Dropout(0.5, seed=1)(np.ones((256, 7), "float32"), training=True))
-    assert 0.4 < (odd == 0).mean() < 0.6  # odd last dimension: keras.random.dropout
+    odd = np.asarray(Dropout(0.5, seed=1)(np.ones((255, 7), "float32"), training=True))
+    assert 0.4 < (odd == 0).mean() < 0.6  # an odd number of elements: the last draw's high half unused
+    # The same mask whether a traced function knows the shape or not: a fine-tuning run retraced with relaxed
+    # shapes ([None, None, h]) and its resumed run's exact-shaped first trace must drop the same elements.
+    import tensorflow as tf
+
+    masks = []
+    for signature in (None, [tf.TensorSpec([None, None, None])]):
+        keras.utils.set_random_seed(0)
+        layer = Dropout(0.1, seed=7)
+        masks.append(np.asarray(tf.function(lambda v: layer(v, training=True), input_signature=signature)(
+            np.ones((4, 10, 7), "float32"))) == 0)
+    assert np.array_equal(*masks) and masks[0].any()
     assert np.array_equal(np.asarray(Dropout(0.0)(x, training=True)), x)
     with pytest.raises(ValueError, match="rate"):
         Dropout(1.0)

@@ -495,8 +495,10 @@ def test_training_bad_inputs(tmp_path):
         kbert.Tokenizer.train([str(empty)], vocab_size=100, progress=False)
     junk = tmp_path / "junk.txt"
     junk.write_bytes(b"\xff\xfe\x00\x01 \xed\x95\x9c\xea\xb5\xad\xec\x96\xb4 \xc3\x28\n" * 50 + "한국어 문장\n".encode() * 50)
-    tok = kbert.Tokenizer.train([str(junk)], vocab_size=270, progress=False)  # invalid bytes -> U+FFFD
-    assert tok.vocab_size == 270 and tok.decode(tok.encode("한국어").ids) == "한국어"
+    # lines that are not UTF-8 are left out and counted (they used to become U+FFFD in the vocabulary)
+    with pytest.warns(UserWarning, match=r"50 of 100 lines of .*junk.txt are not UTF-8 text \(first: .* line 1\)"):
+        tok = kbert.Tokenizer.train([str(junk)], vocab_size=268, progress=False)
+    assert tok.vocab_size == 268 and tok.decode(tok.encode("한국어").ids) == "한국어" and "\ufffd" not in tok.vocab
     with pytest.raises(ValueError, match=r"vocab_size=50000 is too large for this corpus: it supports at most \d+"):
         kbert.Tokenizer.train(["한국어 문장입니다."] * 10, vocab_size=50000, progress=False)
     with pytest.raises(ValueError, match="`algorithm` must be one of"):

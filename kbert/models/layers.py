@@ -80,8 +80,9 @@ class Dropout(keras.layers.Layer):
       cheaper hash). The rate is exact to 2^-32.
     - Elsewhere one 30-bit random integer gives two independent 15-bit uniforms (its low and high halves),
       so two elements share one draw of the backend's generator (half the draws of `keras.layers.Dropout`);
-      an element is dropped with probability round(rate * 2^15) / 2^15 (0.1 -> 0.100006). Falls back to
-      `keras.random.dropout` for an odd last dimension.
+      an element is dropped with probability round(rate * 2^15) / 2^15 (0.1 -> 0.100006). The draws cover
+      the flattened tensor, so a step's mask does not depend on how much of the shape a trace knows (a
+      resumed run's first trace is exact-shaped where the uninterrupted run's was relaxed).
 
     Kept elements are scaled by the exact inverse of the keep probability, so expectations are unchanged.
     Why the draws matter: random-number generation was about a tenth of a BERT training step (figures in
@@ -103,9 +104,7 @@ class Dropout(keras.layers.Layer):
         if not training or self.rate == 0.0:
             return x
         shape = tuple(ops.shape(x))
-        if not all(isinstance(d, int) for d in shape):
-            return keras.random.dropout(x, self.rate, seed=self.seed_generator)
-        if _counter_hash_applies():
+        if _counter_hash_applies() and all(isinstance(d, int) for d in shape):  # JAX: shapes are static
             threshold = min(int(round(self.rate * 2.0 ** 32)), 2 ** 32 - 1)
             seed = ops.cast(self.seed_generator.next(), "uint32")  # [2]
             k0 = _mix32(seed[0] ^ _uint32(0x9E3779B9))
@@ -114,15 +113,17 @@ class Dropout(keras.layers.Layer):
             keep = ops.greater_equal(_mix32(ops.bitwise_xor(_mix32(counters + k0), k1)), _uint32(threshold))
             scale = ops.cast(2.0 ** 32 / (2.0 ** 32 - threshold), x.dtype)
             return ops.where(keep, x * scale, ops.zeros_like(x))
-        last = shape[-1]
-        if last % 2:
-            return keras.random.dropout(x, self.rate, seed=self.seed_generator)
+        # Over the flattened tensor, so the mask is the same whether the trace knows the shape or not (a
+        # TensorFlow function retraced with relaxed shapes sees [None, None, ...]): element i takes the low
+        # half of draw i, element half + i the high half.
+        size = ops.size(x)
+        half = (size + 1) // 2
         threshold = int(round(self.rate * (1 << self._BITS)))
-        bits = keras.random.randint(shape[:-1] + (last // 2,), 0, 1 << (2 * self._BITS), dtype="int32",
-                                    seed=self.seed_generator)
+        bits = keras.random.randint((half,), 0, 1 << (2 * self._BITS), dtype="int32", seed=self.seed_generator)
         low = ops.bitwise_and(bits, (1 << self._BITS) - 1)
         high = ops.right_shift(bits, self._BITS)
-        keep = ops.greater_equal(ops.concatenate([low, high], axis=-1), threshold)
+        uniforms = ops.concatenate([low, high], axis=0)[:size]
+        keep = ops.reshape(ops.greater_equal(uniforms, threshold), ops.shape(x))
         scale = ops.cast((1 << self._BITS) / ((1 << self._BITS) - threshold), x.dtype)
         return ops.where(keep, x * scale, ops.zeros_like(x))
 
