@@ -42,3 +42,17 @@ def test_tutorial_runs_end_to_end(name, tmp_path, monkeypatch):
     import glob
 
     assert not glob.glob(os.path.join(TUTORIALS, "hs_err_pid*.log"))  # no JVM crash report in the tree
+
+
+def test_the_readme_command_that_runs_a_notebook_is_installed():
+    """tutorials/README.md's run command named `jupyter nbconvert`, which no extra installed; its command
+    must come with `pip install -e ".[test]"`."""
+    import shutil
+    import subprocess
+
+    readme = open(os.path.join(TUTORIALS, "README.md"), encoding="utf-8").read()
+    line = next(l.strip() for l in readme.splitlines() if l.strip().startswith("jupyter ") and ".ipynb" in l)
+    program, sub = line.split()[:2]
+    assert shutil.which(program), f"{program} is not installed"
+    run = subprocess.run([program, sub, "--help"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-1000:]
