@@ -52,7 +52,6 @@ def train_flops_per_step(config, batch, seq, predictions):
 
 def matmul_peak(dtype: str, n: int = 8192, repeats: int = 10) -> float:
     import jax
-    import jax.numpy as jnp
 
     key = jax.random.PRNGKey(0)
     a = jax.random.normal(key, (n, n), dtype=dtype)
@@ -250,7 +249,7 @@ def hf(model: str, seq: int, batch: int, steps: int, vocab: int, overrides=(), m
         opt = torch.optim.AdamW(net.parameters(), lr=1e-5, fused=device == "cuda")
         forward = torch.compile(net) if mode == "compile" else net
 
-        def step():
+        def step(forward=forward, opt=opt):  # bound now: both are released after this mode
             with torch.autocast(device, dtype=torch.bfloat16):
                 loss = forward(input_ids=ids, token_type_ids=segments, attention_mask=mask, labels=labels,
                                next_sentence_label=nsp).loss
@@ -387,10 +386,12 @@ def run_all(args) -> dict:
     out["hf"] = _child(args, ["hf", "--model", m, "--seq", "128", "--batch", b, "--steps", steps,
                               "--variants", args.variants], clock, 120)
     _save(args, out)
+    from kbert.train.memory import parse_memory
+
     total = _device_bytes()
     out["capped"] = []
     for precision in args.cap_precisions.split(","):
-        env = {"XLA_PYTHON_CLIENT_MEM_FRACTION": f"{min(0.95, parse_bytes(args.cap) / total):.4f}"} if total else {}
+        env = {"XLA_PYTHON_CLIENT_MEM_FRACTION": f"{min(0.95, parse_memory(args.cap) / total):.4f}"} if total else {}
         out["capped"].append(_child(args, ["capped", "--model", m, "--seqs", args.cap_seqs, "--precision", precision,
                                            "--cap", args.cap], clock, 120, env))
         _save(args, out)
@@ -401,12 +402,6 @@ def run_all(args) -> dict:
     _save(args, out)
     report(out)
     return out
-
-
-def parse_bytes(text) -> float:
-    from kbert.train.memory import parse_memory
-
-    return parse_memory(text)
 
 
 def _rows(value):

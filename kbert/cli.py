@@ -85,13 +85,10 @@ def _convert(args):
 
     source = model_dir_of(args.model)
     model = kbert.load_model(source, with_heads=args.with_heads)
-    tokenizer = None
-    for where in (os.path.join(source, TOKENIZER_DIR), source):
-        try:
-            tokenizer = kbert.Tokenizer.load(where)
-            break
-        except (FileNotFoundError, ValueError):
-            continue
+    try:
+        tokenizer = kbert.Tokenizer.from_model_dir(source)
+    except FileNotFoundError:
+        tokenizer = None
     if args.to == "kbert":
         kbert.save_model(model, args.out, tokenizer=tokenizer)
     else:

@@ -24,6 +24,7 @@ from typing import List, Optional, Union
 import numpy as np
 
 SIGNATURES = ("embed", "classify")
+CLASSIFY_TASKS = ("classification", "pair-classification", "regression")  # task dirs `classify` serves
 CHECK_TEXTS = ["대한민국은 민주공화국이다.", "학교에서 공부했다", "", "이 영화 정말 재밌다 ㅋㅋㅋㅋ " * 40,
                "옛한글 ᄒᆞᆫ글과 호환 자모 ㄱㄴㄷ 😀", "BERT와 ALBERT는 Transformer 인코더를 사용합니다."]
 
@@ -141,8 +142,7 @@ def export(model_dir: str, out_dir: str, signature: Optional[str] = None, poolin
 
     meta = read_task_meta(model_dir)
     if signature is None:
-        classifier = meta is not None and meta.get("task") in ("classification", "pair-classification", "regression")
-        signature = "classify" if classifier else "embed"
+        signature = "classify" if meta is not None and meta.get("task") in CLASSIFY_TASKS else "embed"
     if signature not in SIGNATURES:
         raise ValueError(f"`signature` must be one of {SIGNATURES}. Received: signature={signature!r}")
     if not isinstance(version, int) or version < 1:
@@ -162,7 +162,7 @@ def export(model_dir: str, out_dir: str, signature: Optional[str] = None, poolin
     else:
         from kbert.embed.task_model import TaskModel
 
-        if meta is None or meta.get("task") not in ("classification", "pair-classification", "regression"):
+        if meta is None or meta.get("task") not in CLASSIFY_TASKS:
             raise ValueError(f"signature='classify' needs a classification, pair-classification or regression "
                              f"model from `kbert finetune`; {model_dir!r} is "
                              f"{'a ' + meta['task'] + ' model' if meta else 'not a fine-tuned model'}")

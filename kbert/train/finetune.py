@@ -342,14 +342,13 @@ def finetune(model: str, task: str, train, dev=None, out_dir: str = "finetuned",
     train_rows = read_rows(train, columns)
     dev_rows = read_rows(dev, columns) if dev is not None else None
     if task in ("classification", "pair-classification"):
-        labels = [str(x).strip() for x in (labels or sorted({_class_label(r[label_column], "train", i)
-                                                             for i, r in enumerate(train_rows)}))]
+        import collections
+
+        counts = collections.Counter(_class_label(r[label_column], "train", i) for i, r in enumerate(train_rows))
+        labels = [str(x).strip() for x in (labels or sorted(counts))]
         if len(labels) < 2:
             raise ValueError(f"Classification needs at least 2 labels; the training data has {labels}")
         if progress:  # the label set before training: an unexpected class shows here, not in the scores
-            import collections
-
-            counts = collections.Counter(_class_label(r[label_column], "train", i) for i, r in enumerate(train_rows))
             print(f"{len(labels)} labels: " + ", ".join(f"{k!r} ({counts[k]} rows)" for k in labels),
                   file=sys.stderr, flush=True)
     elif task == "tagging":

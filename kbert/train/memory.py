@@ -28,15 +28,15 @@ The coefficients depend on how the train step is executed, so there are two glob
 
 - `"xla"` (kbert's default on one device and on TPU, and what `kbert plan --probe` runs): XLA fuses the elementwise
   work and frees each activation as soon as its gradient is formed, so far fewer tensors are kept and the
-  gradients are never all live at the activation peak. Chosen (round values on a small grid, never
-  underestimating by more than 2%) from 12 peaks measured on an NVIDIA H100 (`benchmarks/gpu.py`, Keras on
-  JAX; benchmarks/README.md has the table): BERT-Base at seq 128 and 512, float32 and bf16, batches 8 to
-  256, plus BERT-Large, BERT-Small and ALBERT-Base (no dropout): every point within +9% / -1%;
+  gradients are never all live at the activation peak. Chosen (round values, never under) on the byte count
+  of XLA's compiled BERT-Base training step, which on a GPU equals the allocator's peak; benchmarks/README.md
+  has the points, the devices and how far each estimate is from them. `kbert plan --exact` reads that byte
+  count for the model and device at hand;
 - `"none"` (op-by-op graph execution, TensorFlow without XLA): the sanity anchor is the 12 GB table in
   google-research/bert's README (TF 1.11, fp32, Adam); one set of round values puts every row within 27%
   (tests check 35%).
 
-Never fitted per row. `kbert plan --probe` measures the real peak on the device at hand.
+Never fitted per row. `kbert plan --probe` confirms the answer with real steps on the device at hand.
 """
 
 from __future__ import annotations
