@@ -34,7 +34,7 @@ def run_arguments(description):
 
 def load_run(args):
     """(pretraining summary, {"pretrained": dir, "random-init": dir}, sorted sizes, train rows, dev rows)."""
-    from kbert.data.corpus import movie_review_sentiment
+    from kbert.data.recipes import movie_review_sentiment
 
     with open(os.path.join(args.run, "pretraining.json"), encoding="utf-8") as f:
         pre = json.load(f)

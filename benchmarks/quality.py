@@ -59,7 +59,7 @@ def stage(out, name, fn):
     return result
 
 
-def dev_movie(movie_id, fraction=0.1):  # the same split rule as kbert.data.corpus.movie_review_sentiment
+def dev_movie(movie_id, fraction=0.1):  # the same split rule as kbert.data.recipes.movie_review_sentiment
     return hashlib.md5(str(movie_id).encode()).digest()[0] / 256.0 < fraction
 
 
@@ -186,7 +186,7 @@ def main():
     os.makedirs(args.out, exist_ok=True)
 
     import kbert
-    from kbert.data.corpus import movie_review_sentiment
+    from kbert.data.recipes import movie_review_sentiment
     from kbert.models.pooling import parse_layers
     from kbert.train.strategy import cpu_has_native_bf16
 

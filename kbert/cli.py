@@ -80,7 +80,7 @@ def _java_version() -> str:
 def _convert(args):
     import kbert
 
-    from kbert.convert import model_dir_of
+    from kbert.models.convert import model_dir_of
     from kbert.models.io import TOKENIZER_DIR
 
     source = model_dir_of(args.model)
@@ -135,7 +135,7 @@ def _corpus_options(args) -> dict:
 
 
 def _corpus_list(args):
-    from kbert.data.corpus import RECIPES
+    from kbert.data.recipes import RECIPES
 
     for name, recipe in RECIPES.items():
         where = ("download: kbert corpus download " + name if recipe.urls else
@@ -156,7 +156,7 @@ def _corpus_stats(args):
 
 
 def _corpus_download(args):
-    from kbert.data.corpus import download
+    from kbert.data.recipes import download
 
     for path in download(args.name, args.dir):
         print(f"downloaded {path}")

@@ -10,7 +10,9 @@ import pytest
 
 import kbert
 from kbert.data import records
-from kbert.data.corpus import Corpus, corpus, split_sentences_rules, strip_wiki_markup
+from kbert.data.corpus import Corpus, corpus
+from kbert.data.sentences import split_sentences_rules
+from kbert.data.wiki import strip_wiki_markup
 from kbert.data.masking import example_keys, make_spec, mask_tokens
 from kbert.data.pairs import build_examples
 from kbert.data.pretraining import pretraining_dataset
@@ -513,7 +515,7 @@ def test_worker_killed_from_outside_raises(tok):
 def test_a_corpus_without_a_download_url_says_where_its_files_go(tmp_path, monkeypatch):
     """README's `movie_review_sentiment(split="train")` pointed to `kbert corpus download movie-reviews`,
     which then said the corpus has no download URL: both now say to pass the files or where to put them."""
-    from kbert.data.corpus import download, movie_review_sentiment
+    from kbert.data.recipes import download, movie_review_sentiment
 
     monkeypatch.setenv("KBERT_DATA", str(tmp_path))
     with pytest.raises(FileNotFoundError) as err:

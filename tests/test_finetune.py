@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import kbert
-from kbert.data.corpus import movie_review_sentiment
+from kbert.data.recipes import movie_review_sentiment
 from kbert.train.finetune import _batches, _Examples, _rank, cosent_loss, pearson, spearman
 from helpers import SHARED, needs_shared
 

@@ -2,7 +2,7 @@
 
     text -> data -> (models) -> train -> embed -> cli        utils.py, workers.py below all of them
 
-- `models/` (and `kbert/convert.py`, its foreign-name translation) imports nothing of text/data/train/embed;
+- `models/` imports nothing of text/data/train/embed;
 - `text/` nothing of data/models/train/embed; `data/` nothing of models/train/embed;
 - `train/` never imports `embed/`, and `embed/` never imports `train/`;
 - no module imports another module's `_private` name; no import cycle between files.
@@ -31,8 +31,6 @@ def layer_of(module: str) -> str:
     parts = module.split(".")
     if len(parts) > 1 and parts[1] in FOLDERS:
         return parts[1]
-    if len(parts) > 1 and parts[1] == "convert":
-        return "models"
     if len(parts) > 1 and parts[1] in ("utils", "workers"):
         return "base"
     return "top"  # cli.py, quickstart.py, the package's lazy __init__.py

@@ -175,7 +175,7 @@ def test_norm_first_matches_transformers_prelayernorm():
     RoBERTa numbers positions from padding_idx + 1 = 2, so kbert's position table is its rows 2 onwards;
     the pre-attention norm is kbert's `attention_norm`, the pre-feed-forward norm `output_norm`.
     """
-    from kbert.convert import hf_to_kbert
+    from kbert.models.convert import hf_to_kbert
     from kbert.models.io import assign_weights
 
     torch.manual_seed(0)

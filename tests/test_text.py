@@ -305,11 +305,11 @@ def _spm_model(tmp_path, name: str, **options) -> str:
     """A 1,500-piece unigram `.model` trained by sentencepiece itself on the test corpus, the way other
     tools ship them: <pad>=0 <unk>=1 [CLS]=2 [SEP]=3 [MASK]=4 and spm's own nmt_nfkc rule unless overridden."""
     import sentencepiece as spm
-    from kbert.text.tokenizer import _iter_lines
+    from kbert.text.vocab import text_lines
 
     lines = tmp_path / "train.txt"
     if not lines.exists():
-        lines.write_text("".join(list(_iter_lines(TRAIN_FILES))[:3000]), encoding="utf-8")
+        lines.write_text("".join(list(text_lines(TRAIN_FILES))[:3000]), encoding="utf-8")
     args = dict(pad_id=0, unk_id=1, bos_id=-1, eos_id=-1, pad_piece="<pad>", control_symbols="[CLS],[SEP],[MASK]")
     args.update(options)
     spm.SentencePieceTrainer.train(input=str(lines), model_prefix=str(tmp_path / name), vocab_size=1500,
@@ -366,23 +366,23 @@ def test_sentencepiece_version_outside_the_pin_warns(monkeypatch):
     from kbert.text import tokenizer as module
 
     assert sentencepiece.__version__ in ("0.2.2", "0.2.3")  # what setup.py pins
-    monkeypatch.setattr(module, "_VERSION_WARNED", [])
+    monkeypatch.setattr(module, "VERSION_WARNED", [])
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        module._check_sentencepiece_version("0.2.3")
+        module.check_sentencepiece_version("0.2.3")
     with pytest.warns(UserWarning, match=r"sentencepiece 0\.2\.1 is installed.*>=0\.2\.2"):
-        module._check_sentencepiece_version("0.2.1")
+        module.check_sentencepiece_version("0.2.1")
 
 
 def test_offsets_from_ids_equal_sentencepiece_protos(tokenizers):
     """kbert's SentencePiece models see the text as given, so `encode` takes offsets from the ids alone
     (pieces spell `▁` + text); SentencePiece's own protos give the same, byte pieces and literal `▁` too."""
-    from kbert.text.tokenizer import _iter_lines
+    from kbert.text.vocab import text_lines
 
     tok = tokenizers[("unigram", None)]
     assert tok._piece_lengths() is not None
     texts = VARIED + ["a 😀 b", "가😀나", "\u2581", "a \u2581 b", "▁▁x", "漢字混用 文章입니다", "x\u200dy", "🇰🇷🏳️‍🌈",
-                      "\ue000", "\ud7fb", "[MASK] [CLS]"] + list(_iter_lines(TRAIN_FILES))[:2000]
+                      "\ue000", "\ud7fb", "[MASK] [CLS]"] + list(text_lines(TRAIN_FILES))[:2000]
     norm = [tok.normalize(t) for t in texts]
     assert tok._walked_pieces(norm) == tok._proto_pieces(norm)
     bpe = tokenizers[("bpe", None)]
@@ -437,9 +437,9 @@ def test_python_wordpiece_ids_match_tensorflow_text_on_reviews(tokenizers):
 
 
 def test_no_unk_for_hangul_seen_in_training(tokenizers):
-    from kbert.text.tokenizer import _iter_lines
+    from kbert.text.vocab import text_lines
 
-    syllables = {ch for line in _iter_lines(TRAIN_FILES) for ch in kbert.normalize(line) if "가" <= ch <= "힣"}
+    syllables = {ch for line in text_lines(TRAIN_FILES) for ch in kbert.normalize(line) if "가" <= ch <= "힣"}
     text = " ".join(sorted(syllables))
     for key in [("unigram", None), ("bpe", None), ("wordpiece", None)]:
         tok = tokenizers[key]

@@ -1,4 +1,4 @@
-"""Korean corpora as documents of sentences: readers, sentence splitting, cleaning and named recipes.
+"""Korean corpora as documents of sentences: `Corpus` reads files and named recipes, cleans, splits and dedupes.
 
 `kbert.corpus(source)` accepts a file, a directory, a glob pattern, a named recipe (`kolaw`, `kobill`,
 `movie-reviews`, `korsts`, `kornli`, `wikipedia-ko`) or a list of them, and yields documents (lists of
@@ -15,6 +15,9 @@ Cleaning happens in two stages so that the expensive part runs on all cores in t
 `raw_documents()` (reading, binary-junk detection, exact-duplicate removal by hash) and `clean(raw)`
 (normalization, sentence splitting, length filters). Iterating a `Corpus` does both; `corpus.report`
 counts what was read and what was dropped, and why.
+
+Sentence splitters live in `sentences.py`, Wikipedia markup in `wiki.py`, named corpora in `recipes.py`
+(re-exported here).
 """
 
 from __future__ import annotations
@@ -25,162 +28,15 @@ import hashlib
 import json
 import os
 import re
-from typing import Callable, Iterator, List, Optional, Sequence, Union
+from typing import Iterator, List, Optional, Sequence, Union
 
+from kbert.data.recipes import RECIPES, download, movie_review_sentiment, recipe_named  # noqa: F401 (re-exported)
+from kbert.data.sentences import SPLITTERS, get_splitter, split_sentences_kiwi, split_sentences_rules  # noqa: F401
+from kbert.data.wiki import strip_wiki_markup, wiki_dump_articles  # noqa: F401
 from kbert.text.normalize import normalize as _normalize
 from kbert.utils import open_text
 
-SPLITTERS = ("rules", "kiwi", "lines")
 DEDUPE = ("document", "sentence", None)
-
-
-# --------------------------------------------------------------------------- sentence splitting
-# A sentence ends at ! ? or a run of them, at an ellipsis after a sentence-final ending, or at a period
-# that follows Hangul, a closing bracket, or a Latin word of 2+ letters (not "U.S." or "2015. 3. 1.");
-# closing quotes and brackets right after the punctuation stay with the sentence.
-_CLOSERS = "\"'”’」』》〉)\\]"
-_END_RE = re.compile(r"([.!?…]+)([" + _CLOSERS + r"]*)(?=\s|$)")
-_FINAL_ENDINGS = set("다요죠네까군함음임냐")
-
-
-def split_sentences_rules(text: str) -> List[str]:
-    """A fast rule-based Korean sentence splitter (no dependencies).
-
-    Example:
-        >>> split_sentences_rules('정말 좋아요. "그래서 또 봤다." 다음에도 볼 거예요... 강추!')
-        ['정말 좋아요.', '"그래서 또 봤다."', '다음에도 볼 거예요...', '강추!']
-    """
-    out, start = [], 0
-    for m in _END_RE.finditer(text):
-        punct = m.group(1)
-        prev = text[m.start() - 1] if m.start() > 0 else ""
-        if set(punct) <= {"."}:
-            if len(punct) >= 2:  # ellipsis written with periods
-                if prev not in _FINAL_ENDINGS:
-                    continue
-            elif not _period_ends(text, m.start()):
-                continue
-        elif punct == "…" and prev not in _FINAL_ENDINGS:
-            continue
-        sentence = text[start:m.end()].strip()
-        if sentence:
-            out.append(sentence)
-        start = m.end()
-    rest = text[start:].strip()
-    if rest:
-        out.append(rest)
-    return out
-
-
-def _period_ends(text: str, i: int) -> bool:
-    j = i
-    while j > 0 and not text[j - 1].isspace():
-        j -= 1
-    word = text[j:i]
-    if not word:
-        return False
-    last = word[-1]
-    if "\uac00" <= last <= "\ud7a3" or last in _CLOSERS or last in "%":
-        return True
-    if last.isdigit():  # "2015. 3. 1." and list numbers
-        return False
-    letters = re.sub(r"[^A-Za-z]", "", word)
-    return len(letters) >= 2 and "." not in word  # "U.S." and single initials do not end a sentence
-
-
-_KIWI = None
-
-
-def split_sentences_kiwi(text: str) -> List[str]:
-    """Sentence splitting with kiwipiepy's `split_into_sents` (pip install kiwipiepy)."""
-    global _KIWI
-    if _KIWI is None:
-        try:
-            from kiwipiepy import Kiwi
-        except ImportError as e:
-            raise ImportError("splitter='kiwi' needs kiwipiepy: pip install kiwipiepy") from e
-        _KIWI = Kiwi()
-    return [s.text.strip() for s in _KIWI.split_into_sents(text) if s.text.strip()]
-
-
-def _get_splitter(splitter) -> Callable[[str], List[str]]:
-    if callable(splitter):
-        return splitter
-    if splitter == "rules":
-        return split_sentences_rules
-    if splitter == "kiwi":
-        return split_sentences_kiwi
-    if splitter in ("lines", None):
-        return lambda text: [text]
-    raise ValueError(f"`splitter` must be one of {SPLITTERS} or a callable. Received: splitter={splitter!r}")
-
-
-# --------------------------------------------------------------------------- Wikipedia markup
-_WIKI_DROP = [
-    re.compile(r"<!--.*?-->", re.S),
-    re.compile(r"<ref[^>/]*/>", re.S),
-    re.compile(r"<ref[^>]*>.*?</ref>", re.S),
-    re.compile(r"<(math|gallery|timeline|score|syntaxhighlight|source)[^>]*>.*?</\1>", re.S | re.I),
-    re.compile(r"\{\|.*?\|\}", re.S),  # tables
-]
-_WIKI_FILE_LINK = re.compile(r"\[\[(?:File|Image|파일|그림|분류|Category):[^\[\]]*(?:\[\[[^\[\]]*\]\][^\[\]]*)*\]\]",
-                             re.I)
-_WIKI_LINK = re.compile(r"\[\[(?:[^\[\]|]*\|)?([^\[\]]*)\]\]")
-_WIKI_EXT_LINK = re.compile(r"\[(?:https?:)?//[^\s\]]+\s?([^\]]*)\]")
-_WIKI_TEMPLATE = re.compile(r"\{\{[^{}]*\}\}")
-_WIKI_TAG = re.compile(r"</?[A-Za-z][^>]*>")
-_WIKI_HEADING = re.compile(r"^=+\s*(.*?)\s*=+\s*$", re.M)
-_WIKI_QUOTES = re.compile(r"'{2,}")
-
-
-def strip_wiki_markup(text: str) -> List[str]:
-    """MediaWiki source -> paragraphs of plain text (templates, tables, references, files, categories,
-    headings and list markers removed; link labels kept)."""
-    for pattern in _WIKI_DROP:
-        text = pattern.sub(" ", text)
-    for _ in range(5):  # nested templates, innermost first
-        text, n = _WIKI_TEMPLATE.subn(" ", text)
-        if not n:
-            break
-    text = _WIKI_FILE_LINK.sub(" ", text)
-    text = _WIKI_LINK.sub(r"\1", text)
-    text = _WIKI_EXT_LINK.sub(r"\1", text)
-    text = _WIKI_TAG.sub(" ", text)
-    text = _WIKI_HEADING.sub("", text)
-    text = _WIKI_QUOTES.sub("", text)
-    text = text.replace("&nbsp;", " ").replace("&amp;", "&").replace("&lt;", "<").replace("&gt;", ">")
-    paragraphs = []
-    for line in text.split("\n"):
-        line = line.strip()
-        if not line or line[0] in "*#:;|!{}" or line.startswith("__"):
-            continue
-        paragraphs.append(line)
-    return paragraphs
-
-
-def _iter_wiki_dump(path: str) -> Iterator[List[str]]:
-    import xml.etree.ElementTree as ET
-
-    from kbert.utils import open_binary
-
-    with open_binary(path) as f:
-        ns = text = None
-        redirect = False
-        for _, elem in ET.iterparse(f, events=("end",)):
-            tag = elem.tag.rsplit("}", 1)[-1]
-            if tag == "ns":
-                ns = elem.text
-            elif tag == "redirect":
-                redirect = True
-            elif tag == "text":
-                text = elem.text or ""
-            elif tag == "page":
-                if ns in (None, "0") and not redirect and text and not text.lstrip().lower().startswith(
-                        ("#redirect", "#넘겨주기")):
-                    yield strip_wiki_markup(text)
-                ns = text = None
-                redirect = False
-                elem.clear()
 
 
 # --------------------------------------------------------------------------- report
@@ -227,127 +83,6 @@ def _looks_binary(text: str) -> bool:
     if _BINARY_CHARS.search(text) is None:  # almost every line: no per-character Python loop
         return False
     return len(_BINARY_CHARS.findall(text)) > max(2, len(text) // 10)
-
-
-# --------------------------------------------------------------------------- recipes
-def _konlpy_files(name: str) -> List[str]:
-    try:
-        import konlpy
-    except ImportError as e:
-        raise ImportError(f"The {name!r} corpus ships with konlpy: pip install konlpy") from e
-    folder = os.path.join(os.path.dirname(konlpy.__file__), "data", "corpus", name)
-    files = sorted(glob.glob(os.path.join(folder, "*.txt")))
-    if not files:
-        raise FileNotFoundError(f"konlpy's {name!r} corpus is missing from {folder}")
-    return files
-
-
-def data_home() -> str:
-    """Where `kbert corpus download` puts data: $KBERT_DATA, else ~/.cache/kbert/corpora."""
-    return os.environ.get("KBERT_DATA") or os.path.join(os.path.expanduser("~"), ".cache", "kbert", "corpora")
-
-
-@dataclasses.dataclass(frozen=True)
-class Recipe:
-    name: str
-    description: str
-    files: Callable[[Optional[str]], List[str]]  # path override -> files
-    options: dict
-    urls: Sequence[str] = ()
-
-    def readme(self) -> str:
-        return f"corpora/{self.name}/README.md"
-
-
-def _find(name: str, filenames: Sequence[str], path: Optional[str]) -> List[str]:
-    """The recipe's files under `path` (a file or dir), else under data_home()/name."""
-    candidates = [path] if path else [os.path.join(data_home(), name)]
-    for base in candidates:
-        if base and os.path.isfile(base):
-            return [base]
-        if base and os.path.isdir(base):
-            found = [os.path.join(base, f) for f in filenames if os.path.exists(os.path.join(base, f))]
-            if found:
-                return found
-    recipe = RECIPES.get(name)
-    fetch = (f"run `kbert corpus download {name}`" if recipe is not None and recipe.urls else
-             f"put the files at {os.path.join(data_home(), name)} ($KBERT_DATA/{name}): it has no download URL")
-    raise FileNotFoundError(
-        f"Corpus {name!r} not found at {candidates[0]!r}: pass path=... (a file or the folder holding "
-        f"{', '.join(filenames)}), or {fetch}; see corpora/{name}/README.md")
-
-
-RECIPES = {
-    "kolaw": Recipe("kolaw", "Korean constitution (konlpy, offline)", lambda p: _konlpy_files("kolaw"),
-                    {"format": "text", "file_is_document": True}),
-    "kobill": Recipe("kobill", "Korean National Assembly bills (konlpy, offline)",
-                     lambda p: _konlpy_files("kobill"), {"format": "text", "file_is_document": True}),
-    "movie-reviews": Recipe(
-        "movie-reviews", "Naver movie reviews, one document per movie",
-        lambda p: _find("movie-reviews", ["reviews.tsv.gz", "reviews.tsv"], p),
-        {"format": "tsv", "column": "text", "group_by": "movie_id"}),
-    "korsts": Recipe(
-        "korsts", "KorSTS sentence pairs (each sentence a one-sentence document)",
-        lambda p: _find("korsts", ["sts-train.tsv", "sts-dev.tsv"], p),
-        {"format": "tsv", "column": ["sentence1", "sentence2"], "dedupe": "sentence"},
-        urls=tuple(f"https://raw.githubusercontent.com/kakaobrain/KorNLUDatasets/master/KorSTS/{f}"
-                   for f in ("sts-train.tsv", "sts-dev.tsv", "sts-test.tsv"))),
-    "kornli": Recipe(
-        "kornli", "KorNLI premises and hypotheses (each sentence a one-sentence document)",
-        lambda p: _find("kornli", ["multinli.train.ko.tsv", "snli_1.0_train.ko.tsv", "xnli.dev.ko.tsv"], p),
-        {"format": "tsv", "column": ["sentence1", "sentence2"], "dedupe": "sentence"},
-        urls=tuple(f"https://raw.githubusercontent.com/kakaobrain/KorNLUDatasets/master/KorNLI/{f}"
-                   for f in ("multinli.train.ko.tsv", "snli_1.0_train.ko.tsv", "xnli.dev.ko.tsv",
-                             "xnli.test.ko.tsv"))),
-    "wikipedia-ko": Recipe(
-        "wikipedia-ko", "Korean Wikipedia articles from a pages-articles dump",
-        lambda p: _find("wikipedia-ko", ["kowiki-latest-pages-articles.xml.bz2"], p),
-        {"format": "wiki"},
-        urls=("https://dumps.wikimedia.org/kowiki/latest/kowiki-latest-pages-articles.xml.bz2",)),
-}
-
-
-def download(name: str, directory: Optional[str] = None, progress: bool = True) -> List[str]:
-    """Downloads a recipe's files (only ever called explicitly: `kbert corpus download NAME`)."""
-    import shutil
-    import urllib.request
-
-    recipe = _recipe(name)
-    if not recipe.urls:
-        raise ValueError(f"Corpus {name!r} has no download URL ({recipe.description}): pass its files with "
-                         f"path=... (--path), or put them at {os.path.join(data_home(), name)}; see {recipe.readme()}")
-    directory = directory or os.path.join(data_home(), name)
-    os.makedirs(directory, exist_ok=True)
-    paths = []
-    for url in recipe.urls:
-        target = os.path.join(directory, url.rsplit("/", 1)[-1])
-        if os.path.exists(target):
-            paths.append(target)
-            continue
-        partial = target + ".part"
-        from kbert.utils import progress_bar
-
-        with urllib.request.urlopen(url) as response, open(partial, "wb") as out:
-            total = int(response.headers.get("Content-Length") or 0) or None
-            bar = progress_bar(total, desc=os.path.basename(target), unit="B", enabled=progress)
-            while True:
-                chunk = response.read(1 << 20)
-                if not chunk:
-                    break
-                out.write(chunk)
-                bar.update(len(chunk))
-            bar.close()
-        os.replace(partial, target)
-        if target.endswith(".zip"):
-            shutil.unpack_archive(target, directory)
-        paths.append(target)
-    return paths
-
-
-def _recipe(name: str) -> Recipe:
-    if name not in RECIPES:
-        raise ValueError(f"Unknown corpus {name!r}; named corpora are {sorted(RECIPES)} (or pass a path)")
-    return RECIPES[name]
 
 
 # --------------------------------------------------------------------------- the corpus
@@ -407,7 +142,7 @@ class Corpus:
         self.sources = [os.fspath(s) for s in sources]
         self.format, self.text_field, self.column, self.group_by = format, text_field, column, group_by
         self.splitter = splitter
-        self._split = _get_splitter(splitter)
+        self._split = get_splitter(splitter)
         self.normalize_options = normalize if isinstance(normalize, dict) else ({} if normalize else None)
         self.min_chars, self.max_chars, self.dedupe, self.path = min_chars, max_chars, dedupe, path
         self.file_is_document = file_is_document
@@ -442,7 +177,7 @@ class Corpus:
         fmt = options.get("format") or self.format or _detect_format(path)
         try:
             if fmt == "wiki":
-                yield from _iter_wiki_dump(path)
+                yield from wiki_dump_articles(path)
             elif fmt == "jsonl":
                 yield from self._read_jsonl(path, options.get("text_field", self.text_field), report)
             elif fmt == "tsv":
@@ -598,7 +333,7 @@ class Corpus:
 
     def __setstate__(self, state):
         self.__dict__.update(state)
-        self._split = _get_splitter(self.splitter)
+        self._split = get_splitter(self.splitter)
 
 
 def corpus(sources, **options) -> Corpus:
@@ -606,43 +341,3 @@ def corpus(sources, **options) -> Corpus:
     if isinstance(sources, Corpus):
         return sources
     return Corpus(sources, **options)
-
-
-
-def movie_review_sentiment(path: Optional[str] = None, split: str = "train", limit: Optional[int] = None,
-                           dev_fraction: float = 0.1, seed: int = 0) -> List[dict]:
-    """A balanced binary sentiment set built from the movie-review recipe the way NSMC was: non-empty
-    reviews of at most 140 characters, ratings 1-4 labelled "0" (negative), 9-10 labelled "1" (positive).
-
-    Movies (not reviews) are split between `split="train"` and `"dev"` by a hash of the movie id, so no
-    movie's reviews leak across; the majority class is down-sampled to the minority's size, and rows come
-    shuffled with `seed`. Returns dicts with `text` and `label` (what `kbert.finetune` reads).
-    """
-    import csv
-    import random
-
-    if split not in ("train", "dev"):
-        raise ValueError(f"`split` must be 'train' or 'dev'. Received: split={split!r}")
-    files = _find("movie-reviews", ["reviews.tsv.gz", "reviews.tsv"], path)
-    by_label = {"0": [], "1": []}
-    for file in files:
-        with open_text(file) as f:
-            for row in csv.DictReader(f, delimiter="\t", quoting=csv.QUOTE_NONE):
-                text = (row.get("text") or "").strip()
-                try:
-                    rating = int(row.get("rating") or 0)
-                except ValueError:
-                    continue
-                if not text or len(text) > 140 or 5 <= rating <= 8 or rating < 1:
-                    continue
-                digest = hashlib.md5(str(row.get("movie_id")).encode()).digest()[0] / 256.0
-                if (digest < dev_fraction) != (split == "dev"):
-                    continue
-                by_label["1" if rating >= 9 else "0"].append(text)
-    rng = random.Random(seed)
-    size = min(len(v) for v in by_label.values())
-    if limit is not None:
-        size = min(size, limit // 2)
-    rows = [{"text": t, "label": label} for label, texts in by_label.items() for t in rng.sample(texts, size)]
-    rng.shuffle(rows)
-    return rows

@@ -5,7 +5,7 @@ Two kinds of vocabulary, each with a Python path and an in-graph path that give 
   tensorflow-text's `FastSentencepieceTokenizer`, which is sentencepiece's own Viterbi (same float32
   arithmetic, same tie-breaking) at twice the speed of its `SentencepieceTokenizer` op, with lines holding
   characters outside the vocabulary re-encoded in the graph as sentencepiece scores them
-  (`Tokenizer._unigram_graph`); BPE models run `SentencepieceTokenizer`. The same model proto in both.
+  (`kbert.text.fast_unigram`); BPE models run `SentencepieceTokenizer`. The same model proto in both.
 - WordPiece (`vocab.txt`, as KLUE-BERT and KcBERT ship): tensorflow-text `FastBertTokenizer` (BERT's
   punctuation splitting + greedy longest-match WordPiece), run eagerly for Python calls that need offsets;
   `ids_batch` (the pretraining pipeline's path) gives the same ids in pure Python (`kbert.text.wordpiece`),
@@ -24,18 +24,16 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from typing import Iterable, List, NamedTuple, Optional, Sequence, Union
 
 import numpy as np
 
+from kbert.text.fast_unigram import add_specials, fast_unigram_ids, fast_unigram_parts, is_unigram, specials_as_bos_eos
 from kbert.text.normalize import normalize, tf_normalize
+from kbert.text.vocab import ALGORITHMS, JOINER, SPECIAL_TOKENS, train_vocabulary  # noqa: F401 (re-exported)
 from kbert.text.wordpiece import WordPieceIds
 from kbert.utils import no_gc
 
-SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
-ALGORITHMS = ("unigram", "bpe", "wordpiece")
-JOINER = "\ue000"  # marks a morpheme that continues an eojeol (no space before it)
 CONFIG_FILE = "tokenizer.json"
 SPM_FILE = "spm.model"
 VOCAB_FILE = "vocab.txt"
@@ -53,10 +51,6 @@ class Encoding(NamedTuple):
     tokens: List[str]
     offsets: List[tuple]
     normalized: str
-
-
-def _is_hangul_syllable(ch: str) -> bool:
-    return "\uac00" <= ch <= "\ud7a3"
 
 
 class Tokenizer:
@@ -84,7 +78,7 @@ class Tokenizer:
         if kind == "sentencepiece":
             import sentencepiece as spm
 
-            _check_sentencepiece_version(spm.__version__)
+            check_sentencepiece_version(spm.__version__)
             self._spm_proto = bytes(model)
             self._sp = spm.SentencePieceProcessor(model_proto=self._encoder_proto())
             self.vocab = [self._sp.id_to_piece(i) for i in range(self._sp.get_piece_size())]
@@ -481,69 +475,33 @@ class Tokenizer:
         return self._graph
 
     def _unigram_graph(self):
-        """For plain unigram SentencePiece models: tensorflow-text's `FastSentencepieceTokenizer` pair
-        (with and without [CLS]/[SEP]) plus what decides which lines it may answer; None for other models.
-
-        The fast op runs the same Viterbi as sentencepiece >= 0.2.2's encoder (float32 scores, candidates
-        in the same order, a strict comparison), so on these models it gives sentencepiece's ids, ties
-        between equal-score segmentations included, checked on every one of 637,843 movie reviews.
-        Where the two differ, `_graph_ids` steps in: the fast op has no byte fallback and scores an unknown
-        character per byte, so lines with characters outside the vocabulary are encoded again with a
-        placeholder piece scored as sentencepiece's unknown node (`_unknown_rows`); sentencepiece rebases
-        its running score past |1e5| and the op does not, so lines that long go to sentencepiece itself.
-        The model qualifies when the op reads it as sentencepiece does: unigram, no
-        precompiled normalization map (kbert normalizes first), no unused pieces, and every character of
-        a piece is a piece of its own (so sentencepiece scores an unknown character only where no piece
-        could cover it)."""
+        """For plain unigram SentencePiece models: the parts of the fast unigram op path
+        (`kbert.text.fast_unigram`); None for other models."""
         if self._graph_unigram is None:
             self._graph_unigram = False
             if self.kind == "sentencepiece" and not self.morphemes:
-                self._graph_unigram = _fast_unigram_parts(self._encoder_proto(), self.cls_id, self.sep_id) or False
+                self._graph_unigram = fast_unigram_parts(self._encoder_proto(), self.cls_id, self.sep_id) or False
         return self._graph_unigram or None
 
     def _graph_ids(self, normalized, add_special_tokens: bool, portable: bool):
-        """Ids of a 1-D batch of normalized strings from the fast unigram op. Lines with characters
-        outside the vocabulary are encoded again in the graph with each such character standing for
-        sentencepiece's unknown node (`_unknown_rows`); lines too long for the op to follow sentencepiece
-        (see `_unigram_graph`, none in ordinary text) go to sentencepiece in Python (`tf.numpy_function`)
-        or, in a `portable` graph, to tensorflow-text's SentencePiece op."""
-        import tensorflow as tf
-
-        parts = self._unigram_graph()
-        key = "special" if add_special_tokens else "plain"
-        ids = parts[key].tokenize(normalized)
-        values, splits = ids.values, tf.cast(ids.row_splits, tf.int64)
-        count = tf.concat([[0], tf.cumsum(tf.cast(tf.gather(parts["bad"], values), tf.int32))], 0)
-        long = tf.strings.length(normalized) > parts["max_bytes"]
-        unknown = tf.logical_and(tf.gather(count, splits[1:]) > tf.gather(count, splits[:-1]), tf.logical_not(long))
-        rows_u, rows_l = tf.where(unknown)[:, 0], tf.where(long)[:, 0]
-        flat_u, lengths_u = _unknown_rows(parts, key, tf.gather(normalized, rows_u))
-        texts_l = tf.gather(normalized, rows_l)
+        """Ids of a 1-D batch of normalized strings from the fast unigram op (`fast_unigram_ids`); the rare
+        lines too long for it go to sentencepiece in Python (`tf.numpy_function`) or, in a `portable` graph,
+        to tensorflow-text's SentencePiece op."""
         if portable:
             special = self._graph_with_specials() if add_special_tokens else None
 
-            def slow():
-                r = (special or self._graph_tokenizer()).tokenize(texts_l).with_row_splits_dtype(tf.int64)
+            def slow(texts):
+                import tensorflow as tf
+
+                r = (special or self._graph_tokenizer()).tokenize(texts).with_row_splits_dtype(tf.int64)
                 if add_special_tokens and special is None:
-                    r = _add_specials(r, self.cls_id, self.sep_id)
+                    r = add_specials(r, self.cls_id, self.sep_id)
                 return r.values, r.row_lengths()
         else:
-            def slow():
-                r = self._py_ids(texts_l, add_special_tokens)
+            def slow(texts):
+                r = self._py_ids(texts, add_special_tokens)
                 return r.values, r.row_lengths()
-        flat_l, lengths_l = tf.cond(tf.size(rows_l) > 0, slow,
-                                    lambda: (tf.zeros([0], tf.int32), tf.zeros([0], tf.int64)))
-        rows = tf.concat([rows_u, rows_l], 0)
-        other_values, other_lengths = tf.concat([flat_u, flat_l], 0), tf.concat([lengths_u, lengths_l], 0)
-        # Row i of the result: row i of `ids`, or for a redone line its row of `other`. Every output value
-        # is gathered from [ids.values; other values] at its position plus its row's shift.
-        other_starts = tf.cumsum(other_lengths, exclusive=True)
-        lengths = tf.tensor_scatter_nd_update(splits[1:] - splits[:-1], rows[:, None], other_lengths)
-        base = tf.tensor_scatter_nd_update(splits[:-1], rows[:, None],
-                                           tf.size(values, out_type=tf.int64) + other_starts)
-        shift = tf.repeat(base - tf.cumsum(lengths, exclusive=True), lengths)
-        out = tf.gather(tf.concat([values, other_values], 0), tf.range(tf.size(shift, out_type=tf.int64)) + shift)
-        return tf.RaggedTensor.from_row_lengths(out, lengths, validate=False)
+        return fast_unigram_ids(self._unigram_graph(), normalized, add_special_tokens, slow)
 
     def _graph_with_specials(self):
         """Plain SentencePiece whose [CLS]/[SEP] are control pieces: an op that adds them itself (as
@@ -558,7 +516,7 @@ class Tokenizer:
 
                 proto = sentencepiece_model_pb2.ModelProto()
                 proto.ParseFromString(self._encoder_proto())
-                _specials_as_bos_eos(proto, self.cls_id, self.sep_id)
+                specials_as_bos_eos(proto, self.cls_id, self.sep_id)
                 with tf.init_scope():
                     self._graph_special = tf_text.SentencepieceTokenizer(
                         model=proto.SerializeToString(), out_type=tf.int32, add_bos=True, add_eos=True)
@@ -569,7 +527,7 @@ class Tokenizer:
 
         Same ids as `encode(...).ids`. Morpheme-aware tokenizers call their analyzer through
         `tf.numpy_function` (Python) before the in-graph subword model. Unigram SentencePiece models run
-        tensorflow-text's fast unigram op (see `_unigram_graph`); a line over ~3.5 KB goes to sentencepiece
+        tensorflow-text's fast unigram op (`kbert.text.fast_unigram`); a line over ~3.5 KB goes to sentencepiece
         through `tf.numpy_function`.
 
         `portable=True` builds a graph without Python (for a SavedModel): such a line then goes through
@@ -599,7 +557,7 @@ class Tokenizer:
         if self._unigram_graph():
             ids = self._graph_ids(normalized, add_special_tokens, portable)
             return ids[0] if scalar else ids
-        if self.kind == "sentencepiece" and not self.morphemes and not portable and _is_unigram(self._spm_proto):
+        if self.kind == "sentencepiece" and not self.morphemes and not portable and is_unigram(self._spm_proto):
             ids = self._py_ids(normalized, add_special_tokens)  # a model the fast op cannot read exactly
             return ids[0] if scalar else ids
         special = self._graph_with_specials() if add_special_tokens else None
@@ -607,7 +565,7 @@ class Tokenizer:
         if isinstance(ids, tf.RaggedTensor) and ids.ragged_rank > 1:  # [batch, words or morphemes, pieces]
             ids = ids.merge_dims(1, 2)
         if add_special_tokens and special is None:
-            ids = _add_specials(ids, self.cls_id, self.sep_id)
+            ids = add_specials(ids, self.cls_id, self.sep_id)
         return ids[0] if scalar else ids
 
     def _py_ids(self, texts, add_special_tokens: bool):
@@ -765,60 +723,23 @@ class Tokenizer:
             ValueError: unknown algorithm, no text, or a `vocab_size` the corpus cannot fill (the
                 message says the largest size that works).
         """
-        if algorithm not in ALGORITHMS:
-            raise ValueError(f"`algorithm` must be one of {ALGORITHMS}. Received: algorithm={algorithm!r}")
-        if not isinstance(vocab_size, int) or vocab_size <= len(SPECIAL_TOKENS) + len(user_defined_symbols):
-            raise ValueError(f"`vocab_size` must be an integer larger than the {len(SPECIAL_TOKENS)} special "
-                             f"tokens and user symbols. Received: vocab_size={vocab_size!r}")
-        import sentencepiece as spm
-
         helper = cls.__new__(cls)  # only for normalize/presplit with these options
         helper.form, helper.repeat, helper.lowercase = form, repeat, lowercase
         helper.morphemes, helper._analyzer = morphemes, None
         helper.kind = "wordpiece" if algorithm == "wordpiece" else "sentencepiece"
-        lines, hangul, n_lines = _prepare_training_text(helper, inputs, min_line_chars, progress)
-        if n_lines == 0:
-            raise ValueError("Tokenizer.train found no text in `inputs` (empty files or only whitespace)")
-        try:
-            spm_args = dict(
-                input=lines, model_type="bpe" if algorithm in ("bpe", "wordpiece") else "unigram",
-                vocab_size=vocab_size,
-                pad_id=0, pad_piece="[PAD]", unk_id=1, unk_piece="[UNK]", bos_id=-1, eos_id=-1,
-                control_symbols=["[CLS]", "[SEP]", "[MASK]"], user_defined_symbols=list(user_defined_symbols),
-                character_coverage=character_coverage, required_chars="".join(sorted(hangul)),
-                normalization_rule_name="identity", remove_extra_whitespaces=False, add_dummy_prefix=True,
-                input_sentence_size=max_sentences, shuffle_input_sentence=True, max_sentence_length=1 << 16,
-                num_threads=os.cpu_count() or 1, train_extremely_large_corpus=False,
-                minloglevel=2, hard_vocab_limit=True, split_digits=False,
-                # Characters outside the vocabulary become UTF-8 byte pieces instead of [UNK], so any
-                # text round-trips (WordPiece cannot use byte pieces and keeps [UNK]).
-                byte_fallback=algorithm != "wordpiece",
-            )
-            if spm_args["model_type"] == "unigram":
-                # SentencePiece's defaults (a 1M-piece seed vocabulary, 2 EM sub-iterations per pruning
-                # round) spend half the training time for nothing measurable: on 617K movie reviews at 32K,
-                # a 200K seed with 1 sub-iteration trained in 0.49x the time with 17.38 vs 17.40 held-out
-                # tokens per review (benchmarks/README.md). The seed stays >= 8x the vocabulary.
-                spm_args.update(seed_sentencepiece_size=min(1_000_000, max(200_000, 8 * vocab_size)),
-                                num_sub_iterations=1)
-            if helper._segmented:  # no piece crosses a morpheme boundary
-                spm_args["pretokenization_delimiter"] = JOINER
-            model = _train_spm(spm, spm_args, progress, extra=spm_args["vocab_size"] - vocab_size)
-            if helper._segmented:
-                model = _drop_piece(model, JOINER, vocab_size)
-        finally:
-            os.remove(lines)
-        if algorithm != "wordpiece":
-            return cls("sentencepiece", model, morphemes=morphemes, form=form, repeat=repeat, lowercase=lowercase)
-        return cls("wordpiece", _spm_to_wordpiece(model, vocab_size, user_defined_symbols), morphemes=morphemes,
-                   form=form, repeat=repeat, lowercase=lowercase)
+        kind, model = train_vocabulary(
+            inputs, vocab_size, algorithm, normalize=helper.normalize, analyze=helper._morphemes_batch,
+            training_line=helper._training_line, split_morphemes=bool(morphemes), segmented=helper._segmented,
+            user_defined_symbols=user_defined_symbols, character_coverage=character_coverage,
+            max_sentences=max_sentences, min_line_chars=min_line_chars, progress=progress)
+        return cls(kind, model, morphemes=morphemes, form=form, repeat=repeat, lowercase=lowercase)
 
 
 # -------------------------------------------------------------------------------------- helpers
-_VERSION_WARNED = []
+VERSION_WARNED = []
 
 
-def _check_sentencepiece_version(version: str):
+def check_sentencepiece_version(version: str):
     """sentencepiece 0.2.2 changed how unigram ties between equal-score segmentations are broken (`..` +
     `...` vs `...` + `..`); kbert's in-graph unigram path follows 0.2.2-0.2.3, so with an older version
     Python ids differ from `ds.map(tok)` on runs like `.....` (0.6% of movie reviews)."""
@@ -826,158 +747,13 @@ def _check_sentencepiece_version(version: str):
         older = tuple(int(x) for x in version.split(".")[:3]) < (0, 2, 2)
     except ValueError:
         return
-    if older and not _VERSION_WARNED:
+    if older and not VERSION_WARNED:
         import warnings
 
-        _VERSION_WARNED.append(version)
+        VERSION_WARNED.append(version)
         warnings.warn(f"sentencepiece {version} is installed; kbert needs >=0.2.2 (setup.py pins it) for "
                       "Python ids equal to the in-graph tokenizer's: pip install 'sentencepiece>=0.2.2,<0.2.4'",
                       stacklevel=3)
-
-
-def _add_specials(ids, cls_id: int, sep_id: int):
-    """[CLS] + row + [SEP] for every row of a ragged [batch, (n)] int32 tensor."""
-    import tensorflow as tf
-
-    n = ids.nrows()
-    cls = tf.RaggedTensor.from_tensor(tf.fill([n, 1], tf.constant(cls_id, tf.int32)))
-    sep = tf.RaggedTensor.from_tensor(tf.fill([n, 1], tf.constant(sep_id, tf.int32)))
-    return tf.concat([cls.with_row_splits_dtype(ids.row_splits.dtype), ids,
-                      sep.with_row_splits_dtype(ids.row_splits.dtype)], axis=1)
-
-
-def _specials_as_bos_eos(proto, cls_id: int, sep_id: int):
-    """Points a ModelProto's BOS/EOS at [CLS]/[SEP], so an op that adds BOS/EOS adds them."""
-    spec = proto.trainer_spec
-    spec.bos_id, spec.bos_piece = cls_id, proto.pieces[cls_id].piece
-    spec.eos_id, spec.eos_piece = sep_id, proto.pieces[sep_id].piece
-
-
-def _is_unigram(model: bytes) -> bool:
-    from sentencepiece import sentencepiece_model_pb2
-
-    proto = sentencepiece_model_pb2.ModelProto()
-    proto.ParseFromString(model)
-    return proto.trainer_spec.model_type == sentencepiece_model_pb2.TrainerSpec.UNIGRAM
-
-
-def _fast_unigram_parts(model: bytes, cls_id: int, sep_id: int):
-    """tensorflow-text `FastSentencepieceTokenizer`s for a unigram model they read as sentencepiece does
-    (see `Tokenizer._unigram_graph`), a table of the ids that send a line to sentencepiece, and the longest
-    normalized line (bytes) whose running score stays inside sentencepiece's 1e5 rebasing threshold; or
-    None when the model does not qualify."""
-    import tensorflow as tf
-    import tensorflow_text as tf_text
-    from sentencepiece import sentencepiece_model_pb2 as pb
-
-    proto = pb.ModelProto()
-    proto.ParseFromString(model)
-    kinds = pb.ModelProto.SentencePiece
-    norm = proto.normalizer_spec
-    if proto.trainer_spec.model_type != pb.TrainerSpec.UNIGRAM or norm.precompiled_charsmap \
-            or proto.trainer_spec.treat_whitespace_as_suffix or not norm.escape_whitespaces:
-        return None
-    if any(p.type == kinds.UNUSED for p in proto.pieces):
-        return None
-    scored = [p for p in proto.pieces if p.type in (kinds.NORMAL, kinds.USER_DEFINED)]
-    singles = {p.piece for p in scored if len(p.piece) == 1}
-    if not scored or "\u2581" not in singles or any(ch not in singles for p in scored for ch in p.piece):
-        return None
-    # sentencepiece >= 0.2.2 scores a user-defined piece 0.1 * (bytes - 1) as a float32; the fast op reads
-    # the stored score, so the copy it gets carries that score.
-    for p in proto.pieces:
-        if p.type == kinds.USER_DEFINED:
-            p.score = float(np.float32(0.1 * (len(p.piece.encode("utf-8")) - 1)))
-    min_score = min((p.score for p in proto.pieces if p.type == kinds.NORMAL), default=0.0)
-    per_piece = max(abs(min_score - 10.0), max(abs(p.score) for p in scored))
-    bad = np.array([p.type not in (kinds.NORMAL, kinds.USER_DEFINED) and i not in (cls_id, sep_id)
-                    for i, p in enumerate(proto.pieces)])
-    # Lines with a character no piece covers are encoded again with every such character replaced by a
-    # placeholder that is a piece scored as sentencepiece scores its unknown node (min score - 10, in
-    # float32); the placeholder's id then becomes the character's UTF-8 byte pieces (byte fallback) or
-    # [UNK] (runs of them merged into one, as sentencepiece does).
-    cps = sorted(ord(c) for c in singles | {" "})
-    placeholder = next(chr(c) for c in range(0xF8FF, 0xE000, -1) if chr(c) not in singles)
-    unk_id = next(i for i, p in enumerate(proto.pieces) if p.type == kinds.UNKNOWN)
-    byte_ids = {p.piece: i for i, p in enumerate(proto.pieces) if p.type == kinds.BYTE}
-    byte_table = [byte_ids.get(f"<0x{b:02X}>", -1) for b in range(256)]
-    byte_fallback = proto.trainer_spec.byte_fallback and min(byte_table) >= 0
-    models = {}
-    for key, specials in (("plain", False), ("special", True)):
-        if specials:
-            _specials_as_bos_eos(proto, cls_id, sep_id)
-        models[key] = proto.SerializeToString()
-        extended = pb.ModelProto()
-        extended.CopyFrom(proto)
-        extended.pieces.add(piece=placeholder, score=float(np.float32(min_score) - np.float32(10.0)),
-                            type=kinds.NORMAL)
-        models[key + "_unknown"] = extended.SerializeToString()
-    try:
-        with tf.init_scope():
-            parts = {key: tf_text.FastSentencepieceTokenizer(m, add_bos=key.startswith("special"),
-                                                             add_eos=key.startswith("special"))
-                     for key, m in models.items()}
-            parts.update(bad=tf.constant(bad), max_bytes=int(0.9e5 / per_piece) - 3,
-                         known=_char_class(cps), placeholder=placeholder, placeholder_id=len(proto.pieces),
-                         unk_id=unk_id, byte_table=tf.constant(byte_table, tf.int32) if byte_fallback else None)
-            return parts
-    except Exception:  # a model the converter refuses
-        return None
-
-
-def _char_class(codepoints) -> str:
-    """An RE2 character class body (no brackets) for sorted code points, as ranges."""
-    ranges, start, prev = [], codepoints[0], codepoints[0]
-    for c in codepoints[1:] + [None]:
-        if c is not None and c == prev + 1:
-            prev = c
-            continue
-        ranges.append(f"\\x{{{start:X}}}" + (f"-\\x{{{prev:X}}}" if prev > start else ""))
-        if c is not None:
-            start = prev = c
-    return "".join(ranges)
-
-
-def _unknown_rows(parts, key: str, texts):
-    """(flat int32 ids, int64 row lengths) for normalized lines holding characters outside the
-    vocabulary, as sentencepiece encodes them (see `_fast_unigram_parts`)."""
-    import tensorflow as tf
-
-    known = parts["known"]
-    mapped = tf.strings.regex_replace(texts, f"[^{known}]", parts["placeholder"])
-    ids = parts[key + "_unknown"].tokenize(mapped)
-    values, rowids = ids.values, tf.cast(ids.value_rowids(), tf.int64)
-    is_ph = tf.equal(values, parts["placeholder_id"])
-    if parts["byte_table"] is None:  # [UNK], one per run of unknown characters
-        previous = tf.concat([[False], is_ph[:-1]], 0)
-        same_row = tf.concat([[False], tf.equal(rowids[1:], rowids[:-1])], 0)
-        keep = tf.logical_not(tf.logical_and(is_ph, tf.logical_and(previous, same_row)))
-        out = tf.where(is_ph, tf.constant(parts["unk_id"], tf.int32), values)
-        lengths = tf.math.unsorted_segment_sum(tf.cast(keep, tf.int64), rowids, tf.size(texts, out_type=tf.int64))
-        return tf.boolean_mask(out, keep), lengths
-    # Byte fallback: the k-th placeholder of the batch is the k-th unknown character of the batch.
-    chars = tf.strings.unicode_split(tf.strings.regex_replace(texts, f"[{known}]", ""), "UTF-8").flat_values
-    char_bytes = tf.strings.bytes_split(chars)
-    byte_ids = tf.gather(parts["byte_table"],
-                         tf.cast(tf.reshape(tf.io.decode_raw(char_bytes.flat_values, tf.uint8), [-1]), tf.int32))
-    char_len, char_start = char_bytes.row_lengths(), char_bytes.row_splits[:-1]
-    rank = tf.maximum(tf.cumsum(tf.cast(is_ph, tf.int64)) - 1, 0)
-    width = tf.where(is_ph, _safe_gather(char_len, rank), 1)
-    source = tf.repeat(tf.range(tf.size(values, out_type=tf.int64)), width)
-    within = tf.range(tf.size(source, out_type=tf.int64)) - tf.repeat(tf.cumsum(width, exclusive=True), width)
-    byte_at = _safe_gather(char_start, tf.gather(rank, source)) + within
-    out = tf.where(tf.gather(is_ph, source), _safe_gather(byte_ids, byte_at), tf.gather(values, source))
-    lengths = tf.math.unsorted_segment_sum(width, rowids, tf.size(texts, out_type=tf.int64))
-    return out, lengths
-
-
-def _safe_gather(params, indices):
-    """`tf.gather` that reads index 0 of an empty `params` (or past its end) as 0: the rows where the
-    index is meaningless are masked out by the caller."""
-    import tensorflow as tf
-
-    padded = tf.concat([params, tf.zeros([1], params.dtype)], 0)
-    return tf.gather(padded, tf.minimum(indices, tf.cast(tf.size(params), indices.dtype)))
 
 
 def _byte_to_char(text: str) -> List[int]:
@@ -1021,172 +797,3 @@ def _read_model(path: str, kind: str):
         raise ValueError(f"{path} is an empty vocabulary")
     return vocab
 
-
-def _undecodable_hint(raw: bytes) -> str:
-    """What an undecodable line probably is: Korean legacy text (CP949 / EUC-KR) or binary data."""
-    controls = sum(1 for b in raw if b < 9 or 13 < b < 32)
-    try:
-        text = raw.decode("cp949")
-    except UnicodeDecodeError:
-        text = None
-    if text is None or b"\x00" in raw or controls > max(2, len(raw) // 10):
-        return "it is not text in any Korean encoding kbert knows (binary data?): train on text files"
-    if any("\uac00" <= c <= "\ud7a3" for c in text):
-        return "it reads as Korean in CP949/EUC-KR: convert the file first, e.g. `iconv -f cp949 -t utf-8 IN > OUT`"
-    return "convert the file to UTF-8 first (e.g. `iconv -f ENCODING -t utf-8 IN > OUT`)"
-
-
-def _file_lines(path: str):
-    """A training file's lines as UTF-8 text. Lines that are not UTF-8 or look binary (NUL bytes) are dropped
-    and counted, with a warning that names the file, the first such line and the likely encoding; a file
-    that is mostly such lines is an error (its vocabulary would be U+FFFD and byte garbage)."""
-    import warnings
-
-    from kbert.utils import open_binary
-
-    total = bad = 0
-    first = None
-    with open_binary(path) as f:
-        for number, raw in enumerate(f, 1):
-            total += 1
-            try:
-                line = raw.decode("utf-8").replace("\r\n", "\n")  # as universal newlines read it
-            except UnicodeDecodeError:
-                line = None
-            if line is None or "\x00" in line:
-                bad += 1
-                first = first or (number, raw)
-                continue
-            yield line
-    if bad:
-        where = f"{path} line {first[0]}"
-        message = (f"{bad:,} of {total:,} lines of {path} are not UTF-8 text (first: {where}); "
-                   f"{_undecodable_hint(first[1])}")
-        if bad * 2 > total:
-            raise ValueError(message)
-        warnings.warn(message + "; those lines were left out", stacklevel=4)
-
-
-def _iter_lines(inputs):
-    if isinstance(inputs, (str, os.PathLike)):
-        inputs = [inputs]
-    if hasattr(inputs, "texts") and callable(inputs.texts):  # a kbert Corpus
-        inputs = inputs.texts()
-    single = isinstance(inputs, (list, tuple)) and len(inputs) == 1
-    for item in inputs:
-        if isinstance(item, (str, os.PathLike)) and os.path.isfile(item):
-            yield from _file_lines(os.fspath(item))
-        elif isinstance(item, str):
-            if single and not any(c.isspace() for c in item) and ("/" in item or item.endswith(".txt")):
-                raise FileNotFoundError(f"Training input file not found: {item!r}")
-            yield item
-        elif isinstance(item, bytes):
-            yield item.decode("utf-8", errors="replace")
-        else:
-            raise TypeError(f"Tokenizer.train inputs must be paths or strings. Received: {type(item).__name__}")
-
-
-def _prepare_training_text(helper, inputs, min_line_chars, progress):
-    """Normalizes (and morpheme-splits) the inputs into a temp file; collects Hangul syllables seen."""
-    from kbert.utils import progress_bar
-
-    fd, path = tempfile.mkstemp(prefix="kbert-vocab-", suffix=".txt")
-    hangul, n = set(), 0
-    bar = progress_bar(desc="normalizing", unit=" lines", enabled=progress)
-
-    def flush(chunk, out):
-        # Morpheme analysis runs on all cores, a chunk at a time.
-        for text, morphs in zip(chunk, helper._morphemes_batch(chunk)):
-            text = helper._training_line(text, morphs)
-            # Very long lines are cut into 16K-character pieces: SentencePiece skips longer sentences.
-            for i in range(0, len(text), 1 << 14):
-                out.write(text[i:i + (1 << 14)] + "\n")
-        bar.update(len(chunk))
-        chunk.clear()
-
-    chunk = []
-    with os.fdopen(fd, "w", encoding="utf-8") as out:
-        for raw in _iter_lines(inputs):
-            text = helper.normalize(raw)
-            if len(text) < min_line_chars:
-                continue
-            hangul.update(ch for ch in text if _is_hangul_syllable(ch))
-            chunk.append(text)
-            n += 1
-            if len(chunk) >= (20_000 if helper.morphemes else 1):
-                flush(chunk, out)
-        flush(chunk, out)
-    bar.close()
-    return path, hangul, n
-
-
-def _train_spm(spm, args, progress, extra=0):
-    """Trains; `extra` pieces were asked for beyond the user's vocab_size (subtracted in error messages)."""
-    import io
-    import re
-
-    model = io.BytesIO()
-    if progress:
-        print(f"training {args['model_type']} vocabulary of {args['vocab_size'] - extra} with SentencePiece "
-              f"on {args['num_threads']} threads ...", flush=True)
-    try:
-        spm.SentencePieceTrainer.train(model_writer=model, **args)
-    except RuntimeError as e:
-        m = re.search(r"Vocabulary size too high \((\d+)\)\. Please set it to a value <= (\d+)", str(e))
-        if m:
-            raise ValueError(f"vocab_size={int(m.group(1)) - extra} is too large for this corpus: it supports at "
-                             f"most {int(m.group(2)) - extra}; use a smaller vocab_size or more text") from None
-        m = re.search(r"Vocabulary size is smaller than required_chars\. (\d+) vs (\d+)", str(e))
-        if m:
-            raise ValueError(f"vocab_size={int(m.group(1)) - extra} is too small: the text needs "
-                             f"{int(m.group(2)) - extra} single characters "
-                             f"and special tokens (every Hangul syllable seen is kept); use a larger "
-                             f"vocab_size") from None
-        raise ValueError(f"SentencePiece training failed: {e}") from None
-    return model.getvalue()
-
-
-def _drop_piece(model: bytes, piece: str, vocab_size: int) -> bytes:
-    """The model without `piece`; if it has no such piece but more than `vocab_size` pieces, without its
-    lowest-scoring multi-character piece instead (single characters keep the text free of [UNK])."""
-    from sentencepiece import sentencepiece_model_pb2
-
-    proto = sentencepiece_model_pb2.ModelProto()
-    proto.ParseFromString(model)
-    normal = sentencepiece_model_pb2.ModelProto.SentencePiece.NORMAL
-    drop = [i for i, p in enumerate(proto.pieces) if p.piece == piece]
-    if not drop and len(proto.pieces) > vocab_size:
-        candidates = [i for i, p in enumerate(proto.pieces) if p.type == normal and len(p.piece.lstrip("\u2581")) > 1]
-        drop = [min(candidates, key=lambda i: proto.pieces[i].score)] if candidates else []
-    for i in sorted(drop, reverse=True):
-        del proto.pieces[i]
-    return proto.SerializeToString()
-
-
-def _spm_to_wordpiece(model: bytes, vocab_size: int, user_defined_symbols) -> List[str]:
-    """SentencePiece BPE pieces -> BERT WordPiece vocab: `▁x` -> `x` (word start), `x` -> `##x`.
-
-    Every single character also gets its word-initial and `##` form, so no seen character is [UNK].
-    """
-    import sentencepiece as spm
-
-    sp = spm.SentencePieceProcessor(model_proto=model)
-    vocab = list(SPECIAL_TOKENS) + list(user_defined_symbols)
-    seen = set(vocab)
-    chars, pieces = [], []
-    for i in range(sp.get_piece_size()):
-        if sp.is_control(i) or sp.is_unknown(i) or sp.is_byte(i) or sp.id_to_piece(i) in user_defined_symbols:
-            continue
-        p = sp.id_to_piece(i)
-        if p == "\u2581":
-            continue
-        token = p[1:] if p.startswith("\u2581") else "##" + p
-        (chars if len(p.lstrip("\u2581")) == 1 else pieces).append(token)
-        body = p.lstrip("\u2581")
-        if len(body) == 1:
-            chars.extend([body, "##" + body])
-    for t in chars + pieces:
-        if t not in seen and t not in ("", "##"):
-            vocab.append(t)
-            seen.add(t)
-    return vocab[:max(vocab_size, len(SPECIAL_TOKENS) + len(user_defined_symbols) + len(set(chars)))]

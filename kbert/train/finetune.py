@@ -294,7 +294,7 @@ def finetune(model: str, task: str, train, dev=None, out_dir: str = "finetuned",
     import keras
     import tensorflow as tf
 
-    from kbert.convert import check_vocabulary, load_model, model_dir_of, resolve_hub_name
+    from kbert.models.convert import check_vocabulary, load_model, model_dir_of, resolve_hub_name
     from kbert.models.io import save_model
     from kbert.text.tokenizer import Tokenizer
     from kbert.utils import StopSignals, progress_bar

@@ -1,0 +1,466 @@
+"""Checkpoints in and out: kbert model dirs, Hugging Face BERT/ALBERT/ELECTRA dirs, Google TF1 checkpoints.
+
+An ELECTRA discriminator (KoELECTRA) is a BERT encoder whose embeddings may be narrower than the hidden
+size (`embeddings_project`, kbert's `embeddings/projection`) and that has no pooler: it loads as a kbert
+BERT backbone with `embedding_size` set and a freshly initialized pooler (fine-tuning trains it, as
+ELECTRA's own classification head is trained; `pooled_output` means nothing before that).
+
+Foreign weight names are translated here and nowhere else. Every format is first read into a dict of
+Hugging Face style names (`encoder.layer.0.attention.self.query.weight`, torch [out, in] layout), then
+mapped onto kbert variable paths, so the TF1 reader only has to rename.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+from typing import Dict, Optional, Tuple
+
+import numpy as np
+
+from kbert.models.backbone import Backbone, Pretrainer, build_backbone
+from kbert.models.config import ModelConfig
+from kbert.models.io import (assign_weights, build_pretrainer, is_kbert_dir, load_kbert_dir, read_safetensors,
+                             variables_by_path)
+
+_HF_ACT = {"gelu": "gelu", "gelu_python": "gelu", "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh",
+           "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu", "tanh": "tanh"}
+_KBERT_ACT = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu", "tanh": "tanh"}
+
+
+# --------------------------------------------------------------------------------------- configs
+def config_from_hf(hf: dict, source: str = "config.json") -> ModelConfig:
+    """ModelConfig from a Hugging Face or Google (bert_config.json / albert_config.json) config dict."""
+    model_type = hf.get("model_type")
+    if model_type is None:  # Google's JSON has no model_type; ALBERT's has embedding_size.
+        model_type = "albert" if "embedding_size" in hf else "bert"
+    if model_type not in ("bert", "albert", "electra"):
+        raise ValueError(f"{source}: model_type {model_type!r} is not supported; kbert loads 'bert', 'albert' "
+                         "and 'electra' (the discriminator)")
+    act = hf.get("hidden_act", "gelu")
+    if act not in _HF_ACT:
+        raise ValueError(f"{source}: hidden_act {act!r} is not supported. Supported: {sorted(_HF_ACT)}")
+    if hf.get("position_embedding_type", "absolute") != "absolute":
+        raise ValueError(f"{source}: position_embedding_type {hf['position_embedding_type']!r} is not "
+                         "supported; kbert implements 'absolute'")
+    if model_type == "albert" and hf.get("inner_group_num", 1) != 1:
+        raise ValueError(f"{source}: inner_group_num={hf['inner_group_num']} is not supported (only 1)")
+    required = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+    missing = [k for k in required if k not in hf]
+    if missing:
+        raise ValueError(f"{source}: config is missing required key(s) {missing}")
+    fields = dict(
+        architecture="albert" if model_type == "albert" else "bert",
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        num_layers=hf["num_hidden_layers"],
+        num_heads=hf["num_attention_heads"],
+        intermediate_size=hf["intermediate_size"],
+        max_position=hf.get("max_position_embeddings", 512),
+        type_vocab_size=hf.get("type_vocab_size", 2),
+        hidden_act=_HF_ACT[act],
+        dropout=hf.get("hidden_dropout_prob", 0.1),
+        attention_dropout=hf.get("attention_probs_dropout_prob", 0.1),
+        layer_norm_epsilon=hf.get("layer_norm_eps", 1e-12),
+        initializer_range=hf.get("initializer_range", 0.02),
+        pad_token_id=hf.get("pad_token_id") or 0,
+    )
+    if model_type == "albert":
+        fields["embedding_size"] = hf.get("embedding_size", 128)
+        fields["num_groups"] = hf.get("num_hidden_groups", 1)
+    if model_type == "electra" and hf.get("embedding_size", hf["hidden_size"]) != hf["hidden_size"]:
+        fields["embedding_size"] = hf["embedding_size"]
+    return ModelConfig(**fields)
+
+
+def _check_exportable(config: ModelConfig) -> None:
+    if config.architecture == "bert" and config.embedding_dim != config.hidden_size:
+        raise ValueError(f"This BERT model has embedding_size={config.embedding_dim} != hidden_size="
+                         f"{config.hidden_size} (an ELECTRA-style projection); transformers' BERT has no such "
+                         "projection, so it cannot be written in its format. Save it with `kbert.save_model`.")
+    if config.norm_first:
+        raise ValueError("This model has pre-LayerNorm blocks (`norm_first=True`); transformers' BERT and "
+                         "ALBERT are post-LayerNorm, so it cannot be written in their format. Save it with "
+                         "`kbert.save_model` instead.")
+
+
+def config_to_hf(config: ModelConfig, with_heads: bool) -> dict:
+    _check_exportable(config)
+    arch = config.architecture
+    out = {
+        "model_type": arch,
+        "architectures": [("BertForPreTraining" if arch == "bert" else "AlbertForPreTraining") if with_heads
+                          else ("BertModel" if arch == "bert" else "AlbertModel")],
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "intermediate_size": config.intermediate_size,
+        "hidden_act": _KBERT_ACT[config.hidden_act],
+        "hidden_dropout_prob": config.dropout,
+        "attention_probs_dropout_prob": config.attention_dropout,
+        "max_position_embeddings": config.max_position,
+        "type_vocab_size": config.type_vocab_size,
+        "initializer_range": config.initializer_range,
+        "layer_norm_eps": config.layer_norm_epsilon,
+        "pad_token_id": config.pad_token_id,
+        "position_embedding_type": "absolute",
+        "tie_word_embeddings": True,
+    }
+    if arch == "albert":
+        out.update(embedding_size=config.embedding_dim, num_hidden_groups=config.num_groups, inner_group_num=1)
+    return out
+
+
+# ----------------------------------------------------------------------- name mapping (HF <-> kbert)
+def _hf_layout(config: ModelConfig):
+    """(prefix, list of (hf_block_prefix, kbert_block_name), hf block sub-names)."""
+    if config.architecture == "bert":
+        blocks = [(f"encoder.layer.{i}.", f"layer_{i}") for i in range(config.num_layers)]
+        sub = {"q": "attention.self.query", "k": "attention.self.key", "v": "attention.self.value",
+               "attention_output": "attention.output.dense", "attention_norm": "attention.output.LayerNorm",
+               "intermediate": "intermediate.dense", "output": "output.dense", "output_norm": "output.LayerNorm"}
+        return blocks, sub
+    blocks = [(f"encoder.albert_layer_groups.{g}.albert_layers.0.", f"group_{g}") for g in range(config.num_groups)]
+    sub = {"q": "attention.query", "k": "attention.key", "v": "attention.value",
+           "attention_output": "attention.dense", "attention_norm": "attention.LayerNorm",
+           "intermediate": "ffn", "output": "ffn_output", "output_norm": "full_layer_layer_norm"}
+    return blocks, sub
+
+
+def _pairs(config: ModelConfig):
+    """(hf_name, kbert_path, kind) for every weight except fused q/k/v; kind: linear | ln_w | plain."""
+    out = [("embeddings.word_embeddings.weight", "embeddings/token_embedding/embeddings", "plain"),
+           ("embeddings.position_embeddings.weight", "embeddings/position_embedding/embeddings", "plain"),
+           ("embeddings.token_type_embeddings.weight", "embeddings/segment_embedding/embeddings", "plain"),
+           ("embeddings.LayerNorm.weight", "embeddings/norm/gamma", "plain"),
+           ("embeddings.LayerNorm.bias", "embeddings/norm/beta", "plain")]
+
+    def dense(hf, kb):
+        out.extend([(hf + ".weight", kb + "/kernel", "linear"), (hf + ".bias", kb + "/bias", "plain")])
+
+    def norm(hf, kb):
+        out.extend([(hf + ".weight", kb + "/gamma", "plain"), (hf + ".bias", kb + "/beta", "plain")])
+
+    if config.architecture == "albert":
+        dense("encoder.embedding_hidden_mapping_in", "embeddings/projection")
+        dense("pooler", "pooler/dense")
+    else:
+        if config.embedding_dim != config.hidden_size:
+            dense("embeddings_project", "embeddings/projection")  # ELECTRA
+        dense("pooler.dense", "pooler/dense")
+    blocks, sub = _hf_layout(config)
+    for hf_prefix, name in blocks:
+        for key in ("attention_output", "intermediate", "output"):
+            dense(hf_prefix + sub[key], f"{name}/{key}")
+        for key in ("attention_norm", "output_norm"):
+            norm(hf_prefix + sub[key], f"{name}/{key}")
+    return out
+
+
+# Hugging Face names of the pretraining heads: (MLM prefix, transform dense, transform norm, pair classifier).
+_HEAD_NAMES = {"bert": ("cls.predictions.", "transform.dense", "transform.LayerNorm", "cls.seq_relationship"),
+               "albert": ("predictions.", "dense", "LayerNorm", "sop_classifier.classifier")}
+
+
+def _head_pairs(config: ModelConfig, pair_objective: Optional[str]):
+    head, dense, norm, pair = _HEAD_NAMES[config.architecture]
+    out = [(head + dense + ".weight", "pretrainer/mlm_head/transform/kernel", "linear"),
+           (head + dense + ".bias", "pretrainer/mlm_head/transform/bias", "plain"),
+           (head + norm + ".weight", "pretrainer/mlm_head/norm/gamma", "plain"),
+           (head + norm + ".bias", "pretrainer/mlm_head/norm/beta", "plain"),
+           (head + "bias", "pretrainer/mlm_head/bias", "plain")]
+    if pair_objective:
+        out += [(pair + ".weight", f"pretrainer/{pair_objective}_head/dense/kernel", "linear"),
+                (pair + ".bias", f"pretrainer/{pair_objective}_head/dense/bias", "plain")]
+    return out
+
+
+def hf_to_kbert(hf: Dict[str, np.ndarray], config: ModelConfig, pair_objective=None, heads=False):
+    """Hugging Face tensors (torch layout, base-model prefix stripped) -> {kbert path: array}."""
+    out = {}
+    pairs = _pairs(config) + (_head_pairs(config, pair_objective) if heads else [])
+    for hf_name, path, kind in pairs:
+        if hf_name in hf:
+            out[path] = hf[hf_name].T if kind == "linear" else hf[hf_name]
+    blocks, sub = _hf_layout(config)
+    for hf_prefix, name in blocks:
+        names = [hf_prefix + sub[k] for k in ("q", "k", "v")]
+        if all(n + ".weight" in hf for n in names):
+            out[f"{name}/qkv/kernel"] = np.concatenate([hf[n + ".weight"].T for n in names], axis=1)
+        if all(n + ".bias" in hf for n in names):
+            out[f"{name}/qkv/bias"] = np.concatenate([hf[n + ".bias"] for n in names])
+    return out
+
+
+def kbert_to_hf(tensors: Dict[str, np.ndarray], config: ModelConfig, pair_objective=None, heads=False):
+    out = {}
+    for hf_name, path, kind in _pairs(config) + (_head_pairs(config, pair_objective) if heads else []):
+        out[hf_name] = tensors[path].T if kind == "linear" else tensors[path]
+    blocks, sub = _hf_layout(config)
+    h = config.hidden_size
+    for hf_prefix, name in blocks:
+        kernel, bias = tensors[f"{name}/qkv/kernel"], tensors[f"{name}/qkv/bias"]
+        for j, k in enumerate(("q", "k", "v")):
+            out[hf_prefix + sub[k] + ".weight"] = kernel[:, j * h:(j + 1) * h].T
+            out[hf_prefix + sub[k] + ".bias"] = bias[j * h:(j + 1) * h]
+    return {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in out.items()}
+
+
+def _normalize_hf_names(tensors: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
+    """Strips the base-model prefix and maps legacy LayerNorm gamma/beta names."""
+    out = {}
+    for name, value in tensors.items():
+        for prefix in ("bert.", "albert.", "electra."):
+            if name.startswith(prefix):
+                name = name[len(prefix):]
+        name = re.sub(r"LayerNorm\.gamma$", "LayerNorm.weight", name)
+        name = re.sub(r"LayerNorm\.beta$", "LayerNorm.bias", name)
+        out[name] = value
+    return out
+
+
+# ------------------------------------------------------------------------------------ readers
+def _read_json(path: str) -> dict:
+    with open(path, encoding="utf-8") as f:
+        try:
+            return json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} is not valid JSON: {e}") from None
+
+
+def _read_hf_dir(directory: str) -> Tuple[ModelConfig, Dict[str, np.ndarray], bool]:
+    """(config, tensors, whether it is an ELECTRA discriminator)."""
+    hf_config = _read_json(os.path.join(directory, "config.json"))
+    config = config_from_hf(hf_config, source=directory)
+    st = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
+    bins = sorted(glob.glob(os.path.join(directory, "pytorch_model*.bin")))
+    tensors = {}
+    if st:
+        for path in st:
+            tensors.update(read_safetensors(path))
+    elif bins:
+        try:
+            import torch
+        except ImportError:
+            raise ImportError(f"{directory} holds pytorch_model.bin, which needs torch to read: "
+                              "pip install torch (or convert it to model.safetensors)") from None
+        for path in bins:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+            tensors.update({k: v.float().numpy() for k, v in state.items()})
+    else:
+        raise FileNotFoundError(f"{directory} has config.json but no weight file "
+                                "(model.safetensors or pytorch_model.bin)")
+    return config, _normalize_hf_names(tensors), hf_config.get("model_type") == "electra"
+
+
+_TF1_BERT_RULES = [
+    (r"^(bert|electra)/", ""),
+    (r"^embeddings/word_embeddings$", "embeddings.word_embeddings.weight"),
+    (r"^embeddings/position_embeddings$", "embeddings.position_embeddings.weight"),
+    (r"^embeddings/token_type_embeddings$", "embeddings.token_type_embeddings.weight"),
+    (r"^cls/predictions/output_bias$", "cls.predictions.bias"),
+    (r"^cls/seq_relationship/output_weights$", "cls.seq_relationship.weight"),  # already [out, in]
+    (r"^cls/seq_relationship/output_bias$", "cls.seq_relationship.bias"),
+    # ALBERT (google-research/albert) names, shared group 0 only.
+    (r"^encoder/transformer/group_(\d+)/inner_group_0/attention_1/self/", r"encoder.albert_layer_groups.\1.albert_layers.0.attention."),
+    (r"^encoder/transformer/group_(\d+)/inner_group_0/attention_1/output/dense/", r"encoder.albert_layer_groups.\1.albert_layers.0.attention.dense."),
+    (r"^encoder/transformer/group_(\d+)/inner_group_0/LayerNorm/", r"encoder.albert_layer_groups.\1.albert_layers.0.attention.LayerNorm."),
+    (r"^encoder/transformer/group_(\d+)/inner_group_0/ffn_1/intermediate/dense/", r"encoder.albert_layer_groups.\1.albert_layers.0.ffn."),
+    (r"^encoder/transformer/group_(\d+)/inner_group_0/ffn_1/intermediate/output/dense/", r"encoder.albert_layer_groups.\1.albert_layers.0.ffn_output."),
+    (r"^encoder/transformer/group_(\d+)/inner_group_0/LayerNorm_1/", r"encoder.albert_layer_groups.\1.albert_layers.0.full_layer_layer_norm."),
+    (r"^pooler/dense/(kernel|bias)$", r"pooler.dense.\1"),
+]
+
+
+def _tf1_name(name: str, architecture: str) -> Optional[str]:
+    """Google TF1 variable name -> Hugging Face style name (None for optimizer slots and counters)."""
+    if name.endswith(("adam_m", "adam_v")) or "global_step" in name or name.startswith("cls/predictions/output_weights"):
+        return None
+    if name.startswith(("generator", "discriminator_predictions")):  # ELECTRA's generator and RTD head
+        return None
+    for pattern, repl in _TF1_BERT_RULES:
+        name = re.sub(pattern, repl, name)
+    if architecture == "albert":
+        name = re.sub(r"^pooler\.dense\.", "pooler.", name)
+        name = re.sub(r"^cls/predictions/", "predictions/", name)
+        name = name.replace("cls.predictions.bias", "predictions.bias")
+        name = re.sub(r"^cls\.seq_relationship\.", "sop_classifier.classifier.", name)
+        name = re.sub(r"^predictions/transform/dense/", "predictions.dense.", name)
+        name = re.sub(r"^predictions/transform/LayerNorm/", "predictions.LayerNorm.", name)
+        name = re.sub(r"^encoder/embedding_hidden_mapping_in/", "encoder.embedding_hidden_mapping_in.", name)
+    name = name.replace("/", ".")
+    name = re.sub(r"\.kernel$", ".weight", name)
+    name = re.sub(r"\.gamma$", ".weight", name)
+    name = re.sub(r"\.beta$", ".bias", name)
+    name = re.sub(r"^encoder\.layer_(\d+)\.", r"encoder.layer.\1.", name)
+    return name
+
+
+def _read_tf1_dir(directory: str) -> Tuple[ModelConfig, Dict[str, np.ndarray], bool]:
+    """(config, tensors, whether it is an ELECTRA discriminator: variables under `electra/`)."""
+    config_path = next((os.path.join(directory, n) for n in ("bert_config.json", "albert_config.json", "config.json")
+                        if os.path.isfile(os.path.join(directory, n))), None)
+    if config_path is None:
+        raise FileNotFoundError(f"{directory} has a TF1 checkpoint but no bert_config.json / albert_config.json")
+    hf_config = _read_json(config_path)
+    index = sorted(glob.glob(os.path.join(directory, "*.index")))
+    if not index:
+        raise FileNotFoundError(f"{directory} has {os.path.basename(config_path)} but no model.ckpt*.index")
+    import tensorflow as tf  # only TF1 checkpoints need TensorFlow
+
+    reader = tf.train.load_checkpoint(index[-1][: -len(".index")])
+    names = list(reader.get_variable_to_shape_map())
+    electra = any(n.startswith("electra/") for n in names)
+    if electra:
+        hf_config["model_type"] = "electra"  # google-research/electra names; its config may lack model_type
+    elif "albert" in os.path.basename(config_path):
+        hf_config.setdefault("model_type", "albert")
+    config = config_from_hf(hf_config, source=config_path)
+    architecture = config.architecture
+    tensors = {}
+    for name in names:
+        hf_name = _tf1_name(name, architecture)
+        if hf_name is None:
+            continue
+        value = reader.get_tensor(name).astype(np.float32)
+        # TF1 dense kernels are [in, out]; the HF layout is [out, in].
+        tensors[hf_name] = value.T if name.endswith("/kernel") else value
+    return config, tensors, electra
+
+
+def detect_format(directory: str) -> str:
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"Model directory not found: {directory!r}")
+    if is_kbert_dir(directory):
+        return "kbert"
+    if glob.glob(os.path.join(directory, "*.index")) and glob.glob(os.path.join(directory, "*_config.json")):
+        return "tf1"
+    if os.path.isfile(os.path.join(directory, "config.json")):
+        return "tf1" if glob.glob(os.path.join(directory, "*.index")) else "hf"
+    raise FileNotFoundError(
+        f"{directory!r} is not a model directory: expected kbert_config.json (kbert), config.json + "
+        "model.safetensors (Hugging Face), or bert_config.json/albert_config.json + model.ckpt* (TF1)")
+
+
+# What a model needs from a Hugging Face Hub repo: configs, weights, vocabularies (not other frameworks' weights).
+HUB_FILES = ["*.json", "*.safetensors", "vocab.txt", "*.model", "*.txt", "*ckpt*", "pytorch_model.bin"]
+
+
+def resolve_hub_name(name: str) -> str:
+    """A local directory for `name`: itself when it is a path, else the snapshot of the Hugging Face Hub repo
+    `name` ("klue/roberta-base") through `huggingface_hub`, the hub's own client: its cache (HF_HOME /
+    HF_HUB_CACHE), its offline mode (HF_HUB_OFFLINE=1 reads the cache only), revisions and tokens. Only
+    the files a model needs are fetched (HUB_FILES)."""
+    if os.path.exists(name) or not isinstance(name, str):
+        return name
+    parts = name.split("/")
+    if len(parts) != 2 or not all(parts) or name.startswith((".", "~")):
+        return name  # not a repo id: the caller reports the missing directory
+    try:
+        import huggingface_hub
+    except ImportError:
+        raise ImportError(f"{name!r} is not a local directory; loading it from the Hugging Face Hub needs "
+                          f"huggingface_hub (pip install huggingface_hub)") from None
+    try:
+        return huggingface_hub.snapshot_download(name, allow_patterns=HUB_FILES)
+    except Exception as e:  # offline without a cached copy, an unknown repo, no network
+        raise FileNotFoundError(f"{name!r} is neither a local directory nor a Hugging Face Hub model kbert could "
+                                f"fetch ({type(e).__name__}: {str(e).splitlines()[0][:200]}); with HF_HUB_OFFLINE=1 "
+                                f"only models already in the cache load") from None
+
+
+def check_vocabulary(config, vocab_size: int) -> None:
+    """A tokenizer of `vocab_size` ids fits a model of `config` (a ModelConfig): every id has an embedding."""
+    if vocab_size > config.vocab_size:
+        raise ValueError(f"The tokenizer has {vocab_size} tokens but the model only {config.vocab_size} embeddings")
+
+
+def model_dir_of(directory: str) -> str:
+    """`directory`, or its `model/` subdir when `directory` is a run dir of `kbert pretrain` / `kbert quickstart`
+    (checkpoints, logs, the run's config.json and the final model in `model/`)."""
+    inner = os.path.join(directory, "model")
+    if os.path.isdir(directory) and not is_kbert_dir(directory) and is_kbert_dir(inner) and (
+            os.path.isdir(os.path.join(directory, "checkpoints"))
+            or not os.path.isfile(os.path.join(directory, "model.safetensors"))):
+        return inner
+    return directory
+
+
+# ------------------------------------------------------------------------------------ public API
+def load_model(directory: str, with_heads: bool = False, output_hidden_states: bool = False,
+               dtype: Optional[str] = None):
+    """Loads a kbert model dir, a Hugging Face BERT/ALBERT/ELECTRA dir or a Google TF1 checkpoint dir.
+
+    ELECTRA (KoELECTRA) loads its discriminator as a BERT backbone; its pooler, which ELECTRA does not
+    have, is freshly initialized (see the module docstring), and `with_heads` gives fresh MLM/NSP heads.
+
+    Args:
+        directory: the model directory (or a `kbert pretrain` output dir: its `model/`), or a Hugging Face
+            Hub name such as "klue/bert-base" (downloaded and cached by `huggingface_hub`).
+        with_heads: return a `kbert.Pretrainer` (masked-LM + NSP/SOP heads) instead of the backbone.
+            Heads missing from the checkpoint are initialized fresh.
+        output_hidden_states: the backbone also returns every layer's output.
+        dtype: dtype policy name, e.g. `"mixed_bfloat16"`; default: the global policy.
+
+    Example:
+        >>> backbone = kbert.load_model("klue/bert-base")       # a Hugging Face Hub name (cached)
+        >>> backbone = kbert.load_model("my-kbert-model")       # written by kbert.save_model / pretrain
+    """
+    directory = model_dir_of(resolve_hub_name(directory))  # a hub name: its snapshot; a run dir: its model
+    fmt = detect_format(directory)
+    if fmt == "kbert":
+        return load_kbert_dir(directory, with_heads=with_heads, output_hidden_states=output_hidden_states,
+                              dtype=dtype)
+    config, tensors, electra = _read_hf_dir(directory) if fmt == "hf" else _read_tf1_dir(directory)
+    no_pooler = ("pooler/",) if electra else ()  # ELECTRA has none: the fresh one stays
+    backbone = build_backbone(config, output_hidden_states=output_hidden_states, dtype=dtype)
+    if not with_heads:
+        assign_weights(backbone, hf_to_kbert(tensors, config), directory, allow_missing=no_pooler)
+        return backbone
+    pair = "sop" if config.architecture == "albert" else "nsp"
+    model = build_pretrainer(Pretrainer(backbone, pair_objective=pair))
+    mapped = hf_to_kbert(tensors, config, pair_objective=pair, heads=True)
+    assign_weights(model, mapped, directory, allow_missing=("pretrainer/",) + no_pooler)
+    return model
+
+
+def export_transformers(model, directory: str, tokenizer=None) -> str:
+    """Writes `model` (a backbone or `Pretrainer`) as a Hugging Face dir (`config.json` +
+    `model.safetensors`) that `transformers.AutoModel.from_pretrained(directory)` loads.
+
+    A `Pretrainer` is written as `BertForPreTraining` / `AlbertForPreTraining` with its heads.
+    """
+    if isinstance(model, Pretrainer):
+        config, pair, heads = model.config, model.pair_objective, True
+    elif isinstance(model, Backbone):
+        config, pair, heads = model.config, None, False
+    else:
+        raise TypeError(f"export_transformers expects a kbert backbone or Pretrainer. Received: {type(model).__name__}")
+    _check_exportable(config)  # before any tensor is converted
+    if heads and pair != ("nsp" if config.architecture == "bert" else "sop"):
+        heads = False  # transformers' pretraining classes need the matching pair head; export the encoder
+    import keras
+    from safetensors.numpy import save_file
+
+    tensors = {p: keras.ops.convert_to_numpy(v) for p, v in variables_by_path(model).items()}
+    hf = kbert_to_hf(tensors, config, pair_objective=pair, heads=heads)
+    if heads:
+        prefix = "bert." if config.architecture == "bert" else "albert."
+        head_names = {n for n, _, _ in _head_pairs(config, pair)}
+        hf = {(k if k in head_names else prefix + k): v for k, v in hf.items()}
+    os.makedirs(directory, exist_ok=True)
+    save_file(hf, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(directory, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(config_to_hf(config, with_heads=heads), f, indent=2)
+    if tokenizer is not None:
+        if getattr(tokenizer, "kind", None) == "wordpiece" and not tokenizer.morphemes:
+            tokenizer.export_transformers(directory)
+        else:
+            import warnings
+
+            warnings.warn("The tokenizer was not written: only plain WordPiece vocabularies map exactly onto a "
+                          "transformers tokenizer", stacklevel=2)
+    return directory
