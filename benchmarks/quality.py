@@ -125,7 +125,7 @@ def tfidf_sts(train, dev):
     import numpy as np
     from sklearn.feature_extraction.text import TfidfVectorizer
 
-    from kbert.train.finetune import spearman
+    from kbert.train.metrics import spearman
 
     vec = TfidfVectorizer(analyzer="char_wb", ngram_range=(1, 3), sublinear_tf=True)
     vec.fit([r[c] for r in train for c in ("sentence1", "sentence2")])

@@ -319,16 +319,26 @@ def _finetune(args):
     import json
 
     from kbert.models.pooling import parse_layers
-    from kbert.train.finetune import finetune
+    from kbert.train.config import load_mapping
+    from kbert.train.finetune import FinetuneConfig, run
 
-    summary = finetune(args.model, args.task, args.train, args.dev, out_dir=args.out, text_column=args.text_column,
-                       pair_column=args.pair_column, label_column=None if args.no_label else args.label_column,
-                       epochs=args.epochs, batch_size=args.batch_size, learning_rate=args.learning_rate,
-                       max_length=args.max_length, patience=args.patience, eval_every=args.eval_every,
-                       max_steps=args.max_steps, seed=args.seed, group_by_length=not args.no_group_by_length,
-                       similarity_loss=args.similarity_loss, pooling=args.pooling,
-                       layers=parse_layers(args.layers), backbone_dropout=args.backbone_dropout,
-                       resume=not args.no_resume, checkpoint_every=args.checkpoint_every)
+    # the config file, then the flags given on the command line, then --set overrides
+    values = load_mapping(args.config)
+    flags = {"model": "model", "task": "task", "train": "train", "dev": "dev", "out": "out_dir",
+             "text_column": "text_column", "pair_column": "pair_column", "label_column": "label_column",
+             "similarity_loss": "similarity_loss", "pooling": "pooling", "backbone_dropout": "backbone_dropout",
+             "epochs": "epochs", "batch_size": "batch_size", "learning_rate": "learning_rate",
+             "max_length": "max_length", "patience": "patience", "eval_every": "eval_every",
+             "max_steps": "max_steps", "seed": "seed", "checkpoint_every": "checkpoint_every"}
+    values.update({key: getattr(args, dest) for dest, key in flags.items() if getattr(args, dest) is not None})
+    if args.layers is not None:
+        values["layers"] = parse_layers(args.layers)
+    for flag, key, value in (("no_label", "label_column", None), ("no_group_by_length", "group_by_length", False),
+                             ("no_resume", "resume", False)):
+        if getattr(args, flag):
+            values[key] = value
+    config = FinetuneConfig.load(None, args.set, base=values)
+    summary = run(config)
     best = f"best dev {summary['metric']} {summary['best']:.4f} at step {summary['best_step']}" \
         if summary["best"] is not None else ("no dev set: the last model" if summary["history"] else "no model yet")
     if summary["checkpoint"]:
@@ -470,18 +480,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_embed)
 
     p = sub.add_parser("finetune", help="train a task head (or a bi-encoder) on labelled data; keeps the best on dev")
-    p.add_argument("--model", required=True, help="pretrained model dir with its tokenizer")
-    p.add_argument("--task", required=True, choices=("classification", "pair-classification", "regression",
-                                                     "tagging", "sentence-embedding"))
-    p.add_argument("--train", required=True, help="TSV (header), CSV or JSONL file")
+    p.add_argument("--config", help="YAML or JSON file of fine-tuning settings (the keys of kbert.finetune / "
+                                    "FinetuneConfig); flags given here override it")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a setting, e.g. epochs=5")
+    p.add_argument("--model", help="pretrained model dir with its tokenizer (required, here or in --config)")
+    p.add_argument("--task", choices=("classification", "pair-classification", "regression", "tagging",
+                                      "sentence-embedding"), help="required, here or in --config")
+    p.add_argument("--train", help="TSV (header), CSV or JSONL file (required, here or in --config)")
     p.add_argument("--dev", help="dev file for metrics, early stopping and the best checkpoint")
-    p.add_argument("--out", required=True, help="output model dir")
-    p.add_argument("--text-column", default="text")
+    p.add_argument("--out", help="output model dir (default: finetuned)")
+    p.add_argument("--text-column", help="default: text")
     p.add_argument("--pair-column", help="second text (pair tasks, sentence-embedding)")
-    p.add_argument("--label-column", default="label", help="label, score, or space-separated tags")
+    p.add_argument("--label-column", help="label, score, or space-separated tags (default: label)")
     p.add_argument("--no-label", action="store_true", help="sentence-embedding from (anchor, positive) pairs")
-    p.add_argument("--similarity-loss", choices=("cosine", "cosent"), default="cosine",
-                   help="sentence-embedding with scores: cosine regression or CoSENT's ranking loss")
+    p.add_argument("--similarity-loss", choices=("cosine", "cosent"),
+                   help="sentence-embedding with scores: cosine regression (default) or CoSENT's ranking loss")
     p.add_argument("--pooling", choices=("pooler", "mean", "cls", "max", "first_last_avg"),
                    help="the vector a head reads or a bi-encoder outputs (default: pooler for heads, "
                         "mean for sentence-embedding)")
@@ -490,19 +503,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backbone-dropout", type=float,
                    help="dropout inside the backbone while fine-tuning (default: 0 for sentence-embedding "
                         "with scores, else the model's own, BERT's 0.1)")
-    p.add_argument("--epochs", type=float, default=3)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--learning-rate", "--lr", type=float, default=5e-5)
+    p.add_argument("--epochs", type=float, help="default: 3")
+    p.add_argument("--batch-size", type=int, help="default: 32")
+    p.add_argument("--learning-rate", "--lr", type=float, help="default: 5e-5")
     p.add_argument("--max-length", type=int, help="tokens per input (default 128, or the model's limit if lower)")
-    p.add_argument("--patience", type=int, default=2, help="evaluations without improvement before stopping")
+    p.add_argument("--patience", type=int, help="evaluations without improvement before stopping (default: 2)")
     p.add_argument("--eval-every", type=int, help="steps between dev evaluations (default: each epoch)")
     p.add_argument("--max-steps", type=int)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, help="default: 0")
     p.add_argument("--no-group-by-length", action="store_true",
                    help="plain shuffled batches instead of batches of similar length (less padding, faster)")
-    p.add_argument("--checkpoint-every", type=int, default=1000,
-                   help="steps between checkpoints of the whole run (also after each evaluation and at Ctrl-C / "
-                        "SIGTERM); an interrupted run resumes when the same command is run again")
+    p.add_argument("--checkpoint-every", type=int,
+                   help="steps between checkpoints of the whole run (default 1000; also after each evaluation "
+                        "and at Ctrl-C / SIGTERM); an interrupted run resumes when the same command is run again")
     p.add_argument("--no-resume", action="store_true", help="start over instead of resuming OUT/checkpoints")
     p.set_defaults(func=_finetune)
 

@@ -18,7 +18,8 @@ import pytest
 
 import kbert
 from kbert.data.recipes import movie_review_sentiment
-from kbert.train.finetune import _batches, _Examples, _rank, cosent_loss, pearson, spearman
+from kbert.train.finetune_tasks import Examples, cosent_loss, epoch_batches
+from kbert.train.metrics import pearson, rank, spearman
 from helpers import SHARED, needs_shared
 
 pytestmark = needs_shared
@@ -169,7 +170,7 @@ def test_classification_head_on_mean_pooled_layers(base, tmp_path):
 
 
 def test_spearman_and_pearson_against_hand_values():
-    assert list(_rank(np.array([10.0, 20.0, 20.0, 5.0]))) == [2.0, 3.5, 3.5, 1.0]  # ties share the mean rank
+    assert list(rank(np.array([10.0, 20.0, 20.0, 5.0]))) == [2.0, 3.5, 3.5, 1.0]  # ties share the mean rank
     assert spearman([1, 2, 3, 4], [10, 20, 30, 1000]) == pytest.approx(1.0)
     assert spearman([1, 2, 3], [3, 2, 1]) == pytest.approx(-1.0)
     assert pearson([1, 2, 3], [2, 4, 7]) == pytest.approx(np.corrcoef([1, 2, 3], [2, 4, 7])[0, 1])
@@ -179,10 +180,10 @@ def test_spearman_and_pearson_against_hand_values():
 def test_length_grouped_batches_cover_every_example_once_with_little_padding():
     rng = np.random.default_rng(0)
     lengths = rng.integers(3, 120, size=5000)
-    ex = _Examples([[7] * n for n in lengths], None, np.zeros(5000))
-    pair = _Examples([[7] * 3 for _ in lengths], None, None, pair_ids=[[7] * n for n in lengths[::-1]])
+    ex = Examples([[7] * n for n in lengths], None, np.zeros(5000))
+    pair = Examples([[7] * 3 for _ in lengths], None, None, pair_token_ids=[[7] * n for n in lengths[::-1]])
     for group in (True, False):
-        epochs = [_batches(np.random.default_rng(s), ex, 32, group) for s in (1, 2)]
+        epochs = [epoch_batches(np.random.default_rng(s), ex, 32, group) for s in (1, 2)]
         for batches in epochs:
             flat = np.concatenate(batches)
             assert sorted(flat) == list(range(5000)) and max(len(b) for b in batches) == 32
@@ -195,7 +196,7 @@ def test_length_grouped_batches_cover_every_example_once_with_little_padding():
         else:
             assert padding > 30, padding
     # pairs (bi-encoders) are grouped by the longer side
-    batches = _batches(np.random.default_rng(0), pair, 32, True)
+    batches = epoch_batches(np.random.default_rng(0), pair, 32, True)
     longer = np.maximum(3, lengths[::-1])
     assert np.mean([longer[b].max() - longer[b].mean() for b in batches]) < 3
 
@@ -245,17 +246,17 @@ def test_regression_pair_classification_and_tagging(base, tmp_path):
 def test_backbone_dropout_rebuilds_the_same_weights_without_noise(base, tmp_path):
     """`backbone_dropout` copies the weights into a backbone with the new rates: with 0.0 a training-mode call
     equals the original's inference call; the written dir keeps the rate; bad rates are refused."""
-    from kbert.train.finetune import _with_dropout
+    from kbert.models.io import with_dropout
 
     original = kbert.load_model(base, output_hidden_states=True)
     assert original.config.dropout > 0
-    quiet = _with_dropout(original, 0.0)
+    quiet = with_dropout(original, 0.0)
     ids = np.array([[2, 10, 11, 12, 3]], "int32")
     feats = {"token_ids": ids, "segment_ids": np.zeros_like(ids), "padding_mask": np.ones_like(ids)}
     reference = np.asarray(original(feats, training=False)["sequence_output"])
     assert np.allclose(np.asarray(quiet(feats, training=True)["sequence_output"]), reference, atol=1e-5)
     assert not np.allclose(np.asarray(original(feats, training=True)["sequence_output"]), reference, atol=1e-3)
-    assert _with_dropout(quiet, 0.0) is quiet
+    assert with_dropout(quiet, 0.0) is quiet
     out = str(tmp_path / "quiet")
     kbert.finetune(base, "sentence-embedding", os.path.join(KORSTS, "sts-dev.tsv"), out_dir=out,
                    text_column="sentence1", pair_column="sentence2", label_column="score", epochs=1, max_steps=3,
@@ -470,3 +471,52 @@ def test_class_labels_are_stripped_and_empty_labels_refused(base, tmp_path, caps
     with pytest.raises(ValueError, match="train row 7: the label is empty"):
         kbert.finetune(base, "classification", rows, out_dir=str(tmp_path / "b"), epochs=1, max_length=16,
                        progress=False)
+
+
+def test_finetune_config_file_overrides_and_a_registered_task(base, tmp_path, capsys):
+    """`kbert finetune --config` reads the settings from YAML, flags override the file and `--set` the flags;
+    unknown keys and missing required ones are refused by name; a task added with `register_task` is driven
+    by the same loop."""
+    import yaml
+
+    from kbert.cli import main
+    from kbert.train.finetune import FinetuneConfig
+    from kbert.train.finetune_tasks import TASKS, ClassificationTask, register_task
+
+    rows = movie_review_sentiment(REVIEWS, "train", limit=64)
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    config = tmp_path / "ft.yaml"
+    config.write_text(yaml.safe_dump({"model": base, "task": "classification", "train": str(train),
+                                      "out_dir": str(tmp_path / "from-file"), "max_steps": 50, "epochs": "2",
+                                      "learning_rate": "1e-3", "progress": False}), encoding="utf-8")
+    loaded = FinetuneConfig.load(str(config), ["max_steps=3", "pooling=mean"])
+    assert (loaded.max_steps, loaded.epochs, loaded.learning_rate, loaded.pooling) == (3, 2.0, 1e-3, "mean")
+    with pytest.raises(ValueError, match="Unknown config key `max_step`"):
+        FinetuneConfig.load(str(config), ["max_step=3"])
+    with pytest.raises(ValueError, match="`train` is required"):
+        kbert.train.finetune.run(FinetuneConfig(model=base, task="classification"))
+    assert main(["finetune", "--config", str(config), "--max-steps", "4", "--set", "eval_every=2"]) == 0
+    history = json.load(open(tmp_path / "from-file" / "finetune_history.json", encoding="utf-8"))
+    assert history["steps"] == 4 and [h["step"] for h in history["history"]] == [2, 4]
+    assert main(["finetune", "--config", str(config), "--set", "epochs=-1"]) == 1
+    assert "`epochs` must be a positive number" in capsys.readouterr().err
+
+    @register_task
+    class Flipped(ClassificationTask):  # the same head, trained to predict the other class
+        name = "flipped-classification"
+
+        def targets(self, raw, encodings, split):
+            return 1 - super().targets(raw, encodings, split)
+    try:
+        # a custom task: the loop runs it; the network is the classification head
+        Flipped.name = "classification"
+        TASKS["classification"], original = Flipped, TASKS["classification"]
+        summary = kbert.finetune(base, "classification", rows, rows, out_dir=str(tmp_path / "flipped"), max_steps=2,
+                                 progress=False)
+        assert summary["steps"] == 2 and summary["metric"] == "accuracy"
+    finally:
+        TASKS["classification"] = original
+        TASKS.pop("flipped-classification", None)
+    with pytest.raises(TypeError, match="FinetuneTask subclass"):
+        register_task(object)

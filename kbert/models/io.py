@@ -144,3 +144,18 @@ def build_pretrainer(model: Pretrainer) -> Pretrainer:
     model({"token_ids": ids, "segment_ids": ids, "padding_mask": np.ones((1, 2), "int32"),
            "mask_positions": np.zeros((1, 1), "int32")})
     return model
+
+
+def with_dropout(backbone: Backbone, rate: float, dtype=None) -> Backbone:
+    """The same backbone (weights copied) with every dropout rate inside it set to `rate`; the backbone
+    itself when its rates are already `rate`."""
+    import dataclasses
+
+    config = backbone.config
+    if config.dropout == rate and config.attention_dropout == rate:
+        return backbone
+    fresh = build_backbone(dataclasses.replace(config, dropout=rate, attention_dropout=rate),
+                           output_hidden_states=backbone.output_hidden_states, dtype=dtype)
+    assign_weights(fresh, {p: keras.ops.convert_to_numpy(v) for p, v in variables_by_path(backbone).items()},
+                   "the loaded backbone")
+    return fresh

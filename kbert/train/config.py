@@ -97,35 +97,42 @@ class PretrainConfig:
 
     @classmethod
     def from_dict(cls, values: dict) -> "PretrainConfig":
-        return _build(cls, values or {}, "")
+        return build_dataclass(cls, values or {}, "")
 
     @classmethod
     def load(cls, path: Optional[str] = None, overrides: Optional[List[str]] = None) -> "PretrainConfig":
         """Reads YAML or JSON (None: defaults) and applies `key.sub=value` overrides (values parsed as YAML)."""
-        values = {}
-        if path:
-            if not os.path.isfile(path):
-                raise FileNotFoundError(f"Config file not found: {path!r}")
-            with open(path, encoding="utf-8") as f:
-                text = f.read()
-            values = _parse(text, path)
-            if not isinstance(values, dict):
-                raise ValueError(f"{path}: the config must be a mapping, got {type(values).__name__}")
-        for item in overrides or []:
-            if "=" not in item:
-                raise ValueError(f"Override {item!r} must look like key.subkey=value")
-            key, raw = item.split("=", 1)
-            import yaml
+        return cls.from_dict(load_mapping(path, overrides))
 
-            value = yaml.safe_load(raw) if raw.strip() else None
-            node = values
-            parts = key.strip().split(".")
-            for p in parts[:-1]:
-                node = node.setdefault(p, {})
-                if not isinstance(node, dict):
-                    raise ValueError(f"Override {item!r}: {p!r} is not a section")
-            node[parts[-1]] = value
-        return cls.from_dict(values)
+
+def load_mapping(path: Optional[str] = None, overrides: Optional[List[str]] = None, base: Optional[dict] = None) -> dict:
+    """The mapping of a YAML/JSON config file (None: `base` or empty) with `key.sub=value` overrides applied
+    (values parsed as YAML, so `--set trainer.steps=100` is an int)."""
+    values = dict(base or {})
+    if path:
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"Config file not found: {path!r}")
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        loaded = _parse(text, path)
+        if not isinstance(loaded, dict):
+            raise ValueError(f"{path}: the config must be a mapping, got {type(loaded).__name__}")
+        values.update(loaded)
+    for item in overrides or []:
+        if "=" not in item:
+            raise ValueError(f"Override {item!r} must look like key.subkey=value")
+        key, raw = item.split("=", 1)
+        import yaml
+
+        value = yaml.safe_load(raw) if raw.strip() else None
+        node = values
+        parts = key.strip().split(".")
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"Override {item!r}: {p!r} is not a section")
+        node[parts[-1]] = value
+    return values
 
 
 def _parse(text: str, path: str):
@@ -148,7 +155,8 @@ def _coerce(field, value, key: str):
     return value
 
 
-def _build(cls, values: dict, prefix: str):
+def build_dataclass(cls, values: dict, prefix: str = ""):
+    """`cls(**values)` for nested dataclasses, unknown keys refused by name and numbers read from strings."""
     if not isinstance(values, dict):
         raise ValueError(f"`{prefix.rstrip('.') or 'config'}` must be a mapping. Received: {values!r}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
@@ -160,7 +168,7 @@ def _build(cls, values: dict, prefix: str):
     for name, value in values.items():
         default = fields[name].default_factory() if fields[name].default_factory is not dataclasses.MISSING else None
         if dataclasses.is_dataclass(default):
-            kwargs[name] = _build(type(default), value or {}, f"{prefix}{name}.")
+            kwargs[name] = build_dataclass(type(default), value or {}, f"{prefix}{name}.")
         else:
             kwargs[name] = _coerce(fields[name], value, f"{prefix}{name}")
     return cls(**kwargs)

@@ -1,0 +1,78 @@
+"""Labelled rows for fine-tuning: TSV / CSV / JSONL files (gzip allowed) or lists of dicts, and their cells.
+
+Every reader names the file, row and column of a bad value, so a mislabelled row is found without a debugger.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+from typing import List, Sequence
+
+from kbert.utils import open_text
+
+
+def read_rows(source, columns: Sequence[str]) -> List[dict]:
+    """Rows of a TSV/CSV/JSONL file (or a list of dicts), checked to have every column in `columns` (None
+    entries are skipped). A TSV has a header row and no quoting."""
+    if isinstance(source, (list, tuple)):
+        rows = list(source)
+        name = "the given rows"
+    else:
+        if not os.path.isfile(source):
+            raise FileNotFoundError(f"Data file not found: {source!r}")
+        base = source[:-3] if source.endswith(".gz") else source
+        name = source
+        with open_text(source) as f:
+            if base.endswith((".jsonl", ".json")):
+                rows = []
+                for n, line in enumerate(f, 1):
+                    if line.strip():
+                        try:
+                            rows.append(json.loads(line))
+                        except json.JSONDecodeError as e:
+                            raise ValueError(f"{source}:{n} is not valid JSON: {e}") from None
+            else:
+                text = f.read().lstrip("\ufeff")
+                if base.endswith(".csv"):
+                    rows = list(csv.DictReader(text.splitlines()))
+                else:
+                    rows = list(csv.DictReader(text.splitlines(), delimiter="\t", quoting=csv.QUOTE_NONE))
+    if not rows:
+        raise ValueError(f"{name} holds no examples")
+    missing = [c for c in columns if c is not None and c not in rows[0]]
+    if missing:
+        raise ValueError(f"{name} has no column {missing[0]!r}; its columns are {sorted(rows[0])}")
+    return rows
+
+
+def text_cell(row: dict, column: str, where: str) -> str:
+    value = row.get(column)
+    if value is None:
+        raise ValueError(f"{where}: column {column!r} is empty")
+    return str(value)
+
+
+def class_label(value, split: str, i: int) -> str:
+    """A class label as its text with surrounding whitespace removed (" 1" and "1" are one class); an empty
+    label is an error naming its row."""
+    label = "" if value is None else str(value).strip()
+    if not label:
+        raise ValueError(f"{split} row {i + 1}: the label is empty; give every row a class, or drop the row")
+    return label
+
+
+def number(value, split: str, i: int) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{split} row {i + 1}: label {value!r} is not a number") from None
+
+
+def tags(value, split: str, i: int) -> List[str]:
+    """One tag per whitespace-separated word: a list, or a space-separated string."""
+    out = value if isinstance(value, list) else str(value).split()
+    if not out:
+        raise ValueError(f"{split} row {i + 1}: no tags")
+    return [str(t) for t in out]

@@ -1,0 +1,83 @@
+"""The whole state of an interrupted fine-tuning run, so that the same call resumes it exactly.
+
+One TensorFlow checkpoint holds every network variable (dropout seeds included), the optimizer's variables
+and a JSON string with the loop's bookkeeping plus the settings the run was made with, so a restart with
+other settings is refused by name instead of silently mixing two runs. `tf.train.CheckpointManager` is the
+field's tool for this on TensorFlow (atomic writes, keeps the newest).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from typing import Optional
+
+import numpy as np
+
+CHECKPOINT_DIR = "checkpoints"  # under the fine-tuning run's out_dir
+
+
+def data_fingerprint(*examples) -> str:
+    """A digest of encoded examples (`kbert.train.finetune_tasks.Examples`, or None): a resumed run must see
+    the same data."""
+    h = hashlib.sha1()
+    for ex in examples:
+        if ex is None:
+            h.update(b"none")
+            continue
+        for lists in (ex.token_ids, ex.pair_token_ids or []):
+            h.update(np.asarray([len(x) for x in lists], np.int64).tobytes())
+            h.update(np.concatenate([np.asarray(x, np.int64) for x in lists] or [np.zeros(0, np.int64)]).tobytes())
+        if ex.labels is not None:
+            labels = ex.labels if isinstance(ex.labels, np.ndarray) else np.concatenate(
+                [np.asarray(x, np.float64) for x in ex.labels] or [np.zeros(0)])
+            h.update(np.asarray(labels, np.float64).tobytes())
+    return h.hexdigest()
+
+
+class FinetuneCheckpoint:
+    """Save / restore / remove the run state under `directory` (`out_dir/checkpoints`)."""
+
+    def __init__(self, directory: str, network, optimizer, settings: dict, resume: bool):
+        import tensorflow as tf
+
+        self.directory, self.settings = directory, json.loads(json.dumps(settings, default=str))
+        if not resume and os.path.isdir(directory):
+            shutil.rmtree(directory)
+        self.state = tf.Variable("", dtype=tf.string, trainable=False)
+        self.checkpoint = tf.train.Checkpoint(
+            network={str(i): v.value for i, v in enumerate(network.variables)},
+            optimizer={str(i): v.value for i, v in enumerate(optimizer.variables)}, state=self.state)
+        self.manager = tf.train.CheckpointManager(self.checkpoint, directory, max_to_keep=1)
+
+    @property
+    def path(self) -> Optional[str]:
+        return self.manager.latest_checkpoint
+
+    def restore(self) -> Optional[dict]:
+        """The saved bookkeeping (with "step"), the variables restored; None when there is no checkpoint."""
+        import tensorflow as tf
+
+        path = self.manager.latest_checkpoint
+        if not path:
+            return None
+        saved = json.loads(tf.train.load_checkpoint(path).get_tensor("state/.ATTRIBUTES/VARIABLE_VALUE"))
+        differ = sorted(k for k in set(saved["settings"]) | set(self.settings)
+                        if saved["settings"].get(k) != self.settings.get(k))
+        if differ:
+            shown = ", ".join(f"{k}: {saved['settings'].get(k)!r} -> {self.settings.get(k)!r}" for k in differ)
+            raise ValueError(f"{self.directory!r} holds an interrupted fine-tuning run (step {saved['step']}) with "
+                             f"other settings ({shown}); rerun with its settings to resume it, pass resume=False "
+                             f"(CLI: --no-resume) to start over, or choose another out_dir")
+        self.checkpoint.restore(path).assert_consumed()
+        return saved
+
+    def save(self, step: int, bookkeeping: dict) -> None:
+        self.state.assign(json.dumps({"settings": self.settings, "step": step, **bookkeeping}))
+        self.manager.save(checkpoint_number=step)
+
+    def remove(self) -> None:
+        if os.path.isdir(self.directory):
+            shutil.rmtree(self.directory)

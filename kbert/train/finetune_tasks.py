@@ -1,0 +1,364 @@
+"""Fine-tuning tasks: what each kind of task brings to the one fine-tuning loop (`kbert.train.finetune`).
+
+A task turns rows into encoded `Examples`, cuts batches of them into the network's features and targets,
+gives the training loss (in `keras.ops`), and scores a dev split. This is Model Garden's `Task` idea: the loop
+knows none of it, and a new task is one class added to `TASKS`.
+
+    classification        one text -> one of N labels (head on the pooled [CLS] output)
+    pair-classification   two texts (`[CLS] a [SEP] b [SEP]`) -> one of N labels (NLI, paraphrase)
+    regression            one text or a pair -> a number (MSE on standardized targets)
+    tagging               whitespace words -> one tag each (head on each word's first subword)
+    sentence-embedding    a bi-encoder: both texts through the same backbone, pooled; pairs with a score
+                          (cosine regression onto score / max score, or CoSENT's ranking loss) or, without
+                          a score column, (anchor, positive) pairs with in-batch negatives
+
+Shapes: b = batch, s = padded length, k = labels, h = hidden size.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Callable, Dict, List, Optional
+
+import numpy as np
+
+from kbert.data import rows as cells
+from kbert.data.features import features, first_pieces, pad, segment_ids, unit_vectors_in_batches
+from kbert.train.metrics import macro_f1, pearson, spearman
+
+SIMILARITY_LOSSES = ("cosent", "cosine")
+IGNORE = -1  # tag label of tokens that are not the first piece of a word
+
+
+@dataclasses.dataclass
+class Examples:
+    """One encoded split: token ids (and segment ids) per example, labels (an array, or per-token lists for
+    tagging, or None for unscored pairs), and for bi-encoders the second text's token ids."""
+    token_ids: List[List[int]]
+    segment_ids: Optional[List[List[int]]]
+    labels: object
+    pair_token_ids: Optional[List[List[int]]] = None
+
+    def __len__(self):
+        return len(self.token_ids)
+
+    def lengths(self) -> np.ndarray:
+        """Tokens per example (the longer text for a pair of a bi-encoder)."""
+        lengths = np.array([len(x) for x in self.token_ids])
+        if self.pair_token_ids is not None:
+            lengths = np.maximum(lengths, [len(x) for x in self.pair_token_ids])
+        return lengths
+
+
+def epoch_batches(rng: np.random.Generator, examples: Examples, batch_size: int, group_by_length: bool,
+                  window: int = 64) -> List[np.ndarray]:
+    """One epoch of index batches: shuffled; with `group_by_length`, each window of `window` batches is sorted
+    by length before it is cut into batches, and the batches are shuffled again (little padding per batch)."""
+    order = rng.permutation(len(examples))
+    if not group_by_length:
+        return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+    lengths = examples.lengths()
+    batches = []
+    for w in range(0, len(order), batch_size * window):
+        chunk = order[w:w + batch_size * window]
+        chunk = chunk[np.argsort(lengths[chunk], kind="stable")]
+        batches.extend(chunk[i:i + batch_size] for i in range(0, len(chunk), batch_size))
+    return [batches[i] for i in rng.permutation(len(batches))]
+
+
+def cosent_loss(cos, scores, scale: float = 20.0):
+    """CoSENT: log(1 + sum over the pairs (i, j) of the batch with scores[i] > scores[j] of
+    exp(scale * (cos[j] - cos[i]))): zero-cost when every higher-scored pair has the higher cosine."""
+    import keras
+
+    scores = keras.ops.cast(scores, cos.dtype)
+    ranked = keras.ops.cast(scores[:, None] > scores[None, :], cos.dtype)
+    logits = scale * (cos[None, :] - cos[:, None]) - (1.0 - ranked) * 1e4
+    logits = keras.ops.concatenate([keras.ops.zeros((1,), cos.dtype), keras.ops.reshape(logits, (-1,))], 0)
+    return keras.ops.logsumexp(logits)
+
+
+class FinetuneTask:
+    """The base: single texts or `[CLS] a [SEP] b [SEP]` pairs through the backbone, one output per example.
+
+    Subclasses set `name` and `metric` and override `label_set`, `targets`, `loss` and `scores`."""
+    name = ""
+    metric = "accuracy"  # the dev score that picks the best checkpoint (higher is better)
+    trains_pooler = True  # whether BERT's [CLS] pooler feeds this task's head
+    needs_pair = False
+
+    def __init__(self, config):
+        self.config = config
+        self.labels: Optional[List[str]] = None
+        self.target = (0.0, 1.0)  # (mean, std) a regression head is trained on
+
+    # ------------------------------------------------------------------ checks and labels
+    def check(self) -> None:
+        """Refuses settings this task cannot use (called before anything is loaded)."""
+        c = self.config
+        if self.needs_pair and not c.pair_column:
+            raise ValueError(f"task={self.name!r} needs `pair_column` (the second text)")
+        if not c.label_column:
+            raise ValueError(f"task={self.name!r} needs `label_column`")
+
+    def label_set(self, rows: List[dict], progress: bool) -> Optional[List[str]]:
+        return None
+
+    @property
+    def num_outputs(self) -> int:
+        return len(self.labels) if self.labels else 0
+
+    # ------------------------------------------------------------------ examples
+    def encode(self, rows: List[dict], tokenizer, max_length: int, split: str) -> Examples:
+        c = self.config
+        texts = [cells.text_cell(r, c.text_column, f"{split} row {i + 1}") for i, r in enumerate(rows)]
+        pairs = None
+        if c.pair_column:
+            pairs = [cells.text_cell(r, c.pair_column, f"{split} row {i + 1}") for i, r in enumerate(rows)]
+        encodings = tokenizer.encode_batch(texts, pairs=pairs, max_length=max_length)
+        raw = [r.get(c.label_column) for r in rows]
+        return Examples([e.ids for e in encodings], [segment_ids(e.ids, tokenizer.sep_id) for e in encodings],
+                        self.targets(raw, encodings, split))
+
+    def targets(self, raw: list, encodings, split: str):
+        raise NotImplementedError
+
+    def fit(self, train: Examples) -> None:
+        """Statistics of the training targets the loss uses (a regression's mean and std)."""
+
+    def batch(self, examples: Examples, index: np.ndarray, pad_id: int):
+        """(features, y) of the examples at `index`: `[b, s]` ids and segments, `[b]` labels."""
+        ids = pad([examples.token_ids[i] for i in index], pad_id)
+        segs = pad([examples.segment_ids[i] for i in index], 0, ids.shape[1])
+        return features(ids, segs, pad_id), self.batch_labels(examples, index, ids.shape[1])
+
+    def batch_labels(self, examples: Examples, index: np.ndarray, width: int):
+        import tensorflow as tf
+
+        return tf.constant(examples.labels[index])
+
+    def loss(self, network, feats, y, n):
+        """The training loss of one batch (the network called with training=True)."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ evaluation
+    def evaluate(self, infer: Callable, examples: Examples, batch_size: int, pad_id: int) -> Dict[str, float]:
+        """Dev scores; `infer(ids, segments)` -> the network's `[b, ...]` outputs as numpy."""
+        outputs = [None] * len(examples)
+        by_length = np.argsort([len(x) for x in examples.token_ids], kind="stable")  # little padding per batch
+        for start in range(0, len(examples), batch_size):
+            index = by_length[start:start + batch_size]
+            ids = pad([examples.token_ids[i] for i in index], pad_id)
+            segs = pad([examples.segment_ids[i] for i in index], 0, ids.shape[1])
+            for i, out in zip(index, infer(ids, segs)):
+                outputs[i] = out
+        return self.scores(outputs, examples)
+
+    def scores(self, outputs: list, examples: Examples) -> Dict[str, float]:
+        raise NotImplementedError
+
+    def dev_metric(self, dev: Optional[Examples]) -> str:
+        return self.metric
+
+
+class ClassificationTask(FinetuneTask):
+    name = "classification"
+
+    def label_set(self, rows, progress):
+        import sys
+
+        c = self.config
+        counts = collections.Counter(cells.class_label(r[c.label_column], "train", i) for i, r in enumerate(rows))
+        labels = [str(x).strip() for x in (c.labels or sorted(counts))]
+        if len(labels) < 2:
+            raise ValueError(f"Classification needs at least 2 labels; the training data has {labels}")
+        if progress:  # the label set before training: an unexpected class shows here, not in the scores
+            print(f"{len(labels)} labels: " + ", ".join(f"{k!r} ({counts[k]} rows)" for k in labels),
+                  file=sys.stderr, flush=True)
+        return labels
+
+    def targets(self, raw, encodings, split):
+        index = {label: k for k, label in enumerate(self.labels)}
+        raw = [cells.class_label(v, split, i) for i, v in enumerate(raw)]
+        unknown = sorted(set(raw) - set(index))
+        if unknown:
+            raise ValueError(f"{split} has labels not seen in training: {unknown[:5]} (training labels: {self.labels})")
+        return np.array([index[v] for v in raw], np.int32)
+
+    def loss(self, network, feats, y, n):
+        import keras
+
+        logits = network(feats, training=True)  # [b, k]
+        return keras.ops.mean(keras.losses.sparse_categorical_crossentropy(y, logits, from_logits=True))
+
+    def scores(self, outputs, examples):
+        pred = np.argmax(np.stack(outputs), axis=1)
+        return {"accuracy": float(np.mean(pred == examples.labels)),
+                "macro_f1": macro_f1(examples.labels, pred, len(self.labels))}
+
+
+class PairClassificationTask(ClassificationTask):
+    name = "pair-classification"
+    needs_pair = True
+
+
+class RegressionTask(FinetuneTask):
+    name = "regression"
+    metric = "spearman"
+
+    @property
+    def num_outputs(self) -> int:
+        return 1
+
+    def targets(self, raw, encodings, split):
+        return np.array([cells.number(v, split, i) for i, v in enumerate(raw)], np.float32)
+
+    def fit(self, train):
+        self.target = (float(np.mean(train.labels)), float(np.std(train.labels)) or 1.0)
+
+    def loss(self, network, feats, y, n):
+        import keras
+
+        out = network(feats, training=True)  # [b, 1], in the units of the labels
+        return keras.ops.mean(keras.ops.square((out[:, 0] - y) / self.target[1]))
+
+    def scores(self, outputs, examples):
+        pred = np.array([o[0] for o in outputs])
+        return {"spearman": spearman(pred, examples.labels), "pearson": pearson(pred, examples.labels),
+                "mse": float(np.mean((pred - examples.labels) ** 2))}
+
+
+class TaggingTask(FinetuneTask):
+    name = "tagging"
+    trains_pooler = False
+
+    def check(self):
+        super().check()
+        c = self.config
+        if c.pooling is not None or c.layers != -1:
+            raise ValueError(f"`pooling` and `layers` do not apply to task='tagging' (its head reads every token "
+                             f"of the last layer). Received: pooling={c.pooling!r}, layers={c.layers!r}")
+
+    def label_set(self, rows, progress):
+        c = self.config
+        labels = c.labels or sorted({t for i, r in enumerate(rows) for t in cells.tags(r[c.label_column], "train", i)})
+        return [str(x) for x in labels]
+
+    def targets(self, raw, encodings, split):
+        return [self._word_labels(e, cells.tags(v, split, i), split, i)
+                for i, (e, v) in enumerate(zip(encodings, raw))]
+
+    def _word_labels(self, enc, tags, split, i) -> List[int]:
+        """Per-token tag ids: each whitespace word's tag on its first subword, IGNORE elsewhere."""
+        firsts = first_pieces(enc)
+        if len(firsts) != len(tags):
+            raise ValueError(f"{split} row {i + 1}: {len(firsts)} words but {len(tags)} tags (tags are one per "
+                             f"whitespace-separated word)")
+        index = {label: k for k, label in enumerate(self.labels)}
+        out = [IGNORE] * len(enc.ids)
+        for t, tag in zip(firsts, tags):
+            if tag not in index:
+                raise ValueError(f"{split} row {i + 1}: tag {tag!r} not seen in training")
+            if t is not None:  # None: the word was cut off by max_length
+                out[t] = index[tag]
+        return out
+
+    def batch_labels(self, examples, index, width):
+        import tensorflow as tf
+
+        return tf.constant(pad([examples.labels[i] for i in index], IGNORE, width))  # [b, s]
+
+    def loss(self, network, feats, y, n):
+        import keras
+
+        logits = network(feats, training=True)  # [b, s, k]
+        valid = keras.ops.cast(y >= 0, "float32")
+        ce = keras.losses.sparse_categorical_crossentropy(keras.ops.maximum(y, 0), logits, from_logits=True)
+        return keras.ops.sum(ce * valid) / keras.ops.maximum(keras.ops.sum(valid), 1.0)
+
+    def scores(self, outputs, examples):
+        y = np.concatenate([np.array(l) for l in examples.labels])
+        p = np.concatenate([np.argmax(o[:len(l)], axis=-1) for o, l in zip(outputs, examples.labels)])
+        keep = y >= 0
+        return {"accuracy": float(np.mean(p[keep] == y[keep])), "macro_f1": macro_f1(y[keep], p[keep], len(self.labels))}
+
+
+class SentenceEmbeddingTask(FinetuneTask):
+    name = "sentence-embedding"
+    metric = "spearman"
+    trains_pooler = False
+
+    def check(self):
+        c = self.config
+        if not c.pair_column:
+            raise ValueError("task='sentence-embedding' needs `pair_column` (the second sentence of each pair)")
+
+    def encode(self, rows, tokenizer, max_length, split):
+        c = self.config
+        texts = [cells.text_cell(r, c.text_column, f"{split} row {i + 1}") for i, r in enumerate(rows)]
+        pairs = [cells.text_cell(r, c.pair_column, f"{split} row {i + 1}") for i, r in enumerate(rows)]
+        a = [e.ids for e in tokenizer.encode_batch(texts, max_length=max_length)]
+        b = [e.ids for e in tokenizer.encode_batch(pairs, max_length=max_length)]
+        scores = None
+        if c.label_column:
+            scores = np.array([cells.number(r.get(c.label_column), split, i) for i, r in enumerate(rows)], np.float32)
+        return Examples(a, None, scores, pair_token_ids=b)
+
+    def fit(self, train):
+        self.score_max = 1.0
+        if train.labels is not None:
+            self.score_max = float(np.max(np.abs(train.labels))) or 1.0
+
+    def batch(self, examples, index, pad_id):
+        """Both texts of each pair in one `[2b, s]` batch (firsts, then seconds); `[b]` scores or None."""
+        import tensorflow as tf
+
+        ids = pad([examples.token_ids[i] for i in index] + [examples.pair_token_ids[i] for i in index], pad_id)
+        y = None if examples.labels is None else tf.constant(examples.labels[index])
+        return features(ids, np.zeros_like(ids), pad_id), y
+
+    def loss(self, network, feats, y, n):
+        import keras
+
+        v = network(feats, training=True)  # [2b, h]
+        v = v / keras.ops.maximum(keras.ops.norm(v, axis=-1, keepdims=True), 1e-12)
+        a, b = v[:n], v[n:]
+        if y is None:  # in-batch negatives: a[i] should pick b[i] among all b
+            logits = keras.ops.matmul(a, keras.ops.transpose(b)) * 20.0
+            target = keras.ops.arange(n)
+            return keras.ops.mean(keras.losses.sparse_categorical_crossentropy(target, logits, from_logits=True))
+        cos = keras.ops.sum(a * b, axis=-1)
+        if self.config.similarity_loss == "cosine":
+            return keras.ops.mean(keras.ops.square(cos - y / self.score_max))
+        return cosent_loss(cos, y)
+
+    def evaluate(self, infer, examples, batch_size, pad_id):
+        a = unit_vectors_in_batches(infer, examples.token_ids, pad_id, batch_size)
+        b = unit_vectors_in_batches(infer, examples.pair_token_ids, pad_id, batch_size)
+        if examples.labels is not None:
+            cos = np.sum(a * b, axis=1)
+            return {"spearman": spearman(cos, examples.labels), "pearson": pearson(cos, examples.labels)}
+        return {"recall@1": float(np.mean(np.argmax(a @ b.T, axis=1) == np.arange(len(a))))}
+
+    def dev_metric(self, dev):
+        return "spearman" if (dev is not None and dev.labels is not None) else "recall@1"
+
+
+TASKS: Dict[str, type] = {t.name: t for t in (ClassificationTask, PairClassificationTask, RegressionTask,
+                                               TaggingTask, SentenceEmbeddingTask)}
+
+
+def register_task(task: type) -> type:
+    """Adds a `FinetuneTask` subclass to `TASKS` under its `name` (usable as a class decorator). Its network
+    must be one `kbert.models.tasks.TaskNetwork` builds, or the task must build its own."""
+    if not (isinstance(task, type) and issubclass(task, FinetuneTask)) or not task.name:
+        raise TypeError(f"register_task expects a FinetuneTask subclass with a `name`. Received: {task!r}")
+    TASKS[task.name] = task
+    return task
+
+
+def task_for(config) -> FinetuneTask:
+    if config.task not in TASKS:
+        raise ValueError(f"`task` must be one of {tuple(TASKS)}. Received: task={config.task!r}")
+    return TASKS[config.task](config)
