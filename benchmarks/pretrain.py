@@ -63,7 +63,7 @@ def main(argv=None):
         for precision in precisions:
             config = {"model": {"preset": name, "vocab_size": args.vocab_size},
                       "data": {"source": "dummy", "tokenizer": os.path.join(tmp, "tok"),
-                               "max_seq_len": args.seq, "max_predictions": predictions},
+                               "max_length": args.seq, "max_predictions": predictions},
                       "optimizer": {"learning_rate": 1e-4, "warmup_steps": 10},
                       "trainer": {"steps": args.steps, "batch_size": args.batch, "log_every": 10,
                                   "checkpoint_every": 10 ** 9},

@@ -216,7 +216,7 @@ def main():
     # 2. pretraining for a wall-clock budget: a short calibration run sets the step count
     run_dir = os.path.join(args.out, "pretraining")
     config = {"model": {"preset": "bert-mini", "dropout": 0.0, "attention_dropout": 0.0},
-              "data": {"source": text, "tokenizer": tok_dir, "objective": args.objective, "max_seq_len": 64,
+              "data": {"source": text, "tokenizer": tok_dir, "objective": args.objective, "max_length": 64,
                        "workers": 1},
               # ELECTRA-Small's learning rate; masked LM trains fastest at 1e-3 here
               "optimizer": {"name": "adamw", "learning_rate": args.learning_rate or (5e-4 if args.objective == "electra" else 1e-3),
@@ -238,7 +238,7 @@ def main():
             # a short run (inside the warm-up, which does not depend on the total step count); its steady
             # rate leaves out the first step (tracing, XLA compilation)
             summary = kbert.pretrain(config, progress=True, stop_after=60)
-            tokens_per_step = config["trainer"]["batch_size"] * config["data"]["max_seq_len"]
+            tokens_per_step = config["trainer"]["batch_size"] * config["data"]["max_length"]
             rate = 0.97 * summary["steady_tokens_per_second"] / tokens_per_step  # later steps run a little slower
             left = args.minutes * 60 - (time.time() - start)
             steps = 60 + max(40, int(left * rate))

@@ -169,7 +169,7 @@ def _data_prepare(args):
 
     tok = Tokenizer.load(args.tokenizer)
     corpus = Corpus(args.corpus, **_corpus_options(args))
-    manifest = prepare(corpus, tok, args.out, objective=args.objective, max_seq_len=args.max_seq_len,
+    manifest = prepare(corpus, tok, args.out, objective=args.objective, max_length=args.max_length,
                        short_seq_prob=args.short_seq_prob, seed=args.seed, docs_per_shard=args.docs_per_shard,
                        workers=args.workers, overwrite=args.overwrite)
     report = CorpusReport(**manifest["report"])
@@ -441,7 +441,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", required=True, help="tokenizer dir, vocab.txt or .model")
     p.add_argument("--out", required=True, help="records directory (rerun to resume)")
     p.add_argument("--objective", choices=("mlm", "mlm+nsp", "mlm+sop"), default="mlm+nsp")
-    p.add_argument("--max-seq-len", type=int, default=128)
+    p.add_argument("--max-length", "--max-seq-len", dest="max_length", type=int, default=128,
+                   help="tokens per sequence with [CLS]/[SEP] (--max-seq-len: its old name)")
     p.add_argument("--short-seq-prob", type=float, default=0.1)
     p.add_argument("--docs-per-shard", type=int, default=1024)
     p.add_argument("--workers", type=int, default=None, help="processes (default: all cores)")

@@ -53,7 +53,7 @@ def run(corpus_sources=("kolaw", "kobill"), out: str = "kbert-quickstart", steps
     print(f"[3/4] pretraining a tiny BERT (2 layers, 128 wide) for {steps} steps on this CPU")
     config = {"model": {"preset": "bert-tiny", "max_position": 128},
               "data": {"source": list(corpus_sources), "tokenizer": tok_dir, "objective": "mlm+nsp",
-                       "max_seq_len": 64, "workers": 0, "shuffle_buffer": 1000},
+                       "max_length": 64, "workers": 0, "shuffle_buffer": 1000},
               "optimizer": {"learning_rate": 2e-3, "warmup_steps": max(1, steps // 10)},
               # token embeddings start from the corpus's co-occurrence statistics (PPMI + SVD, seconds here):
               # with a few hundred steps, that is most of what the word and sentence vectors know

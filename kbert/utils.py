@@ -86,3 +86,17 @@ class StopSignals:
         for s, handler in self.previous.items():
             signal.signal(s, handler)
         return False
+
+
+def renamed_keyword(old: str, old_value, new: str, new_value, default):
+    """The value of a keyword argument renamed from `old` to `new` (kept for one release): `old_value` with a
+    DeprecationWarning when the old name was passed (None: it was not), else `new_value`; both is an error."""
+    if old_value is None:
+        return new_value
+    import warnings
+
+    if new_value != default:
+        raise TypeError(f"`{old}` is the old name of `{new}`: pass only `{new}`")
+    warnings.warn(f"`{old}` is deprecated and will be removed in the next release: use `{new}`",
+                  DeprecationWarning, stacklevel=3)
+    return old_value

@@ -152,7 +152,7 @@ def test_pair_labels_match_source_order(objective):
 
 
 def test_long_lines_and_one_sentence_documents():
-    long_doc = [[list(range(10, 400))]]  # one line of 390 tokens, far over max_seq_len
+    long_doc = [[list(range(10, 400))]]  # one line of 390 tokens, far over max_length
     block = build_examples(long_doc, "mlm+sop", 64, 2, 3, 0, short_seq_prob=0.0, seed=0)
     kept = sorted(t for row, n in zip(block["token_ids"], block["lengths"]) for t in row[:n] if t >= 10)
     assert len(block["lengths"]) >= 6 and (block["lengths"] <= 64).all()
@@ -232,14 +232,14 @@ def test_whole_word_masking_masks_every_piece(tok):
 
 
 def test_masks_deterministic_and_fresh_each_epoch(tok, tmp_path):
-    records.prepare("kolaw", tok, str(tmp_path / "rec"), max_seq_len=64, docs_per_shard=1, workers=0,
+    records.prepare("kolaw", tok, str(tmp_path / "rec"), max_length=64, docs_per_shard=1, workers=0,
                     progress=False)
     manifest = records.read_manifest(str(tmp_path / "rec"))
     per_epoch = -(-manifest["examples"] // 4)
 
     def run(start=0):
         ds = pretraining_dataset(str(tmp_path / "rec"), tok, batch_size=4, seed=5, shuffle_buffer=0,
-                                 start_batch=start, max_seq_len=64)
+                                 start_batch=start, max_length=64)
         return [(f["token_ids"].numpy(), l["mask_ids"].numpy()) for f, l in ds.take(2 * per_epoch)]
 
     a, b = run(), run()
@@ -249,14 +249,14 @@ def test_masks_deterministic_and_fresh_each_epoch(tok, tmp_path):
     resumed = run(start=3)
     assert (resumed[0][0] == a[3][0]).all() and (resumed[0][1] == a[3][1]).all()
     # an example's mask does not depend on the batch size (so not on the number of replicas either)
-    ds8 = pretraining_dataset(str(tmp_path / "rec"), tok, batch_size=8, seed=5, shuffle_buffer=0, max_seq_len=64)
+    ds8 = pretraining_dataset(str(tmp_path / "rec"), tok, batch_size=8, seed=5, shuffle_buffer=0, max_length=64)
     first8 = next(iter(ds8))[0]["token_ids"].numpy()
     assert (first8[:4] == a[0][0]).all() and (first8[4:] == a[1][0]).all()
 
 
 # ---------------------------------------------------------------- pretraining_dataset + records
 def test_dataset_features_segments_and_padding(tok):
-    ds = pretraining_dataset(["kolaw", "kobill"], tok, "mlm+sop", max_seq_len=96, batch_size=8, workers=0, seed=1)
+    ds = pretraining_dataset(["kolaw", "kobill"], tok, "mlm+sop", max_length=96, batch_size=8, workers=0, seed=1)
     for f, l in ds.take(5):
         ids, seg, pad = f["token_ids"].numpy(), f["segment_ids"].numpy(), f["padding_mask"].numpy()
         assert ids.shape == (8, 96) and l["pair_labels"].shape == (8,)
@@ -305,7 +305,7 @@ def test_hand_serialized_records_are_tf_train_examples():
 
 
 def test_records_equal_raw_text_and_resume_after_interrupt(tok, tmp_path, monkeypatch):
-    kwargs = dict(objective="mlm+nsp", max_seq_len=64, seed=2)
+    kwargs = dict(objective="mlm+nsp", max_length=64, seed=2)
     raw = pretraining_dataset(["kolaw", "kobill"], tok, batch_size=16, workers=0, repeat=False,
                               docs_per_block=4, drop_remainder=False, **kwargs)
     full = str(tmp_path / "full")
@@ -351,8 +351,8 @@ def test_records_equal_raw_text_and_resume_after_interrupt(tok, tmp_path, monkey
     m3 = records.prepare(["kolaw", "kobill"], tok, out, docs_per_shard=4, workers=0, progress=False, **kwargs)
     assert m3["resumed_shards"] == len(m3["shards"]) - 1
     # settings must match the records
-    with pytest.raises(ValueError, match="different settings.*max_seq_len"):
-        records.prepare(["kolaw", "kobill"], tok, out, docs_per_shard=4, max_seq_len=32, workers=0, progress=False)
+    with pytest.raises(ValueError, match="different settings.*max_length"):
+        records.prepare(["kolaw", "kobill"], tok, out, docs_per_shard=4, max_length=32, workers=0, progress=False)
     other = kbert.Tokenizer.train(corpus("kolaw"), vocab_size=1000, progress=False)
     with pytest.raises(ValueError, match="another tokenizer"):
         pretraining_dataset(out, other)
@@ -362,7 +362,7 @@ def test_input_context_sharding(tok, tmp_path):
     import tensorflow as tf
 
     out = str(tmp_path / "rec")
-    records.prepare(["kolaw", "kobill"], tok, out, max_seq_len=64, docs_per_shard=2, workers=0, progress=False)
+    records.prepare(["kolaw", "kobill"], tok, out, max_length=64, docs_per_shard=2, workers=0, progress=False)
     seen = []
     for i in range(2):
         ctx = tf.distribute.InputContext(num_input_pipelines=2, input_pipeline_id=i, num_replicas_in_sync=2)
@@ -388,7 +388,7 @@ def test_bad_sources_fail_clearly(tok, tmp_path):
     with pytest.raises(FileNotFoundError):
         pretraining_dataset(str(tmp_path / "missing.txt"), tok)
     with pytest.raises(ValueError, match="max_predictions"):
-        pretraining_dataset("dummy", tok, max_seq_len=16, max_predictions=17)
+        pretraining_dataset("dummy", tok, max_length=16, max_predictions=17)
     with pytest.raises(ValueError, match="objective"):
         pretraining_dataset("dummy", tok, objective="nsp")
 

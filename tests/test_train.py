@@ -40,7 +40,7 @@ def tok_dir(tmp_path_factory):
 
 def _config(tok_dir, out, steps, **sections):
     cfg = {"model": dict(TINY, dropout=0.0, attention_dropout=0.0),
-           "data": {"source": ["kolaw", "kobill"], "tokenizer": tok_dir, "max_seq_len": 64, "workers": 0,
+           "data": {"source": ["kolaw", "kobill"], "tokenizer": tok_dir, "max_length": 64, "workers": 0,
                     "shuffle_buffer": 100},
            "optimizer": {"learning_rate": 2e-3, "warmup_steps": 10},
            "trainer": {"steps": steps, "batch_size": 16, "log_every": 5, "checkpoint_every": 1000},
@@ -262,8 +262,8 @@ def test_bad_configs_name_the_key(tok_dir, tmp_path):
         PretrainConfig.from_dict({"trainer": {"stepz": 3}})
     with pytest.raises(ValueError, match="Unknown config key `optimiser`"):
         PretrainConfig.from_dict({"optimiser": {}})
-    with pytest.raises(ValueError, match="max_seq_len.*position"):
-        pretrain(_config(tok_dir, str(tmp_path / "a"), 2, data={"max_seq_len": 512}), progress=False)
+    with pytest.raises(ValueError, match="max_length.*position"):
+        pretrain(_config(tok_dir, str(tmp_path / "a"), 2, data={"max_length": 512}), progress=False)
     with pytest.raises(ValueError, match="divisible by replicas x accumulation"):
         pretrain(_config(tok_dir, str(tmp_path / "b"), 2, trainer={"batch_size": 10, "accumulation": 4}),
                  progress=False)
@@ -426,7 +426,7 @@ def test_plan_and_pretrain_commands(tok_dir, tmp_path):
                  "--target-batch", "64"]) == 0
     out = str(tmp_path / "cli")
     assert main(["pretrain", "--corpus", "kolaw", "--tokenizer", tok_dir, "--out", out, "--steps", "3",
-                 "--batch-size", "8", "--strategy", "cpu", "--set", "data.max_seq_len=32", "--set", "data.workers=0",
+                 "--batch-size", "8", "--strategy", "cpu", "--set", "data.max_length=32", "--set", "data.workers=0",
                  "--set", f"model={json_dumps(dict(TINY))}"]) == 0
     assert os.path.isdir(os.path.join(out, "model"))
     assert main(["pretrain", "--set", "trainer.stepz=3"]) == 1
@@ -723,17 +723,17 @@ def test_cli_pretrains_from_a_records_dir(tok_dir, tmp_path, capsys):
 
     records = str(tmp_path / "records")
     assert main(["data", "prepare", "--corpus", "kolaw", "--tokenizer", tok_dir, "--out", records,
-                 "--max-seq-len", "32", "--workers", "0"]) == 0
+                 "--max-length", "32", "--workers", "0"]) == 0
     out = str(tmp_path / "run")
     assert main(["pretrain", "--corpus", records, "--tokenizer", tok_dir, "--out", out, "--steps", "3",
-                 "--batch-size", "8", "--strategy", "cpu", "--set", "data.max_seq_len=32",
+                 "--batch-size", "8", "--strategy", "cpu", "--set", "data.max_length=32",
                  "--set", f"model={json.dumps(dict(TINY))}"]) == 0, capsys.readouterr().err
     assert os.path.isdir(os.path.join(out, "model"))
     emb = kbert.Embedder.load(out)  # the run dir: its model/ (it said "config is missing required key(s)")
     assert emb.encode(["대한민국은 민주공화국이다."]).shape == (1, 64)
     with pytest.raises(ValueError, match="mixes a records dir"):
         pretrain(_config(tok_dir, str(tmp_path / "mixed"), 2, data={"source": [records, "kolaw"],
-                                                                     "max_seq_len": 32}), progress=False)
+                                                                     "max_length": 32}), progress=False)
 
 
 def test_pretrain_prints_what_it_will_do_and_refuses_a_file_as_output(tok_dir, tmp_path, capsys):
@@ -745,3 +745,33 @@ def test_pretrain_prints_what_it_will_do_and_refuses_a_file_as_output(tok_dir, t
     path.write_text("x")
     with pytest.raises(ValueError, match="is a file; name a directory"):
         pretrain(_config(tok_dir, str(path), 2), progress=False)
+
+
+def test_old_name_max_seq_len_is_accepted_with_a_deprecation_warning(tmp_path):
+    """`max_length` is the one name for tokens per sequence; the old `max_seq_len` (config key, keyword, records
+    manifest, CLI flag) still works for one release and says so."""
+    import inspect
+    import json
+
+    from kbert.cli import build_parser
+    from kbert.data import pretraining, records
+    from kbert.utils import renamed_keyword
+
+    with pytest.warns(DeprecationWarning, match="data.max_seq_len"):
+        config = PretrainConfig.from_dict({"data": {"max_seq_len": 64}})
+    assert config.data.max_length == 64 and "max_seq_len" not in json.dumps(config.to_dict())
+    with pytest.raises(ValueError, match="old name of `data.max_length`"):
+        PretrainConfig.from_dict({"data": {"max_seq_len": 64, "max_length": 64}})
+    with pytest.warns(DeprecationWarning, match="`max_seq_len` is deprecated"):
+        assert renamed_keyword("max_seq_len", 64, "max_length", 128, 128) == 64
+    assert renamed_keyword("max_seq_len", None, "max_length", 256, 128) == 256
+    with pytest.raises(TypeError, match="pass only `max_length`"):
+        renamed_keyword("max_seq_len", 64, "max_length", 256, 128)
+    for fn in (pretraining.pretraining_dataset, records.prepare):
+        assert {"max_length", "max_seq_len"} <= set(inspect.signature(fn).parameters)
+    manifest = {"format_version": records.FORMAT_VERSION, "max_seq_len": 96}
+    (tmp_path / records.MANIFEST).write_text(json.dumps(manifest), encoding="utf-8")
+    assert records.read_manifest(str(tmp_path))["max_length"] == 96
+    args = build_parser().parse_args(["data", "prepare", "--corpus", "x", "--tokenizer", "t", "--out", "o",
+                                      "--max-seq-len", "64"])
+    assert args.max_length == 64

@@ -30,10 +30,10 @@ def block_seed(seed: int, epoch: int, block: int) -> int:
 class ExampleBuilder:
     """Picklable: everything a worker needs to turn raw documents into examples."""
 
-    def __init__(self, corpus: Corpus, tokenizer, objective: str, max_seq_len: int, short_seq_prob: float,
+    def __init__(self, corpus: Corpus, tokenizer, objective: str, max_length: int, short_seq_prob: float,
                  shard_writer=None):
         self.corpus, self.tokenizer = corpus, tokenizer
-        self.objective, self.max_seq_len, self.short_seq_prob = objective, max_seq_len, short_seq_prob
+        self.objective, self.max_length, self.short_seq_prob = objective, max_length, short_seq_prob
         self.shard_writer = shard_writer  # set by `kbert data prepare`: workers serialize their shard's records
 
     def _same_normalization(self) -> bool:
@@ -52,7 +52,7 @@ class ExampleBuilder:
             token_docs.append(ids[i:i + len(d)])
             i += len(d)
         tok = self.tokenizer
-        block = build_examples(token_docs, self.objective, self.max_seq_len, tok.cls_id, tok.sep_id, tok.pad_id,
+        block = build_examples(token_docs, self.objective, self.max_length, tok.cls_id, tok.sep_id, tok.pad_id,
                                short_seq_prob=self.short_seq_prob, seed=seed)
         if self.shard_writer is not None:
             return self.shard_writer(index, block), report

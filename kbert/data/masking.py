@@ -35,9 +35,9 @@ class MaskSpec(NamedTuple):
     vocab_size: int
 
 
-def default_max_predictions(max_seq_len: int, mask_rate: float = 0.15) -> int:
-    """round(max_seq_len * mask_rate) + 1 (20 for 128, as in the BERT recipe)."""
-    return int(round(max_seq_len * mask_rate)) + 1
+def default_max_predictions(max_length: int, mask_rate: float = 0.15) -> int:
+    """round(max_length * mask_rate) + 1 (20 for 128, as in the BERT recipe)."""
+    return int(round(max_length * mask_rate)) + 1
 
 
 def regular_token_ids(vocab_size: int, special_ids) -> np.ndarray:

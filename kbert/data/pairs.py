@@ -3,7 +3,7 @@
 The algorithm is google-research/bert's `create_instances_from_document`, done once per example (no
 `dupe_factor`: masks are drawn later, in the graph, fresh every epoch):
 
-- sentences of a document are gathered into a chunk until it reaches the target length (`max_seq_len`
+- sentences of a document are gathered into a chunk until it reaches the target length (`max_length`
   minus the special tokens; with probability `short_seq_prob` a shorter random target, so the model also
   sees short inputs);
 - the chunk is cut at a random sentence boundary into A and B;
@@ -55,15 +55,15 @@ def _truncate_pair(a: List[int], b: List[int], max_tokens: int, rng: random.Rand
             longer.pop()
 
 
-def build_examples(documents: Sequence[List[List[int]]], objective: str, max_seq_len: int, cls_id: int,
+def build_examples(documents: Sequence[List[List[int]]], objective: str, max_length: int, cls_id: int,
                    sep_id: int, pad_id: int, short_seq_prob: float = 0.1, seed: int = 0) -> Dict[str, np.ndarray]:
     """Token-id documents (lists of sentences of ids) -> a block of examples (see the module docstring)."""
     check_objective(objective)
     pair = objective != "mlm"
-    max_tokens = max_seq_len - (3 if pair else 2)
+    max_tokens = max_length - (3 if pair else 2)
     if max_tokens < 2:
-        raise ValueError(f"`max_seq_len` must be at least {5 if pair else 4} for objective={objective!r}. "
-                         f"Received: max_seq_len={max_seq_len}")
+        raise ValueError(f"`max_length` must be at least {5 if pair else 4} for objective={objective!r}. "
+                         f"Received: max_length={max_length}")
     rng = random.Random(seed)
     docs = [d for d in (_split_long([s for s in doc if s], max(1, (max_tokens + 1) // 2 if pair else max_tokens))
                         for doc in documents) if d]
@@ -116,7 +116,7 @@ def build_examples(documents: Sequence[List[List[int]]], objective: str, max_seq
                 chunk, length = [], 0
             i += 1
     n = len(rows)
-    token_ids = np.full((n, max_seq_len), pad_id, dtype=np.int32)
+    token_ids = np.full((n, max_length), pad_id, dtype=np.int32)
     lengths = np.zeros(n, dtype=np.int32)
     for r, ids in enumerate(rows):
         token_ids[r, :len(ids)] = ids

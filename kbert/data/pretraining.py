@@ -22,28 +22,30 @@ import sys
 from typing import Optional
 
 from kbert.data.corpus import Corpus, CorpusReport
+from kbert.utils import renamed_keyword
 from kbert.data.examples import ExampleBuilder, block_seed, example_blocks, resolve_workers, start_pool, stop_pool
 from kbert.data.masking import default_max_predictions, example_keys, make_spec, mask_tokens, regular_token_ids
 from kbert.data.pairs import check_objective
 from kbert.data import records as _records
 
 
-def pretraining_dataset(source, tokenizer, objective: str = "mlm+nsp", max_seq_len: int = 128,
+def pretraining_dataset(source, tokenizer, objective: str = "mlm+nsp", max_length: int = 128,
                         batch_size: int = 32, mask_rate: float = 0.15, max_predictions: Optional[int] = None,
                         whole_word: bool = True, ngram: int = 1, short_seq_prob: float = 0.1, seed: int = 0,
                         shuffle_buffer: int = 10_000, repeat: bool = True, start_batch: int = 0,
                         input_context=None, workers: Optional[int] = None, docs_per_block: int = 256,
-                        report: Optional[CorpusReport] = None, drop_remainder: bool = True):
+                        report: Optional[CorpusReport] = None, drop_remainder: bool = True,
+                        max_seq_len: Optional[int] = None):
     """A `tf.data.Dataset` of masked pretraining batches `(features, labels)` (see the module docstring).
 
     Args:
         source: raw text (path / recipe / Corpus), a records directory, or "dummy".
         tokenizer: a `kbert.Tokenizer` (for records, the one that prepared them: checked by fingerprint).
         objective: "mlm", "mlm+nsp" (BERT) or "mlm+sop" (ALBERT). For records, taken from the records.
-        max_seq_len: tokens per sequence with [CLS]/[SEP]. For records, taken from the records.
+        max_length: tokens per sequence with [CLS]/[SEP]. For records, taken from the records.
         batch_size: global batch size (divided by the replicas when `input_context` is given).
         mask_rate, max_predictions, whole_word, ngram: masking (default max_predictions:
-            round(max_seq_len * mask_rate) + 1, e.g. 20 for 128).
+            round(max_length * mask_rate) + 1, e.g. 20 for 128).
         short_seq_prob: probability of a shorter random target length (raw text only).
         seed: fixes pairs, shuffling and masks; masks still differ between epochs.
         shuffle_buffer: examples in the shuffle buffer (0 turns shuffling off).
@@ -54,6 +56,7 @@ def pretraining_dataset(source, tokenizer, objective: str = "mlm+nsp", max_seq_l
             that uses them needs `if __name__ == "__main__":` (without it, `kbert.workers.WorkerError` says so).
         report: a `CorpusReport` filled while raw text is read.
     """
+    max_length = renamed_keyword("max_seq_len", max_seq_len, "max_length", max_length, 128)
     import tensorflow as tf
 
     if not isinstance(batch_size, int) or batch_size < 1:
@@ -66,27 +69,27 @@ def pretraining_dataset(source, tokenizer, objective: str = "mlm+nsp", max_seq_l
 
     if isinstance(source, str) and source == "dummy":
         check_objective(objective)
-        examples = _dummy_examples(tokenizer, objective, max_seq_len, stream_seed)
+        examples = _dummy_examples(tokenizer, objective, max_length, stream_seed)
     elif _records.records_dir(source):
         source = _records.records_dir(source)
         manifest, files = _records.shard_files(source)
         if manifest["tokenizer"] != tokenizer.fingerprint():
             raise ValueError(f"{source!r} was prepared with another tokenizer (fingerprint {manifest['tokenizer']}, "
                              f"this one is {tokenizer.fingerprint()}); pass the tokenizer used by `kbert data prepare`")
-        for name, value in (("objective", objective), ("max_seq_len", max_seq_len)):
+        for name, value in (("objective", objective), ("max_length", max_length)):
             if value != manifest[name] and value != _parameter_default(name):
                 raise ValueError(f"`{name}`={value!r} differs from the records' {name} {manifest[name]!r}; "
                                  f"prepare new records or leave `{name}` at its default")
-        objective, max_seq_len = manifest["objective"], manifest["max_seq_len"]
+        objective, max_length = manifest["objective"], manifest["max_length"]
         if len(files) < num_pipelines:
             raise ValueError(f"{source!r} has {len(files)} shards for {num_pipelines} input pipelines; prepare "
                              f"with smaller --docs-per-shard so every worker gets a shard")
-        examples = _record_examples(files, max_seq_len, num_pipelines, pipeline_id, seed, repeat, shuffle_buffer)
+        examples = _record_examples(files, max_length, num_pipelines, pipeline_id, seed, repeat, shuffle_buffer)
         repeat = False  # done per file list
     else:
         check_objective(objective)
         corpus = source if isinstance(source, Corpus) else Corpus(source)
-        builder = ExampleBuilder(corpus, tokenizer, objective, max_seq_len, short_seq_prob)
+        builder = ExampleBuilder(corpus, tokenizer, objective, max_length, short_seq_prob)
         workers = resolve_workers(workers)
         # one pool for every epoch, started first: the workers spawn while this process checks the source
         pool = start_pool(builder, workers) if workers else None
@@ -97,13 +100,13 @@ def pretraining_dataset(source, tokenizer, objective: str = "mlm+nsp", max_seq_l
                 stop_pool(pool)
             raise
         examples = _raw_examples(builder, seed, workers, docs_per_block, num_pipelines, pipeline_id,
-                                 report, max_seq_len, repeat, pool)
+                                 report, max_length, repeat, pool)
         repeat = False
 
     if max_predictions is None:
-        max_predictions = default_max_predictions(max_seq_len, mask_rate)
-    if max_predictions > max_seq_len:
-        raise ValueError(f"`max_predictions` ({max_predictions}) cannot exceed `max_seq_len` ({max_seq_len})")
+        max_predictions = default_max_predictions(max_length, mask_rate)
+    if max_predictions > max_length:
+        raise ValueError(f"`max_predictions` ({max_predictions}) cannot exceed `max_length` ({max_length})")
     spec = make_spec(tokenizer, mask_rate, max_predictions, whole_word, ngram)
     pair = objective != "mlm"
     if repeat:
@@ -117,7 +120,7 @@ def pretraining_dataset(source, tokenizer, objective: str = "mlm+nsp", max_seq_l
 
     def finish(index, batch):
         ids, lengths, num_a, pair_labels = batch  # index: [b] example indices in the stream
-        positions = tf.range(max_seq_len)[None, :]
+        positions = tf.range(max_length)[None, :]
         real = positions < lengths[:, None]
         ids = tf.where(real, ids, pad_id)
         segment_ids = tf.cast((positions >= num_a[:, None]) & real, tf.int32)
@@ -139,10 +142,10 @@ def _parameter_default(name: str):
     return inspect.signature(pretraining_dataset).parameters[name].default
 
 
-def _signature(max_seq_len):
+def _signature(max_length):
     import tensorflow as tf
 
-    return (tf.TensorSpec([None, max_seq_len], tf.int32), tf.TensorSpec([None], tf.int32),
+    return (tf.TensorSpec([None, max_length], tf.int32), tf.TensorSpec([None], tf.int32),
             tf.TensorSpec([None], tf.int32), tf.TensorSpec([None], tf.int32))
 
 
@@ -158,7 +161,7 @@ def _check_yields_examples(builder: ExampleBuilder, seed: int, docs_per_block: i
                      f"(NSP/SOP need documents with at least two tokens): {report}")
 
 
-def _raw_examples(builder, seed, workers, docs_per_block, num_pipelines, pipeline_id, report, max_seq_len, repeat,
+def _raw_examples(builder, seed, workers, docs_per_block, num_pipelines, pipeline_id, report, max_length, repeat,
                  pool):
     import tensorflow as tf
 
@@ -169,11 +172,11 @@ def _raw_examples(builder, seed, workers, docs_per_block, num_pipelines, pipelin
 
     epochs = tf.data.Dataset.range(sys.maxsize if repeat else 1)
     blocks = epochs.flat_map(lambda e: tf.data.Dataset.from_generator(
-        generate, args=(e,), output_signature=_signature(max_seq_len)))
+        generate, args=(e,), output_signature=_signature(max_length)))
     return blocks.unbatch()
 
 
-def _record_examples(files, max_seq_len, num_pipelines, pipeline_id, seed, repeat, shuffle_buffer):
+def _record_examples(files, max_length, num_pipelines, pipeline_id, seed, repeat, shuffle_buffer):
     import tensorflow as tf
 
     ds = tf.data.Dataset.from_tensor_slices(files)
@@ -186,12 +189,12 @@ def _record_examples(files, max_seq_len, num_pipelines, pipeline_id, seed, repea
     ds = ds.interleave(lambda f: tf.data.TFRecordDataset(f), cycle_length=min(len(files), 8),
                        block_length=16, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
     # parse in batches (much faster than per record), then hand single examples to the shuffle buffer
-    ds = ds.batch(1024).map(lambda s: _records.parse_batch(s, max_seq_len), num_parallel_calls=tf.data.AUTOTUNE,
+    ds = ds.batch(1024).map(lambda s: _records.parse_batch(s, max_length), num_parallel_calls=tf.data.AUTOTUNE,
                             deterministic=True)
     return ds.unbatch()
 
 
-def _dummy_examples(tokenizer, objective, max_seq_len, seed):
+def _dummy_examples(tokenizer, objective, max_length, seed):
     """Random sequences with realistic lengths (half to full) and two segments, generated in the graph."""
     import tensorflow as tf
 
@@ -201,9 +204,9 @@ def _dummy_examples(tokenizer, objective, max_seq_len, seed):
     def make(index):
         s = tf.stack([tf.constant(seed, tf.int64), index])
         seeds = tf.random.experimental.stateless_split(s, 3)
-        length = tf.random.stateless_uniform([], seeds[0], max_seq_len // 2, max_seq_len + 1, tf.int32)
-        ids = tf.gather(regular, tf.random.stateless_uniform([max_seq_len], seeds[1], 0, len(regular), tf.int32))
-        positions = tf.range(max_seq_len)
+        length = tf.random.stateless_uniform([], seeds[0], max_length // 2, max_length + 1, tf.int32)
+        ids = tf.gather(regular, tf.random.stateless_uniform([max_length], seeds[1], 0, len(regular), tf.int32))
+        positions = tf.range(max_length)
         num_a = length // 2 if pair else length
         ids = tf.where(positions == 0, cls_id, ids)
         ids = tf.where((positions == length - 1) | ((positions == num_a - 1) & pair), sep_id, ids)

@@ -22,11 +22,11 @@ from typing import Optional
 from kbert.data.corpus import Corpus, CorpusReport
 from kbert.data.examples import ExampleBuilder, example_blocks
 from kbert.data.pairs import check_objective
-from kbert.utils import progress_bar
+from kbert.utils import progress_bar, renamed_keyword
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
-SETTINGS = ("tokenizer", "vocab_size", "objective", "max_seq_len", "short_seq_prob", "seed", "docs_per_shard",
+SETTINGS = ("tokenizer", "vocab_size", "objective", "max_length", "short_seq_prob", "seed", "docs_per_shard",
             "sources")
 
 
@@ -117,19 +117,23 @@ def read_manifest(directory: str) -> dict:
         manifest = json.load(f)
     if manifest.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"{path}: unsupported format_version {manifest.get('format_version')!r}")
+    if "max_seq_len" in manifest:  # records written before the setting was named max_length
+        manifest["max_length"] = manifest.pop("max_seq_len")
     return manifest
 
 
-def prepare(source, tokenizer, out_dir: str, objective: str = "mlm+nsp", max_seq_len: int = 128,
+def prepare(source, tokenizer, out_dir: str, objective: str = "mlm+nsp", max_length: int = 128,
             short_seq_prob: float = 0.1, seed: int = 0, docs_per_shard: int = 1024, workers: Optional[int] = None,
-            overwrite: bool = False, progress: bool = True) -> dict:
+            overwrite: bool = False, progress: bool = True, max_seq_len: Optional[int] = None) -> dict:
     """Writes tokenized segment pairs of `source` (anything `kbert.corpus` takes, or a Corpus) to sharded
     TFRecords in `out_dir`, on all cores. Re-running on the same directory resumes: finished shards are
-    kept. Returns the manifest (with the cleaning report)."""
+    kept. Returns the manifest (with the cleaning report). (`max_seq_len` is the deprecated name of
+    `max_length`.)"""
+    max_length = renamed_keyword("max_seq_len", max_seq_len, "max_length", max_length, 128)
     check_objective(objective)
     corpus = source if isinstance(source, Corpus) else Corpus(source)
     settings = {"tokenizer": tokenizer.fingerprint(), "vocab_size": tokenizer.vocab_size, "objective": objective,
-                "max_seq_len": int(max_seq_len), "short_seq_prob": float(short_seq_prob), "seed": int(seed),
+                "max_length": int(max_length), "short_seq_prob": float(short_seq_prob), "seed": int(seed),
                 "docs_per_shard": int(docs_per_shard), "sources": corpus.sources}
     os.makedirs(out_dir, exist_ok=True)
     manifest_path = os.path.join(out_dir, MANIFEST)
@@ -153,7 +157,7 @@ def prepare(source, tokenizer, out_dir: str, objective: str = "mlm+nsp", max_seq
     _write_json(manifest_path, manifest)
 
     writer = ShardWriter(out_dir)
-    builder = ExampleBuilder(corpus, tokenizer, objective, max_seq_len, short_seq_prob, shard_writer=writer)
+    builder = ExampleBuilder(corpus, tokenizer, objective, max_length, short_seq_prob, shard_writer=writer)
     report = CorpusReport()
     bar = progress_bar(desc="prepare", unit="shard", enabled=progress)
     resumed = len(shards)
@@ -196,8 +200,8 @@ def shard_files(directory: str, allow_incomplete: bool = False):
     return manifest, files
 
 
-def parse_batch(serialized, max_seq_len: int):
-    """A batch of serialized records -> (token_ids int32 [b, max_seq_len] zero-padded, lengths, num_a,
+def parse_batch(serialized, max_length: int):
+    """A batch of serialized records -> (token_ids int32 [b, max_length] zero-padded, lengths, num_a,
     pair_labels)."""
     import tensorflow as tf
 
@@ -207,5 +211,5 @@ def parse_batch(serialized, max_seq_len: int):
         "pair_label": tf.io.FixedLenFeature([], tf.int64),
     })
     lengths = tf.strings.length(parsed["token_ids"]) // 4
-    ids = tf.io.decode_raw(parsed["token_ids"], tf.int32, little_endian=True, fixed_length=4 * max_seq_len)
+    ids = tf.io.decode_raw(parsed["token_ids"], tf.int32, little_endian=True, fixed_length=4 * max_length)
     return ids, tf.cast(lengths, tf.int32), tf.cast(parsed["num_a"], tf.int32), tf.cast(parsed["pair_label"], tf.int32)

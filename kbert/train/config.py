@@ -3,7 +3,7 @@
 Unknown keys fail with the key named; the resolved config is written next to the checkpoints.
 
     model: bert-tiny                # a preset name, or a full ModelConfig mapping
-    data: {source: [kolaw, kobill], tokenizer: out/tokenizer, objective: mlm+nsp, max_seq_len: 128}
+    data: {source: [kolaw, kobill], tokenizer: out/tokenizer, objective: mlm+nsp, max_length: 128}
                                     # objective: mlm | mlm+nsp (BERT) | mlm+sop (ALBERT) | electra
     optimizer: {name: adamw, learning_rate: 1e-4, warmup_steps: 100}
     trainer: {steps: 1000, batch_size: 32}
@@ -20,10 +20,11 @@ from typing import Any, List, Optional, Union
 
 @dataclasses.dataclass
 class DataConfig:
+    RENAMED = {"max_seq_len": "max_length"}  # old key -> new key, accepted with a warning for one release
     source: Any = None  # corpus (paths / recipe names), a records dir, or "dummy"
     tokenizer: Optional[str] = None  # tokenizer dir / vocab.txt / .model
     objective: str = "mlm+nsp"  # mlm | mlm+nsp | mlm+sop | electra (replaced-token detection, MLM data)
-    max_seq_len: int = 128
+    max_length: int = 128
     max_predictions: Optional[int] = None
     mask_rate: float = 0.15
     whole_word: bool = True
@@ -160,6 +161,14 @@ def build_dataclass(cls, values: dict, prefix: str = ""):
     if not isinstance(values, dict):
         raise ValueError(f"`{prefix.rstrip('.') or 'config'}` must be a mapping. Received: {values!r}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
+    for old, new in getattr(cls, "RENAMED", {}).items():
+        if old in values:
+            import warnings
+
+            if new in values:
+                raise ValueError(f"`{prefix}{old}` is the old name of `{prefix}{new}`: give only `{prefix}{new}`")
+            warnings.warn(f"config key `{prefix}{old}` is deprecated: use `{prefix}{new}`", DeprecationWarning)
+            values = {(new if k == old else k): v for k, v in values.items()}
     unknown = sorted(set(values) - set(fields))
     if unknown:
         raise ValueError(f"Unknown config key `{prefix}{unknown[0]}`; valid keys under "

@@ -57,8 +57,8 @@ def _model_config(config: PretrainConfig, tokenizer):
     if cfg.vocab_size < tokenizer.vocab_size:
         raise ValueError(f"`model.vocab_size` ({cfg.vocab_size}) is smaller than the tokenizer's vocabulary "
                          f"({tokenizer.vocab_size})")
-    if config.data.max_seq_len > cfg.max_position:
-        raise ValueError(f"`data.max_seq_len` ({config.data.max_seq_len}) is beyond the model's position "
+    if config.data.max_length > cfg.max_position:
+        raise ValueError(f"`data.max_length` ({config.data.max_length}) is beyond the model's position "
                          f"embeddings (`model.max_position` = {cfg.max_position})")
     return cfg.validate()
 
@@ -135,7 +135,8 @@ def check_resumable(saved_path: str, config: PretrainConfig) -> None:
     import json
 
     with open(saved_path, encoding="utf-8") as f:
-        saved = _flat(json.load(f))
+        saved = json.load(f)
+    saved = _flat(json.loads(json.dumps(PretrainConfig.from_dict(saved).to_dict())))  # old key names read as new
     current = _flat(json.loads(json.dumps(config.to_dict())))
     differences = [f"{key}: {saved.get(key)!r} -> {current.get(key)!r}" for key in sorted(set(saved) | set(current))
                    if key not in RESUMABLE_CHANGES and saved.get(key) != current.get(key)]
@@ -218,7 +219,7 @@ def pretrain(config: Union[PretrainConfig, dict, str], overrides=None, resume: b
         print(f"pretrain: {model_config.architecture} L={model_config.num_layers} H={model_config.hidden_size} "
               f"A={model_config.num_heads} ({model_config.num_parameters() / 1e6:.1f}M parameters, vocab "
               f"{model_config.vocab_size}), {d.objective}, {t.steps} steps\n"
-              f"  data: {d.source!r}, {d.max_seq_len} tokens per sequence\n"
+              f"  data: {d.source!r}, {d.max_length} tokens per sequence\n"
               f"  batch: {t.batch_size} sequences per step" + (" (planned by batch_size: auto)" if plan else "")
               + f" = {replicas} replica(s) x {t.accumulation} micro-step(s) x {micro_batch // replicas}; "
               f"precision {precision} on {device_kind(strategy)}\n  output: {config.output_dir}",
@@ -245,7 +246,7 @@ def pretrain(config: Union[PretrainConfig, dict, str], overrides=None, resume: b
             else:
                 model = Pretrainer(backbone, pair_objective=_objective_head(d.objective))
             optimizer = make_optimizer(config.optimizer, t.steps, t.accumulation, precision)
-            model(_dummy_features(d.max_seq_len, d.max_predictions or default_max_predictions(d.max_seq_len,
+            model(_dummy_features(d.max_length, d.max_predictions or default_max_predictions(d.max_length,
                                                                                               d.mask_rate)))
             optimizer.build(model.trainable_variables)
             step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
@@ -278,7 +279,7 @@ def pretrain(config: Union[PretrainConfig, dict, str], overrides=None, resume: b
     # 4. data, skipped forward to the restored step
     def dataset_fn(ctx):
         return pretraining_dataset(d.source, tokenizer, objective=_data_objective(d.objective),
-                                   max_seq_len=d.max_seq_len,
+                                   max_length=d.max_length,
                                    batch_size=micro_batch, mask_rate=d.mask_rate, max_predictions=d.max_predictions,
                                    whole_word=d.whole_word, ngram=d.ngram, short_seq_prob=d.short_seq_prob,
                                    seed=rt.seed, shuffle_buffer=d.shuffle_buffer, start_batch=start * t.accumulation,
@@ -321,7 +322,7 @@ def pretrain(config: Union[PretrainConfig, dict, str], overrides=None, resume: b
         return {k: v / t.accumulation for k, v in total.items()}
 
     writer = tf.summary.create_file_writer(os.path.join(out, "logs"))
-    tokens_per_step = t.batch_size * d.max_seq_len
+    tokens_per_step = t.batch_size * d.max_length
     bar = progress_bar(total=t.steps, desc="pretrain", unit="step", enabled=progress)
     bar.update(start)
     history, recent = [], collections.deque(maxlen=_RECENT_STEPS)
@@ -418,7 +419,7 @@ def _retry_smaller(config, error, per_replica_batch, checkpoint, progress, end):
         raise MemoryError(
             f"Out of memory with a per-replica micro-batch of {per_replica_batch} "
             f"({'oom_fallback is off' if not t.oom_fallback else 'cannot halve further'}): use a smaller model, "
-            f"shorter data.max_seq_len, precision=mixed_bfloat16 or activation recomputation. "
+            f"shorter data.max_length, precision=mixed_bfloat16 or activation recomputation. "
             f"Device said: {str(error).splitlines()[0][:200]}") from None
     t.accumulation *= 2
     sys.stderr.write(f"kbert pretrain: out of memory at per-replica micro-batch {per_replica_batch}; retrying with "

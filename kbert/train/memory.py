@@ -199,10 +199,10 @@ def plan_for_config(config, model_config, precision: str, replicas: int, device:
         memory = "8GB" if device == "cpu" else "16GB"
     jit = config.runtime.jit
     compiler = "xla" if jit in (True, "auto") else "none"
-    best = max_batch_size(model_config, parse_memory(memory) * 0.9, config.data.max_seq_len,
+    best = max_batch_size(model_config, parse_memory(memory) * 0.9, config.data.max_length,
                           optimizer=config.optimizer.name, precision=precision, compiler=compiler)
     if best == 0:
-        raise ValueError(f"The model does not fit in {memory} at max_seq_len={config.data.max_seq_len} even with "
+        raise ValueError(f"The model does not fit in {memory} at max_length={config.data.max_length} even with "
                          f"batch 1; use a smaller model, shorter sequences or mixed precision")
     per_replica = min(best, 256)
     return {"global_batch": per_replica * replicas, "accumulation": 1, "micro_batch": per_replica,
