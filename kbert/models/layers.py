@@ -29,9 +29,9 @@ def gelu(x):
     """Exact GELU, `0.5 x (1 + erf(x / sqrt(2)))`, computed in float32 for 16-bit inputs.
 
     `ops.gelu(approximate=False)` on TensorFlow evaluates `erfc` on bfloat16 one element at a time through
-    the C library, whose cost grows with |x|: on a 2-core CPU bert-mini's pretraining step slowed by a quarter
-    as training spread the pre-activations (15 ms per [2048, 1024] GELU at std 4, against 3.5 ms for this
-    form, which uses the vectorized float32 `erf`: benchmarks/gelu.py). Within 2e-6 of `ops.gelu` in float32.
+    the C library, whose cost grows with |x|, so a step slows down as training spreads the pre-activations;
+    this form uses the vectorized float32 `erf` (benchmarks/gelu.py compares them). Within 2e-6 of
+    `ops.gelu` in float32.
     """
     dtype = keras.backend.standardize_dtype(x.dtype)
     if dtype in ("bfloat16", "float16"):
@@ -85,8 +85,8 @@ class Dropout(keras.layers.Layer):
       resumed run's first trace is exact-shaped where the uninterrupted run's was relaxed).
 
     Kept elements are scaled by the exact inverse of the keep probability, so expectations are unchanged.
-    Why the draws matter: random-number generation was about a tenth of a BERT training step (figures in
-    benchmarks/README.md).
+    Why the draws matter: random-number generation is a visible share of a BERT training step
+    (benchmarks/README.md).
     """
 
     _BITS = 15

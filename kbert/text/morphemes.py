@@ -193,7 +193,7 @@ class MecabAnalyzer(Analyzer):
         if self._impl is None:
             self._impl = self._load()
         # MeCab's surfaces are the text's own characters in order, so each is found where the last one
-        # ended (after spaces): no general alignment (2x faster). Anything else takes `align`.
+        # ended (after spaces): no general alignment needed. Anything else takes `align`.
         out, cursor, find, isspace, make = [], 0, text.find, str.isspace, tuple.__new__
         for surface, tag in _MECAB_LINE.findall(self._impl.parse(text)):
             pos = find(surface, cursor)
@@ -294,8 +294,8 @@ def _unlink_jvm_gc():
     Once the JVM is up, JPype runs a callback on every Python collection (generation 0 included) that reads
     the process's memory with glibc's mallinfo() and asks Java for a GC above a high-water mark
     (jpype-project/jpype#1197, #1315). In a process of a few GB with TensorFlow's threads (many malloc
-    arenas) mallinfo() alone took ~45 ms per call (seen with `py-spy dump --native`), so allocation-heavy
-    Python code ran 20-60x slower (1.1M short texts through WordPiece: 11 s -> 5 min). The hook exists to
+    arenas) each mallinfo() call is slow, so allocation-heavy Python code runs many times slower
+    (benchmarks/README.md has the measurement). The hook exists to
     break reference cycles between Python and Java objects; konlpy's taggers only pass strings and lists
     across, which both sides free on their own, and Java still collects its heap when it needs to.
     """

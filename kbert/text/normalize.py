@@ -31,14 +31,14 @@ _COMPAT_JAMO = re.compile("([\u3131-\u318e]+)")
 # Derived from `unicodedata` over the scripts Korean text mixes in (Latin, Cyrillic, symbols, CJK, kana,
 # Hangul syllables and compatibility jamo, full/half-width forms, emoji); tests re-derive each property.
 # A string of these separated by single spaces, with no space at either end, is already normalized,
-# so the graph normalizer skips it (about 9 in 10 movie reviews).
+# so the graph normalizer skips it (most everyday text).
 _RE2_STABLE = (r"\x{21}-\x{7e}\x{a1}-\x{ac}\x{ae}-\x{2ff}\x{400}-\x{482}\x{48a}-\x{4ff}\x{2010}-\x{2027}"
                r"\x{2030}-\x{205e}\x{2070}-\x{20cf}\x{20f1}-\x{2125}\x{2127}-\x{2129}\x{212c}-\x{2328}"
                r"\x{232b}-\x{2adb}\x{2add}-\x{2bff}\x{3001}-\x{3029}\x{3030}-\x{3098}\x{309b}-\x{318e}"
                r"\x{4e00}-\x{9fff}\x{ac00}-\x{d7a3}\x{ff01}-\x{ffef}\x{1f300}-\x{1faff}")
 _RE2_ALREADY_NORMAL = f"(?:[{_RE2_STABLE}]+(?: [{_RE2_STABLE}]+)*)?"
-# Of the other strings, nearly all (99.5% of the reviews that fail the test above) differ only by extra
-# ASCII spaces: for those, collapsing and trimming spaces is the whole chain.
+# Of the other strings, nearly all differ only by extra ASCII spaces: for those, collapsing and trimming
+# spaces is the whole chain.
 _RE2_STABLE_AND_SPACES = f"[{_RE2_STABLE} ]*"
 
 
@@ -112,7 +112,7 @@ def tf_normalize(texts, form: str = "NFC", repeat: Optional[int] = None, lowerca
 
 def _tf_normalize_rest(texts):
     """The strings that are not already normal: extra spaces only -> collapse and trim; others -> the
-    full chain (about 6% and 0.03% of movie reviews)."""
+    full chain (the rare rest)."""
     import tensorflow as tf
 
     spaces = tf.strings.strip(tf.strings.regex_replace(texts, "  +", " "))

@@ -290,9 +290,9 @@ class Tokenizer:
 
     def _walked_pieces(self, texts: List[str]):
         """`_pieces_batch` from ids: SentencePiece saw `▁` + the text with spaces as `▁`, and the pieces
-        spell that string out (a character outside the vocabulary as its UTF-8 byte pieces). 2.5x faster
-        than reading offsets from SentencePiece's protos; a text whose pieces do not spell it (never seen)
-        takes the protos."""
+        spell that string out (a character outside the vocabulary as its UTF-8 byte pieces), which is
+        cheaper than reading offsets from SentencePiece's protos; a text whose pieces do not spell it takes
+        the protos."""
         lengths, vocab, results = self._piece_lengths(), self.vocab, []
         for text, ids in zip(texts, self._sp.encode(list(texts))):
             shown = "\u2581" + text.replace(" ", "\u2581")
@@ -346,7 +346,7 @@ class Tokenizer:
         """`encode` for many texts at once (SentencePiece encodes them on all cores)."""
         if isinstance(texts, (str, bytes)):
             raise TypeError("encode_batch expects a list of texts; use encode() for one text")
-        with no_gc():  # ~10 tuples per piece, none in a cycle: 15K -> 19K reviews/s (kbert.utils.no_gc)
+        with no_gc():  # ~10 tuples per piece, none in a cycle (kbert.utils.no_gc)
             return self._encode_batch(texts, pairs, add_special_tokens, max_length)
 
     def _encode_batch(self, texts, pairs, add_special_tokens, max_length):
@@ -505,7 +505,7 @@ class Tokenizer:
 
     def _graph_with_specials(self):
         """Plain SentencePiece whose [CLS]/[SEP] are control pieces: an op that adds them itself (as
-        SentencePiece's BOS/EOS), cheaper than concatenating ragged columns (~0.8 us per line); else None."""
+        SentencePiece's BOS/EOS), cheaper than concatenating ragged columns; else None."""
         if self._graph_special is None:
             self._graph_special = False
             if self.kind == "sentencepiece" and not self.morphemes and \
@@ -742,7 +742,7 @@ VERSION_WARNED = []
 def check_sentencepiece_version(version: str):
     """sentencepiece 0.2.2 changed how unigram ties between equal-score segmentations are broken (`..` +
     `...` vs `...` + `..`); kbert's in-graph unigram path follows 0.2.2-0.2.3, so with an older version
-    Python ids differ from `ds.map(tok)` on runs like `.....` (0.6% of movie reviews)."""
+    Python ids differ from `ds.map(tok)` on runs like `.....`."""
     try:
         older = tuple(int(x) for x in version.split(".")[:3]) < (0, 2, 2)
     except ValueError:

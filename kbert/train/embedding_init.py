@@ -13,7 +13,7 @@ classic count-based word-vector method gives them meaning in about a minute on t
    `U * sqrt(S)` as the embedding table. Tokens never seen (special tokens, unused pieces) keep a random
    normal row of the model's `initializer_range`.
 
-The result is deterministic for a seed. Measured in benchmarks/README.md (issue 7's end-to-end run).
+The result is deterministic for a seed. What it buys is measured in benchmarks/README.md.
 """
 
 from __future__ import annotations

@@ -304,8 +304,8 @@ def pretrain(config: Union[PretrainConfig, dict, str], overrides=None, resume: b
     kind = device_kind(strategy)
     # "auto" compiles one replica's step with XLA and leaves several uncompiled (their all-reduce), where an
     # explicit True asks for it. On CPU, XLA runs bfloat16 matmuls no faster than float32 while TensorFlow's
-    # own (oneDNN) kernels use the CPU's bf16 instructions: bert-mini at seq 64 on 2 cores, mixed_bfloat16
-    # makes 5.0K tokens/s under XLA and 7.8K without; float32 5.2K with, 4.8K without
+    # own (oneDNN) kernels use the CPU's bf16 instructions, so bf16 on CPU runs without XLA (the figures are
+    # in benchmarks/README.md)
     jit = rt.jit is True or (rt.jit == "auto" and replicas == 1 and not (kind == "cpu" and precision != "float32"))
     if jit and kind != "tpu":  # XLA compiles the replica step; reading the iterator stays outside (no XLA kernel)
         replica_step = tf.function(replica_step, jit_compile=True, reduce_retracing=True)

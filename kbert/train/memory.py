@@ -33,8 +33,8 @@ The coefficients depend on how the train step is executed, so there are two glob
   has the points, the devices and how far each estimate is from them. `kbert plan --exact` reads that byte
   count for the model and device at hand;
 - `"none"` (op-by-op graph execution, TensorFlow without XLA): the sanity anchor is the 12 GB table in
-  google-research/bert's README (TF 1.11, fp32, Adam); one set of round values puts every row within 27%
-  (tests check 35%).
+  google-research/bert's README (TF 1.11, fp32, Adam); one set of round values comes close to every row
+  (the tests bound the error).
 
 Never fitted per row. `kbert plan --probe` confirms the answer with real steps on the device at hand.
 """

@@ -5,7 +5,7 @@ MultiWorkerMirroredStrategy when $TF_CONFIG names a cluster, a MirroredStrategy 
 single GPU, else the CPU. `--precision auto` is bfloat16 on TPUs and on GPUs of compute capability >= 8.0,
 float16 with dynamic loss scaling on older GPUs, float32 on CPUs. On a CPU with native bfloat16 dot products
 (AVX512-BF16 or AMX: AMD Zen 4 and later, Intel Cooper Lake / Sapphire Rapids and later; `cpu_has_native_bf16`)
-`mixed_bfloat16` trains faster (bert-mini, seq 64, 2 cores: 1.5x the tokens/s of float32, benchmarks/README.md);
+`mixed_bfloat16` trains faster (benchmarks/README.md has the comparison);
 it is a choice there, not the default, since results then differ from float32 runs in the last digits.
 """
 
