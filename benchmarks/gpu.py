@@ -66,43 +66,29 @@ def matmul_peak(dtype: str, n: int = 8192, repeats: int = 10) -> float:
     return 2 * n ** 3 * repeats / (time.perf_counter() - t)
 
 
-IMPLEMENTATION_SWITCHES = {
-    # the backend's random-number generator (threefry on JAX) for dropout masks instead of the counter hash
-    "dropout_masks=generator": ("_counter_hash_applies", lambda: False),
-    # the explicit einsum-softmax-einsum attention even where the fused kernel applies
-    "attention=explicit": ("_fused_attention_applies", lambda rate, training: False),
-    # the padding mask handed to the fused kernel as [b, 1, 1, s] (which cuDNN refuses: XLA's attention runs)
-    "attention_mask=broadcast": ("_fused_attention", lambda q, k, v, mask, scale: __import__("keras").ops
-                                 .dot_product_attention(q, k, v, mask=mask.astype(bool)[:, None, None, :],
-                                                        scale=scale)),
-    # ... or as per-row key lengths, cuDNN's padding mask type (right-padded batches only)
-    "attention_mask=lengths": ("_fused_attention", lambda q, k, v, mask, scale: __import__("jax").nn
-                               .dot_product_attention(q, k, v, scale=scale, implementation="cudnn",
-                                                      query_seq_lengths=mask.astype("int32").sum(1),
-                                                      key_value_seq_lengths=mask.astype("int32").sum(1))),
-}
+# kbert code paths for before/after figures: `--variants` items of the form NAME=CHOICE from
+# kbert.models.layers.IMPLEMENTATIONS (e.g. dropout_masks=generator, attention=explicit,
+# attention_mask=broadcast or lengths); anything else is a ModelConfig override.
+def _implementation_choices(overrides) -> dict:
+    from kbert.models.layers import IMPLEMENTATIONS
+
+    return dict(item.split("=", 1) for item in overrides or () if item.split("=", 1)[0] in IMPLEMENTATIONS)
 
 
 def _switch_implementation(overrides):
-    """Applies the IMPLEMENTATION_SWITCHES named in `overrides` (kbert code paths, for before/after figures)."""
-    from kbert.models import layers
+    """Chooses the kbert code paths named in `overrides` (the rest at kbert's defaults)."""
+    from kbert.models.layers import set_implementation
 
-    originals = _switch_implementation.__dict__.setdefault("originals", {})
-    for name, _ in IMPLEMENTATION_SWITCHES.values():  # each variant starts from kbert's own code paths
-        setattr(layers, name, originals.setdefault(name, getattr(layers, name)))
-    for item in overrides or ():
-        if item in IMPLEMENTATION_SWITCHES:
-            name, replacement = IMPLEMENTATION_SWITCHES[item]
-            setattr(layers, name, replacement)
+    set_implementation(**_implementation_choices(overrides))
 
 
 def _config(model: str, vocab: int, overrides=()):
     """A preset with `--set field=value` overrides (e.g. attention_dropout=0.0); implementation switches
-    (IMPLEMENTATION_SWITCHES) are not ModelConfig fields and are skipped here."""
+    (kbert.models.layers.IMPLEMENTATIONS) are not ModelConfig fields and are skipped here."""
     from kbert.models.config import ModelConfig
 
     fields = {}
-    for item in [o for o in overrides or () if o not in IMPLEMENTATION_SWITCHES]:
+    for item in [o for o in overrides or () if o.split("=", 1)[0] not in _implementation_choices(overrides)]:
         key, value = item.split("=", 1)
         fields[key] = json.loads(value) if value[:1] in "0123456789-[{tfn" else value
     return ModelConfig.preset(model, vocab_size=vocab, **fields)
@@ -470,7 +456,7 @@ def main(argv=None):
     parser.add_argument("--variants", default="default;dropout_masks=generator;attention_dropout=0.0;"
                                               "attention_dropout=0.0,attention=explicit",
                         help="throughput/hf/all: ';'-separated override sets ('default' = none; ',' joins "
-                             "several overrides in one set; IMPLEMENTATION_SWITCHES switch kbert code paths)")
+                             "several overrides in one set; NAME=CHOICE items of kbert.models.layers.IMPLEMENTATIONS switch kbert code paths)")
     parser.add_argument("--cap", default="12GB", help="capped/all: the memory the GPU is capped at")
     parser.add_argument("--cap-seqs", default="128,512", help="all: sequence lengths of the capped table")
     parser.add_argument("--cap-precisions", default="mixed_bfloat16", help="all: precisions of the capped table")
@@ -498,7 +484,7 @@ def main(argv=None):
                                "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"})
     elif args.what == "hf":
         sets = [args.set] if args.set else variants
-        sets = [[o for o in v if o not in IMPLEMENTATION_SWITCHES] for v in sets]
+        sets = [[o for o in v if o.split("=", 1)[0] not in _implementation_choices(v)] for v in sets]
         sets = [v for i, v in enumerate(sets) if v not in sets[:i]]  # kbert's own switches mean nothing here
         result = [r for i, overrides in enumerate(sets)
                   for r in hf(args.model, args.seq, args.batch, args.steps, args.vocab, overrides,

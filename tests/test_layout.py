@@ -5,7 +5,7 @@
 - `models/` imports nothing of text/data/train/embed;
 - `text/` nothing of data/models/train/embed; `data/` nothing of models/train/embed;
 - `train/` never imports `embed/`, and `embed/` never imports `train/`;
-- no module imports another module's `_private` name; no import cycle between files.
+- no module imports another module's `_private` name (and no test imports one); no import cycle between files.
 
 `python tests/test_layout.py` prints the import graph between kbert's folders.
 """
@@ -111,6 +111,19 @@ def test_imports_run_one_way_with_no_private_names():
 def test_no_import_cycle_between_files():
     edges, _ = graph()
     assert not cycles(edges), cycles(edges)
+
+
+def test_tests_import_no_private_kbert_names():
+    """Tests use kbert's public names (what users get), so internals can change without editing tests."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    known = modules()
+    found = []
+    for name in sorted(os.listdir(here)):
+        if name.endswith(".py"):
+            for target, imported, line in imports(os.path.join(here, name), known):
+                if (imported or "").startswith("_") or any(p.startswith("_") for p in target.split(".")[1:]):
+                    found.append(f"tests/{name}:{line}: {target} {imported or ''}")
+    assert not found, "\n".join(found)
 
 
 def test_the_checker_sees_a_violation(tmp_path):

@@ -402,7 +402,7 @@ plain = kbert.build_backbone(dataclasses.replace(model.config, dropout=0.0, atte
 inputs = {k: batch[k] for k in ("token_ids", "segment_ids", "padding_mask")}
 keep = batch["padding_mask"].astype(bool)
 def run(fused):
-    layers._fused_attention_applies = lambda rate, training: fused
+    layers.set_implementation(attention="auto" if fused else "explicit")
     def loss(tv):
         out, _ = plain.stateless_call(tv, [v.value for v in plain.non_trainable_variables], inputs,
                                       training=True)

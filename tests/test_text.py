@@ -84,12 +84,12 @@ def test_tf_normalize_stable_set_is_stable():
     whitespace collapsing leave alone, and no neighbour composes with it."""
     import re
 
-    from kbert.text.normalize import _CONTROL_RE, _RE2_STABLE, _SPACE_RE
+    from kbert.text.normalize import CONTROL_RE, RE2_STABLE, SPACE_RE
 
     second = {int(d.split()[1], 16) for d in (unicodedata.decomposition(chr(c)) for c in range(0x110000))
               if d and not d.startswith("<") and len(d.split()) == 2}
     second |= set(range(0x1161, 0x1176)) | set(range(0x11a8, 0x11c3))  # Hangul vowel and final jamo
-    bounds = [int(h, 16) for h in re.findall(r"\\x\{([0-9a-f]+)\}", _RE2_STABLE)]
+    bounds = [int(h, 16) for h in re.findall(r"\\x\{([0-9a-f]+)\}", RE2_STABLE)]
     ranges = list(zip(bounds[::2], bounds[1::2]))
     assert ranges and all(a <= b for a, b in ranges)
     for a, b in ranges:
@@ -97,7 +97,7 @@ def test_tf_normalize_stable_set_is_stable():
             c = chr(cp)
             assert unicodedata.category(c) not in ("Mn", "Mc", "Me", "Cc", "Cf", "Cs", "Co"), hex(cp)
             assert unicodedata.normalize("NFC", c) == c and not unicodedata.combining(c), hex(cp)
-            assert cp not in second and not _CONTROL_RE.match(c) and not _SPACE_RE.match(c), hex(cp)
+            assert cp not in second and not CONTROL_RE.match(c) and not SPACE_RE.match(c), hex(cp)
 
 
 # ------------------------------------------------------------------------------------ morphemes
@@ -410,13 +410,13 @@ def test_python_wordpiece_splits_every_code_point_like_tensorflow_text():
 
 def test_wordpiece_class_tables_are_what_unicodedata_and_the_icu_additions_give():
     """The constant word/whitespace/punctuation tables (a process no longer scans `unicodedata` at start-up)
-    are exactly what `_derive_tables` computes from Python 3.11's Unicode database and the ICU additions, so
+    are exactly what `derive_tables` computes from Python 3.11's Unicode database and the ICU additions, so
     they can be regenerated when tensorflow-text's ICU moves on (the test above checks them against it)."""
     from kbert.text import wordpiece
 
-    whitespace, punctuation = wordpiece._derive_tables()
-    assert wordpiece._parse_ranges(wordpiece._WHITESPACE) == whitespace
-    assert wordpiece._parse_ranges(wordpiece._PUNCTUATION) == punctuation
+    whitespace, punctuation = wordpiece.derive_tables()
+    assert wordpiece.parse_ranges(wordpiece.WHITESPACE) == whitespace
+    assert wordpiece.parse_ranges(wordpiece.PUNCTUATION) == punctuation
     assert (0xAC00, 0xAC00) not in punctuation and any(a <= 0x4E00 <= b for a, b in punctuation)
 
 

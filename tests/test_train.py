@@ -603,11 +603,11 @@ out["none"] = exact_batch_size(cfg, 32, memory=1e5)["max_batch"]
 # the probe confirms the exact answer with two real steps when the device holds exactly that batch
 step = CompiledStep(build_trainer(cfg), cfg, 32)
 b = exact_batch_size(cfg, 32, memory=6e6, step=step)["max_batch"]
-compiled = sorted(step._compiled)
+compiled = step.compiled_batches
 faults.simulate_out_of_memory_above(b)
 probed = probe_batch_size(cfg, 32, start=b, step=step)
 out["probe"] = dict(batch=probed["max_batch"], tried=[(t[0], t[1]) for t in probed["tried"]],
-                    recompiled=sorted(step._compiled) != compiled, has=[b in compiled, b + 1 in compiled])
+                    recompiled=step.compiled_batches != compiled, has=[b in compiled, b + 1 in compiled])
 # ... and recovers when the device holds less than the compiled program says (the state survives a failed step)
 faults.simulate_out_of_memory_above(b - 3)
 out["lower"] = probe_batch_size(cfg, 32, start=b, step=step)["max_batch"]

@@ -6,6 +6,7 @@ p = masked positions per sequence, v = vocabulary.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import keras
@@ -16,6 +17,41 @@ from kbert.models.config import ModelConfig
 # Large negative number added to attention scores of padding keys. Scores are biased in float32, where
 # this is finite; exp() of it underflows to exactly 0 as with -inf, without NaN on fully padded rows.
 _MASK_BIAS = -1e9
+
+
+# Code paths benchmarks and parity tests compare against (`with implementation(attention="explicit"): ...`).
+# The defaults are kbert's choices; the others exist so a before/after figure or a parity check can run
+# both in one process.
+IMPLEMENTATIONS = {
+    "dropout_masks": ("auto", "generator"),  # auto: the counter hash on JAX; generator: the backend's RNG
+    "attention": ("auto", "explicit"),  # auto: fused where it applies; explicit: einsum-softmax-einsum
+    # how the fused kernel gets the padding mask: [b, 1, s, s] (cuDNN takes it), [b, 1, 1, s] (cuDNN
+    # refuses it, XLA's attention runs), or per-row lengths (cuDNN's padding mask; GPUs and right-padded
+    # batches only)
+    "attention_mask": ("square", "broadcast", "lengths"),
+}
+_CHOSEN = {name: choices[0] for name, choices in IMPLEMENTATIONS.items()}
+
+
+def set_implementation(**choices) -> dict:
+    """Chooses code paths (see `IMPLEMENTATIONS`) for models traced from now on; returns the previous
+    choices. Unnamed ones go back to the defaults."""
+    for name, value in choices.items():
+        if value not in IMPLEMENTATIONS.get(name, ()):
+            raise ValueError(f"implementation {name}={value!r}: choose from {IMPLEMENTATIONS}")
+    before = dict(_CHOSEN)
+    _CHOSEN.update({name: options[0] for name, options in IMPLEMENTATIONS.items()}, **choices)
+    return before
+
+
+@contextlib.contextmanager
+def implementation(**choices):
+    """`set_implementation` for the block only."""
+    before = set_implementation(**choices)
+    try:
+        yield
+    finally:
+        _CHOSEN.update(before)
 
 
 def initializer(config: ModelConfig):
@@ -66,7 +102,7 @@ def _mix32(x):
 
 def _counter_hash_applies() -> bool:
     """Dropout masks from a counter hash (JAX) instead of the backend's random-number generator (elsewhere)."""
-    return keras.backend.backend() == "jax"
+    return keras.backend.backend() == "jax" and _CHOSEN["dropout_masks"] == "auto"
 
 
 class Dropout(keras.layers.Layer):
@@ -154,7 +190,7 @@ def _fused_attention_applies(attention_dropout: float, training) -> bool:
     or outside training. On TensorFlow Keras' version is the same einsums with extra masking passes, so the
     explicit form stays there.
     """
-    if keras.backend.backend() != "jax":
+    if keras.backend.backend() != "jax" or _CHOSEN["attention"] == "explicit":
         return False
     return attention_dropout == 0.0 or not training
 
@@ -165,8 +201,16 @@ def _fused_attention(q, k, v, padding_mask, scale):
     The mask goes in as [b, 1, s, s]: cuDNN's fused kernel takes a mask only as a bias of the full
     [query, key] shape and refuses [b, 1, 1, s] (Keras then falls back to XLA's unfused attention).
     """
-    b, s = ops.shape(q)[0], ops.shape(q)[1]
-    keep = ops.broadcast_to(ops.cast(padding_mask, "bool")[:, None, None, :], (b, 1, s, s))  # [b, 1, s, s]
+    if _CHOSEN["attention_mask"] == "lengths":
+        import jax
+
+        lengths = ops.sum(ops.cast(padding_mask, "int32"), axis=1)  # [b]
+        return jax.nn.dot_product_attention(q, k, v, scale=scale, implementation="cudnn",
+                                            query_seq_lengths=lengths, key_value_seq_lengths=lengths)
+    keep = ops.cast(padding_mask, "bool")[:, None, None, :]  # [b, 1, 1, s]
+    if _CHOSEN["attention_mask"] == "square":
+        b, s = ops.shape(q)[0], ops.shape(q)[1]
+        keep = ops.broadcast_to(keep, (b, 1, s, s))  # [b, 1, s, s]
     return ops.dot_product_attention(q, k, v, mask=keep, scale=scale)
 
 

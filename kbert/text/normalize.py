@@ -18,8 +18,8 @@ FORMS = ("NFC", "NFKC")
 # marks, BOM and soft hyphen. ZWJ (U+200D) stays: it joins emoji sequences.
 _CONTROL = "\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\u00ad\u200b\u200e\u200f\u2060\ufeff"
 _SPACE = "\t\n\r\x0b\x0c \u00a0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
-_CONTROL_RE = re.compile(f"[{_CONTROL}]")
-_SPACE_RE = re.compile(f"[{_SPACE}]+")
+CONTROL_RE = re.compile(f"[{_CONTROL}]")
+SPACE_RE = re.compile(f"[{_SPACE}]+")
 # The same classes in RE2 syntax for tf.strings.regex_replace.
 _RE2_CONTROL = r"[\x{0}-\x{8}\x{b}\x{c}\x{e}-\x{1f}\x{7f}-\x{9f}\x{ad}\x{200b}\x{200e}\x{200f}\x{2060}\x{feff}]"
 _RE2_SPACE = r"[\t\n\r\x{b}\x{c} \x{a0}\x{1680}\x{2000}-\x{200a}\x{2028}\x{2029}\x{202f}\x{205f}\x{3000}]+"
@@ -32,14 +32,14 @@ _COMPAT_JAMO = re.compile("([\u3131-\u318e]+)")
 # Hangul syllables and compatibility jamo, full/half-width forms, emoji); tests re-derive each property.
 # A string of these separated by single spaces, with no space at either end, is already normalized,
 # so the graph normalizer skips it (most everyday text).
-_RE2_STABLE = (r"\x{21}-\x{7e}\x{a1}-\x{ac}\x{ae}-\x{2ff}\x{400}-\x{482}\x{48a}-\x{4ff}\x{2010}-\x{2027}"
+RE2_STABLE = (r"\x{21}-\x{7e}\x{a1}-\x{ac}\x{ae}-\x{2ff}\x{400}-\x{482}\x{48a}-\x{4ff}\x{2010}-\x{2027}"
                r"\x{2030}-\x{205e}\x{2070}-\x{20cf}\x{20f1}-\x{2125}\x{2127}-\x{2129}\x{212c}-\x{2328}"
                r"\x{232b}-\x{2adb}\x{2add}-\x{2bff}\x{3001}-\x{3029}\x{3030}-\x{3098}\x{309b}-\x{318e}"
                r"\x{4e00}-\x{9fff}\x{ac00}-\x{d7a3}\x{ff01}-\x{ffef}\x{1f300}-\x{1faff}")
-_RE2_ALREADY_NORMAL = f"(?:[{_RE2_STABLE}]+(?: [{_RE2_STABLE}]+)*)?"
+_RE2_ALREADY_NORMAL = f"(?:[{RE2_STABLE}]+(?: [{RE2_STABLE}]+)*)?"
 # Of the other strings, nearly all differ only by extra ASCII spaces: for those, collapsing and trimming
 # spaces is the whole chain.
-_RE2_STABLE_AND_SPACES = f"[{_RE2_STABLE} ]*"
+_RE2_STABLE_AND_SPACES = f"[{RE2_STABLE} ]*"
 
 
 def _check(form: str, repeat: Optional[int]):
@@ -74,8 +74,8 @@ def normalize(text, form: str = "NFC", repeat: Optional[int] = None, lowercase: 
                        for part in _COMPAT_JAMO.split(text))
     else:
         text = unicodedata.normalize("NFC", text)
-    text = _CONTROL_RE.sub("", text)
-    text = _SPACE_RE.sub(" ", text).strip(" ")
+    text = CONTROL_RE.sub("", text)
+    text = SPACE_RE.sub(" ", text).strip(" ")
     if lowercase:
         text = text.lower()
     if repeat is not None:

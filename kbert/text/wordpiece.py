@@ -29,13 +29,13 @@ from typing import Dict, List, Sequence, Tuple
 # separate at "whitespace" (Unicode categories Cc, Cf, Zs, Zl, Zp), and every "punctuation" character (BERT's
 # rule: ASCII symbols and categories P*) and CJK ideograph (BERT's `_is_chinese_char` blocks) is a word of its
 # own. A constant table starts a process ~0.3 s sooner than scanning `unicodedata` (every spawned pipeline
-# worker pays that) and does not change with Python's Unicode version. `_derive_tables()` rebuilds it; the
+# worker pays that) and does not change with Python's Unicode version. `derive_tables()` rebuilds it; the
 # tests compare both with tensorflow-text on every code point.
-_WHITESPACE = (
+WHITESPACE = (
     "0-20 7F-A0 AD 600-605 61C 6DD 70F 890-891 8E2 1680 180E 2000-200F 2028-202F 205F-2064 2066-206F 3000 "
     "FEFF FFF9-FFFB 110BD 110CD 13430-1343F 1BCA0-1BCA3 1D173-1D17A E0001 E0020-E007F "
 )
-_PUNCTUATION = (
+PUNCTUATION = (
     "21-2F 3A-40 5B-60 7B-7E A1 A7 AB B6-B7 BB BF 37E 387 55A-55F 589-58A 5BE 5C0 5C3 5C6 5F3-5F4 609-60A "
     "60C-60D 61B 61D-61F 66A-66D 6D4 700-70D 7F7-7F9 830-83E 85E 964-965 970 9FD A76 AF0 C77 C84 DF4 E4F "
     "E5A-E5B F04-F12 F14 F3A-F3D F85 FD0-FD4 FD9-FDA 104A-104F 10FB 1360-1368 1400 166E 169B-169C 16EB-16ED "
@@ -61,11 +61,11 @@ _PLAIN_WORD = re.compile("[\uac00-\ud7a3\u3131-\u3163A-Za-z0-9]+")
 _PATTERN = None
 
 
-def _parse_ranges(table: str):
+def parse_ranges(table: str):
     return [tuple(int(x, 16) for x in (item.split("-") * 2)[:2]) for item in table.split()]
 
 
-def _derive_tables():
+def derive_tables():
     """(whitespace ranges, punctuation ranges) from Python's `unicodedata` (Python 3.11: Unicode 14) plus the
     code points ICU assigns and that database does not. Used to regenerate the tables above."""
     import unicodedata
@@ -100,7 +100,7 @@ def word_pattern() -> "re.Pattern":
     """Compiled regex whose `findall` gives the words of step 1-2 (built once per process)."""
     global _PATTERN
     if _PATTERN is None:
-        space, punct = _regex_class(_parse_ranges(_WHITESPACE)), _regex_class(_parse_ranges(_PUNCTUATION))
+        space, punct = _regex_class(parse_ranges(WHITESPACE)), _regex_class(parse_ranges(PUNCTUATION))
         _PATTERN = re.compile(f"[{punct}]|[^{space}{punct}]+")
     return _PATTERN
 

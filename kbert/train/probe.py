@@ -170,6 +170,11 @@ class CompiledStep:
             self._compiled[batch] = self._jit.lower(self._state_spec, self._data_spec(batch)).compile()
         return self._compiled[batch]
 
+    @property
+    def compiled_batches(self) -> List[int]:
+        """The batch sizes compiled so far (each kept for reuse)."""
+        return sorted(self._compiled)
+
     def bytes(self, batch: int) -> Optional[int]:
         """Bytes the step at `batch` needs on this device, by XLA's memory analysis (nothing runs)."""
         return _program_bytes(self.compiled(batch))
