@@ -4,6 +4,8 @@ import bz2
 import gzip
 import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -525,3 +527,61 @@ def test_a_corpus_without_a_download_url_says_where_its_files_go(tmp_path, monke
     assert "kbert corpus download" not in message
     with pytest.raises(ValueError, match="no download URL.*path="):
         download("movie-reviews")
+
+
+def test_numpy_record_reader_gives_the_tf_data_batches_bit_for_bit(tok, tmp_path):
+    """`kbert.data.record_reader` (numpy only, the JAX path's input) yields exactly `pretraining_dataset`'s
+    batches from the same records: file order, interleave, shuffle blocks and masks (whole-word and n-gram),
+    across epochs, from a start batch, split over two pipelines; a process without TensorFlow can import it;
+    raw text and records of another tokenizer are refused with the reason."""
+    from kbert.data import record_reader
+
+    out = str(tmp_path / "rec")
+    records.prepare(["kolaw", "kobill"], tok, out, objective="mlm+sop", max_length=64, docs_per_shard=2, workers=0,
+                    progress=False)
+    per_epoch = records.read_manifest(out)["examples"]
+    cases = [dict(batch_size=8, seed=3, shuffle_buffer=100), dict(batch_size=5, seed=9, shuffle_buffer=0, ngram=3),
+             dict(batch_size=16, seed=1, shuffle_buffer=64, whole_word=False, start_batch=7),
+             dict(batch_size=4, seed=2, shuffle_buffer=50, num_pipelines=2, pipeline_id=1)]
+    for case in cases:
+        pipelines = case.pop("num_pipelines", 1), case.pop("pipeline_id", 0)
+        steps = 2 * per_epoch // (case["batch_size"] * pipelines[0]) + 3  # into the third epoch
+        context = None
+        if pipelines[0] > 1:
+            import tensorflow as tf
+
+            context = tf.distribute.InputContext(num_input_pipelines=pipelines[0], input_pipeline_id=pipelines[1],
+                                                 num_replicas_in_sync=pipelines[0])
+            case_tf = dict(case, batch_size=case["batch_size"] * pipelines[0])  # the global batch
+        else:
+            case_tf = case
+        expected = [(
+            {k: v.numpy() for k, v in f.items()}, {k: v.numpy() for k, v in l.items()})
+            for f, l in pretraining_dataset(out, tok, input_context=context, **case_tf).take(steps)]
+        got = record_reader.RecordBatches(out, tok, num_pipelines=pipelines[0], pipeline_id=pipelines[1], **case)
+        got = [b for b, _ in zip(got, range(steps))]
+        assert len(got) == len(expected) == steps
+        for (f, l), (ef, el) in zip(got, expected):
+            assert set(f) == set(ef) and set(l) == set(el)
+            for k in ef:
+                assert f[k].dtype == ef[k].dtype and np.array_equal(f[k], ef[k]), (case, k)
+            for k in el:
+                assert l[k].dtype == el[k].dtype and np.array_equal(l[k], el[k]), (case, k)
+    with pytest.raises(ValueError, match="not a records directory.*kbert data prepare"):
+        record_reader.RecordBatches("kolaw", tok)
+    other = kbert.Tokenizer("wordpiece", ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "가", "##나"])
+    with pytest.raises(ValueError, match="another tokenizer"):
+        record_reader.RecordBatches(out, other)
+    script = ("import builtins\nreal = builtins.__import__\n"
+              "def guard(name, *a, **k):\n"
+              "    assert name.split('.')[0] not in ('tensorflow', 'tensorflow_text'), name\n"
+              "    return real(name, *a, **k)\n"
+              "builtins.__import__ = guard\n"
+              "import sys, kbert\nfrom kbert.data.record_reader import RecordBatches\n"
+              f"tok = kbert.Tokenizer.load({os.path.join(str(tmp_path), 'tok')!r})\n"
+              f"f, l = next(iter(RecordBatches({out!r}, tok, batch_size=4)))\n"
+              "print(f['token_ids'].shape, 'tensorflow' in sys.modules)\n")
+    tok.save(os.path.join(str(tmp_path), "tok"))
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split() == ["(4,", "64)", "False"]

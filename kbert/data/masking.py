@@ -65,7 +65,7 @@ def _batch_gather(params, indices):
     return tf.gather(params, indices, batch_dims=1)
 
 
-def _mix(x):
+def mix32(x):
     """murmur3-style finalizer on uint32 (wrapping arithmetic)."""
     import tensorflow as tf
 
@@ -84,16 +84,27 @@ def example_keys(seed: int, index):
     lo = tf.cast(tf.bitwise.bitwise_and(index, 0xFFFFFFFF), tf.uint32)
     hi = tf.cast(tf.bitwise.right_shift(index, 32), tf.uint32)
     s = tf.constant(int(seed) & 0xFFFFFFFF, tf.uint32)
-    return _mix(tf.bitwise.bitwise_xor(lo, _mix(hi + _mix(s + tf.constant(0x9E3779B9, tf.uint32)))))
+    return mix32(tf.bitwise.bitwise_xor(lo, mix32(hi + mix32(s + tf.constant(0x9E3779B9, tf.uint32)))))
+
+
+def order(seed: int, salt: int, block, n):
+    """int32 [n]: a permutation of range(n) for (seed, salt, block) (`block` a scalar int64 tensor),
+    `argsort(hash(...))`, stable; `kbert.data.record_reader.order` is the same in numpy."""
+    import tensorflow as tf
+
+    block = tf.cast(tf.bitwise.bitwise_and(tf.cast(block, tf.int64) + (salt * 0x632BE5AB), 0xFFFFFFFF), tf.uint32)
+    key = mix32(tf.bitwise.bitwise_xor(tf.constant(int(seed) & 0xFFFFFFFF, tf.uint32), mix32(block)))
+    values = mix32(tf.bitwise.bitwise_xor(key, tf.cast(tf.range(n), tf.uint32) * tf.constant(0x9E3779B9, tf.uint32)))
+    return tf.argsort(tf.cast(values, tf.int64), stable=True)
 
 
 def _uniform(keys, salt: int, length):
     """float32 [b, length] in [0, 1): a hash of (key, salt, position)."""
     import tensorflow as tf
 
-    row = _mix(keys + tf.constant((salt * 0x632BE5AB) & 0xFFFFFFFF, tf.uint32))
+    row = mix32(keys + tf.constant((salt * 0x632BE5AB) & 0xFFFFFFFF, tf.uint32))
     pos = tf.cast(tf.range(length), tf.uint32) * tf.constant(0x9E3779B9, tf.uint32)
-    x = _mix(tf.bitwise.bitwise_xor(row[:, None], pos[None, :]))
+    x = mix32(tf.bitwise.bitwise_xor(row[:, None], pos[None, :]))
     return tf.cast(tf.bitwise.right_shift(x, tf.constant(8, tf.uint32)), tf.float32) * (1.0 / (1 << 24))
 
 

@@ -84,8 +84,9 @@ def pretraining_dataset(source, tokenizer, objective: str = "mlm+nsp", max_lengt
         if len(files) < num_pipelines:
             raise ValueError(f"{source!r} has {len(files)} shards for {num_pipelines} input pipelines; prepare "
                              f"with smaller --docs-per-shard so every worker gets a shard")
-        examples = _record_examples(files, max_length, num_pipelines, pipeline_id, seed, repeat, shuffle_buffer)
-        repeat = False  # done per file list
+        examples = _record_examples(files, max_length, num_pipelines, pipeline_id, seed, stream_seed, repeat,
+                                    shuffle_buffer)
+        repeat = shuffle_buffer = 0  # both done above
     else:
         check_objective(objective)
         corpus = source if isinstance(source, Corpus) else Corpus(source)
@@ -176,22 +177,34 @@ def _raw_examples(builder, seed, workers, docs_per_block, num_pipelines, pipelin
     return blocks.unbatch()
 
 
-def _record_examples(files, max_length, num_pipelines, pipeline_id, seed, repeat, shuffle_buffer):
+def _record_examples(files, max_length, num_pipelines, pipeline_id, seed, stream_seed, repeat, shuffle_buffer):
+    """Examples of the records in the order `kbert.data.record_reader.examples` defines (files by a hash per
+    epoch, interleaved, shuffled in hashed blocks), so the numpy reader gives the same batches."""
     import tensorflow as tf
 
-    ds = tf.data.Dataset.from_tensor_slices(files)
-    if num_pipelines > 1:
-        ds = ds.shard(num_pipelines, pipeline_id)
+    from kbert.data.masking import order
+    from kbert.data.record_reader import BLOCK, CYCLE
+
+    files = tf.constant(list(files)[pipeline_id::num_pipelines])
+    n = int(files.shape[0])
+    epochs = tf.data.Dataset.range(2 ** 62 if repeat else 1)
     if shuffle_buffer:
-        ds = ds.shuffle(len(files), seed=seed % (2 ** 31))
-    if repeat:
-        ds = ds.repeat()
-    ds = ds.interleave(lambda f: tf.data.TFRecordDataset(f), cycle_length=min(len(files), 8),
-                       block_length=16, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-    # parse in batches (much faster than per record), then hand single examples to the shuffle buffer
+        ds = epochs.flat_map(lambda e: tf.data.Dataset.from_tensor_slices(tf.gather(files, order(seed, 5, e, n))))
+    else:
+        ds = epochs.flat_map(lambda e: tf.data.Dataset.from_tensor_slices(files))
+    ds = ds.interleave(lambda f: tf.data.TFRecordDataset(f), cycle_length=min(n, CYCLE), block_length=BLOCK,
+                       num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+    # parse in batches (much faster than per record)
     ds = ds.batch(1024).map(lambda s: _records.parse_batch(s, max_length), num_parallel_calls=tf.data.AUTOTUNE,
-                            deterministic=True)
-    return ds.unbatch()
+                            deterministic=True).unbatch()
+    if shuffle_buffer:  # consecutive blocks of shuffle_buffer examples, each in a hashed order
+        def permute(block, examples):
+            index = order(stream_seed, 6, block, tf.shape(examples[1])[0])
+            return tuple(tf.gather(x, index) for x in examples)
+
+        ds = ds.batch(shuffle_buffer).enumerate().map(permute, num_parallel_calls=tf.data.AUTOTUNE,
+                                                       deterministic=True).unbatch()
+    return ds
 
 
 def _dummy_examples(tokenizer, objective, max_length, seed):
