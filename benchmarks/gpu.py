@@ -68,18 +68,33 @@ def matmul_peak(dtype: str, n: int = 8192, repeats: int = 10) -> float:
 
 # kbert code paths for before/after figures: `--variants` items of the form NAME=CHOICE from
 # kbert.models.layers.IMPLEMENTATIONS (e.g. dropout_masks=generator, attention=explicit,
-# attention_mask=broadcast or lengths); anything else is a ModelConfig override.
+# attention_mask=broadcast), or attention_mask=lengths: the padding mask handed to cuDNN's fused kernel as
+# per-row key lengths (its padding-mask type; right-padded batches only); anything else is a ModelConfig
+# override.
+def _lengths_kernel(q, k, v, padding_mask, scale):
+    import jax
+
+    lengths = padding_mask.astype("int32").sum(1)  # [b]
+    return jax.nn.dot_product_attention(q, k, v, scale=scale, implementation="cudnn", query_seq_lengths=lengths,
+                                        key_value_seq_lengths=lengths)
+
+
 def _implementation_choices(overrides) -> dict:
     from kbert.models.layers import IMPLEMENTATIONS
 
-    return dict(item.split("=", 1) for item in overrides or () if item.split("=", 1)[0] in IMPLEMENTATIONS)
+    names = set(IMPLEMENTATIONS) | {"attention_mask"}
+    return dict(item.split("=", 1) for item in overrides or () if item.split("=", 1)[0] in names)
 
 
 def _switch_implementation(overrides):
     """Chooses the kbert code paths named in `overrides` (the rest at kbert's defaults)."""
     from kbert.models.layers import set_implementation
 
-    set_implementation(**_implementation_choices(overrides))
+    choices = _implementation_choices(overrides)
+    kernel = _lengths_kernel if choices.get("attention_mask") == "lengths" else None
+    if kernel is not None:
+        del choices["attention_mask"]
+    set_implementation(attention_kernel=kernel, **choices)
 
 
 def _config(model: str, vocab: int, overrides=()):

@@ -43,6 +43,7 @@ def test_convert_missing_dir_is_one_line(tmp_path):
     assert "Traceback" not in proc.stderr and "Model directory not found" in proc.stderr
 
 
+@pytest.mark.slow
 def test_convert_hf_to_kbert_and_back(tmp_path):
     from helpers import tiny_hf_pretraining_model
 
@@ -95,6 +96,7 @@ def test_plan_says_when_the_model_does_not_fit():
     assert proc.returncode == 0 and "| 512 | does not fit |" in proc.stdout and "note:" in proc.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algorithm", ["wordpiece", "unigram"])
 def test_convert_to_transformers_writes_the_tokenizer(tmp_path, algorithm):
     """`kbert convert --to transformers` wrote no tokenizer: `kbert embed` on the result failed and

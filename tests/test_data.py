@@ -395,6 +395,7 @@ def test_bad_sources_fail_clearly(tok, tmp_path):
         pretraining_dataset("dummy", tok, objective="nsp")
 
 
+@pytest.mark.slow
 def test_dead_workers_raise_instead_of_hanging(tmp_path):
     """A script without `if __name__ == "__main__":` re-runs itself in each spawned worker, which Python stops
     during start-up. multiprocessing.Pool restarted such workers forever (the script hung); now the

@@ -126,6 +126,7 @@ def test_embed_command(emb, tmp_path, capsys):
     assert [w["word"] for w in words[-1]["words"]] == ["학교에서", "공부했다"]
 
 
+@pytest.mark.slow
 def test_quickstart_runs_end_to_end(tmp_path, capsys):
     from kbert.cli import main
 

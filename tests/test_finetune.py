@@ -61,6 +61,7 @@ def sts(base, tmp_path_factory):
     return out, summary
 
 
+@pytest.mark.slow
 def test_sentiment_finetuning_beats_the_majority_class(sentiment):
     out, summary, dev = sentiment
     assert summary["baseline"]["accuracy"] == pytest.approx(0.5, abs=0.02)  # balanced dev: majority = 50%
@@ -77,6 +78,7 @@ def test_sentiment_finetuning_beats_the_majority_class(sentiment):
     assert kbert.Embedder.load(out).encode("영화").shape == (64,)  # also an ordinary model dir
 
 
+@pytest.mark.slow
 def test_sts_bi_encoder_raises_dev_spearman(sts):
     out, summary = sts
     assert summary["metric"] == "spearman"
@@ -90,6 +92,7 @@ def test_sts_bi_encoder_raises_dev_spearman(sts):
     assert spearman(np.sum(a * b, axis=1), [float(r[4]) for r in rows]) == pytest.approx(summary["best"], abs=1e-4)
 
 
+@pytest.mark.slow
 def test_cosent_loss_against_a_double_loop_and_in_training(base, tmp_path):
     rng = np.random.default_rng(0)
     cos, scores = rng.uniform(-1, 1, 12), rng.integers(0, 6, 12).astype(float)  # integer scores: ties
@@ -110,6 +113,7 @@ def test_cosent_loss_against_a_double_loop_and_in_training(base, tmp_path):
         kbert.finetune(base, "sentence-embedding", [], similarity_loss="mse", progress=False)
 
 
+@pytest.mark.slow
 def test_bi_encoder_pooling_over_layers_is_saved_and_reused(base, tmp_path):
     """`pooling`/`layers` train the bi-encoder on averaged layers; the dir remembers them, so `Embedder.encode`
     and `kbert export` give the vectors the model was selected with."""
@@ -141,6 +145,7 @@ def test_bi_encoder_pooling_over_layers_is_saved_and_reused(base, tmp_path):
                        pair_column="sentence2", label_column="score", layers=[5], progress=False)
 
 
+@pytest.mark.slow
 def test_classification_head_on_mean_pooled_layers(base, tmp_path):
     """`pooling`/`layers` also choose what a classification head reads (instead of BERT's pooler); the dir
     remembers it, so `TaskModel.predict` and the exported classify signature reproduce the selected model,
@@ -201,6 +206,7 @@ def test_length_grouped_batches_cover_every_example_once_with_little_padding():
     assert np.mean([longer[b].max() - longer[b].mean() for b in batches]) < 3
 
 
+@pytest.mark.slow
 def test_regression_pair_classification_and_tagging(base, tmp_path):
     import csv
     import gzip
@@ -243,6 +249,7 @@ def test_regression_pair_classification_and_tagging(base, tmp_path):
     assert [w for w, _ in tagged] == ["학교에서", "친구를", "만났다"] and all(t in ("J", "O") for _, t in tagged)
 
 
+@pytest.mark.slow
 def test_backbone_dropout_rebuilds_the_same_weights_without_noise(base, tmp_path):
     """`backbone_dropout` copies the weights into a backbone with the new rates: with 0.0 a training-mode call
     equals the original's inference call; the written dir keeps the rate; bad rates are refused."""
@@ -276,6 +283,7 @@ def test_backbone_dropout_rebuilds_the_same_weights_without_noise(base, tmp_path
                            progress=False)
 
 
+@pytest.mark.slow
 def test_interrupted_finetuning_resumes_to_the_same_result(base, tmp_path):
     """A run stopped mid-epoch and between evaluations (with dropout on, so the seeds matter) continues from
     its checkpoint and ends exactly as the uninterrupted run: same dev history, same best, same model."""
@@ -306,6 +314,7 @@ def test_interrupted_finetuning_resumes_to_the_same_result(base, tmp_path):
                                atol=1e-4)
 
 
+@pytest.mark.slow
 def test_finetuning_checkpoint_refuses_other_settings_and_sigterm_stops_with_one(base, tmp_path):
     train = movie_review_sentiment(REVIEWS, "train", limit=300, seed=3)
     out = str(tmp_path / "run")
@@ -368,6 +377,7 @@ def test_finetune_bad_input(base, tmp_path):
         kbert.TaskModel.load(base)
 
 
+@pytest.mark.slow
 def test_exported_savedmodel_equals_encode_in_a_fresh_process(sentiment, sts, tmp_path):
     texts = ["대한민국은 민주공화국이다.", "", "배우들 연기가 정말 좋았다 " * 30, "ㅋㅋㅋㅋ 최악", b"\xff\xfe bad utf-8"]
     embed_dir = kbert.export(sts[0], str(tmp_path / "embed"))
@@ -400,6 +410,7 @@ def test_exported_savedmodel_equals_encode_in_a_fresh_process(sentiment, sts, tm
         kbert.export(sts[0], str(tmp_path / "x"), signature="classify")
 
 
+@pytest.mark.slow
 def test_encode_bad_input_and_scale(sentiment):
     emb = kbert.Embedder.load(sentiment[0])
     with pytest.raises(TypeError, match="Received: NoneType"):
@@ -420,6 +431,7 @@ def test_encode_bad_input_and_scale(sentiment):
     assert grown_mb < 600, f"encoding 100K texts grew the process by {grown_mb:.0f} MB"
 
 
+@pytest.mark.slow
 def test_finetune_and_export_cli(base, tmp_path, capsys):
     from kbert.cli import main
 
@@ -473,6 +485,7 @@ def test_class_labels_are_stripped_and_empty_labels_refused(base, tmp_path, caps
                        progress=False)
 
 
+@pytest.mark.slow
 def test_finetune_config_file_overrides_and_a_registered_task(base, tmp_path, capsys):
     """`kbert finetune --config` reads the settings from YAML, flags override the file and `--set` the flags;
     unknown keys and missing required ones are refused by name; a task added with `register_task` is driven

@@ -50,6 +50,7 @@ def _config(tok_dir, out, steps, **sections):
     return cfg
 
 
+@pytest.mark.slow
 def test_tiny_model_learns_and_writes_a_loadable_model(tok_dir, tmp_path):
     summary = pretrain(_config(tok_dir, str(tmp_path / "run"), 300, model=dict(TINY),
                                optimizer={"learning_rate": 5e-3, "warmup_steps": 30}), progress=False)
@@ -70,6 +71,7 @@ def test_tiny_model_learns_and_writes_a_loadable_model(tok_dir, tmp_path):
     assert os.listdir(os.path.join(str(tmp_path / "run"), "logs"))  # TensorBoard events
 
 
+@pytest.mark.slow
 def test_pretraining_learns_what_only_the_context_predicts(tmp_path):
     """The end-to-end learning check the loss-drop test cannot give: a corpus of 60 two-syllable words in
     one fixed cyclic order, each line starting at a random word, so a masked piece is predictable only
@@ -99,6 +101,7 @@ def test_pretraining_learns_what_only_the_context_predicts(tmp_path):
     assert summary["mlm_accuracy"] > 0.75, summary["mlm_accuracy"]  # mean of the last 100 steps
 
 
+@pytest.mark.slow
 def test_electra_objective_learns_resumes_and_keeps_the_discriminator(tok_dir, tmp_path):
     """objective=electra: the generator fills the masks and learns, the discriminator's loss falls from
     chance (log 2) to at most the entropy of the replaced fraction (what knowing the base rate gives; using
@@ -128,6 +131,7 @@ def test_electra_objective_learns_resumes_and_keeps_the_discriminator(tok_dir, t
         pretrain(_config(tok_dir, str(tmp_path / "bad"), 8, electra={"generator_size": 2.0}), progress=False)
 
 
+@pytest.mark.slow
 def test_resume_continues_with_identical_next_step(tok_dir, tmp_path):
     full = pretrain(_config(tok_dir, str(tmp_path / "full"), 12, model=dict(TINY)), progress=False)
     part = pretrain(_config(tok_dir, str(tmp_path / "part"), 12, model=dict(TINY)), progress=False, stop_after=7)
@@ -139,6 +143,7 @@ def test_resume_continues_with_identical_next_step(tok_dir, tmp_path):
         pretrain(_config(tok_dir, str(tmp_path / "part"), 12), progress=False, resume=False)
 
 
+@pytest.mark.slow
 def test_sigterm_saves_and_stops(tok_dir, tmp_path):
     out = str(tmp_path / "run")
     done = threading.Event()
@@ -161,6 +166,7 @@ def test_sigterm_saves_and_stops(tok_dir, tmp_path):
     assert again["step"] == summary["step"] + 1
 
 
+@pytest.mark.slow
 def test_unguarded_pretraining_script_fails_with_the_fix_instead_of_hanging(tok_dir, tmp_path):
     """`kbert.pretrain` with data workers, from a script without `if __name__ == "__main__":`: each spawned
     worker re-runs the script. The worker's own pretrain used to start workers of its own and wait on them
@@ -176,6 +182,7 @@ def test_unguarded_pretraining_script_fails_with_the_fix_instead_of_hanging(tok_
     assert "kbert.pretrain was called in a worker process" in run.stderr  # the worker's own report
 
 
+@pytest.mark.slow
 def test_bfloat16_on_cpu_runs_without_xla_and_warns_where_it_is_emulated(tok_dir, tmp_path, monkeypatch):
     """mixed_bfloat16 on CPU: TensorFlow's own kernels use the CPU's bf16 instructions and XLA's do not, so
     `jit: auto` leaves XLA off there (and on for float32); where the CPU has no such instructions, bf16 is
@@ -209,6 +216,7 @@ def test_bfloat16_on_cpu_runs_without_xla_and_warns_where_it_is_emulated(tok_dir
     assert strategy.cpu_has_native_bf16(str(tmp_path / "missing")) is False
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_equals_one_large_batch(tok_dir, tmp_path):
     # Token-level masking at a rate that always hits max_predictions: every sequence has exactly 10 targets,
     # so the mean of micro-batch means is the batch mean. A huge epsilon makes Adam an SGD-like update
@@ -229,6 +237,7 @@ def test_gradient_accumulation_equals_one_large_batch(tok_dir, tmp_path):
     assert max(float(np.abs(np.asarray(x) - np.asarray(y)).max()) for x, y in zip(a.weights, c.weights)) > 1e-3
 
 
+@pytest.mark.slow
 def test_mirrored_two_cpus_matches_one_device(tok_dir, tmp_path):
     script = textwrap.dedent(f"""
         import json, sys
@@ -314,6 +323,7 @@ def test_cooccurrence_embeddings_put_words_of_one_context_together(tok_dir, tmp_
     assert 0.01 < unseen.std() < 0.03  # the model's initializer_range (0.02)
 
 
+@pytest.mark.slow
 def test_embedding_init_from_cooccurrence_starts_pretraining(tok_dir, tmp_path):
     from kbert.train.embedding_init import cooccurrence_embeddings
 
@@ -419,6 +429,7 @@ def test_planner_mixed_precision_accumulation_and_errors():
         plan_batch_size("bert-base", "twelve", [128])
 
 
+@pytest.mark.slow
 def test_plan_and_pretrain_commands(tok_dir, tmp_path):
     from kbert.cli import main
 
@@ -454,6 +465,7 @@ def test_nan_loss_stops_with_the_last_good_checkpoint(tok_dir, tmp_path):
     assert f"at step {good + 1}" in str(err.value)
 
 
+@pytest.mark.slow
 def test_lamb_trains_and_decay_excludes_layer_norm_and_biases(tok_dir, tmp_path):
     from kbert.train.config import OptimizerConfig
     from kbert.train.optimizers import make_optimizer
@@ -471,6 +483,7 @@ def test_lamb_trains_and_decay_excludes_layer_norm_and_biases(tok_dir, tmp_path)
     assert np.mean(summary["history"][-5:]) < np.mean(summary["history"][:5]) - 0.2  # it learns
 
 
+@pytest.mark.slow
 def test_out_of_memory_halves_the_micro_batch_and_resumes(tok_dir, tmp_path, monkeypatch):
     import tensorflow as tf
 
@@ -501,6 +514,7 @@ def test_out_of_memory_halves_the_micro_batch_and_resumes(tok_dir, tmp_path, mon
         pretrain(_config(tok_dir, str(tmp_path / "c"), 2, data=data, trainer={"batch_size": 4}), progress=False)
 
 
+@pytest.mark.slow
 def test_probe_binary_search_finds_the_largest_batch_that_fits(monkeypatch, capsys):
     from kbert.cli import main
     from kbert.train.probe import build_trainer, is_out_of_memory, probe_batch_size
@@ -569,6 +583,7 @@ print(json.dumps(probe_batch_size(cfg, 16, start=4, max_batch=64, steps=1)))
 """
 
 
+@pytest.mark.slow
 def test_probe_on_the_jax_backend_reports_compiled_bytes_per_batch():
     pytest.importorskip("jax")
     found, _ = run_on_jax(JAX_PROBE)
@@ -618,6 +633,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow
 def test_exact_plan_reads_the_compiled_program_and_the_probe_confirms_it():
     pytest.importorskip("jax")
     out, proc = run_on_jax(JAX_EXACT, timeout=900)
@@ -643,6 +659,7 @@ def test_exact_plan_needs_the_jax_backend(capsys):
     assert "KERAS_BACKEND=jax" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_cli_pretrain_reports_means_and_a_finished_run(tok_dir, tmp_path, capsys):
     import json
 
@@ -656,6 +673,7 @@ def test_cli_pretrain_reports_means_and_a_finished_run(tok_dir, tmp_path, capsys
     assert "nothing left to train at step 4" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_cli_stop_exits_non_zero_and_the_rerun_says_where_it_resumes(tok_dir, tmp_path, capsys):
     """Ctrl-C / SIGTERM save and stop, and the command exits 130 / 143 as shells expect, so that
     `kbert pretrain ... && kbert finetune ...` does not go on without a finished model."""
@@ -683,6 +701,7 @@ def test_cli_stop_exits_non_zero_and_the_rerun_says_where_it_resumes(tok_dir, tm
     assert f"resuming from step {step} " in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_resume_with_other_settings_is_refused_by_name(tok_dir, tmp_path):
     out = str(tmp_path / "run")
     pretrain(_config(tok_dir, out, 3), progress=False)
@@ -700,6 +719,7 @@ def test_resume_with_other_settings_is_refused_by_name(tok_dir, tmp_path):
     assert summary["finished"] and summary["step"] == 5
 
 
+@pytest.mark.slow
 def test_a_truncated_checkpoint_falls_back_to_the_newest_intact_one(tok_dir, tmp_path):
     out = str(tmp_path / "run")
     pretrain(_config(tok_dir, out, 4, trainer={"checkpoint_every": 2}), progress=False)
@@ -717,6 +737,7 @@ def test_a_truncated_checkpoint_falls_back_to_the_newest_intact_one(tok_dir, tmp
         pretrain(_config(tok_dir, out, 8, trainer={"checkpoint_every": 2}), progress=False)
 
 
+@pytest.mark.slow
 def test_cli_pretrains_from_a_records_dir(tok_dir, tmp_path, capsys):
     """`kbert pretrain --corpus RECORDS_DIR` (what --help and README document): --corpus arrives as a list."""
     from kbert.cli import main

@@ -29,6 +29,7 @@ def run_notebook(name, work, monkeypatch):
     return book
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", NOTEBOOKS)
 def test_tutorial_runs_end_to_end(name, tmp_path, monkeypatch):
     book = run_notebook(name, tmp_path / "work", monkeypatch)

@@ -25,22 +25,24 @@ _MASK_BIAS = -1e9
 IMPLEMENTATIONS = {
     "dropout_masks": ("auto", "generator"),  # auto: the counter hash on JAX; generator: the backend's RNG
     "attention": ("auto", "explicit"),  # auto: fused where it applies; explicit: einsum-softmax-einsum
-    # how the fused kernel gets the padding mask: [b, 1, s, s] (cuDNN takes it), [b, 1, 1, s] (cuDNN
-    # refuses it, XLA's attention runs), or per-row lengths (cuDNN's padding mask; GPUs and right-padded
-    # batches only)
-    "attention_mask": ("square", "broadcast", "lengths"),
+    # how the fused kernel gets the padding mask: [b, 1, s, s] (cuDNN takes it) or [b, 1, 1, s] (cuDNN
+    # refuses it, XLA's attention runs)
+    "attention_mask": ("square", "broadcast"),
 }
 _CHOSEN = {name: choices[0] for name, choices in IMPLEMENTATIONS.items()}
+_CHOSEN["attention_kernel"] = None
 
 
-def set_implementation(**choices) -> dict:
+def set_implementation(attention_kernel=None, **choices) -> dict:
     """Chooses code paths (see `IMPLEMENTATIONS`) for models traced from now on; returns the previous
-    choices. Unnamed ones go back to the defaults."""
+    choices. Unnamed ones go back to the defaults. `attention_kernel(q, k, v, padding_mask, scale)`, when
+    given, replaces the fused attention call (a benchmark trying a backend's own kernel)."""
     for name, value in choices.items():
         if value not in IMPLEMENTATIONS.get(name, ()):
             raise ValueError(f"implementation {name}={value!r}: choose from {IMPLEMENTATIONS}")
     before = dict(_CHOSEN)
     _CHOSEN.update({name: options[0] for name, options in IMPLEMENTATIONS.items()}, **choices)
+    _CHOSEN["attention_kernel"] = attention_kernel
     return before
 
 
@@ -201,12 +203,8 @@ def _fused_attention(q, k, v, padding_mask, scale):
     The mask goes in as [b, 1, s, s]: cuDNN's fused kernel takes a mask only as a bias of the full
     [query, key] shape and refuses [b, 1, 1, s] (Keras then falls back to XLA's unfused attention).
     """
-    if _CHOSEN["attention_mask"] == "lengths":
-        import jax
-
-        lengths = ops.sum(ops.cast(padding_mask, "int32"), axis=1)  # [b]
-        return jax.nn.dot_product_attention(q, k, v, scale=scale, implementation="cudnn",
-                                            query_seq_lengths=lengths, key_value_seq_lengths=lengths)
+    if _CHOSEN["attention_kernel"] is not None:
+        return _CHOSEN["attention_kernel"](q, k, v, padding_mask, scale)
     keep = ops.cast(padding_mask, "bool")[:, None, None, :]  # [b, 1, 1, s]
     if _CHOSEN["attention_mask"] == "square":
         b, s = ops.shape(q)[0], ops.shape(q)[1]
