@@ -39,15 +39,7 @@ os.environ.setdefault("KERAS_BACKEND", "jax")
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(_HERE))
 
-
-def train_flops_per_step(config, batch, seq, predictions):
-    """6 x (matmul parameters per token) x tokens + the attention matmuls + the MLM head at masked positions
-    (the same count as benchmarks/train_step.py)."""
-    h, i, layers, v = config.hidden_size, config.intermediate_size, config.num_layers, config.vocab_size
-    per_token = layers * (4 * h * h + 2 * h * i)
-    attention = layers * 2 * 2 * seq * h
-    head = (h * h + h * v) * predictions / seq
-    return 3 * 2 * (per_token + attention + head) * batch * seq
+from kbert.train.flops import train_flops_per_step  # noqa: E402 (kbert from this checkout)
 
 
 def matmul_peak(dtype: str, n: int = 8192, repeats: int = 10) -> float:

@@ -135,7 +135,7 @@ def test_electra_objective_learns_resumes_and_keeps_the_discriminator(tok_dir, t
 def test_resume_continues_with_identical_next_step(tok_dir, tmp_path):
     full = pretrain(_config(tok_dir, str(tmp_path / "full"), 12, model=dict(TINY)), progress=False)
     part = pretrain(_config(tok_dir, str(tmp_path / "part"), 12, model=dict(TINY)), progress=False, stop_after=7)
-    assert part["step"] == 7 and not part["finished"] and part["checkpoint"].endswith("ckpt-7")
+    assert part["step"] == 7 and not part["finished"] and part["checkpoint"].endswith("ckpt-7.safetensors")
     rest = pretrain(_config(tok_dir, str(tmp_path / "part"), 12, model=dict(TINY)), progress=False)
     assert rest["finished"] and len(rest["history"]) == 5
     np.testing.assert_allclose(part["history"] + rest["history"], full["history"], rtol=1e-5)
@@ -161,7 +161,7 @@ def test_sigterm_saves_and_stops(tok_dir, tmp_path):
     finally:
         done.set()
     assert summary["stopped_by"] == "SIGTERM" and 0 < summary["step"] < 100_000
-    assert summary["checkpoint"].endswith(f"ckpt-{summary['step']}")
+    assert summary["checkpoint"].endswith(f"ckpt-{summary['step']}.safetensors")
     again = pretrain(_config(tok_dir, out, 100_000), progress=False, stop_after=1)
     assert again["step"] == summary["step"] + 1
 
@@ -457,11 +457,11 @@ def test_nan_loss_stops_with_the_last_good_checkpoint(tok_dir, tmp_path):
                   optimizer={"learning_rate": 1e30, "clip_norm": None, "warmup_steps": 0, "weight_decay": 0.0})
     with pytest.raises(TrainingDiverged, match="last good checkpoint is intact") as err:
         pretrain(cfg, progress=False)
-    import tensorflow as tf
+    from kbert.train.run_checkpoint import RunCheckpoints
 
-    latest = tf.train.latest_checkpoint(os.path.join(out, "checkpoints"))
+    latest = RunCheckpoints(os.path.join(out, "checkpoints")).latest
     assert latest is not None and latest in str(err.value)
-    good = int(latest.rsplit("-", 1)[1])
+    good = int(latest.rsplit("-", 1)[1].split(".")[0])
     assert f"at step {good + 1}" in str(err.value)
 
 
@@ -724,15 +724,13 @@ def test_a_truncated_checkpoint_falls_back_to_the_newest_intact_one(tok_dir, tmp
     out = str(tmp_path / "run")
     pretrain(_config(tok_dir, out, 4, trainer={"checkpoint_every": 2}), progress=False)
     ckpt = os.path.join(out, "checkpoints")
-    newest = [f for f in os.listdir(ckpt) if f.startswith("ckpt-4.data")][0]
-    with open(os.path.join(ckpt, newest), "r+b") as f:
+    with open(os.path.join(ckpt, "ckpt-4.safetensors"), "r+b") as f:
         f.truncate(100)
     with pytest.warns(UserWarning, match="ckpt-4"):
         summary = pretrain(_config(tok_dir, out, 6, trainer={"checkpoint_every": 2}), progress=False)
     assert summary["finished"] and len(summary["history"]) == 4  # resumed at step 2: steps 3-6 ran
-    for f in os.listdir(ckpt):  # every checkpoint unreadable: a clear error, not a TensorFlow traceback
-        if ".data" in f:
-            open(os.path.join(ckpt, f), "wb").close()
+    for f in os.listdir(ckpt):  # every checkpoint unreadable: a clear error, not a library's traceback
+        open(os.path.join(ckpt, f), "wb").close()
     with pytest.raises(ValueError, match="no checkpoint in .* can be read"):
         pretrain(_config(tok_dir, out, 8, trainer={"checkpoint_every": 2}), progress=False)
 

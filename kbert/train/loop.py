@@ -1,10 +1,11 @@
 """`kbert.pretrain(config)`: the pretraining loop, top to bottom.
 
-1. strategy and precision (`strategy.py`); 2. tokenizer, model, optimizer, built under the strategy;
-3. restore the latest checkpoint (step, weights, optimizer slots) if there is one; 4. the input pipeline,
+1. the backend (`kbert.train.backend`: TensorFlow's strategies or JAX's `keras.distribution`) and precision;
+2. tokenizer, model, optimizer, laid out by the backend; 3. restore the latest checkpoint (step, weights,
+optimizer slots; backend-neutral, `run_checkpoint.py`) if there is one; 4. the input pipeline,
 skipped forward to the restored step (masks depend only on the seed and the batch index, so a resumed run
 sees exactly the batches it would have seen); 5. the loop: one compiled step per optimizer update
-(`accumulation` micro-batches), a progress bar with loss, MLM accuracy, tokens/s and ETA, TensorBoard
+(`accumulation` micro-batches), a progress bar with loss, MLM accuracy, tokens/s, MFU and ETA, TensorBoard
 scalars, a checkpoint every `checkpoint_every` steps; SIGTERM / SIGINT (a preempted TPU VM, Ctrl-C) save a
 checkpoint and stop cleanly; a NaN/Inf loss stops with the last good checkpoint untouched; 6. the final
 model directory (`kbert.load_model` / `kbert.Embedder.load` read it) with the tokenizer.
@@ -17,10 +18,9 @@ import math
 import os
 import sys
 import time
-import warnings
 from typing import Dict, Optional, Union
 
-from kbert.train.config import PretrainConfig
+from kbert.train.config import DataConfig, PretrainConfig
 
 
 class TrainingDiverged(RuntimeError):
@@ -92,25 +92,6 @@ def _validate(config: PretrainConfig):
             raise ValueError(f"`trainer.{key}` must be a positive integer. Received: {value!r}")
 
 
-def _restore_newest_intact(checkpoint, paths, ckpt_dir: str) -> str:
-    """Restores the newest checkpoint of `paths` that reads back whole: a truncated or missing file (a disk
-    that filled up, a copy cut short) falls back to the one before it, with a warning naming the bad one."""
-    import tensorflow as tf
-
-    bad = []
-    for path in reversed(list(paths)):
-        try:
-            checkpoint.restore(path).assert_existing_objects_matched()
-        except (tf.errors.OpError, ValueError, AssertionError, IndexError, OSError) as e:  # IndexError: cut short
-            bad.append(f"{path} ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
-            continue
-        if bad:
-            warnings.warn(f"resuming from {path}: newer checkpoint(s) could not be read: {'; '.join(bad)}")
-        return f"step {int(checkpoint.step.numpy())} ({path})"
-    raise ValueError(f"no checkpoint in {ckpt_dir!r} can be read: {'; '.join(bad)}. Restore the files from a copy, "
-                     f"or delete {ckpt_dir} to start over")
-
-
 # Settings a resumed run may change: how long and how often, where and how it runs, and the micro-batching
 # (checkpoints hold no gradient accumulators, so any accumulation restores). Everything else (the model,
 # the data, the optimizer, the global batch, the seed) decides what the checkpoint's numbers mean.
@@ -158,15 +139,29 @@ def _mean_metrics(recent) -> Dict[str, float]:
     return {k: sum(m[k] for m in recent) / len(recent) for k in recent[-1]}
 
 
+def trained_variables(model):
+    """The variables an optimizer step updates: every trainable variable except BERT's pooler when no pair
+    objective reads it (it would get no gradient; on JAX a zero one that weight decay would still move)."""
+    poolers = [model.backbone.pooler] + ([model.generator.pooler] if hasattr(model, "generator") else [])
+    if getattr(model, "pair_head", None) is not None:
+        poolers = poolers[1:]
+    skip = {id(v) for p in poolers for v in p.trainable_variables}
+    return [v for v in model.trainable_variables if id(v) not in skip]
+
+
 def pretrain(config: Union[PretrainConfig, dict, str], overrides=None, resume: bool = True, progress: bool = True,
              stop_after: Optional[int] = None):
     """Pretrains a BERT/ALBERT and returns a summary dict (steps, final loss, model dir, ...).
+
+    Runs on the Keras backend of the process (`KERAS_BACKEND=tensorflow` or `jax`; see
+    `kbert.train.backend`); a run checkpointed on one resumes on the other.
 
     The summary's `loss` and `mlm_accuracy` (and the progress bar's) are means over the last
     `mean_of_steps` (up to 100) steps of this call: one batch's MLM accuracy swings by several points.
     `history` holds every step's loss. `tokens_per_second` is this call's rate from its start (compilation
     included); `steady_tokens_per_second` leaves out its first step (tracing, XLA compilation, the pipeline's
-    start-up) and the final saves: the rate to plan further steps with.
+    start-up) and the final saves: the rate to plan further steps with. `mfu` is the steady rate's model
+    FLOPs utilization where the device's peak is known (`kbert.train.flops`).
 
     Args:
         config: a `PretrainConfig`, a dict, or a YAML/JSON path (with `overrides`, "key.sub=value" strings).
@@ -175,17 +170,18 @@ def pretrain(config: Union[PretrainConfig, dict, str], overrides=None, resume: b
         stop_after: stop (with a checkpoint) after this many steps in this call, as a preemption would.
     """
     import keras
-    import tensorflow as tf
 
     from kbert.data.masking import default_max_predictions
-    from kbert.data.pretraining import pretraining_dataset
     from kbert.models.backbone import Pretrainer, build_backbone
     from kbert.models.electra import ElectraPretrainer
     from kbert.models.io import save_model
     from kbert.text.tokenizer import Tokenizer
     from kbert.train import faults
+    from kbert.train.backend import make_backend
+    from kbert.train.flops import mfu as model_flops_utilization
+    from kbert.train.flops import train_flops_per_step
     from kbert.train.optimizers import make_optimizer, sync_iterations
-    from kbert.train.strategy import device_kind, make_strategy, resolve_precision
+    from kbert.train.run_checkpoint import RunCheckpoints
     from kbert.utils import StopSignals, progress_bar
     from kbert.workers import refuse_in_spawn_bootstrap
 
@@ -196,18 +192,22 @@ def pretrain(config: Union[PretrainConfig, dict, str], overrides=None, resume: b
         config = PretrainConfig.from_dict(config)
     _validate(config)
     t, d, rt = config.trainer, config.data, config.runtime
+    from kbert.data.records import read_manifest, records_dir
+
+    if records_dir(d.source) and d.max_length == DataConfig.max_length:  # the default: the records' length
+        d.max_length = read_manifest(records_dir(d.source))["max_length"]
 
     # 1. where and in which precision
-    strategy = make_strategy(rt.strategy, rt.tpu)
-    replicas = strategy.num_replicas_in_sync
-    precision = resolve_precision(rt.precision, strategy)
+    backend = make_backend(rt)
+    replicas = backend.replicas
+    precision = backend.precision(rt.precision)
     tokenizer = Tokenizer.load(d.tokenizer)
     model_config = _model_config(config, tokenizer)
     plan = None
     if t.batch_size == "auto":
         from kbert.train.memory import plan_for_config
 
-        plan = plan_for_config(config, model_config, precision, replicas, device_kind(strategy))
+        plan = plan_for_config(config, model_config, precision, replicas, backend.kind)
         t.batch_size, t.accumulation = plan["global_batch"], plan["accumulation"]
     if not isinstance(t.batch_size, int) or t.batch_size < 1:
         raise ValueError(f"`trainer.batch_size` must be a positive integer or 'auto'. Received: {t.batch_size!r}")
@@ -222,23 +222,26 @@ def pretrain(config: Union[PretrainConfig, dict, str], overrides=None, resume: b
               f"  data: {d.source!r}, {d.max_length} tokens per sequence\n"
               f"  batch: {t.batch_size} sequences per step" + (" (planned by batch_size: auto)" if plan else "")
               + f" = {replicas} replica(s) x {t.accumulation} micro-step(s) x {micro_batch // replicas}; "
-              f"precision {precision} on {device_kind(strategy)}\n  output: {config.output_dir}",
+              f"precision {precision} on {backend.kind} ({backend.name})\n  output: {config.output_dir}",
               file=sys.stderr, flush=True)
 
     out = config.output_dir
-    ckpt_dir = os.path.join(out, "checkpoints")
+    checkpoints = RunCheckpoints(os.path.join(out, "checkpoints"), keep=t.keep_checkpoints,
+                                 to_numpy=backend.to_numpy, writer=backend.writer)
+    checkpoints.check_format()
     os.makedirs(out, exist_ok=True)
-    if not resume and tf.train.latest_checkpoint(ckpt_dir):
-        raise ValueError(f"{ckpt_dir!r} already has checkpoints; resume, or choose another output_dir")
-    if tf.train.latest_checkpoint(ckpt_dir) and os.path.isfile(os.path.join(out, "config.json")):
+    if not resume and checkpoints.latest:
+        raise ValueError(f"{checkpoints.directory!r} already has checkpoints; resume, or choose another output_dir")
+    if checkpoints.latest and os.path.isfile(os.path.join(out, "config.json")):
         check_resumable(os.path.join(out, "config.json"), config)  # before the saved config is replaced
-    config.save(os.path.join(out, "config.json"))
+    if backend.writer:
+        config.save(os.path.join(out, "config.json"))
 
-    # 2. model and optimizer under the strategy
+    # 2. model and optimizer, laid out by the backend
     keras.utils.set_random_seed(rt.seed)
     keras.mixed_precision.set_dtype_policy(precision)
     try:
-        with strategy.scope():
+        with backend.scope():
             backbone = build_backbone(model_config)
             if d.objective == "electra":
                 model = ElectraPretrainer(backbone, generator_size=config.electra.generator_size,
@@ -248,108 +251,66 @@ def pretrain(config: Union[PretrainConfig, dict, str], overrides=None, resume: b
             optimizer = make_optimizer(config.optimizer, t.steps, t.accumulation, precision)
             model(_dummy_features(d.max_length, d.max_predictions or default_max_predictions(d.max_length,
                                                                                               d.mask_rate)))
-            optimizer.build(model.trainable_variables)
-            step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
+            variables = trained_variables(model)
+            optimizer.build(variables)
     finally:
         keras.mixed_precision.set_dtype_policy("float32")
 
-    # 3. resume
-    # Optimizer state by variable path, not by position: a run that changes gradient accumulation (the OOM
-    # fallback) adds accumulator variables, and positional matching would pair the wrong tensors.
-    # Gradient accumulators are left out: checkpoints are written between optimizer steps, where they are zero,
-    # so a checkpoint restores into a run with any accumulation.
-    kept = [v for v in optimizer.variables if "gradient_accumulator" not in v.path]
-    slots = {_slot_key(v.path): v.value for v in kept}
-    if len(slots) != len(kept):
-        raise AssertionError("optimizer variables do not have unique names; please report this")
-    # ELECTRA's sampling noise state: a Keras SeedGenerator is not tracked with the model's weights
-    extra = {"sampling_seed": model.seed_generator.state.value} if d.objective == "electra" else {}
-    checkpoint = tf.train.Checkpoint(model=model, optimizer=slots, step=step, **extra)
-    manager = tf.train.CheckpointManager(checkpoint, ckpt_dir, max_to_keep=t.keep_checkpoints)
-    if manager.latest_checkpoint:
-        restored = _restore_newest_intact(checkpoint, manager.checkpoints, ckpt_dir)
-        print(f"resuming from {restored}", file=sys.stderr, flush=True)
+    # 3. resume: weights, optimizer slots, step (the data position follows from the step)
+    restored = checkpoints.restore(model, optimizer, backend.assign)
+    if restored is not None:
+        print(f"resuming from step {restored[0]} ({restored[2]})", file=sys.stderr, flush=True)
     elif t.embedding_init == "cooccurrence":  # a fresh run (deterministic, so a restart from step 0 repeats it)
         from kbert.train.embedding_init import initialize_token_embeddings
 
         initialize_token_embeddings(backbone, d.source, tokenizer, seed=rt.seed, progress=progress)
-    start = int(step.numpy())
+    start = restored[0] if restored is not None else 0
     sync_iterations(optimizer, start, t.accumulation)
 
     # 4. data, skipped forward to the restored step
-    def dataset_fn(ctx):
-        return pretraining_dataset(d.source, tokenizer, objective=_data_objective(d.objective),
-                                   max_length=d.max_length,
-                                   batch_size=micro_batch, mask_rate=d.mask_rate, max_predictions=d.max_predictions,
-                                   whole_word=d.whole_word, ngram=d.ngram, short_seq_prob=d.short_seq_prob,
-                                   seed=rt.seed, shuffle_buffer=d.shuffle_buffer, start_batch=start * t.accumulation,
-                                   input_context=ctx, workers=d.workers)
-
-    dataset = strategy.distribute_datasets_from_function(dataset_fn)
-    iterator = iter(dataset)
+    data_args = dict(source=d.source, tokenizer=tokenizer, objective=_data_objective(d.objective),
+                     max_length=d.max_length, mask_rate=d.mask_rate, max_predictions=d.max_predictions,
+                     whole_word=d.whole_word, ngram=d.ngram, short_seq_prob=d.short_seq_prob, seed=rt.seed,
+                     shuffle_buffer=d.shuffle_buffer, workers=d.workers)
+    iterator = backend.batches(data_args, micro_batch, start, t.accumulation)
 
     # 5. the loop
-    def replica_step(features, labels):
-        with tf.GradientTape() as tape:
-            outputs = model(features, training=True)
-            losses = model.compute_losses(features, labels, outputs, training=True)
-            loss = losses["loss"] / replicas
-            scaled = optimizer.scale_loss(loss) if hasattr(optimizer, "scale_loss") else loss
-        grads = tape.gradient(scaled, model.trainable_variables)
-        # the pooler gets no gradient without a pair objective: leave it out instead of warning every step
-        pairs = [(g, v) for g, v in zip(grads, model.trainable_variables) if g is not None]
-        optimizer.apply([g for g, _ in pairs], [v for _, v in pairs])
-        return {k: v / replicas for k, v in losses.items()}
-
-    kind = device_kind(strategy)
-    # "auto" compiles one replica's step with XLA and leaves several uncompiled (their all-reduce), where an
-    # explicit True asks for it. On CPU, XLA runs bfloat16 matmuls no faster than float32 while TensorFlow's
-    # own (oneDNN) kernels use the CPU's bf16 instructions, so bf16 on CPU runs without XLA (the figures are
-    # in benchmarks/README.md)
-    jit = rt.jit is True or (rt.jit == "auto" and replicas == 1 and not (kind == "cpu" and precision != "float32"))
-    if jit and kind != "tpu":  # XLA compiles the replica step; reading the iterator stays outside (no XLA kernel)
-        replica_step = tf.function(replica_step, jit_compile=True, reduce_retracing=True)
-
-    @tf.function(reduce_retracing=True)
-    def train_step(iterator):
-        total = None
-        for _ in range(t.accumulation):  # unrolled: each micro-step feeds the optimizer's accumulator
-            features, labels = next(iterator)
-            per_replica = strategy.run(replica_step, args=(features, labels))
-            result = {k: strategy.reduce("SUM", v, axis=None) for k, v in per_replica.items()}
-            total = result if total is None else {k: total[k] + v for k, v in result.items()}
-        step.assign_add(1)
-        return {k: v / t.accumulation for k, v in total.items()}
-
-    writer = tf.summary.create_file_writer(os.path.join(out, "logs"))
+    train_step = backend.compile_step(model, optimizer, variables, t.accumulation, precision)
+    write_scalars = backend.scalar_writer(os.path.join(out, "logs"))
     tokens_per_step = t.batch_size * d.max_length
+    flops_per_step = train_flops_per_step(model_config, t.batch_size, d.max_length,
+                                          d.max_predictions or default_max_predictions(d.max_length, d.mask_rate))
     bar = progress_bar(total=t.steps, desc="pretrain", unit="step", enabled=progress)
     bar.update(start)
     history, recent = [], collections.deque(maxlen=_RECENT_STEPS)
     t0, s0 = time.perf_counter(), start
     t1 = s1 = None  # after this call's first step (tracing, XLA compilation): the steady rate starts there
     end = t.steps if stop_after is None else min(t.steps, start + stop_after)
-    oom = None
+    current, saved_at, oom = start, (restored[2] if restored else None), None
+
+    def save(step):
+        backend.sync_to_model()
+        return checkpoints.save(step, model, optimizer)
+
     with StopSignals() as signals:  # Ctrl-C / SIGTERM: finish the step, save, return
         try:
-            while int(step.numpy()) < end:
+            while current < end:
                 try:
                     faults.check_memory(micro_batch // replicas)
-                    metrics = {k: float(v) for k, v in train_step(iterator).items()}
-                except tf.errors.ResourceExhaustedError as e:
-                    oom = e
-                    break
-                except tf.errors.OpError:
-                    _let_the_pipeline_settle()
+                    metrics = train_step(iterator)
+                except Exception as e:  # noqa: BLE001 - out of memory is handled below, the rest re-raised
+                    if backend.is_out_of_memory(e):
+                        oom = e
+                        break
                     raise
-                current = int(step.numpy())
+                current += 1
                 if t1 is None:
                     t1, s1 = time.perf_counter(), current
                 if not math.isfinite(metrics["loss"]):
-                    good = manager.latest_checkpoint or "none yet"
                     raise TrainingDiverged(f"Loss became {metrics['loss']} at step {current}; stopped without "
-                                           f"saving. The last good checkpoint is intact: {good}. Lower "
-                                           f"optimizer.learning_rate, raise warmup_steps or use float32/bfloat16")
+                                           f"saving. The last good checkpoint is intact: {saved_at or 'none yet'}. "
+                                           f"Lower optimizer.learning_rate, raise warmup_steps or use "
+                                           f"float32/bfloat16")
                 history.append(metrics["loss"])
                 recent.append(metrics)
                 if current % t.log_every == 0 or current == end:
@@ -359,51 +320,51 @@ def pretrain(config: Union[PretrainConfig, dict, str], overrides=None, resume: b
                     shown = dict(loss=f"{smooth['loss']:.3f}", mlm_acc=f"{smooth.get('mlm_accuracy', 0):.3f}")
                     if "rtd_accuracy" in smooth:  # ELECTRA: the discriminator's accuracy over all tokens
                         shown["rtd_acc"] = f"{smooth['rtd_accuracy']:.3f}"
+                    steady = ((current - s1) / max(time.perf_counter() - t1, 1e-9)) if current > s1 else None
+                    used = (model_flops_utilization(flops_per_step, steady, replicas, backend.device_name)
+                            if steady else None)
+                    if used is not None:
+                        shown["mfu"] = f"{100 * used:.1f}%"
                     bar.set_postfix(**shown, tok_s=f"{tps:,.0f}")
-                    with writer.as_default(step=current):
-                        for k, v in metrics.items():
-                            tf.summary.scalar(k, v)
-                        tf.summary.scalar("tokens_per_second", tps)
-                        # the schedule counts micro-steps
-                        lr = _learning_rate(optimizer, (current - 1) * t.accumulation)
-                        tf.summary.scalar("learning_rate", float(lr))
+                    # the schedule counts micro-steps
+                    lr = float(_learning_rate(optimizer, (current - 1) * t.accumulation))
+                    write_scalars(current, {**metrics, "tokens_per_second": tps, "learning_rate": lr,
+                                            **({"mfu": used} if used is not None else {})})
                 bar.update(1)
                 if current % t.checkpoint_every == 0:
-                    manager.save(checkpoint_number=current)
+                    saved_at = save(current)
                 if signals.received:
                     break
         finally:
             t_end = time.perf_counter()
             bar.close()
     if oom is not None:
-        return _retry_smaller(config, oom, micro_batch // replicas, manager.latest_checkpoint, progress, end)
-    current = int(step.numpy())
-    if not manager.latest_checkpoint or not manager.latest_checkpoint.endswith(f"-{current}"):
-        manager.save(checkpoint_number=current)  # at exit: a signal, stop_after, or the last step
-    writer.flush()
+        return _retry_smaller(config, oom, micro_batch // replicas, checkpoints.latest, progress, end)
+    if saved_at is None or not saved_at.endswith(f"ckpt-{current}.safetensors"):
+        saved_at = save(current)  # at exit: a signal, stop_after, or the last step
+    backend.sync_to_model()
+    write_scalars.flush()
     smooth = _mean_metrics(recent)
     summary = {"step": current, "finished": current >= t.steps, "stopped_by": signals.received,
                "loss": smooth.get("loss"), "mlm_accuracy": smooth.get("mlm_accuracy"), "mean_of_steps": len(recent),
                **({"rtd_accuracy": smooth["rtd_accuracy"]} if "rtd_accuracy" in smooth else {}),
                "metrics": smooth,
                "history": history,
-               "checkpoint": manager.latest_checkpoint, "replicas": replicas, "precision": precision, "jit": jit,
+               "checkpoint": saved_at, "replicas": replicas, "precision": precision, "jit": backend.jit,
+               "backend": backend.name, "device": backend.device_name,
                "global_batch": t.batch_size, "accumulation": t.accumulation}
-    if current >= t.steps:  # 6. the final model dir
+    if current >= t.steps and backend.writer:  # 6. the final model dir
         kept = model.backbone if d.objective == "electra" else model  # ELECTRA keeps the discriminator
         summary["model_dir"] = save_model(kept, os.path.join(out, "model"), tokenizer=tokenizer)
     elapsed = time.perf_counter() - t0
     summary["tokens_per_second"] = (current - s0) * tokens_per_step / elapsed if current > s0 else 0.0
     # without the first step of this call (tracing, compilation, the pipeline's start): what more steps cost
-    summary["steady_tokens_per_second"] = ((current - s1) * tokens_per_step / max(t_end - t1, 1e-9)
-                                           if s1 is not None and current > s1 else summary["tokens_per_second"])
+    steady_steps = (current - s1) / max(t_end - t1, 1e-9) if s1 is not None and current > s1 else None
+    summary["steady_tokens_per_second"] = (steady_steps * tokens_per_step if steady_steps
+                                           else summary["tokens_per_second"])
+    summary["mfu"] = (model_flops_utilization(flops_per_step, steady_steps, replicas, backend.device_name)
+                      if steady_steps else None)
     return summary
-
-
-def _slot_key(path: str) -> str:
-    """`adam_w_2/layer_0_qkv_kernel_momentum` -> `layer_0_qkv_kernel_momentum`: the optimizer's own name
-    changes with every optimizer a process creates, so it is not part of the key."""
-    return path.split("/", 1)[-1].replace("/", ".")
 
 
 def _retry_smaller(config, error, per_replica_batch, checkpoint, progress, end):
@@ -427,18 +388,10 @@ def _retry_smaller(config, error, per_replica_batch, checkpoint, progress, end):
                      f"unchanged) from {checkpoint or 'the start'}\n")
     keras.backend.clear_session()
     gc.collect()
-    restart = int(checkpoint.rsplit("-", 1)[1]) if checkpoint else 0
+    restart = int(os.path.basename(checkpoint).split("-", 1)[1].split(".")[0]) if checkpoint else 0
     summary = pretrain(config, resume=True, progress=progress, stop_after=end - restart)
     summary["oom_retries"] = summary.get("oom_retries", 0) + 1
     return summary
-
-
-def _let_the_pipeline_settle(seconds: float = 1.0) -> None:
-    """After an error from the input pipeline (e.g. a dead worker process), waits a moment before the error
-    propagates. tf.data's threads go on calling the pipeline's Python generator (which needs the GIL) until
-    their buffers hold the error; the iterator's destructor waits for those threads while its caller holds
-    the GIL, so tearing it down mid-call would deadlock the process instead of reporting the error."""
-    time.sleep(seconds)  # releases the GIL
 
 
 def _learning_rate(optimizer, iteration):

@@ -1,4 +1,5 @@
-"""Where training runs (a tf.distribute strategy) and in which precision, chosen in one place.
+"""Where training runs (a tf.distribute strategy; the JAX backend maps the same names onto devices) and in
+which precision, chosen in one place.
 
 `--strategy auto` picks, in order: a TPU when one is configured (`--tpu NAME` or $TPU_NAME), a
 MultiWorkerMirroredStrategy when $TF_CONFIG names a cluster, a MirroredStrategy on two or more GPUs, the
@@ -74,24 +75,31 @@ def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
     return False
 
 
-def resolve_precision(precision: str, strategy) -> str:
-    """The Keras dtype policy name for `precision` on this strategy's devices."""
-    import tensorflow as tf
-
+def choose_precision(precision: str, kind: str, compute_major: int = 0) -> str:
+    """The Keras dtype policy name for `precision` on devices of `kind` ('tpu', 'gpu', 'cpu'; a GPU's compute
+    capability major version): what `auto` means, for either backend."""
     if precision not in PRECISIONS:
         raise ValueError(f"`precision` must be one of {PRECISIONS}. Received: precision={precision!r}")
-    kind = device_kind(strategy)
     if precision != "auto":
         if precision == "mixed_bfloat16" and kind == "cpu" and not cpu_has_native_bf16():
             import warnings
 
             warnings.warn("precision=mixed_bfloat16 on a CPU without native bfloat16 instructions (AVX512-BF16 or "
-                          "AMX): it is emulated there and usually slower than float32", stacklevel=2)
+                          "AMX): it is emulated there and usually slower than float32", stacklevel=3)
         return precision
     if kind == "tpu":
         return "mixed_bfloat16"
     if kind == "gpu":
+        return "mixed_bfloat16" if compute_major >= 8 else "mixed_float16"
+    return "float32"
+
+
+def resolve_precision(precision: str, strategy) -> str:
+    """The Keras dtype policy name for `precision` on this tf.distribute strategy's devices."""
+    import tensorflow as tf
+
+    kind, major = device_kind(strategy), 0
+    if kind == "gpu" and precision == "auto":
         details = tf.config.experimental.get_device_details(tf.config.list_physical_devices("GPU")[0])
         major = (details.get("compute_capability") or (0, 0))[0]
-        return "mixed_bfloat16" if major >= 8 else "mixed_float16"
-    return "float32"
+    return choose_precision(precision, kind, major)

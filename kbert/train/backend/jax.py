@@ -1,0 +1,250 @@
+"""The pretraining loop's JAX side: `keras.distribution.DataParallel`, numpy input and one `jax.jit` step.
+
+Devices by `runtime.strategy` (the TensorFlow names, mapped):
+    auto         every local device (a GPU box's GPUs, a TPU VM's cores; several hosts when JAX runs
+                 multi-host); one device needs no distribution at all
+    cpu          the first CPU device
+    mirrored     the local GPUs (an error without one)
+    tpu          the TPU devices (an error without one)
+    multiworker  `keras.distribution.initialize()` (which calls `jax.distributed.initialize`: the coordinator
+                 from the cluster environment, e.g. a TPU pod slice or $KERAS_DISTRIBUTION_* variables), then
+                 every device of every host
+`runtime.tpu` (a TPU name for TensorFlow's cluster resolver) and `runtime.jit: false` have no JAX
+equivalent and are refused by name.
+
+Input: records dirs through `kbert.data.record_reader` (numpy only: no TensorFlow needed, batches equal to
+the `tf.data` path's); each host reads its own share of the shards (`num_pipelines` = hosts) and its slice
+of the global batch becomes one global array (`jax.make_array_from_process_local_data`). Raw text and
+"dummy" go through the `tf.data` pipeline, so they need TensorFlow installed (the error says so).
+
+The step: the model's and optimizer's variables as one state pytree; `accumulation` micro-batches per
+update, each through `jax.value_and_grad` of the model's losses inside a `keras.StatelessScope` and
+`optimizer.stateless_apply` (Keras' own accumulation, as on TensorFlow); the state is donated, so the
+update happens in place. Under `DataParallel` the variables are replicated and the batch sharded, and XLA
+adds the gradient all-reduce. `sync_to_model()` copies the state back into the Keras variables (before a
+checkpoint and at the end). TensorBoard scalars go through `tensorboard`'s own event writer (no TensorFlow).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+
+import numpy as np
+
+
+class JaxBackend:
+    name = "jax"
+
+    def __init__(self, runtime):
+        import jax
+        import keras
+
+        from kbert.train.strategy import STRATEGIES
+
+        self.runtime = runtime
+        if runtime.strategy not in STRATEGIES:
+            raise ValueError(f"`runtime.strategy` must be one of {STRATEGIES}. Received: {runtime.strategy!r}")
+        if runtime.tpu:
+            raise ValueError(f"`runtime.tpu` ({runtime.tpu!r}) names a TPU for TensorFlow's cluster resolver and has no "
+                             f"JAX equivalent: on a Cloud TPU VM, JAX finds the VM's chips itself; leave runtime.tpu "
+                             f"empty (use runtime.strategy: tpu to require them)")
+        if runtime.jit is False:
+            raise ValueError("`runtime.jit: false` has no JAX equivalent (JAX always compiles the step); leave it at auto")
+        if runtime.strategy == "multiworker":
+            keras.distribution.initialize()
+        strategy = runtime.strategy
+        if strategy == "cpu":
+            devices = jax.devices("cpu")[:1]
+        elif strategy == "mirrored":
+            devices = [d for d in jax.local_devices() if d.platform == "gpu"]
+            if not devices:
+                raise ValueError("runtime.strategy: mirrored needs GPUs, and JAX sees none "
+                                 f"({jax.local_devices()[0].platform} only); use auto or cpu")
+        elif strategy == "tpu":
+            devices = [d for d in jax.devices() if d.platform == "tpu"]
+            if not devices:
+                raise ValueError("runtime.strategy: tpu needs TPU devices, and JAX sees none; on a Cloud TPU VM "
+                                 "install jax[tpu]")
+        else:  # auto, multiworker: every device of every host (one host: the local ones)
+            devices = jax.devices()
+        self.devices = devices
+        self.replicas = len(devices)
+        self.kind = devices[0].platform if devices[0].platform in ("gpu", "tpu") else "cpu"
+        self.device_name = getattr(devices[0], "device_kind", self.kind)
+        self.process_index, self.process_count = jax.process_index(), jax.process_count()
+        self.writer = self.process_index == 0
+        self.distribution = None
+        if self.replicas > 1 or self.process_count > 1:
+            self.distribution = keras.distribution.DataParallel(devices=devices)
+        self.jit = True
+        self._state = None
+
+    def precision(self, requested: str) -> str:
+        from kbert.train.strategy import choose_precision
+
+        major = 0
+        if self.kind == "gpu":
+            try:
+                major = int(str(getattr(self.devices[0], "compute_capability", "0")).split(".")[0])
+            except ValueError:
+                major = 0
+        return choose_precision(requested, self.kind, major)
+
+    def scope(self):
+        return self.distribution.scope() if self.distribution is not None else contextlib.nullcontext()
+
+    # ------------------------------------------------------------------ input
+    def batches(self, data_args: dict, micro_batch: int, start_step: int, accumulation: int):
+        """An iterator of global micro-batches (features, labels) as JAX arrays laid out for the step."""
+        from kbert.data import records
+
+        if micro_batch % self.process_count:
+            raise ValueError(f"the micro-batch ({micro_batch}) must divide among {self.process_count} hosts")
+        local = micro_batch // self.process_count
+        start = start_step * accumulation
+        source = data_args["source"]
+        if records.records_dir(source):
+            from kbert.data.record_reader import RecordBatches
+
+            reader = RecordBatches(records.records_dir(source), data_args["tokenizer"], batch_size=local,
+                                   mask_rate=data_args["mask_rate"], max_predictions=data_args["max_predictions"],
+                                   whole_word=data_args["whole_word"], ngram=data_args["ngram"],
+                                   seed=data_args["seed"], shuffle_buffer=data_args["shuffle_buffer"],
+                                   start_batch=start, num_pipelines=self.process_count,
+                                   pipeline_id=self.process_index)
+            objective = data_args["objective"]
+            if objective not in (reader.objective, "mlm+nsp"):
+                raise ValueError(f"`objective`={objective!r} differs from the records' objective "
+                                 f"{reader.objective!r}; prepare new records or leave `objective` at its default")
+            if data_args["max_length"] not in (reader.max_length, 128):
+                raise ValueError(f"`max_length`={data_args['max_length']!r} differs from the records' max_length "
+                                 f"{reader.max_length!r}; prepare new records or leave `max_length` at its default")
+            host = iter(reader)
+        else:
+            try:
+                import tensorflow as tf
+            except ImportError:
+                raise ValueError(f"data.source {source!r} is raw text (or 'dummy'), which kbert reads with TensorFlow's "
+                                 f"tf.data, and TensorFlow is not installed: run `kbert data prepare` (where "
+                                 f"TensorFlow is installed) and pretrain from the records dir, or install "
+                                 f"tensorflow") from None
+            from kbert.data.pretraining import pretraining_dataset
+
+            context = None
+            if self.process_count > 1:
+                context = tf.distribute.InputContext(self.process_count, self.process_index, self.process_count)
+            host = pretraining_dataset(**data_args, batch_size=micro_batch if context else local,
+                                       start_batch=start, input_context=context).as_numpy_iterator()
+        return (self._place(batch) for batch in host)
+
+    def _place(self, batch):
+        """A host's (features, labels) of numpy arrays -> global JAX arrays sharded along the batch."""
+        import jax
+
+        if self.distribution is None:
+            return jax.tree_util.tree_map(jax.device_put, batch)
+
+        def place(x):
+            layout = self.distribution.get_data_layout((x.shape[0] * self.process_count,) + x.shape[1:])
+            return jax.make_array_from_process_local_data(layout.backend_layout, np.asarray(x))
+
+        return jax.tree_util.tree_map(place, batch)
+
+    # ------------------------------------------------------------------ the step
+    def compile_step(self, model, optimizer, variables, accumulation: int, precision: str):
+        """`step(batches)` -> {metric: float}: one optimizer update from `accumulation` micro-batches."""
+        import jax
+        import keras
+
+        trained = list(variables)
+        trained_ids = {id(v) for v in trained}
+        frozen = [v for v in model.trainable_variables if id(v) not in trained_ids]
+        fixed = list(model.non_trainable_variables)
+        opt_vars = list(optimizer.variables)
+        self._variables = (trained, frozen, fixed, opt_vars)
+        self._state = tuple([v.value for v in group] for group in self._variables)
+
+        def losses_of(tv, fv, nv, ov, features, labels):
+            mapping = (list(zip(trained, tv)) + list(zip(frozen, fv)) + list(zip(fixed, nv))
+                       + list(zip(opt_vars, ov)))
+            with keras.StatelessScope(state_mapping=mapping) as scope:
+                outputs = model(features, training=True)
+                losses = model.compute_losses(features, labels, outputs, training=True)
+                loss = losses["loss"]
+                scaled = optimizer.scale_loss(loss) if hasattr(optimizer, "scale_loss") else loss
+            return scaled, (losses, [scope.get_current_value(v) for v in fixed])
+
+        grad_fn = jax.value_and_grad(losses_of, has_aux=True)
+
+        def update(state, micro_batches):
+            tv, fv, nv, ov = state
+            total = None
+            for features, labels in micro_batches:  # unrolled: each micro-step feeds the optimizer's accumulator
+                (_, (losses, nv)), grads = grad_fn(tv, fv, nv, ov, features, labels)
+                tv, ov = optimizer.stateless_apply(ov, grads, tv)
+                total = losses if total is None else {k: total[k] + v for k, v in losses.items()}
+            return (tv, fv, nv, ov), {k: v / accumulation for k, v in total.items()}
+
+        jitted = jax.jit(update, donate_argnums=(0,))
+
+        def step(iterator):
+            micro = tuple(next(iterator) for _ in range(accumulation))
+            self._state, metrics = jitted(self._state, micro)
+            return {k: float(v) for k, v in jax.device_get(metrics).items()}
+
+        return step
+
+    def sync_to_model(self) -> None:
+        """The trained state back into the Keras variables."""
+        if self._state is None:
+            return
+        for group, values in zip(self._variables, self._state):
+            for v, value in zip(group, values):
+                v.assign(value)
+
+    # ------------------------------------------------------------------ state
+    @staticmethod
+    def to_numpy(variable) -> np.ndarray:
+        value = variable.value
+        if hasattr(value, "is_fully_addressable") and not value.is_fully_addressable:
+            value = value.addressable_data(0)  # replicated: this host's copy
+        return np.asarray(value)
+
+    @staticmethod
+    def assign(variable, value) -> None:
+        variable.assign(value)
+
+    @staticmethod
+    def is_out_of_memory(error: BaseException) -> bool:
+        return isinstance(error, (RuntimeError, MemoryError)) and "RESOURCE_EXHAUSTED" in str(error)
+
+    # ------------------------------------------------------------------ logs
+    def scalar_writer(self, logdir: str):
+        """TensorBoard scalars through `tensorboard`'s event writer; without it, `logdir/scalars.jsonl`."""
+        os.makedirs(logdir, exist_ok=True)
+        try:
+            from tensorboard.compat.proto.event_pb2 import Event
+            from tensorboard.compat.proto.summary_pb2 import Summary
+            from tensorboard.summary.writer.event_file_writer import EventFileWriter
+        except ImportError:
+            path = os.path.join(logdir, "scalars.jsonl")
+
+            def write(step: int, scalars: dict):
+                if self.writer:
+                    with open(path, "a", encoding="utf-8") as f:
+                        f.write(json.dumps({"step": step, **{k: float(v) for k, v in scalars.items()}}) + "\n")
+
+            write.flush = lambda: None
+            return write
+        events = EventFileWriter(logdir) if self.writer else None
+
+        def write(step: int, scalars: dict):
+            if events is not None:
+                summary = Summary(value=[Summary.Value(tag=k, simple_value=float(v)) for k, v in scalars.items()])
+                events.add_event(Event(step=step, wall_time=time.time(), summary=summary))
+
+        write.flush = (lambda: events.flush()) if events is not None else (lambda: None)
+        return write

@@ -1,0 +1,189 @@
+"""`kbert.pretrain` on Keras' JAX backend (CPU here; `benchmarks/gpu.py pretrain` is the GPU run): learning from
+records, DataParallel over two devices, SIGTERM and resume, checkpoints that cross backends, and bad input.
+
+Each JAX run is a fresh Python (`helpers.run_on_jax`): Keras fixes its backend at import, and this process
+runs TensorFlow (which also prepares the records, as `kbert data prepare` does).
+"""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+import kbert
+from kbert.data import records
+from kbert.data.corpus import corpus
+from kbert.train.loop import pretrain
+from helpers import run_on_jax
+
+TINY = {"architecture": "bert", "hidden_size": 64, "num_layers": 2, "num_heads": 2, "intermediate_size": 128,
+        "max_position": 128, "dropout": 0.0, "attention_dropout": 0.0}
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    """A tokenizer and mlm+nsp records of the konlpy corpora (what `kbert data prepare` writes)."""
+    root = tmp_path_factory.mktemp("jax")
+    tok = kbert.Tokenizer.train(corpus(["kolaw", "kobill"]), vocab_size=1500, progress=False)
+    tok.save(str(root / "tok"))
+    records.prepare(["kolaw", "kobill"], tok, str(root / "records"), max_length=64, docs_per_shard=4, workers=0,
+                    progress=False)
+    return str(root / "tok"), str(root / "records")
+
+
+def _config(prepared, out, steps, **sections):
+    tok_dir, records_dir = prepared
+    cfg = {"model": dict(TINY), "data": {"source": records_dir, "tokenizer": tok_dir, "shuffle_buffer": 100},
+           "optimizer": {"learning_rate": 2e-3, "warmup_steps": 10},
+           "trainer": {"steps": steps, "batch_size": 16, "log_every": 5, "checkpoint_every": 1000},
+           "runtime": {"strategy": "auto", "seed": 3}, "output_dir": out}
+    for name, values in sections.items():
+        cfg[name] = {**cfg.get(name, {}), **values} if isinstance(values, dict) else values
+    return cfg
+
+
+def _script(body: str) -> str:
+    return "import json, os, sys\nimport numpy as np\nfrom kbert.train.loop import pretrain\n" + body
+
+
+@pytest.mark.slow
+def test_jax_pretraining_from_records_learns_and_writes_a_model_both_backends_load(prepared, tmp_path):
+    out = str(tmp_path / "run")
+    cfg = _config(prepared, out, 300, trainer={"log_every": 50}, optimizer={"learning_rate": 5e-3, "warmup_steps": 30})
+    result, proc = run_on_jax(_script(
+        f"s = pretrain({cfg!r}, progress=False)\n"
+        "h = s['history']\n"
+        "print(json.dumps(dict(first=float(np.mean(h[:5])), last=float(np.mean(h[-10:])), step=s['step'],"
+        " backend=s['backend'], model_dir=s['model_dir'], finished=s['finished'],"
+        " acc=s['mlm_accuracy'])))\n"))
+    assert result["backend"] == "jax" and result["finished"] and result["step"] == 300
+    # MLM + NSP loss: ~8.0 at the start (log 1500 + log 2); the TensorFlow path's test asks the same fall
+    assert result["last"] < result["first"] - 1.0, result
+    # the model dir is the same format as the TensorFlow path's: kbert.load_model / Embedder read it here
+    model = kbert.load_model(result["model_dir"])
+    assert model.config.hidden_size == 64
+    vectors = kbert.Embedder.load(result["model_dir"]).encode(["대한민국은 민주공화국이다."])
+    assert vectors.shape == (1, 64) and np.isfinite(vectors).all()
+    assert os.listdir(os.path.join(out, "logs"))  # TensorBoard scalars
+
+
+@pytest.mark.slow
+def test_data_parallel_over_two_devices_gives_the_one_device_loss_curve(prepared, tmp_path):
+    one = _config(prepared, str(tmp_path / "one"), 8, runtime={"strategy": "cpu"})
+    two = _config(prepared, str(tmp_path / "two"), 8, runtime={"strategy": "auto"})
+    result, _ = run_on_jax(_script(
+        "import jax\n"
+        f"a = pretrain({one!r}, progress=False)\nb = pretrain({two!r}, progress=False)\n"
+        "print(json.dumps(dict(devices=len(jax.devices()), one=a['history'], two=b['history'],"
+        " replicas=[a['replicas'], b['replicas']])))\n"),
+        env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
+    assert result["devices"] == 2 and result["replicas"] == [1, 2]
+    np.testing.assert_allclose(result["two"], result["one"], rtol=2e-4)
+
+
+@pytest.mark.slow
+def test_sigterm_then_the_same_command_continues_at_the_same_step_with_the_same_loss(prepared, tmp_path):
+    """A SIGTERM mid-run saves and stops; running the same call again continues at that step, and the losses of
+    the two calls together are the uninterrupted run's."""
+    full = _config(prepared, str(tmp_path / "full"), 14)
+    cut = _config(prepared, str(tmp_path / "cut"), 14)
+    result, _ = run_on_jax(_script(
+        "import signal, threading\n"
+        f"full = pretrain({full!r}, progress=False)\n"
+        "from kbert.train import faults\n"
+        "calls = []\n"
+        "def hook(batch):\n"
+        "    calls.append(batch)\n"
+        "    if len(calls) == 6:  # during the sixth step: a preemption notice\n"
+        "        os.kill(os.getpid(), signal.SIGTERM)\n"
+        "faults.set_memory_hook(hook)\n"
+        f"part = pretrain({cut!r}, progress=False)\n"
+        "faults.set_memory_hook(None)\n"
+        f"rest = pretrain({cut!r}, progress=False)\n"
+        "print(json.dumps(dict(full=full['history'], part=part['history'], rest=rest['history'],"
+        " stopped=part['stopped_by'], step=part['step'], checkpoint=part['checkpoint'])))\n"))
+    assert result["stopped"] == "SIGTERM" and result["step"] == 6
+    assert result["checkpoint"].endswith("ckpt-6.safetensors")
+    assert len(result["rest"]) == 8
+    np.testing.assert_allclose(result["part"] + result["rest"], result["full"], rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_a_jax_checkpoint_resumes_under_tensorflow_and_back(prepared, tmp_path):
+    """Four steps on JAX, two on TensorFlow from its checkpoint, two more on JAX: the losses follow the
+    all-JAX run (the two backends' float32 arithmetic differs in the last digits only)."""
+    full = _config(prepared, str(tmp_path / "full"), 8, runtime={"strategy": "cpu"})
+    mixed = _config(prepared, str(tmp_path / "mixed"), 8, runtime={"strategy": "cpu"})
+    first, _ = run_on_jax(_script(
+        f"a = pretrain({full!r}, progress=False)\nb = pretrain({mixed!r}, progress=False, stop_after=4)\n"
+        "print(json.dumps(dict(full=a['history'], part=b['history'], step=b['step'])))\n"))
+    assert first["step"] == 4
+    middle = pretrain(mixed, progress=False, stop_after=2)  # this process: TensorFlow
+    assert middle["backend"] == "tensorflow" and middle["step"] == 6
+    last, _ = run_on_jax(_script(
+        f"c = pretrain({mixed!r}, progress=False)\n"
+        "print(json.dumps(dict(rest=c['history'], step=c['step'], finished=c['finished'])))\n"))
+    assert last["finished"] and last["step"] == 8
+    np.testing.assert_allclose(first["part"] + middle["history"] + last["rest"], first["full"], rtol=2e-3)
+
+
+def test_jax_bad_input_fails_fast_with_the_reason(prepared, tmp_path):
+    """Records of another vocabulary, raw text in a process without TensorFlow, and runtime settings with no
+    JAX equivalent are refused before any training, each with the reason."""
+    other = str(tmp_path / "other-tok")
+    kbert.Tokenizer("wordpiece", ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + list("가나다라마바사")).save(other)
+    cases = {
+        "vocabulary": _config(prepared, str(tmp_path / "a"), 2, data={"tokenizer": other}, model={"vocab_size": 1500}),
+        "tpu_name": _config(prepared, str(tmp_path / "b"), 2, runtime={"tpu": "my-tpu"}),
+        "jit_off": _config(prepared, str(tmp_path / "c"), 2, runtime={"jit": False}),
+        "mirrored_without_gpus": _config(prepared, str(tmp_path / "d"), 2, runtime={"strategy": "mirrored"}),
+        "raw_text_without_tensorflow": _config(prepared, str(tmp_path / "e"), 2, data={"source": ["kolaw"]}),
+    }
+    result, _ = run_on_jax(_script(
+        "import builtins\n"
+        "errors = {}\n"
+        f"for name, cfg in {cases!r}.items():\n"
+        "    if name == 'raw_text_without_tensorflow':  # from here on, TensorFlow cannot be imported\n"
+        "        real = builtins.__import__\n"
+        "        def guard(n, *a, **k):\n"
+        "            if n.split('.')[0] == 'tensorflow':\n"
+        "                raise ImportError('No module named tensorflow')\n"
+        "            return real(n, *a, **k)\n"
+        "        builtins.__import__ = guard\n"
+        "    try:\n"
+        "        pretrain(cfg, progress=False)\n"
+        "        errors[name] = None\n"
+        "    except ValueError as e:\n"
+        "        errors[name] = str(e)\n"
+        "print(json.dumps(errors))\n"), timeout=300)
+    assert "another tokenizer" in result["vocabulary"]
+    assert "runtime.tpu" in result["tpu_name"] and "no JAX equivalent" in result["tpu_name"]
+    assert "runtime.jit: false" in result["jit_off"]
+    assert "mirrored needs GPUs" in result["mirrored_without_gpus"]
+    assert "kbert data prepare" in result["raw_text_without_tensorflow"]
+    assert "TensorFlow is not installed" in result["raw_text_without_tensorflow"]
+    assert not any(os.path.isdir(os.path.join(str(tmp_path), x, "checkpoints")) for x in "abcde")
+
+
+def test_checkpoint_file_holds_the_whole_state_by_name(prepared, tmp_path):
+    """The backend-neutral checkpoint: model variables by position with their paths, optimizer slots by name
+    without gradient accumulators, the step in the metadata; an older TensorFlow-format dir is named."""
+    from kbert.train.run_checkpoint import RunCheckpoints
+
+    out = str(tmp_path / "run")
+    pretrain(_config(prepared, out, 2, model={"dropout": 0.1}, trainer={"accumulation": 2}, runtime={"strategy": "cpu"}),
+             progress=False)
+    ckpt = RunCheckpoints(os.path.join(out, "checkpoints"))
+    tensors, meta = ckpt.read(ckpt.latest)
+    assert meta["step"] == 2 and len(meta["model_paths"]) == sum(k.startswith("model/") for k in tensors)
+    assert any(p.endswith("seed_generator_state") for p in meta["model_paths"])  # dropout streams resume too
+    slots = [k for k in tensors if k.startswith("optimizer/")]
+    assert slots and not any("gradient_accumulator" in k for k in slots)
+    old = tmp_path / "old" / "checkpoints"
+    old.mkdir(parents=True)
+    (old / "checkpoint").write_text('model_checkpoint_path: "ckpt-3"\n', encoding="utf-8")
+    with pytest.raises(ValueError, match="TensorFlow-format checkpoints of an older kbert"):
+        pretrain(_config(prepared, str(tmp_path / "old"), 2, runtime={"strategy": "cpu"}), progress=False)
+    assert json.loads(open(os.path.join(out, "config.json"), encoding="utf-8").read())["data"]["max_length"] == 64  # the records'
+
