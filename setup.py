@@ -8,9 +8,10 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["kbert", "kbert.*"]),
+    # The core runs on either Keras backend; pick one with an extra: `.[tf]` (TensorFlow: raw-text pipelines,
+    # `kbert data prepare`, SavedModel export, the default) or `.[jax]` (JAX: pretraining from records on GPUs
+    # and TPU VMs, no TensorFlow installed).
     install_requires=[
-        "tensorflow>=2.21,<2.22",
-        "tensorflow-text>=2.21,<2.22",
         "keras>=3.8,<4",
         # sentencepiece 0.2.2 changed how unigram ties between equal-score segmentations are broken
         # (`..` + `...` vs `...` + `..`); kbert's in-graph unigram path (tensorflow-text's fast op) follows
@@ -26,6 +27,8 @@ setup(
         "huggingface_hub>=0.20",
     ],
     extras_require={
+        "tf": ["tensorflow>=2.21,<2.22", "tensorflow-text>=2.21,<2.22"],
+        "jax": ["jax>=0.4.30"],
         "mecab": ["mecab-ko>=1.0"],
         "kiwi": ["kiwipiepy>=0.17"],
         "faiss": ["faiss-cpu>=1.8"],
@@ -34,13 +37,15 @@ setup(
         # Opening and editing the tutorial notebooks (running them needs only [test]'s nbclient).
         "tutorials": ["jupyterlab>=4", "nbconvert>=7", "nbclient>=0.10", "ipykernel>=6", "matplotlib>=3.8"],
         "test": [
+            "tensorflow>=2.21,<2.22",
+            "tensorflow-text>=2.21,<2.22",
             "pytest>=8",
             "mecab-ko>=1.0",
             "kiwipiepy>=0.17",
             # The independent numerical reference: transformers on CPU torch (2.13.0 is the local CPU wheel).
             "torch==2.13.0",
             "transformers>=4.40,<6",
-            # The JAX backend test runs the same model code under KERAS_BACKEND=jax.
+            # The JAX backend tests run the same model code and the pretraining loop under KERAS_BACKEND=jax.
             "jax>=0.4.30",
             "faiss-cpu>=1.8",
             # The tutorial notebooks run end to end in the test suite.

@@ -10,6 +10,20 @@ import os
 # TensorFlow's C++ start-up chatter (CUDA probing on CPU machines) is noise for kbert users.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+
+def _default_backend() -> None:
+    """An install without TensorFlow (`pip install "kbert[jax]"`) runs Keras on JAX unless told otherwise;
+    Keras' own default is TensorFlow, which would fail to import there."""
+    import importlib.util
+
+    if "KERAS_BACKEND" in os.environ or importlib.util.find_spec("tensorflow") is not None:
+        return
+    if importlib.util.find_spec("jax") is not None:
+        os.environ["KERAS_BACKEND"] = "jax"
+
+
+_default_backend()
+
 __version__ = "0.1.0"
 
 _EXPORTS = {

@@ -187,3 +187,23 @@ def test_checkpoint_file_holds_the_whole_state_by_name(prepared, tmp_path):
         pretrain(_config(prepared, str(tmp_path / "old"), 2, runtime={"strategy": "cpu"}), progress=False)
     assert json.loads(open(os.path.join(out, "config.json"), encoding="utf-8").read())["data"]["max_length"] == 64  # the records'
 
+
+
+def test_pretraining_from_records_on_jax_never_imports_tensorflow(prepared, tmp_path):
+    """What a GPU or TPU host with `pip install -e ".[jax]"` (no TensorFlow) runs: records in, a model dir and
+    TensorBoard scalars out, with TensorFlow unimportable from the first line."""
+    cfg = _config(prepared, str(tmp_path / "run"), 3, runtime={"strategy": "cpu"}, trainer={"log_every": 1})
+    result, _ = run_on_jax(
+        "import builtins, json, sys\n"
+        "real = builtins.__import__\n"
+        "def guard(name, *a, **k):\n"
+        "    if name.split('.')[0] in ('tensorflow', 'tensorflow_text'):\n"
+        "        raise ImportError('No module named ' + name)\n"
+        "    return real(name, *a, **k)\n"
+        "builtins.__import__ = guard\n"
+        "import kbert\n"
+        f"s = kbert.pretrain({cfg!r}, progress=False)\n"
+        "print(json.dumps(dict(step=s['step'], model=s['model_dir'], tf='tensorflow' in sys.modules)))\n")
+    assert result == {"step": 3, "model": str(tmp_path / "run" / "model"), "tf": False}
+    assert os.listdir(str(tmp_path / "run" / "logs"))
+    assert kbert.load_model(result["model"]).config.num_layers == 2
