@@ -18,10 +18,17 @@ batches that stay on the device, so the figure is the model's step and not an in
   XLA's memory analysis of the same compiled step and `kbert.train.memory.estimate_memory`;
 - `capped`: run under `XLA_PYTHON_CLIENT_MEM_FRACTION` = `--cap` / device memory: `kbert plan --exact` and
   `--probe` per sequence length beside the analytic `kbert plan --memory` answer;
+- `pretrain`: `kbert.pretrain` itself on records (the numpy reader, no TensorFlow), `--steps-pretrain` steps
+  with a resume in the middle: the loss falls, the resumed step's loss equals the uninterrupted one's, and
+  the steady tokens/s is set beside the same compiled step fed one device-resident synthetic batch (the
+  reader must keep up: at least 95%). The records come from `records`, run where TensorFlow is:
+  `python benchmarks/gpu.py records --shared ../shared/data --out .gpu` (a WordPiece vocabulary, so the
+  device needs no sentencepiece either; about 12 MB of mlm+nsp records of movie reviews at length 128);
 - `all`: each of the above in its own process (JAX's peak memory is per process), most important first,
   skipping what would not finish by `--budget` seconds, then one set of tables; also `--out/gpu.json`.
 
-    KERAS_BACKEND=jax python benchmarks/gpu.py all --out /tmp/gpu
+    python benchmarks/gpu.py records --shared ../shared/data --out .gpu        # here, with TensorFlow
+    KERAS_BACKEND=jax python benchmarks/gpu.py all --records .gpu --out /tmp/gpu
 """
 
 from __future__ import annotations
@@ -339,6 +346,90 @@ class _Clock:
         return self.end - time.perf_counter()
 
 
+def make_records(shared: str, out: str, rows: int = 150_000, vocab: int = 32000) -> dict:
+    """Here, with TensorFlow: a WordPiece vocabulary and mlm+nsp records (length 128) of the first `rows` movie
+    reviews, under `out/tok` and `out/records`."""
+    import csv
+    import gzip
+
+    import kbert
+    from kbert.data import records
+
+    source = os.path.join(shared, "movie-reviews", "reviews.tsv.gz")
+    os.makedirs(out, exist_ok=True)
+    subset = os.path.join(out, "reviews-subset.tsv")
+    with gzip.open(source, "rt", encoding="utf-8") as f, open(subset, "w", encoding="utf-8") as w:
+        reader = csv.DictReader(f, delimiter="\t", quoting=csv.QUOTE_NONE)
+        w.write("movie_id\ttext\n")
+        for i, row in enumerate(reader):
+            if i >= rows:
+                break
+            w.write(f"{row['movie_id']}\t{(row.get('text') or '').strip()}\n")
+    corpus = kbert.corpus([subset], format="tsv", column="text", group_by="movie_id")
+    tok = kbert.Tokenizer.train(corpus, vocab_size=vocab, algorithm="wordpiece", progress=False)
+    tok.save(os.path.join(out, "tok"))
+    manifest = records.prepare(corpus, tok, os.path.join(out, "records"), max_length=128, docs_per_shard=256,
+                               progress=False)
+    os.remove(subset)
+    size = sum(os.path.getsize(os.path.join(out, "records", f)) for f in os.listdir(os.path.join(out, "records")))
+    return {"examples": manifest["examples"], "megabytes": round(size / 1e6, 1), "vocab": tok.vocab_size}
+
+
+def pretrain_check(records: str, tokenizer: str, model: str, batch: int, steps: int, precision: str,
+                   out: str, synthetic_steps: int = 30) -> dict:
+    """`kbert.pretrain` on records with a resume in the middle, and the same step on a synthetic batch."""
+    import itertools
+
+    import jax
+
+    from kbert.text.tokenizer import Tokenizer
+    from kbert.train.backend import make_backend
+    from kbert.train.config import PretrainConfig
+    from kbert.train.loop import _model_config, build_model_and_optimizer, pretrain
+    from kbert.train.run_checkpoint import RunCheckpoints
+
+    half = steps // 2
+    cfg = {"model": model, "data": {"source": records, "tokenizer": tokenizer},
+           "optimizer": {"learning_rate": 1e-4, "warmup_steps": 20},
+           "trainer": {"steps": steps, "batch_size": batch, "checkpoint_every": half, "log_every": 10},
+           "runtime": {"precision": precision, "seed": 0}, "output_dir": os.path.join(out, "pretrain-run")}
+    t = time.perf_counter()
+    first = pretrain(cfg, progress=False, stop_after=half + 1)  # a checkpoint at `half`, then one step more
+    ckpt = RunCheckpoints(os.path.join(cfg["output_dir"], "checkpoints"))
+    os.remove(ckpt.path(half + 1))  # resume from `half`: its next step must repeat the step just taken
+    second = pretrain(cfg, progress=False)
+    wall = time.perf_counter() - t
+    history = first["history"][:half] + second["history"]
+    # the same compiled step fed one device-resident batch: what the step costs without any input
+    config = PretrainConfig.from_dict(cfg)
+    backend = make_backend(config.runtime)
+    policy = backend.precision(precision)
+    config.data.max_length = 128
+    model_config = _model_config(config, Tokenizer.load(tokenizer))
+    net, optimizer, variables = build_model_and_optimizer(config, model_config, policy, backend)
+    data = dict(source=records, tokenizer=Tokenizer.load(tokenizer), objective="mlm+nsp", max_length=128,
+                mask_rate=0.15, max_predictions=None, whole_word=True, ngram=1, short_seq_prob=0.1, seed=0,
+                shuffle_buffer=10_000, workers=0)
+    one = next(backend.batches(data, batch, 0, 1))
+    step = backend.compile_step(net, optimizer, variables, 1, policy)
+    repeated = itertools.repeat(one)
+    for _ in range(3):
+        step(repeated)
+    s = time.perf_counter()
+    for _ in range(synthetic_steps):
+        metrics = step(repeated)
+    jax.block_until_ready(metrics)
+    synthetic = synthetic_steps * batch * 128 / (time.perf_counter() - s)
+    return {"impl": "kbert-pretrain", "model": model, "batch": batch, "seq": 128, "steps": steps,
+            "precision": second["precision"], "device": second["device"], "backend": second["backend"],
+            "loss_first10": sum(history[:10]) / 10, "loss_last10": sum(history[-10:]) / 10,
+            "resumed_step_loss": second["history"][0], "uninterrupted_step_loss": first["history"][half],
+            "resume_abs_diff": abs(second["history"][0] - first["history"][half]),
+            "records_tokens_per_s": second["steady_tokens_per_second"], "synthetic_tokens_per_s": synthetic,
+            "records_vs_synthetic": second["steady_tokens_per_second"] / synthetic,
+            "mfu": second["mfu"], "wall_s": wall}
+
+
 def _child(args, extra, clock: _Clock, needs: float = 60, env=None):
     """Runs one measurement in a fresh process (JAX's peak memory counter is per process); skipped when fewer
     than `needs` seconds of the budget are left, and stopped at the budget."""
@@ -379,6 +470,11 @@ def run_all(args) -> dict:
     out["hf"] = _child(args, ["hf", "--model", m, "--seq", "128", "--batch", b, "--steps", steps,
                               "--variants", args.variants], clock, 120)
     _save(args, out)
+    if args.records:
+        out["pretrain"] = _child(args, ["pretrain", "--model", m, "--batch", b, "--records", args.records,
+                                        "--steps-pretrain", str(args.steps_pretrain), "--out", args.out or "/tmp"],
+                                 clock, 150)
+        _save(args, out)
     from kbert.train.memory import parse_memory
 
     total = _device_bytes()
@@ -404,6 +500,17 @@ def _rows(value):
 
 
 def report(out: dict):
+    run = out.get("pretrain")
+    if isinstance(run, dict) and "records_tokens_per_s" in run:
+        mfu = f"{100 * run['mfu']:.1f}%" if run.get("mfu") else "n/a"
+        print(f"\nkbert.pretrain on records ({run['device']}, {run['model']}, seq {run['seq']}, batch {run['batch']}, "
+              f"{run['precision']}, {run['steps']} steps resumed at {run['steps'] // 2}):")
+        print("| records tokens/s | synthetic-batch tokens/s | ratio | MFU | loss first 10 -> last 10 | resumed step "
+              "loss vs uninterrupted | wall s |")
+        print("|---:|---:|---:|---:|---|---|---:|")
+        print(f"| {run['records_tokens_per_s']:,.0f} | {run['synthetic_tokens_per_s']:,.0f} | "
+              f"{run['records_vs_synthetic']:.3f} | {mfu} | {run['loss_first10']:.3f} -> {run['loss_last10']:.3f} | "
+              f"{run['resumed_step_loss']:.5f} vs {run['uninterrupted_step_loss']:.5f} | {run['wall_s']:.0f} |")
     peak = out.get("peak") or {}
     peak_bf16, peak_fp32 = peak.get("bfloat16"), peak.get("float32")
     runs = _rows(out.get("throughput")) + _rows(out.get("hf"))
@@ -449,7 +556,12 @@ def report(out: dict):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=("all", "peak", "throughput", "hf", "memory", "probe", "capped", "attention"))
+    parser.add_argument("what", choices=("all", "peak", "throughput", "hf", "memory", "probe", "capped", "attention",
+                                         "pretrain", "records"))
+    parser.add_argument("--records", help="pretrain/all: the dir `records` wrote (records/ and tok/ inside)")
+    parser.add_argument("--steps-pretrain", type=int, default=300, help="pretrain: steps, resumed at half")
+    parser.add_argument("--shared", default="../shared/data", help="records: the shared Korean data")
+    parser.add_argument("--rows", type=int, default=150_000, help="records: movie reviews read")
     parser.add_argument("--model", default="bert-base")
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--seqs", default="128,512")
@@ -498,6 +610,11 @@ def main(argv=None):
                               modes=args.hf_modes.split(",") if i == 0 else ["compile"])]
     elif args.what == "attention":
         result = attention(args.batch, args.seq)
+    elif args.what == "records":
+        result = make_records(args.shared, args.out or ".gpu", args.rows, args.vocab)
+    elif args.what == "pretrain":
+        result = pretrain_check(os.path.join(args.records, "records"), os.path.join(args.records, "tok"), args.model,
+                                args.batch, args.steps_pretrain, args.precision, args.out or "/tmp")
     elif args.what == "memory":
         result = memory(args.model, args.seq, args.batch, args.precision, args.vocab)
     elif args.what == "capped":

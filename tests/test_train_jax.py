@@ -207,3 +207,30 @@ def test_pretraining_from_records_on_jax_never_imports_tensorflow(prepared, tmp_
     assert result == {"step": 3, "model": str(tmp_path / "run" / "model"), "tf": False}
     assert os.listdir(str(tmp_path / "run" / "logs"))
     assert kbert.load_model(result["model"]).config.num_layers == 2
+
+
+@pytest.mark.slow
+def test_the_gpu_pretrain_script_runs_on_cpu(tmp_path):
+    """`benchmarks/gpu.py records` (here, with TensorFlow) then `gpu.py pretrain` (JAX, what a GPU host runs):
+    the run resumes in the middle exactly and reports records vs synthetic-batch tokens/s."""
+    import subprocess
+    import sys
+
+    from helpers import SHARED
+
+    if not os.path.isdir(SHARED):
+        pytest.skip(f"the shared Korean data is not at {SHARED}")
+    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "gpu.py")
+    made = subprocess.run([sys.executable, script, "records", "--shared", SHARED, "--out", str(tmp_path / "gpu"),
+                           "--rows", "3000", "--vocab", "2500", "--json"], capture_output=True, text=True, timeout=600)
+    assert made.returncode == 0, made.stderr[-2000:]
+    assert json.loads(made.stdout.strip().splitlines()[-1])["examples"] > 100
+    env = dict(os.environ, KERAS_BACKEND="jax", JAX_PLATFORMS="cpu")
+    run = subprocess.run([sys.executable, script, "pretrain", "--records", str(tmp_path / "gpu"), "--model", "bert-tiny",
+                          "--batch", "8", "--steps-pretrain", "8", "--precision", "float32", "--out", str(tmp_path / "run"),
+                          "--json"], capture_output=True, text=True, timeout=900, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result["backend"] == "jax" and result["steps"] == 8
+    assert result["resume_abs_diff"] == 0.0  # CPU arithmetic is deterministic: the resumed step is the same step
+    assert result["records_tokens_per_s"] > 0 and result["synthetic_tokens_per_s"] > 0

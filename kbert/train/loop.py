@@ -149,6 +149,37 @@ def trained_variables(model):
     return [v for v in model.trainable_variables if id(v) not in skip]
 
 
+def build_model_and_optimizer(config: PretrainConfig, model_config, precision: str, backend):
+    """(pretraining model, optimizer, the variables it updates), built under the backend's layout with the
+    run's seed and dtype policy; `benchmarks/gpu.py pretrain` times the same step on synthetic batches."""
+    import keras
+
+    from kbert.data.masking import default_max_predictions
+    from kbert.models.backbone import Pretrainer, build_backbone
+    from kbert.models.electra import ElectraPretrainer
+    from kbert.train.optimizers import make_optimizer
+
+    t, d, rt = config.trainer, config.data, config.runtime
+    keras.utils.set_random_seed(rt.seed)
+    keras.mixed_precision.set_dtype_policy(precision)
+    try:
+        with backend.scope():
+            backbone = build_backbone(model_config)
+            if d.objective == "electra":
+                model = ElectraPretrainer(backbone, generator_size=config.electra.generator_size,
+                                          rtd_weight=config.electra.rtd_weight, seed=rt.seed)
+            else:
+                model = Pretrainer(backbone, pair_objective=_objective_head(d.objective))
+            optimizer = make_optimizer(config.optimizer, t.steps, t.accumulation, precision)
+            model(_dummy_features(d.max_length, d.max_predictions or default_max_predictions(d.max_length,
+                                                                                              d.mask_rate)))
+            variables = trained_variables(model)
+            optimizer.build(variables)
+    finally:
+        keras.mixed_precision.set_dtype_policy("float32")
+    return model, optimizer, variables
+
+
 def pretrain(config: Union[PretrainConfig, dict, str], overrides=None, resume: bool = True, progress: bool = True,
              stop_after: Optional[int] = None):
     """Pretrains a BERT/ALBERT and returns a summary dict (steps, final loss, model dir, ...).
@@ -169,18 +200,14 @@ def pretrain(config: Union[PretrainConfig, dict, str], overrides=None, resume: b
             and fails if checkpoints exist).
         stop_after: stop (with a checkpoint) after this many steps in this call, as a preemption would.
     """
-    import keras
-
     from kbert.data.masking import default_max_predictions
-    from kbert.models.backbone import Pretrainer, build_backbone
-    from kbert.models.electra import ElectraPretrainer
     from kbert.models.io import save_model
     from kbert.text.tokenizer import Tokenizer
     from kbert.train import faults
     from kbert.train.backend import make_backend
     from kbert.train.flops import mfu as model_flops_utilization
     from kbert.train.flops import train_flops_per_step
-    from kbert.train.optimizers import make_optimizer, sync_iterations
+    from kbert.train.optimizers import sync_iterations
     from kbert.train.run_checkpoint import RunCheckpoints
     from kbert.utils import StopSignals, progress_bar
     from kbert.workers import refuse_in_spawn_bootstrap
@@ -238,23 +265,8 @@ def pretrain(config: Union[PretrainConfig, dict, str], overrides=None, resume: b
         config.save(os.path.join(out, "config.json"))
 
     # 2. model and optimizer, laid out by the backend
-    keras.utils.set_random_seed(rt.seed)
-    keras.mixed_precision.set_dtype_policy(precision)
-    try:
-        with backend.scope():
-            backbone = build_backbone(model_config)
-            if d.objective == "electra":
-                model = ElectraPretrainer(backbone, generator_size=config.electra.generator_size,
-                                          rtd_weight=config.electra.rtd_weight, seed=rt.seed)
-            else:
-                model = Pretrainer(backbone, pair_objective=_objective_head(d.objective))
-            optimizer = make_optimizer(config.optimizer, t.steps, t.accumulation, precision)
-            model(_dummy_features(d.max_length, d.max_predictions or default_max_predictions(d.max_length,
-                                                                                              d.mask_rate)))
-            variables = trained_variables(model)
-            optimizer.build(variables)
-    finally:
-        keras.mixed_precision.set_dtype_policy("float32")
+    model, optimizer, variables = build_model_and_optimizer(config, model_config, precision, backend)
+    backbone = model.backbone
 
     # 3. resume: weights, optimizer slots, step (the data position follows from the step)
     restored = checkpoints.restore(model, optimizer, backend.assign)
