@@ -234,3 +234,41 @@ def test_the_gpu_pretrain_script_runs_on_cpu(tmp_path):
     assert result["backend"] == "jax" and result["steps"] == 8
     assert result["resume_abs_diff"] == 0.0  # CPU arithmetic is deterministic: the resumed step is the same step
     assert result["records_tokens_per_s"] > 0 and result["synthetic_tokens_per_s"] > 0
+
+
+@pytest.mark.slow
+def test_every_objective_lamb_accumulation_and_the_out_of_memory_fallback_run_on_jax(prepared, tmp_path):
+    """What the TensorFlow path offers runs on JAX too: mlm, mlm+sop and ELECTRA (raw text through tf.data),
+    LAMB with gradient accumulation, and the out-of-memory fallback (halve the micro-batch, double
+    accumulation, resume from the last checkpoint)."""
+    tok_dir, _ = prepared
+    raw = {"source": ["kolaw", "kobill"], "max_length": 64, "workers": 0}
+    runs = {
+        "mlm": _config(prepared, str(tmp_path / "mlm"), 3, data=dict(raw, objective="mlm")),
+        "sop": _config(prepared, str(tmp_path / "sop"), 3, data=dict(raw, objective="mlm+sop"),
+                       model={"architecture": "albert", "embedding_size": 32}),
+        "electra": _config(prepared, str(tmp_path / "electra"), 3, data=dict(raw, objective="electra"),
+                           model={"dropout": 0.1}),
+        "lamb": _config(prepared, str(tmp_path / "lamb"), 3, optimizer={"name": "lamb"}, trainer={"accumulation": 2}),
+        "oom": _config(prepared, str(tmp_path / "oom"), 4, trainer={"checkpoint_every": 2},
+                       runtime={"strategy": "cpu"}),
+    }
+    result, _ = run_on_jax(_script(
+        "from kbert.train import faults\n"
+        "out = {}\n"
+        f"for name, cfg in {runs!r}.items():\n"
+        "    if name == 'oom':  # this 'device' holds 8 sequences from the third step on\n"
+        "        calls = []\n"
+        "        def hook(batch):\n"
+        "            calls.append(batch)\n"
+        "            if len(calls) >= 3 and batch > 8:\n"
+        "                raise faults.out_of_memory_error(f'simulated: {batch} > 8')\n"
+        "        faults.set_memory_hook(hook)\n"
+        "    s = pretrain(cfg, progress=False)\n"
+        "    out[name] = dict(step=s['step'], loss=s['loss'], rtd=s.get('rtd_accuracy'), acc=s['accumulation'],"
+        " retries=s.get('oom_retries', 0), finite=bool(np.isfinite(s['history']).all()))\n"
+        "print(json.dumps(out))\n"))
+    for name, r in result.items():
+        assert r["step"] == (4 if name == "oom" else 3) and r["finite"], (name, r)
+    assert result["electra"]["rtd"] is not None and result["lamb"]["acc"] == 2
+    assert result["oom"]["retries"] == 1 and result["oom"]["acc"] == 2  # 16 = 8 x 2 after the fallback
