@@ -155,6 +155,7 @@ def build_model_and_optimizer(config: PretrainConfig, model_config, precision: s
     import keras
 
     from kbert.data.masking import default_max_predictions
+    from kbert.data.synthetic import synthetic_batch
     from kbert.models.backbone import Pretrainer, build_backbone
     from kbert.models.electra import ElectraPretrainer
     from kbert.train.optimizers import make_optimizer
@@ -171,8 +172,9 @@ def build_model_and_optimizer(config: PretrainConfig, model_config, precision: s
             else:
                 model = Pretrainer(backbone, pair_objective=_objective_head(d.objective))
             optimizer = make_optimizer(config.optimizer, t.steps, t.accumulation, precision)
-            model(_dummy_features(d.max_length, d.max_predictions or default_max_predictions(d.max_length,
-                                                                                              d.mask_rate)))
+            # one synthetic example builds every variable before a checkpoint is restored
+            model(synthetic_batch(model_config, 1, d.max_length,
+                                  d.max_predictions or default_max_predictions(d.max_length, d.mask_rate))[0])
             variables = trained_variables(model)
             optimizer.build(variables)
     finally:
@@ -410,11 +412,3 @@ def _learning_rate(optimizer, iteration):
     inner = getattr(optimizer, "inner_optimizer", optimizer)
     lr = inner._learning_rate
     return lr(iteration) if callable(lr) else lr
-
-
-def _dummy_features(seq, predictions):
-    """One all-padding example: builds the model's variables before a checkpoint is restored."""
-    import numpy as np
-
-    return {"token_ids": np.zeros((1, seq), "int32"), "segment_ids": np.zeros((1, seq), "int32"),
-            "padding_mask": np.ones((1, seq), "int32"), "mask_positions": np.zeros((1, predictions), "int32")}

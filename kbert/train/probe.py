@@ -24,6 +24,8 @@ import sys
 import time
 from typing import Dict, List, Optional
 
+from kbert.data.synthetic import synthetic_batch  # noqa: F401 (kbert.train.probe.synthetic_batch)
+
 import numpy as np
 
 
@@ -209,20 +211,6 @@ def _no_silent_recomputation():
             jax.config.update("jax_compiler_enable_remat_pass", False)
         except (AttributeError, KeyError):  # an older JAX without the option
             pass
-
-
-def synthetic_batch(config, batch: int, seq_len: int, predictions: int, seed: int = 0):
-    rng = np.random.default_rng(seed)
-    features = {
-        "token_ids": rng.integers(5, config.vocab_size, (batch, seq_len)).astype("int32"),
-        "segment_ids": (np.arange(seq_len)[None, :] >= seq_len // 2).repeat(batch, 0).astype("int32"),
-        "padding_mask": np.ones((batch, seq_len), "int32"),
-        "mask_positions": np.sort(rng.choice(seq_len, (batch, predictions)), axis=1).astype("int32"),
-    }
-    labels = {"mask_ids": rng.integers(5, config.vocab_size, (batch, predictions)).astype("int32"),
-              "mask_weights": np.ones((batch, predictions), "float32"),
-              "pair_labels": rng.integers(0, 2, (batch,)).astype("int32")}
-    return features, labels
 
 
 def build_trainer(config, optimizer: str = "adamw", precision: str = "float32"):
