@@ -199,7 +199,8 @@ def _pretrain(args):
                if "rtd_accuracy" in summary else "")
         print(f"{state}: last {summary['mean_of_steps']} steps' mean loss {summary['loss']:.4f}, MLM accuracy "
               f"{summary['mlm_accuracy']:.3f}{rtd}; {summary['tokens_per_second']:,.0f} tokens/s on "
-              f"{summary['replicas']} replica(s), {summary['precision']}")
+              f"{summary['replicas']} replica(s), {summary['precision']}, {summary.get('backend', 'tensorflow')}"
+              + (f", MFU {100 * summary['mfu']:.1f}%" if summary.get("mfu") else ""))
     else:
         print(f"{state}: nothing left to train at step {summary['step']} (delete the output dir to start over)")
     print(f"checkpoint: {summary['checkpoint']}")

@@ -100,3 +100,31 @@ def renamed_keyword(old: str, old_value, new: str, new_value, default):
     warnings.warn(f"`{old}` is deprecated and will be removed in the next release: use `{new}`",
                   DeprecationWarning, stacklevel=3)
     return old_value
+
+
+def in_background(items, depth: int = 2):
+    """Iterates `items` in a daemon thread, up to `depth` ahead of the consumer; an error raised there is
+    raised here, at the item where it happened. (Input pipelines: the next batch is prepared while the
+    current step runs.)"""
+    import queue
+    import threading
+
+    done = object()
+    buffer: "queue.Queue" = queue.Queue(maxsize=max(1, depth))
+
+    def produce():
+        try:
+            for item in items:
+                buffer.put(item)
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer, raised there
+            buffer.put(e)
+        buffer.put(done)
+
+    threading.Thread(target=produce, daemon=True, name="kbert-background").start()
+    while True:
+        item = buffer.get()
+        if item is done:
+            return
+        if isinstance(item, BaseException):
+            raise item
+        yield item

@@ -24,9 +24,7 @@ and the work here is one hash and a handful of numpy ops per batch; a plain thre
 
 from __future__ import annotations
 
-import queue
 import struct
-import threading
 from typing import Dict, Iterator, Optional, Sequence, Tuple
 
 import numpy as np
@@ -359,38 +357,13 @@ class RecordBatches:
     def __iter__(self):
         from concurrent.futures import ThreadPoolExecutor
 
-        pending: "queue.Queue" = queue.Queue(maxsize=self.prefetch)
-        stop = threading.Event()
-
-        def produce(pool):
-            try:
-                for _, index, chunk in self._raw_batches():
-                    if stop.is_set():
-                        return
-                    pending.put(pool.submit(self.finish, index, chunk))
-            except BaseException as e:  # noqa: BLE001 - handed to the consumer, raised there
-                pending.put(e)
-            finally:
-                pending.put(None)
+        from kbert.utils import in_background
 
         with ThreadPoolExecutor(self.threads, thread_name_prefix="kbert-batches") as pool:
-            reader = threading.Thread(target=produce, args=(pool,), daemon=True, name="kbert-records")
-            reader.start()
-            try:
-                while True:
-                    item = pending.get()
-                    if item is None:
-                        return
-                    if isinstance(item, BaseException):
-                        raise item
-                    yield item.result()
-            finally:
-                stop.set()
-                while reader.is_alive():  # unblock the producer so the pool can shut down
-                    try:
-                        pending.get_nowait()
-                    except queue.Empty:
-                        reader.join(0.05)
+            # batches are read in order in one thread and masked by the pool, `prefetch` ahead
+            futures = (pool.submit(self.finish, index, chunk) for _, index, chunk in self._raw_batches())
+            for future in in_background(futures, self.prefetch):
+                yield future.result()
 
 
 def record_batches(source, tokenizer, **kwargs) -> RecordBatches:

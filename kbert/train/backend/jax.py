@@ -35,33 +35,6 @@ import time
 import numpy as np
 
 
-def _prefetched(items, depth: int):
-    """`items` produced by a background thread, `depth` ahead: the next batch is read, masked and copied to
-    the devices while the current step runs."""
-    import queue
-    import threading
-
-    done = object()
-    buffer: "queue.Queue" = queue.Queue(maxsize=depth)
-
-    def produce():
-        try:
-            for item in items:
-                buffer.put(item)
-        except BaseException as e:  # noqa: BLE001 - raised in the consumer
-            buffer.put(e)
-        buffer.put(done)
-
-    threading.Thread(target=produce, daemon=True, name="kbert-device-prefetch").start()
-    while True:
-        item = buffer.get()
-        if item is done:
-            return
-        if isinstance(item, BaseException):
-            raise item
-        yield item
-
-
 class JaxBackend:
     name = "jax"
 
@@ -165,7 +138,9 @@ class JaxBackend:
                 context = tf.distribute.InputContext(self.process_count, self.process_index, self.process_count)
             host = pretraining_dataset(**data_args, batch_size=micro_batch if context else local,
                                        start_batch=start, input_context=context).as_numpy_iterator()
-        return _prefetched((self._place(batch) for batch in host), depth=2)
+        from kbert.utils import in_background
+
+        return in_background((self._place(batch) for batch in host), depth=2)
 
     def _place(self, batch):
         """A host's (features, labels) of numpy arrays -> global JAX arrays sharded along the batch."""
