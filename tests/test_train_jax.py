@@ -166,6 +166,7 @@ def test_jax_bad_input_fails_fast_with_the_reason(prepared, tmp_path):
     assert not any(os.path.isdir(os.path.join(str(tmp_path), x, "checkpoints")) for x in "abcde")
 
 
+@pytest.mark.slow
 def test_checkpoint_file_holds_the_whole_state_by_name(prepared, tmp_path):
     """The backend-neutral checkpoint: model variables by position with their paths, optimizer slots by name
     without gradient accumulators, the step in the metadata; an older TensorFlow-format dir is named."""
@@ -189,6 +190,7 @@ def test_checkpoint_file_holds_the_whole_state_by_name(prepared, tmp_path):
 
 
 
+@pytest.mark.slow
 def test_pretraining_from_records_on_jax_never_imports_tensorflow(prepared, tmp_path):
     """What a GPU or TPU host with `pip install -e ".[jax]"` (no TensorFlow) runs: records in, a model dir and
     TensorBoard scalars out, with TensorFlow unimportable from the first line."""

@@ -26,7 +26,7 @@ import numpy as np
 from kbert.data.features import build_network
 from kbert.data.features import features as model_inputs
 from kbert.data.rows import read_rows
-from kbert.models.tasks import TaskNetwork, default_pooling, save_task_head
+from kbert.models.tasks import default_pooling, save_task_head
 from kbert.train.checkpoints import CHECKPOINT_DIR, FinetuneCheckpoint, data_fingerprint
 from kbert.train.finetune_tasks import SIMILARITY_LOSSES, epoch_batches, task_for
 
@@ -251,7 +251,7 @@ def run(config: FinetuneConfig) -> dict:
     dev_ex = task.encode(dev_rows, tokenizer, max_length, "dev") if dev_rows else None
     task.fit(train_ex)
 
-    network = TaskNetwork(backbone, task.name, task.num_outputs, c.dropout, task.target, pooling, layers)
+    network = task.network(backbone, c.dropout, pooling, layers)
     build_network(network, tokenizer)
     steps_per_epoch = math.ceil(len(train_ex) / c.batch_size)
     total = max(1, int(math.ceil(steps_per_epoch * c.epochs)))

@@ -1,7 +1,7 @@
 """Fine-tuning tasks: what each kind of task brings to the one fine-tuning loop (`kbert.train.finetune`).
 
-A task turns rows into encoded `Examples`, cuts batches of them into the network's features and targets,
-gives the training loss (in `keras.ops`), and scores a dev split. This is Model Garden's `Task` idea: the loop
+A task builds its network (a head on the backbone), turns rows into encoded `Examples`, cuts batches of them
+into the network's features and targets, gives the training loss (in `keras.ops`), and scores a dev split. This is Model Garden's `Task` idea: the loop
 knows none of it, and a new task is one class added to `TASKS`.
 
     classification        one text -> one of N labels (head on the pooled [CLS] output)
@@ -108,6 +108,13 @@ class FinetuneTask:
     @property
     def num_outputs(self) -> int:
         return len(self.labels) if self.labels else 0
+
+    def network(self, backbone, dropout: float, pooling, layers):
+        """The network this task trains: by default kbert's `TaskNetwork` head for the task's name (what
+        `TaskModel.load` and `kbert export` read back); a registered task may return its own Keras model."""
+        from kbert.models.tasks import TaskNetwork
+
+        return TaskNetwork(backbone, self.name, self.num_outputs, dropout, self.target, pooling, layers)
 
     # ------------------------------------------------------------------ examples
     def encode(self, rows: List[dict], tokenizer, max_length: int, split: str) -> Examples:
