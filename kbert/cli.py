@@ -330,10 +330,13 @@ def _finetune(args):
              "similarity_loss": "similarity_loss", "pooling": "pooling", "backbone_dropout": "backbone_dropout",
              "epochs": "epochs", "batch_size": "batch_size", "learning_rate": "learning_rate",
              "max_length": "max_length", "patience": "patience", "eval_every": "eval_every",
-             "max_steps": "max_steps", "seed": "seed", "checkpoint_every": "checkpoint_every"}
+             "max_steps": "max_steps", "seed": "seed", "checkpoint_every": "checkpoint_every",
+             "objective": "objective", "negative_column": "negative_column", "temperature": "temperature"}
     values.update({key: getattr(args, dest) for dest, key in flags.items() if getattr(args, dest) is not None})
     if args.layers is not None:
         values["layers"] = parse_layers(args.layers)
+    if args.matryoshka_dims:
+        values["matryoshka_dims"] = [int(x) for x in args.matryoshka_dims.split(",")]
     for flag, key, value in (("no_label", "label_column", None), ("no_group_by_length", "group_by_length", False),
                              ("no_resume", "resume", False)):
         if getattr(args, flag):
@@ -519,6 +522,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="steps between checkpoints of the whole run (default 1000; also after each evaluation "
                         "and at Ctrl-C / SIGTERM); an interrupted run resumes when the same command is run again")
     p.add_argument("--no-resume", action="store_true", help="start over instead of resuming OUT/checkpoints")
+    p.add_argument("--objective", choices=("simcse",), help="sentence-embedding: unsupervised SimCSE on --text-column "
+                                                           "alone (--pair-column/--label-column: the dev set)")
+    p.add_argument("--negative-column", help="sentence-embedding: a hard negative per (anchor, positive) row")
+    p.add_argument("--temperature", type=float, help="sentence-embedding: in-batch / SimCSE temperature (0.05)")
+    p.add_argument("--matryoshka-dims", help="sentence-embedding: also train vectors cut to these widths, e.g. 64,128")
     p.set_defaults(func=_finetune)
 
     p = sub.add_parser("export", help="a SavedModel that takes raw strings (TF Serving layout DIR/VERSION/)")

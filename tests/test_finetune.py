@@ -533,3 +533,63 @@ def test_finetune_config_file_overrides_and_a_registered_task(base, tmp_path, ca
         TASKS.pop("flipped-classification", None)
     with pytest.raises(TypeError, match="FinetuneTask subclass"):
         register_task(object)
+
+
+def test_in_batch_loss_with_temperature_and_hard_negatives_against_a_hand_computation():
+    """The multiple-negatives loss (SimCSE's): row i of anchors @ candidates.T / temperature, cross-entropy
+    with target i; hard negatives are extra columns of every row's denominator."""
+    from kbert.train.finetune_tasks import in_batch_loss
+
+    rng = np.random.default_rng(0)
+    unit = lambda x: x / np.linalg.norm(x, axis=1, keepdims=True)  # noqa: E731
+    a, b, neg = (unit(rng.normal(size=(4, 8))).astype("float32") for _ in range(3))
+    for candidates, tau in ((b, 0.05), (np.concatenate([b, neg]), 0.05), (b, 1.0)):
+        logits = a @ candidates.T / tau
+        hand = np.mean([np.log(np.exp(row).sum()) - row[i] for i, row in enumerate(logits.astype("float64"))])
+        assert float(in_batch_loss(a, candidates, tau)) == pytest.approx(hand, rel=1e-4)
+    # a hard negative close to its anchor raises the loss
+    assert float(in_batch_loss(a, np.concatenate([b, a]), 0.05)) > float(in_batch_loss(a, b, 0.05))
+
+
+@pytest.mark.slow
+def test_simcse_hard_negatives_and_matryoshka_train_a_bi_encoder(base, tmp_path):
+    """objective='simcse' trains on single texts (two dropout passes of a text differ, and are its positive),
+    evaluated on scored dev pairs; hard negatives and Matryoshka widths run; bad settings are refused."""
+    from kbert.data.features import features
+    from kbert.models.io import with_dropout
+
+    texts = [r["text"] for r in movie_review_sentiment(REVIEWS, "train", limit=200)]
+    sts = os.path.join(KORSTS, "sts-dev.tsv")
+    rows = [{"sentence1": t} for t in texts]
+    summary = kbert.finetune(base, "sentence-embedding", rows, sts, out_dir=str(tmp_path / "simcse"), objective="simcse",
+                             text_column="sentence1", pair_column="sentence2", label_column="score", max_steps=4,
+                             eval_every=2, batch_size=16, max_length=32, matryoshka_dims=[16, 32], progress=False)
+    assert summary["steps"] == 4 and summary["metric"] == "spearman"
+    assert all(np.isfinite(h["train_loss"]) for h in summary["history"])
+    assert kbert.load_model(str(tmp_path / "simcse")).config.dropout > 0  # SimCSE keeps the model's dropout
+    # the two copies of a text in a SimCSE batch get different dropout masks, so different vectors
+    emb = kbert.Embedder.load(str(tmp_path / "simcse"))
+    ids = np.array([emb.tokenizer.encode(texts[0]).ids] * 2, "int32")
+    out = emb.backbone(features(ids, np.zeros_like(ids), emb.tokenizer.pad_id), training=True)["sequence_output"]
+    assert not np.allclose(np.asarray(out[0]), np.asarray(out[1]), atol=1e-4)
+    quiet = with_dropout(emb.backbone, 0.0)
+    out = quiet(features(ids, np.zeros_like(ids), emb.tokenizer.pad_id), training=True)["sequence_output"]
+    assert np.allclose(np.asarray(out[0]), np.asarray(out[1]), atol=1e-5)
+    # (anchor, positive, hard negative) rows
+    triplets = [{"a": t, "p": t[: max(1, len(t) // 2)], "n": texts[(i + 7) % len(texts)]} for i, t in enumerate(texts)]
+    summary = kbert.finetune(base, "sentence-embedding", triplets, out_dir=str(tmp_path / "hard"), text_column="a",
+                             pair_column="p", label_column=None, negative_column="n", max_steps=3, batch_size=16,
+                             max_length=32, progress=False)
+    assert summary["steps"] == 3
+    bad = dict(out_dir=str(tmp_path / "bad"), progress=False, max_steps=1)
+    with pytest.raises(ValueError, match="no dropout"):
+        kbert.finetune(base, "sentence-embedding", rows, objective="simcse", text_column="sentence1",
+                       backbone_dropout=0.0, **bad)
+    with pytest.raises(ValueError, match="`negative_column` .* unscored"):
+        kbert.finetune(base, "sentence-embedding", triplets, text_column="a", pair_column="p", label_column="score",
+                       negative_column="n", **bad)
+    with pytest.raises(ValueError, match="`objective` for task='sentence-embedding' must be one of"):
+        kbert.finetune(base, "sentence-embedding", rows, objective="infonce", **bad)
+    with pytest.raises(ValueError, match="`matryoshka_dims` must be positive integers"):
+        kbert.finetune(base, "sentence-embedding", triplets, text_column="a", pair_column="p", label_column=None,
+                       matryoshka_dims=[0], **bad)

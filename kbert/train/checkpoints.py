@@ -27,7 +27,7 @@ def data_fingerprint(*examples) -> str:
         if ex is None:
             h.update(b"none")
             continue
-        for lists in (ex.token_ids, ex.pair_token_ids or []):
+        for lists in (ex.token_ids, ex.pair_token_ids or [], getattr(ex, "negative_token_ids", None) or []):
             h.update(np.asarray([len(x) for x in lists], np.int64).tobytes())
             h.update(np.concatenate([np.asarray(x, np.int64) for x in lists] or [np.zeros(0, np.int64)]).tobytes())
         if ex.labels is not None:

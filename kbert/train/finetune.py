@@ -65,6 +65,10 @@ class FinetuneConfig:
     resume: bool = True
     checkpoint_every: Optional[int] = 1000
     stop_after: Optional[int] = None
+    objective: Optional[str] = None  # sentence-embedding: None (pairs) or "simcse" (single texts)
+    negative_column: Optional[str] = None  # sentence-embedding: a hard negative per (anchor, positive) row
+    temperature: float = 0.05  # sentence-embedding: in-batch and SimCSE losses divide cosines by it
+    matryoshka_dims: Optional[List[int]] = None  # sentence-embedding: also train vectors cut to these widths
 
     @classmethod
     def from_dict(cls, values: dict) -> "FinetuneConfig":
@@ -114,7 +118,9 @@ def finetune(model: str, task: str, train, dev=None, out_dir: str = "finetuned",
              progress: bool = True, dtype: Optional[str] = None, group_by_length: bool = True,
              similarity_loss: str = "cosine", pooling: Optional[str] = None,
              layers: Union[int, Sequence[int], str] = -1, backbone_dropout: Optional[float] = None,
-             resume: bool = True, checkpoint_every: Optional[int] = 1000, stop_after: Optional[int] = None) -> dict:
+             resume: bool = True, checkpoint_every: Optional[int] = 1000, stop_after: Optional[int] = None,
+             objective: Optional[str] = None, negative_column: Optional[str] = None, temperature: float = 0.05,
+             matryoshka_dims: Optional[Sequence[int]] = None) -> dict:
     """Fine-tunes the model dir `model` on `train`; returns a summary with the dev history.
 
     Args:
@@ -160,6 +166,14 @@ def finetune(model: str, task: str, train, dev=None, out_dir: str = "finetuned",
         checkpoint_every: steps between checkpoints (besides one after each dev evaluation and one at a
             stop); None: only those.
         stop_after: stop (with a checkpoint) after this many steps in this call, as a preemption would.
+        objective: for sentence-embedding, "simcse": unsupervised SimCSE on `text_column` alone (each text
+            twice through dropout is its own positive, the batch the negatives); `pair_column` and
+            `label_column` then describe the dev set. None: pairs, as above.
+        negative_column: for sentence-embedding with unscored (anchor, positive) pairs: a hard negative per
+            row, scored against every anchor besides the batch's positives (NLI contradictions, non-paraphrases).
+        temperature: in-batch and SimCSE losses divide cosines by it (0.05, SimCSE's and Sentence-BERT's scale 20).
+        matryoshka_dims: for sentence-embedding, e.g. [64, 128]: the loss also trains the vectors cut to those
+            widths (renormalized), so they can be truncated and still rank well.
 
     Example:
         >>> kbert.finetune("my-model", "classification", "train.tsv", "dev.tsv", out_dir="sentiment",
@@ -205,10 +219,13 @@ def _load(config: FinetuneConfig):
     max_length = (min(128, backbone.config.max_position) if config.max_length is None
                   else backbone.config.check_length(config.max_length))
     rate = config.backbone_dropout
-    if rate is None and config.task == "sentence-embedding" and config.label_column:
+    if rate is None and config.task == "sentence-embedding" and config.label_column and not config.objective:
         rate = 0.0  # a regression of cosines onto scores: dropout's noise only blurs it
     if rate is not None:
         backbone = with_dropout(backbone, float(rate), config.dtype)
+    if config.objective == "simcse" and not (backbone.config.dropout > 0 or backbone.config.attention_dropout > 0):
+        raise ValueError("objective='simcse' learns from two dropout masks of the same text, and this backbone "
+                         "has no dropout: set backbone_dropout (SimCSE uses 0.1)")
     return backbone, tokenizer, max_length, rate
 
 
@@ -243,8 +260,9 @@ def run(config: FinetuneConfig) -> dict:
     if task.name != "tagging":
         pooling, layers = _check_head_pooling(task.name, pooling or default_pooling(task.name), layers,
                                               backbone.config.num_layers + 1)
-    columns = [c.text_column, c.pair_column, c.label_column]
-    train_rows = read_rows(c.train, columns)
+    columns = task.columns
+    simcse = c.objective == "simcse"
+    train_rows = read_rows(c.train, [c.text_column] if simcse else columns)
     dev_rows = read_rows(c.dev, columns) if c.dev is not None else None
     task.labels = task.label_set(train_rows, c.progress)
     train_ex = task.encode(train_rows, tokenizer, max_length, "train")

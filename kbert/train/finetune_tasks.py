@@ -34,11 +34,13 @@ IGNORE = -1  # tag label of tokens that are not the first piece of a word
 @dataclasses.dataclass
 class Examples:
     """One encoded split: token ids (and segment ids) per example, labels (an array, or per-token lists for
-    tagging, or None for unscored pairs), and for bi-encoders the second text's token ids."""
+    tagging, or None for unscored pairs), and for bi-encoders the second text's token ids and hard
+    negatives' token ids."""
     token_ids: List[List[int]]
     segment_ids: Optional[List[List[int]]]
     labels: object
     pair_token_ids: Optional[List[List[int]]] = None
+    negative_token_ids: Optional[List[List[int]]] = None
 
     def __len__(self):
         return len(self.token_ids)
@@ -46,8 +48,9 @@ class Examples:
     def lengths(self) -> np.ndarray:
         """Tokens per example (the longer text for a pair of a bi-encoder)."""
         lengths = np.array([len(x) for x in self.token_ids])
-        if self.pair_token_ids is not None:
-            lengths = np.maximum(lengths, [len(x) for x in self.pair_token_ids])
+        for other in (self.pair_token_ids, self.negative_token_ids):
+            if other is not None:
+                lengths = np.maximum(lengths, [len(x) for x in other])
         return lengths
 
 
@@ -104,6 +107,12 @@ class FinetuneTask:
 
     def label_set(self, rows: List[dict], progress: bool) -> Optional[List[str]]:
         return None
+
+    @property
+    def columns(self):
+        """The columns the train and dev files must have."""
+        c = self.config
+        return [c.text_column, c.pair_column, c.label_column]
 
     @property
     def num_outputs(self) -> int:
@@ -292,25 +301,60 @@ class TaggingTask(FinetuneTask):
 
 
 class SentenceEmbeddingTask(FinetuneTask):
+    """A bi-encoder: every text through the same backbone, pooled. Objectives (`config.objective`):
+
+    - None (pairs): scored pairs regress their cosine onto the score (`similarity_loss="cosine"`) or rank by
+      it (CoSENT); unscored (anchor, positive) pairs learn with in-batch negatives, plus a hard negative per
+      row from `negative_column` when given (it joins the candidates every anchor is scored against);
+    - "simcse": unsupervised SimCSE on `text_column` alone: each text twice through the network (two dropout
+      masks) is its own positive, the batch's other texts the negatives. `pair_column` / `label_column`, when
+      given, describe the dev set (scored pairs) it is evaluated on.
+
+    In-batch losses divide cosines by `config.temperature` (0.05, i.e. a scale of 20). With
+    `config.matryoshka_dims` (e.g. [64, 128]) the loss is averaged over the vector cut to each of those
+    widths (renormalized) and the full width, so truncated vectors still rank well."""
     name = "sentence-embedding"
     metric = "spearman"
     trains_pooler = False
+    OBJECTIVES = (None, "simcse")
 
     def check(self):
         c = self.config
-        if not c.pair_column:
-            raise ValueError("task='sentence-embedding' needs `pair_column` (the second sentence of each pair)")
+        if c.objective not in self.OBJECTIVES:
+            raise ValueError(f"`objective` for task='sentence-embedding' must be one of {self.OBJECTIVES}. "
+                             f"Received: objective={c.objective!r}")
+        if c.objective is None and not c.pair_column:
+            raise ValueError("task='sentence-embedding' needs `pair_column` (the second sentence of each pair), "
+                             "or objective='simcse' to train on single texts")
+        if c.negative_column and (c.objective == "simcse" or c.label_column):
+            raise ValueError("`negative_column` (hard negatives) goes with unscored (anchor, positive) pairs: "
+                             "label_column=None and no objective")
+        if not (isinstance(c.temperature, (int, float)) and c.temperature > 0):
+            raise ValueError(f"`temperature` must be a positive number. Received: temperature={c.temperature!r}")
+        dims = c.matryoshka_dims or []
+        if any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in dims):
+            raise ValueError(f"`matryoshka_dims` must be positive integers. Received: {c.matryoshka_dims!r}")
+
+    @property
+    def columns(self):
+        c = self.config
+        return [c.text_column, c.pair_column, c.label_column, c.negative_column]
 
     def encode(self, rows, tokenizer, max_length, split):
         c = self.config
-        texts = [cells.text_cell(r, c.text_column, f"{split} row {i + 1}") for i, r in enumerate(rows)]
-        pairs = [cells.text_cell(r, c.pair_column, f"{split} row {i + 1}") for i, r in enumerate(rows)]
-        a = [e.ids for e in tokenizer.encode_batch(texts, max_length=max_length)]
-        b = [e.ids for e in tokenizer.encode_batch(pairs, max_length=max_length)]
+
+        def ids(column):
+            texts = [cells.text_cell(r, column, f"{split} row {i + 1}") for i, r in enumerate(rows)]
+            return [e.ids for e in tokenizer.encode_batch(texts, max_length=max_length)]
+
+        a = ids(c.text_column)
+        if c.objective == "simcse" and split == "train":
+            return Examples(a, None, None)
         scores = None
         if c.label_column:
             scores = np.array([cells.number(r.get(c.label_column), split, i) for i, r in enumerate(rows)], np.float32)
-        return Examples(a, None, scores, pair_token_ids=b)
+        negatives = ids(c.negative_column) if c.negative_column and split == "train" else None
+        return Examples(a, None, scores, pair_token_ids=ids(c.pair_column), negative_token_ids=negatives)
 
     def fit(self, train):
         self.score_max = 1.0
@@ -318,24 +362,33 @@ class SentenceEmbeddingTask(FinetuneTask):
             self.score_max = float(np.max(np.abs(train.labels))) or 1.0
 
     def batch(self, examples, index, pad_id):
-        """Both texts of each pair in one `[2b, s]` batch (firsts, then seconds); `[b]` scores or None."""
+        """The texts of the batch in one `[k b, s]` batch: anchors, then positives (SimCSE: the anchors
+        again), then hard negatives; `[b]` scores or None."""
         import tensorflow as tf
 
-        ids = pad([examples.token_ids[i] for i in index] + [examples.pair_token_ids[i] for i in index], pad_id)
+        rows = [examples.token_ids[i] for i in index]
+        rows += [(examples.pair_token_ids or examples.token_ids)[i] for i in index]
+        if examples.negative_token_ids is not None:
+            rows += [examples.negative_token_ids[i] for i in index]
+        ids = pad(rows, pad_id)
         y = None if examples.labels is None else tf.constant(examples.labels[index])
         return features(ids, np.zeros_like(ids), pad_id), y
 
     def loss(self, network, feats, y, n):
         import keras
 
-        v = network(feats, training=True)  # [2b, h]
+        v = network(feats, training=True)  # [k b, h]: k = 2, or 3 with hard negatives
+        dims = sorted(set(self.config.matryoshka_dims or [])) + [None]
+        return keras.ops.mean(keras.ops.stack([self._loss_at(v if d is None else v[:, :d], y, n) for d in dims]))
+
+    def _loss_at(self, v, y, n):
+        import keras
+
         v = v / keras.ops.maximum(keras.ops.norm(v, axis=-1, keepdims=True), 1e-12)
-        a, b = v[:n], v[n:]
-        if y is None:  # in-batch negatives: a[i] should pick b[i] among all b
-            logits = keras.ops.matmul(a, keras.ops.transpose(b)) * 20.0
-            target = keras.ops.arange(n)
-            return keras.ops.mean(keras.losses.sparse_categorical_crossentropy(target, logits, from_logits=True))
-        cos = keras.ops.sum(a * b, axis=-1)
+        a, others = v[:n], v[n:]  # others: positives [b, h] then hard negatives [b, h]
+        if y is None:  # in-batch negatives (SimCSE too): a[i] should pick others[i] among all of them
+            return in_batch_loss(a, others, self.config.temperature)
+        cos = keras.ops.sum(a * others, axis=-1)
         if self.config.similarity_loss == "cosine":
             return keras.ops.mean(keras.ops.square(cos - y / self.score_max))
         return cosent_loss(cos, y)
@@ -350,6 +403,17 @@ class SentenceEmbeddingTask(FinetuneTask):
 
     def dev_metric(self, dev):
         return "spearman" if (dev is not None and dev.labels is not None) else "recall@1"
+
+
+def in_batch_loss(anchors, candidates, temperature: float = 0.05):
+    """Multiple-negatives ranking loss (SimCSE's, Sentence-BERT's MultipleNegativesRankingLoss): unit anchors
+    [b, h] against unit candidates [c, h] (the b positives first, then any hard negatives): cross-entropy
+    of row i of `anchors @ candidates.T / temperature` [b, c] with target i."""
+    import keras
+
+    logits = keras.ops.matmul(anchors, keras.ops.transpose(candidates)) / temperature
+    target = keras.ops.arange(keras.ops.shape(anchors)[0])
+    return keras.ops.mean(keras.losses.sparse_categorical_crossentropy(target, logits, from_logits=True))
 
 
 TASKS: Dict[str, type] = {t.name: t for t in (ClassificationTask, PairClassificationTask, RegressionTask,
