@@ -581,6 +581,14 @@ def test_simcse_hard_negatives_and_matryoshka_train_a_bi_encoder(base, tmp_path)
                              pair_column="p", label_column=None, negative_column="n", max_steps=3, batch_size=16,
                              max_length=32, progress=False)
     assert summary["steps"] == 3
+    # both in one run (SimCSE on the raw texts, in-batch + hard negatives on the triplets), dev on KorSTS
+    summary = kbert.finetune(base, "sentence-embedding", None, sts, out_dir=str(tmp_path / "multi"),
+                             text_column="sentence1", pair_column="sentence2", label_column="score",
+                             datasets=[{"data": rows, "text_column": "sentence1", "objective": "simcse"},
+                                       {"data": triplets, "text_column": "a", "pair_column": "p",
+                                        "negative_column": "n", "weight": 2}],
+                             epochs=1, batch_size=32, max_length=32, progress=False)
+    assert summary["steps"] == 7 + 2 * 7 and summary["metric"] == "spearman"  # 200 rows: 7 batches, twice
     bad = dict(out_dir=str(tmp_path / "bad"), progress=False, max_steps=1)
     with pytest.raises(ValueError, match="no dropout"):
         kbert.finetune(base, "sentence-embedding", rows, objective="simcse", text_column="sentence1",
@@ -593,3 +601,39 @@ def test_simcse_hard_negatives_and_matryoshka_train_a_bi_encoder(base, tmp_path)
     with pytest.raises(ValueError, match="`matryoshka_dims` must be positive integers"):
         kbert.finetune(base, "sentence-embedding", triplets, text_column="a", pair_column="p", label_column=None,
                        matryoshka_dims=[0], **bad)
+
+
+def test_multi_dataset_batches_keep_to_one_dataset_in_the_stated_proportion():
+    """Every batch of a multi-dataset epoch comes from one dataset; proportional mixing gives each dataset its
+    size times its weight in batches, shuffled together; round-robin alternates while they last; bad specs
+    are refused by name."""
+    from kbert.train.finetune import FinetuneConfig
+    from kbert.train.finetune_tasks import Examples, MultiExamples, task_for
+
+    def config(mix, weights=(1, 1)):
+        return FinetuneConfig(model="m", task="sentence-embedding", mix=mix, datasets=[
+            {"data": "a.tsv", "text_column": "t", "objective": "simcse", "weight": weights[0]},
+            {"data": "b.tsv", "text_column": "q", "pair_column": "p", "negative_column": "n", "weight": weights[1]}])
+    parts = MultiExamples([Examples([[7] * 5] * 100, None, None),
+                           Examples([[7] * 4] * 30, None, None, pair_token_ids=[[7] * 3] * 30,
+                                    negative_token_ids=[[7] * 6] * 30)])
+    task = task_for(config("proportional", (1, 2)))
+    task.check()
+    batches = task.epoch_batches(np.random.default_rng(0), parts, 10, True)
+    assert len(batches) == task.batches_per_epoch(parts, 10) == 10 + 2 * 3
+    assert sum(k == 0 for k, _ in batches) == 10 and sum(k == 1 for k, _ in batches) == 6
+    assert [k for k, _ in batches] != sorted(k for k, _ in batches)  # shuffled together
+    assert all(index.max() < len(parts.parts[k]) for k, index in batches)  # indices of their own dataset
+    feats, y, n, key = task.training_batch(parts, batches[0], 0)
+    assert key == batches[0][0] and n == len(batches[0][1]) and y is None
+    assert feats["token_ids"].shape[0] == (2 if key == 0 else 3) * n  # SimCSE: twice; triplets: three texts
+    robin = task_for(config("round_robin")).epoch_batches(np.random.default_rng(0), parts, 10, False)
+    assert [k for k, _ in robin][:6] == [0, 1, 0, 1, 0, 1] and [k for k, _ in robin][6:] == [0] * 7
+    with pytest.raises(ValueError, match="`mix` must be one of"):
+        task_for(config("random")).check()
+    bad = FinetuneConfig(model="m", task="sentence-embedding", datasets=[{"data": "a", "text": "t"}])
+    with pytest.raises(ValueError, match=r"`datasets\[0\]` has unknown key 'text'"):
+        task_for(bad)
+    bad = FinetuneConfig(model="m", task="sentence-embedding", datasets=[{"data": "a", "text_column": "t"}])
+    with pytest.raises(ValueError, match=r"`datasets\[0\]`: task='sentence-embedding' needs `pair_column`"):
+        task_for(bad).check()

@@ -23,6 +23,7 @@ def data_fingerprint(*examples) -> str:
     """A digest of encoded examples (`kbert.train.finetune_tasks.Examples`, or None): a resumed run must see
     the same data."""
     h = hashlib.sha1()
+    examples = [part for ex in examples for part in (getattr(ex, "parts", None) or [ex])]
     for ex in examples:
         if ex is None:
             h.update(b"none")

@@ -28,7 +28,7 @@ from kbert.data.features import features as model_inputs
 from kbert.data.rows import read_rows
 from kbert.models.tasks import default_pooling, save_task_head
 from kbert.train.checkpoints import CHECKPOINT_DIR, FinetuneCheckpoint, data_fingerprint
-from kbert.train.finetune_tasks import SIMILARITY_LOSSES, epoch_batches, task_for
+from kbert.train.finetune_tasks import SIMILARITY_LOSSES, task_for
 
 
 @dataclasses.dataclass
@@ -69,6 +69,8 @@ class FinetuneConfig:
     negative_column: Optional[str] = None  # sentence-embedding: a hard negative per (anchor, positive) row
     temperature: float = 0.05  # sentence-embedding: in-batch and SimCSE losses divide cosines by it
     matryoshka_dims: Optional[List[int]] = None  # sentence-embedding: also train vectors cut to these widths
+    datasets: Optional[List[dict]] = None  # sentence-embedding from several datasets (finetune_tasks.py)
+    mix: str = "proportional"  # how datasets' batches are ordered: proportional | round_robin
 
     @classmethod
     def from_dict(cls, values: dict) -> "FinetuneConfig":
@@ -90,7 +92,7 @@ class FinetuneConfig:
     def validate(self) -> None:
         """Refuses bad settings by name before anything is loaded."""
         for name in ("model", "task", "train"):
-            if getattr(self, name) is None:
+            if getattr(self, name) is None and not (name == "train" and self.datasets):
                 raise ValueError(f"`{name}` is required (a config key, or the --{name} flag)")
         if self.similarity_loss not in SIMILARITY_LOSSES:
             raise ValueError(f"`similarity_loss` must be one of {SIMILARITY_LOSSES}. "
@@ -120,7 +122,8 @@ def finetune(model: str, task: str, train, dev=None, out_dir: str = "finetuned",
              layers: Union[int, Sequence[int], str] = -1, backbone_dropout: Optional[float] = None,
              resume: bool = True, checkpoint_every: Optional[int] = 1000, stop_after: Optional[int] = None,
              objective: Optional[str] = None, negative_column: Optional[str] = None, temperature: float = 0.05,
-             matryoshka_dims: Optional[Sequence[int]] = None) -> dict:
+             matryoshka_dims: Optional[Sequence[int]] = None, datasets: Optional[Sequence[dict]] = None,
+             mix: str = "proportional") -> dict:
     """Fine-tunes the model dir `model` on `train`; returns a summary with the dev history.
 
     Args:
@@ -174,6 +177,10 @@ def finetune(model: str, task: str, train, dev=None, out_dir: str = "finetuned",
         temperature: in-batch and SimCSE losses divide cosines by it (0.05, SimCSE's and Sentence-BERT's scale 20).
         matryoshka_dims: for sentence-embedding, e.g. [64, 128]: the loss also trains the vectors cut to those
             widths (renormalized), so they can be truncated and still rank well.
+        datasets: for sentence-embedding, several training sets in one run, each a mapping with `data` (a file
+            or rows), its columns, `objective`, `similarity_loss` and `weight` (how many times an epoch sees
+            it); `train` is then unused. Every batch comes from one dataset and gets that dataset's loss.
+        mix: how the datasets' batches are ordered: "proportional" (shuffled together) or "round_robin".
 
     Example:
         >>> kbert.finetune("my-model", "classification", "train.tsv", "dev.tsv", out_dir="sentiment",
@@ -219,11 +226,14 @@ def _load(config: FinetuneConfig):
     max_length = (min(128, backbone.config.max_position) if config.max_length is None
                   else backbone.config.check_length(config.max_length))
     rate = config.backbone_dropout
-    if rate is None and config.task == "sentence-embedding" and config.label_column and not config.objective:
+    if (rate is None and config.task == "sentence-embedding" and config.label_column and not config.objective
+            and not config.datasets):
         rate = 0.0  # a regression of cosines onto scores: dropout's noise only blurs it
     if rate is not None:
         backbone = with_dropout(backbone, float(rate), config.dtype)
-    if config.objective == "simcse" and not (backbone.config.dropout > 0 or backbone.config.attention_dropout > 0):
+    simcse = config.objective == "simcse" or any(d.get("objective") == "simcse" for d in config.datasets or []
+                                                 if isinstance(d, dict))
+    if simcse and not (backbone.config.dropout > 0 or backbone.config.attention_dropout > 0):
         raise ValueError("objective='simcse' learns from two dropout masks of the same text, and this backbone "
                          "has no dropout: set backbone_dropout (SimCSE uses 0.1)")
     return backbone, tokenizer, max_length, rate
@@ -260,10 +270,8 @@ def run(config: FinetuneConfig) -> dict:
     if task.name != "tagging":
         pooling, layers = _check_head_pooling(task.name, pooling or default_pooling(task.name), layers,
                                               backbone.config.num_layers + 1)
-    columns = task.columns
-    simcse = c.objective == "simcse"
-    train_rows = read_rows(c.train, [c.text_column] if simcse else columns)
-    dev_rows = read_rows(c.dev, columns) if c.dev is not None else None
+    train_rows = task.read_train()
+    dev_rows = read_rows(c.dev, task.columns) if c.dev is not None else None
     task.labels = task.label_set(train_rows, c.progress)
     train_ex = task.encode(train_rows, tokenizer, max_length, "train")
     dev_ex = task.encode(dev_rows, tokenizer, max_length, "dev") if dev_rows else None
@@ -271,7 +279,7 @@ def run(config: FinetuneConfig) -> dict:
 
     network = task.network(backbone, c.dropout, pooling, layers)
     build_network(network, tokenizer)
-    steps_per_epoch = math.ceil(len(train_ex) / c.batch_size)
+    steps_per_epoch = task.batches_per_epoch(train_ex, c.batch_size)
     total = max(1, int(math.ceil(steps_per_epoch * c.epochs)))
     if c.max_steps:
         total = min(total, int(c.max_steps))
@@ -281,9 +289,9 @@ def run(config: FinetuneConfig) -> dict:
     variables = [v for v in network.trainable_variables if task.trains_pooler or not v.path.startswith("pooler/")]
 
     @tf.function(reduce_retracing=True)
-    def train_step(feats, y, n):
+    def train_step(feats, y, n, key):
         with tf.GradientTape() as tape:
-            loss = task.loss(network, feats, y, n)
+            loss = task.loss(network, feats, y, n, key)
         optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables))
         return loss
 
@@ -320,7 +328,7 @@ def run(config: FinetuneConfig) -> dict:
         history, best, best_step, bad, losses, step, baseline = (
             saved[k] for k in ("history", "best", "best_step", "bad", "losses", "step", "baseline"))
         for _ in range(step // steps_per_epoch):  # the batch order of the finished epochs, drawn again
-            epoch_batches(rng, train_ex, c.batch_size, c.group_by_length)
+            task.epoch_batches(rng, train_ex, c.batch_size, c.group_by_length)
         if c.progress:
             print(f"resumed at step {step} of {total} from {saver.path}", flush=True)
     keep = max(eval_every, 50)
@@ -331,9 +339,9 @@ def run(config: FinetuneConfig) -> dict:
     stopped, start_time, saved_at = "steps", time.time(), step
     with StopSignals() as signals:
         while step < end and stopped == "steps":
-            for index in epoch_batches(rng, train_ex, c.batch_size, c.group_by_length)[skip:]:
-                feats, y = task.batch(train_ex, index, tokenizer.pad_id)
-                loss = float(train_step(feats, y, tf.constant(len(index))))
+            for batch in task.epoch_batches(rng, train_ex, c.batch_size, c.group_by_length)[skip:]:
+                feats, y, n, loss_key = task.training_batch(train_ex, batch, tokenizer.pad_id)
+                loss = float(train_step(feats, y, tf.constant(n), loss_key))
                 if not math.isfinite(loss):
                     raise FloatingPointError(f"Fine-tuning diverged at step {step + 1} (loss {loss}); lower "
                                              f"`learning_rate` (now {c.learning_rate})"

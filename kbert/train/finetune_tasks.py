@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 from typing import Callable, Dict, List, Optional
 
 import numpy as np
 
 from kbert.data import rows as cells
+from kbert.data.rows import read_rows
 from kbert.data.features import features, first_pieces, pad, segment_ids, unit_vectors_in_batches
 from kbert.train.metrics import macro_f1, pearson, spearman
 
@@ -126,6 +128,14 @@ class FinetuneTask:
         return TaskNetwork(backbone, self.name, self.num_outputs, dropout, self.target, pooling, layers)
 
     # ------------------------------------------------------------------ examples
+    def read_train(self) -> list:
+        """The training rows (the file or list `config.train`), checked to have the task's columns."""
+        return read_rows(self.config.train, self.train_columns)
+
+    @property
+    def train_columns(self):
+        return self.columns
+
     def encode(self, rows: List[dict], tokenizer, max_length: int, split: str) -> Examples:
         c = self.config
         texts = [cells.text_cell(r, c.text_column, f"{split} row {i + 1}") for i, r in enumerate(rows)]
@@ -143,6 +153,20 @@ class FinetuneTask:
     def fit(self, train: Examples) -> None:
         """Statistics of the training targets the loss uses (a regression's mean and std)."""
 
+    # ------------------------------------------------------------------ batches
+    def batches_per_epoch(self, examples, batch_size: int) -> int:
+        return math.ceil(len(examples) / batch_size)
+
+    def epoch_batches(self, rng, examples, batch_size: int, group_by_length: bool) -> list:
+        """One epoch of batch descriptors (index arrays here), in training order."""
+        return epoch_batches(rng, examples, batch_size, group_by_length)
+
+    def training_batch(self, examples, batch, pad_id: int):
+        """(features, y, examples in the batch, loss key) for one descriptor of `epoch_batches`; the key (a
+        Python int) picks the loss where a task has several (one compiled step per key)."""
+        feats, y = self.batch(examples, batch, pad_id)
+        return feats, y, len(batch), 0
+
     def batch(self, examples: Examples, index: np.ndarray, pad_id: int):
         """(features, y) of the examples at `index`: `[b, s]` ids and segments, `[b]` labels."""
         ids = pad([examples.token_ids[i] for i in index], pad_id)
@@ -154,8 +178,9 @@ class FinetuneTask:
 
         return tf.constant(examples.labels[index])
 
-    def loss(self, network, feats, y, n):
-        """The training loss of one batch (the network called with training=True)."""
+    def loss(self, network, feats, y, n, key: int = 0):
+        """The training loss of one batch (the network called with training=True); `key`: see
+        `training_batch`."""
         raise NotImplementedError
 
     # ------------------------------------------------------------------ evaluation
@@ -202,7 +227,7 @@ class ClassificationTask(FinetuneTask):
             raise ValueError(f"{split} has labels not seen in training: {unknown[:5]} (training labels: {self.labels})")
         return np.array([index[v] for v in raw], np.int32)
 
-    def loss(self, network, feats, y, n):
+    def loss(self, network, feats, y, n, key: int = 0):
         import keras
 
         logits = network(feats, training=True)  # [b, k]
@@ -233,7 +258,7 @@ class RegressionTask(FinetuneTask):
     def fit(self, train):
         self.target = (float(np.mean(train.labels)), float(np.std(train.labels)) or 1.0)
 
-    def loss(self, network, feats, y, n):
+    def loss(self, network, feats, y, n, key: int = 0):
         import keras
 
         out = network(feats, training=True)  # [b, 1], in the units of the labels
@@ -285,7 +310,7 @@ class TaggingTask(FinetuneTask):
 
         return tf.constant(pad([examples.labels[i] for i in index], IGNORE, width))  # [b, s]
 
-    def loss(self, network, feats, y, n):
+    def loss(self, network, feats, y, n, key: int = 0):
         import keras
 
         logits = network(feats, training=True)  # [b, s, k]
@@ -340,6 +365,10 @@ class SentenceEmbeddingTask(FinetuneTask):
         c = self.config
         return [c.text_column, c.pair_column, c.label_column, c.negative_column]
 
+    @property
+    def train_columns(self):
+        return [self.config.text_column] if self.config.objective == "simcse" else self.columns
+
     def encode(self, rows, tokenizer, max_length, split):
         c = self.config
 
@@ -374,7 +403,7 @@ class SentenceEmbeddingTask(FinetuneTask):
         y = None if examples.labels is None else tf.constant(examples.labels[index])
         return features(ids, np.zeros_like(ids), pad_id), y
 
-    def loss(self, network, feats, y, n):
+    def loss(self, network, feats, y, n, key: int = 0):
         import keras
 
         v = network(feats, training=True)  # [k b, h]: k = 2, or 3 with hard negatives
@@ -416,6 +445,102 @@ def in_batch_loss(anchors, candidates, temperature: float = 0.05):
     return keras.ops.mean(keras.losses.sparse_categorical_crossentropy(target, logits, from_logits=True))
 
 
+@dataclasses.dataclass
+class MultiExamples:
+    """The encoded training sets of a multi-dataset run, one `Examples` per dataset."""
+    parts: List[Examples]
+
+    def __len__(self):
+        return sum(len(p) for p in self.parts)
+
+
+DATASET_KEYS = ("data", "text_column", "pair_column", "label_column", "negative_column", "objective",
+                "similarity_loss", "weight")
+MIXES = ("proportional", "round_robin")
+
+
+class MultiDatasetEmbeddingTask(SentenceEmbeddingTask):
+    """Sentence embeddings from several datasets in one run (`config.datasets`), each with its own loss: the
+    sentence-embedding objectives above (SimCSE on raw text, in-batch negatives with hard negatives for NLI
+    or paraphrase pairs, cosine/CoSENT for scored pairs). Every batch comes from one dataset, so no
+    dataset's loss sees another's rows; `config.mix` orders them: "proportional" (each dataset's batches
+    shuffled in among the others', so a dataset trains in proportion to its size times its `weight`, a
+    repeat count) or "round_robin" (one batch of each in turn while they last). The dev set is
+    `config.dev` read with the top-level columns (scored pairs: Spearman; pairs: recall@1)."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.parts = []
+        for i, spec in enumerate(config.datasets):
+            if not isinstance(spec, dict) or "data" not in spec:
+                raise ValueError(f"`datasets[{i}]` must be a mapping with `data` (a file or rows). Received: {spec!r}")
+            unknown = sorted(set(spec) - set(DATASET_KEYS))
+            if unknown:
+                raise ValueError(f"`datasets[{i}]` has unknown key {unknown[0]!r}; keys are {DATASET_KEYS}")
+            fields = {k: v for k, v in spec.items() if k not in ("data", "weight")}
+            fields.setdefault("label_column", None)
+            sub = dataclasses.replace(config, train=spec["data"], datasets=None, **fields)
+            self.parts.append((SentenceEmbeddingTask(sub), float(spec.get("weight", 1))))
+
+    def check(self):
+        if self.config.task != "sentence-embedding":
+            raise ValueError(f"`datasets` trains sentence embeddings: task must be 'sentence-embedding'. "
+                             f"Received: task={self.config.task!r}")
+        if self.config.mix not in MIXES:
+            raise ValueError(f"`mix` must be one of {MIXES}. Received: mix={self.config.mix!r}")
+        for i, (part, weight) in enumerate(self.parts):
+            try:
+                part.check()
+            except ValueError as e:
+                raise ValueError(f"`datasets[{i}]`: {e}") from None
+            if not weight > 0:
+                raise ValueError(f"`datasets[{i}].weight` must be positive. Received: {weight!r}")
+
+    @property
+    def columns(self):  # the dev set's
+        c = self.config
+        return [c.text_column, c.pair_column, c.label_column]
+
+    def read_train(self):
+        return [part.read_train() for part, _ in self.parts]
+
+    def encode(self, rows, tokenizer, max_length, split):
+        if split == "train":
+            return MultiExamples([part.encode(r, tokenizer, max_length, split)
+                                  for (part, _), r in zip(self.parts, rows)])
+        dev = dataclasses.replace(self.config, objective=None, negative_column=None, datasets=None)
+        return SentenceEmbeddingTask(dev).encode(rows, tokenizer, max_length, split)
+
+    def fit(self, train):
+        for (part, _), examples in zip(self.parts, train.parts):
+            part.fit(examples)
+
+    def _repeats(self, k: int) -> int:
+        return max(1, int(round(self.parts[k][1])))
+
+    def batches_per_epoch(self, examples, batch_size):
+        return sum(self._repeats(k) * math.ceil(len(p) / batch_size) for k, p in enumerate(examples.parts))
+
+    def epoch_batches(self, rng, examples, batch_size, group_by_length):
+        per = [[(k, b) for _ in range(self._repeats(k)) for b in epoch_batches(rng, p, batch_size, group_by_length)]
+               for k, p in enumerate(examples.parts)]
+        if self.config.mix == "round_robin":
+            out = []
+            for i in range(max(len(b) for b in per)):
+                out.extend(b[i] for b in per if i < len(b))
+            return out
+        flat = [b for batches in per for b in batches]
+        return [flat[i] for i in rng.permutation(len(flat))]
+
+    def training_batch(self, examples, batch, pad_id):
+        k, index = batch
+        feats, y = self.parts[k][0].batch(examples.parts[k], index, pad_id)
+        return feats, y, len(index), k
+
+    def loss(self, network, feats, y, n, key: int = 0):
+        return self.parts[key][0].loss(network, feats, y, n)
+
+
 TASKS: Dict[str, type] = {t.name: t for t in (ClassificationTask, PairClassificationTask, RegressionTask,
                                                TaggingTask, SentenceEmbeddingTask)}
 
@@ -430,6 +555,8 @@ def register_task(task: type) -> type:
 
 
 def task_for(config) -> FinetuneTask:
+    if getattr(config, "datasets", None):
+        return MultiDatasetEmbeddingTask(config)
     if config.task not in TASKS:
         raise ValueError(f"`task` must be one of {tuple(TASKS)}. Received: task={config.task!r}")
     return TASKS[config.task](config)
