@@ -32,6 +32,8 @@ setup(
         "mecab": ["mecab-ko>=1.0"],
         "kiwi": ["kiwipiepy>=0.17"],
         "faiss": ["faiss-cpu>=1.8"],
+        # `kbert serve`: Starlette on uvicorn (the ASGI stack under FastAPI) and Prometheus metrics.
+        "serve": ["starlette>=0.37", "uvicorn>=0.29", "prometheus-client>=0.20"],
         # benchmarks/embed.py compares against sentence-transformers on the same weights.
         "bench": ["sentence-transformers>=3", "torch==2.13.0", "transformers>=4.40,<6", "scikit-learn>=1.4"],
         # Opening and editing the tutorial notebooks (running them needs only [test]'s nbclient).
@@ -51,6 +53,11 @@ setup(
             # The tutorial notebooks run end to end in the test suite.
             "nbclient>=0.10",
             "nbformat>=5",
+            # the server's tests and benchmark (loopback only)
+            "starlette>=0.37",
+            "uvicorn>=0.29",
+            "prometheus-client>=0.20",
+            "httpx>=0.27",
             "ipykernel>=6",
             "matplotlib>=3.8",
         ],

@@ -49,6 +49,7 @@ _EXPORTS = {
     "finetune": "kbert.train.finetune",
     "TaskModel": "kbert.embed.task_model",
     "export": "kbert.embed.export",
+    "serve": "kbert.server",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

@@ -356,6 +356,16 @@ def _finetune(args):
         return _SIGNAL_EXIT[summary["stopped_by"]]
 
 
+def _serve(args):
+    from kbert.server import serve
+
+    print(f"serving {args.model} on http://{args.host}:{args.port} (POST /v1/embeddings, /v1/similarity, "
+          f"/v1/classify; GET /health, /metrics); Ctrl-C or SIGTERM drains and stops", file=sys.stderr, flush=True)
+    serve(args.model, host=args.host, port=args.port, max_batch_tokens=args.max_batch_tokens,
+          max_wait_ms=args.max_wait_ms, max_queue=args.max_queue, max_texts=args.max_texts,
+          max_chars=args.max_chars, timeout_s=args.timeout)
+
+
 def _export(args):
     import json
 
@@ -528,6 +538,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, help="sentence-embedding: in-batch / SimCSE temperature (0.05)")
     p.add_argument("--matryoshka-dims", help="sentence-embedding: also train vectors cut to these widths, e.g. 64,128")
     p.set_defaults(func=_finetune)
+
+    p = sub.add_parser("serve", help="an HTTP server for embeddings (OpenAI-compatible), similarity and "
+                                     "classification, with dynamic batching")
+    p.add_argument("--model", required=True, help="a kbert model dir, a `kbert finetune` task dir, or a Hugging Face dir")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--max-batch-tokens", type=int, default=8192, help="token budget of one model batch")
+    p.add_argument("--max-wait-ms", type=float, default=5.0, help="how long a batch waits for more requests")
+    p.add_argument("--max-queue", type=int, default=4096, help="texts waiting before requests get 429")
+    p.add_argument("--max-texts", type=int, default=512, help="texts per request (more: 413)")
+    p.add_argument("--max-chars", type=int, default=20000, help="characters per text (more: 413)")
+    p.add_argument("--timeout", type=float, default=30.0, help="seconds before a request gets 504")
+    p.set_defaults(func=_serve)
 
     p = sub.add_parser("export", help="a SavedModel that takes raw strings (TF Serving layout DIR/VERSION/)")
     p.add_argument("--model", required=True, help="model dir (classify: a `kbert finetune` output)")

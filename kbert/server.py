@@ -1,0 +1,365 @@
+"""`kbert serve`: sentence vectors, similarities and task predictions over HTTP, with dynamic batching.
+
+    kbert serve --model DIR [--host 127.0.0.1] [--port 8080] [--max-batch-tokens 8192] [--max-wait-ms 5]
+    app = kbert.server.build_app("my-model")        # a Starlette app to mount in your own ASGI server
+    kbert.serve("my-model", port=8080)              # or run it here (uvicorn), until SIGTERM / Ctrl-C
+
+Routes (JSON in and out; errors are `{"error": {"message", "type", "code"}}` with the status below):
+    POST /v1/embeddings   OpenAI-compatible: {"input": str | [str], "model"?: str} and kbert's own
+                          "pooling", "normalize" -> {"object": "list", "data": [{"object": "embedding",
+                          "index": i, "embedding": [...]}], "model", "usage": {"prompt_tokens", "total_tokens"}}
+    POST /v1/similarity   {"source_sentence": str, "sentences": [str]} -> {"similarities": [cosine, ...]}
+    POST /v1/classify     task dirs (`kbert finetune` output): {"input": str | [str], "pairs"?: [str]} ->
+                          {"data": [{"index", "label", "probabilities": {label: p}}]} (regression: "value")
+    GET  /health          200 {"status": "ok"} once the model has run once; 503 {"status": "loading"} before
+    GET  /metrics         Prometheus text: requests by route and status, latency, batch sizes, queue depth
+
+Dynamic batching: the texts of concurrent requests wait in one bounded queue; a worker thread (the model runs
+off the event loop) takes them in arrival order into a batch until `max_batch_tokens` (tokens counted as
+characters + 2, an upper bound for Korean text, capped at the model's length) or `max_wait_ms` after the
+first, groups texts of the same route and options, runs them (sorted by length inside `Embedder.encode`),
+and hands every request its own rows in its input order.
+
+Limits: malformed JSON, a wrong field type, or a body that is not UTF-8: 400; more than `max_texts` texts
+or a text over `max_chars` characters: 413; a full queue (`max_queue` texts): 429 with `Retry-After`, at
+once; a request still unanswered after `timeout_s`: 504 (its texts are dropped if not yet run). SIGTERM:
+uvicorn stops accepting connections, the requests in flight finish, then the worker stops.
+
+Starlette + uvicorn (the ASGI stack FastAPI stands on) carry HTTP; prometheus-client writes the metrics:
+the field's well-kept pieces rather than a hand-written server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from typing import List
+
+import numpy as np
+
+ROUTES = ("/v1/embeddings", "/v1/similarity", "/v1/classify")
+
+
+class HTTPError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", headers=None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.headers = status, message, kind, headers or {}
+
+
+class _Job:
+    __slots__ = ("kind", "texts", "pairs", "options", "future", "loop", "cost", "cancelled")
+
+    def __init__(self, kind, texts, pairs, options, future, loop, cost):
+        self.kind, self.texts, self.pairs, self.options = kind, texts, pairs, options
+        self.future, self.loop, self.cost, self.cancelled = future, loop, cost, False
+
+
+class Engine:
+    """The model and the batching worker: `await engine.run(kind, texts, options)` from request handlers."""
+
+    def __init__(self, model_dir: str, max_batch_tokens: int = 8192, max_wait_ms: float = 5.0,
+                 max_queue: int = 4096, batch_size: int = 64):
+        from kbert.embed.embedder import Embedder
+        from kbert.embed.task_model import TaskModel
+        from kbert.models.tasks import read_task_meta
+
+        self.model_dir = str(model_dir)
+        meta = read_task_meta(self.model_dir)
+        self.task_model = TaskModel.load(self.model_dir) if meta and meta["task"] != "sentence-embedding" else None
+        self.embedder = Embedder.load(self.model_dir)
+        self.max_length = self.embedder.max_length
+        self.max_batch_tokens, self.max_wait = int(max_batch_tokens), float(max_wait_ms) / 1000.0
+        self.max_queue, self.batch_size = int(max_queue), int(batch_size)
+        self._jobs: "list[_Job]" = []
+        self._queued = 0  # texts waiting
+        self._cond = threading.Condition()
+        self._stop = False
+        self._paused = threading.Event()  # set: the worker holds off (tests of a busy server)
+        self.ready = threading.Event()
+        self.metrics = _Metrics()
+        self._worker = threading.Thread(target=self._work, daemon=True, name="kbert-serve-batcher")
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self, warm: bool = True) -> None:
+        self._worker.start()
+        if warm:
+            self.warm_up()
+
+    def warm_up(self) -> None:
+        """Runs the model once (tracing, first allocations), then reports ready."""
+        self.embedder.encode(["준비"], batch_size=1)
+        if self.task_model is not None:
+            self.task_model.predict(["준비"])
+        self.ready.set()
+
+    def stop(self) -> None:
+        """After the queue is empty: the worker exits."""
+        with self._cond:
+            self._stop = True
+            self._paused.clear()
+            self._cond.notify_all()
+        if self._worker.is_alive():
+            self._worker.join(timeout=60)
+
+    def pause(self, paused: bool = True) -> None:
+        (self._paused.set if paused else self._paused.clear)()
+        with self._cond:
+            self._cond.notify_all()
+
+    # ------------------------------------------------------------------ requests
+    def cost(self, text: str) -> int:
+        return min(len(text) + 2, self.max_length)
+
+    async def run(self, kind: str, texts: List[str], options: dict, pairs=None, timeout: float = 30.0):
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        job = _Job(kind, texts, pairs, options, future, loop, sum(self.cost(t) for t in texts))
+        with self._cond:
+            if self._queued + len(texts) > self.max_queue:
+                raise HTTPError(429, f"the server is busy: {self._queued} texts are waiting (at most "
+                                     f"{self.max_queue}); retry shortly", "overloaded", {"Retry-After": "1"})
+            self._jobs.append(job)
+            self._queued += len(texts)
+            self.metrics.queue.set(self._queued)
+            self._cond.notify_all()
+        try:
+            return await asyncio.wait_for(asyncio.shield(future), timeout)
+        except asyncio.TimeoutError:
+            job.cancelled = True
+            raise HTTPError(504, f"no answer within {timeout:g} s (the server is overloaded); retry later",
+                            "timeout") from None
+
+    # ------------------------------------------------------------------ the worker
+    def _take(self) -> "list[_Job]":
+        """Blocks for the first job, then gathers more until the token budget or `max_wait` after it."""
+        with self._cond:
+            while not self._jobs or self._paused.is_set():
+                if self._stop and not self._jobs:
+                    return []
+                self._cond.wait(0.05)
+            deadline = time.monotonic() + self.max_wait
+            while True:
+                taken, tokens = [], 0
+                for job in self._jobs:
+                    if taken and tokens + job.cost > self.max_batch_tokens:
+                        break
+                    taken.append(job)
+                    tokens += job.cost
+                if tokens >= self.max_batch_tokens or len(taken) < len(self._jobs) or self._stop:
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+            del self._jobs[:len(taken)]
+            self._queued -= sum(len(j.texts) for j in taken)
+            self.metrics.queue.set(self._queued)
+            return taken
+
+    def _work(self) -> None:
+        while True:
+            jobs = self._take()
+            if not jobs:
+                return
+            jobs = [j for j in jobs if not j.cancelled]
+            groups = {}
+            for job in jobs:
+                groups.setdefault((job.kind, json.dumps(job.options, sort_keys=True)), []).append(job)
+            for (kind, _), group in groups.items():
+                texts = [t for j in group for t in j.texts]
+                self.metrics.batch.observe(len(texts))
+                try:
+                    rows = self._compute(kind, group, texts)
+                except Exception as e:  # noqa: BLE001 - the requests get the error, the server goes on
+                    for j in group:
+                        j.loop.call_soon_threadsafe(_settle, j.future, None, e)
+                    continue
+                start = 0
+                for j in group:
+                    part = rows[start:start + len(j.texts)]
+                    start += len(j.texts)
+                    j.loop.call_soon_threadsafe(_settle, j.future, part, None)
+
+    def _compute(self, kind, group, texts):
+        options = group[0].options
+        if kind == "embed":
+            return self.embedder.encode(texts, pooling=options.get("pooling"), normalize=options.get("normalize", True),
+                                        batch_size=self.batch_size, progress=False)
+        pairs = None
+        if any(j.pairs is not None for j in group):
+            pairs = [p for j in group for p in (j.pairs if j.pairs is not None else [""] * len(j.texts))]
+        return self.task_model.predict(texts, pairs=pairs, batch_size=self.batch_size)
+
+
+def _settle(future, value, error):
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(value)
+
+
+class _Metrics:
+    def __init__(self):
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.registry = CollectorRegistry()
+        self.requests = Counter("kbert_requests", "HTTP requests by route and status", ["route", "status"],
+                                registry=self.registry)
+        self.latency = Histogram("kbert_request_seconds", "request latency by route", ["route"], registry=self.registry,
+                                 buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+        self.batch = Histogram("kbert_batch_texts", "texts per model batch", registry=self.registry,
+                               buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024))
+        self.queue = Gauge("kbert_queue_texts", "texts waiting for the model", registry=self.registry)
+        self.texts = Counter("kbert_texts", "texts answered", ["route"], registry=self.registry)
+
+
+def _texts(value, field: str, max_texts: int, max_chars: int) -> List[str]:
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not value or not all(isinstance(t, str) for t in value):
+        raise HTTPError(400, f"`{field}` must be a string or a non-empty list of strings")
+    if len(value) > max_texts:
+        raise HTTPError(413, f"`{field}` has {len(value)} texts; at most {max_texts} per request", "too_large")
+    longest = max(len(t) for t in value)
+    if longest > max_chars:
+        raise HTTPError(413, f"a text of `{field}` has {longest} characters; at most {max_chars}", "too_large")
+    return value
+
+
+def build_app(model: str, max_batch_tokens: int = 8192, max_wait_ms: float = 5.0, max_queue: int = 4096,
+              max_texts: int = 512, max_chars: int = 20000, timeout_s: float = 30.0, warm: bool = True):
+    """The Starlette app serving `model` (a kbert model dir, a fine-tuned task dir, or a Hugging Face dir);
+    `app.state.engine` is its `Engine`. `warm=False` leaves /health at 503 until `engine.warm_up()`."""
+    import contextlib
+
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse, Response
+    from starlette.routing import Route
+
+    engine = Engine(model, max_batch_tokens, max_wait_ms, max_queue)
+    name = str(model).rstrip("/").rsplit("/", 1)[-1]
+
+    def error(e: HTTPError, route: str) -> JSONResponse:
+        engine.metrics.requests.labels(route, str(e.status)).inc()
+        return JSONResponse({"error": {"message": e.message, "type": e.kind, "code": e.status}}, e.status,
+                            headers=e.headers)
+
+    async def body(request) -> dict:
+        raw = await request.body()
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise HTTPError(400, f"the request body is not UTF-8 (byte {e.start}); send JSON in UTF-8") from None
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise HTTPError(400, f"the request body is not valid JSON: {e}") from None
+        if not isinstance(data, dict):
+            raise HTTPError(400, "the request body must be a JSON object")
+        return data
+
+    def handler(route, fn):
+        async def handle(request):
+            start = time.perf_counter()
+            try:
+                if not engine.ready.is_set():
+                    raise HTTPError(503, "the model is still loading", "loading", {"Retry-After": "1"})
+                response = await fn(await body(request))
+            except HTTPError as e:
+                return error(e, route)
+            except ValueError as e:  # the model's own check of an option (pooling, ...)
+                return error(HTTPError(400, str(e)), route)
+            except Exception as e:  # noqa: BLE001 - a JSON 500 that names the failure, never a bare traceback
+                return error(HTTPError(500, f"{type(e).__name__}: {e}", "server_error"), route)
+            engine.metrics.requests.labels(route, "200").inc()
+            engine.metrics.latency.labels(route).observe(time.perf_counter() - start)
+            return JSONResponse(response)
+        return handle
+
+    async def embeddings(data):
+        texts = _texts(data.get("input"), "input", max_texts, max_chars)
+        options = {}
+        if "pooling" in data:
+            if not isinstance(data["pooling"], str):
+                raise HTTPError(400, "`pooling` must be a string")
+            options["pooling"] = data["pooling"]
+        if "normalize" in data:
+            if not isinstance(data["normalize"], bool):
+                raise HTTPError(400, "`normalize` must be true or false")
+            options["normalize"] = data["normalize"]
+        if "pooling" in options:  # refuse a bad pooling before it waits in the queue
+            engine.embedder.resolve_pooling(options["pooling"], None)
+        vectors = await engine.run("embed", texts, options, timeout=timeout_s)
+        engine.metrics.texts.labels("/v1/embeddings").inc(len(texts))
+        tokens = sum(engine.cost(t) for t in texts)
+        return {"object": "list", "model": data.get("model") or name,
+                "data": [{"object": "embedding", "index": i, "embedding": v.tolist()} for i, v in enumerate(vectors)],
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+    async def similarity(data):
+        source = _texts(data.get("source_sentence"), "source_sentence", 1, max_chars)
+        sentences = _texts(data.get("sentences"), "sentences", max_texts - 1, max_chars)
+        vectors = await engine.run("embed", source + sentences, {}, timeout=timeout_s)
+        return {"similarities": [float(x) for x in vectors[1:] @ vectors[0]]}
+
+    async def classify(data):
+        if engine.task_model is None:
+            raise HTTPError(404, f"{name} is not a fine-tuned task dir: /v1/classify needs one (`kbert finetune`)",
+                            "not_found")
+        texts = _texts(data.get("input"), "input", max_texts, max_chars)
+        pairs = data.get("pairs")
+        if pairs is not None:
+            pairs = _texts(pairs, "pairs", max_texts, max_chars)
+            if len(pairs) != len(texts):
+                raise HTTPError(400, f"`pairs` has {len(pairs)} texts for {len(texts)} inputs")
+        rows = await engine.run("classify", texts, {}, pairs=pairs, timeout=timeout_s)
+        model = engine.task_model
+        out = []
+        for i, row in enumerate(rows):
+            if model.task == "regression":
+                out.append({"index": i, "value": float(row)})
+            elif model.task == "tagging":
+                out.append({"index": i, "tags": [[w, t] for w, t in row]})
+            else:
+                probs = np.asarray(row, np.float64)
+                out.append({"index": i, "label": model.labels[int(np.argmax(probs))],
+                            "probabilities": {label: float(p) for label, p in zip(model.labels, probs)}})
+        return {"task": model.task, "data": out}
+
+    async def health(request):
+        if engine.ready.is_set():
+            return JSONResponse({"status": "ok", "model": name})
+        return JSONResponse({"status": "loading"}, 503, headers={"Retry-After": "1"})
+
+    async def metrics(request):
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return Response(generate_latest(engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        await asyncio.to_thread(engine.start, warm)
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(engine.stop)  # uvicorn has let the requests in flight finish
+
+    routes = [Route("/v1/embeddings", handler("/v1/embeddings", embeddings), methods=["POST"]),
+              Route("/v1/similarity", handler("/v1/similarity", similarity), methods=["POST"]),
+              Route("/v1/classify", handler("/v1/classify", classify), methods=["POST"]),
+              Route("/health", health), Route("/metrics", metrics)]
+    app = Starlette(routes=routes, lifespan=lifespan)
+    app.state.engine = engine
+    return app
+
+
+def serve(model: str, host: str = "127.0.0.1", port: int = 8080, **options) -> None:
+    """Serves `model` with uvicorn until SIGTERM or Ctrl-C (which drain the requests in flight first)."""
+    import uvicorn
+
+    app = build_app(model, **options)
+    uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=30)

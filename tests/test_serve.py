@@ -1,0 +1,236 @@
+"""`kbert serve` on loopback: the OpenAI-format round trip, batching under concurrency, bad input and its status
+codes, the full queue and the deadline, classification from a task dir, /health and /metrics, and SIGTERM
+draining the requests in flight."""
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import kbert
+from kbert.data.corpus import corpus
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("uvicorn")
+pytest.importorskip("starlette")
+
+TEXTS = ["대한민국은 민주공화국이다.", "모든 국민은 법 앞에 평등하다.", "국회는 법률을 제정한다.", "짧은 글",
+         "대통령은 국가의 원수이며 외국에 대하여 국가를 대표한다.", "헌법 개정은 국회 재적의원 과반수의 발의로 제안된다."]
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    """A small BERT with its tokenizer, and a classification task dir on it (an untrained head)."""
+    from kbert.data.features import build_network
+    from kbert.embed.task_model import TaskModel
+    from kbert.models.tasks import TaskNetwork
+
+    root = tmp_path_factory.mktemp("serve")
+    tok = kbert.Tokenizer.train(corpus(["kolaw"]), vocab_size=900, progress=False)
+    cfg = kbert.ModelConfig.preset("bert-tiny", vocab_size=tok.vocab_size, hidden_size=32, num_heads=2,
+                                   intermediate_size=64, num_layers=2, max_position=128)
+    backbone = kbert.BertBackbone(cfg)
+    model_dir = kbert.save_model(backbone, str(root / "model"), tokenizer=tok)
+    emb = kbert.Embedder.load(model_dir)
+    network = TaskNetwork(emb.backbone, "classification", 2, 0.0, (0.0, 1.0), "pooler", -1)
+    build_network(network, emb.tokenizer)
+    meta = {"task": "classification", "labels": ["부정", "긍정"], "max_length": 64, "text_column": "text",
+            "pair_column": None, "label_column": "label", "pooling": "pooler", "layers": -1}
+    task_dir = TaskModel(network, emb.tokenizer, meta).save(str(root / "task"))
+    return model_dir, task_dir
+
+
+class Running:
+    """A uvicorn server on 127.0.0.1 (an ephemeral port) in a thread."""
+
+    def __init__(self, app):
+        import uvicorn
+
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 120
+        while not self.server.started:
+            assert time.time() < deadline, "the server did not start"
+            time.sleep(0.05)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(timeout=60)
+
+
+def test_health_waits_for_warm_up_and_embeddings_equal_encode(dirs):
+    from kbert.server import build_app
+
+    model_dir, _ = dirs
+    app = build_app(model_dir, warm=False)
+    emb = kbert.Embedder.load(model_dir)
+    with Running(app) as srv, httpx.Client(base_url=srv.url, timeout=60) as client:
+        assert client.get("/health").status_code == 503
+        early = client.post("/v1/embeddings", json={"input": TEXTS})
+        assert early.status_code == 503 and early.headers["retry-after"] == "1"
+        app.state.engine.warm_up()
+        assert client.get("/health").json()["status"] == "ok"
+        r = client.post("/v1/embeddings", json={"input": TEXTS, "model": "kbert-test"})
+        assert r.status_code == 200
+        body = r.json()
+        assert body["object"] == "list" and body["model"] == "kbert-test"
+        assert [d["index"] for d in body["data"]] == list(range(len(TEXTS)))
+        got = np.array([d["embedding"] for d in body["data"]], np.float32)
+        np.testing.assert_allclose(got, emb.encode(TEXTS), atol=1e-6)
+        assert body["usage"]["prompt_tokens"] == body["usage"]["total_tokens"] > 0
+        one = client.post("/v1/embeddings", json={"input": TEXTS[0], "pooling": "cls", "normalize": False}).json()
+        np.testing.assert_allclose(one["data"][0]["embedding"], emb.encode(TEXTS[0], pooling="cls", normalize=False),
+                                   atol=1e-6)
+        sim = client.post("/v1/similarity", json={"source_sentence": TEXTS[0], "sentences": TEXTS[1:3]}).json()
+        vectors = emb.encode(TEXTS[:3])
+        np.testing.assert_allclose(sim["similarities"], vectors[1:] @ vectors[0], atol=1e-6)
+        metrics = client.get("/metrics").text
+        assert 'kbert_requests_total{route="/v1/embeddings",status="200"} 2.0' in metrics
+        assert 'kbert_requests_total{route="/v1/embeddings",status="503"} 1.0' in metrics
+        assert "kbert_batch_texts_count" in metrics and "kbert_queue_texts" in metrics
+
+
+def test_concurrent_requests_are_batched_and_each_gets_its_own_rows(dirs):
+    from kbert.server import build_app
+
+    model_dir, _ = dirs
+    expected = kbert.Embedder.load(model_dir).encode(TEXTS * 6)
+    app = build_app(model_dir, max_wait_ms=20)
+    requests = [[TEXTS[(i + k) % len(TEXTS)] for k in range(1 + i % 3)] for i in range(32)]
+
+    async def load(url):
+        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+            return await asyncio.gather(*[client.post("/v1/embeddings", json={"input": r}) for r in requests])
+
+    with Running(app) as srv:
+        responses = asyncio.run(load(srv.url))
+        metrics = httpx.get(srv.url + "/metrics").text
+    lookup = {t: expected[TEXTS.index(t)] for t in TEXTS}
+    for texts, response in zip(requests, responses):
+        assert response.status_code == 200
+        got = np.array([d["embedding"] for d in response.json()["data"]], np.float32)
+        np.testing.assert_allclose(got, np.stack([lookup[t] for t in texts]), atol=1e-5)
+    count = float(metrics.split("kbert_batch_texts_count ")[1].split()[0])
+    total = float(metrics.split("kbert_batch_texts_sum ")[1].split()[0])
+    assert total == sum(len(r) for r in requests) and count < len(requests)  # requests shared batches
+
+
+def test_bad_input_gets_its_status_and_a_json_message(dirs):
+    from kbert.server import build_app
+
+    model_dir, _ = dirs
+    with Running(build_app(model_dir, max_texts=4, max_chars=50)) as srv, \
+            httpx.Client(base_url=srv.url, timeout=60) as client:
+        cases = [
+            (client.post("/v1/embeddings", content=b"{not json"), 400, "not valid JSON"),
+            (client.post("/v1/embeddings", content=b'{"input": "\xff\xfe"}'), 400, "not UTF-8"),
+            (client.post("/v1/embeddings", json=["a list"]), 400, "JSON object"),
+            (client.post("/v1/embeddings", json={"input": 5}), 400, "`input` must be a string"),
+            (client.post("/v1/embeddings", json={"input": []}), 400, "non-empty list"),
+            (client.post("/v1/embeddings", json={"input": ["a"] * 5}), 413, "at most 4"),
+            (client.post("/v1/embeddings", json={"input": "가" * 51}), 413, "at most 50"),
+            (client.post("/v1/embeddings", json={"input": "a", "pooling": "median"}), 400, "pooling"),
+            (client.post("/v1/embeddings", json={"input": "a", "normalize": "yes"}), 400, "true or false"),
+            (client.post("/v1/classify", json={"input": "a"}), 404, "not a fine-tuned task dir"),
+            (client.post("/v1/similarity", json={"source_sentence": ["a", "b"], "sentences": ["c"]}), 413, "at most 1"),
+        ]
+        for response, status, message in cases:
+            assert response.status_code == status, (response.status_code, response.text)
+            error = response.json()["error"]
+            assert message in error["message"] and error["code"] == status, error
+
+
+def test_a_full_queue_answers_429_at_once_and_a_late_request_504(dirs):
+    from kbert.server import build_app
+
+    model_dir, _ = dirs
+    app = build_app(model_dir, max_queue=4, timeout_s=3.0)
+    with Running(app) as srv:
+        app.state.engine.pause()  # the model is busy: nothing leaves the queue
+
+        out = {}
+
+        def first():  # its texts wait in the queue until the deadline
+            out["first"] = httpx.post(srv.url + "/v1/embeddings", json={"input": TEXTS[:3]}, timeout=60)
+
+        waiting = threading.Thread(target=first)
+        waiting.start()
+        time.sleep(0.3)
+        t = time.perf_counter()
+        second = httpx.post(srv.url + "/v1/embeddings", json={"input": TEXTS[:3]}, timeout=60)
+        waited = time.perf_counter() - t
+        waiting.join(timeout=60)
+        first = out["first"]
+        assert second.status_code == 429 and second.headers["retry-after"] == "1" and waited < 1.5  # not the 3 s deadline
+        assert "busy" in second.json()["error"]["message"]
+        assert first.status_code == 504 and "no answer within 3 s" in first.json()["error"]["message"]
+        app.state.engine.pause(False)
+        assert httpx.post(srv.url + "/v1/embeddings", json={"input": TEXTS[:2]}, timeout=60).status_code == 200
+
+
+def test_classify_from_a_task_dir(dirs):
+    from kbert.server import build_app
+
+    _, task_dir = dirs
+    expected = kbert.TaskModel.load(task_dir).predict(TEXTS[:3])
+    with Running(build_app(task_dir)) as srv:
+        body = httpx.post(srv.url + "/v1/classify", json={"input": TEXTS[:3]}, timeout=60).json()
+    assert body["task"] == "classification"
+    for i, row in enumerate(body["data"]):
+        probs = [row["probabilities"][label] for label in ("부정", "긍정")]
+        np.testing.assert_allclose(probs, expected[i], atol=1e-6)
+        assert row["label"] == ("부정", "긍정")[int(np.argmax(expected[i]))]
+
+
+@pytest.mark.slow
+def test_sigterm_drains_the_requests_in_flight(dirs):
+    model_dir, _ = dirs
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "kbert.cli", "serve", "--model", model_dir, "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 180
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.time() < deadline and proc.poll() is None, proc.stderr.read() if proc.poll() else "no start"
+            time.sleep(0.2)
+        results = []
+
+        def call(i):
+            r = httpx.post(url + "/v1/embeddings", json={"input": [f"{t} {i}" for t in TEXTS] * 40}, timeout=120)
+            results.append(r.status_code)
+
+        threads = [threading.Thread(target=call, args=(i,)) for i in range(6)]
+        for t in threads:
+            t.start()
+        time.sleep(0.3)  # the requests are in: queued or running
+        proc.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(timeout=120)
+        # uvicorn drains, then re-raises the signal: the conventional "terminated" status, after a clean stop
+        assert proc.wait(timeout=120) in (0, -signal.SIGTERM)
+        assert results == [200] * 6
+    finally:
+        if proc.poll() is None:
+            proc.kill()
