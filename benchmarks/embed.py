@@ -74,7 +74,7 @@ def main():
     kbert.export_transformers(backbone, hf_dir, tokenizer=tok)
 
     emb = kbert.Embedder.load(kbert_dir)
-    st = SentenceTransformer(modules=[Transformer(hf_dir, max_lengthgth=cfg.max_position),
+    st = SentenceTransformer(modules=[Transformer(hf_dir, max_seq_length=cfg.max_position),
                                       Pooling(cfg.hidden_size, pooling_mode="mean")], device="cpu")
     served = tf.saved_model.load(kbert.export(kbert_dir, os.path.join(work, "serving")))
     serve = served.signatures["serving_default"]

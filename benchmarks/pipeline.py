@@ -165,10 +165,10 @@ def ref_masked_lm(tokens, mlm_prob, max_pred, vocab_words, rng, whole_word=True)
     return output, [p for p, _ in masked], [t for _, t in masked]
 
 
-def ref_instances_from_document(all_documents, document_index, max_lengthgth, short_seq_prob, mlm_prob, max_pred,
+def ref_instances_from_document(all_documents, document_index, max_seq_length, short_seq_prob, mlm_prob, max_pred,
                                 vocab_words, rng):
     document = all_documents[document_index]
-    max_num_tokens = max_lengthgth - 3
+    max_num_tokens = max_seq_length - 3
     target = max_num_tokens
     if rng.random() < short_seq_prob:
         target = rng.randint(2, max_num_tokens)
@@ -210,7 +210,7 @@ def ref_instances_from_document(all_documents, document_index, max_lengthgth, sh
     return instances
 
 
-def ref_write(instances, tokenizer, max_lengthgth, max_pred, path):
+def ref_write(instances, tokenizer, max_seq_length, max_pred, path):
     import tensorflow as tf
 
     def ints(values):
@@ -224,7 +224,7 @@ def ref_write(instances, tokenizer, max_lengthgth, max_pred, path):
             ids = [tokenizer.vocab[t] for t in inst.tokens]
             mask = [1] * len(ids)
             seg = list(inst.segment_ids)
-            while len(ids) < max_lengthgth:
+            while len(ids) < max_seq_length:
                 ids.append(0)
                 mask.append(0)
                 seg.append(0)
