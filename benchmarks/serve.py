@@ -1,0 +1,239 @@
+"""`kbert serve` under bounded load on loopback, beside the server a user would write and offline encoding.
+
+Three things side by side in one run, on the same bert-mini weights (random; speed does not depend on them)
+and the same short Korean sentences (movie reviews from ../shared/data):
+- `kbert serve` (dynamic batching), started as `kbert serve --model DIR` in its own process;
+- the peer: sentence-transformers on the same weights (exported with `kbert.export_transformers`) behind a
+  minimal FastAPI endpoint that embeds one request at a time (what one writes without batching);
+- offline `Embedder.encode` of the same sentences (batch 64): the ceiling a server can approach.
+Load: an asyncio client (httpx, one connection per simulated client) sends a fixed number of
+single-sentence requests at 1, 8, 32 and 128 concurrent clients; then an overload burst against a server
+started with a small queue (fast 429s expected, no 5xx, no crash). Reported: requests/s, p50/p99 latency,
+errors by status, the server's resident memory before and after. `--soak N` sends N more requests and
+reports memory growth (the goal: flat within 10% over 100,000).
+
+    python benchmarks/serve.py --shared ../shared/data [--requests 2000] [--soak 100000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import csv
+import gzip
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+PEER = r'''
+import sys, numpy as np, uvicorn
+from fastapi import FastAPI
+from sentence_transformers import SentenceTransformer
+from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
+hf_dir, hidden, port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+model = SentenceTransformer(modules=[Transformer(hf_dir, max_seq_length=128), Pooling(hidden, pooling_mode="mean")],
+                            device="cpu")
+model.encode(["준비"])
+app = FastAPI()
+
+@app.get("/health")
+async def health():
+    return {"status": "ok"}
+
+@app.post("/v1/embeddings")
+async def embeddings(body: dict):  # async and blocking: one request at a time, as a first server does
+    texts = body["input"] if isinstance(body["input"], list) else [body["input"]]
+    vectors = model.encode(texts, normalize_embeddings=True, convert_to_numpy=True)
+    return {"data": [{"index": i, "embedding": v.tolist()} for i, v in enumerate(vectors)]}
+
+uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
+'''
+
+
+def read_sentences(path: str, n: int):
+    out = []
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        for row in csv.DictReader(f, delimiter="\t", quoting=csv.QUOTE_NONE):
+            text = (row.get("text") or "").strip()
+            if 5 <= len(text) <= 80:
+                out.append(text)
+                if len(out) == n:
+                    break
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def start(cmd, url, timeout=300):
+    import httpx
+
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{cmd[:4]} exited: {proc.stderr.read()[-2000:]}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc
+        except httpx.TransportError:
+            pass
+        time.sleep(0.25)
+    proc.kill()
+    raise RuntimeError(f"{cmd[:4]} did not become healthy in {timeout} s")
+
+
+def stop(proc):
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+async def load(url: str, sentences, requests: int, clients: int) -> dict:
+    """`requests` single-sentence POSTs spread over `clients` concurrent clients (one connection each)."""
+    import httpx
+
+    latencies, statuses = [], {}
+    counter = iter(range(requests))
+
+    async def client():
+        async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+            for i in counter:
+                t = time.perf_counter()
+                try:
+                    r = await http.post("/v1/embeddings", json={"input": sentences[i % len(sentences)]})
+                    status = r.status_code
+                except httpx.HTTPError as e:
+                    status = type(e).__name__
+                latencies.append(time.perf_counter() - t)
+                statuses[status] = statuses.get(status, 0) + 1
+
+    t = time.perf_counter()
+    await asyncio.gather(*[client() for _ in range(clients)])
+    elapsed = time.perf_counter() - t
+    ok = sorted(latencies)
+    return {"clients": clients, "requests": requests, "rps": requests / elapsed,
+            "p50_ms": 1000 * ok[len(ok) // 2], "p99_ms": 1000 * ok[min(len(ok) - 1, int(len(ok) * 0.99))],
+            "statuses": statuses}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shared", default=os.path.join("..", "shared", "data"))
+    parser.add_argument("--requests", type=int, default=2000, help="requests per concurrency level")
+    parser.add_argument("--clients", default="1,8,32,128")
+    parser.add_argument("--peer-requests", type=int, default=600, help="requests per level for the slower peer")
+    parser.add_argument("--soak", type=int, default=0, help="extra requests for the memory check (100000: goal)")
+    parser.add_argument("--out", help="write the results as JSON here")
+    args = parser.parse_args()
+
+    import numpy as np
+
+    import kbert
+
+    sentences = read_sentences(os.path.join(args.shared, "movie-reviews", "reviews.tsv.gz"), 5000)
+    work = tempfile.mkdtemp(prefix="kbert-serve-bench-")
+    tok = kbert.Tokenizer.train(sentences, vocab_size=4000, algorithm="wordpiece", progress=False)
+    cfg = kbert.ModelConfig.preset("bert-mini", vocab_size=tok.vocab_size)
+    backbone = kbert.BertBackbone(cfg)
+    model_dir, hf_dir = os.path.join(work, "kbert"), os.path.join(work, "hf")
+    kbert.save_model(backbone, model_dir, tokenizer=tok)
+    kbert.export_transformers(backbone, hf_dir, tokenizer=tok)
+    results = {"sentences": len(sentences), "mean_chars": float(np.mean([len(s) for s in sentences]))}
+
+    emb = kbert.Embedder.load(model_dir)
+    emb.encode(sentences[:256], progress=False)
+    t = time.perf_counter()
+    emb.encode(sentences, batch_size=64, progress=False)
+    results["offline_sentences_per_s"] = len(sentences) / (time.perf_counter() - t)
+    del emb
+    print(f"offline Embedder.encode: {results['offline_sentences_per_s']:,.0f} sentences/s", flush=True)
+
+    levels = [int(c) for c in args.clients.split(",")]
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    server = start([sys.executable, "-m", "kbert.cli", "serve", "--model", model_dir, "--port", str(port)], url)
+    results["kbert_rss_mb_start"] = rss_mb(server.pid)
+    results["kbert"] = []
+    for clients in levels:
+        row = asyncio.run(load(url, sentences, args.requests, clients))
+        results["kbert"].append(row)
+        print("kbert", json.dumps(row), flush=True)
+    if args.soak:
+        before = rss_mb(server.pid)
+        row = asyncio.run(load(url, sentences, args.soak, 32))
+        results["soak"] = dict(row, rss_mb_before=before, rss_mb_after=rss_mb(server.pid))
+        print("soak", json.dumps(results["soak"]), flush=True)
+    results["kbert_rss_mb_end"] = rss_mb(server.pid)
+    stop(server)
+
+    # overload: a small queue and four times more clients than the 32-client level
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    server = start([sys.executable, "-m", "kbert.cli", "serve", "--model", model_dir, "--port", str(port),
+                    "--max-queue", "32"], url)
+    row = asyncio.run(load(url, sentences, args.requests, 4 * 32))
+    row["alive_after"] = server.poll() is None
+    results["overload"] = row
+    print("overload", json.dumps(row), flush=True)
+    stop(server)
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    peer_file = os.path.join(work, "peer.py")
+    with open(peer_file, "w", encoding="utf-8") as f:
+        f.write(PEER)
+    peer = start([sys.executable, peer_file, hf_dir, str(cfg.hidden_size), str(port)], url)
+    results["peer"] = []
+    for clients in levels:
+        row = asyncio.run(load(url, sentences, args.peer_requests, clients))
+        results["peer"].append(row)
+        print("peer", json.dumps(row), flush=True)
+    stop(peer)
+
+    print("\n| clients | kbert serve req/s | p50 ms | p99 ms | errors | peer req/s | peer p99 ms | kbert / peer | "
+          "kbert / offline encode |")
+    print("|---:|---:|---:|---:|---|---:|---:|---:|---:|")
+    for k, p in zip(results["kbert"], results["peer"]):
+        errors = {s: n for s, n in k["statuses"].items() if s != 200} or "none"
+        print(f"| {k['clients']} | {k['rps']:,.0f} | {k['p50_ms']:.1f} | {k['p99_ms']:.1f} | {errors} | "
+              f"{p['rps']:,.0f} | {p['p99_ms']:.1f} | {k['rps'] / p['rps']:.2f}x | "
+              f"{k['rps'] / results['offline_sentences_per_s']:.2f} |")
+    o = results["overload"]
+    print(f"\noverload (128 clients, queue 32): {o['rps']:,.0f} req/s, statuses {o['statuses']}, p99 "
+          f"{o['p99_ms']:.0f} ms, server alive: {o['alive_after']}")
+    print(f"kbert serve memory: {results['kbert_rss_mb_start']:.0f} MB after warm-up -> "
+          f"{results['kbert_rss_mb_end']:.0f} MB after the load")
+    if "soak" in results:
+        s = results["soak"]
+        print(f"soak: {s['requests']:,} requests, RSS {s['rss_mb_before']:.0f} -> {s['rss_mb_after']:.0f} MB "
+              f"({100 * (s['rss_mb_after'] / s['rss_mb_before'] - 1):+.1f}%)")
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
