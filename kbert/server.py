@@ -16,9 +16,10 @@ Routes (JSON in and out; errors are `{"error": {"message", "type", "code"}}` wit
 
 Dynamic batching: the texts of concurrent requests wait in one bounded queue; a worker thread (the model runs
 off the event loop) takes them in arrival order into a batch until `max_batch_tokens` (tokens counted as
-characters + 2, an upper bound for Korean text, capped at the model's length) or `max_wait_ms` after the
-first, groups texts of the same route and options, runs them (sorted by length inside `Embedder.encode`),
-and hands every request its own rows in its input order.
+characters + 2, an upper bound for Korean text, capped at the model's length), waiting up to `max_wait_ms`
+only for requests already being read (an idle server answers a lone request at once, and requests that
+arrive while the model runs form the next batch), groups texts of the same route and options, runs them
+(sorted by length inside `Embedder.encode`), and hands every request its own rows in its input order.
 
 Limits: malformed JSON, a wrong field type, or a body that is not UTF-8: 400; more than `max_texts` texts
 or a text over `max_chars` characters: 413; a full queue (`max_queue` texts): 429 with `Retry-After`, at
@@ -74,6 +75,7 @@ class Engine:
         self.max_queue, self.batch_size = int(max_queue), int(batch_size)
         self._jobs: "list[_Job]" = []
         self._queued = 0  # texts waiting
+        self._receiving = 0  # requests read by a handler and not yet queued: a batch may wait for them
         self._cond = threading.Condition()
         self._stop = False
         self._paused = threading.Event()  # set: the worker holds off (tests of a busy server)
@@ -109,10 +111,17 @@ class Engine:
             self._cond.notify_all()
 
     # ------------------------------------------------------------------ requests
+    def receiving(self, delta: int) -> None:
+        """A handler started (+1) or finished (-1) reading a request that will queue texts."""
+        with self._cond:
+            self._receiving += delta
+            self._cond.notify_all()
+
     def cost(self, text: str) -> int:
         return min(len(text) + 2, self.max_length)
 
-    async def run(self, kind: str, texts: List[str], options: dict, pairs=None, timeout: float = 30.0):
+    async def run(self, kind: str, texts: List[str], options: dict, pairs=None, timeout: float = 30.0,
+                  ticket=None):
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         job = _Job(kind, texts, pairs, options, future, loop, sum(self.cost(t) for t in texts))
@@ -122,6 +131,9 @@ class Engine:
                                      f"{self.max_queue}); retry shortly", "overloaded", {"Retry-After": "1"})
             self._jobs.append(job)
             self._queued += len(texts)
+            if ticket is not None and ticket["arriving"]:  # queued: no longer a request to wait for
+                ticket["arriving"] = False
+                self._receiving -= 1
             self.metrics.queue.set(self._queued)
             self._cond.notify_all()
         try:
@@ -147,7 +159,9 @@ class Engine:
                         break
                     taken.append(job)
                     tokens += job.cost
-                if tokens >= self.max_batch_tokens or len(taken) < len(self._jobs) or self._stop:
+                # wait only for requests already arriving: an idle server answers a lone request at once
+                if (tokens >= self.max_batch_tokens or len(taken) < len(self._jobs) or self._stop
+                        or self._receiving == 0):
                     break
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -217,6 +231,19 @@ class _Metrics:
         self.texts = Counter("kbert_texts", "texts answered", ["route"], registry=self.registry)
 
 
+def _json_response(content: dict):
+    """JSON with numpy vectors in it: orjson writes float32 arrays directly (several times faster than
+    `json.dumps` of Python floats, which the vectors' share of a response makes the server's main cost)."""
+    from starlette.responses import Response
+
+    try:
+        import orjson
+    except ImportError:
+        return Response(json.dumps(content, default=lambda v: v.tolist(), ensure_ascii=False),
+                        media_type="application/json")
+    return Response(orjson.dumps(content, option=orjson.OPT_SERIALIZE_NUMPY), media_type="application/json")
+
+
 def _texts(value, field: str, max_texts: int, max_chars: int) -> List[str]:
     if isinstance(value, str):
         value = [value]
@@ -268,7 +295,13 @@ def build_app(model: str, max_batch_tokens: int = 8192, max_wait_ms: float = 5.0
             try:
                 if not engine.ready.is_set():
                     raise HTTPError(503, "the model is still loading", "loading", {"Retry-After": "1"})
-                response = await fn(await body(request))
+                ticket = {"arriving": True}  # counted in engine._receiving until its texts are queued
+                engine.receiving(+1)
+                try:
+                    response = await fn(await body(request), ticket)
+                finally:
+                    if ticket["arriving"]:
+                        engine.receiving(-1)
             except HTTPError as e:
                 return error(e, route)
             except ValueError as e:  # the model's own check of an option (pooling, ...)
@@ -277,10 +310,10 @@ def build_app(model: str, max_batch_tokens: int = 8192, max_wait_ms: float = 5.0
                 return error(HTTPError(500, f"{type(e).__name__}: {e}", "server_error"), route)
             engine.metrics.requests.labels(route, "200").inc()
             engine.metrics.latency.labels(route).observe(time.perf_counter() - start)
-            return JSONResponse(response)
+            return _json_response(response)
         return handle
 
-    async def embeddings(data):
+    async def embeddings(data, ticket=None):
         texts = _texts(data.get("input"), "input", max_texts, max_chars)
         options = {}
         if "pooling" in data:
@@ -293,20 +326,20 @@ def build_app(model: str, max_batch_tokens: int = 8192, max_wait_ms: float = 5.0
             options["normalize"] = data["normalize"]
         if "pooling" in options:  # refuse a bad pooling before it waits in the queue
             engine.embedder.resolve_pooling(options["pooling"], None)
-        vectors = await engine.run("embed", texts, options, timeout=timeout_s)
+        vectors = await engine.run("embed", texts, options, timeout=timeout_s, ticket=ticket)
         engine.metrics.texts.labels("/v1/embeddings").inc(len(texts))
         tokens = sum(engine.cost(t) for t in texts)
         return {"object": "list", "model": data.get("model") or name,
-                "data": [{"object": "embedding", "index": i, "embedding": v.tolist()} for i, v in enumerate(vectors)],
+                "data": [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(vectors)],
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
-    async def similarity(data):
+    async def similarity(data, ticket=None):
         source = _texts(data.get("source_sentence"), "source_sentence", 1, max_chars)
         sentences = _texts(data.get("sentences"), "sentences", max_texts - 1, max_chars)
-        vectors = await engine.run("embed", source + sentences, {}, timeout=timeout_s)
+        vectors = await engine.run("embed", source + sentences, {}, timeout=timeout_s, ticket=ticket)
         return {"similarities": [float(x) for x in vectors[1:] @ vectors[0]]}
 
-    async def classify(data):
+    async def classify(data, ticket=None):
         if engine.task_model is None:
             raise HTTPError(404, f"{name} is not a fine-tuned task dir: /v1/classify needs one (`kbert finetune`)",
                             "not_found")
@@ -316,7 +349,7 @@ def build_app(model: str, max_batch_tokens: int = 8192, max_wait_ms: float = 5.0
             pairs = _texts(pairs, "pairs", max_texts, max_chars)
             if len(pairs) != len(texts):
                 raise HTTPError(400, f"`pairs` has {len(pairs)} texts for {len(texts)} inputs")
-        rows = await engine.run("classify", texts, {}, pairs=pairs, timeout=timeout_s)
+        rows = await engine.run("classify", texts, {}, pairs=pairs, timeout=timeout_s, ticket=ticket)
         model = engine.task_model
         out = []
         for i, row in enumerate(rows):
