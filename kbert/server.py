@@ -69,7 +69,9 @@ class Engine:
         self.model_dir = str(model_dir)
         meta = read_task_meta(self.model_dir)
         self.task_model = TaskModel.load(self.model_dir) if meta and meta["task"] != "sentence-embedding" else None
-        self.embedder = Embedder.load(self.model_dir)
+        # one copy of the weights: a task dir's model serves its vectors too
+        self.embedder = (self.task_model.embedder if self.task_model and self.task_model.embedder
+                         else Embedder.load(self.model_dir))
         self.max_length = self.embedder.max_length
         self.max_batch_tokens, self.max_wait = int(max_batch_tokens), float(max_wait_ms) / 1000.0
         self.max_queue, self.batch_size = int(max_queue), int(batch_size)

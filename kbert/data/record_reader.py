@@ -364,8 +364,3 @@ class RecordBatches:
             futures = (pool.submit(self.finish, index, chunk) for _, index, chunk in self._raw_batches())
             for future in in_background(futures, self.prefetch):
                 yield future.result()
-
-
-def record_batches(source, tokenizer, **kwargs) -> RecordBatches:
-    """`RecordBatches(source, tokenizer, **kwargs)`."""
-    return RecordBatches(source, tokenizer, **kwargs)

@@ -24,6 +24,7 @@ class TaskModel:
         self.network, self.tokenizer, self.meta = network, tokenizer, meta
         self.task, self.labels = meta["task"], meta.get("labels")
         self.max_length = meta.get("max_length", 128)
+        self.embedder = None  # set by `load`: an Embedder on the same backbone
         self._fn = None
 
     @classmethod
@@ -42,7 +43,9 @@ class TaskModel:
                               meta.get("pooling"), -1 if layers is None else layers)
         build_network(network, emb.tokenizer)
         load_task_head(network, model_dir)
-        return cls(network, emb.tokenizer, meta)
+        model = cls(network, emb.tokenizer, meta)
+        model.embedder = emb  # the same backbone, for sentence vectors (`kbert serve` uses both)
+        return model
 
     def save(self, model_dir: str) -> str:
         from kbert.models.io import save_model

@@ -20,7 +20,7 @@ Checkpoints are backend-neutral (`kbert.train.run_checkpoint`), so either backen
 from __future__ import annotations
 
 
-def make_backend(runtime, precision_request: str = "auto"):
+def make_backend(runtime):
     """The backend Keras runs on, set up for `runtime` (a `RuntimeConfig`)."""
     import keras
 
