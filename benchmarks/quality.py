@@ -134,6 +134,177 @@ def tfidf_sts(train, dev):
     return spearman(cos, [float(r["score"]) for r in dev])
 
 
+# ---------------------------------------------------------------- issue 43: sentence embeddings on unseen data
+def selected(key, fraction=0.1):
+    """The fixed selection split: rows whose key hashes under `fraction` (a salt of its own, so it is not the
+    sentiment split's movie rule). Recipes are chosen on this part of the *training* data only; KorSTS dev
+    and question-pair dev are reported, never tuned on."""
+    return hashlib.md5(("selection:" + key).encode("utf-8")).digest()[0] / 256.0 < fraction
+
+
+def read_tsv(path):
+    with open(path, encoding="utf-8-sig") as f:
+        return [dict(r) for r in csv.DictReader(f, delimiter="\t", quoting=csv.QUOTE_NONE)]
+
+
+def paraphrases(rows):
+    """Question-pair rows marked paraphrase (`is_duplicate` 0 in this re-split: 1 marks different questions)
+    whose two questions differ as text: an identical pair says nothing about a model (759 of the 4,169 train
+    paraphrases, 78 of the 432 dev ones)."""
+    return [(r["question1"], r["question2"]) for r in rows
+            if r["is_duplicate"].strip() == "0" and r["question1"].strip() != r["question2"].strip()]
+
+
+def nli_triplets(path):
+    """KorNLI XNLI dev as (premise, entailed hypothesis, contradicting hypothesis): each premise has one
+    hypothesis of each label; the contradiction is the hard negative."""
+    by_premise = {}
+    for r in read_tsv(path):
+        by_premise.setdefault(r["sentence1"], {})[r["gold_label"]] = r["sentence2"]
+    return [{"anchor": p, "positive": h["entailment"], "negative": h["contradiction"]}
+            for p, h in by_premise.items() if "entailment" in h and "contradiction" in h]
+
+
+def embedding_sets(shared, text, simcse_lines, seed, small):
+    """Everything the embedding stages train and score on. Train side: KorSTS train less its selection part,
+    question-pair train paraphrases less theirs, KorNLI triplets, SimCSE lines (pretraining text plus the
+    training-side sentences). Scored: the selection parts (recipe choice), KorSTS dev and question-pair dev."""
+    import random
+
+    sts_all = read_sts(os.path.join(shared, "korsts", "sts-train.tsv"))
+    qp_all = read_tsv(os.path.join(shared, "question-pair", "train.txt"))
+    sets = {
+        "sts_fit": [r for r in sts_all if not selected(r["sentence1"])],
+        "sts_select": [r for r in sts_all if selected(r["sentence1"])],
+        "sts_dev": read_sts(os.path.join(shared, "korsts", "sts-dev.tsv")),
+        "qp_fit": [r for r in qp_all if not selected(r["question1"])],
+        "qp_select": [r for r in qp_all if selected(r["question1"])],
+        "qp_dev": read_tsv(os.path.join(shared, "question-pair", "validation.txt")),
+        "nli": nli_triplets(os.path.join(shared, "kornli", "xnli.dev.ko.tsv")),
+    }
+    if small:
+        sets = {k: v[:400] for k, v in sets.items()}
+    lines = []
+    with open(text, encoding="utf-8") as f:
+        lines = [x.strip() for x in f if 10 <= len(x.strip()) <= 300]
+    random.Random(seed).shuffle(lines)
+    own = {r[c] for r in sets["sts_fit"] for c in ("sentence1", "sentence2")}
+    own |= {q for pair in paraphrases(sets["qp_fit"]) for q in pair}
+    own |= {r[c] for r in sets["nli"] for c in ("anchor", "positive", "negative")}
+    lines = (sorted(own) + lines)[:simcse_lines]
+    random.Random(seed + 1).shuffle(lines)
+    sets["simcse"] = [{"text": x} for x in lines]
+    return sets
+
+
+def retrieval_recall(encode, rows):
+    """Question-pair retrieval: each paraphrase pair's first question against every distinct second question
+    of the split (paraphrase or not); recall@1 = how often its own paraphrase ranks first."""
+    import numpy as np
+
+    pairs = paraphrases(rows)
+    candidates = sorted({r["question2"] for r in rows})
+    where = {c: i for i, c in enumerate(candidates)}
+    top = np.argmax(encode([q for q, _ in pairs]) @ encode(candidates).T, axis=1)
+    return float(np.mean([top[i] == where[p] for i, (_, p) in enumerate(pairs)]))
+
+
+def sts_spearman(encode, rows):
+    import numpy as np
+
+    from kbert.train.metrics import spearman
+
+    a, b = encode([r["sentence1"] for r in rows]), encode([r["sentence2"] for r in rows])
+    return spearman(np.sum(a * b, axis=1), [float(r["score"]) for r in rows])
+
+
+def score_embeddings(encode, sets):
+    """The four figures of the table for one way of encoding (unit vectors `[n, h]` from a list of texts)."""
+    return {"sts_select": sts_spearman(encode, sets["sts_select"]), "qp_select": retrieval_recall(encode, sets["qp_select"]),
+            "sts_dev": sts_spearman(encode, sets["sts_dev"]), "qp_dev": retrieval_recall(encode, sets["qp_dev"])}
+
+
+def tfidf_encoder(sets):
+    """TF-IDF character 1-3-grams fitted on the training-side sentences (unit rows, so a dot is a cosine)."""
+    from sklearn.feature_extraction.text import TfidfVectorizer
+
+    vec = TfidfVectorizer(analyzer="char_wb", ngram_range=(1, 3), sublinear_tf=True)
+    vec.fit([r[c] for r in sets["sts_fit"] for c in ("sentence1", "sentence2")]
+            + [q for r in sets["qp_fit"] for q in (r["question1"], r["question2"])])
+    return lambda texts: vec.transform(texts).toarray()
+
+
+def embedding_stages(args, out, model_dir, sets):
+    """Issue 43's table: TF-IDF, today's bi-encoder, SimCSE only, and SimCSE + multi-dataset, every model
+    fine-tuned on `args.sts_seeds` seeds; each fine-tuning keeps its best epoch on the selection split."""
+    import kbert
+
+    def scored(out_dir):
+        embedder = kbert.Embedder.load(out_dir)
+        return score_embeddings(lambda texts: embedder.encode(texts, progress=False), sets)
+
+    def tuned(name, model, train, **kw):
+        out_dir = os.path.join(out, name)
+
+        def run():
+            summary = kbert.finetune(model, "sentence-embedding", train, sets["sts_select"], out_dir=out_dir,
+                                     text_column="sentence1", pair_column="sentence2", label_column="score",
+                                     layers="all", max_length=64, patience=None, progress=True, **kw)
+            return {"select_history": [h.get("dev_spearman") for h in summary["history"]],
+                    "best_step": summary["best_step"], **scored(out_dir)}
+        return stage(out, name, run)
+
+    small = args.small
+    tfidf = stage(out, "emb-tfidf", lambda: score_embeddings(tfidf_encoder(sets), sets))
+    simcse_data = [{"data": sets["simcse"], "text_column": "text", "objective": "simcse"}]
+    multi_data = [
+        {"data": sets["nli"], "text_column": "anchor", "pair_column": "positive", "negative_column": "negative"},
+        {"data": [{"anchor": q, "positive": p} for q, p in paraphrases(sets["qp_fit"])],
+         "text_column": "anchor", "pair_column": "positive"},
+        {"data": sets["sts_fit"], "text_column": "sentence1", "pair_column": "sentence2", "label_column": "score"}]
+    runs = {"bi-encoder": [], "simcse": [], "simcse-multi": []}
+    for seed in range(args.seed, args.seed + args.sts_seeds):
+        runs["bi-encoder"].append(tuned(
+            f"emb-bi-encoder-seed{seed}", model_dir, sets["sts_fit"], backbone_dropout=0.0,
+            epochs=1 if small else 4, batch_size=32, learning_rate=2e-4, seed=seed))
+        runs["simcse"].append(tuned(
+            f"emb-simcse-seed{seed}", model_dir, None, datasets=simcse_data, epochs=1, batch_size=64,
+            learning_rate=args.simcse_lr, temperature=0.05, seed=seed))
+        runs["simcse-multi"].append(tuned(
+            f"emb-simcse-multi-seed{seed}", os.path.join(out, f"emb-simcse-seed{seed}"), None,
+            datasets=multi_data, mix="proportional", backbone_dropout=args.multi_dropout,
+            epochs=1 if small else args.multi_epochs, batch_size=32, learning_rate=args.multi_lr, seed=seed))
+    return tfidf, runs
+
+
+def print_embedding_table(tfidf, runs, sets):
+    import numpy as np
+
+    cols = ("sts_select", "qp_select", "sts_dev", "qp_dev")
+    print(f"\n| sentence vectors (mean of {len(runs['bi-encoder'])} fine-tuning seeds) | KorSTS selection Spearman "
+          f"| question-pair selection recall@1 | **KorSTS dev Spearman** | **question-pair dev recall@1** |")
+    print("|---|---:|---:|---:|---:|")
+    print("| TF-IDF char 1-3 cosine | " + " | ".join(f"{tfidf[c]:.4f}" for c in cols) + " |")
+    labels = {"bi-encoder": "bi-encoder: KorSTS cosine regression (issue 7's recipe)",
+              "simcse": "SimCSE only (unsupervised, raw text)",
+              "simcse-multi": "SimCSE + multi-dataset (NLI triplets, question pairs, KorSTS)"}
+    means = {}
+    for key, results in runs.items():
+        means[key] = {c: float(np.mean([r[c] for r in results])) for c in cols}
+        each = {c: ", ".join(f"{r[c]:.3f}" for r in results) for c in cols}
+        print(f"| {labels[key]} | " + " | ".join(f"{means[key][c]:.4f} ({each[c]})" for c in cols) + " |")
+    best = means["simcse-multi"]
+    for c, name in (("sts_select", "KorSTS selection"), ("sts_dev", "KorSTS dev")):
+        print(f"SimCSE + multi on {name}: {100 * (best[c] - tfidf[c]):+.1f} points over TF-IDF (goal >= +5), "
+              f"{100 * (best[c] - means['bi-encoder'][c]):+.1f} over the bi-encoder (goal > 0)")
+    print(f"(selection split: {len(sets['sts_select'])} KorSTS train pairs, {len(paraphrases(sets['qp_select']))} "
+          f"question-pair train paraphrases; trained on {len(sets['sts_fit'])} KorSTS pairs, "
+          f"{len(paraphrases(sets['qp_fit']))} paraphrases, {len(sets['nli'])} NLI triplets, "
+          f"{len(sets['simcse'])} SimCSE lines; reported: {len(sets['sts_dev'])} KorSTS dev pairs, "
+          f"{len(paraphrases(sets['qp_dev']))} question-pair dev paraphrases among "
+          f"{len({r['question2'] for r in sets['qp_dev']})} candidates)")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shared", default=os.path.join("..", "shared", "data"))
@@ -169,6 +340,15 @@ def main():
                         help="pretraining precision; auto: mixed_bfloat16 on a CPU with native bf16 instructions "
                              "(1.5x the tokens/s here), else float32 (runs 1-9 in benchmarks/README.md: float32). "
                              "Fine-tuning stays float32")
+    parser.add_argument("--only", choices=("all", "embeddings"), default="all",
+                        help="embeddings: after the pretraining, only the sentence-embedding table (issue 43)")
+    parser.add_argument("--simcse-lines", type=int, default=50000,
+                        help="SimCSE lines: the training-side sentences of KorSTS/NLI/question pairs, then pretraining text")
+    parser.add_argument("--simcse-lr", type=float, default=1e-4)
+    parser.add_argument("--multi-lr", type=float, default=2e-4, help="SimCSE + multi-dataset learning rate")
+    parser.add_argument("--multi-epochs", type=float, default=4.0)
+    parser.add_argument("--multi-dropout", type=float, default=0.0,
+                        help="backbone dropout in the multi-dataset run (0: as the bi-encoder's regression)")
     parser.add_argument("--small", action="store_true", help="a few minutes end to end (checks the chain)")
     args = parser.parse_args()
     if args.max_length < 8:
@@ -182,6 +362,7 @@ def main():
         parser.error("the TF-IDF baselines need scikit-learn: pip install scikit-learn (or pip install -e '.[bench]')")
     if args.small:
         args.minutes, args.train_examples, args.dev_examples = 1.0, 2000, 1000
+        args.simcse_lines = min(args.simcse_lines, 1000)
         args.out = args.out.rstrip("/") + "-small"
     os.makedirs(args.out, exist_ok=True)
 
@@ -277,6 +458,16 @@ def main():
         fresh = kbert.build_backbone(backbone.config)
         kbert.save_model(fresh, random_dir, tokenizer=kbert.Tokenizer.load(tok_dir))
 
+    def embeddings():  # issue 43: sentence vectors chosen on a selection split, reported on unseen sets
+        sets = embedding_sets(args.shared, text, args.simcse_lines, args.seed, args.small)
+        tfidf, emb_runs = embedding_stages(args, args.out, pre["model_dir"], sets)
+        print_embedding_table(tfidf, emb_runs, sets)
+
+    if args.only == "embeddings":
+        embeddings()
+        print(f"(total {(time.time() - t0) / 60:.1f} min this run)")
+        return
+
     # 3. sentiment
     train = movie_review_sentiment(reviews, "train", limit=args.train_examples, seed=args.seed)
     dev = movie_review_sentiment(reviews, "dev", limit=args.dev_examples, seed=args.seed)
@@ -344,7 +535,9 @@ def main():
           f"before fine-tuning {sts_runs[0]['baseline']['spearman']:.4f}) | TF-IDF char 1-3 cosine {sts_tfidf['spearman']:.4f} |")
     print(f"\n(pretraining text: {data['reviews_chars'] / 1e6:.1f}M characters of reviews in "
           f"{data['reviews_documents']:,} movies, {data['statutes_chars'] / 1e6:.1f}M of statutes; sentiment {len(train):,} train / "
-          f"{len(dev):,} dev; total {(time.time() - t0) / 60:.1f} min this run)")
+          f"{len(dev):,} dev)")
+    embeddings()
+    print(f"(total {(time.time() - t0) / 60:.1f} min this run)")
 
 
 if __name__ == "__main__":
