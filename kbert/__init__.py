@@ -47,6 +47,7 @@ _EXPORTS = {
     "plan_batch_size": "kbert.train.memory",
     "Embedder": "kbert.embed.embedder",
     "finetune": "kbert.train.finetune",
+    "distill": "kbert.train.distill",
     "TaskModel": "kbert.embed.task_model",
     "export": "kbert.embed.export",
     "serve": "kbert.server",

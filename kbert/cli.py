@@ -356,6 +356,45 @@ def _finetune(args):
         return _SIGNAL_EXIT[summary["stopped_by"]]
 
 
+def _distill(args):
+    import inspect
+    import json
+
+    from kbert.train.config import load_mapping
+    from kbert.train.distill import distill
+
+    values = load_mapping(args.config)
+    flags = {"teacher": "teacher", "student": "student", "corpus": "data", "mode": "mode", "train": "train",
+             "dev": "dev", "out": "out_dir", "text_column": "text_column", "pair_column": "pair_column",
+             "label_column": "label_column", "temperature": "temperature", "alpha": "alpha", "epochs": "epochs",
+             "batch_size": "batch_size", "learning_rate": "learning_rate", "max_length": "max_length",
+             "max_steps": "max_steps", "eval_every": "eval_every", "patience": "patience", "seed": "seed",
+             "checkpoint_every": "checkpoint_every"}
+    values.update({key: getattr(args, dest) for dest, key in flags.items() if getattr(args, dest) is not None})
+    if args.no_resume:
+        values["resume"] = False
+    values = load_mapping(None, args.set, base=values)
+    known = set(inspect.signature(distill).parameters)
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"unknown distillation setting {unknown[0]!r}; settings are {sorted(known)}")
+    for name in ("teacher", "student"):
+        if not values.get(name):
+            raise ValueError(f"`{name}` is required (the --{name} flag, or a config key)")
+    summary = distill(**values)
+    best = f"best dev {summary['metric']} {summary['best']:.4f} at step {summary['best_step']}" \
+        if summary["best"] is not None else ("no dev set: the last model" if summary["history"] else "no model yet")
+    if summary["checkpoint"]:
+        best += "; stopped with a checkpoint, the same command resumes it"
+    print(f"distill ({summary['mode']}): {summary['steps']} steps ({summary['stopped_by']}), {best}; "
+          f"model dir: {summary['model_dir']}")
+    with open(f"{summary['model_dir']}/distill_history.json", "w", encoding="utf-8") as f:
+        json.dump(summary, f, indent=2, ensure_ascii=False)
+    if summary["stopped_by"] in _SIGNAL_EXIT:
+        print(f"stopped at step {summary['steps']}; rerun the same command to resume", file=sys.stderr)
+        return _SIGNAL_EXIT[summary["stopped_by"]]
+
+
 def _serve(args):
     from kbert.server import serve
 
@@ -538,6 +577,36 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, help="sentence-embedding: in-batch / SimCSE temperature (0.05)")
     p.add_argument("--matryoshka-dims", help="sentence-embedding: also train vectors cut to these widths, e.g. 64,128")
     p.set_defaults(func=_finetune)
+
+    p = sub.add_parser("distill", help="knowledge distillation: a small student learns a fine-tuned or "
+                                       "sentence-embedding teacher (task / embedding modes)")
+    p.add_argument("--config", help="YAML or JSON file of the keyword arguments of kbert.distill; flags override it")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a setting, e.g. epochs=5")
+    p.add_argument("--teacher", help="the teacher model dir (a `kbert finetune` output, or any model dir in "
+                                     "embedding mode)")
+    p.add_argument("--student", help="a preset (bert-tiny, bert-mini, ...: built with the teacher's vocabulary and "
+                                     "initialized from it) or a model dir")
+    p.add_argument("--corpus", help="unlabeled in-domain text: a text file (a line per text) or a TSV/CSV/JSONL")
+    p.add_argument("--mode", choices=("auto", "task", "embedding"), help="default: auto (from the teacher dir)")
+    p.add_argument("--train", help="task mode: the task's labeled rows (gold labels mixed in by --alpha)")
+    p.add_argument("--dev", help="dev rows: the teacher's task, or scored pairs in embedding mode")
+    p.add_argument("--out", help="output model dir (default: distilled)")
+    p.add_argument("--text-column", help="default: the teacher's own, else text")
+    p.add_argument("--pair-column")
+    p.add_argument("--label-column")
+    p.add_argument("--temperature", type=float, help="soft-target temperature (default 2)")
+    p.add_argument("--alpha", type=float, help="weight of the gold labels where rows have them (default 0.5)")
+    p.add_argument("--epochs", type=float, help="default: 3")
+    p.add_argument("--batch-size", type=int, help="default: 32")
+    p.add_argument("--learning-rate", "--lr", type=float, help="default: 1e-4")
+    p.add_argument("--max-length", type=int, help="tokens per input (default 128)")
+    p.add_argument("--max-steps", type=int)
+    p.add_argument("--eval-every", type=int, help="steps between dev evaluations (default: each epoch)")
+    p.add_argument("--patience", type=int, help="evaluations without improvement before stopping (default: never)")
+    p.add_argument("--seed", type=int, help="default: 0")
+    p.add_argument("--checkpoint-every", type=int, help="steps between checkpoints (default 1000)")
+    p.add_argument("--no-resume", action="store_true", help="start over instead of resuming OUT/checkpoints")
+    p.set_defaults(func=_distill)
 
     p = sub.add_parser("serve", help="an HTTP server for embeddings (OpenAI-compatible), similarity and "
                                      "classification, with dynamic batching")

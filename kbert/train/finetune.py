@@ -252,8 +252,11 @@ def _optimizer(config: FinetuneConfig, total: int, network):
     return optimizer
 
 
-def run(config: FinetuneConfig) -> dict:
-    """Fine-tunes as `config` says; returns the summary `kbert.finetune` documents."""
+def run(config: FinetuneConfig, task=None, before_training=None) -> dict:
+    """Fine-tunes as `config` says; returns the summary `kbert.finetune` documents.
+
+    task: a `FinetuneTask` built by the caller (distillation's tasks carry a teacher) instead of the one
+    `config.task` names; before_training: called once the examples are encoded (a teacher leaves memory)."""
     import keras
     import tensorflow as tf
 
@@ -262,7 +265,7 @@ def run(config: FinetuneConfig) -> dict:
 
     c = config
     c.validate()
-    task = task_for(c)
+    task = task or task_for(c)
     task.check()
     keras.utils.set_random_seed(c.seed)
     backbone, tokenizer, max_length, backbone_dropout = _load(c)
@@ -276,6 +279,8 @@ def run(config: FinetuneConfig) -> dict:
     train_ex = task.encode(train_rows, tokenizer, max_length, "train")
     dev_ex = task.encode(dev_rows, tokenizer, max_length, "dev") if dev_rows else None
     task.fit(train_ex)
+    if before_training is not None:
+        before_training()
 
     network = task.network(backbone, c.dropout, pooling, layers)
     build_network(network, tokenizer)
@@ -308,7 +313,7 @@ def run(config: FinetuneConfig) -> dict:
     meta = {"task": task.name, "labels": task.labels, "max_length": max_length, "text_column": c.text_column,
             "pair_column": c.pair_column, "label_column": c.label_column, "pooling": pooling,
             "layers": None if task.name == "tagging" else layers, "base_model": base_model,
-            "target": list(task.target) if task.name == "regression" else None}
+            "target": list(task.target) if task.name == "regression" else None, **getattr(task, "extra_meta", {})}
     # what a resumed run must share with the interrupted one
     settings = {k: v for k, v in c.to_dict().items() if k not in ("model", "train", "dev", "out_dir", "progress",
                                                                    "resume", "checkpoint_every", "stop_after",
