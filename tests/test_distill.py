@@ -152,12 +152,59 @@ def test_embedding_mode_student_learns_the_teachers_geometry(tok, sts_teacher, t
     assert vectors.shape == (2, 32)
 
 
+@pytest.fixture(scope="module")
+def pretrained(tok, tmp_path_factory):
+    """A 2-layer BERT pretrained for 250 masked-LM steps on reviews: a teacher with a masked-LM head."""
+    root = tmp_path_factory.mktemp("pretrained")
+    text = root / "reviews.txt"
+    text.write_text("\n\n".join(r["text"] for r in movie_review_sentiment(REVIEWS, "train", limit=8000, seed=12)),
+                    encoding="utf-8")
+    tok_dir = tok.save(str(root / "tok"))
+    cfg = small_config(tok)
+    summary = kbert.pretrain({
+        "model": {"preset": "bert-tiny", "num_layers": 2, "hidden_size": 64, "num_heads": 2,
+                  "intermediate_size": 128, "max_position": 128, "dropout": 0.0, "attention_dropout": 0.0},
+        "data": {"source": str(text), "tokenizer": tok_dir, "max_length": 32, "workers": 0},
+        "optimizer": {"learning_rate": 2e-3, "warmup_steps": 20},
+        "trainer": {"steps": 250, "batch_size": 32, "log_every": 50, "checkpoint_every": 1000},
+        "runtime": {"strategy": "cpu", "seed": 3}, "output_dir": str(root / "run")}, progress=False)
+    assert kbert.load_model(summary["model_dir"]).config.hidden_size == cfg.hidden_size
+    return summary["model_dir"]
+
+
+@pytest.mark.slow
+def test_general_mode_student_learns_the_teachers_masked_lm(tok, pretrained, tmp_path):
+    """A narrower 1-layer student (hidden 32, so only the masked-LM and relation losses apply) on unlabeled
+    reviews: its loss falls and its top masked-LM prediction agrees with the teacher's more often; the output
+    is a model dir with its masked-LM head that the Embedder and the Pretrainer loader read."""
+    texts = [r["text"] for r in movie_review_sentiment(REVIEWS, "train", limit=6000, seed=13)]
+    out = str(tmp_path / "general")
+    summary = kbert.distill(pretrained, small_config(tok, layers=1, hidden=32), data=texts[:4000],
+                            dev=texts[5000:5400], out_dir=out, epochs=2, learning_rate=2e-3, max_length=32,
+                            eval_every=50, progress=False)
+    assert summary["mode"] == "general" and summary["metric"] == "teacher_kl"
+    history = summary["history"]
+    assert history[-1]["train_loss"] < 0.8 * history[0]["train_loss"], history
+    assert summary["best"] < 0.5 * summary["baseline"]["teacher_kl"], (summary["baseline"], history)
+    assert summary["best"] == min(h["dev_teacher_kl"] for h in history)  # lower is better here
+    assert history[-1]["dev_mlm_agreement"] >= summary["baseline"]["mlm_agreement"], (summary["baseline"], history)
+    assert not os.path.exists(os.path.join(out, "kbert_task.json"))  # a pretrained-style model dir
+    assert isinstance(kbert.load_model(out, with_heads=True), kbert.Pretrainer)
+    assert kbert.Embedder.load(out).encode("좋은 영화").shape == (32,)
+    # the same-width path: a 1-layer student of width 64 starts from the teacher's last layer
+    same = kbert.distill(pretrained, small_config(tok, layers=1), data=texts[:320], dev=texts[5000:5200],
+                         out_dir=str(tmp_path / "same"), epochs=1, max_length=32, progress=False)
+    assert same["baseline"]["teacher_kl"] < summary["baseline"]["teacher_kl"]
+
+
 def test_bad_input_fails_fast_with_the_reason(tok, teacher, tmp_path):
     base, tuned = teacher
     with pytest.raises(ValueError, match="no kbert_task.json"):
         kbert.distill(base, "bert-tiny", data=["좋다"], mode="task", out_dir=str(tmp_path / "a"), progress=False)
-    with pytest.raises(ValueError, match="mode='auto' cannot tell"):
+    with pytest.raises(ValueError, match="no masked-LM head"):  # auto: a plain dir means general mode
         kbert.distill(base, "bert-tiny", data=["좋다"], out_dir=str(tmp_path / "b"), progress=False)
+    with pytest.raises(ValueError, match="`mode` must be one of"):
+        kbert.distill(tuned, "bert-tiny", data=["좋다"], mode="tiny", out_dir=str(tmp_path / "b"), progress=False)
     other = kbert.Tokenizer.train([r["text"] for r in movie_review_sentiment(REVIEWS, "train", limit=1000, seed=9)],
                                   vocab_size=1600, progress=False)
     student = str(tmp_path / "other-vocab")

@@ -12,7 +12,16 @@ Modes (`mode="auto"` picks from the teacher dir's `kbert_task.json`):
                 multilingual distillation) when their widths match, and always match the batch's cosine
                 matrix (so a narrower student, or one with its own vocabulary, still learns the geometry).
 
-The teacher's outputs are computed once, before training, on the teacher's own tokenization; the teacher
+    general     the teacher is any pretrained model dir with its masked-LM head (a `kbert pretrain` output, or
+                a Hugging Face BERT checkpoint): task-agnostic distillation on unlabeled text. Both see the
+                same masked batch; the student learns the teacher's masked-LM distribution at the masked
+                positions (soft targets at temperature T, times T^2), its last hidden states (DistilBERT's
+                cosine loss, when the widths match) and its last layer's token-to-token relations
+                (MiniLM-style: the KL divergence of the softmax of scaled dot products of the last layer's
+                token vectors, which needs no common width). The output is a model dir with its masked-LM
+                head (`kbert finetune` it next, or distil it again).
+
+In task and embedding modes the teacher's outputs are computed once, before training, on the teacher's own tokenization; the teacher
 then leaves memory, so training holds the student alone (the batch planner's case) and an interrupted run
 resumes from the fine-tuning checkpoints exactly. Training itself is `kbert.train.finetune.run` (one loop:
 progress bar, dev scores with the student's agreement with the teacher, early stopping, resume), with a task
@@ -39,11 +48,11 @@ from kbert.data import rows as cells
 from kbert.data.features import build_network, features, pad, unit_vectors_in_batches
 from kbert.data.rows import read_rows
 from kbert.models.tasks import read_task_meta
-from kbert.train.finetune_tasks import (ClassificationTask, Examples, PairClassificationTask, RegressionTask,
-                                        SentenceEmbeddingTask)
+from kbert.train.finetune_tasks import (ClassificationTask, Examples, FinetuneTask, PairClassificationTask,
+                                        RegressionTask, SentenceEmbeddingTask)
 from kbert.train.metrics import spearman
 
-MODES = ("auto", "task", "embedding")
+MODES = ("auto", "task", "embedding", "general")
 TASK_MODE_TASKS = ("classification", "pair-classification", "regression")
 STUDENT_INIT_DIR = "student-init"
 
@@ -89,9 +98,25 @@ class Teacher:
 
         self.dir, self.meta = model_dir, read_task_meta(model_dir) or {}
         self.tokenizer = Tokenizer.from_model_dir(model_dir)
+        self._fn = None
         backbone = load_model(model_dir, output_hidden_states=True, dtype=dtype)
         self.hidden_size = backbone.config.hidden_size
         self.config = backbone.config
+        if mode == "general":
+            self.heads = True
+            meta_path = os.path.join(model_dir, "kbert_config.json")
+            if os.path.isfile(meta_path):
+                import json
+
+                with open(meta_path, encoding="utf-8") as f:
+                    self.heads = bool(json.load(f).get("heads", {}).get("pretraining"))
+            if not self.heads:
+                raise ValueError(f"mode='general' learns the teacher's masked-LM distribution, and {model_dir!r} has "
+                                 f"no masked-LM head (a backbone-only dir): use a `kbert pretrain` output, or "
+                                 f"mode='embedding'")
+            self.network = load_model(model_dir, with_heads=True, dtype=dtype)
+            self.network.trainable = False
+            return
         if mode == "task":
             task = self.meta.get("task")
             labels = self.meta.get("labels") or []
@@ -108,7 +133,6 @@ class Teacher:
             self.pooling, self.layers = pooling, layers
             self.network = TaskNetwork(backbone, "sentence-embedding", 0, 0.0, (0.0, 1.0), pooling, layers)
             build_network(self.network, self.tokenizer)
-        self._fn = None
 
     def call(self, ids, segments):
         import tensorflow as tf
@@ -158,12 +182,14 @@ def teacher_mode(teacher_dir: str, mode: str) -> str:
             return "task"
         if task == "sentence-embedding":
             return "embedding"
+        if task is None:
+            return "general"
         raise ValueError(f"mode='auto' cannot tell what to distil from {teacher_dir!r} (its task: {task!r}): pass "
-                         f"mode='task' (a fine-tuned classification/regression dir) or mode='embedding'")
+                         f"mode='embedding' (its pooled vectors) or mode='general' (its masked-LM head)")
     if mode == "task":
         if meta is None:
             raise ValueError(f"mode='task' needs a fine-tuned teacher with a task head, and {teacher_dir!r} has no "
-                             f"kbert_task.json: fine-tune it first (kbert finetune), or use mode='embedding'")
+                             f"kbert_task.json: fine-tune it first (kbert finetune), or use mode='embedding' or 'general'")
         if task not in TASK_MODE_TASKS:
             raise ValueError(f"mode='task' distils the heads of {TASK_MODE_TASKS}; the teacher {teacher_dir!r} is a "
                              f"{task!r} model" + (" (use mode='embedding')" if task == "sentence-embedding" else ""))
@@ -204,24 +230,24 @@ def prepare_student(student, teacher: Teacher, out_dir: str, seed: int, progress
         picked = np.linspace(0, t.num_layers - 1, config.num_layers).round().astype(int) if config.num_layers > 1 \
             else np.array([t.num_layers - 1])
         rename = {f"layer_{i}/": f"layer_{j}/" for i, j in enumerate(picked)}
-        for name, v in mine.items():
-            source = name
+        for path, v in mine.items():
+            source = path
             for mine_prefix, their_prefix in rename.items():
-                if name.startswith(mine_prefix):
-                    source = their_prefix + name[len(mine_prefix):]
+                if path.startswith(mine_prefix):
+                    source = their_prefix + path[len(mine_prefix):]
             if source in theirs and tuple(theirs[source].shape) == tuple(v.shape):
                 v.assign(keras.ops.convert_to_numpy(theirs[source]))
-        how = f"the teacher's embeddings and layers {list(picked)}"
+        how = f"the teacher's embeddings and layers {[int(i) for i in picked]}"
     else:
         # the token embeddings' leading principal directions, kept at their own scale
-        name = "embeddings/token_embedding/embeddings"
-        if name in theirs and name in mine:
-            e = keras.ops.convert_to_numpy(theirs[name]).astype(np.float64)
-            width = mine[name].shape[-1]
+        tokens = "embeddings/token_embedding/embeddings"
+        if tokens in theirs and tokens in mine:
+            e = keras.ops.convert_to_numpy(theirs[tokens]).astype(np.float64)
+            width = mine[tokens].shape[-1]
             if width <= e.shape[1]:
                 centred = e - e.mean(axis=0)
                 _, _, vt = np.linalg.svd(centred, full_matrices=False)
-                mine[name].assign((centred @ vt[:width].T).astype(np.float32))
+                mine[tokens].assign((centred @ vt[:width].T).astype(np.float32))
                 how = f"the teacher's token embeddings on their {width} leading principal directions"
     if progress:
         print(f"student: {name} ({config.num_layers} layers, hidden {config.hidden_size}) initialized from {how}",
@@ -381,6 +407,195 @@ class EmbeddingDistillTask(SentenceEmbeddingTask):
         return "spearman" if (dev is not None and dev.labels is not None) else "teacher_agreement"
 
 
+def masked_lm_distill_loss(student_logits, teacher_logits, weights, temperature: float):
+    """Soft-target KL (times T^2) at the masked positions: logits `[b, m, V]`, `weights` `[b, m]` (1 at a
+    masked position, 0 at padding of the position list); the mean over masked positions."""
+    import keras
+
+    b, m = keras.ops.shape(weights)[0], keras.ops.shape(weights)[1]
+    kl = soft_target_loss(keras.ops.reshape(student_logits, (b * m, -1)),
+                          keras.ops.reshape(teacher_logits, (b * m, -1)), temperature)
+    w = keras.ops.reshape(keras.ops.cast(weights, "float32"), (-1,))
+    return keras.ops.sum(kl * w) / keras.ops.maximum(keras.ops.sum(w), 1.0)
+
+
+def hidden_cosine_loss(student, teacher, mask):
+    """DistilBERT's hidden-state loss: mean over real tokens of 1 - cos(student, teacher), `[b, s, h]` each
+    (same width), `mask` `[b, s]`."""
+    import keras
+
+    s = keras.ops.cast(student, "float32")
+    t = keras.ops.cast(teacher, "float32")
+    cos = keras.ops.sum(s * t, axis=-1) / keras.ops.maximum(
+        keras.ops.norm(s, axis=-1) * keras.ops.norm(t, axis=-1), 1e-12)
+    w = keras.ops.cast(mask, "float32")
+    return keras.ops.sum((1.0 - cos) * w) / keras.ops.maximum(keras.ops.sum(w), 1.0)
+
+
+def relation_loss(student, teacher, mask):
+    """MiniLM-style relation distillation on the last layer: for each real token, the KL divergence between
+    the teacher's and the student's softmax over the sequence's real tokens of h_i . h_j / sqrt(width)
+    (`[b, s, h_s]` and `[b, s, h_t]`: no common width needed); the mean over real tokens."""
+    import keras
+
+    w = keras.ops.cast(mask, "float32")  # [b, s]
+    pad = (1.0 - w)[:, None, :] * -1e9
+
+    def log_relations(h):
+        h = keras.ops.cast(h, "float32")
+        scores = keras.ops.matmul(h, keras.ops.transpose(h, (0, 2, 1))) / float(np.sqrt(h.shape[-1]))
+        return keras.ops.log_softmax(scores + pad, axis=-1)  # [b, s, s]
+
+    log_t, log_s = log_relations(teacher), log_relations(student)
+    kl = keras.ops.sum(keras.ops.exp(log_t) * (log_t - log_s), axis=-1)  # [b, s]
+    return keras.ops.sum(kl * w) / keras.ops.maximum(keras.ops.sum(w), 1.0)
+
+
+def mask_batch(ids: np.ndarray, tokenizer, rng: np.random.Generator, rate: float = 0.15):
+    """BERT's masking of a `[b, s]` id batch: `rate` of the real, non-special tokens (at least one per row
+    that has one) are picked; 80% become [MASK], 10% a random token, 10% stay. Returns the masked ids, the
+    picked positions `[b, m]` (padded with 0) and their weights `[b, m]`."""
+    special = np.isin(ids, list(tokenizer.special_ids.values()))
+    masked = ids.copy()
+    picked = []
+    for i in range(ids.shape[0]):
+        candidates = np.flatnonzero(~special[i])
+        k = min(len(candidates), max(1, int(round(rate * len(candidates))))) if len(candidates) else 0
+        rows = np.sort(rng.choice(candidates, size=k, replace=False)) if k else np.zeros(0, np.int64)
+        draw = rng.random(len(rows))
+        masked[i, rows[draw < 0.8]] = tokenizer.mask_id
+        swap = rows[(draw >= 0.8) & (draw < 0.9)]
+        masked[i, swap] = rng.integers(len(tokenizer.special_ids), tokenizer.vocab_size, size=len(swap))
+        picked.append(rows)
+    m = max(1, max(len(r) for r in picked))
+    positions = np.zeros((ids.shape[0], m), np.int32)
+    weights = np.zeros((ids.shape[0], m), np.float32)
+    for i, rows in enumerate(picked):
+        positions[i, :len(rows)], weights[i, :len(rows)] = rows, 1.0
+    return masked, positions, weights
+
+
+def sequence_and_mlm(pretrainer, feats, training):
+    """(last hidden states `[b, s, h]`, masked-LM logits `[b, m, V]`) of a `kbert.Pretrainer`."""
+    from kbert.models.backbone import INPUT_NAMES
+
+    out = pretrainer.backbone({k: feats[k] for k in INPUT_NAMES}, training=training)
+    return out["sequence_output"], pretrainer.mlm_head(out["sequence_output"], feats["mask_positions"])
+
+
+class GeneralDistillTask(FinetuneTask):
+    """General mode: unlabeled texts, masked per batch (the masks are a function of the seed and the batch's
+    examples, so a resumed run masks as the uninterrupted one); the teacher runs in each step. Dev text is
+    masked once with a fixed seed and scored by `teacher_kl` (the mean KL divergence of the student's
+    masked-LM distribution from the teacher's, T = 1: lower is better, and it picks the best model) and
+    `mlm_agreement` (how often the student's top prediction is the teacher's)."""
+    name = "general-distillation"
+    metric = "teacher_kl"
+    higher_is_better = False
+    trains_pooler = False
+
+    def setup(self, teacher: Teacher, temperature: float, seed: int, tokenizer):
+        self.teacher, self.temperature, self.seed, self.tokenizer = teacher, float(temperature), seed, tokenizer
+        self.student = self._predict = None
+
+    def check(self):
+        pass
+
+    @property
+    def columns(self):
+        return [self.config.text_column]
+
+    def encode(self, rows, tokenizer, max_length, split):
+        c = self.config
+        texts = [cells.text_cell(r, c.text_column, f"{split} row {i + 1}") for i, r in enumerate(rows)]
+        ids = [e.ids for e in tokenizer.encode_batch(texts, max_length=max_length)]
+        return Examples(ids, None, None)
+
+    def network(self, backbone, dropout, pooling, layers):
+        import keras
+
+        from kbert.models.io import build_pretrainer, variables_by_path
+
+        student = build_pretrainer(masked_lm_student_class()(backbone, pair_objective=None))
+        self.same_width = backbone.config.hidden_size == self.teacher.config.hidden_size
+        if self.same_width:  # the teacher's masked-LM transform, when it fits (the output bias always does)
+            theirs = {p.split("mlm_head/", 1)[-1]: v for p, v in variables_by_path(self.teacher.network).items()
+                      if "mlm_head/" in p}
+            for path, v in variables_by_path(student).items():
+                key = path.split("mlm_head/", 1)[-1]
+                if "mlm_head/" in path and key in theirs and tuple(theirs[key].shape) == tuple(v.shape):
+                    v.assign(keras.ops.convert_to_numpy(theirs[key]))
+        self.student = student
+        return student
+
+    def training_batch(self, examples, batch, pad_id):
+        rng = np.random.default_rng([self.seed, len(batch), *[int(i) for i in batch]])
+        return self.masked(examples, batch, pad_id, rng)
+
+    def masked(self, examples, index, pad_id, rng):
+        import tensorflow as tf
+
+        ids = pad([examples.token_ids[i] for i in index], pad_id)
+        masked, positions, weights = mask_batch(ids, self.tokenizer, rng)
+        feats = features(masked, np.zeros_like(masked), pad_id)
+        feats["mask_positions"] = tf.constant(positions)
+        return feats, tf.constant(weights), len(index), 0
+
+    def loss(self, network, feats, y, n, key: int = 0):
+        import keras
+
+        seq_s, mlm_s = sequence_and_mlm(network, feats, training=True)
+        seq_t, mlm_t = sequence_and_mlm(self.teacher.network, feats, training=False)
+        seq_t, mlm_t = keras.ops.stop_gradient(seq_t), keras.ops.stop_gradient(mlm_t)
+        mask = feats["padding_mask"]
+        loss = masked_lm_distill_loss(mlm_s, mlm_t, y, self.temperature) + relation_loss(seq_s, seq_t, mask)
+        if self.same_width:
+            loss = loss + hidden_cosine_loss(seq_s, seq_t, mask)
+        return loss
+
+    def evaluate(self, infer, examples, batch_size, pad_id):
+        import tensorflow as tf
+
+        if self._predict is None:
+            self._predict = tf.function(lambda f: (sequence_and_mlm(self.student, f, False)[1],
+                                                   sequence_and_mlm(self.teacher.network, f, False)[1]),
+                                        reduce_retracing=True)
+        rng = np.random.default_rng(self.seed + 1)
+        agree = kl = total = 0.0
+        for start in range(0, len(examples), batch_size):
+            index = np.arange(start, min(start + batch_size, len(examples)))
+            feats, weights, _, _ = self.masked(examples, index, pad_id, rng)
+            student, teacher = (np.asarray(x, np.float32) for x in self._predict(feats))
+            w = np.asarray(weights)
+            same = np.argmax(student, -1) == np.argmax(teacher, -1)
+            v = student.shape[-1]
+            div = np.asarray(soft_target_loss(student.reshape(-1, v), teacher.reshape(-1, v), 1.0)).reshape(w.shape)
+            agree += float(np.sum(same * w))
+            kl += float(np.sum(div * w))
+            total += float(np.sum(w))
+        return {"teacher_kl": kl / max(total, 1.0), "mlm_agreement": agree / max(total, 1.0)}
+
+    def save(self, network, out_dir, tokenizer, meta):
+        from kbert.models.io import save_model
+
+        save_model(network, out_dir, tokenizer=tokenizer)  # the backbone with its masked-LM head
+
+
+def masked_lm_student_class():
+    from kbert.models.backbone import INPUT_NAMES, Pretrainer
+
+    class Student(Pretrainer):
+        """A `kbert.Pretrainer` (masked-LM head only) that also takes inputs without `mask_positions` (the
+        fine-tuning loop builds networks with a plain two-token batch)."""
+
+        def call(self, features, training=None):
+            if "mask_positions" in features:
+                return super().call(features, training=training)
+            return self.backbone({k: features[k] for k in INPUT_NAMES}, training=training)["sequence_output"]
+
+    return Student
+
+
 # ------------------------------------------------------------------------------------------ front end
 def text_rows(data, column: str) -> List[dict]:
     """Unlabeled text as rows: a list of strings, a list of dicts, or a file (TSV/CSV/JSONL with `column`,
@@ -449,7 +664,11 @@ def distill(teacher: str, student, data=None, out_dir: str = "distilled", mode: 
     os.makedirs(out_dir, exist_ok=True)
     t = Teacher(teacher, mode, dtype=dtype)
     student_dir = prepare_student(student, t, out_dir, seed, progress)
-    if mode == "task":
+    if mode == "general":
+        same_vocabulary(t, student_dir, mode)
+        rows = text_rows(data, text_column) + (text_rows(train, text_column) if train is not None else [])
+        dev = text_rows(dev, text_column) if dev is not None else None
+    elif mode == "task":
         same_vocabulary(t, student_dir, mode)
         if pair_column and data is not None:
             raise ValueError("unlabeled `data` is single texts; the teacher reads text pairs "
@@ -467,9 +686,11 @@ def distill(teacher: str, student, data=None, out_dir: str = "distilled", mode: 
         raise ValueError("distillation found no text in `data` / `train`")
     length = max_length or min(128, t.config.max_position)
     config = FinetuneConfig(
-        model=student_dir, task=meta["task"] if mode == "task" else "sentence-embedding", train=rows, dev=dev,
+        model=student_dir, task={"task": meta.get("task"), "embedding": "sentence-embedding"}.get(mode, mode),
+        train=rows, dev=dev,
         out_dir=out_dir, text_column=text_column, pair_column=pair_column,
-        label_column=label_column if (mode == "task" or dev is not None) else None, epochs=epochs,
+        label_column=label_column if (mode == "task" or (mode == "embedding" and dev is not None)) else None,
+        epochs=epochs,
         batch_size=batch_size, learning_rate=learning_rate, warmup=warmup, max_length=length, dropout=0.1,
         patience=patience, eval_every=eval_every, max_steps=max_steps, seed=seed, progress=progress, dtype=dtype,
         pooling=(meta.get("pooling") if mode == "task" else getattr(t, "pooling", "mean")),
@@ -479,9 +700,15 @@ def distill(teacher: str, student, data=None, out_dir: str = "distilled", mode: 
         config.layers = -1  # layer indices of the teacher need not exist in the student: its last layer
     if mode == "task":
         task = soft_target_task(config, t, temperature, alpha)
-    else:
+    elif mode == "embedding":
         task = EmbeddingDistillTask(config)
         task.setup(t, length)
-    summary = run(config, task=task, before_training=t.release)
+    else:
+        from kbert.text.tokenizer import Tokenizer
+
+        task = GeneralDistillTask(config)
+        task.setup(t, temperature, seed, Tokenizer.from_model_dir(student_dir))
+    # task and embedding modes scored every text before training: the teacher can go
+    summary = run(config, task=task, before_training=None if mode == "general" else t.release)
     summary.update(mode=mode, student_init=student_dir)
     return summary

@@ -26,7 +26,7 @@ import numpy as np
 from kbert.data.features import build_network
 from kbert.data.features import features as model_inputs
 from kbert.data.rows import read_rows
-from kbert.models.tasks import default_pooling, save_task_head
+from kbert.models.tasks import default_pooling
 from kbert.train.checkpoints import CHECKPOINT_DIR, FinetuneCheckpoint, data_fingerprint
 from kbert.train.finetune_tasks import SIMILARITY_LOSSES, task_for
 
@@ -260,7 +260,6 @@ def run(config: FinetuneConfig, task=None, before_training=None) -> dict:
     import keras
     import tensorflow as tf
 
-    from kbert.models.io import save_model
     from kbert.utils import StopSignals, progress_bar
 
     c = config
@@ -365,12 +364,12 @@ def run(config: FinetuneConfig, task=None, before_training=None) -> dict:
                     if dev_ex is not None:
                         metrics = evaluate(dev_ex)
                         entry.update({f"dev_{k}": v for k, v in metrics.items()})
-                        improved = best is None or metrics[key] > best
+                        improved = best is None or (metrics[key] > best if task.higher_is_better
+                                                    else metrics[key] < best)
                     history.append(entry)
                     if improved:
                         best, best_step, bad = (entry.get(f"dev_{key}"), step, 0)
-                        save_model(network.backbone, c.out_dir, tokenizer=tokenizer)
-                        save_task_head(network, meta, c.out_dir)
+                        task.save(network, c.out_dir, tokenizer, meta)
                     else:
                         bad += 1
                     if c.progress:

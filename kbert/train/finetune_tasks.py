@@ -89,7 +89,8 @@ class FinetuneTask:
 
     Subclasses set `name` and `metric` and override `label_set`, `targets`, `loss` and `scores`."""
     name = ""
-    metric = "accuracy"  # the dev score that picks the best checkpoint (higher is better)
+    metric = "accuracy"  # the dev score that picks the best checkpoint
+    higher_is_better = True
     trains_pooler = True  # whether BERT's [CLS] pooler feeds this task's head
     needs_pair = False
 
@@ -126,6 +127,14 @@ class FinetuneTask:
         from kbert.models.tasks import TaskNetwork
 
         return TaskNetwork(backbone, self.name, self.num_outputs, dropout, self.target, pooling, layers)
+
+    def save(self, network, out_dir: str, tokenizer, meta: dict) -> None:
+        """Writes the best network: the backbone as a kbert model dir, and the head with `meta`."""
+        from kbert.models.io import save_model
+        from kbert.models.tasks import save_task_head
+
+        save_model(network.backbone, out_dir, tokenizer=tokenizer)
+        save_task_head(network, meta, out_dir)
 
     # ------------------------------------------------------------------ examples
     def read_train(self) -> list:
