@@ -12,6 +12,7 @@ NOTEBOOKS = [
     "02_pretraining.ipynb",
     pytest.param("03_finetuning.ipynb", marks=needs_shared),
     pytest.param("04_embeddings.ipynb", marks=needs_shared),
+    pytest.param("05_distillation.ipynb", marks=needs_shared),
 ]
 
 
@@ -38,7 +39,7 @@ def test_tutorial_runs_end_to_end(name, tmp_path, monkeypatch):
     assert not errors
     images = [o for c in book.cells if c.cell_type == "code" for o in c.get("outputs", [])
               if "image/png" in o.get("data", {})]
-    expected_figures = {"01": 1, "02": 2, "03": 1, "04": 2}[name[:2]]
+    expected_figures = {"01": 1, "02": 2, "03": 1, "04": 2, "05": 2}[name[:2]]
     assert len(images) >= expected_figures, f"{name}: {len(images)} figures"
     import glob
 

@@ -73,23 +73,29 @@ class TaskModel:
             out = unit_vectors_in_batches(self._call, ids, self.tokenizer.pad_id, batch_size)
             return out[0] if single else out
         encodings = self.tokenizer.encode_batch(texts, pairs=pairs, max_length=self.max_length)
-        rows = []
+        rows = [None] * len(encodings)
+        # batches of similar length (little padding), results put back in input order
+        order = np.argsort([len(e.ids) for e in encodings], kind="stable")
         for start in range(0, len(encodings), batch_size):
-            chunk = encodings[start:start + batch_size]
+            index = order[start:start + batch_size]
+            chunk = [encodings[i] for i in index]
             ids = [e.ids for e in chunk]
             segs = [segment_ids(e.ids, self.tokenizer.sep_id) for e in chunk]
             logits = self._call(pad(ids, self.tokenizer.pad_id), pad(segs, 0))
             if self.task == "tagging":
-                for e, row in zip(chunk, logits):
+                for i, e, row in zip(index, chunk, logits):
                     words = [e.normalized[s:t] for s, t in word_spans(e.normalized)]
-                    rows.append([(w, self.labels[int(np.argmax(row[p]))]) for w, p in zip(words, first_pieces(e))
-                                 if p is not None])
+                    rows[i] = [(w, self.labels[int(np.argmax(row[p]))]) for w, p in zip(words, first_pieces(e))
+                               if p is not None]
             elif self.task == "regression":
-                rows.extend(logits[:, 0])
+                for i, value in zip(index, logits[:, 0]):
+                    rows[i] = value
             else:
                 z = logits - logits.max(axis=1, keepdims=True)
                 p = np.exp(z)
-                rows.extend(p / p.sum(axis=1, keepdims=True))
-        out = rows if self.task == "tagging" else np.asarray(rows, np.float32)
+                for i, probs in zip(index, p / p.sum(axis=1, keepdims=True)):
+                    rows[i] = probs
+        out = rows if self.task == "tagging" else np.asarray(rows, np.float32).reshape(
+            (len(rows),) if self.task == "regression" else (len(rows), -1))
         return out[0] if single else out
 

@@ -1,0 +1,181 @@
+"""Distillation on this project's data (issue 41): a bert-mini teacher fine-tuned by kbert and its distilled
+bert-tiny student, side by side in one run, beside the same student fine-tuned on the labels alone.
+
+The teacher's backbone is the bert-mini that `benchmarks/quality.py` pretrains (pass its `--out` as
+`--quality`; its pretraining text feeds the general distillation). Stages, each cached as OUT/<stage>.json
+(rerun the command to continue an interrupted run):
+
+1. teachers: sentiment (NSMC-style reviews, `--train` labelled rows, 1 epoch, 64 tokens) and the KorSTS
+   bi-encoder (cosine regression, all layers, 4 epochs), each keeping its best epoch on a selection split
+   cut from its own training data;
+2. general distillation: bert-tiny (2 layers, 128 hidden) learns the pretrained bert-mini's masked-LM
+   distribution and last-layer relations on `--general-lines` lines of the pretraining text;
+3. sentiment student: task distillation of the sentiment teacher into that bert-tiny, on the labelled rows
+   plus as many unlabelled reviews of the training movies (soft targets T=2, gold labels alpha=0.5);
+   reference: the same bert-tiny fine-tuned on the labelled rows alone (same epochs, same selection);
+4. KorSTS student: embedding distillation of the bi-encoder into that bert-tiny on KorSTS train sentences
+   and review/statute lines; reference: the same bert-tiny fine-tuned as a bi-encoder on KorSTS train;
+5. reported once: sentiment dev accuracy (movies never trained on) and KorSTS dev Spearman, and the
+   throughput of `TaskModel.predict` / `Embedder.encode` on 4,000 dev reviews (best of 3, batch 64).
+
+    python benchmarks/distill.py --quality ~/.cache/kbert/quality --out ~/.cache/kbert/distill
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.append(os.path.dirname(os.path.abspath(__file__)))
+
+from quality import read_sts, selected, stage  # noqa: E402  (the same cache and selection rule)
+
+
+def timed(fn, repeats=3):
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quality", required=True, help="the --out dir of benchmarks/quality.py (its pretraining)")
+    parser.add_argument("--shared", default=os.path.join("..", "shared", "data"))
+    parser.add_argument("--out", default=os.path.join(os.path.expanduser("~"), ".cache", "kbert", "distill"))
+    parser.add_argument("--train", type=int, default=60000, help="labelled sentiment rows (and as many unlabelled)")
+    parser.add_argument("--general-lines", type=int, default=60000)
+    parser.add_argument("--student", default="bert-tiny")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    pre_json = os.path.join(args.quality, "pretraining.json")
+    if not os.path.isfile(pre_json):
+        parser.error(f"{pre_json} not found: run benchmarks/quality.py --out {args.quality} first (its pretraining)")
+    with open(pre_json, encoding="utf-8") as f:
+        teacher_base = json.load(f)["model_dir"]
+    os.makedirs(args.out, exist_ok=True)
+
+    import numpy as np
+
+    import kbert
+    from kbert.data.recipes import movie_review_sentiment
+
+    reviews = os.path.join(args.shared, "movie-reviews", "reviews.tsv.gz")
+    rows = movie_review_sentiment(reviews, "train", limit=2 * args.train + 4000, seed=args.seed)
+    select = [r for r in rows if selected(r["text"])][:2000]
+    pool = [r for r in rows if not selected(r["text"])]
+    labelled, unlabelled = pool[:args.train], [r["text"] for r in pool[args.train:2 * args.train]]
+    dev = movie_review_sentiment(reviews, "dev", limit=10000, seed=args.seed)
+    korsts = os.path.join(args.shared, "korsts")
+    sts_all = read_sts(os.path.join(korsts, "sts-train.tsv"))
+    sts_fit = [r for r in sts_all if not selected(r["sentence1"])]
+    sts_select = [r for r in sts_all if selected(r["sentence1"])]
+    sts_dev = read_sts(os.path.join(korsts, "sts-dev.tsv"))
+    path = lambda name: os.path.join(args.out, name)  # noqa: E731
+    sentiment = dict(epochs=1, batch_size=32, max_length=64, patience=None, seed=args.seed, progress=True,
+                     eval_every=max(1, args.train // 32 // 4))
+    sts = dict(text_column="sentence1", pair_column="sentence2", label_column="score", batch_size=32,
+               max_length=64, patience=None, seed=args.seed, progress=True)
+
+    def best_of(summary):
+        return {k: summary[k] for k in ("best", "best_step", "steps")}
+
+    # 1. teachers
+    stage(args.out, "teacher-sentiment", lambda: best_of(kbert.finetune(
+        teacher_base, "classification", labelled, select, out_dir=path("teacher-sentiment"), learning_rate=2e-4,
+        **sentiment)))
+    stage(args.out, "teacher-sts", lambda: best_of(kbert.finetune(
+        teacher_base, "sentence-embedding", sts_fit, sts_select, out_dir=path("teacher-sts"), layers="all",
+        epochs=4, learning_rate=2e-4, **sts)))
+
+    # 2. general distillation of the pretrained teacher into the student
+    with open(os.path.join(args.quality, "pretraining.txt"), encoding="utf-8") as f:
+        lines = [x.strip() for x in f if 10 <= len(x.strip()) <= 300]
+    random.Random(args.seed).shuffle(lines)
+    general_dir = path("student-general")
+    stage(args.out, "student-general", lambda: best_of(kbert.distill(
+        teacher_base, args.student, data=lines[:args.general_lines], dev=lines[-2000:], out_dir=general_dir,
+        epochs=1, batch_size=32, learning_rate=5e-4, max_length=64, seed=args.seed, progress=True)))
+
+    # 3. sentiment: distilled vs the same student on the labels alone
+    stage(args.out, "student-sentiment-distilled", lambda: best_of(kbert.distill(
+        path("teacher-sentiment"), general_dir, data=unlabelled, train=labelled, dev=select,
+        out_dir=path("student-sentiment-distilled"), temperature=2.0, alpha=0.5, learning_rate=5e-4,
+        epochs=1, batch_size=32, max_length=64, seed=args.seed, progress=True,
+        eval_every=max(1, 2 * args.train // 32 // 4))))
+    stage(args.out, "student-sentiment-direct", lambda: best_of(kbert.finetune(
+        general_dir, "classification", labelled, select, out_dir=path("student-sentiment-direct"),
+        learning_rate=5e-4, **sentiment)))
+
+    # 4. KorSTS: embedding distillation vs the same student's own bi-encoder
+    texts = sorted({r[c] for r in sts_fit for c in ("sentence1", "sentence2")}) + lines[:20000]
+    stage(args.out, "student-sts-distilled", lambda: best_of(kbert.distill(
+        path("teacher-sts"), general_dir, data=texts, dev=sts_select, out_dir=path("student-sts-distilled"),
+        mode="embedding", text_column="sentence1", pair_column="sentence2", label_column="score", epochs=2,
+        batch_size=64, learning_rate=5e-4, max_length=64, seed=args.seed, progress=True)))
+    stage(args.out, "student-sts-direct", lambda: best_of(kbert.finetune(
+        general_dir, "sentence-embedding", sts_fit, sts_select, out_dir=path("student-sts-direct"), layers="all",
+        epochs=4, learning_rate=5e-4, **sts)))
+
+    # 5. reported sets and throughput
+    from kbert.train.metrics import spearman
+
+    def accuracy(name):
+        model = kbert.TaskModel.load(path(name))
+        pred = np.argmax(model.predict([r["text"] for r in dev]), axis=1)
+        return float(np.mean([model.labels[p] == r["label"] for p, r in zip(pred, dev)]))
+
+    def sts_score(name):
+        emb = kbert.Embedder.load(path(name))
+        a = emb.encode([r["sentence1"] for r in sts_dev], progress=False)
+        b = emb.encode([r["sentence2"] for r in sts_dev], progress=False)
+        return spearman(np.sum(a * b, axis=1), [float(r["score"]) for r in sts_dev])
+
+    def speed(name, kind):
+        texts = [r["text"] for r in dev[:4000]]
+        if kind == "predict":
+            model = kbert.TaskModel.load(path(name))
+            model.predict(texts[:256])
+            return len(texts) / timed(lambda: model.predict(texts, batch_size=64))
+        emb = kbert.Embedder.load(path(name))
+        emb.encode(texts[:256], progress=False)
+        return len(texts) / timed(lambda: emb.encode(texts, batch_size=64, progress=False))
+
+    report = stage(args.out, "report", lambda: {
+        "sentiment": {n: accuracy(n) for n in ("teacher-sentiment", "student-sentiment-distilled",
+                                                "student-sentiment-direct")},
+        "sts": {n: sts_score(n) for n in ("teacher-sts", "student-sts-distilled", "student-sts-direct")},
+        "predict_per_s": {n: speed(n, "predict") for n in ("teacher-sentiment", "student-sentiment-distilled")},
+        "encode_per_s": {n: speed(n, "encode") for n in ("teacher-sts", "student-sts-distilled")}})
+    s, k = report["sentiment"], report["sts"]
+    p, e = report["predict_per_s"], report["encode_per_s"]
+    t_params = kbert.load_model(path("teacher-sentiment")).count_params()
+    s_params = kbert.load_model(path("student-sentiment-distilled")).count_params()
+    print(f"\n| measure | teacher (bert-mini, {t_params / 1e6:.1f}M) | distilled {args.student} ({s_params / 1e6:.1f}M) "
+          f"| {args.student} on the labels alone | student / teacher | goal |")
+    print("|---|---:|---:|---:|---:|---|")
+    print(f"| sentiment dev accuracy | {s['teacher-sentiment']:.4f} | {s['student-sentiment-distilled']:.4f} | "
+          f"{s['student-sentiment-direct']:.4f} | {s['student-sentiment-distilled'] / s['teacher-sentiment']:.3f} | "
+          f">= 0.97, and above the labels-alone student |")
+    print(f"| KorSTS dev Spearman | {k['teacher-sts']:.4f} | {k['student-sts-distilled']:.4f} | "
+          f"{k['student-sts-direct']:.4f} | {k['student-sts-distilled'] / k['teacher-sts']:.3f} | "
+          f">= 0.97, and above the labels-alone student |")
+    print(f"| TaskModel.predict, reviews/s | {p['teacher-sentiment']:,.0f} | {p['student-sentiment-distilled']:,.0f} | "
+          f"| {p['student-sentiment-distilled'] / p['teacher-sentiment']:.1f}x | >= 4x |")
+    print(f"| Embedder.encode, reviews/s | {e['teacher-sts']:,.0f} | {e['student-sts-distilled']:,.0f} | "
+          f"| {e['student-sts-distilled'] / e['teacher-sts']:.1f}x | >= 4x |")
+    print(f"(sentiment: {len(labelled):,} labelled + {len(unlabelled):,} unlabelled training reviews, "
+          f"{len(select):,} selection rows from training movies, {len(dev):,} dev reviews of other movies; "
+          f"KorSTS: {len(sts_fit):,} train pairs, {len(sts_select):,} selection pairs, {len(sts_dev):,} dev pairs)")
+
+
+if __name__ == "__main__":
+    main()
