@@ -578,16 +578,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--matryoshka-dims", help="sentence-embedding: also train vectors cut to these widths, e.g. 64,128")
     p.set_defaults(func=_finetune)
 
-    p = sub.add_parser("distill", help="knowledge distillation: a small student learns a fine-tuned or "
-                                       "sentence-embedding teacher (task / embedding modes)")
+    p = sub.add_parser("distill", help="knowledge distillation: a small student learns a pretrained, fine-tuned or "
+                                       "sentence-embedding teacher (general / task / embedding modes)")
     p.add_argument("--config", help="YAML or JSON file of the keyword arguments of kbert.distill; flags override it")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a setting, e.g. epochs=5")
-    p.add_argument("--teacher", help="the teacher model dir (a `kbert finetune` output, or any model dir in "
+    p.add_argument("--teacher", help="the teacher model dir (a `kbert finetune` output, a `kbert pretrain` model, or any model dir in "
                                      "embedding mode)")
     p.add_argument("--student", help="a preset (bert-tiny, bert-mini, ...: built with the teacher's vocabulary and "
                                      "initialized from it) or a model dir")
     p.add_argument("--corpus", help="unlabeled in-domain text: a text file (a line per text) or a TSV/CSV/JSONL")
-    p.add_argument("--mode", choices=("auto", "task", "embedding"), help="default: auto (from the teacher dir)")
+    p.add_argument("--mode", choices=("auto", "task", "embedding", "general"), help="default: auto (from the teacher dir)")
     p.add_argument("--train", help="task mode: the task's labeled rows (gold labels mixed in by --alpha)")
     p.add_argument("--dev", help="dev rows: the teacher's task, or scored pairs in embedding mode")
     p.add_argument("--out", help="output model dir (default: distilled)")
