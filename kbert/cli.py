@@ -582,8 +582,8 @@ def build_parser() -> argparse.ArgumentParser:
                                        "sentence-embedding teacher (general / task / embedding modes)")
     p.add_argument("--config", help="YAML or JSON file of the keyword arguments of kbert.distill; flags override it")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a setting, e.g. epochs=5")
-    p.add_argument("--teacher", help="the teacher model dir (a `kbert finetune` output, a `kbert pretrain` model, or any model dir in "
-                                     "embedding mode)")
+    p.add_argument("--teacher", help="the teacher model dir (a `kbert finetune` output, a `kbert pretrain` "
+                                     "model, or any model dir in embedding mode)")
     p.add_argument("--student", help="a preset (bert-tiny, bert-mini, ...: built with the teacher's vocabulary and "
                                      "initialized from it) or a model dir")
     p.add_argument("--corpus", help="unlabeled in-domain text: a text file (a line per text) or a TSV/CSV/JSONL")
