@@ -32,7 +32,6 @@ import csv
 import gzip
 import hashlib
 import json
-import math
 import os
 import sys
 import time

@@ -317,8 +317,6 @@ def _embed(args):
 
 
 def _finetune(args):
-    import json
-
     from kbert.models.pooling import parse_layers
     from kbert.train.config import load_mapping
     from kbert.train.finetune import FinetuneConfig, run
@@ -343,13 +341,21 @@ def _finetune(args):
             values[key] = value
     config = FinetuneConfig.load(None, args.set, base=values)
     summary = run(config)
+    return _report_training(summary, summary["task"], "finetune_history.json")
+
+
+def _report_training(summary: dict, summary_name: str, history_file: str):
+    """The one-line result of a fine-tuning or distillation run, its summary written beside the model, and
+    the exit status of a run stopped by a signal (it resumes when rerun)."""
+    import json
+
     best = f"best dev {summary['metric']} {summary['best']:.4f} at step {summary['best_step']}" \
         if summary["best"] is not None else ("no dev set: the last model" if summary["history"] else "no model yet")
     if summary["checkpoint"]:
         best += "; stopped with a checkpoint, the same command resumes it"
-    print(f"{summary['task']}: {summary['steps']} steps ({summary['stopped_by']}), {best}; "
+    print(f"{summary_name}: {summary['steps']} steps ({summary['stopped_by']}), {best}; "
           f"model dir: {summary['model_dir']}")
-    with open(f"{summary['model_dir']}/finetune_history.json", "w", encoding="utf-8") as f:
+    with open(os.path.join(summary["model_dir"], history_file), "w", encoding="utf-8") as f:
         json.dump(summary, f, indent=2, ensure_ascii=False)
     if summary["stopped_by"] in _SIGNAL_EXIT:
         print(f"stopped at step {summary['steps']}; rerun the same command to resume", file=sys.stderr)
@@ -358,7 +364,6 @@ def _finetune(args):
 
 def _distill(args):
     import inspect
-    import json
 
     from kbert.train.config import load_mapping
     from kbert.train.distill import distill
@@ -382,17 +387,7 @@ def _distill(args):
         if not values.get(name):
             raise ValueError(f"`{name}` is required (the --{name} flag, or a config key)")
     summary = distill(**values)
-    best = f"best dev {summary['metric']} {summary['best']:.4f} at step {summary['best_step']}" \
-        if summary["best"] is not None else ("no dev set: the last model" if summary["history"] else "no model yet")
-    if summary["checkpoint"]:
-        best += "; stopped with a checkpoint, the same command resumes it"
-    print(f"distill ({summary['mode']}): {summary['steps']} steps ({summary['stopped_by']}), {best}; "
-          f"model dir: {summary['model_dir']}")
-    with open(f"{summary['model_dir']}/distill_history.json", "w", encoding="utf-8") as f:
-        json.dump(summary, f, indent=2, ensure_ascii=False)
-    if summary["stopped_by"] in _SIGNAL_EXIT:
-        print(f"stopped at step {summary['steps']}; rerun the same command to resume", file=sys.stderr)
-        return _SIGNAL_EXIT[summary["stopped_by"]]
+    return _report_training(summary, f"distill ({summary['mode']})", "distill_history.json")
 
 
 def _serve(args):

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, List, Optional, Sequence
+from typing import List, Optional, Sequence
 
 import numpy as np
 
