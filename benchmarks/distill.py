@@ -85,8 +85,8 @@ def main():
     sts = dict(text_column="sentence1", pair_column="sentence2", label_column="score", batch_size=32,
                max_length=64, patience=None, seed=args.seed, progress=True)
 
-    def best_of(summary):
-        return {k: summary[k] for k in ("best", "best_step", "steps")}
+    def best_of(summary):  # with the stop fields: stage() refuses to cache a run a signal stopped
+        return {k: summary[k] for k in ("best", "best_step", "steps", "checkpoint", "stopped_by")}
 
     # 1. teachers
     stage(args.out, "teacher-sentiment", lambda: best_of(kbert.finetune(

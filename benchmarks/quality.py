@@ -51,6 +51,10 @@ def stage(out, name, fn):
     start = time.time()
     print(f"[{name}] ...", flush=True)
     result = fn()
+    if result.get("checkpoint") or result.get("stopped_by") in ("SIGINT", "SIGTERM"):
+        # a fine-tuning stopped by a signal kept its checkpoint: not a result to cache; a rerun resumes it
+        sys.exit(f"[{name}] stopped ({result.get('stopped_by')}); rerun the same command to resume it")
+    result.pop("checkpoint", None)
     result["seconds"] = round(time.time() - start, 1)
     with open(path, "w", encoding="utf-8") as f:
         json.dump(result, f, indent=2, ensure_ascii=False)
@@ -249,6 +253,8 @@ def embedding_stages(args, out, model_dir, sets):
             summary = kbert.finetune(model, "sentence-embedding", train, sets["sts_select"], out_dir=out_dir,
                                      text_column="sentence1", pair_column="sentence2", label_column="score",
                                      layers="all", max_length=64, patience=None, progress=True, **kw)
+            if summary["checkpoint"]:  # stopped by a signal: stage() exits without caching it
+                return {"checkpoint": summary["checkpoint"], "stopped_by": summary["stopped_by"]}
             return {"select_history": [h.get("dev_spearman") for h in summary["history"]],
                     "best_step": summary["best_step"], **scored(out_dir)}
         return stage(out, name, run)
@@ -487,7 +493,7 @@ def main():
         out_dir = os.path.join(args.out, stage_name)
         runs[name] = stage(args.out, stage_name, lambda: {
             k: v for k, v in kbert.finetune(model_dir, "classification", train, dev, out_dir=out_dir, **settings).items()
-            if k in ("best", "best_step", "history", "steps")})
+            if k in ("best", "best_step", "history", "steps", "checkpoint", "stopped_by")})
 
     # 4. sentence embeddings
     sts_train, sts_dev = read_sts(os.path.join(korsts, "sts-train.tsv")), read_sts(os.path.join(korsts, "sts-dev.tsv"))
@@ -510,7 +516,7 @@ def main():
                                             label_column="score", epochs=sts_epochs, batch_size=32,
                                             learning_rate=2e-4, max_length=64, patience=None, seed=seed,
                                             progress=True).items()
-            if k in ("best", "baseline", "history")})
+            if k in ("best", "baseline", "history", "checkpoint", "stopped_by")})
 
     sts_runs = [bi_encoder(args.seed + i) for i in range(args.sts_seeds)]
     sts_mean = sum(r["best"] for r in sts_runs) / len(sts_runs)
