@@ -110,7 +110,7 @@ def test_task_loss_mixes_gold_labels_only_where_rows_have_them(teacher):
 @pytest.mark.slow
 def test_task_mode_student_learns_its_teacher(tok, teacher, tmp_path):
     """A 1-layer student on reviews the teacher labels (unlabeled text plus a few labeled rows): its
-    distillation loss falls and its agreement with the teacher on dev rises; the output is a task dir."""
+    distillation loss falls and it agrees with the teacher on at least 90% of dev; the output is a task dir."""
     unlabeled = [r["text"] for r in movie_review_sentiment(REVIEWS, "train", limit=6000, seed=5)[3000:]]
     train = movie_review_sentiment(REVIEWS, "train", limit=500, seed=6)
     dev = movie_review_sentiment(REVIEWS, "dev", limit=400)
@@ -121,8 +121,10 @@ def test_task_mode_student_learns_its_teacher(tok, teacher, tmp_path):
     assert summary["mode"] == "task" and summary["task"] == "classification"
     history = summary["history"]
     assert history[-1]["train_loss"] < 0.7 * history[0]["train_loss"], history
-    agreement = max(h["dev_teacher_agreement"] for h in history)
-    assert agreement > summary["baseline"]["teacher_agreement"] + 0.1 and agreement > 0.8, (summary["baseline"], history)
+    # the student starts from the teacher's last layer (its head is fresh), so its agreement before training
+    # already varies with the head's draw (0.5-0.9 seen); after training it must be high and no lower
+    agreement = history[-1]["dev_teacher_agreement"]
+    assert agreement >= max(0.9, summary["baseline"]["teacher_agreement"]), (summary["baseline"], history)
     model = kbert.TaskModel.load(out)
     assert model.predict(["정말 재밌어요", "최악의 영화"]).shape == (2, 2)
     with open(os.path.join(out, "kbert_task.json"), encoding="utf-8") as f:
