@@ -230,11 +230,11 @@ def prepare_student(student, teacher: Teacher, out_dir: str, seed: int, progress
         picked = np.linspace(0, t.num_layers - 1, config.num_layers).round().astype(int) if config.num_layers > 1 \
             else np.array([t.num_layers - 1])
         rename = {f"layer_{i}/": f"layer_{j}/" for i, j in enumerate(picked)}
-        for path, v in mine.items():
-            source = path
+        for weight, v in mine.items():
+            source = weight
             for mine_prefix, their_prefix in rename.items():
-                if path.startswith(mine_prefix):
-                    source = their_prefix + path[len(mine_prefix):]
+                if weight.startswith(mine_prefix):
+                    source = their_prefix + weight[len(mine_prefix):]
             if source in theirs and tuple(theirs[source].shape) == tuple(v.shape):
                 v.assign(keras.ops.convert_to_numpy(theirs[source]))
         how = f"the teacher's embeddings and layers {[int(i) for i in picked]}"
