@@ -33,7 +33,8 @@ setup(
         "kiwi": ["kiwipiepy>=0.17"],
         "faiss": ["faiss-cpu>=1.8"],
         # `kbert serve`: Starlette on uvicorn (the ASGI stack under FastAPI) and Prometheus metrics.
-        "serve": ["starlette>=0.37", "uvicorn>=0.29", "prometheus-client>=0.20", "orjson>=3.9"],
+        "serve": ["starlette>=0.37", "uvicorn>=0.29", "httptools>=0.6", "uvloop>=0.19; sys_platform != 'win32'",
+                  "prometheus-client>=0.20", "orjson>=3.9"],
         # benchmarks/embed.py compares against sentence-transformers on the same weights.
         "bench": ["sentence-transformers>=3", "torch==2.13.0", "transformers>=4.40,<6", "scikit-learn>=1.4"],
         # Opening and editing the tutorial notebooks (running them needs only [test]'s nbclient).
@@ -56,6 +57,8 @@ setup(
             # the server's tests and benchmark (loopback only)
             "starlette>=0.37",
             "uvicorn>=0.29",
+            "httptools>=0.6",
+            "uvloop>=0.19; sys_platform != 'win32'",
             "prometheus-client>=0.20",
             "orjson>=3.9",
             "httpx>=0.27",

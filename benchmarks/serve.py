@@ -6,7 +6,7 @@ and the same short Korean sentences (movie reviews from ../shared/data):
 - the peer: sentence-transformers on the same weights (exported with `kbert.export_transformers`) behind a
   minimal FastAPI endpoint that embeds one request at a time (what one writes without batching);
 - offline `Embedder.encode` of the same sentences (batch 64): the ceiling a server can approach.
-Load: an asyncio client (httpx, one connection per simulated client) sends a fixed number of
+Load: an asyncio client (keep-alive HTTP/1.1 on asyncio streams, one connection per simulated client) sends a fixed number of
 single-sentence requests at 1, 8, 32 and 128 concurrent clients; then an overload burst against a server
 started with a small queue (fast 429s expected, no 5xx, no crash). Reported: requests/s, p50/p99 latency,
 errors by status, the server's resident memory before and after. `--soak N` sends N more requests and
@@ -111,24 +111,73 @@ def stop(proc):
         proc.kill()
 
 
+class Connection:
+    """One keep-alive HTTP/1.1 connection on asyncio streams, for the load generator only.
+
+    Why not httpx (the tests' client): on this 2-core machine the load generator shares the CPUs with the
+    server it measures, and httpx spends about a millisecond of Python per request, which the server then
+    loses. Requests here are prebuilt bytes and responses are read by their Content-Length (uvicorn always
+    sends one for these routes), so the client costs tens of microseconds per request and the figures
+    measure the server. Each response's status is checked; a malformed one is an error, never a hang.
+    """
+
+    def __init__(self, host: str, port: int):
+        self.host, self.port = host, port
+        self.reader = self.writer = None
+
+    async def post(self, path: str, body: bytes, timeout: float = 60.0):
+        if self.writer is None:
+            self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+        head = (f"POST {path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n").encode()
+        self.writer.write(head + body)
+        try:
+            return await asyncio.wait_for(self._response(), timeout)
+        except BaseException:
+            self.close()  # a half-read response must not be read by the next request
+            raise
+
+    async def _response(self):
+        header = await self.reader.readuntil(b"\r\n\r\n")
+        lines = header.decode("latin-1").split("\r\n")
+        status = int(lines[0].split(" ", 2)[1])
+        fields = dict(line.split(":", 1) for line in lines[1:] if ":" in line)
+        fields = {k.strip().lower(): v.strip() for k, v in fields.items()}
+        if "content-length" not in fields:
+            raise ConnectionError(f"a response without Content-Length: {lines[0]}")
+        payload = await self.reader.readexactly(int(fields["content-length"]))
+        if fields.get("connection", "").lower() == "close":
+            self.close()
+        return status, payload
+
+    def close(self):
+        if self.writer is not None:
+            self.writer.close()
+        self.reader = self.writer = None
+
+
 async def load(url: str, sentences, requests: int, clients: int) -> dict:
     """`requests` single-sentence POSTs spread over `clients` concurrent clients (one connection each)."""
-    import httpx
-
+    host, port = url.rsplit("//", 1)[1].rsplit(":", 1)
+    bodies = [json.dumps({"input": s}, ensure_ascii=False).encode("utf-8") for s in sentences]
     latencies, statuses = [], {}
     counter = iter(range(requests))
 
     async def client():
-        async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+        conn = Connection(host, int(port))
+        try:
             for i in counter:
                 t = time.perf_counter()
                 try:
-                    r = await http.post("/v1/embeddings", json={"input": sentences[i % len(sentences)]})
-                    status = r.status_code
-                except httpx.HTTPError as e:
+                    status, payload = await conn.post("/v1/embeddings", bodies[i % len(bodies)])
+                    if status == 200 and b'"embedding"' not in payload:
+                        status = "bad body"
+                except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError) as e:
                     status = type(e).__name__
                 latencies.append(time.perf_counter() - t)
                 statuses[status] = statuses.get(status, 0) + 1
+        finally:
+            conn.close()
 
     t = time.perf_counter()
     await asyncio.gather(*[client() for _ in range(clients)])
@@ -137,6 +186,15 @@ async def load(url: str, sentences, requests: int, clients: int) -> dict:
     return {"clients": clients, "requests": requests, "rps": requests / elapsed,
             "p50_ms": 1000 * ok[len(ok) // 2], "p99_ms": 1000 * ok[min(len(ok) - 1, int(len(ok) * 0.99))],
             "statuses": statuses}
+
+
+def run_load(url: str, sentences, requests: int, clients: int) -> dict:
+    """`load` on uvloop when installed (the serve extra brings it): a cheaper client leaves the CPUs to the server."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(load(url, sentences, requests, clients))
+    return uvloop.run(load(url, sentences, requests, clients))
 
 
 def main():
@@ -178,12 +236,12 @@ def main():
     results["kbert_rss_mb_start"] = rss_mb(server.pid)
     results["kbert"] = []
     for clients in levels:
-        row = asyncio.run(load(url, sentences, args.requests, clients))
+        row = run_load(url, sentences, args.requests, clients)
         results["kbert"].append(row)
         print("kbert", json.dumps(row), flush=True)
     if args.soak:
         before = rss_mb(server.pid)
-        row = asyncio.run(load(url, sentences, args.soak, 32))
+        row = run_load(url, sentences, args.soak, 32)
         results["soak"] = dict(row, rss_mb_before=before, rss_mb_after=rss_mb(server.pid))
         print("soak", json.dumps(results["soak"]), flush=True)
     results["kbert_rss_mb_end"] = rss_mb(server.pid)
@@ -194,7 +252,7 @@ def main():
     url = f"http://127.0.0.1:{port}"
     server = start([sys.executable, "-m", "kbert.cli", "serve", "--model", model_dir, "--port", str(port),
                     "--max-queue", "32"], url)
-    row = asyncio.run(load(url, sentences, args.requests, 4 * 32))
+    row = run_load(url, sentences, args.requests, 4 * 32)
     row["alive_after"] = server.poll() is None
     results["overload"] = row
     print("overload", json.dumps(row), flush=True)
@@ -208,7 +266,7 @@ def main():
     peer = start([sys.executable, peer_file, hf_dir, str(cfg.hidden_size), str(port)], url)
     results["peer"] = []
     for clients in levels:
-        row = asyncio.run(load(url, sentences, args.peer_requests, clients))
+        row = run_load(url, sentences, args.peer_requests, clients)
         results["peer"].append(row)
         print("peer", json.dumps(row), flush=True)
     stop(peer)
