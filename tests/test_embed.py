@@ -42,6 +42,60 @@ def test_encode_order_pooling_and_normalization(emb):
         emb.encode("x", layers=[7])
 
 
+def test_pack_rows_fits_every_text_once_within_the_width():
+    from kbert.data.features import pack_rows
+
+    lengths = [int(n) for n in np.random.default_rng(0).integers(3, 58, 40)]
+    rows = pack_rows(lengths, 57)
+    assert sorted(i for row in rows for i in row) == list(range(40))
+    assert all(sum(lengths[i] for i in row) <= 57 for row in rows)
+    assert len(rows) < 35  # short texts share rows
+    assert pack_rows([], 8) == [] and pack_rows([8], 8) == [[0]]
+    with pytest.raises(ValueError, match="does not fit"):
+        pack_rows([9], 8)
+
+
+@pytest.mark.parametrize("architecture", ["bert", "albert-pre-ln"])
+def test_packed_rows_give_each_text_the_states_it_has_alone(architecture):
+    kind, norm_first = architecture.split("-")[0], architecture.endswith("pre-ln")
+    cfg = kbert.ModelConfig.preset("bert-tiny", vocab_size=50, hidden_size=32, num_heads=2, intermediate_size=64,
+                                   max_position=16, architecture=kind, norm_first=norm_first)
+    backbone = kbert.build_backbone(cfg, output_hidden_states=True)
+    texts = [[2, 7, 8, 9, 3], [2, 11, 3], [2, 12, 13, 14, 15, 16, 3]]
+    ids = np.zeros((2, 8), np.int32)  # row 0: texts 0 and 1, row 1: text 2 then one padding
+    segments = np.zeros((2, 8), np.int32)
+    ids[0, :5], ids[0, 5:8], ids[1, :7] = texts[0], texts[1], texts[2]
+    segments[0, :5], segments[0, 5:8], segments[1, :7] = 1, 2, 1
+    packed = [np.asarray(h) for h in backbone.packed_hidden_states(ids, segments)]
+    places = [(0, 0), (0, 5), (1, 0)]
+    for text, (row, at) in zip(texts, places):
+        x = np.array([text], np.int32)
+        alone = backbone({"token_ids": x, "segment_ids": np.zeros_like(x), "padding_mask": np.ones_like(x)})
+        for layer, h in enumerate(alone["hidden_states"]):
+            np.testing.assert_allclose(packed[layer][row, at:at + len(text)], np.asarray(h)[0], atol=2e-5)
+
+
+def test_mixed_lengths_run_packed_and_give_the_unpacked_vectors(emb, monkeypatch):
+    import kbert.embed.embedder as embedder
+
+    texts = ["가", "나다", TEXTS[4], TEXTS[0], "라", TEXTS[1], "마바사"] * 3
+    calls = []
+    run_packed = emb._run_packed
+    monkeypatch.setattr(emb, "_run_packed", lambda ids, *a: calls.append(ids.shape) or run_packed(ids, *a))
+    for pooling in ("mean", "cls", "first_last_avg"):
+        packed = emb.encode(texts, pooling=pooling)
+        assert calls and calls[-1][0] < len(texts)  # fewer rows than texts
+        monkeypatch.setattr(embedder, "PACK_WHEN", -1.0)  # never pack
+        n = len(calls)
+        padded = emb.encode(texts, pooling=pooling)
+        assert len(calls) == n
+        monkeypatch.setattr(embedder, "PACK_WHEN", 0.8)
+        np.testing.assert_allclose(packed, padded, atol=1e-5)
+    n = len(calls)
+    emb.encode(texts, pooling="max")  # no weighted-sum form: runs padded
+    assert len(calls) == n
+
+
 def test_mean_pooling_matches_a_direct_computation(emb):
     enc = emb.tokenizer.encode(TEXTS[1])
     hidden = emb._run(np.array([enc.ids], np.int32), np.ones((1, len(enc.ids)), np.int32))[-1]

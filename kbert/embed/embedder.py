@@ -6,8 +6,9 @@
     emb.encode_words("학교에서 공부했다", unit="eojeol")  # [(word, start, end, vector), ...]
 
 Texts are tokenized once, sorted by length and run in batches padded only to the longest text of each batch
-(the graph is traced once for any shape, so exact widths cost no recompilation); results come back in input
-order. Texts longer
+(the graph is traced once for any shape, so exact widths cost no recompilation); a batch of mixed lengths
+(concurrent requests to `kbert serve`) runs as packed rows instead, several texts per row, each attending only
+to itself (`Backbone.packed_hidden_states`); results come back in input order. Texts longer
 than `max_length` are truncated with one warning that counts them. An empty or blank text encodes as
 `[CLS] [SEP]`, a defined vector.
 """
@@ -19,11 +20,12 @@ from typing import List, Optional, Sequence, Union
 
 import numpy as np
 
-from kbert.data.features import text_list
+from kbert.data.features import pack_rows, text_list
 from kbert.utils import progress_bar
-from kbert.models.pooling import POOLINGS, check_pooling, pool  # noqa: F401  (POOLINGS re-exported)
+from kbert.models.pooling import PACKED_POOLINGS, POOLINGS, check_pooling, pool, pool_packed  # noqa: F401
 
 ENCODE_CHUNK = 8192  # texts tokenized at a time by `encode`
+PACK_WHEN = 0.8  # a batch runs packed when that needs at most this share of its rows
 UNITS = ("eojeol", "morpheme", "subword")
 WORD_POOLINGS = ("mean", "first")
 
@@ -92,19 +94,73 @@ class Embedder:
             return np.asarray(out, dtype=np.float32)
         return [np.asarray(h, dtype=np.float32) for h in out]
 
+    def _run_packed(self, ids: np.ndarray, segments: np.ndarray, weights: np.ndarray, pooling: str, layers):
+        """Pooled vectors `[r, t, h]` of packed rows: ids and segments `[r, s]`, pooling weights `[r, t, s]`
+        (`kbert.models.pooling.pool_packed`)."""
+        import tensorflow as tf
+
+        key = ("packed", pooling, layers if isinstance(layers, int) else tuple(layers))
+        if key not in self._fns:
+            def run(ids, segments, weights):
+                return pool_packed(self.backbone.packed_hidden_states(ids, segments), weights, pooling, layers)
+
+            spec = tf.TensorSpec([None, None], tf.int32)
+            self._fns[key] = tf.function(run, input_signature=[spec, spec, tf.TensorSpec([None] * 3, tf.float32)])
+        return np.asarray(self._fns[key](tf.constant(ids), tf.constant(segments), tf.constant(weights)),
+                          dtype=np.float32)
+
+    def _pooled_batches(self, id_lists, batch_size: int, bar, pooling: str, layers):
+        """Yields (indices, pooled vectors) over length-sorted batches of at most `batch_size` texts. A batch
+        of mixed lengths (a server's concurrent requests) runs as packed rows, several texts per row, when
+        that saves a fifth of the rows or more; a batch of similar lengths (offline encoding) as it is."""
+        order = np.argsort([len(ids) for ids in id_lists], kind="stable")
+        for start in range(0, len(order), batch_size):
+            index = order[start:start + batch_size]
+            lengths = [len(id_lists[i]) for i in index]
+            width = max(lengths)
+            rows = pack_rows(lengths, width) if pooling in PACKED_POOLINGS and len(index) > 1 else None
+            if rows is None or len(rows) > PACK_WHEN * len(index):
+                ids, mask = self._padded([id_lists[i] for i in index])
+                yield index, self._run(ids, mask, pooling, layers)
+            else:
+                texts = max(len(row) for row in rows)
+                ids = np.full((len(rows), width), self.tokenizer.pad_id, np.int32)
+                segments = np.zeros((len(rows), width), np.int32)
+                weights = np.zeros((len(rows), texts, width), np.float32)
+                where = np.zeros((len(index), 2), np.int64)  # (row, slot) of each text
+                for r, row in enumerate(rows):
+                    at = 0
+                    for t, j in enumerate(row):
+                        n = lengths[j]
+                        ids[r, at:at + n] = id_lists[index[j]]
+                        segments[r, at:at + n] = t + 1
+                        if pooling == "cls":
+                            weights[r, t, at] = 1.0
+                        else:
+                            weights[r, t, at:at + n] = 1.0 / n
+                        where[j] = (r, t)
+                        at += n
+                vectors = self._run_packed(ids, segments, weights, pooling, layers)
+                yield index, vectors[where[:, 0], where[:, 1]]
+            if bar is not None:
+                bar.update(len(index))
+
+    def _padded(self, id_lists):
+        """`[b, s]` ids and padding mask, padded to the longest (exact: the traced graph takes any shape)."""
+        width = min(max(len(ids) for ids in id_lists), self.max_length)
+        ids = np.full((len(id_lists), width), self.tokenizer.pad_id, np.int32)
+        mask = np.zeros((len(id_lists), width), np.int32)
+        for row, x in enumerate(id_lists):
+            ids[row, :len(x)] = x
+            mask[row, :len(x)] = 1
+        return ids, mask
+
     def _batches(self, id_lists, batch_size: int, bar=None, pooling=None, layers=-1):
         """Yields (indices, hidden states or pooled vectors, mask) over length-sorted batches of `id_lists`."""
         order = np.argsort([len(ids) for ids in id_lists], kind="stable")
         for start in range(0, len(order), batch_size):
             index = order[start:start + batch_size]
-            width = max(len(id_lists[i]) for i in index)
-            width = min(width, self.max_length)  # exact: the traced graph takes any shape
-            ids = np.full((len(index), width), self.tokenizer.pad_id, np.int32)
-            mask = np.zeros((len(index), width), np.int32)
-            for row, i in enumerate(index):
-                n = len(id_lists[i])
-                ids[row, :n] = id_lists[i]
-                mask[row, :n] = 1
+            ids, mask = self._padded([id_lists[i] for i in index])
             yield index, self._run(ids, mask, pooling, layers), mask
             if bar is not None:
                 bar.update(len(index))
@@ -180,7 +236,7 @@ class Embedder:
             for ids in chunk:
                 truncated += len(ids) > max_length - 2
                 id_lists.append([self.tokenizer.cls_id] + ids[:max_length - 2] + [self.tokenizer.sep_id])
-            for index, vectors, _ in self._batches(id_lists, batch_size, bar, pooling, layers):
+            for index, vectors in self._pooled_batches(id_lists, batch_size, bar, pooling, layers):
                 out[first + index] = vectors
         bar.close()
         self._warn_truncated(truncated, len(texts), max_length)

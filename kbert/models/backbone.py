@@ -8,7 +8,7 @@ import keras
 from keras import ops
 
 from kbert.models.config import ModelConfig
-from kbert.models.layers import Embeddings, MaskedLMHead, PairHead, Pooler, TransformerBlock
+from kbert.models.layers import Embeddings, MaskedLMHead, PairHead, Pooler, TransformerBlock, packed_inputs
 
 INPUT_NAMES = ("token_ids", "segment_ids", "padding_mask")
 
@@ -51,14 +51,9 @@ class Backbone(keras.Model):
         final_norm = (keras.layers.LayerNormalization(epsilon=config.layer_norm_epsilon, dtype=policy,
                                                       name="final_norm") if config.norm_first else None)
 
-        _, x = embeddings(inputs["token_ids"], inputs["segment_ids"])
-        hidden = [x]
-        for block in blocks:
-            x = block(x, inputs["padding_mask"])
-            hidden.append(x)
-        if final_norm is not None:  # pre-LN: the last output is normalized, and so is its hidden state
-            x = final_norm(x)
-            hidden[-1] = x
+        hidden = _encode(embeddings, blocks, final_norm, inputs["token_ids"], inputs["segment_ids"],
+                         inputs["padding_mask"])
+        x = hidden[-1]
         outputs = {"sequence_output": x, "pooled_output": pooler(x)}
         if output_hidden_states:
             outputs["hidden_states"] = hidden
@@ -74,6 +69,15 @@ class Backbone(keras.Model):
 
     def _make_blocks(self, config, policy):
         raise NotImplementedError
+
+    def packed_hidden_states(self, token_ids, segments):
+        """Every layer's output `[b, s, h]` for packed rows: several texts per row, `segments` [b, s]
+        numbering each token's text within its row (1, 1, 2, 2, 2, ..., 0 = padding; see
+        `kbert.models.layers.packed_inputs`). Each text's states equal those it gets alone (its own
+        positions from 0, attention within the text); inference only (no dropout). Segment ids are 0."""
+        positions, attend = packed_inputs(segments)
+        return _encode(self.embeddings, self.blocks, self.final_norm, token_ids, ops.zeros_like(token_ids),
+                       attend, positions)
 
     @property
     def token_embedding(self) -> keras.layers.Embedding:
@@ -129,6 +133,19 @@ class AlbertBackbone(Backbone):
         groups = [TransformerBlock(config, dtype=policy, name=f"group_{g}") for g in range(config.num_groups)]
         per_group = config.num_layers // config.num_groups
         return [groups[i // per_group] for i in range(config.num_layers)]
+
+
+def _encode(embeddings, blocks, final_norm, token_ids, segment_ids, mask, positions=None, training=None):
+    """Embeddings, then the blocks: the hidden states (embedding output first; a pre-LN model's last one
+    normalized). `mask`: [b, s] padding mask or [b, s, s] attention mask (packed rows)."""
+    _, x = embeddings(token_ids, segment_ids, positions=positions, training=training)
+    hidden = [x]
+    for block in blocks:
+        x = block(x, mask, training=training)
+        hidden.append(x)
+    if final_norm is not None:  # pre-LN: the last output is normalized, and so is its hidden state
+        hidden[-1] = final_norm(x)
+    return hidden
 
 
 def backbone_class(architecture: str):

@@ -173,13 +173,34 @@ class Dropout(keras.layers.Layer):
 
 
 def attention_bias(padding_mask):
-    """[b, s] mask of 1 (token) / 0 (padding) -> additive float32 attention bias [b, 1, 1, s].
+    """[b, s] mask of 1 (token) / 0 (padding) -> additive float32 attention bias [b, 1, 1, s]; or a
+    [b, s, s] mask of 1 where query q may attend to key k (packed rows, `packed_inputs`) -> [b, 1, s, s].
 
     Computed inside each block from the integer mask: Keras autocasts float layer inputs to the compute
     dtype, and a float16 bias would turn the padding bias into -inf.
     """
     mask = ops.cast(padding_mask, "float32")
+    if len(mask.shape) == 3:
+        return ((1.0 - mask) * _MASK_BIAS)[:, None, :, :]
     return ((1.0 - mask) * _MASK_BIAS)[:, None, None, :]
+
+
+def packed_inputs(segments):
+    """Several texts in one row (inference without padding waste): `segments` [b, s] int numbers each
+    token by its text within the row (1, 1, 1, 2, 2, 3, ..., 0 for padding; texts contiguous, numbered in
+    order) -> (positions [b, s] int32 restarting at 0 for each text, attention mask [b, s, s] int32).
+
+    A token attends only to the tokens of its own text, so each text's hidden states are those it has
+    alone in a row (padding queries attend to every real token, as with a [b, s] padding mask).
+    """
+    segments = ops.cast(segments, "int32")
+    same = ops.equal(segments[:, :, None], segments[:, None, :])  # [b, q, k]
+    start = ops.argmax(ops.cast(same, "int32"), axis=-1)  # [b, q]: the first token of q's text
+    positions = ops.arange(ops.shape(segments)[1], dtype="int32")[None, :] - ops.cast(start, "int32")
+    real_key = ops.greater(segments, 0)[:, None, :]
+    pad_query = ops.equal(segments, 0)[:, :, None]
+    attend = ops.logical_and(real_key, ops.logical_or(same, pad_query))
+    return positions, ops.cast(attend, "int32")
 
 
 def _fused_attention_applies(attention_dropout: float, training) -> bool:
@@ -205,6 +226,8 @@ def _fused_attention(q, k, v, padding_mask, scale):
     """
     if _CHOSEN["attention_kernel"] is not None:
         return _CHOSEN["attention_kernel"](q, k, v, padding_mask, scale)
+    if len(padding_mask.shape) == 3:  # packed rows: [b, s, s] already
+        return ops.dot_product_attention(q, k, v, mask=ops.cast(padding_mask, "bool")[:, None], scale=scale)
     keep = ops.cast(padding_mask, "bool")[:, None, None, :]  # [b, 1, 1, s]
     if _CHOSEN["attention_mask"] == "square":
         b, s = ops.shape(q)[0], ops.shape(q)[1]
@@ -245,10 +268,12 @@ class Embeddings(keras.layers.Layer):
         if self.projection is not None:
             self.projection.build(tuple(token_ids_shape) + (self.config.embedding_dim,))
 
-    def call(self, token_ids, segment_ids, training=None):
-        """Returns (embedding output [b, s, e] before projection, encoder input [b, s, h])."""
-        # Position ids 0..s-1 built from the input itself, so symbolic shapes work on every backend.
-        positions = ops.cumsum(ops.ones_like(token_ids, dtype="int32"), axis=1) - 1  # [b, s]
+    def call(self, token_ids, segment_ids, positions=None, training=None):
+        """Returns (embedding output [b, s, e] before projection, encoder input [b, s, h]). `positions`
+        [b, s]: default 0..s-1 (packed rows pass their own, `packed_inputs`)."""
+        if positions is None:
+            # Position ids 0..s-1 built from the input itself, so symbolic shapes work on every backend.
+            positions = ops.cumsum(ops.ones_like(token_ids, dtype="int32"), axis=1) - 1  # [b, s]
         x = (self.token_embedding(token_ids) + self.segment_embedding(segment_ids)
              + self.position_embedding(positions))
         x = self.dropout(self.norm(x), training=training)

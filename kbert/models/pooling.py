@@ -33,15 +33,7 @@ def pool(hidden_states, padding_mask, pooling: str = "mean", layers: Union[int, 
     max: maximum over real tokens; first_last_avg: mean pooling of the first layer's and the last layer's
     outputs averaged. `layers` (for all but first_last_avg) averages those layers before pooling.
     """
-    chosen = check_pooling(pooling, layers, len(hidden_states))
-    if pooling == "first_last_avg":
-        picked = [hidden_states[1], hidden_states[-1]] if len(hidden_states) > 1 else [hidden_states[-1]]
-    else:
-        picked = [hidden_states[l] for l in chosen]
-    x = ops.cast(picked[0], "float32")
-    for h in picked[1:]:
-        x = x + ops.cast(h, "float32")
-    x = x / float(len(picked))
+    x = _layer_average(hidden_states, pooling, layers)
     mask = ops.cast(padding_mask, "float32")[:, :, None]
     if pooling == "cls":
         vec = x[:, 0]
@@ -52,6 +44,33 @@ def pool(hidden_states, padding_mask, pooling: str = "mean", layers: Union[int, 
     if normalize:
         vec = vec / ops.maximum(ops.sqrt(ops.sum(vec * vec, axis=-1, keepdims=True)), 1e-12)
     return vec
+
+
+# poolings that `pool_packed` computes as a weighted sum over a packed row (max has no such form)
+PACKED_POOLINGS = ("mean", "cls", "first_last_avg")
+
+
+def pool_packed(hidden_states, weights, pooling: str = "mean", layers: Union[int, Sequence[int]] = -1):
+    """Sentence vectors `[b, t, h]` (float32) of packed rows (`Backbone.packed_hidden_states`): `weights`
+    [b, t, s] holds, for text t of row b, 1/length on its tokens (mean, first_last_avg) or 1 on its first
+    token (cls), 0 elsewhere; the same vectors as `pool` gives each text alone."""
+    if pooling not in PACKED_POOLINGS:
+        raise ValueError(f"packed rows pool with one of {PACKED_POOLINGS}. Received: pooling={pooling!r}")
+    x = _layer_average(hidden_states, pooling, layers)
+    return ops.einsum("bts,bsh->bth", ops.cast(weights, "float32"), x)
+
+
+def _layer_average(hidden_states, pooling: str, layers):
+    """The float32 average of the layers a pooling reads: `layers`, or the first and last for first_last_avg."""
+    chosen = check_pooling(pooling, layers, len(hidden_states))
+    if pooling == "first_last_avg":
+        picked = [hidden_states[1], hidden_states[-1]] if len(hidden_states) > 1 else [hidden_states[-1]]
+    else:
+        picked = [hidden_states[l] for l in chosen]
+    x = ops.cast(picked[0], "float32")
+    for h in picked[1:]:
+        x = x + ops.cast(h, "float32")
+    return x / float(len(picked))
 
 
 def parse_layers(text: Optional[str], name: str = "--layers"):
