@@ -19,7 +19,8 @@ off the event loop) takes them in arrival order into a batch until `max_batch_to
 characters + 2, an upper bound for Korean text, capped at the model's length), waiting up to `max_wait_ms`
 only for requests already being read (an idle server answers a lone request at once, and requests that
 arrive while the model runs form the next batch), groups texts of the same route and options, runs them
-(sorted by length inside `Embedder.encode`), and hands every request its own rows in its input order.
+(inside `Embedder.encode`: sorted by length, and a batch of mixed lengths as packed rows, several texts per
+row, so short requests are not padded to the longest), and hands every request its own rows in its input order.
 
 Limits: malformed JSON, a wrong field type, or a body that is not UTF-8: 400; more than `max_texts` texts
 or a text over `max_chars` characters: 413; a full queue (`max_queue` texts): 429 with `Retry-After`, at
