@@ -113,9 +113,7 @@ class Embedder:
         """Yields (indices, pooled vectors) over length-sorted batches of at most `batch_size` texts. A batch
         of mixed lengths (a server's concurrent requests) runs as packed rows, several texts per row, when
         that saves a fifth of the rows or more; a batch of similar lengths (offline encoding) as it is."""
-        order = np.argsort([len(ids) for ids in id_lists], kind="stable")
-        for start in range(0, len(order), batch_size):
-            index = order[start:start + batch_size]
+        for index in _length_sorted(id_lists, batch_size):
             lengths = [len(id_lists[i]) for i in index]
             width = max(lengths)
             rows = pack_rows(lengths, width) if pooling in PACKED_POOLINGS and len(index) > 1 else None
@@ -155,15 +153,11 @@ class Embedder:
             mask[row, :len(x)] = 1
         return ids, mask
 
-    def _batches(self, id_lists, batch_size: int, bar=None, pooling=None, layers=-1):
-        """Yields (indices, hidden states or pooled vectors, mask) over length-sorted batches of `id_lists`."""
-        order = np.argsort([len(ids) for ids in id_lists], kind="stable")
-        for start in range(0, len(order), batch_size):
-            index = order[start:start + batch_size]
+    def _hidden_batches(self, id_lists, batch_size: int):
+        """Yields (indices, every layer's hidden states) over length-sorted, padded batches of `id_lists`."""
+        for index in _length_sorted(id_lists, batch_size):
             ids, mask = self._padded([id_lists[i] for i in index])
-            yield index, self._run(ids, mask, pooling, layers), mask
-            if bar is not None:
-                bar.update(len(index))
+            yield index, self._run(ids, mask)
 
     def _max_length(self, max_length):
         if max_length is None:
@@ -263,7 +257,7 @@ class Embedder:
 
             analyzer = get_analyzer(morphemes)
         results = [None] * len(texts)
-        for index, hidden, _ in self._batches([e.ids for e in encodings], batch_size):
+        for index, hidden in self._hidden_batches([e.ids for e in encodings], batch_size):
             x = self._layers(hidden, layers)
             for row, i in enumerate(index):
                 enc = encodings[i]
@@ -335,6 +329,12 @@ class Embedder:
         if isinstance(items, np.ndarray):
             return np.atleast_2d(items)
         return np.atleast_2d(self.encode(items, **options))
+
+
+def _length_sorted(id_lists, batch_size: int):
+    """Index arrays of at most `batch_size` texts each, shortest first (stable), so batches need little padding."""
+    order = np.argsort([len(ids) for ids in id_lists], kind="stable")
+    return [order[start:start + batch_size] for start in range(0, len(order), batch_size)]
 
 
 def _unit(x) -> np.ndarray:
