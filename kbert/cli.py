@@ -397,7 +397,7 @@ def _serve(args):
           f"/v1/classify; GET /health, /metrics); Ctrl-C or SIGTERM drains and stops", file=sys.stderr, flush=True)
     serve(args.model, host=args.host, port=args.port, max_batch_tokens=args.max_batch_tokens,
           max_wait_ms=args.max_wait_ms, max_queue=args.max_queue, max_texts=args.max_texts,
-          max_chars=args.max_chars, timeout_s=args.timeout)
+          max_chars=args.max_chars, timeout_s=args.timeout, jit_compile=args.jit_compile == "on")
 
 
 def _export(args):
@@ -614,6 +614,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-texts", type=int, default=512, help="texts per request (more: 413)")
     p.add_argument("--max-chars", type=int, default=20000, help="characters per text (more: 413)")
     p.add_argument("--timeout", type=float, default=30.0, help="seconds before a request gets 504")
+    p.add_argument("--jit-compile", choices=("on", "off"), default="on",
+                   help="sentence vectors through XLA, each batch shape compiled in the background the first "
+                        "time it is met (on), or the graph only (off)")
     p.set_defaults(func=_serve)
 
     p = sub.add_parser("export", help="a SavedModel that takes raw strings (TF Serving layout DIR/VERSION/)")

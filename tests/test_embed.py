@@ -96,6 +96,43 @@ def test_mixed_lengths_run_packed_and_give_the_unpacked_vectors(emb, monkeypatch
     assert len(calls) == n
 
 
+def test_xla_vectors_equal_the_graph_for_every_pooling_and_shapes_stay_bucketed(emb, monkeypatch):
+    from kbert.embed.embedder import ROW_BUCKETS, WIDTH_BUCKETS, Embedder, _bucket
+
+    assert [_bucket(n, (16, 32)) for n in (1, 16, 17, 32, 40)] == [16, 16, 32, 32, 40]
+    xla = Embedder(emb.backbone, emb.tokenizer, jit_compile=True)
+    texts = ["가", "나다", TEXTS[4], TEXTS[0], "", "라", TEXTS[1], "마바사"] * 3
+    for pooling in ("mean", "cls", "max", "first_last_avg"):
+        np.testing.assert_allclose(xla.encode(texts, pooling=pooling), emb.encode(texts, pooling=pooling),
+                                   atol=1e-5)
+    np.testing.assert_allclose(xla.encode(TEXTS[0], layers=[1, 2]), emb.encode(TEXTS[0], layers=[1, 2]), atol=1e-5)
+    shapes = {key[1:] for key in xla._compiled}
+    assert shapes and all(r in ROW_BUCKETS and (w in WIDTH_BUCKETS or w == xla.max_length) for r, w in shapes)
+    assert all(r < len(texts) for r, _ in shapes)  # packed: fewer rows than texts
+    n = len(xla._compiled)
+    xla.encode(list(reversed(texts)))  # the same traffic again: no new compilation
+    assert len(xla._compiled) == n
+    with pytest.raises(ValueError, match="`jit_compile` must be one of"):
+        Embedder(emb.backbone, emb.tokenizer, jit_compile="yes")
+
+
+def test_background_compilation_serves_from_the_graph_until_a_shape_is_compiled(emb, monkeypatch):
+    from kbert.embed.embedder import Embedder
+
+    background = Embedder(emb.backbone, emb.tokenizer, jit_compile="background")
+    xla_runs = []
+    run_xla = background._run_xla
+    monkeypatch.setattr(background, "_run_xla", lambda key, *a: xla_runs.append(key) or run_xla(key, *a))
+    texts = TEXTS[:2] + ["가나다라"]
+    first = background.encode(texts)  # not compiled yet: the graph answers, a thread compiles
+    assert not xla_runs
+    background.wait_compiled()
+    assert background.compiling == 0 and len(background._compiled) == 1
+    again = background.encode(texts)
+    assert len(xla_runs) == 1
+    np.testing.assert_allclose(again, first, atol=1e-5)
+
+
 def test_mean_pooling_matches_a_direct_computation(emb):
     enc = emb.tokenizer.encode(TEXTS[1])
     hidden = emb._run(np.array([enc.ids], np.int32), np.ones((1, len(enc.ids)), np.int32))[-1]

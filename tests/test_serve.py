@@ -98,10 +98,17 @@ def test_health_waits_for_warm_up_and_embeddings_equal_encode(dirs):
         sim = client.post("/v1/similarity", json={"source_sentence": TEXTS[0], "sentences": TEXTS[1:3]}).json()
         vectors = emb.encode(TEXTS[:3])
         np.testing.assert_allclose(sim["similarities"], vectors[1:] @ vectors[0], atol=1e-6)
+        # a shape met for the first time ran on the graph and compiled in the background; now XLA answers
+        app.state.engine.embedder.wait_compiled()
+        again = client.post("/v1/embeddings", json={"input": TEXTS}).json()
+        np.testing.assert_allclose(np.array([d["embedding"] for d in again["data"]], np.float32),
+                                   emb.encode(TEXTS), atol=1e-6)
         metrics = client.get("/metrics").text
-        assert 'kbert_requests_total{route="/v1/embeddings",status="200"} 2.0' in metrics
+        assert 'kbert_requests_total{route="/v1/embeddings",status="200"} 3.0' in metrics
         assert 'kbert_requests_total{route="/v1/embeddings",status="503"} 1.0' in metrics
         assert "kbert_batch_texts_count" in metrics and "kbert_queue_texts" in metrics
+        compiled = float(metrics.split("\nkbert_xla_shapes_compiled ")[1].split()[0])
+        assert compiled >= 2 and "kbert_xla_compiles_pending 0.0" in metrics
 
 
 def test_concurrent_requests_are_batched_and_each_gets_its_own_rows(dirs):

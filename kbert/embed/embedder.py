@@ -11,6 +11,14 @@ Texts are tokenized once, sorted by length and run in batches padded only to the
 to itself (`Backbone.packed_hidden_states`); results come back in input order. Texts longer
 than `max_length` are truncated with one warning that counts them. An empty or blank text encodes as
 `[CLS] [SEP]`, a defined vector.
+
+`jit_compile=True` runs sentence vectors through XLA instead: the graph executor dispatches each of a few
+hundred small ops one by one, which on a CPU costs milliseconds per call and leaves elementwise work (GELU,
+layer norm, softmax, bias) unfused; XLA compiles the whole encoder into fused kernels. XLA compiles once per
+input shape (about a second each for a small model), so every batch is packed into rows of a bucketed shape
+(`WIDTH_BUCKETS` x `ROW_BUCKETS`): a handful of compilations serve any traffic. `jit_compile="background"`
+(what `kbert serve` uses) runs a batch whose shape is not compiled yet on the graph and compiles that shape
+in a background thread, so no request waits for a compilation.
 """
 
 from __future__ import annotations
@@ -22,10 +30,17 @@ import numpy as np
 
 from kbert.data.features import pack_rows, text_list
 from kbert.utils import progress_bar
-from kbert.models.pooling import PACKED_POOLINGS, POOLINGS, check_pooling, pool, pool_packed  # noqa: F401
+from kbert.models.pooling import (PACKED_POOLINGS, POOLINGS, check_pooling, layer_average, pool,  # noqa: F401
+                                  pool_packed)
 
 ENCODE_CHUNK = 8192  # texts tokenized at a time by `encode`
 PACK_WHEN = 0.8  # a batch runs packed when that needs at most this share of its rows
+# XLA shapes [rows, width]: a batch's rows and width are rounded up to these (beyond them: exact), so the
+# compilations stay few; steps of about 1.5x keep the padding they add near a fifth at most
+WIDTH_BUCKETS = (16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+ROW_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+PACK_WIDTH = 64
+JIT_MODES = (False, True, "background")
 UNITS = ("eojeol", "morpheme", "subword")
 WORD_POOLINGS = ("mean", "first")
 
@@ -34,18 +49,27 @@ class Embedder:
     """Sentence and word embeddings from a BERT/ALBERT backbone and its tokenizer."""
 
     def __init__(self, backbone, tokenizer, max_length: Optional[int] = None, pooling: str = "mean",
-                 layers: Union[int, List[int]] = -1):
+                 layers: Union[int, List[int]] = -1, jit_compile: Union[bool, str] = False):
+        """jit_compile: False (one traced graph for every shape), True (sentence vectors through XLA, a
+        bucketed shape compiled the first time it is met), or "background" (as True, but a batch whose shape
+        is not compiled yet runs on the graph while a background thread compiles it: for servers)."""
         if not getattr(backbone, "output_hidden_states", False):
             raise ValueError("Embedder needs a backbone built with output_hidden_states=True; use Embedder.load(dir)")
+        if not (isinstance(jit_compile, bool) or jit_compile == "background"):
+            raise ValueError(f"`jit_compile` must be one of {JIT_MODES}. Received: jit_compile={jit_compile!r}")
         check_pooling(pooling, layers, backbone.config.num_layers + 1)
         self.backbone, self.tokenizer = backbone, tokenizer
         # the sentence pooling `encode` uses by default: a bi-encoder dir's own (`kbert.finetune(pooling=...)`)
         self.pooling, self.layers = pooling, layers
         self.max_length = backbone.config.check_length(max_length or backbone.config.max_position)
+        self.jit_compile = jit_compile
         self._fns = {}
+        self._compiled = set()  # (layers, rows, width) shapes XLA has compiled
+        self._compiling = None  # "background": (queue, pending shapes, thread)
 
     @classmethod
-    def load(cls, model_dir: str, max_length: Optional[int] = None, dtype: Optional[str] = None) -> "Embedder":
+    def load(cls, model_dir: str, max_length: Optional[int] = None, dtype: Optional[str] = None,
+             jit_compile: Union[bool, str] = False) -> "Embedder":
         """An Embedder for a model dir (kbert, Hugging Face with its vocab, or a `kbert pretrain` run dir: its
         `model/`), or a Hugging Face Hub name ("klue/bert-base", fetched and cached by `huggingface_hub`;
         HF_HUB_OFFLINE=1 reads the cache only).
@@ -69,7 +93,7 @@ class Embedder:
         if task and task.get("task") == "sentence-embedding":
             pooling, layers = task.get("pooling") or "mean", task.get("layers", -1)
             layers = -1 if layers is None else layers
-        return cls(backbone, tokenizer, max_length, pooling, layers)
+        return cls(backbone, tokenizer, max_length, pooling, layers, jit_compile=jit_compile)
 
     # ----------------------------------------------------------------- running the model
     def _run(self, ids: np.ndarray, mask: np.ndarray, pooling: Optional[str] = None, layers=-1):
@@ -110,38 +134,152 @@ class Embedder:
                           dtype=np.float32)
 
     def _pooled_batches(self, id_lists, batch_size: int, bar, pooling: str, layers):
-        """Yields (indices, pooled vectors) over length-sorted batches of at most `batch_size` texts. A batch
-        of mixed lengths (a server's concurrent requests) runs as packed rows, several texts per row, when
-        that saves a fifth of the rows or more; a batch of similar lengths (offline encoding) as it is."""
+        """Yields (indices, pooled vectors) over length-sorted batches of at most `batch_size` texts. With
+        `jit_compile`, a batch runs through XLA as packed rows of a bucketed shape. Otherwise a batch of
+        mixed lengths (a server's concurrent requests) runs as packed rows, several texts per row, when that
+        saves a fifth of the rows or more, and a batch of similar lengths (offline encoding) as it is."""
         for index in _length_sorted(id_lists, batch_size):
             lengths = [len(id_lists[i]) for i in index]
+            texts = [id_lists[i] for i in index]
+            if self.jit_compile:
+                # rows of at least PACK_WIDTH tokens when the batch holds that many: a batch of short texts
+                # then has one width whatever its longest text, and the compiled shapes stay few
+                width = min(_bucket(max(max(lengths), min(sum(lengths), PACK_WIDTH)), WIDTH_BUCKETS),
+                            self.max_length)
+                rows = pack_rows(lengths, width)
+                key = (self._layer_key(pooling, layers), _bucket(len(rows), ROW_BUCKETS), width)
+                if self._compiled_now(key):
+                    yield index, self._run_xla(key, texts, lengths, rows, pooling)
+                    if bar is not None:
+                        bar.update(len(index))
+                    continue
             width = max(lengths)
             rows = pack_rows(lengths, width) if pooling in PACKED_POOLINGS and len(index) > 1 else None
             if rows is None or len(rows) > PACK_WHEN * len(index):
-                ids, mask = self._padded([id_lists[i] for i in index])
+                ids, mask = self._padded(texts)
                 yield index, self._run(ids, mask, pooling, layers)
             else:
-                texts = max(len(row) for row in rows)
-                ids = np.full((len(rows), width), self.tokenizer.pad_id, np.int32)
-                segments = np.zeros((len(rows), width), np.int32)
-                weights = np.zeros((len(rows), texts, width), np.float32)
+                ids, segments, spans = self._fill_rows(texts, lengths, rows, (len(rows), width))
+                weights = np.zeros((len(rows), max(len(row) for row in rows), width), np.float32)
                 where = np.zeros((len(index), 2), np.int64)  # (row, slot) of each text
-                for r, row in enumerate(rows):
-                    at = 0
-                    for t, j in enumerate(row):
-                        n = lengths[j]
-                        ids[r, at:at + n] = id_lists[index[j]]
-                        segments[r, at:at + n] = t + 1
-                        if pooling == "cls":
-                            weights[r, t, at] = 1.0
-                        else:
-                            weights[r, t, at:at + n] = 1.0 / n
-                        where[j] = (r, t)
-                        at += n
+                for j, r, t, at in spans:
+                    n = lengths[j]
+                    if pooling == "cls":
+                        weights[r, t, at] = 1.0
+                    else:
+                        weights[r, t, at:at + n] = 1.0 / n
+                    where[j] = (r, t)
                 vectors = self._run_packed(ids, segments, weights, pooling, layers)
                 yield index, vectors[where[:, 0], where[:, 1]]
             if bar is not None:
                 bar.update(len(index))
+
+    def _fill_rows(self, texts, lengths, rows, shape):
+        """Packed rows of `shape` [r, s]: ids, segments (1, 1, 2, ... numbering each row's texts; 0 =
+        padding) and each text's place `(text, row, slot, start)`."""
+        ids = np.full(shape, self.tokenizer.pad_id, np.int32)
+        segments = np.zeros(shape, np.int32)
+        spans = []
+        for r, row in enumerate(rows):
+            at = 0
+            for t, j in enumerate(row):
+                n = lengths[j]
+                ids[r, at:at + n] = texts[j]
+                segments[r, at:at + n] = t + 1
+                spans.append((j, r, t, at))
+                at += n
+        return ids, segments, spans
+
+    # ----------------------------------------------------------------- XLA (jit_compile)
+    @staticmethod
+    def _layer_key(pooling: str, layers):
+        """What the compiled function depends on: which layers it averages (pooling itself runs outside)."""
+        return ("first_last_avg" if pooling == "first_last_avg" else "mean",
+                layers if isinstance(layers, (int, str)) else tuple(layers))
+
+    def _xla_fn(self, layer_key):
+        """The XLA-compiled encoder of packed rows: ids and segments [r, s] -> the float32 average of the
+        layers a pooling reads [r, s, h]; each text is pooled from its own span outside, so the number of
+        texts per row is not part of the compiled shape."""
+        import tensorflow as tf
+
+        key = ("xla",) + layer_key
+        if key not in self._fns:
+            which, layers = layer_key
+            layers = list(layers) if isinstance(layers, tuple) else layers
+
+            def run(ids, segments):
+                return layer_average(self.backbone.packed_hidden_states(ids, segments), which, layers)
+
+            spec = tf.TensorSpec([None, None], tf.int32)  # one trace; XLA compiles each concrete shape
+            self._fns[key] = tf.function(run, input_signature=[spec, spec], jit_compile=True)
+        return self._fns[key]
+
+    def _run_xla(self, key, texts, lengths, rows, pooling):
+        import tensorflow as tf
+
+        layer_key, shape = key[0], key[1:]
+        ids, segments, spans = self._fill_rows(texts, lengths, rows, shape)
+        x = np.asarray(self._xla_fn(layer_key)(tf.constant(ids), tf.constant(segments)), np.float32)
+        self._compiled.add(key)
+        out = np.empty((len(texts), x.shape[-1]), np.float32)
+        for j, r, _, at in spans:
+            piece = x[r, at:at + lengths[j]]
+            out[j] = piece[0] if pooling == "cls" else piece.max(axis=0) if pooling == "max" else piece.mean(axis=0)
+        return out
+
+    def _compiled_now(self, key) -> bool:
+        """Whether a batch of `key`'s shape runs through XLA now: always with jit_compile=True (compiling
+        it here the first time); with "background", once a background thread has compiled it (asked here)."""
+        if self.jit_compile is True or key in self._compiled:
+            return True
+        if self._compiling is None:
+            import queue
+            import threading
+
+            jobs = queue.Queue()
+            thread = threading.Thread(target=self._compile_worker, args=(jobs,), daemon=True,
+                                      name="kbert-xla-compile")
+            self._compiling = (jobs, set(), thread)
+            thread.start()
+        jobs, pending, _ = self._compiling
+        if key not in pending:
+            pending.add(key)
+            jobs.put(key)
+        return False
+
+    def _compile_worker(self, jobs) -> None:
+        import os
+        import threading
+
+        import tensorflow as tf
+
+        try:  # the lowest CPU priority for this thread (a Linux task): serving requests comes first
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except (AttributeError, OSError):
+            pass
+        while True:
+            key = jobs.get()
+            try:
+                shape = key[1:]
+                self._xla_fn(key[0])(tf.zeros(shape, tf.int32), tf.zeros(shape, tf.int32))
+                self._compiled.add(key)
+            except Exception as e:  # noqa: BLE001 - that shape stays on the graph; say so once
+                warnings.warn(f"XLA could not compile shape {shape} ({type(e).__name__}: {e}); batches of "
+                              f"that shape keep running on the graph")
+            finally:
+                self._compiling[1].discard(key)
+                jobs.task_done()
+
+    @property
+    def compiling(self) -> int:
+        """Shapes waiting for or in background compilation (jit_compile="background")."""
+        return len(self._compiling[1]) if self._compiling is not None else 0
+
+    def wait_compiled(self) -> None:
+        """Blocks until the background compilations asked for so far are done (jit_compile="background")."""
+        if self._compiling is not None:
+            self._compiling[0].join()
 
     def _padded(self, id_lists):
         """`[b, s]` ids and padding mask, padded to the longest (exact: the traced graph takes any shape)."""
@@ -335,6 +473,14 @@ def _length_sorted(id_lists, batch_size: int):
     """Index arrays of at most `batch_size` texts each, shortest first (stable), so batches need little padding."""
     order = np.argsort([len(ids) for ids in id_lists], kind="stable")
     return [order[start:start + batch_size] for start in range(0, len(order), batch_size)]
+
+
+def _bucket(n: int, buckets) -> int:
+    """The smallest bucket holding `n` (beyond the last: `n` itself)."""
+    for b in buckets:
+        if n <= b:
+            return b
+    return n
 
 
 def _unit(x) -> np.ndarray:

@@ -33,7 +33,7 @@ def pool(hidden_states, padding_mask, pooling: str = "mean", layers: Union[int, 
     max: maximum over real tokens; first_last_avg: mean pooling of the first layer's and the last layer's
     outputs averaged. `layers` (for all but first_last_avg) averages those layers before pooling.
     """
-    x = _layer_average(hidden_states, pooling, layers)
+    x = layer_average(hidden_states, pooling, layers)
     mask = ops.cast(padding_mask, "float32")[:, :, None]
     if pooling == "cls":
         vec = x[:, 0]
@@ -56,11 +56,11 @@ def pool_packed(hidden_states, weights, pooling: str = "mean", layers: Union[int
     token (cls), 0 elsewhere; the same vectors as `pool` gives each text alone."""
     if pooling not in PACKED_POOLINGS:
         raise ValueError(f"packed rows pool with one of {PACKED_POOLINGS}. Received: pooling={pooling!r}")
-    x = _layer_average(hidden_states, pooling, layers)
+    x = layer_average(hidden_states, pooling, layers)
     return ops.einsum("bts,bsh->bth", ops.cast(weights, "float32"), x)
 
 
-def _layer_average(hidden_states, pooling: str, layers):
+def layer_average(hidden_states, pooling: str, layers):
     """The float32 average of the layers a pooling reads: `layers`, or the first and last for first_last_avg."""
     chosen = check_pooling(pooling, layers, len(hidden_states))
     if pooling == "first_last_avg":
