@@ -97,9 +97,10 @@ def test_mixed_lengths_run_packed_and_give_the_unpacked_vectors(emb, monkeypatch
 
 
 def test_xla_vectors_equal_the_graph_for_every_pooling_and_shapes_stay_bucketed(emb, monkeypatch):
-    from kbert.embed.embedder import ROW_BUCKETS, WIDTH_BUCKETS, Embedder, _bucket
+    from kbert.data.features import ROW_BUCKETS, WIDTH_BUCKETS, bucket
+    from kbert.embed.embedder import Embedder
 
-    assert [_bucket(n, (16, 32)) for n in (1, 16, 17, 32, 40)] == [16, 16, 32, 32, 40]
+    assert [bucket(n, (16, 32)) for n in (1, 16, 17, 32, 40)] == [16, 16, 32, 32, 40]
     xla = Embedder(emb.backbone, emb.tokenizer, jit_compile=True)
     texts = ["가", "나다", TEXTS[4], TEXTS[0], "", "라", TEXTS[1], "마바사"] * 3
     for pooling in ("mean", "cls", "max", "first_last_avg"):
@@ -131,6 +132,26 @@ def test_background_compilation_serves_from_the_graph_until_a_shape_is_compiled(
     again = background.encode(texts)
     assert len(xla_runs) == 1
     np.testing.assert_allclose(again, first, atol=1e-5)
+
+
+@pytest.mark.parametrize("task", ["classification", "tagging"])
+def test_task_model_predicts_the_same_through_xla(emb, task):
+    from kbert.data.features import build_network
+    from kbert.embed.task_model import TaskModel
+    from kbert.models.tasks import TaskNetwork
+
+    network = TaskNetwork(emb.backbone, task, 2, 0.0, (0.0, 1.0), "pooler", -1)
+    build_network(network, emb.tokenizer)
+    meta = {"task": task, "labels": ["O", "J"], "max_length": 64, "pooling": "pooler", "layers": -1}
+    texts = TEXTS + ["가", "학교에서 친구를 만났다"] * 4
+    graph = TaskModel(network, emb.tokenizer, meta).predict(texts, batch_size=5)
+    xla = TaskModel(network, emb.tokenizer, meta, jit_compile=True)
+    got = xla.predict(texts, batch_size=5)  # batches of 5 and a last of 4: rows padded to 6 and 4
+    if task == "tagging":
+        assert got == graph
+    else:
+        np.testing.assert_allclose(got, graph, atol=1e-5)
+        assert got.shape == (len(texts), 2)
 
 
 def test_mean_pooling_matches_a_direct_computation(emb):

@@ -36,6 +36,20 @@ def pad(lists, pad_id: int, width: Optional[int] = None) -> np.ndarray:
     return out
 
 
+# XLA-compiled inference shapes [rows, width]: a batch's rows and width round up to these (beyond them:
+# exact), so the compilations stay few; steps of about 1.5x keep the padding they add near a fifth at most
+WIDTH_BUCKETS = (16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+ROW_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+
+def bucket(n: int, buckets) -> int:
+    """The smallest bucket holding `n` (beyond the last: `n` itself)."""
+    for b in buckets:
+        if n <= b:
+            return b
+    return n
+
+
 def pack_rows(lengths, width: int) -> List[List[int]]:
     """Packs texts of `lengths` (each <= `width`) into rows of `width` tokens, several short texts per row:
     best fit, longest first (each row starts with the longest text left, then takes the longest that

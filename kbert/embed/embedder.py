@@ -28,18 +28,14 @@ from typing import List, Optional, Sequence, Union
 
 import numpy as np
 
-from kbert.data.features import pack_rows, text_list
+from kbert.data.features import ROW_BUCKETS, WIDTH_BUCKETS, bucket, pack_rows, text_list
 from kbert.utils import progress_bar
 from kbert.models.pooling import (PACKED_POOLINGS, POOLINGS, check_pooling, layer_average, pool,  # noqa: F401
                                   pool_packed)
 
 ENCODE_CHUNK = 8192  # texts tokenized at a time by `encode`
 PACK_WHEN = 0.8  # a batch runs packed when that needs at most this share of its rows
-# XLA shapes [rows, width]: a batch's rows and width are rounded up to these (beyond them: exact), so the
-# compilations stay few; steps of about 1.5x keep the padding they add near a fifth at most
-WIDTH_BUCKETS = (16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
-ROW_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
-PACK_WIDTH = 64
+PACK_WIDTH = 64  # XLA: a batch holding this many tokens packs into rows of at least this width
 JIT_MODES = (False, True, "background")
 UNITS = ("eojeol", "morpheme", "subword")
 WORD_POOLINGS = ("mean", "first")
@@ -144,10 +140,10 @@ class Embedder:
             if self.jit_compile:
                 # rows of at least PACK_WIDTH tokens when the batch holds that many: a batch of short texts
                 # then has one width whatever its longest text, and the compiled shapes stay few
-                width = min(_bucket(max(max(lengths), min(sum(lengths), PACK_WIDTH)), WIDTH_BUCKETS),
+                width = min(bucket(max(max(lengths), min(sum(lengths), PACK_WIDTH)), WIDTH_BUCKETS),
                             self.max_length)
                 rows = pack_rows(lengths, width)
-                key = (self._layer_key(pooling, layers), _bucket(len(rows), ROW_BUCKETS), width)
+                key = (self._layer_key(pooling, layers), bucket(len(rows), ROW_BUCKETS), width)
                 if self._compiled_now(key):
                     yield index, self._run_xla(key, texts, lengths, rows, pooling)
                     if bar is not None:
@@ -473,14 +469,6 @@ def _length_sorted(id_lists, batch_size: int):
     """Index arrays of at most `batch_size` texts each, shortest first (stable), so batches need little padding."""
     order = np.argsort([len(ids) for ids in id_lists], kind="stable")
     return [order[start:start + batch_size] for start in range(0, len(order), batch_size)]
-
-
-def _bucket(n: int, buckets) -> int:
-    """The smallest bucket holding `n` (beyond the last: `n` itself)."""
-    for b in buckets:
-        if n <= b:
-            return b
-    return n
 
 
 def _unit(x) -> np.ndarray:

@@ -6,7 +6,8 @@ from typing import Optional
 
 import numpy as np
 
-from kbert.data.features import build_network, features, first_pieces, pad, segment_ids, text_list
+from kbert.data.features import ROW_BUCKETS, WIDTH_BUCKETS, bucket, build_network, features, first_pieces, pad
+from kbert.data.features import segment_ids, text_list
 from kbert.data.features import unit_vectors_in_batches, word_spans
 from kbert.models.tasks import TASK_FILE, TaskNetwork, load_task_head, read_task_meta, save_task_head
 
@@ -20,15 +21,19 @@ class TaskModel:
         >>> model.labels                            # ['0', '1']
     """
 
-    def __init__(self, network: TaskNetwork, tokenizer, meta: dict):
+    def __init__(self, network: TaskNetwork, tokenizer, meta: dict, jit_compile: bool = False):
+        """jit_compile: predict through XLA (each batch padded to a bucketed shape, compiled the first time it
+        is met, about a second each): fewer, fused kernels instead of the graph executor's per-op dispatch,
+        which on a CPU weighs most on small models and batches."""
         self.network, self.tokenizer, self.meta = network, tokenizer, meta
+        self.jit_compile = bool(jit_compile)
         self.task, self.labels = meta["task"], meta.get("labels")
         self.max_length = meta.get("max_length", 128)
         self.embedder = None  # set by `load`: an Embedder on the same backbone
         self._fn = None
 
     @classmethod
-    def load(cls, model_dir: str, dtype: Optional[str] = None) -> "TaskModel":
+    def load(cls, model_dir: str, dtype: Optional[str] = None, jit_compile: bool = False) -> "TaskModel":
         from kbert.embed.embedder import Embedder
 
         meta = read_task_meta(model_dir)
@@ -43,7 +48,7 @@ class TaskModel:
                               meta.get("pooling"), -1 if layers is None else layers)
         build_network(network, emb.tokenizer)
         load_task_head(network, model_dir)
-        model = cls(network, emb.tokenizer, meta)
+        model = cls(network, emb.tokenizer, meta, jit_compile=jit_compile)
         model.embedder = emb  # the same backbone, for sentence vectors (`kbert serve` uses both)
         return model
 
@@ -58,8 +63,21 @@ class TaskModel:
         import tensorflow as tf
 
         if self._fn is None:
-            self._fn = tf.function(lambda x: self.network(x, training=False), reduce_retracing=True)
-        return np.asarray(self._fn(features(ids, segments, self.tokenizer.pad_id)), np.float32)
+            if self.jit_compile:  # one trace; XLA compiles each concrete (bucketed) shape
+                spec = tf.TensorSpec([None, None], tf.int32)
+                self._fn = tf.function(lambda x: self.network(x, training=False), jit_compile=True,
+                                       input_signature=[{"token_ids": spec, "segment_ids": spec,
+                                                         "padding_mask": spec}])
+            else:
+                self._fn = tf.function(lambda x: self.network(x, training=False), reduce_retracing=True)
+        rows = len(ids)
+        if self.jit_compile:  # pad to a bucketed shape: extra rows are padding, their outputs dropped
+            shape = (bucket(rows, ROW_BUCKETS), min(bucket(ids.shape[1], WIDTH_BUCKETS), self.max_length))
+            shape = (shape[0], max(shape[1], ids.shape[1]))
+            ids = np.pad(ids, [(0, shape[0] - rows), (0, shape[1] - ids.shape[1])],
+                         constant_values=self.tokenizer.pad_id)
+            segments = np.pad(segments, [(0, shape[0] - rows), (0, shape[1] - segments.shape[1])])
+        return np.asarray(self._fn(features(ids, segments, self.tokenizer.pad_id)), np.float32)[:rows]
 
     def predict(self, texts, pairs=None, batch_size: int = 64):
         """classification / pair-classification: probabilities `[n, labels]`; regression: values `[n]`;
