@@ -11,7 +11,9 @@ The teacher's backbone is the bert-mini that `benchmarks/quality.py` pretrains (
 2. general distillation: bert-tiny (2 layers, 128 hidden) learns the pretrained bert-mini's masked-LM
    distribution and last-layer relations on `--general-lines` lines of the pretraining text;
 3. sentiment student: task distillation of the sentiment teacher into that bert-tiny, on the labelled rows
-   plus as many unlabelled reviews of the training movies (soft targets T=2, gold labels alpha=0.5);
+   plus as many unlabelled reviews of the training movies (soft targets T=2, gold labels alpha=0.5), and with
+   `--unlabelled N`, N more reviews of the training movies of any rating (the transfer set a user has: raw
+   in-domain text, several times the labels);
    reference: the same bert-tiny fine-tuned on the labelled rows alone (same epochs, same selection);
 4. KorSTS student: embedding distillation of the bi-encoder into that bert-tiny on KorSTS train sentences
    and review/statute lines, alone and then tuned on the KorSTS labels; reference: the same bert-tiny
@@ -36,7 +38,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.append(os.path.dirname(os.path.abspath(__file__)))
 
-from quality import read_sts, selected, stage  # noqa: E402  (the same cache and selection rule)
+from quality import dev_movie, read_sts, selected, stage  # noqa: E402  (the same cache and selection rule)
 
 
 def timed(fn, repeats=3):
@@ -48,6 +50,24 @@ def timed(fn, repeats=3):
     return best
 
 
+def more_reviews(path, exclude, n, seed):
+    """`n` reviews (at most 140 characters, any rating) of the training movies, none of `exclude`, shuffled."""
+    import csv
+    import gzip
+
+    texts = set()
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        for row in csv.DictReader(f, delimiter="\t", quoting=csv.QUOTE_NONE):
+            text = (row.get("text") or "").strip()
+            if 5 <= len(text) <= 140 and not dev_movie(row.get("movie_id")) and text not in exclude:
+                texts.add(text)
+    texts = sorted(texts)
+    random.Random(seed).shuffle(texts)
+    if len(texts) < n:
+        sys.exit(f"--unlabelled {n}: only {len(texts):,} reviews of the training movies are left")
+    return texts[:n]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quality", required=True, help="the --out dir of benchmarks/quality.py (its pretraining)")
@@ -55,6 +75,8 @@ def main():
     parser.add_argument("--out", default=os.path.join(os.path.expanduser("~"), ".cache", "kbert", "distill"))
     parser.add_argument("--train", type=int, default=60000, help="labelled sentiment rows (and as many unlabelled)")
     parser.add_argument("--general-lines", type=int, default=60000)
+    parser.add_argument("--unlabelled", type=int, default=0,
+                        help="more unlabelled reviews of the training movies (any rating) for task distillation")
     parser.add_argument("--student", default="bert-tiny")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
@@ -75,6 +97,8 @@ def main():
     select = [r for r in rows if selected(r["text"])][:2000]
     pool = [r for r in rows if not selected(r["text"])]
     labelled, unlabelled = pool[:args.train], [r["text"] for r in pool[args.train:2 * args.train]]
+    if args.unlabelled:
+        unlabelled += more_reviews(reviews, {r["text"] for r in rows}, args.unlabelled, args.seed)
     dev = movie_review_sentiment(reviews, "dev", limit=10000, seed=args.seed)
     korsts = os.path.join(args.shared, "korsts")
     sts_all = read_sts(os.path.join(korsts, "sts-train.tsv"))

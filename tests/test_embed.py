@@ -108,11 +108,14 @@ def test_xla_vectors_equal_the_graph_for_every_pooling_and_shapes_stay_bucketed(
                                    atol=1e-5)
     np.testing.assert_allclose(xla.encode(TEXTS[0], layers=[1, 2]), emb.encode(TEXTS[0], layers=[1, 2]), atol=1e-5)
     shapes = {key[1:] for key in xla._compiled}
-    assert shapes and all(r in ROW_BUCKETS and (w in WIDTH_BUCKETS or w == xla.max_length) for r, w in shapes)
+    assert shapes and all(r in ROW_BUCKETS and w in WIDTH_BUCKETS for r, w in shapes)
     assert all(r < len(texts) for r, _ in shapes)  # packed: fewer rows than texts
     n = len(xla._compiled)
     xla.encode(list(reversed(texts)))  # the same traffic again: no new compilation
     assert len(xla._compiled) == n
+    for mode in (False, True):  # a call may ask for more than the Embedder's default length
+        short = Embedder(emb.backbone, emb.tokenizer, max_length=16, jit_compile=mode)
+        np.testing.assert_allclose(short.encode(TEXTS, max_length=64), emb.encode(TEXTS, max_length=64), atol=1e-5)
     with pytest.raises(ValueError, match="`jit_compile` must be one of"):
         Embedder(emb.backbone, emb.tokenizer, jit_compile="yes")
 

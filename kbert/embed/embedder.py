@@ -140,8 +140,8 @@ class Embedder:
             if self.jit_compile:
                 # rows of at least PACK_WIDTH tokens when the batch holds that many: a batch of short texts
                 # then has one width whatever its longest text, and the compiled shapes stay few
-                width = min(bucket(max(max(lengths), min(sum(lengths), PACK_WIDTH)), WIDTH_BUCKETS),
-                            self.max_length)
+                width = max(min(bucket(max(max(lengths), min(sum(lengths), PACK_WIDTH)), WIDTH_BUCKETS),
+                                self.backbone.config.max_position), max(lengths))
                 rows = pack_rows(lengths, width)
                 key = (self._layer_key(pooling, layers), bucket(len(rows), ROW_BUCKETS), width)
                 if self._compiled_now(key):
@@ -278,8 +278,9 @@ class Embedder:
             self._compiling[0].join()
 
     def _padded(self, id_lists):
-        """`[b, s]` ids and padding mask, padded to the longest (exact: the traced graph takes any shape)."""
-        width = min(max(len(ids) for ids in id_lists), self.max_length)
+        """`[b, s]` ids and padding mask, padded to the longest (exact: the traced graph takes any shape; the
+        callers have truncated to the call's max_length, which may exceed the Embedder's default)."""
+        width = max(len(ids) for ids in id_lists)
         ids = np.full((len(id_lists), width), self.tokenizer.pad_id, np.int32)
         mask = np.zeros((len(id_lists), width), np.int32)
         for row, x in enumerate(id_lists):
