@@ -19,8 +19,9 @@ The teacher's backbone is the bert-mini that `benchmarks/quality.py` pretrains (
    and review/statute lines, alone and then tuned on the KorSTS labels; reference: the same bert-tiny
    fine-tuned as a bi-encoder on KorSTS train;
 5. reported once: sentiment dev accuracy (movies never trained on) and KorSTS dev Spearman, and the
-   throughput of `TaskModel.predict` / `Embedder.encode` on 4,000 dev reviews (best of 3, batch 64), on the
-   graph and with `jit_compile=True` (XLA; its shapes compiled in an untimed first pass).
+   throughput of `TaskModel.predict` / `Embedder.encode` on 4,000 dev reviews (batch 64; teacher and student
+   timed alternately, best of 5 each), on the graph and with `jit_compile=True` (XLA; its shapes compiled in
+   an untimed first pass).
 
     python benchmarks/distill.py --quality ~/.cache/kbert/quality --out ~/.cache/kbert/distill
 """
@@ -171,30 +172,39 @@ def main():
         b = emb.encode([r["sentence2"] for r in sts_dev], progress=False)
         return spearman(np.sum(a * b, axis=1), [float(r["score"]) for r in sts_dev])
 
-    def speed(name, kind):
+    def speeds(teacher, student, kind, rounds=5):
+        """Texts/s of the teacher and the student, timed alternately (teacher, student, teacher, ...) and the
+        best of `rounds` each: on a shared machine whose speed drifts, both sides of the ratio see the same
+        drift. kind: predict or encode, on the graph or with "-xla" (every shape compiled while warming)."""
         texts = [r["text"] for r in dev[:4000]]
-        if kind.startswith("predict"):
-            model = kbert.TaskModel.load(path(name), jit_compile=kind == "predict-xla")
-            model.predict(texts if kind == "predict-xla" else texts[:256])  # warm (XLA: every shape compiled)
-            return len(texts) / timed(lambda: model.predict(texts, batch_size=64))
-        emb = kbert.Embedder.load(path(name), jit_compile=kind == "encode-xla")
-        # warm: traces the graph; with XLA compiles every bucketed shape these texts meet (not timed)
-        emb.encode(texts if kind == "encode-xla" else texts[:256], progress=False)
-        return len(texts) / timed(lambda: emb.encode(texts, batch_size=64, progress=False))
+        xla = kind.endswith("-xla")
+        runs = []
+        for name in (teacher, student):
+            if kind.startswith("predict"):
+                model = kbert.TaskModel.load(path(name), jit_compile=xla)
+                model.predict(texts if xla else texts[:256])
+                runs.append(lambda model=model: model.predict(texts, batch_size=64))
+            else:
+                emb = kbert.Embedder.load(path(name), jit_compile=xla)
+                emb.encode(texts if xla else texts[:256], progress=False)
+                runs.append(lambda emb=emb: emb.encode(texts, batch_size=64, progress=False))
+        best = [float("inf"), float("inf")]
+        for _ in range(rounds):
+            for i, run in enumerate(runs):
+                best[i] = min(best[i], timed(run, repeats=1))
+        return {teacher: len(texts) / best[0], student: len(texts) / best[1]}
 
     report = stage(args.out, "report", lambda: {
         "sentiment": {n: accuracy(n) for n in ("teacher-sentiment", "student-sentiment-distilled",
                                                 "student-sentiment-direct")},
-        "sts": {n: sts_score(n) for n in ("teacher-sts", "student-sts-distilled", "student-sts-direct")},
-        "predict_per_s": {n: speed(n, "predict") for n in ("teacher-sentiment", "student-sentiment-distilled")},
-        "encode_per_s": {n: speed(n, "encode") for n in ("teacher-sts", "student-sts-distilled")}})
+        "sts": {n: sts_score(n) for n in ("teacher-sts", "student-sts-distilled", "student-sts-direct")}})
     tuned_sts = stage(args.out, "report-sts-tuned", lambda: {"spearman": sts_score("student-sts-distilled-tuned")})
     # XLA removes most of the per-call overhead of the graph executor, which weighs more on the small student
-    xla = stage(args.out, "report-xla", lambda: {
-        "predict_per_s": {n: speed(n, "predict-xla") for n in ("teacher-sentiment", "student-sentiment-distilled")},
-        "encode_per_s": {n: speed(n, "encode-xla") for n in ("teacher-sts", "student-sts-distilled")}})
+    pairs = {"predict": ("teacher-sentiment", "student-sentiment-distilled"), "encode": ("teacher-sts",
+                                                                                     "student-sts-distilled")}
+    speed = stage(args.out, "report-speed", lambda: {
+        kind: speeds(*pairs[kind.split("-")[0]], kind) for kind in ("predict", "encode", "predict-xla", "encode-xla")})
     s, k = report["sentiment"], report["sts"]
-    p, e = report["predict_per_s"], report["encode_per_s"]
     t_params = kbert.load_model(path("teacher-sentiment")).count_params()
     s_params = kbert.load_model(path("student-sentiment-distilled")).count_params()
     print(f"\n| measure | teacher (bert-mini, {t_params / 1e6:.1f}M) | distilled {args.student} ({s_params / 1e6:.1f}M) "
@@ -209,16 +219,11 @@ def main():
     print(f"| KorSTS dev Spearman, distilled then tuned on the KorSTS labels | | {tuned_sts['spearman']:.4f} | "
           f"{k['student-sts-direct']:.4f} | {tuned_sts['spearman'] / k['teacher-sts']:.3f} | "
           f">= 0.97, and above the labels-alone student |")
-    print(f"| TaskModel.predict, reviews/s | {p['teacher-sentiment']:,.0f} | {p['student-sentiment-distilled']:,.0f} | "
-          f"| {p['student-sentiment-distilled'] / p['teacher-sentiment']:.1f}x | >= 4x |")
-    print(f"| Embedder.encode, reviews/s | {e['teacher-sts']:,.0f} | {e['student-sts-distilled']:,.0f} | "
-          f"| {e['student-sts-distilled'] / e['teacher-sts']:.1f}x | >= 4x |")
-    xp, x = xla["predict_per_s"], xla["encode_per_s"]
-    print(f"| TaskModel.predict with jit_compile=True (XLA), reviews/s | {xp['teacher-sentiment']:,.0f} | "
-          f"{xp['student-sentiment-distilled']:,.0f} | | "
-          f"{xp['student-sentiment-distilled'] / xp['teacher-sentiment']:.1f}x | >= 4x |")
-    print(f"| Embedder.encode with jit_compile=True (XLA), reviews/s | {x['teacher-sts']:,.0f} | "
-          f"{x['student-sts-distilled']:,.0f} | | {x['student-sts-distilled'] / x['teacher-sts']:.1f}x | >= 4x |")
+    for kind, what in (("predict", "TaskModel.predict"), ("encode", "Embedder.encode"),
+                       ("predict-xla", "TaskModel.predict with jit_compile=True (XLA)"),
+                       ("encode-xla", "Embedder.encode with jit_compile=True (XLA)")):
+        t, st = (speed[kind][n] for n in pairs[kind.split("-")[0]])
+        print(f"| {what}, reviews/s | {t:,.0f} | {st:,.0f} | | {st / t:.1f}x | >= 4x |")
     print(f"(sentiment: {len(labelled):,} labelled + {len(unlabelled):,} unlabelled training reviews, "
           f"{len(select):,} selection rows from training movies, {len(dev):,} dev reviews of other movies; "
           f"KorSTS: {len(sts_fit):,} train pairs, {len(sts_select):,} selection pairs, {len(sts_dev):,} dev pairs)")
