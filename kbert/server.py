@@ -96,7 +96,7 @@ class Engine:
         self.ready = threading.Event()
         self.metrics = _Metrics()
         self.metrics.compiling.set_function(lambda: self.embedder.compiling)
-        self.metrics.compiled.set_function(lambda: len(self.embedder._compiled))
+        self.metrics.compiled.set_function(lambda: self.embedder.compiled_shapes)
         self._worker = threading.Thread(target=self._work, daemon=True, name="kbert-serve-batcher")
 
     # ------------------------------------------------------------------ lifecycle

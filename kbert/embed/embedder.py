@@ -61,7 +61,7 @@ class Embedder:
         self.jit_compile = jit_compile
         self._fns = {}
         self._compiled = set()  # (layers, rows, width) shapes XLA has compiled
-        self._compiling = None  # "background": (queue, pending shapes, thread)
+        self._compiling = None  # "background": (queue, pending shapes)
 
     @classmethod
     def load(cls, model_dir: str, max_length: Optional[int] = None, dtype: Optional[str] = None,
@@ -234,11 +234,10 @@ class Embedder:
             import threading
 
             jobs = queue.Queue()
-            thread = threading.Thread(target=self._compile_worker, args=(jobs,), daemon=True,
-                                      name="kbert-xla-compile")
-            self._compiling = (jobs, set(), thread)
-            thread.start()
-        jobs, pending, _ = self._compiling
+            self._compiling = (jobs, set())
+            threading.Thread(target=self._compile_worker, args=(jobs,), daemon=True,
+                             name="kbert-xla-compile").start()
+        jobs, pending = self._compiling
         if key not in pending:
             pending.add(key)
             jobs.put(key)
@@ -271,6 +270,11 @@ class Embedder:
     def compiling(self) -> int:
         """Shapes waiting for or in background compilation (jit_compile="background")."""
         return len(self._compiling[1]) if self._compiling is not None else 0
+
+    @property
+    def compiled_shapes(self) -> int:
+        """Batch shapes XLA has compiled so far."""
+        return len(self._compiled)
 
     def wait_compiled(self) -> None:
         """Blocks until the background compilations asked for so far are done (jit_compile="background")."""
