@@ -107,6 +107,28 @@ def test_task_loss_mixes_gold_labels_only_where_rows_have_them(teacher):
     assert task.labels == ["0", "1"]
 
 
+def test_teacher_scoring_shows_a_bar_on_large_sets_only(teacher, capfd, monkeypatch):
+    """Scoring a large transfer set (outputs in task mode, vectors in embedding mode) runs under a progress
+    bar that counts texts; small sets (dev) and progress=False stay silent; the outputs are unchanged."""
+    from kbert.train.distill import Teacher
+
+    texts = [f"영화 {i}번째 리뷰 재밌어요" for i in range(40)]
+    monkeypatch.setattr(Teacher, "BAR_FROM", 30)
+    t = Teacher(teacher[1], "task", progress=True)
+    enc = t.tokenizer.encode_batch(texts, max_length=16)
+    ids, segs = [e.ids for e in enc], [[0] * len(e.ids) for e in enc]
+    loud = t.outputs(ids, segs, batch_size=8)
+    err = capfd.readouterr().err
+    assert "teacher outputs" in err and "40/40" in err
+    t.outputs(ids[:20], segs[:20])
+    assert "teacher outputs" not in capfd.readouterr().err
+    quiet = Teacher(teacher[1], "task").outputs(ids, segs, batch_size=8)
+    assert "teacher outputs" not in capfd.readouterr().err
+    np.testing.assert_allclose(loud, quiet, rtol=1e-5, atol=1e-6)
+    Teacher(teacher[1], "embedding", progress=True).vectors(texts, 16)
+    assert "teacher vectors" in capfd.readouterr().err
+
+
 @pytest.mark.slow
 def test_task_mode_student_learns_its_teacher(tok, teacher, tmp_path):
     """A 1-layer student on reviews the teacher labels (unlabeled text plus a few labeled rows): its

@@ -51,6 +51,7 @@ from kbert.models.tasks import read_task_meta
 from kbert.train.finetune_tasks import (ClassificationTask, Examples, FinetuneTask, PairClassificationTask,
                                         RegressionTask, SentenceEmbeddingTask)
 from kbert.train.metrics import spearman
+from kbert.utils import progress_bar
 
 MODES = ("auto", "task", "embedding", "general")
 TASK_MODE_TASKS = ("classification", "pair-classification", "regression")
@@ -91,12 +92,17 @@ def embedding_distill_loss(student, teacher):
 class Teacher:
     """A teacher dir loaded once to score texts; `release()` drops its weights before the student trains."""
 
-    def __init__(self, model_dir: str, mode: str, dtype: Optional[str] = None):
+    # a bar over the teacher's scoring passes from this many texts up (task mode scores the whole transfer
+    # set, e.g. 480,000 reviews, before the student's first step: many silent minutes on a CPU without it)
+    BAR_FROM = 2048
+
+    def __init__(self, model_dir: str, mode: str, dtype: Optional[str] = None, progress: bool = False):
         from kbert.models.convert import load_model
         from kbert.models.tasks import TaskNetwork, load_task_head
         from kbert.text.tokenizer import Tokenizer
 
         self.dir, self.meta = model_dir, read_task_meta(model_dir) or {}
+        self.progress = progress
         self.tokenizer = Tokenizer.from_model_dir(model_dir)
         self._fn = None
         backbone = load_model(model_dir, output_hidden_states=True, dtype=dtype)
@@ -145,12 +151,15 @@ class Teacher:
         """The task head's outputs `[n, k]` (logits, or `[n, 1]` values) for encoded examples, in order."""
         out = [None] * len(token_ids)
         order = np.argsort([len(x) for x in token_ids], kind="stable")  # little padding per batch
+        bar = self.bar(len(order), "teacher outputs")
         for start in range(0, len(order), batch_size):
             index = order[start:start + batch_size]
             ids = pad([token_ids[i] for i in index], self.tokenizer.pad_id)
             segs = pad([segment_ids[i] for i in index], 0, ids.shape[1])
             for i, row in zip(index, self.call(ids, segs)):
                 out[i] = row
+            bar.update(len(index))
+        bar.close()
         return np.stack(out).astype(np.float32) if out else np.zeros((0, 1), np.float32)
 
     def vectors(self, texts: Sequence[str], max_length: int, batch_size: int = 64) -> np.ndarray:
@@ -158,11 +167,17 @@ class Teacher:
         ids = [e.ids for e in self.tokenizer.encode_batch(list(texts), max_length=max_length)]
         order = np.argsort([len(x) for x in ids], kind="stable")
         out = np.zeros((len(ids), self.hidden_size), np.float32)
+        bar = self.bar(len(order), "teacher vectors")
         for start in range(0, len(order), 4096):
             index = order[start:start + 4096]
             out[index] = unit_vectors_in_batches(self.call, [ids[i] for i in index], self.tokenizer.pad_id,
                                                  batch_size)
+            bar.update(len(index))
+        bar.close()
         return out
+
+    def bar(self, total: int, desc: str):
+        return progress_bar(total, desc, unit="texts", enabled=self.progress and total >= self.BAR_FROM)
 
     def release(self):
         self.network = self._fn = None
@@ -662,7 +677,7 @@ def distill(teacher: str, student, data=None, out_dir: str = "distilled", mode: 
     else:
         text_column = text_column or "text"
     os.makedirs(out_dir, exist_ok=True)
-    t = Teacher(teacher, mode, dtype=dtype)
+    t = Teacher(teacher, mode, dtype=dtype, progress=progress)
     student_dir = prepare_student(student, t, out_dir, seed, progress)
     if mode == "general":
         same_vocabulary(t, student_dir, mode)
