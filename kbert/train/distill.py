@@ -92,8 +92,8 @@ def embedding_distill_loss(student, teacher):
 class Teacher:
     """A teacher dir loaded once to score texts; `release()` drops its weights before the student trains."""
 
-    # a bar over the teacher's scoring passes from this many texts up (task mode scores the whole transfer
-    # set, e.g. 480,000 reviews, before the student's first step: many silent minutes on a CPU without it)
+    # a bar over the teacher's scoring passes from this many texts up: task mode scores the whole transfer
+    # set (hundreds of thousands of texts) before the student's first step, else a long silent wait
     BAR_FROM = 2048
 
     def __init__(self, model_dir: str, mode: str, dtype: Optional[str] = None, progress: bool = False):
