@@ -283,19 +283,18 @@ def hf(model: str, seq: int, batch: int, steps: int, vocab: int, overrides=(), m
 
 
 def memory(model: str, seq: int, batch: int, precision: str, vocab: int) -> dict:
+    """One point: the training step compiled once (`kbert.train.probe.CompiledStep`, as `--exact` does), XLA's
+    memory analysis of it, three real steps of that same executable, then the allocator's peak."""
     import jax
 
-    from kbert.data.masking import default_max_predictions
     from kbert.train.memory import estimate_memory
-    from kbert.train.probe import build_trainer, compiled_step_bytes, peak_memory, synthetic_batch
+    from kbert.train.probe import CompiledStep, build_trainer, peak_memory
 
     config = _config(model, vocab)
-    trainer = build_trainer(config, "adamw", precision)
-    features, labels = synthetic_batch(config, batch, seq, default_max_predictions(seq))
-    for _ in range(3):
-        logs = trainer.train_on_batch(features, labels, return_dict=True)
+    step = CompiledStep(build_trainer(config, "adamw", precision), config, seq)
+    compiled = step.bytes(batch)
+    logs = step.run(batch, steps=3)
     measured = peak_memory()
-    compiled = compiled_step_bytes(trainer, features, labels)
     estimate = estimate_memory(config, batch, seq, optimizer="adamw", precision=precision)
     return {"model": model, "seq": seq, "batch": batch, "precision": precision, "measured_bytes": measured,
             "compiled_bytes": compiled, "planned_bytes": estimate["total"],
@@ -388,6 +387,10 @@ def pretrain_check(records: str, tokenizer: str, model: str, batch: int, steps: 
     from kbert.train.loop import _model_config, build_model_and_optimizer, pretrain
     from kbert.train.run_checkpoint import RunCheckpoints
 
+    # The resumed run compiles the same step again (and the synthetic timing a third time): JAX's persistent
+    # compilation cache turns those into reads (~30 s each for BERT-Base on a GPU).
+    if not jax.config.jax_compilation_cache_dir:
+        jax.config.update("jax_compilation_cache_dir", os.path.join(out, "jax-cache"))
     half = steps // 2
     cfg = {"model": model, "data": {"source": records, "tokenizer": tokenizer},
            "optimizer": {"learning_rate": 1e-4, "warmup_steps": 20},
@@ -461,34 +464,57 @@ def _save(args, out):
             json.dump(out, f, indent=1, default=str)
 
 
+def _children(args, extras, clock: _Clock, needs: float, env=None) -> list:
+    """Several measurements at once, each in its own process (for memory points, whose allocator peaks are
+    per process and whose time is nearly all XLA compilation on the host's cores); the GPU must hold them
+    together, so each child allocates on demand instead of taking its fraction up front."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    env = dict(env or {}, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    with ThreadPoolExecutor(len(extras)) as pool:
+        return list(pool.map(lambda extra: _child(args, extra, clock, needs, env), extras))
+
+
+# Memory points, most telling first, run two at a time: their peaks together stay well inside an 80 GB GPU
+# (bf16 128x256 ~16 GB with fp32 128x256 ~33 GB; bf16 512x64 ~25 GB with bf16 128x32 ~3.4 GB).
+MEMORY_POINTS = ((("mixed_bfloat16", 128, 256), ("float32", 128, 256)),
+                 (("mixed_bfloat16", 512, 64), ("mixed_bfloat16", 128, 32)))
+
+
 def run_all(args) -> dict:
+    """The stages, most important first; a stage that would not finish inside `--budget` is skipped, so a
+    short device lease still returns the figures that matter most. Each capped sequence length is its own
+    process, so that a budget cut loses one row, not the table."""
+    import tempfile
+
     clock = _Clock(args.budget)
     m, b, steps = args.model, str(args.batch), str(args.steps)
     out = {"peak": _child(args, ["peak", "--peak-n", str(args.peak_n)], clock, 20)}
+    if args.records:
+        run_dir = tempfile.mkdtemp(prefix="kbert-gpu-pretrain-")  # checkpoints of ~1.3 GB stay off --out
+        out["pretrain"] = _child(args, ["pretrain", "--model", m, "--batch", b, "--records", args.records,
+                                        "--steps-pretrain", str(args.steps_pretrain), "--out", run_dir], clock, 150)
+        _save(args, out)
     out["throughput"] = _child(args, ["throughput", "--model", m, "--seq", "128", "--batch", b, "--precision",
                                       "mixed_bfloat16", "--steps", steps, "--variants", args.variants], clock, 90)
     out["hf"] = _child(args, ["hf", "--model", m, "--seq", "128", "--batch", b, "--steps", steps,
                               "--variants", args.variants], clock, 120)
     _save(args, out)
-    if args.records:
-        out["pretrain"] = _child(args, ["pretrain", "--model", m, "--batch", b, "--records", args.records,
-                                        "--steps-pretrain", str(args.steps_pretrain), "--out", args.out or "/tmp"],
-                                 clock, 150)
+    out["memory"] = []
+    for pair in MEMORY_POINTS:
+        out["memory"] += _children(args, [["memory", "--model", m, "--seq", str(seq), "--batch", str(batch),
+                                           "--precision", p] for p, seq, batch in pair], clock, 60)
         _save(args, out)
     from kbert.train.memory import parse_memory
 
     total = _device_bytes()
+    env = {"XLA_PYTHON_CLIENT_MEM_FRACTION": f"{min(0.95, parse_memory(args.cap) / total):.4f}"} if total else {}
     out["capped"] = []
     for precision in args.cap_precisions.split(","):
-        env = {"XLA_PYTHON_CLIENT_MEM_FRACTION": f"{min(0.95, parse_memory(args.cap) / total):.4f}"} if total else {}
-        out["capped"].append(_child(args, ["capped", "--model", m, "--seqs", args.cap_seqs, "--precision", precision,
-                                           "--cap", args.cap], clock, 120, env))
-        _save(args, out)
-    out["memory"] = [_child(args, ["memory", "--model", m, "--seq", str(seq), "--batch", str(batch),
-                                   "--precision", p], clock, 45)
-                     for p, seq, batch in (("mixed_bfloat16", 128, 256), ("mixed_bfloat16", 512, 64),
-                                           ("mixed_bfloat16", 128, 32), ("float32", 128, 256))]
-    _save(args, out)
+        for seq in args.cap_seqs.split(","):
+            out["capped"].append(_child(args, ["capped", "--model", m, "--seqs", seq, "--precision", precision,
+                                               "--cap", args.cap], clock, 100, env))
+            _save(args, out)
     report(out)
     return out
 

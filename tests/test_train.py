@@ -71,6 +71,28 @@ def test_tiny_model_learns_and_writes_a_loadable_model(tok_dir, tmp_path):
     assert os.listdir(os.path.join(str(tmp_path / "run"), "logs"))  # TensorBoard events
 
 
+def test_the_steady_rate_leaves_out_checkpoint_saves(tok_dir, tmp_path, monkeypatch):
+    """A checkpoint of BERT-Base is ~1.3 GB: its seconds are disk time, not the steps' rate (which the GPU
+    script compares with a synthetic-batch step). Saves made slow by a second each must not enter it."""
+    import time
+
+    from kbert.train.run_checkpoint import RunCheckpoints
+
+    real = RunCheckpoints.save
+
+    def slow(self, *args, **kwargs):
+        time.sleep(1.0)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(RunCheckpoints, "save", slow)
+    summary = pretrain(_config(tok_dir, str(tmp_path / "run"), 5, trainer={"checkpoint_every": 1}), progress=False)
+    assert summary["finished"]
+    tokens_per_step = 16 * 64
+    steady_seconds = 4 / (summary["steady_tokens_per_second"] / tokens_per_step)  # steps 2..5
+    assert steady_seconds < 2.0, steady_seconds  # four saves after the first step: 4 s if they counted
+    assert summary["tokens_per_second"] < summary["steady_tokens_per_second"]
+
+
 @pytest.mark.slow
 def test_pretraining_learns_what_only_the_context_predicts(tmp_path):
     """The end-to-end learning check the loss-drop test cannot give: a corpus of 60 two-syllable words in

@@ -193,8 +193,8 @@ def pretrain(config: Union[PretrainConfig, dict, str], overrides=None, resume: b
     `mean_of_steps` (up to 100) steps of this call: one batch's MLM accuracy swings by several points.
     `history` holds every step's loss. `tokens_per_second` is this call's rate from its start (compilation
     included); `steady_tokens_per_second` leaves out its first step (tracing, XLA compilation, the pipeline's
-    start-up) and the final saves: the rate to plan further steps with. `mfu` is the steady rate's model
-    FLOPs utilization where the device's peak is known (`kbert.train.flops`).
+    start-up) and the checkpoint saves: the rate of the steps themselves, to plan further steps with. `mfu`
+    is the steady rate's model FLOPs utilization where the device's peak is known (`kbert.train.flops`).
 
     Args:
         config: a `PretrainConfig`, a dict, or a YAML/JSON path (with `overrides`, "key.sub=value" strings).
@@ -299,12 +299,17 @@ def pretrain(config: Union[PretrainConfig, dict, str], overrides=None, resume: b
     history, recent = [], collections.deque(maxlen=_RECENT_STEPS)
     t0, s0 = time.perf_counter(), start
     t1 = s1 = None  # after this call's first step (tracing, XLA compilation): the steady rate starts there
+    saving = [0.0]  # seconds spent in checkpoint saves since t1 (BERT-Base: ~1.3 GB, seconds on any disk)
     end = t.steps if stop_after is None else min(t.steps, start + stop_after)
     current, saved_at, oom = start, (restored[2] if restored else None), None
 
     def save(step):
+        began = time.perf_counter()
         backend.sync_to_model()
-        return checkpoints.save(step, model, optimizer)
+        path = checkpoints.save(step, model, optimizer)
+        if t1 is not None:
+            saving[0] += time.perf_counter() - began
+        return path
 
     with StopSignals() as signals:  # Ctrl-C / SIGTERM: finish the step, save, return
         try:
@@ -334,7 +339,8 @@ def pretrain(config: Union[PretrainConfig, dict, str], overrides=None, resume: b
                     shown = dict(loss=f"{smooth['loss']:.3f}", mlm_acc=f"{smooth.get('mlm_accuracy', 0):.3f}")
                     if "rtd_accuracy" in smooth:  # ELECTRA: the discriminator's accuracy over all tokens
                         shown["rtd_acc"] = f"{smooth['rtd_accuracy']:.3f}"
-                    steady = ((current - s1) / max(time.perf_counter() - t1, 1e-9)) if current > s1 else None
+                    steady = ((current - s1) / max(time.perf_counter() - t1 - saving[0], 1e-9)
+                              if current > s1 else None)
                     used = (model_flops_utilization(flops_per_step, steady, replicas, backend.device_name)
                             if steady else None)
                     if used is not None:
@@ -373,7 +379,7 @@ def pretrain(config: Union[PretrainConfig, dict, str], overrides=None, resume: b
     elapsed = time.perf_counter() - t0
     summary["tokens_per_second"] = (current - s0) * tokens_per_step / elapsed if current > s0 else 0.0
     # without the first step of this call (tracing, compilation, the pipeline's start): what more steps cost
-    steady_steps = (current - s1) / max(t_end - t1, 1e-9) if s1 is not None and current > s1 else None
+    steady_steps = (current - s1) / max(t_end - t1 - saving[0], 1e-9) if s1 is not None and current > s1 else None
     summary["steady_tokens_per_second"] = (steady_steps * tokens_per_step if steady_steps
                                            else summary["tokens_per_second"])
     summary["mfu"] = (model_flops_utilization(flops_per_step, steady_steps, replicas, backend.device_name)
