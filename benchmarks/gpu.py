@@ -381,6 +381,7 @@ def pretrain_check(records: str, tokenizer: str, model: str, batch: int, steps: 
 
     import jax
 
+    from kbert.data.masking import default_max_predictions
     from kbert.text.tokenizer import Tokenizer
     from kbert.train.backend import make_backend
     from kbert.train.config import PretrainConfig
@@ -410,6 +411,7 @@ def pretrain_check(records: str, tokenizer: str, model: str, batch: int, steps: 
     config.data.max_length = 128
     model_config = _model_config(config, Tokenizer.load(tokenizer))
     net, optimizer, variables = build_model_and_optimizer(config, model_config, policy, backend)
+    flops = train_flops_per_step(model_config, batch, 128, default_max_predictions(128))
     data = dict(source=records, tokenizer=Tokenizer.load(tokenizer), objective="mlm+nsp", max_length=128,
                 mask_rate=0.15, max_predictions=None, whole_word=True, ngram=1, short_seq_prob=0.1, seed=0,
                 shuffle_buffer=10_000, workers=0)
@@ -430,7 +432,7 @@ def pretrain_check(records: str, tokenizer: str, model: str, batch: int, steps: 
             "resume_abs_diff": abs(second["history"][0] - first["history"][half]),
             "records_tokens_per_s": second["steady_tokens_per_second"], "synthetic_tokens_per_s": synthetic,
             "records_vs_synthetic": second["steady_tokens_per_second"] / synthetic,
-            "mfu": second["mfu"], "wall_s": wall}
+            "mfu": second["mfu"], "model_flops_per_step": flops, "wall_s": wall}
 
 
 def _child(args, extra, clock: _Clock, needs: float = 60, env=None):
@@ -527,8 +529,14 @@ def _rows(value):
 
 def report(out: dict):
     run = out.get("pretrain")
+    peak_bf16 = (out.get("peak") or {}).get("bfloat16")
     if isinstance(run, dict) and "records_tokens_per_s" in run:
-        mfu = f"{100 * run['mfu']:.1f}%" if run.get("mfu") else "n/a"
+        # against the bf16 peak measured in this run, as the throughput table (`mfu` from kbert.pretrain itself
+        # is against the device's data-sheet peak)
+        per_s = run["records_tokens_per_s"] / (run["batch"] * run["seq"]) * run.get("model_flops_per_step", 0)
+        mfu = f"{100 * per_s / peak_bf16:.1f}%" if peak_bf16 and per_s else "n/a"
+        if run.get("mfu"):
+            mfu += f" ({100 * run['mfu']:.1f}% of the data sheet's)"
         print(f"\nkbert.pretrain on records ({run['device']}, {run['model']}, seq {run['seq']}, batch {run['batch']}, "
               f"{run['precision']}, {run['steps']} steps resumed at {run['steps'] // 2}):")
         print("| records tokens/s | synthetic-batch tokens/s | ratio | MFU | loss first 10 -> last 10 | resumed step "

@@ -311,12 +311,51 @@ def pretrain(config: Union[PretrainConfig, dict, str], overrides=None, resume: b
             saving[0] += time.perf_counter() - began
         return path
 
+    def settle(step, metrics):
+        """Reads step `step`'s metrics (waiting for it): the NaN guard, history, progress bar, scalars."""
+        metrics = backend.read_metrics(metrics)
+        if not math.isfinite(metrics["loss"]):
+            raise TrainingDiverged(f"Loss became {metrics['loss']} at step {step}; stopped without "
+                                   f"saving. The last good checkpoint is intact: {saved_at or 'none yet'}. "
+                                   f"Lower optimizer.learning_rate, raise warmup_steps or use "
+                                   f"float32/bfloat16")
+        history.append(metrics["loss"])
+        recent.append(metrics)
+        if step % t.log_every == 0 or step == end:
+            elapsed = max(time.perf_counter() - t0, 1e-9)
+            tps = (step - s0) * tokens_per_step / elapsed
+            smooth = _mean_metrics(recent)
+            shown = dict(loss=f"{smooth['loss']:.3f}", mlm_acc=f"{smooth.get('mlm_accuracy', 0):.3f}")
+            if "rtd_accuracy" in smooth:  # ELECTRA: the discriminator's accuracy over all tokens
+                shown["rtd_acc"] = f"{smooth['rtd_accuracy']:.3f}"
+            steady = ((step - s1) / max(time.perf_counter() - t1 - saving[0], 1e-9)
+                      if s1 is not None and step > s1 else None)
+            used = (model_flops_utilization(flops_per_step, steady, replicas, backend.device_name)
+                    if steady else None)
+            if used is not None:
+                shown["mfu"] = f"{100 * used:.1f}%"
+            bar.set_postfix(**shown, tok_s=f"{tps:,.0f}")
+            lr = float(_learning_rate(optimizer, (step - 1) * t.accumulation))  # the schedule counts micro-steps
+            write_scalars(step, {**metrics, "tokens_per_second": tps, "learning_rate": lr,
+                                 **({"mfu": used} if used is not None else {})})
+
+    # The host reads step N's metrics while step N+1 runs (JAX dispatches without waiting), so the device
+    # does not idle through the host's gaps; the first step, a step about to be checkpointed, the last step
+    # and a step a signal stops at are read at once, so nothing is saved before its loss is checked.
+    pending = None  # (step, metrics) dispatched and not yet read
     with StopSignals() as signals:  # Ctrl-C / SIGTERM: finish the step, save, return
         try:
             while current < end:
                 try:
                     faults.check_memory(micro_batch // replicas)
-                    metrics = train_step(iterator)
+                    dispatched = train_step(iterator)
+                    if pending is not None:
+                        settle(*pending)  # the host waits here, for the step before, while this one runs
+                    stop = signals.received  # a signal stops the run after the step in flight
+                    pending = (current + 1, dispatched)
+                    if t1 is None or (current + 1) % t.checkpoint_every == 0 or current + 1 == end or stop:
+                        settle(*pending)
+                        pending = None
                 except Exception as e:  # noqa: BLE001 - out of memory is handled below, the rest re-raised
                     if backend.is_out_of_memory(e):
                         oom = e
@@ -325,35 +364,10 @@ def pretrain(config: Union[PretrainConfig, dict, str], overrides=None, resume: b
                 current += 1
                 if t1 is None:
                     t1, s1 = time.perf_counter(), current
-                if not math.isfinite(metrics["loss"]):
-                    raise TrainingDiverged(f"Loss became {metrics['loss']} at step {current}; stopped without "
-                                           f"saving. The last good checkpoint is intact: {saved_at or 'none yet'}. "
-                                           f"Lower optimizer.learning_rate, raise warmup_steps or use "
-                                           f"float32/bfloat16")
-                history.append(metrics["loss"])
-                recent.append(metrics)
-                if current % t.log_every == 0 or current == end:
-                    elapsed = max(time.perf_counter() - t0, 1e-9)
-                    tps = (current - s0) * tokens_per_step / elapsed
-                    smooth = _mean_metrics(recent)
-                    shown = dict(loss=f"{smooth['loss']:.3f}", mlm_acc=f"{smooth.get('mlm_accuracy', 0):.3f}")
-                    if "rtd_accuracy" in smooth:  # ELECTRA: the discriminator's accuracy over all tokens
-                        shown["rtd_acc"] = f"{smooth['rtd_accuracy']:.3f}"
-                    steady = ((current - s1) / max(time.perf_counter() - t1 - saving[0], 1e-9)
-                              if current > s1 else None)
-                    used = (model_flops_utilization(flops_per_step, steady, replicas, backend.device_name)
-                            if steady else None)
-                    if used is not None:
-                        shown["mfu"] = f"{100 * used:.1f}%"
-                    bar.set_postfix(**shown, tok_s=f"{tps:,.0f}")
-                    # the schedule counts micro-steps
-                    lr = float(_learning_rate(optimizer, (current - 1) * t.accumulation))
-                    write_scalars(current, {**metrics, "tokens_per_second": tps, "learning_rate": lr,
-                                            **({"mfu": used} if used is not None else {})})
                 bar.update(1)
                 if current % t.checkpoint_every == 0:
                     saved_at = save(current)
-                if signals.received:
+                if stop:
                     break
         finally:
             t_end = time.perf_counter()

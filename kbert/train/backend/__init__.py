@@ -7,7 +7,8 @@
     with backend.scope(): ...                   # build the model and optimizer (replicated as the backend does)
     batches = backend.batches(make_dataset, micro_batch, start_batch)   # the input, placed for the step
     step = backend.compile_step(model, optimizer, variables, accumulation)
-    metrics = step(batches)                     # one optimizer update: floats (loss, mlm_accuracy, ...)
+    metrics = step(batches)                     # one optimizer update, dispatched (JAX: not yet finished)
+    backend.read_metrics(metrics)               # its floats (loss, mlm_accuracy, ...): waits for the step
     backend.sync_to_model()                     # the trained values back into the Keras variables
     backend.to_numpy(variable), backend.assign(variable, array), backend.is_out_of_memory(error)
 

@@ -157,7 +157,8 @@ class JaxBackend:
 
     # ------------------------------------------------------------------ the step
     def compile_step(self, model, optimizer, variables, accumulation: int, precision: str):
-        """`step(batches)` -> {metric: float}: one optimizer update from `accumulation` micro-batches."""
+        """`step(batches)` -> {metric: array on the device}: one optimizer update from `accumulation`
+        micro-batches, dispatched without waiting for it (`read_metrics` waits)."""
         import jax
         import keras
 
@@ -195,9 +196,18 @@ class JaxBackend:
         def step(iterator):
             micro = tuple(next(iterator) for _ in range(accumulation))
             self._state, metrics = jitted(self._state, micro)
-            return {k: float(v) for k, v in jax.device_get(metrics).items()}
+            return metrics  # on the device, still being computed: `read_metrics` waits for them
 
         return step
+
+    @staticmethod
+    def read_metrics(metrics) -> dict:
+        """A step's metrics as floats; waits for the step. The loop reads step N while step N+1 runs, so that
+        the device never idles on the host (the host's gaps: reading the metrics, the reader threads' turn
+        at the GIL, dispatching the next step)."""
+        import jax
+
+        return {k: float(v) for k, v in jax.device_get(metrics).items()}
 
     def sync_to_model(self) -> None:
         """The trained state back into the Keras variables."""

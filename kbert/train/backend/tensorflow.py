@@ -100,6 +100,11 @@ class TensorFlowBackend:
 
         return step
 
+    @staticmethod
+    def read_metrics(metrics) -> dict:
+        """A step's metrics as floats (the TensorFlow step returns floats already)."""
+        return {k: float(v) for k, v in metrics.items()}
+
     def sync_to_model(self) -> None:
         """Variables are updated in place: nothing to copy."""
 
