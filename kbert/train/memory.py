@@ -12,8 +12,9 @@
 - parameters: counted from the ModelConfig (ALBERT shares one group's weights across layers, so its
   parameter memory is small while its activations still grow with the number of layers computed);
 - optimizer slots: Adam / AdamW / LAMB keep 2 per parameter, SGD none; mixed precision keeps fp32 weights
-  (the policy's variables) and computes activations in 16 bits (`act_bytes`: 4 in float32; under mixed
-  precision a little over 2, since softmax inputs, LayerNorm statistics and the loss stay in float32);
+  (the policy's variables) and computes activations in 16 bits (`act_bytes`: 4 in float32, a little over 4
+  in XLA's program; under mixed precision a little over 2, since softmax inputs, LayerNorm statistics and
+  the loss stay in float32);
 - activations kept for the backward pass per token and layer: `ACT_TOKEN_BYTES_PER_HIDDEN` tensors of width
   hidden (QKV, attention output, residual adds, LayerNorms, backward temporaries; more with dropout, for
   its masks) and `INTERMEDIATE_FACTOR` of width intermediate (dense output, GELU output);
@@ -29,8 +30,9 @@ The coefficients depend on how the train step is executed, so there are two glob
 - `"xla"` (kbert's default on one device and on TPU, and what `kbert plan --probe` runs): XLA fuses the elementwise
   work and frees each activation as soon as its gradient is formed, so far fewer tensors are kept and the
   gradients are never all live at the activation peak. Chosen (round values, never under) on the byte count
-  of XLA's compiled BERT-Base training step, which on a GPU equals the allocator's peak; benchmarks/README.md
-  has the points, the devices and how far each estimate is from them. `kbert plan --exact` reads that byte
+  of XLA's compiled BERT-Base training step on an H200 and an H100, plus a 64 MB workspace (the allocator's
+  peak after real steps is that count plus 10-45 MB); benchmarks/README.md has the points, the devices and
+  how far each estimate is from them. `kbert plan --exact` reads that byte
   count for the model and device at hand;
 - `"none"` (op-by-op graph execution, TensorFlow without XLA): the sanity anchor is the 12 GB table in
   google-research/bert's README (TF 1.11, fp32, Adam); one set of round values comes close to every row
@@ -59,19 +61,20 @@ class MemoryCoefficients:
     extra_bytes_per_slot: float  # EXTRA_BYTES_PER_SLOT: optimizer temporaries per slot
     gradients_live_at_peak: bool  # all gradients held at once beside the activations
     mixed_act_bytes: float  # bytes per activation element under mixed precision
+    float32_act_bytes: float  # bytes per activation element in float32
     mlm_logit_copies: float  # copies of the [masked positions x vocab] logits (logits, softmax, gradient)
     mlm_logits_float32: bool  # the logits' copies are float32 even under mixed precision
 
 
 COMPILERS = {
     "xla": MemoryCoefficients(act_token_bytes_per_hidden=6.5, dropout_masks_per_hidden=1, intermediate_factor=2,
-                              attn_bytes_per_score=1.5, attn_dropout_masks=0.75, workspace_bytes=0,
+                              attn_bytes_per_score=1.5, attn_dropout_masks=0.75, workspace_bytes=64e6,
                               extra_bytes_per_slot=0, gradients_live_at_peak=False, mixed_act_bytes=2.25,
-                              mlm_logit_copies=2, mlm_logits_float32=False),
+                              float32_act_bytes=4.25, mlm_logit_copies=2, mlm_logits_float32=False),
     "none": MemoryCoefficients(act_token_bytes_per_hidden=28, dropout_masks_per_hidden=0, intermediate_factor=3,
                                attn_bytes_per_score=4, attn_dropout_masks=0, workspace_bytes=0.5e9,
                                extra_bytes_per_slot=4, gradients_live_at_peak=True, mixed_act_bytes=2,
-                               mlm_logit_copies=3, mlm_logits_float32=True),
+                               float32_act_bytes=4, mlm_logit_copies=3, mlm_logits_float32=True),
 }
 OPTIMIZER_SLOTS = {"adam": 2, "adamw": 2, "lamb": 2, "adafactor": 1, "sgd": 0, "momentum": 1}
 PRECISIONS = ("float32", "mixed_float16", "mixed_bfloat16")
@@ -105,7 +108,7 @@ def estimate_memory(config, batch: int, seq_len: int, optimizer: str = "adamw", 
     params = config.num_parameters()
     slots = OPTIMIZER_SLOTS[optimizer]
     mixed = precision != "float32"
-    act = c.mixed_act_bytes if mixed else 4
+    act = c.mixed_act_bytes if mixed else c.float32_act_bytes
     per_param = 4 + 4 * slots + (2 if mixed else 0)  # fp32 weights, slots, the 16-bit copy under mixed precision
     if c.gradients_live_at_peak:
         per_param += 4 + c.extra_bytes_per_slot * slots
