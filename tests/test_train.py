@@ -595,6 +595,11 @@ def test_schedule_counts_optimizer_steps_under_accumulation():
     plain, accumulated = WarmupDecay(1.0, 100, 10), WarmupDecay(1.0, 100, 10, accumulation=4)
     for step in (0, 5, 10, 50, 99):
         np.testing.assert_allclose(float(accumulated(step * 4 + 3)), float(plain(step)), rtol=1e-6)
+    # the host's copy of the schedule (what the loop logs without touching the device) is the same function
+    poly = WarmupDecay(3e-4, 1000, 100, end=1e-5, power=2.0, accumulation=2)
+    for schedule in (plain, accumulated, poly):
+        for step in (0, 1, 7, 9, 10, 11, 40, 99, 150, 399, 1999, 5000):
+            np.testing.assert_allclose(schedule.host_value(step), float(schedule(step)), rtol=1e-5, atol=1e-12)
     opt = keras.optimizers.AdamW(learning_rate=accumulated, gradient_accumulation_steps=4)
     v = keras.Variable(np.zeros(3, "float32"))
     opt.build([v])

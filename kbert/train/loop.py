@@ -431,4 +431,6 @@ def _retry_smaller(config, error, per_replica_batch, checkpoint, progress, end):
 def _learning_rate(optimizer, iteration):
     inner = getattr(optimizer, "inner_optimizer", optimizer)
     lr = inner._learning_rate
+    if hasattr(lr, "host_value"):
+        return lr.host_value(iteration)  # no device op: it would wait for the step in flight
     return lr(iteration) if callable(lr) else lr

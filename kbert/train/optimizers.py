@@ -30,6 +30,16 @@ class WarmupDecay(keras.optimizers.schedules.LearningRateSchedule):
         decayed = (self.peak - self.end) * (1.0 - frac) ** self.power + self.end
         return ops.where(step < self.warmup_steps, warm, decayed)
 
+    def host_value(self, step) -> float:
+        """The same rate as a Python float, computed on the host: the loop logs it while the accelerator is
+        busy, and a device op would wait for the step in flight (leaving the device idle until the next)."""
+        step = float(int(step) // self.accumulation)
+        if step < self.warmup_steps:
+            return self.peak * (step + 1.0) / max(self.warmup_steps, 1)
+        span = max(self.total_steps - self.warmup_steps, 1)
+        frac = min(max((step - self.warmup_steps) / span, 0.0), 1.0)
+        return (self.peak - self.end) * (1.0 - frac) ** self.power + self.end
+
     def get_config(self):
         return {"peak": self.peak, "total_steps": self.total_steps, "warmup_steps": self.warmup_steps,
                 "end": self.end, "power": self.power, "accumulation": self.accumulation}
