@@ -90,7 +90,7 @@ def test_commands_start_without_tensorflow_log_noise_and_info_lists_the_text_sta
 def test_plan_says_when_the_model_does_not_fit():
     proc = run("plan", "--memory", "100MB", "--seq-lens", "128,512")
     assert proc.returncode == 1
-    assert "does not fit in 100MB" in proc.stderr and "at least 1.43 GB" in proc.stderr
+    assert "does not fit in 100MB" in proc.stderr and "at least 1.50 GB" in proc.stderr
     assert "| 128 | does not fit |" in proc.stdout
     proc = run("plan", "--memory", "1.6GB", "--seq-lens", "64,512")  # some lengths fit: the table and a note
     assert proc.returncode == 0 and "| 512 | does not fit |" in proc.stdout and "note:" in proc.stderr
