@@ -69,6 +69,47 @@ def test_jax_pretraining_from_records_learns_and_writes_a_model_both_backends_lo
 
 
 @pytest.mark.slow
+def test_jax_nan_loss_stops_before_saving_a_diverged_state(prepared, tmp_path):
+    """JAX dispatches step N+1 before the host reads step N's loss; the guard must still stop before any
+    diverged state is saved. Checkpoints every 3 steps: a divergence at a step in between is read one step
+    late (the lagged path), one at a checkpoint step is read before its save."""
+    import re
+
+    from safetensors.numpy import load_file
+
+    from kbert.train.run_checkpoint import RunCheckpoints
+
+    outs = {every: str(tmp_path / f"every{every}") for every in (3, 1)}
+    cfgs = {every: _config(prepared, out, 50, trainer={"checkpoint_every": every},
+                           optimizer={"learning_rate": 1e30, "clip_norm": None, "warmup_steps": 0,
+                                      "weight_decay": 0.0})
+            for every, out in outs.items()}
+    result, _ = run_on_jax(_script(
+        "from kbert.train.loop import TrainingDiverged\n"
+        "out = {}\n"
+        f"for every, cfg in {cfgs!r}.items():\n"
+        "    try:\n"
+        "        pretrain(cfg, progress=False)\n"
+        "        out[every] = None\n"
+        "    except TrainingDiverged as e:\n"
+        "        out[every] = str(e)\n"
+        "print(json.dumps(out))\n"))
+    for every, out in outs.items():
+        message = result[str(every)]
+        assert message and "last good checkpoint is intact" in message, (every, message)
+        diverged = int(re.search(r"at step (\d+)", message).group(1))
+        saved = sorted(int(f.split("-")[1].split(".")[0]) for f in os.listdir(os.path.join(out, "checkpoints"))
+                       if f.startswith("ckpt-")) if os.path.isdir(os.path.join(out, "checkpoints")) else []
+        assert all(step < diverged for step in saved), (every, diverged, saved)
+        latest = RunCheckpoints(os.path.join(out, "checkpoints")).latest
+        if latest is not None:
+            assert latest in message
+            assert all(np.isfinite(v).all() for v in load_file(latest).values() if v.dtype.kind == "f")
+        if every == 1:  # every step is saved once its loss is read: the last one saved is the step before
+            assert saved and saved[-1] == diverged - 1, (diverged, saved)
+
+
+@pytest.mark.slow
 def test_data_parallel_over_two_devices_gives_the_one_device_loss_curve(prepared, tmp_path):
     one = _config(prepared, str(tmp_path / "one"), 8, runtime={"strategy": "cpu"})
     two = _config(prepared, str(tmp_path / "two"), 8, runtime={"strategy": "auto"})
