@@ -441,7 +441,8 @@ def pretrain_check(records: str, tokenizer: str, model: str, batch: int, steps: 
             "records_tokens_per_s": second["steady_tokens_per_second"], "synthetic_tokens_per_s": synthetic,
             "records_vs_synthetic": second["steady_tokens_per_second"] / synthetic,
             "reader_fed_tokens_per_s": reader_fed, "reader_fed_vs_synthetic": reader_fed / synthetic,
-            "mfu": second["mfu"], "model_flops_per_step": flops, "wall_s": wall}
+            "mfu": second["mfu"], "host_waited_fraction": second.get("host_waited_fraction"),
+            "model_flops_per_step": flops, "wall_s": wall}
 
 
 def _child(args, extra, clock: _Clock, needs: float = 60, env=None):
@@ -557,6 +558,9 @@ def report(out: dict):
               f"{run.get('reader_fed_vs_synthetic', 0):.3f} | {mfu} | {run['loss_first10']:.3f} -> "
               f"{run['loss_last10']:.3f} | {run['resumed_step_loss']:.5f} vs {run['uninterrupted_step_loss']:.5f} | "
               f"{run['wall_s']:.0f} |")
+        if run.get("host_waited_fraction") is not None:
+            print(f"(the run's host waited for the device {100 * run['host_waited_fraction']:.0f}% of its steady time: "
+                  f"near 100% means the device was the bottleneck, not the reader or the loop)")
     peak = out.get("peak") or {}
     peak_bf16, peak_fp32 = peak.get("bfloat16"), peak.get("float32")
     runs = _rows(out.get("throughput")) + _rows(out.get("hf"))

@@ -56,8 +56,9 @@ def test_jax_pretraining_from_records_learns_and_writes_a_model_both_backends_lo
         "h = s['history']\n"
         "print(json.dumps(dict(first=float(np.mean(h[:5])), last=float(np.mean(h[-10:])), step=s['step'],"
         " backend=s['backend'], model_dir=s['model_dir'], finished=s['finished'],"
-        " acc=s['mlm_accuracy'])))\n"))
+        " acc=s['mlm_accuracy'], waited=s['host_waited_fraction'])))\n"))
     assert result["backend"] == "jax" and result["finished"] and result["step"] == 300
+    assert 0.0 < result["waited"] <= 1.0  # the share of the steady time the host waited for the device
     # MLM + NSP loss: ~8.0 at the start (log 1500 + log 2); the TensorFlow path's test asks the same fall
     assert result["last"] < result["first"] - 1.0, result
     # the model dir is the same format as the TensorFlow path's: kbert.load_model / Embedder read it here

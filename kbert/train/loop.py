@@ -194,7 +194,10 @@ def pretrain(config: Union[PretrainConfig, dict, str], overrides=None, resume: b
     `history` holds every step's loss. `tokens_per_second` is this call's rate from its start (compilation
     included); `steady_tokens_per_second` leaves out its first step (tracing, XLA compilation, the pipeline's
     start-up) and the checkpoint saves: the rate of the steps themselves, to plan further steps with. `mfu`
-    is the steady rate's model FLOPs utilization where the device's peak is known (`kbert.train.flops`).
+    is the steady rate's model FLOPs utilization where the device's peak is known (`kbert.train.flops`);
+    `host_waited_fraction` the share of that steady time the host spent waiting for the device's results
+    (JAX: near 1 when the accelerator is the bottleneck, low when the input or the loop keeps it waiting;
+    None on TensorFlow, whose step returns when it is done).
 
     Args:
         config: a `PretrainConfig`, a dict, or a YAML/JSON path (with `overrides`, "key.sub=value" strings).
@@ -300,6 +303,7 @@ def pretrain(config: Union[PretrainConfig, dict, str], overrides=None, resume: b
     t0, s0 = time.perf_counter(), start
     t1 = s1 = None  # after this call's first step (tracing, XLA compilation): the steady rate starts there
     saving = [0.0]  # seconds spent in checkpoint saves since t1 (BERT-Base: ~1.3 GB, seconds on any disk)
+    waiting = [0.0]  # seconds the host spent waiting for the device's metrics since t1
     end = t.steps if stop_after is None else min(t.steps, start + stop_after)
     current, saved_at, oom = start, (restored[2] if restored else None), None
 
@@ -313,7 +317,10 @@ def pretrain(config: Union[PretrainConfig, dict, str], overrides=None, resume: b
 
     def settle(step, metrics):
         """Reads step `step`'s metrics (waiting for it): the NaN guard, history, progress bar, scalars."""
+        began = time.perf_counter()
         metrics = backend.read_metrics(metrics)
+        if t1 is not None:
+            waiting[0] += time.perf_counter() - began
         if not math.isfinite(metrics["loss"]):
             raise TrainingDiverged(f"Loss became {metrics['loss']} at step {step}; stopped without "
                                    f"saving. The last good checkpoint is intact: {saved_at or 'none yet'}. "
@@ -398,6 +405,11 @@ def pretrain(config: Union[PretrainConfig, dict, str], overrides=None, resume: b
                                            else summary["tokens_per_second"])
     summary["mfu"] = (model_flops_utilization(flops_per_step, steady_steps, replicas, backend.device_name)
                       if steady_steps else None)
+    # near 1: the host spent the steady steps waiting for the device (the device is the bottleneck); well
+    # below: the host (the input, the loop) kept the device waiting
+    steady_s = t_end - t1 - saving[0] if s1 is not None and current > s1 else 0.0
+    summary["host_waited_fraction"] = (waiting[0] / steady_s if steady_s > 0 and backend.name == "jax"
+                                       else None)  # TensorFlow's step returns only when it is done
     return summary
 
 
