@@ -539,7 +539,8 @@ def _rows(value):
 
 def report(out: dict):
     run = out.get("pretrain")
-    peak_bf16 = (out.get("peak") or {}).get("bfloat16")
+    peak = out.get("peak") or {}
+    peak_bf16, peak_fp32 = peak.get("bfloat16"), peak.get("float32")
     if isinstance(run, dict) and "records_tokens_per_s" in run:
         # against the bf16 peak measured in this run, as the throughput table (`mfu` from kbert.pretrain itself
         # is against the device's data-sheet peak)
@@ -551,7 +552,8 @@ def report(out: dict):
               f"{run['precision']}, {run['steps']} steps resumed at {run['steps'] // 2}):")
         fed = run.get("reader_fed_tokens_per_s")
         print("| kbert.pretrain on records, tokens/s | the step on one repeated batch | ratio | the step fed by the "
-              "reader, no loop | ratio | MFU | loss first 10 -> last 10 | resumed step loss vs uninterrupted | wall s |")
+              "reader, no loop | ratio | MFU | loss first 10 -> last 10 | resumed step loss vs uninterrupted "
+              "| wall s |")
         print("|---:|---:|---:|---:|---:|---:|---|---|---:|")
         print(f"| {run['records_tokens_per_s']:,.0f} | {run['synthetic_tokens_per_s']:,.0f} | "
               f"{run['records_vs_synthetic']:.3f} | {f'{fed:,.0f}' if fed else 'n/a'} | "
@@ -561,8 +563,6 @@ def report(out: dict):
         if run.get("host_waited_fraction") is not None:
             print(f"(the run's host waited for the device {100 * run['host_waited_fraction']:.0f}% of its steady time: "
                   f"near 100% means the device was the bottleneck, not the reader or the loop)")
-    peak = out.get("peak") or {}
-    peak_bf16, peak_fp32 = peak.get("bfloat16"), peak.get("float32")
     runs = _rows(out.get("throughput")) + _rows(out.get("hf"))
     device = next((r.get("device") for r in runs if r.get("device")), "?")
     if peak_bf16:

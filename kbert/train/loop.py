@@ -302,25 +302,27 @@ def pretrain(config: Union[PretrainConfig, dict, str], overrides=None, resume: b
     history, recent = [], collections.deque(maxlen=_RECENT_STEPS)
     t0, s0 = time.perf_counter(), start
     t1 = s1 = None  # after this call's first step (tracing, XLA compilation): the steady rate starts there
-    saving = [0.0]  # seconds spent in checkpoint saves since t1 (BERT-Base: ~1.3 GB, seconds on any disk)
-    waiting = [0.0]  # seconds the host spent waiting for the device's metrics since t1
+    saving_s = 0.0  # seconds spent in checkpoint saves since t1 (a BERT-Base checkpoint is ~1.3 GB)
+    waiting_s = 0.0  # seconds the host spent waiting for the device's metrics since t1
     end = t.steps if stop_after is None else min(t.steps, start + stop_after)
     current, saved_at, oom = start, (restored[2] if restored else None), None
 
     def save(step):
+        nonlocal saving_s
         began = time.perf_counter()
         backend.sync_to_model()
         path = checkpoints.save(step, model, optimizer)
         if t1 is not None:
-            saving[0] += time.perf_counter() - began
+            saving_s += time.perf_counter() - began
         return path
 
     def settle(step, metrics):
         """Reads step `step`'s metrics (waiting for it): the NaN guard, history, progress bar, scalars."""
+        nonlocal waiting_s
         began = time.perf_counter()
         metrics = backend.read_metrics(metrics)
         if t1 is not None:
-            waiting[0] += time.perf_counter() - began
+            waiting_s += time.perf_counter() - began
         if not math.isfinite(metrics["loss"]):
             raise TrainingDiverged(f"Loss became {metrics['loss']} at step {step}; stopped without "
                                    f"saving. The last good checkpoint is intact: {saved_at or 'none yet'}. "
@@ -335,7 +337,7 @@ def pretrain(config: Union[PretrainConfig, dict, str], overrides=None, resume: b
             shown = dict(loss=f"{smooth['loss']:.3f}", mlm_acc=f"{smooth.get('mlm_accuracy', 0):.3f}")
             if "rtd_accuracy" in smooth:  # ELECTRA: the discriminator's accuracy over all tokens
                 shown["rtd_acc"] = f"{smooth['rtd_accuracy']:.3f}"
-            steady = ((step - s1) / max(time.perf_counter() - t1 - saving[0], 1e-9)
+            steady = ((step - s1) / max(time.perf_counter() - t1 - saving_s, 1e-9)
                       if s1 is not None and step > s1 else None)
             used = (model_flops_utilization(flops_per_step, steady, replicas, backend.device_name)
                     if steady else None)
@@ -399,16 +401,16 @@ def pretrain(config: Union[PretrainConfig, dict, str], overrides=None, resume: b
         summary["model_dir"] = save_model(kept, os.path.join(out, "model"), tokenizer=tokenizer)
     elapsed = time.perf_counter() - t0
     summary["tokens_per_second"] = (current - s0) * tokens_per_step / elapsed if current > s0 else 0.0
-    # without the first step of this call (tracing, compilation, the pipeline's start): what more steps cost
-    steady_steps = (current - s1) / max(t_end - t1 - saving[0], 1e-9) if s1 is not None and current > s1 else None
+    # without the first step of this call (tracing, compilation, the pipeline's start) and the saves
+    steady_s = max(t_end - t1 - saving_s, 1e-9) if s1 is not None and current > s1 else None
+    steady_steps = (current - s1) / steady_s if steady_s else None
     summary["steady_tokens_per_second"] = (steady_steps * tokens_per_step if steady_steps
                                            else summary["tokens_per_second"])
     summary["mfu"] = (model_flops_utilization(flops_per_step, steady_steps, replicas, backend.device_name)
                       if steady_steps else None)
     # near 1: the host spent the steady steps waiting for the device (the device is the bottleneck); well
     # below: the host (the input, the loop) kept the device waiting
-    steady_s = t_end - t1 - saving[0] if s1 is not None and current > s1 else 0.0
-    summary["host_waited_fraction"] = (waiting[0] / steady_s if steady_s > 0 and backend.name == "jax"
+    summary["host_waited_fraction"] = (waiting_s / steady_s if steady_s and backend.name == "jax"
                                        else None)  # TensorFlow's step returns only when it is done
     return summary
 
