@@ -389,7 +389,7 @@ def pretrain_check(records: str, tokenizer: str, model: str, batch: int, steps: 
     from kbert.train.run_checkpoint import RunCheckpoints
 
     # The resumed run compiles the same step again (and the synthetic timing a third time): JAX's persistent
-    # compilation cache turns those into reads (~30 s each for BERT-Base on a GPU).
+    # compilation cache turns those full XLA compilations into reads.
     if not jax.config.jax_compilation_cache_dir:
         jax.config.update("jax_compilation_cache_dir", os.path.join(out, "jax-cache"))
     half = steps // 2
