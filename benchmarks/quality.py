@@ -313,6 +313,9 @@ def read_jsonl(path):
         return [json.loads(line) for line in f if line.strip()]
 
 
+EMBEDDING_ROWS = ("bi-encoder", "simcse", "simcse-multi", "simcse-pairs-sts", "simcse-pairs-silver")
+
+
 def embedding_stages(args, out, model_dir, sets):
     """Issue 43's table: TF-IDF, today's bi-encoder, SimCSE only, and SimCSE + multi-dataset, every model
     fine-tuned on `args.sts_seeds` seeds; each fine-tuning keeps its best epoch on the selection split."""
@@ -343,34 +346,49 @@ def embedding_stages(args, out, model_dir, sets):
         {"data": [{"anchor": q, "positive": p} for q, p in paraphrases(sets["qp_fit"])],
          "text_column": "anchor", "pair_column": "positive"},
         {"data": sets["sts_fit"], "text_column": "sentence1", "pair_column": "sentence2", "label_column": "score"}]
-    runs = {"bi-encoder": [], "simcse": [], "simcse-multi": [], "simcse-pairs-sts": [], "simcse-pairs-silver": []}
+    rows = EMBEDDING_ROWS if args.rows == "all" else args.rows.split(",")
+    runs = {key: [] for key in rows}
+
+    def keep(key, result):  # a stage another row starts from runs whether or not its own row is asked for
+        if key in runs:
+            runs[key].append(result)
+
     for seed in range(args.seed, args.seed + args.sts_seeds):
-        runs["bi-encoder"].append(tuned(
+        if "bi-encoder" in runs:
+            runs["bi-encoder"].append(tuned(
             f"emb-bi-encoder-seed{seed}", model_dir, sets["sts_fit"], backbone_dropout=0.0,
             epochs=1 if small else 4, batch_size=32, learning_rate=2e-4, seed=seed))
-        runs["simcse"].append(tuned(
+        if set(runs) == {"bi-encoder"}:
+            continue
+        keep("simcse", tuned(
             f"emb-simcse-seed{seed}", model_dir, None, datasets=simcse_data, epochs=1, batch_size=64,
             learning_rate=args.simcse_lr, temperature=0.05, seed=seed))
-        runs["simcse-multi"].append(tuned(
-            f"emb-simcse-multi-seed{seed}", os.path.join(out, f"emb-simcse-seed{seed}"), None,
-            datasets=multi_data, mix="proportional", backbone_dropout=args.multi_dropout,
-            epochs=1 if small else args.multi_epochs, batch_size=32, learning_rate=args.multi_lr, seed=seed))
+        if "simcse-multi" in runs:
+            runs["simcse-multi"].append(tuned(
+                f"emb-simcse-multi-seed{seed}", os.path.join(out, f"emb-simcse-seed{seed}"), None,
+                datasets=multi_data, mix="proportional", backbone_dropout=args.multi_dropout,
+                epochs=1 if small else args.multi_epochs, batch_size=32, learning_rate=args.multi_lr, seed=seed))
+        if not {"simcse-pairs-sts", "simcse-pairs-silver"} & set(runs):
+            continue
         # the sequential form (sentence-transformers' Korean multitask recipe): the contrastive sets first,
         # then the KorSTS regression alone, as the bi-encoder is trained
         tuned(f"emb-simcse-pairs-seed{seed}", os.path.join(out, f"emb-simcse-seed{seed}"), None,
               datasets=multi_data[:2], mix="proportional", epochs=1 if small else 2, batch_size=32,
               learning_rate=1e-4, seed=seed)
-        runs["simcse-pairs-sts"].append(tuned(
-            f"emb-simcse-pairs-sts-seed{seed}", os.path.join(out, f"emb-simcse-pairs-seed{seed}"), sets["sts_fit"],
-            backbone_dropout=0.0, epochs=1 if small else 4, batch_size=32, learning_rate=2e-4, seed=seed))
-        # the same, its last stage on the KorSTS pairs plus pairs a cross-encoder scored (Augmented SBERT)
-        stage(out, f"emb-cross-encoder-seed{seed}",
-              lambda: cross_encoder_silver(out, f"emb-cross-encoder-seed{seed}", model_dir, sets, seed, small))
-        silver = read_jsonl(os.path.join(out, f"emb-cross-encoder-seed{seed}-silver.jsonl"))
-        runs["simcse-pairs-silver"].append(tuned(
-            f"emb-simcse-pairs-silver-seed{seed}", os.path.join(out, f"emb-simcse-pairs-seed{seed}"),
-            sets["sts_fit"] + silver, backbone_dropout=0.0, epochs=1 if small else 2, batch_size=32,
-            learning_rate=2e-4, seed=seed))
+        if "simcse-pairs-sts" in runs:
+            runs["simcse-pairs-sts"].append(tuned(
+                f"emb-simcse-pairs-sts-seed{seed}", os.path.join(out, f"emb-simcse-pairs-seed{seed}"),
+                sets["sts_fit"], backbone_dropout=0.0, epochs=1 if small else 4, batch_size=32,
+                learning_rate=2e-4, seed=seed))
+        if "simcse-pairs-silver" in runs:
+            # the same, its last stage on the KorSTS pairs plus pairs a cross-encoder scored (Augmented SBERT)
+            stage(out, f"emb-cross-encoder-seed{seed}",
+                  lambda: cross_encoder_silver(out, f"emb-cross-encoder-seed{seed}", model_dir, sets, seed, small))
+            silver = read_jsonl(os.path.join(out, f"emb-cross-encoder-seed{seed}-silver.jsonl"))
+            runs["simcse-pairs-silver"].append(tuned(
+                f"emb-simcse-pairs-silver-seed{seed}", os.path.join(out, f"emb-simcse-pairs-seed{seed}"),
+                sets["sts_fit"] + silver, backbone_dropout=0.0, epochs=1 if small else 2, batch_size=32,
+                learning_rate=2e-4, seed=seed))
     return tfidf, runs
 
 
@@ -378,7 +396,7 @@ def print_embedding_table(tfidf, runs, sets):
     import numpy as np
 
     cols = ("sts_select", "qp_select", "sts_dev", "qp_dev")
-    print(f"\n| sentence vectors (mean of {len(runs['bi-encoder'])} fine-tuning seeds) | KorSTS selection Spearman "
+    print(f"\n| sentence vectors (mean of {len(next(iter(runs.values())))} fine-tuning seeds) | KorSTS selection Spearman "
           f"| question-pair selection recall@1 | **KorSTS dev Spearman** | **question-pair dev recall@1** |")
     print("|---|---:|---:|---:|---:|")
     print("| TF-IDF char 1-3 cosine | " + " | ".join(f"{tfidf[c]:.4f}" for c in cols) + " |")
@@ -393,12 +411,15 @@ def print_embedding_table(tfidf, runs, sets):
         each = {c: ", ".join(f"{r[c]:.3f}" for r in results) for c in cols}
         print(f"| {labels[key]} | " + " | ".join(f"{means[key][c]:.4f} ({each[c]})" for c in cols) + " |")
     # the recipe is the contrastive one that scores best on the selection split (never on a reported set)
-    chosen = max(("simcse-multi", "simcse-pairs-sts", "simcse-pairs-silver"), key=lambda k: means[k]["sts_select"])
-    best = means[chosen]
-    print(f"chosen on the KorSTS selection split: {labels[chosen]}")
-    for c, name in (("sts_select", "KorSTS selection"), ("sts_dev", "KorSTS dev")):
-        print(f"  on {name}: {100 * (best[c] - tfidf[c]):+.1f} points over TF-IDF (goal >= +5), "
-              f"{100 * (best[c] - means['bi-encoder'][c]):+.1f} over the bi-encoder (goal > 0)")
+    contrastive = [k for k in ("simcse-multi", "simcse-pairs-sts", "simcse-pairs-silver") if k in means]
+    if contrastive:
+        chosen = max(contrastive, key=lambda k: means[k]["sts_select"])
+        best = means[chosen]
+        print(f"chosen on the KorSTS selection split: {labels[chosen]}")
+        for c, name in (("sts_select", "KorSTS selection"), ("sts_dev", "KorSTS dev")):
+            against = (f", {100 * (best[c] - means['bi-encoder'][c]):+.1f} over the bi-encoder (goal > 0)"
+                       if "bi-encoder" in means else "")
+            print(f"  on {name}: {100 * (best[c] - tfidf[c]):+.1f} points over TF-IDF (goal >= +5){against}")
     print(f"(selection split: {len(sets['sts_select'])} KorSTS train pairs, {len(paraphrases(sets['qp_select']))} "
           f"question-pair train paraphrases; trained on {len(sets['sts_fit'])} KorSTS pairs, "
           f"{len(paraphrases(sets['qp_fit']))} paraphrases, {len(sets['nli'])} NLI triplets, "
@@ -452,9 +473,15 @@ def main():
     parser.add_argument("--multi-dropout", type=float, default=0.0,
                         help="backbone dropout in the multi-dataset run (0: as the bi-encoder's regression)")
     parser.add_argument("--small", action="store_true", help="a few minutes end to end (checks the chain)")
+    parser.add_argument("--rows", default="all",
+                        help=f"with --only embeddings: the table's rows to run, comma-separated, from "
+                             f"{','.join(EMBEDDING_ROWS)} (the stages a row starts from run too)")
     args = parser.parse_args()
     if args.max_length < 8:
         parser.error(f"--max-length must be at least 8 tokens, got {args.max_length}")
+    unknown = set(args.rows.split(",")) - set(EMBEDDING_ROWS) if args.rows != "all" else set()
+    if unknown:
+        parser.error(f"--rows: unknown {sorted(unknown)}; choose from {','.join(EMBEDDING_ROWS)}")
     if args.sts_seeds < 1:
         parser.error(f"--sts-seeds must be at least 1, got {args.sts_seeds}")
     # the TF-IDF baselines run after the pretraining: a missing package must stop the run before that hour
