@@ -51,6 +51,8 @@ setup(
             # The JAX backend tests run the same model code and the pretraining loop under KERAS_BACKEND=jax.
             "jax>=0.4.30",
             "faiss-cpu>=1.8",
+            # benchmarks/quality.py's helpers are tested too (its TF-IDF baselines and pair sampling).
+            "scikit-learn>=1.4",
             # The tutorial notebooks run end to end in the test suite.
             "nbclient>=0.10",
             "nbformat>=5",

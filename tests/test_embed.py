@@ -355,3 +355,25 @@ def test_hub_names_load_through_huggingface_hub_and_its_cache(tmp_path):
     out = json.loads(run.stdout.strip().splitlines()[-1])
     assert out["shape"] == [1, 32] and out["layers"] == 3
     assert "kbert-test/not-cached" in out["missing"] and "HF_HUB_OFFLINE" in out["missing"]
+
+
+def test_silver_candidates_pair_each_sentence_with_its_nearest_and_leave_out_gold_pairs():
+    """benchmarks/quality.py's Augmented SBERT sampling: nearest TF-IDF neighbours, never a sentence with
+    itself, a labelled pair or one pair twice (in either order)."""
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "quality.py")
+    spec = importlib.util.spec_from_file_location("quality_benchmark", path)
+    quality = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(quality)
+    a, a2, b, b2 = "서울 날씨가 맑다", "서울 날씨가 맑습니다", "축구 경기가 열렸다", "축구 경기가 열립니다"
+    rows = [{"sentence1": a, "sentence2": b}, {"sentence1": a2, "sentence2": b2}]
+    pairs = quality.silver_candidates(rows, seed=0, neighbours=1, randoms=0)
+    keys = [frozenset(p) for p in pairs]
+    assert set(keys) == {frozenset((a, a2)), frozenset((b, b2))}  # each sentence's nearest, found from both ends
+    assert len(keys) == len(set(keys))
+    with_random = quality.silver_candidates(rows, seed=0, neighbours=1, randoms=3)
+    keys = [frozenset(p) for p in with_random]
+    assert len(keys) == len(set(keys)) and all(len(k) == 2 for k in keys)
+    assert not {frozenset((a, b)), frozenset((a2, b2))} & set(keys)
