@@ -14,6 +14,8 @@ batches that stay on the device, so the figure is the model's step and not an in
   and says whether XLA's program holds cuDNN's fused attention;
 - `hf`: the peer, transformers' `BertForPreTraining` (SDPA attention, bf16 autocast, fused AdamW, labels at
   the same number of masked positions) eager and under `torch.compile`, same shape, same FLOP count;
+- `profile`: the same step under `jax.profiler.trace`: the device's kernel time per kind (matmul, fused
+  attention, elementwise and reduction fusions, copies) and the top kernels, per step, beside its wall time;
 - `memory`: `Pretrainer.train_on_batch` (what `fit` runs) in a fresh process per point: the allocator's peak,
   XLA's memory analysis of the same compiled step and `kbert.train.memory.estimate_memory`;
 - `capped`: run under `XLA_PYTHON_CLIENT_MEM_FRACTION` = `--cap` / device memory: `kbert plan --exact` and
@@ -114,9 +116,10 @@ def _uses_fused_attention(compiled) -> bool:
     return "__cudnn$fmha" in text or "tpu_custom_call" in text
 
 
-def throughput(model: str, seq: int, batch: int, precision: str, steps: int, vocab: int, overrides=()) -> dict:
+def _device_step(model: str, seq: int, batch: int, precision: str, vocab: int, overrides=()):
+    """Keras' JAX `train_step` of a kbert backbone compiled with the state donated, its state and one
+    synthetic batch on the device: (compiled step, state, data, config, masked positions per sequence)."""
     import jax
-    import keras
 
     from kbert.data.masking import default_max_predictions
     from kbert.train.probe import build_trainer, synthetic_batch
@@ -131,6 +134,14 @@ def throughput(model: str, seq: int, batch: int, precision: str, steps: int, voc
                                    optimizer_variables=True, metrics_variables=True)
     data = jax.device_put((features, labels))
     step = jax.jit(trainer.train_step, donate_argnums=0).lower(state, data).compile()
+    return step, state, data, config, predictions
+
+
+def throughput(model: str, seq: int, batch: int, precision: str, steps: int, vocab: int, overrides=()) -> dict:
+    import jax
+    import keras
+
+    step, state, data, config, predictions = _device_step(model, seq, batch, precision, vocab, overrides)
     fused = _uses_fused_attention(step)
     t_compile = time.perf_counter()
     for _ in range(2):
@@ -143,12 +154,102 @@ def throughput(model: str, seq: int, batch: int, precision: str, steps: int, voc
     jax.block_until_ready((logs, state))
     elapsed = time.perf_counter() - t
     flops = train_flops_per_step(config, batch, seq, predictions)
-    del state, data, trainer
+    del state, data
     return {"impl": "kbert", "model": model, "seq": seq, "batch": batch, "precision": precision, "steps": steps,
             "step_ms": elapsed / steps * 1e3, "tokens_per_s": batch * seq * steps / elapsed,
             "model_flops_per_s": flops * steps / elapsed, "compile_and_warmup_s": compile_s,
             "fused_attention": fused, "loss": float(logs["loss"]), "keras": keras.__version__,
             "jax": jax.__version__, "device": str(jax.devices()[0].device_kind), "overrides": list(overrides or ())}
+
+
+# Kernel names -> what they do, first match wins: cuDNN's fused attention, matmuls (cuBLAS/cuBLASLt's nvjet
+# and xmma kernels, CUTLASS, XLA's Triton GEMM fusions), copies, reductions (LayerNorm, softmax, loss), and
+# XLA's elementwise loop fusions (bias, GELU, dropout, the AdamW update).
+KERNEL_KINDS = (("attention (fused)", ("fmha", "flash", "cudnn")),
+                 ("matmul", ("gemm", "nvjet", "xmma", "cutlass", "cublas", "dot", "matmul", "wgmma")),
+                 ("copy / transpose", ("memcpy", "memset", "copy", "transpose")),
+                 ("reduction fusion", ("reduce", "reduction")),
+                 ("elementwise fusion", ("fusion", "loop_", "elementwise")))
+
+
+def kernel_kind(name: str) -> str:
+    low = name.lower()
+    return next((kind for kind, keys in KERNEL_KINDS if any(k in low for k in keys)), "other")
+
+
+def device_time_by_kernel(trace_dir: str) -> dict:
+    """Sums the device's kernel time per kernel name in the perfetto trace `jax.profiler.trace` wrote to
+    `trace_dir`. On a GPU: the events of the device's stream lines (the "XLA Ops"/"XLA Modules"/"Steps"
+    lines restate the same time by HLO op, so they are left out); on CPU, where nothing runs on a device,
+    the events of XLA's executor threads. Returns {"source", "total_us", "kernels": {name: us}}."""
+    import collections
+    import glob
+    import gzip
+
+    paths = sorted(glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True))
+    if not paths:
+        raise FileNotFoundError(f"no perfetto_trace.json.gz under {trace_dir}")
+    with gzip.open(paths[-1], "rt", encoding="utf-8") as f:
+        trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    names = {e["pid"]: e.get("args", {}).get("name", "") for e in events
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    threads = {(e["pid"], e["tid"]): e.get("args", {}).get("name", "") for e in events
+               if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    devices = {pid for pid, name in names.items() if "/device:" in name}
+    derived = ("xla ops", "xla modules", "steps", "launch stats", "source")
+
+    def counted(e):
+        line = threads.get((e["pid"], e.get("tid")), "").lower()
+        if devices:
+            return e["pid"] in devices and not any(d in line for d in derived)
+        return line.startswith("tf_xla") and not e["name"].startswith(("end:", "ThunkExecutor"))
+
+    kernels = collections.Counter()
+    for e in events:
+        if e.get("ph") == "X" and counted(e):
+            kernels[e["name"]] += float(e.get("dur", 0))
+    return {"source": "device streams" if devices else "host XLA threads (no device in the trace)",
+            "total_us": sum(kernels.values()), "kernels": dict(kernels)}
+
+
+def profile(model: str, seq: int, batch: int, precision: str, steps: int, vocab: int, overrides=(),
+            top: int = 15) -> dict:
+    """Where a training step's device time goes: `steps` steps under `jax.profiler.trace`, kernel time per
+    kind (`KERNEL_KINDS`) and the `top` kernels, per step, beside the step's wall time."""
+    import shutil
+    import tempfile
+
+    import jax
+
+    step, state, data, config, predictions = _device_step(model, seq, batch, precision, vocab, overrides)
+    for _ in range(2):
+        logs, state = step(state, data)
+    jax.block_until_ready(logs)
+    trace_dir = tempfile.mkdtemp(prefix="kbert-profile-")
+    try:
+        with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+            t = time.perf_counter()
+            for _ in range(steps):
+                logs, state = step(state, data)
+            jax.block_until_ready((logs, state))
+            elapsed = time.perf_counter() - t
+        found = device_time_by_kernel(trace_dir)
+    finally:
+        shutil.rmtree(trace_dir, ignore_errors=True)
+    del state, data
+    total = found["total_us"] or 1.0
+    kinds = {}
+    for name, us in found["kernels"].items():
+        kinds[kernel_kind(name)] = kinds.get(kernel_kind(name), 0.0) + us
+    ranked = sorted(found["kernels"].items(), key=lambda kv: -kv[1])[:top]
+    return {"impl": "kbert", "model": model, "seq": seq, "batch": batch, "precision": precision, "steps": steps,
+            "overrides": list(overrides or ()), "device": str(jax.devices()[0].device_kind), "source": found["source"],
+            "step_ms": elapsed / steps * 1e3, "kernel_ms_per_step": total / steps / 1e3,
+            "kinds": {k: {"ms_per_step": us / steps / 1e3, "share": us / total}
+                      for k, us in sorted(kinds.items(), key=lambda kv: -kv[1])},
+            "top": [{"kernel": name[:120], "kind": kernel_kind(name), "ms_per_step": us / steps / 1e3,
+                     "share": us / total} for name, us in ranked]}
 
 
 def attention(batch: int, seq: int, heads: int = 12, head_size: int = 64, repeats: int = 20) -> list:
@@ -512,6 +613,9 @@ def run_all(args) -> dict:
     out["hf"] = _child(args, ["hf", "--model", m, "--seq", "128", "--batch", b, "--steps", steps,
                               "--variants", args.variants], clock, 120)
     _save(args, out)
+    out["profile"] = _child(args, ["profile", "--model", m, "--seq", "128", "--batch", b, "--precision",
+                                   "mixed_bfloat16", "--steps", "5"], clock, 45)
+    _save(args, out)
     out["memory"] = []
     for pair in MEMORY_POINTS:
         out["memory"] += _children(args, [["memory", "--model", m, "--seq", str(seq), "--batch", str(batch),
@@ -580,6 +684,17 @@ def report(out: dict):
         ratio = f"{r['tokens_per_s'] / compiled[key]:.2f}x" if key in compiled else "n/a"
         print(f"| {r['impl']} | {' '.join(key) or 'BERT defaults'} | {r['seq']} | {r['batch']} | {r['step_ms']:.1f} | "
               f"{r['tokens_per_s']:,.0f} | {mfu} | {ratio} | {r.get('fused_attention', '')} |")
+    prof = out.get("profile")
+    if isinstance(prof, dict) and "kinds" in prof:
+        print(f"\nwhere the step's device time goes ({prof['device']}, {prof['model']}, seq {prof['seq']}, batch "
+              f"{prof['batch']}, {prof['precision']}, {' '.join(prof['overrides']) or 'BERT defaults'}; "
+              f"{prof['source']}): kernels {prof['kernel_ms_per_step']:.1f} ms of a {prof['step_ms']:.1f} ms step")
+        print("| kind | ms per step | share |\n|---|---:|---:|")
+        for kind, v in prof["kinds"].items():
+            print(f"| {kind} | {v['ms_per_step']:.2f} | {100 * v['share']:.1f}% |")
+        print("| kernel | kind | ms per step | share |\n|---|---|---:|---:|")
+        for v in prof["top"]:
+            print(f"| `{v['kernel']}` | {v['kind']} | {v['ms_per_step']:.2f} | {100 * v['share']:.1f}% |")
     memory_rows = [r for r in out.get("memory", []) if r.get("measured_bytes")]
     if memory_rows:
         print("\n| model | seq | batch | precision | planned GB | XLA compiled GB | allocator peak GB | planned vs "
@@ -606,8 +721,8 @@ def report(out: dict):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=("all", "peak", "throughput", "hf", "memory", "probe", "capped", "attention",
-                                         "pretrain", "records"))
+    parser.add_argument("what", choices=("all", "peak", "throughput", "hf", "profile", "memory", "probe", "capped",
+                                         "attention", "pretrain", "records"))
     parser.add_argument("--records", help="pretrain/all: the dir `records` wrote (records/ and tok/ inside)")
     parser.add_argument("--steps-pretrain", type=int, default=300, help="pretrain: steps, resumed at half")
     parser.add_argument("--shared", default="../shared/data", help="records: the shared Korean data")
@@ -658,6 +773,9 @@ def main(argv=None):
         result = [r for i, overrides in enumerate(sets)
                   for r in hf(args.model, args.seq, args.batch, args.steps, args.vocab, overrides,
                               modes=args.hf_modes.split(",") if i == 0 else ["compile"])]
+    elif args.what == "profile":
+        result = profile(args.model, args.seq, args.batch, args.precision, args.steps, args.vocab,
+                         args.set or variants[0])
     elif args.what == "attention":
         result = attention(args.batch, args.seq)
     elif args.what == "records":

@@ -316,3 +316,34 @@ def test_every_objective_lamb_accumulation_and_the_out_of_memory_fallback_run_on
         assert r["step"] == (4 if name == "oom" else 3) and r["finite"], (name, r)
     assert result["electra"]["rtd"] is not None and result["lamb"]["acc"] == 2
     assert result["oom"]["retries"] == 1 and result["oom"]["acc"] == 2  # 16 = 8 x 2 after the fallback
+
+
+def test_the_gpu_profile_counts_the_device_streams_once_and_sorts_kernels_by_kind(tmp_path):
+    """`benchmarks/gpu.py profile` reads jax.profiler's perfetto trace: on a GPU only the stream lines count
+    (the "XLA Ops" line restates the same time by HLO op) and kernel names map to kinds."""
+    import gzip
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "gpu.py")
+    spec = importlib.util.spec_from_file_location("gpu_benchmark", path)
+    gpu = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu)
+    meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+            {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}},
+            {"ph": "M", "name": "thread_name", "pid": 1, "tid": 7, "args": {"name": "Stream #13(Compute)"}},
+            {"ph": "M", "name": "thread_name", "pid": 1, "tid": 8, "args": {"name": "XLA Ops"}},
+            {"ph": "M", "name": "thread_name", "pid": 2, "tid": 9, "args": {"name": "python"}}]
+    spans = [("nvjet_tst_128x256_64x4_2x1_v_bz_coopB_TNN", 7, 30.0), ("loop_add_fusion_3", 7, 5.0),
+             ("input_reduce_fusion_12", 7, 4.0), ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop", 7, 6.0),
+             ("nvjet_tst_128x256_64x4_2x1_v_bz_coopB_TNN", 7, 10.0), ("fusion.123", 8, 55.0),
+             ("PjitFunction(step)", 9, 80.0)]
+    events = meta + [{"ph": "X", "name": n, "pid": 1 if tid != 9 else 2, "tid": tid, "ts": i, "dur": d}
+                     for i, (n, tid, d) in enumerate(spans)]
+    os.makedirs(tmp_path / "plugins" / "profile" / "run")
+    with gzip.open(tmp_path / "plugins" / "profile" / "run" / "perfetto_trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    found = gpu.device_time_by_kernel(str(tmp_path))
+    assert found["source"] == "device streams" and found["total_us"] == 55.0
+    assert found["kernels"]["nvjet_tst_128x256_64x4_2x1_v_bz_coopB_TNN"] == 40.0
+    kinds = {name: gpu.kernel_kind(name) for name in found["kernels"]}
+    assert sorted(kinds.values()) == ["attention (fused)", "elementwise fusion", "matmul", "reduction fusion"]
