@@ -241,7 +241,8 @@ def profile(model: str, seq: int, batch: int, precision: str, steps: int, vocab:
     total = found["total_us"] or 1.0
     kinds = {}
     for name, us in found["kernels"].items():
-        kinds[kernel_kind(name)] = kinds.get(kernel_kind(name), 0.0) + us
+        kind = kernel_kind(name)
+        kinds[kind] = kinds.get(kind, 0.0) + us
     ranked = sorted(found["kernels"].items(), key=lambda kv: -kv[1])[:top]
     return {"impl": "kbert", "model": model, "seq": seq, "batch": batch, "precision": precision, "steps": steps,
             "overrides": list(overrides or ()), "device": str(jax.devices()[0].device_kind), "source": found["source"],

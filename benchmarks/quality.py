@@ -124,13 +124,19 @@ def read_sts(path):
     return [dict(zip(header, r)) for r in rows if len(r) == len(header)]
 
 
+def char_tfidf():
+    """The lexical baseline's vectorizer: TF-IDF of character 1-3-grams within words, sublinear counts."""
+    from sklearn.feature_extraction.text import TfidfVectorizer
+
+    return TfidfVectorizer(analyzer="char_wb", ngram_range=(1, 3), sublinear_tf=True)
+
+
 def tfidf_sts(train, dev):
     import numpy as np
-    from sklearn.feature_extraction.text import TfidfVectorizer
 
     from kbert.train.metrics import spearman
 
-    vec = TfidfVectorizer(analyzer="char_wb", ngram_range=(1, 3), sublinear_tf=True)
+    vec = char_tfidf()
     vec.fit([r[c] for r in train for c in ("sentence1", "sentence2")])
     a, b = vec.transform([r["sentence1"] for r in dev]), vec.transform([r["sentence2"] for r in dev])
     cos = np.asarray(a.multiply(b).sum(axis=1)).ravel()
@@ -229,9 +235,7 @@ def score_embeddings(encode, sets):
 
 def tfidf_encoder(sets):
     """TF-IDF character 1-3-grams fitted on the training-side sentences (unit rows, so a dot is a cosine)."""
-    from sklearn.feature_extraction.text import TfidfVectorizer
-
-    vec = TfidfVectorizer(analyzer="char_wb", ngram_range=(1, 3), sublinear_tf=True)
+    vec = char_tfidf()
     vec.fit([r[c] for r in sets["sts_fit"] for c in ("sentence1", "sentence2")]
             + [q for r in sets["qp_fit"] for q in (r["question1"], r["question2"])])
     return lambda texts: vec.transform(texts).toarray()
@@ -245,11 +249,10 @@ def silver_candidates(rows, seed, neighbours=3, randoms=1):
     import random
 
     import numpy as np
-    from sklearn.feature_extraction.text import TfidfVectorizer
 
     pool = sorted({r[c] for r in rows for c in ("sentence1", "sentence2")})
     gold = {frozenset((r["sentence1"], r["sentence2"])) for r in rows}
-    vectors = TfidfVectorizer(analyzer="char_wb", ngram_range=(1, 3), sublinear_tf=True).fit_transform(pool)
+    vectors = char_tfidf().fit_transform(pool)
     rng, seen, pairs = random.Random(seed), set(), []
 
     def add(i, j):
@@ -352,20 +355,17 @@ def embedding_stages(args, out, model_dir, sets):
     rows = {"default": DEFAULT_ROWS, "all": EMBEDDING_ROWS}.get(args.rows) or args.rows.split(",")
     runs = {key: [] for key in rows}
 
-    def keep(key, result):  # a stage another row starts from runs whether or not its own row is asked for
-        if key in runs:
-            runs[key].append(result)
-
     for seed in range(args.seed, args.seed + args.sts_seeds):
         if "bi-encoder" in runs:
             runs["bi-encoder"].append(tuned(
-            f"emb-bi-encoder-seed{seed}", model_dir, sets["sts_fit"], backbone_dropout=0.0,
-            epochs=1 if small else 4, batch_size=32, learning_rate=2e-4, seed=seed))
-        if set(runs) == {"bi-encoder"}:
+                f"emb-bi-encoder-seed{seed}", model_dir, sets["sts_fit"], backbone_dropout=0.0,
+                epochs=1 if small else 4, batch_size=32, learning_rate=2e-4, seed=seed))
+        if not set(runs) - {"bi-encoder"}:  # every other row starts from the SimCSE model
             continue
-        keep("simcse", tuned(
-            f"emb-simcse-seed{seed}", model_dir, None, datasets=simcse_data, epochs=1, batch_size=64,
-            learning_rate=args.simcse_lr, temperature=0.05, seed=seed))
+        simcse = tuned(f"emb-simcse-seed{seed}", model_dir, None, datasets=simcse_data, epochs=1, batch_size=64,
+                       learning_rate=args.simcse_lr, temperature=0.05, seed=seed)
+        if "simcse" in runs:
+            runs["simcse"].append(simcse)
         if "simcse-multi" in runs:
             runs["simcse-multi"].append(tuned(
                 f"emb-simcse-multi-seed{seed}", os.path.join(out, f"emb-simcse-seed{seed}"), None,
