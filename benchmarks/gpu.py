@@ -710,15 +710,16 @@ def report(out: dict):
     capped_rows = [r for rows in out.get("capped", []) for r in _rows(rows) if "seq_len" in r]
     if capped_rows:
         print("\n| model | precision | cap | seq | `plan --memory` batch | `--exact` batch | probed batch | plan / probed |"
-              " exact GB | tries (batch, fits) | seconds |")
-        print("|---|---|---|---:|---:|---:|---:|---:|---:|---|---:|")
+              " exact GB | compiled (rounds) | tries (batch, fits) | seconds |")
+        print("|---|---|---|---:|---:|---:|---:|---:|---:|---|---|---:|")
         for r in capped_rows:
             probed = r.get("probed_batch")
             ratio = f"{r['plan_for_cap'] / probed:.2f}" if probed else "n/a"
             tries = " ".join(f"{b}{'+' if ok else '-'}" for b, ok, _ in r.get("tried", []))
+            compiled = " ".join(str(b) for b, _ in r.get("exact_tried", [])) + f" ({r.get('exact_rounds', '-')})"
             print(f"| {r['model']} | {r['precision']} | {r['cap']} | {r['seq_len']} | {r['plan_for_cap']} | "
-                  f"{r.get('exact_batch')} | {probed} | {ratio} | {(r.get('exact_bytes') or 0) / 1e9:.2f} | {tries} | "
-                  f"{r.get('seconds', 0):.0f} |")
+                  f"{r.get('exact_batch')} | {probed} | {ratio} | {(r.get('exact_bytes') or 0) / 1e9:.2f} | {compiled} | "
+                  f"{tries} | {r.get('seconds', 0):.0f} |")
 
 
 def main(argv=None):

@@ -652,7 +652,11 @@ for budget in (2.5e6, 6e6):
     # an independent compilation (Keras' own state, a fresh jit) agrees at the boundary
     at = compiled_step_bytes(trainer, *synthetic_batch(cfg, b, 32, 6))
     above = compiled_step_bytes(trainer, *synthetic_batch(cfg, b + 1, 32, 6))
-    out[str(budget)] = dict(batch=b, bytes=found["bytes"], at=at, above=above, compiles=len(found["tried"]))
+    # two compilations at once (threads): the same answer in fewer rounds, each a prediction and the batch above
+    par = exact_batch_size(cfg, 32, memory=budget, workers=2)
+    out[str(budget)] = dict(batch=b, bytes=found["bytes"], at=at, above=above, compiles=len(found["tried"]),
+                            rounds=found["rounds"], par_batch=par["max_batch"], par_rounds=par["rounds"],
+                            par_compiles=len(par["tried"]))
 out["none"] = exact_batch_size(cfg, 32, memory=1e5)["max_batch"]
 # the probe confirms the exact answer with two real steps when the device holds exactly that batch
 step = CompiledStep(build_trainer(cfg), cfg, 32)
@@ -681,6 +685,9 @@ def test_exact_plan_reads_the_compiled_program_and_the_probe_confirms_it():
         assert r["batch"] > 0 and r["bytes"] <= float(budget) < r["above"], r  # the largest that fits
         assert abs(r["at"] - r["bytes"]) <= 0.01 * r["bytes"], r
         assert r["compiles"] <= 8, r  # the secant search, not a walk
+        assert r["rounds"] == r["compiles"], r  # one worker: one compilation per round
+        assert r["par_batch"] == r["batch"] and r["par_rounds"] < r["rounds"], r
+        assert r["par_compiles"] <= 2 * r["par_rounds"], r
     assert out["6000000.0"]["batch"] > out["2500000.0"]["batch"]
     assert out["none"] == 0  # not even one sequence fits
     b = out["6000000.0"]["batch"]
@@ -689,6 +696,48 @@ def test_exact_plan_reads_the_compiled_program_and_the_probe_confirms_it():
     assert out["lower"] == b - 3
     assert out["cli"] == 0 and out["cli_no_memory"] == 1
     assert "| 32 |" in proc.stdout and "--memory 12GB" in proc.stderr
+
+
+def test_compile_concurrently_overlaps_and_retries_out_of_memory_alone():
+    import threading
+
+    from kbert.train.probe import compile_concurrently
+
+    both = threading.Barrier(2, timeout=10)  # passes only when two compilations are running at the same time
+
+    class Lowered:
+        def __init__(self, key, fail=None):
+            self.key, self.fail, self.calls = key, fail, 0
+
+        def compile(self):
+            self.calls += 1
+            if self.key in (1, 2):
+                both.wait()
+            if self.fail and self.calls == 1:
+                raise self.fail
+            return f"executable {self.key}"
+
+    lowered = {1: Lowered(1), 2: Lowered(2), 3: Lowered(3, RuntimeError("RESOURCE_EXHAUSTED: autotuning scratch"))}
+    assert compile_concurrently(lowered, workers=2) == {k: f"executable {k}" for k in (1, 2, 3)}
+    assert [lowered[k].calls for k in (1, 2, 3)] == [1, 1, 2]  # only the out-of-memory one again, alone
+    with pytest.raises(ValueError, match="not memory"):
+        compile_concurrently({4: Lowered(4, ValueError("not memory")), 5: Lowered(5)}, workers=2)
+    serial = {6: Lowered(6), 7: Lowered(7)}
+    assert compile_concurrently(serial, workers=1) == {6: "executable 6", 7: "executable 7"}
+
+
+def test_compile_workers_default_and_override(monkeypatch):
+    from kbert.train.probe import compile_workers
+
+    monkeypatch.setenv("KBERT_COMPILE_WORKERS", "3")
+    assert compile_workers() == 3
+    monkeypatch.setenv("KBERT_COMPILE_WORKERS", "0")
+    assert compile_workers() == 1
+    monkeypatch.setenv("KBERT_COMPILE_WORKERS", "two")
+    with pytest.raises(ValueError, match="KBERT_COMPILE_WORKERS"):
+        compile_workers()
+    monkeypatch.delenv("KBERT_COMPILE_WORKERS")
+    assert compile_workers() == 1  # this CPU: XLA already spreads one compilation over the cores
 
 
 def test_exact_plan_needs_the_jax_backend(capsys):

@@ -5,7 +5,10 @@
   (`memory_analysis()`: arguments + outputs + temporaries - donated buffers the outputs reuse). Nothing is
   executed, so it works on CPU too (on the CPU's compiled program, against a `memory` you name). The search
   starts at the analytic planner's batch and steps by the secant through the measured points (memory is
-  close to linear in the batch), so it needs 3-5 compilations per sequence length.
+  close to linear in the batch), so it needs 3-5 compilations per sequence length. On an accelerator two
+  compile at once (`compile_workers`): each round compiles the predicted batch and the one just above it,
+  so a right prediction is landed and confirmed in the same round (XLA's compilation runs outside Python's
+  GIL, in threads; a GPU host's cores are idle while one program compiles).
 - `--probe`: starts at the `--exact` answer (the analytic one on TensorFlow) and confirms it with one real
   step at that batch and one just above, searching further only when one of those surprises; each step
   reuses the executable `--exact` compiled for its batch. Out-of-memory errors are caught (TensorFlow's
@@ -20,6 +23,7 @@ of failing, and every batch "fits").
 from __future__ import annotations
 
 import gc
+import os
 import sys
 import time
 from typing import Dict, List, Optional
@@ -168,9 +172,20 @@ class CompiledStep:
 
     def compiled(self, batch: int):
         if batch not in self._compiled:
-            _no_silent_recomputation()
-            self._compiled[batch] = self._jit.lower(self._state_spec, self._data_spec(batch)).compile()
+            self.compile_all([batch])
         return self._compiled[batch]
+
+    def compile_all(self, batches, workers: int = 1) -> None:
+        """Compiles the batch sizes not compiled yet, up to `workers` at a time. Tracing and lowering (Python,
+        Keras state) run here one after another; XLA's compilation releases the GIL, so `workers` > 1 runs
+        that part in threads. On a GPU a compilation is mostly serial host work (HLO passes, autotuning) on a
+        host with many idle cores; on a CPU XLA already spreads one compilation over the cores."""
+        todo = [b for b in dict.fromkeys(batches) if b not in self._compiled]
+        if not todo:
+            return
+        _no_silent_recomputation()
+        lowered = {b: self._jit.lower(self._state_spec, self._data_spec(b)) for b in todo}
+        self._compiled.update(compile_concurrently(lowered, workers))
 
     @property
     def compiled_batches(self) -> List[int]:
@@ -198,6 +213,28 @@ class CompiledStep:
         finally:
             del data
         return {k: float(v) for k, v in logs.items()}
+
+
+def compile_concurrently(lowered: Dict, workers: int = 1) -> Dict:
+    """`{key: lowered.compile()}` for JAX `Lowered` programs, up to `workers` at a time in threads (XLA's
+    compilation releases the GIL). A compilation that runs out of device memory while others run beside it
+    (autotuning's scratch buffers on a capped device) is retried alone; any other error propagates."""
+    if workers <= 1 or len(lowered) <= 1:
+        return {k: low.compile() for k, low in lowered.items()}
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=min(workers, len(lowered)), thread_name_prefix="kbert-compile") as pool:
+        futures = {k: pool.submit(low.compile) for k, low in lowered.items()}
+    done = {}
+    for k, future in futures.items():
+        error = future.exception()
+        if error is None:
+            done[k] = future.result()
+        elif is_out_of_memory(error):
+            done[k] = lowered[k].compile()
+        else:
+            raise error
+    return done
 
 
 def _no_silent_recomputation():
@@ -232,16 +269,32 @@ def build_trainer(config, optimizer: str = "adamw", precision: str = "float32"):
     return model
 
 
+def compile_workers() -> int:
+    """Compilations `--exact` runs at once: 2 on an accelerator (the prediction and the batch just above it
+    compile together, so a search lands in one or two compile rounds instead of three or more in a row),
+    1 on CPU (XLA already uses every core for one). `KBERT_COMPILE_WORKERS` overrides it."""
+    env = os.environ.get("KBERT_COMPILE_WORKERS")
+    if env:
+        try:
+            return max(1, int(env))
+        except ValueError:
+            raise ValueError(f"KBERT_COMPILE_WORKERS={env!r}: expected a whole number of compilations at once")
+    return 2 if accelerator() is not None else 1
+
+
 def exact_batch_size(config, seq_len: int, memory=None, optimizer: str = "adamw", precision: str = "float32",
                      start: Optional[int] = None, max_batch: int = 4096, step: Optional[CompiledStep] = None,
-                     verbose: bool = False) -> Dict:
+                     verbose: bool = False, workers: Optional[int] = None) -> Dict:
     """The largest batch (at most `max_batch`) whose compiled training step needs at most `memory` bytes
     (default: the device's limit), by XLA's memory analysis; nothing is executed. Keras' JAX backend only.
 
     The search keeps the largest batch known to fit (`lo`) and the smallest known not to (`hi`) and tries
-    the secant prediction through the two nearest measured points (bisection when it stalls), starting from
-    `start` (default: the analytic planner's batch). Returns a dict with `max_batch`, `bytes` at it,
-    `budget`, `limited_by` and `tried` [(batch, bytes)].
+    the secant prediction through the measured points nearest the budget (bisection when it stalls),
+    starting from `start` (default: the analytic planner's batch). With `workers` >= 2 (default
+    `compile_workers()`: 2 on an accelerator) each round compiles the prediction and the batch just above it
+    together: when the prediction is right, that one round both lands and confirms it. Returns a dict with
+    `max_batch`, `bytes` at it, `budget`, `limited_by`, `tried` [(batch, bytes)] in compile order and
+    `rounds` (compile rounds: the wall time is about rounds x one compilation).
 
     Example:
         >>> exact_batch_size(ModelConfig.preset("bert-base"), 128, "12GB", precision="mixed_bfloat16")
@@ -252,38 +305,53 @@ def exact_batch_size(config, seq_len: int, memory=None, optimizer: str = "adamw"
     if not budget:
         raise ValueError("`memory` is required where the device does not report its memory (CPU): name the "
                          "device you are planning for, e.g. --memory 12GB")
+    workers = compile_workers() if workers is None else max(1, int(workers))
     step = step or CompiledStep(build_trainer(config, optimizer, precision), config, seq_len)
     sizes: Dict[int, int] = {}
+    lo, hi = 0, max_batch + 1  # lo fits (0: none known), hi does not (max_batch + 1: the cap)
+    rounds = 0
 
-    def size(batch: int) -> int:
-        if batch not in sizes:
-            sizes[batch] = step.bytes(batch)
+    def measure(batches) -> None:
+        nonlocal lo, hi, rounds
+        batches = [b for b in dict.fromkeys(batches) if b not in sizes]
+        if not batches:
+            return
+        rounds += 1
+        step.compile_all(batches, workers)
+        for b in batches:
+            sizes[b] = step.bytes(b)
+            fit = sizes[b] <= budget
             if verbose:
-                fit = "fits" if sizes[batch] <= budget else "does not fit"
-                print(f"  seq {seq_len}: batch {batch} compiles to {_size(sizes[batch])} ({fit})",
-                      file=sys.stderr, flush=True)
-        return sizes[batch]
+                print(f"  seq {seq_len}: batch {b} compiles to {_size(sizes[b])} "
+                      f"({'fits' if fit else 'does not fit'})", file=sys.stderr, flush=True)
+            if fit:
+                lo = max(lo, b)
+            else:
+                hi = min(hi, b)
+
+    def predict() -> int:
+        """The batch the measured points say is the last that fits."""
+        near = sorted(sizes, key=lambda k: abs(sizes[k] - budget))
+        a = near[0]
+        apart = [k for k in near[1:] if abs(k - a) >= 2]  # a neighbour's difference is too short a base
+        if apart:
+            b = apart[0]
+            slope = (sizes[b] - sizes[a]) / (b - a)
+            return int(a + (budget - sizes[a]) // slope) if slope > 0 else (lo + hi) // 2
+        # one point: the bytes above the model state (analytic) grow in proportion to the batch
+        state = estimate_memory(config, 1, seq_len, optimizer=optimizer, precision=precision)["weights_grads_slots"]
+        above = sizes[a] - state
+        return int(a * (budget - state) / above) if above > 0 and budget > state else a // 2
 
     if start is None:
         start = max_batch_size(config, budget, seq_len, optimizer=optimizer, precision=precision)
-    lo, hi = 0, max_batch + 1  # lo fits (0: none known), hi does not (max_batch + 1: the cap)
     batch, stalled = max(1, min(start or 1, max_batch)), 0
-    for _ in range(64):  # the secant converges in a few steps; bisection bounds the rest (log2 of max_batch)
-        if size(batch) <= budget:
-            lo = batch
-        else:
-            hi = batch
+    for _ in range(64):  # the secant converges in a few rounds; bisection bounds the rest (log2 of max_batch)
+        # the prediction, and with a second worker its confirmation just above (the cap excluded)
+        measure([batch] + ([batch + 1] if workers >= 2 and batch + 1 < hi else []))
         if hi - lo <= 1:
             break
-        known = sorted(sizes)
-        if len(known) >= 2:  # the secant through the two measured points nearest the boundary
-            a, b = sorted(known, key=lambda k: abs(sizes[k] - budget))[:2]
-            slope = (sizes[b] - sizes[a]) / (b - a) if b != a else 0
-            guess = int(a + (budget - sizes[a]) // slope) if slope > 0 else (lo + hi) // 2
-        else:  # one point: the bytes above the model state (analytic) grow in proportion to the batch
-            state = estimate_memory(config, 1, seq_len, optimizer=optimizer, precision=precision)["weights_grads_slots"]
-            above = sizes[batch] - state
-            guess = int(batch * (budget - state) / above) if above > 0 and budget > state else batch // 2
+        guess = predict()
         clamped = min(max(guess, lo + 1), hi - 1)  # a prediction on a known point: its neighbour inside
         stalled = stalled + 1 if clamped != guess else 0
         if stalled >= 3:  # three neighbour steps in a row: memory is not near-linear here; bisect
@@ -291,7 +359,7 @@ def exact_batch_size(config, seq_len: int, memory=None, optimizer: str = "adamw"
         batch = clamped
     return {"seq_len": seq_len, "max_batch": lo, "bytes": sizes.get(lo), "budget": budget,
             "limited_by": "max_batch" if lo >= max_batch else "memory",
-            "tried": [(b, sizes[b]) for b in sizes]}
+            "tried": [(b, sizes[b]) for b in sizes], "rounds": rounds}
 
 
 def probe_batch_size(config, seq_len: int, optimizer: str = "adamw", precision: str = "float32",
@@ -382,7 +450,7 @@ def device_memory() -> Optional[int]:
 
 def probe_table(model: str, seq_lens, optimizer: str = "adamw", precision: str = "float32",
                 memory=None, max_batch: int = 4096, verbose: bool = False, exact: bool = True,
-                probe: bool = True) -> List[Dict]:
+                probe: bool = True, workers: Optional[int] = None) -> List[Dict]:
     """For each sequence length: the analytic planner's max batch, the `--exact` one (JAX) and the probed
     one (real steps, `probe=True`), with planned vs compiled vs measured bytes."""
 
@@ -409,8 +477,9 @@ def probe_table(model: str, seq_lens, optimizer: str = "adamw", precision: str =
         start = planned or 8
         if exact:
             found = exact_batch_size(config, seq, total, optimizer, precision, start=start, max_batch=max_batch,
-                                     step=step, verbose=verbose)
-            row.update(exact_batch=found["max_batch"], exact_bytes=found["bytes"], exact_tried=found["tried"])
+                                     step=step, verbose=verbose, workers=workers)
+            row.update(exact_batch=found["max_batch"], exact_bytes=found["bytes"], exact_tried=found["tried"],
+                       exact_rounds=found["rounds"])
             start = found["max_batch"] or 1
         if probe:
             found = probe_batch_size(config, seq, optimizer, precision, start=start, max_batch=max_batch,
