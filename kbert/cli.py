@@ -268,8 +268,9 @@ def _measure(args):
     print(f"{args.model}, {args.optimizer}, {args.precision}: {what} on this device"
           + (f" ({args.memory})" if args.memory else ""))
     print("| seq len | planned max batch |" + (" exact max batch |" if exact else "")
-          + (" probed max batch |" if args.probe else "") + " planned memory | measured | planned vs measured |")
-    print("|---|---|" + ("---|" if exact else "") + ("---|" if args.probe else "") + "---|---|---|")
+          + (" probed max batch |" if args.probe else "") + " planned memory | measured | planned vs measured |"
+          + " seconds |")
+    print("|---|---|" + ("---|" if exact else "") + ("---|" if args.probe else "") + "---|---|---|---:|")
     for r in rows:
         error = f"{r['error'] * 100:+.0f}%" if r["error"] is not None else "n/a"
         line = f"| {r['seq_len']} | {na(r['planned_batch'])} |"
@@ -278,7 +279,7 @@ def _measure(args):
         if args.probe:
             line += f" {r['probed_batch']}" + (" (cap)" if r["limited_by"] == "max_batch" else "") + " |"
         measured = r.get("measured_bytes") or r.get("exact_bytes")
-        print(line + f" {gb(r['planned_bytes'])} | {gb(measured)} | {error} |")
+        print(line + f" {gb(r['planned_bytes'])} | {gb(measured)} | {error} | {r['seconds']:.0f} |")
 
 
 def _embed(args):
