@@ -505,7 +505,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override, e.g. optimizer.learning_rate=1e-4")
     p.add_argument("--corpus", nargs="+", help="data.source: corpus paths/names, a records dir, or dummy")
     p.add_argument("--tokenizer", help="data.tokenizer")
-    p.add_argument("--model", help="a preset name (bert-tiny, ..., albert-base)")
+    p.add_argument("--model", help="a preset name (bert-tiny, ..., albert-base), or a model to continue pretraining "
+                                   "from: a kbert model/run dir, a Hugging Face dir or cached hub name (its "
+                                   "weights, heads and, without --tokenizer, its vocabulary)")
     p.add_argument("--out", help="output_dir")
     p.add_argument("--steps", type=int)
     p.add_argument("--batch-size", help="global batch size, or auto (planned from device memory)")

@@ -309,6 +309,52 @@ def test_bad_configs_name_the_key(tok_dir, tmp_path):
     assert cfg.optimizer.learning_rate == 3e-4 and cfg.trainer.batch_size == "auto" and cfg.model == "bert-mini"
 
 
+@pytest.mark.slow
+def test_continued_pretraining_starts_from_the_named_model(tok_dir, tmp_path, capsys):
+    """`model:` naming a model dir (or a run dir, a Hugging Face dir, a cached hub name) continues pretraining
+    from its weights: the architecture, the vocabulary and the heads it has come from there."""
+    from kbert.models.io import variables_by_path
+
+    first = pretrain(_config(tok_dir, str(tmp_path / "first"), 60, optimizer={"learning_rate": 5e-3, "warmup_steps": 5}),
+                     progress=False)
+    source = kbert.load_model(first["model_dir"], with_heads=True)
+    still = {"learning_rate": 1e-9, "warmup_steps": 0, "decay": "constant"}  # a step that changes nothing
+    cfg = _config(tok_dir, str(tmp_path / "more"), 2, model=str(tmp_path / "first"), optimizer=still)
+    del cfg["data"]["tokenizer"]  # the model's own
+    more = pretrain(cfg, progress=False)
+    assert "continuing from" in capsys.readouterr().err
+    after = kbert.load_model(more["model_dir"], with_heads=True)
+    before, now = variables_by_path(source), variables_by_path(after)
+    assert set(before) == set(now) and any("mlm_head" in p for p in now)
+    for path in before:  # backbone and heads as the first run left them (the learning rate is ~0)
+        np.testing.assert_allclose(np.asarray(now[path]), np.asarray(before[path]), atol=1e-5, err_msg=path)
+    fresh = pretrain(_config(tok_dir, str(tmp_path / "fresh"), 2), progress=False)
+    # the first step sees the trained model: its loss is the first run's, not a random model's
+    assert more["history"][0] < fresh["history"][0] - 0.5 and abs(more["history"][0] - np.mean(first["history"][-10:])) < 0.5
+
+    # an exported Hugging Face dir continues too (its MLM head mapped back); ELECTRA keeps the backbone
+    hf = str(tmp_path / "hf")
+    kbert.export_transformers(source, hf)  # no vocabulary in it: data.tokenizer names the run's
+    electra = _config(tok_dir, str(tmp_path / "electra"), 2, model=hf, optimizer=still, data={"objective": "electra"},
+                      electra={"generator_size": 0.5})
+    pretrain(electra, progress=False)
+    assert "fresh: generator" in capsys.readouterr().err
+    disc = variables_by_path(kbert.load_model(str(tmp_path / "electra" / "model")))
+    for path, value in variables_by_path(source.backbone).items():
+        np.testing.assert_allclose(np.asarray(disc[path]), np.asarray(value), atol=1e-5, err_msg=path)
+
+    # what is refused, by name
+    with pytest.raises(ValueError, match="neither a preset.*bert-base"):
+        pretrain(_config(tok_dir, str(tmp_path / "typo"), 2, model="bert-bsae"), progress=False)
+    other = str(tmp_path / "othertok")
+    kbert.Tokenizer.train(corpus(["kolaw"]), vocab_size=900, progress=False).save(other)
+    with pytest.raises(ValueError, match="another vocabulary"):
+        pretrain(_config(other, str(tmp_path / "vocab"), 2, model=first["model_dir"]), progress=False)
+    with pytest.raises(ValueError, match="overwrite the token embeddings"):
+        pretrain(_config(tok_dir, str(tmp_path / "init"), 2, model=first["model_dir"],
+                         trainer={"embedding_init": "cooccurrence"}), progress=False)
+
+
 def test_cooccurrence_embeddings_put_words_of_one_context_together(tok_dir, tmp_path):
     """Two families of words that never share a line: PPMI + SVD vectors must separate them, be
     deterministic, and leave tokens never seen (special tokens) at the model's random initialization."""

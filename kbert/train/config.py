@@ -2,7 +2,9 @@
 
 Unknown keys fail with the key named; the resolved config is written next to the checkpoints.
 
-    model: bert-tiny                # a preset name, or a full ModelConfig mapping
+    model: bert-tiny                # a preset name, or a full ModelConfig mapping, or a model to continue
+                                    # pretraining from: a model/run dir, a Hugging Face dir, a cached hub name
+                                    # ({from: klue/bert-base, dropout: 0.0} to change its dropouts)
     data: {source: [kolaw, kobill], tokenizer: out/tokenizer, objective: mlm+nsp, max_length: 128}
                                     # objective: mlm | mlm+nsp (BERT) | mlm+sop (ALBERT) | electra
     optimizer: {name: adamw, learning_rate: 1e-4, warmup_steps: 100}
@@ -81,7 +83,7 @@ class RuntimeConfig:
 
 @dataclasses.dataclass
 class PretrainConfig:
-    model: Any = "bert-tiny"  # preset name or ModelConfig fields
+    model: Any = "bert-tiny"  # preset name, ModelConfig fields, or a model to continue from (see above)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)

@@ -14,6 +14,7 @@ model directory (`kbert.load_model` / `kbert.Embedder.load` read it) with the to
 from __future__ import annotations
 
 import collections
+import dataclasses
 import math
 import os
 import sys
@@ -40,11 +41,102 @@ def _data_objective(objective: str) -> str:
     return "mlm" if objective == "electra" else objective
 
 
-def _model_config(config: PretrainConfig, tokenizer):
+def source_model(config: PretrainConfig):
+    """Continued pretraining: where `model` names a model instead of an architecture (a kbert model dir, a
+    `kbert pretrain` run dir, a Hugging Face BERT/ALBERT/ELECTRA dir or a cached hub name such as
+    "klue/bert-base"; or a mapping with `from:` and field overrides such as `dropout`), returns (its
+    directory, the model loaded with its pretraining heads, fresh ones where it has none); else None.
+    A name that is neither a preset nor a directory is refused with the presets listed."""
+    from kbert.models.config import PRESETS
+
+    model = config.model
+    name = model.get("from") if isinstance(model, dict) else model if isinstance(model, str) else None
+    if name is None or (isinstance(model, str) and model in PRESETS):
+        return None
+    from kbert.models.convert import load_model, model_dir_of, resolve_hub_name
+
+    directory = model_dir_of(resolve_hub_name(str(name)))
+    if not os.path.isdir(directory):
+        raise ValueError(f"`model` {name!r} is neither a preset ({', '.join(PRESETS)}) nor a model directory "
+                         f"to continue pretraining from")
+    return directory, load_model(directory, with_heads=True)
+
+
+def _tokenizer_of(directory: str) -> str:
+    """The tokenizer path of a model dir (`tokenizer/` in kbert dirs; the dir itself for a Hugging Face
+    vocab.txt or a SentencePiece .model), checked readable."""
+    from kbert.text.tokenizer import Tokenizer
+
+    try:
+        Tokenizer.from_model_dir(directory)
+    except FileNotFoundError as e:
+        raise ValueError(f"`data.tokenizer` is missing and the model to continue from has none kbert can read "
+                         f"({e}); name its tokenizer with data.tokenizer / --tokenizer") from None
+    inner = os.path.join(directory, "tokenizer")
+    return inner if os.path.isdir(inner) else directory
+
+
+def _same_vocabulary(tokenizer, directory: str) -> None:
+    """A run that continues from a model must feed it the ids it was trained on: where the model dir holds a
+    tokenizer, the run's must have the same vocabulary (the same token at every id)."""
+    from kbert.text.tokenizer import Tokenizer
+
+    try:
+        own = Tokenizer.from_model_dir(directory)
+    except FileNotFoundError:
+        return  # nothing to compare with (a checkpoint without its vocabulary): the user's tokenizer stands
+    if list(own.vocab) != list(tokenizer.vocab):
+        differ = next((i for i, (a, b) in enumerate(zip(own.vocab, tokenizer.vocab)) if a != b),
+                      min(len(own.vocab), len(tokenizer.vocab)))
+        raise ValueError(f"`data.tokenizer` has another vocabulary than the model it continues from ({directory}: "
+                         f"{own.vocab_size} tokens, the run's {tokenizer.vocab_size}; first difference at id "
+                         f"{differ}): the model's embeddings would read other tokens. Leave data.tokenizer out to "
+                         f"use the model's own")
+
+
+def continue_from(model, source, assign) -> str:
+    """Copies the weights of `source` (a loaded `Pretrainer`) into the run's freshly built `model` by
+    variable path: the whole backbone (required), and each head the two share (the masked-LM head; the
+    NSP/SOP head when both have the same one). ELECTRA's generator and replaced-token head, which a
+    BERT source does not have, stay freshly initialized. Returns what was loaded, in words."""
+    import keras
+
+    from kbert.models.io import variables_by_path
+
+    have = {path: keras.ops.convert_to_numpy(v) for path, v in variables_by_path(source).items()}
+    targets = variables_by_path(model)
+    backbone = set(variables_by_path(model.backbone))
+    missing = sorted(p for p in backbone if p not in have)
+    if missing:
+        raise ValueError(f"the model to continue from lacks backbone weights the run needs: {missing[:5]}")
+    misshapen = [f"{p}: {have[p].shape} vs {tuple(v.shape)}" for p, v in targets.items()
+                 if p in have and tuple(have[p].shape) != tuple(v.shape)]
+    if misshapen:
+        raise ValueError("the model to continue from does not fit the run's model (an architecture field was "
+                         "overridden?):\n  " + "\n  ".join(misshapen[:10]))
+    from keras.backend import standardize_dtype
+
+    copied = [p for p in targets if p in have]
+    for path in copied:
+        assign(targets[path], have[path].astype(standardize_dtype(targets[path].dtype)))
+    def group(path):  # "pretrainer/mlm_head/..." -> mlm_head; "generator/embeddings/..." -> generator
+        parts = path.split("/")
+        return parts[1] if parts[0].endswith("pretrainer") and len(parts) > 2 else parts[0]
+
+    heads = sorted({group(p) for p in copied if p not in backbone})
+    fresh = sorted({group(p) for p in targets if p not in have})
+    return ("backbone" + "".join(f", {h}" for h in heads) + " loaded"
+            + (f"; fresh: {', '.join(fresh)}" if fresh else ""))
+
+
+def _model_config(config: PretrainConfig, tokenizer, source=None):
     from kbert.models.config import ModelConfig
 
     model = config.model
-    if isinstance(model, str):
+    if source is not None:  # the architecture is the source model's; a mapping may change its dropouts
+        overrides = {k: v for k, v in model.items() if k != "from"} if isinstance(model, dict) else {}
+        cfg = dataclasses.replace(source[1].backbone.config, **overrides)
+    elif isinstance(model, str):
         cfg = ModelConfig.preset(model, vocab_size=tokenizer.vocab_size, pad_token_id=tokenizer.pad_id)
     elif isinstance(model, dict):
         values = dict(model)
@@ -222,6 +314,13 @@ def pretrain(config: Union[PretrainConfig, dict, str], overrides=None, resume: b
         config = PretrainConfig.load(config, overrides)
     elif isinstance(config, dict):
         config = PretrainConfig.from_dict(config)
+    source = source_model(config)
+    if source is not None:
+        if config.data.tokenizer is None:  # the model's own vocabulary
+            config.data.tokenizer = _tokenizer_of(source[0])
+        if config.trainer.embedding_init != "random":
+            raise ValueError(f"`trainer.embedding_init: {config.trainer.embedding_init}` would overwrite the token "
+                             f"embeddings of the model the run continues from ({source[0]}); leave it at random")
     _validate(config)
     t, d, rt = config.trainer, config.data, config.runtime
     from kbert.data.records import read_manifest, records_dir
@@ -234,7 +333,9 @@ def pretrain(config: Union[PretrainConfig, dict, str], overrides=None, resume: b
     replicas = backend.replicas
     precision = backend.precision(rt.precision)
     tokenizer = Tokenizer.load(d.tokenizer)
-    model_config = _model_config(config, tokenizer)
+    if source is not None:
+        _same_vocabulary(tokenizer, source[0])
+    model_config = _model_config(config, tokenizer, source)
     plan = None
     if t.batch_size == "auto":
         from kbert.train.memory import plan_for_config
@@ -277,6 +378,9 @@ def pretrain(config: Union[PretrainConfig, dict, str], overrides=None, resume: b
     restored = checkpoints.restore(model, optimizer, backend.assign)
     if restored is not None:
         print(f"resuming from step {restored[0]} ({restored[2]})", file=sys.stderr, flush=True)
+    elif source is not None:  # a fresh run of continued pretraining: the source's weights, not random ones
+        loaded = continue_from(model, source[1], backend.assign)
+        print(f"continuing from {source[0]}: {loaded}", file=sys.stderr, flush=True)
     elif t.embedding_init == "cooccurrence":  # a fresh run (deterministic, so a restart from step 0 repeats it)
         from kbert.train.embedding_init import initialize_token_embeddings
 
