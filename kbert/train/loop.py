@@ -100,6 +100,7 @@ def continue_from(model, source, assign) -> str:
     NSP/SOP head when both have the same one). ELECTRA's generator and replaced-token head, which a
     BERT source does not have, stay freshly initialized. Returns what was loaded, in words."""
     import keras
+    from keras.backend import standardize_dtype
 
     from kbert.models.io import variables_by_path
 
@@ -114,11 +115,10 @@ def continue_from(model, source, assign) -> str:
     if misshapen:
         raise ValueError("the model to continue from does not fit the run's model (an architecture field was "
                          "overridden?):\n  " + "\n  ".join(misshapen[:10]))
-    from keras.backend import standardize_dtype
-
     copied = [p for p in targets if p in have]
     for path in copied:
         assign(targets[path], have[path].astype(standardize_dtype(targets[path].dtype)))
+
     def group(path):  # "pretrainer/mlm_head/..." -> mlm_head; "generator/embeddings/..." -> generator
         parts = path.split("/")
         return parts[1] if parts[0].endswith("pretrainer") and len(parts) > 2 else parts[0]
