@@ -72,7 +72,9 @@ def _tokenizer_of(directory: str) -> str:
     except FileNotFoundError as e:
         raise ValueError(f"`data.tokenizer` is missing and the model to continue from has none kbert can read "
                          f"({e}); name its tokenizer with data.tokenizer / --tokenizer") from None
-    inner = os.path.join(directory, "tokenizer")
+    from kbert.text.tokenizer import MODEL_TOKENIZER_DIR
+
+    inner = os.path.join(directory, MODEL_TOKENIZER_DIR)  # where from_model_dir looked first
     return inner if os.path.isdir(inner) else directory
 
 
@@ -315,8 +317,9 @@ def pretrain(config: Union[PretrainConfig, dict, str], overrides=None, resume: b
     elif isinstance(config, dict):
         config = PretrainConfig.from_dict(config)
     source = source_model(config)
+    own_vocabulary = source is not None and config.data.tokenizer is None
     if source is not None:
-        if config.data.tokenizer is None:  # the model's own vocabulary
+        if own_vocabulary:
             config.data.tokenizer = _tokenizer_of(source[0])
         if config.trainer.embedding_init != "random":
             raise ValueError(f"`trainer.embedding_init: {config.trainer.embedding_init}` would overwrite the token "
@@ -333,7 +336,7 @@ def pretrain(config: Union[PretrainConfig, dict, str], overrides=None, resume: b
     replicas = backend.replicas
     precision = backend.precision(rt.precision)
     tokenizer = Tokenizer.load(d.tokenizer)
-    if source is not None:
+    if source is not None and not own_vocabulary:  # a tokenizer the user named: the model's ids must mean the same
         _same_vocabulary(tokenizer, source[0])
     model_config = _model_config(config, tokenizer, source)
     plan = None
