@@ -311,12 +311,52 @@ def cross_encoder_silver(out, name, model_dir, sets, seed, small):
             "silver_mean": float(np.mean(values))}
 
 
+def weak_pairs(shared, seed):
+    """Weakly supervised (anchor, positive) pairs mined from the structure of text ../shared/data holds (the
+    "title/body" pairs of E5 and GTE's contrastive pre-finetuning, Wang et al. 2022, Li et al. 2023): each court
+    decision's numbered issue statements (판시사항 [n]) with its holdings (판결요지 [n]), and each statute's
+    title with its purpose article (제1조 (목적)). No KorSTS, question-pair or NLI sentence is among them. Each
+    anchor and positive is kept once (a repeat in a batch would be a false negative); shuffled by `seed`."""
+    import random
+    import re
+
+    def clean(text):
+        return re.sub(r"\s+", " ", re.sub(r"[*#\\]", "", text)).strip()
+
+    def section(text, name):
+        found = re.search(rf"## {name}\n(.*?)(?=\n## |\Z)", text, re.S)
+        return [clean(x) for x in re.split(r"\[\d+\]", found.group(1)) if clean(x)] if found else []
+
+    pairs = []
+    with gzip.open(os.path.join(shared, "korean-precedents", "documents.jsonl.gz"), "rt", encoding="utf-8") as f:
+        for line in f:
+            text = json.loads(line)["text"]
+            issues, holdings = section(text, "판시사항"), section(text, "판결요지")
+            if issues and len(issues) == len(holdings):  # numbered alike: [n] answers [n]
+                pairs += [(a, b) for a, b in zip(issues, holdings) if len(a) >= 10 and len(b) >= 10]
+    with gzip.open(os.path.join(shared, "korean-statutes", "documents.jsonl.gz"), "rt", encoding="utf-8") as f:
+        for line in f:
+            doc = json.loads(line)
+            found = re.search(r"제1조 \(목적\)\n\n(.*?)(?=\n#|\Z)", doc["text"], re.S)
+            body = clean(re.sub(r"<[^>]*>", "", found.group(1))) if found else ""
+            if len(body) >= 10:
+                pairs.append((clean(doc["title"]), body))
+    seen, rows = set(), []
+    for a, b in pairs:
+        if a not in seen and b not in seen:
+            seen |= {a, b}
+            rows.append({"anchor": a, "positive": b})
+    random.Random(seed).shuffle(rows)
+    return rows
+
+
 def read_jsonl(path):
     with open(path, encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
 
 
-EMBEDDING_ROWS = ("bi-encoder", "simcse", "simcse-multi", "simcse-pairs-sts", "simcse-pairs-silver")
+EMBEDDING_ROWS = ("bi-encoder", "simcse", "simcse-multi", "simcse-pairs-sts", "simcse-pairs-silver",
+                  "simcse-weak-pairs-sts")
 # the Augmented SBERT row is a closed probe (benchmarks/README.md: at this backbone the cross-encoder is far
 # below the bi-encoder, so its labels cannot teach it); `--rows all` reruns it
 DEFAULT_ROWS = EMBEDDING_ROWS[:4]
@@ -371,6 +411,19 @@ def embedding_stages(args, out, model_dir, sets):
                 f"emb-simcse-multi-seed{seed}", os.path.join(out, f"emb-simcse-seed{seed}"), None,
                 datasets=multi_data, mix="proportional", backbone_dropout=args.multi_dropout,
                 epochs=1 if small else args.multi_epochs, batch_size=32, learning_rate=args.multi_lr, seed=seed))
+        if "simcse-weak-pairs-sts" in runs:
+            # the sequential recipe with a stage of weakly supervised pairs (court decisions, statutes) first
+            weak = weak_pairs(args.shared, seed)[:400 if small else None]
+            tuned(f"emb-weak-seed{seed}", os.path.join(out, f"emb-simcse-seed{seed}"), None,
+                  datasets=[{"data": weak, "text_column": "anchor", "pair_column": "positive"}], epochs=1,
+                  batch_size=64, learning_rate=1e-4, seed=seed)
+            tuned(f"emb-weak-pairs-seed{seed}", os.path.join(out, f"emb-weak-seed{seed}"), None,
+                  datasets=multi_data[:2], mix="proportional", epochs=1 if small else 2, batch_size=32,
+                  learning_rate=1e-4, seed=seed)
+            runs["simcse-weak-pairs-sts"].append(tuned(
+                f"emb-weak-pairs-sts-seed{seed}", os.path.join(out, f"emb-weak-pairs-seed{seed}"),
+                sets["sts_fit"], backbone_dropout=0.0, epochs=1 if small else 4, batch_size=32,
+                learning_rate=2e-4, seed=seed))
         if not {"simcse-pairs-sts", "simcse-pairs-silver"} & set(runs):
             continue
         # the sequential form (sentence-transformers' Korean multitask recipe): the contrastive sets first,
@@ -407,14 +460,16 @@ def print_embedding_table(tfidf, runs, sets):
               "simcse": "SimCSE only (unsupervised, raw text)",
               "simcse-multi": "SimCSE + multi-dataset (NLI triplets, question pairs, KorSTS) in one run",
               "simcse-pairs-sts": "SimCSE, then NLI triplets + question pairs, then KorSTS regression",
-              "simcse-pairs-silver": "the same, the KorSTS regression on the pairs + cross-encoder-scored pairs"}
+              "simcse-pairs-silver": "the same, the KorSTS regression on the pairs + cross-encoder-scored pairs",
+              "simcse-weak-pairs-sts": "SimCSE, then weak pairs (court decisions, statutes), then the same two stages"}
     means = {}
     for key, results in runs.items():
         means[key] = {c: float(np.mean([r[c] for r in results])) for c in cols}
         each = {c: ", ".join(f"{r[c]:.3f}" for r in results) for c in cols}
         print(f"| {labels[key]} | " + " | ".join(f"{means[key][c]:.4f} ({each[c]})" for c in cols) + " |")
     # the recipe is the contrastive one that scores best on the selection split (never on a reported set)
-    contrastive = [k for k in ("simcse-multi", "simcse-pairs-sts", "simcse-pairs-silver") if k in means]
+    contrastive = [k for k in ("simcse-multi", "simcse-pairs-sts", "simcse-pairs-silver", "simcse-weak-pairs-sts")
+                   if k in means]
     if contrastive:
         chosen = max(contrastive, key=lambda k: means[k]["sts_select"])
         best = means[chosen]

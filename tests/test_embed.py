@@ -377,3 +377,35 @@ def test_silver_candidates_pair_each_sentence_with_its_nearest_and_leave_out_gol
     keys = [frozenset(p) for p in with_random]
     assert len(keys) == len(set(keys)) and all(len(k) == 2 for k in keys)
     assert not {frozenset((a, b)), frozenset((a2, b2))} & set(keys)
+
+
+def test_weak_pairs_match_numbered_issues_to_holdings_and_statute_titles_to_their_purpose(tmp_path):
+    """benchmarks/quality.py's weakly supervised pairs: a decision's issue [n] pairs with its holding [n], a
+    decision whose counts differ gives none, a statute's title pairs with its purpose article, and a repeated
+    sentence is kept once (in a batch it would be a false negative)."""
+    import gzip
+    import importlib.util
+    import json
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "quality.py")
+    spec = importlib.util.spec_from_file_location("quality_benchmark", path)
+    quality = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(quality)
+    issue1, issue2 = "혼수 구입비용의 손해배상청구를 배척한 사례", "주택구입 명목의 금원은 반환되어야 한다고 한 사례"
+    held1, held2 = "가재도구는 원고의 소유에 속하므로 손해가 없다.", "주택구입 명목으로 교부한 금원은 전액 반환되어야 한다."
+    decisions = [
+        f"# 손해배상\n\n## 판시사항\n\n[1] {issue1}\n[2] {issue2}\n\n## 판결요지\n\n[1] {held1}\n  [2] {held2}\n\n"
+        "## 판례내용\n\n본문",
+        "# 다른 사건\n\n## 판시사항\n\n[1] 하나뿐인 판시사항입니다\n\n## 판결요지\n\n[1] 첫째 요지입니다.\n[2] 둘째 요지입니다.\n",
+        f"# 같은 요지\n\n## 판시사항\n\n다른 말로 쓴 판시사항입니다\n\n## 판결요지\n\n{held1}\n"]
+    statute = "# 어떤 법률\n\n##### 제1조 (목적)\n\n이 법은 **국민의 안전**을 목적으로 한다. <개정 2023.8.8>\n\n##### 제2조 (정의)\n\n정의"
+    for folder, docs in (("korean-precedents", [{"title": "t", "text": t} for t in decisions]),
+                         ("korean-statutes", [{"title": "어떤 법률", "text": statute}])):
+        os.makedirs(tmp_path / folder)
+        with gzip.open(tmp_path / folder / "documents.jsonl.gz", "wt", encoding="utf-8") as f:
+            f.write("".join(json.dumps(d, ensure_ascii=False) + "\n" for d in docs))
+    rows = quality.weak_pairs(str(tmp_path), seed=0)
+    assert sorted((r["anchor"], r["positive"]) for r in rows) == sorted(
+        [(issue1, held1), (issue2, held2), ("어떤 법률", "이 법은 국민의 안전을 목적으로 한다.")])
+    assert quality.weak_pairs(str(tmp_path), seed=0) == rows  # seeded order
