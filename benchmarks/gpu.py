@@ -413,8 +413,9 @@ def capped(model: str, seqs, precision: str, vocab: int, cap: str) -> list:
     from kbert.train.probe import device_memory, probe_table
 
     config = _config(model, vocab)
+    on_device = bool(device_memory())  # CPU (a dry run): the cap stands in, and `--exact` runs without `--probe`
     rows = probe_table(config, seqs, optimizer="adamw", precision=precision, verbose=True,
-                       memory=None if device_memory() else cap)  # CPU (a dry run): the cap stands in
+                       memory=None if on_device else cap, probe=on_device)
     plan = {r["seq_len"]: r["max_batch"] for r in plan_batch_size(config, cap, seqs, optimizer="adamw",
                                                                   precision=precision)}
     for r in rows:
@@ -672,8 +673,8 @@ def report(out: dict):
     runs = _rows(out.get("throughput")) + _rows(out.get("hf"))
     device = next((r.get("device") for r in runs if r.get("device")), "?")
     if peak_bf16:
-        print(f"\ndevice: {device}; measured matmul peak: bf16 {peak_bf16 / 1e12:.0f} TFLOP/s, fp32 (default "
-              f"precision) {(peak_fp32 or 0) / 1e12:.0f} TFLOP/s")
+        print(f"\ndevice: {device}; measured matmul peak: bf16 {peak_bf16 / 1e12:.3g} TFLOP/s, fp32 (default "
+              f"precision) {(peak_fp32 or 0) / 1e12:.3g} TFLOP/s")  # 3 digits: a CPU's peak is a fraction of one
     compiled = {tuple(r.get("overrides") or []): r["tokens_per_s"] for r in runs if r.get("impl") == "hf-compile"}
     print("\n| implementation | overrides | seq | batch | step ms | tokens/s | MFU (of bf16 peak) | vs HF compiled |"
           " fused attention |")
