@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import gzip
 import hashlib
 import json
@@ -318,6 +319,15 @@ def weak_pairs(shared, seed):
     title with its purpose article (제1조 (목적)). No KorSTS, question-pair or NLI sentence is among them. Each
     anchor and positive is kept once (a repeat in a batch would be a false negative); shuffled by `seed`."""
     import random
+
+    rows = list(_mined_weak_pairs(shared))  # read once per run, however many seeds shuffle it
+    random.Random(seed).shuffle(rows)
+    return rows
+
+
+@functools.lru_cache(maxsize=None)
+def _mined_weak_pairs(shared):
+    """`weak_pairs` in file order (a tuple: cached, so callers shuffle a copy)."""
     import re
 
     def clean(text):
@@ -325,7 +335,7 @@ def weak_pairs(shared, seed):
 
     def section(text, name):
         found = re.search(rf"## {name}\n(.*?)(?=\n## |\Z)", text, re.S)
-        return [clean(x) for x in re.split(r"\[\d+\]", found.group(1)) if clean(x)] if found else []
+        return [y for y in map(clean, re.split(r"\[\d+\]", found.group(1))) if y] if found else []
 
     pairs = []
     with gzip.open(os.path.join(shared, "korean-precedents", "documents.jsonl.gz"), "rt", encoding="utf-8") as f:
@@ -346,8 +356,7 @@ def weak_pairs(shared, seed):
         if a not in seen and b not in seen:
             seen |= {a, b}
             rows.append({"anchor": a, "positive": b})
-    random.Random(seed).shuffle(rows)
-    return rows
+    return tuple(rows)
 
 
 def read_jsonl(path):
@@ -392,6 +401,20 @@ def embedding_stages(args, out, model_dir, sets):
         {"data": [{"anchor": q, "positive": p} for q, p in paraphrases(sets["qp_fit"])],
          "text_column": "anchor", "pair_column": "positive"},
         {"data": sets["sts_fit"], "text_column": "sentence1", "pair_column": "sentence2", "label_column": "score"}]
+
+    def pairs_then_sts(start, seed, sts):
+        """The sequential form (sentence-transformers' Korean multitask recipe) from the model START-seedN:
+        the contrastive sets (NLI triplets, question pairs) as START-pairs-seedN, then, with `sts`, the KorSTS
+        regression alone, as the bi-encoder is trained, as START-pairs-sts-seedN (its result returned)."""
+        tuned(f"{start}-pairs-seed{seed}", os.path.join(out, f"{start}-seed{seed}"), None,
+              datasets=multi_data[:2], mix="proportional", epochs=1 if small else 2, batch_size=32,
+              learning_rate=1e-4, seed=seed)
+        if not sts:
+            return None
+        return tuned(f"{start}-pairs-sts-seed{seed}", os.path.join(out, f"{start}-pairs-seed{seed}"),
+                     sets["sts_fit"], backbone_dropout=0.0, epochs=1 if small else 4, batch_size=32,
+                     learning_rate=2e-4, seed=seed)
+
     rows = {"default": DEFAULT_ROWS, "all": EMBEDDING_ROWS}.get(args.rows) or args.rows.split(",")
     runs = {key: [] for key in rows}
 
@@ -417,25 +440,12 @@ def embedding_stages(args, out, model_dir, sets):
             tuned(f"emb-weak-seed{seed}", os.path.join(out, f"emb-simcse-seed{seed}"), None,
                   datasets=[{"data": weak, "text_column": "anchor", "pair_column": "positive"}], epochs=1,
                   batch_size=64, learning_rate=1e-4, seed=seed)
-            tuned(f"emb-weak-pairs-seed{seed}", os.path.join(out, f"emb-weak-seed{seed}"), None,
-                  datasets=multi_data[:2], mix="proportional", epochs=1 if small else 2, batch_size=32,
-                  learning_rate=1e-4, seed=seed)
-            runs["simcse-weak-pairs-sts"].append(tuned(
-                f"emb-weak-pairs-sts-seed{seed}", os.path.join(out, f"emb-weak-pairs-seed{seed}"),
-                sets["sts_fit"], backbone_dropout=0.0, epochs=1 if small else 4, batch_size=32,
-                learning_rate=2e-4, seed=seed))
+            runs["simcse-weak-pairs-sts"].append(pairs_then_sts("emb-weak", seed, sts=True))
         if not {"simcse-pairs-sts", "simcse-pairs-silver"} & set(runs):
             continue
-        # the sequential form (sentence-transformers' Korean multitask recipe): the contrastive sets first,
-        # then the KorSTS regression alone, as the bi-encoder is trained
-        tuned(f"emb-simcse-pairs-seed{seed}", os.path.join(out, f"emb-simcse-seed{seed}"), None,
-              datasets=multi_data[:2], mix="proportional", epochs=1 if small else 2, batch_size=32,
-              learning_rate=1e-4, seed=seed)
-        if "simcse-pairs-sts" in runs:
-            runs["simcse-pairs-sts"].append(tuned(
-                f"emb-simcse-pairs-sts-seed{seed}", os.path.join(out, f"emb-simcse-pairs-seed{seed}"),
-                sets["sts_fit"], backbone_dropout=0.0, epochs=1 if small else 4, batch_size=32,
-                learning_rate=2e-4, seed=seed))
+        sts = pairs_then_sts("emb-simcse", seed, sts="simcse-pairs-sts" in runs)
+        if sts is not None:
+            runs["simcse-pairs-sts"].append(sts)
         if "simcse-pairs-silver" in runs:
             # the same, its last stage on the KorSTS pairs plus pairs a cross-encoder scored (Augmented SBERT)
             stage(out, f"emb-cross-encoder-seed{seed}",
@@ -468,8 +478,7 @@ def print_embedding_table(tfidf, runs, sets):
         each = {c: ", ".join(f"{r[c]:.3f}" for r in results) for c in cols}
         print(f"| {labels[key]} | " + " | ".join(f"{means[key][c]:.4f} ({each[c]})" for c in cols) + " |")
     # the recipe is the contrastive one that scores best on the selection split (never on a reported set)
-    contrastive = [k for k in ("simcse-multi", "simcse-pairs-sts", "simcse-pairs-silver", "simcse-weak-pairs-sts")
-                   if k in means]
+    contrastive = [k for k in EMBEDDING_ROWS if k.startswith("simcse-") and k in means]
     if contrastive:
         chosen = max(contrastive, key=lambda k: means[k]["sts_select"])
         best = means[chosen]
