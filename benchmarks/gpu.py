@@ -105,8 +105,13 @@ def _config(model: str, vocab: int, overrides=()):
 
     fields = {}
     for item in [o for o in overrides or () if o.split("=", 1)[0] not in _implementation_choices(overrides)]:
-        key, value = item.split("=", 1)
-        fields[key] = json.loads(value) if value[:1] in "0123456789-[{tfn" else value
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"override {item!r}: expected field=value, e.g. attention_dropout=0.0")
+        try:
+            fields[key] = json.loads(value) if value[:1] in "0123456789-[{tfn" else value
+        except json.JSONDecodeError:
+            raise ValueError(f"override {item!r}: {value!r} is not a number, list or true/false/null") from None
     return ModelConfig.preset(model, vocab_size=vocab, **fields)
 
 
@@ -166,6 +171,8 @@ def throughput(model: str, seq: int, batch: int, precision: str, steps: int, voc
 # and xmma kernels, CUTLASS, XLA's Triton GEMM fusions), copies, reductions (LayerNorm, softmax, loss), and
 # XLA's elementwise loop fusions (bias, GELU, dropout, the AdamW update).
 KERNEL_KINDS = (("attention (fused)", ("fmha", "flash", "cudnn")),
+                 # XLA:CPU's XNNPACK fusions: mostly matmuls with what XLA fused around them, some reductions
+                 ("XNNPACK fusion (CPU)", ("ynn_fusion", "xnn_fusion")),
                  ("matmul", ("gemm", "nvjet", "xmma", "cutlass", "cublas", "dot", "matmul", "wgmma")),
                  ("copy / transpose", ("memcpy", "memset", "copy", "transpose")),
                  ("reduction fusion", ("reduce", "reduction")),
@@ -738,7 +745,8 @@ def main(argv=None):
     parser.add_argument("--precision", default="mixed_bfloat16")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--vocab", type=int, default=32000)
-    parser.add_argument("--set", action="append", default=[], help="ModelConfig override, e.g. attention_dropout=0")
+    parser.add_argument("--set", action="append", default=[],
+                        help="ModelConfig override, e.g. attention_dropout=0 (repeat it, or join with ',')")
     parser.add_argument("--hf-modes", default="eager,compile", help="hf: modes of the first variant (later "
                         "variants: compile only)")
     parser.add_argument("--variants", default="default;dropout_masks=generator;attention_dropout=0.0;"
@@ -755,6 +763,7 @@ def main(argv=None):
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     variants = [[] if v.strip() in ("", "default") else v.split(",") for v in args.variants.split(";")]
+    args.set = [item for joined in args.set for item in joined.split(",") if item]
     if args.what == "all":
         run_all(args)
         return

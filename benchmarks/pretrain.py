@@ -7,15 +7,20 @@ bare-matmul peak measured in the same run. `--precisions float32,mixed_bfloat16`
 and prints bf16's tokens/s as a ratio of float32's (on a CPU with native bf16 instructions; XLA on for
 float32, off for bf16: `runtime.jit: auto`). On a GPU machine the same models run on Keras' JAX backend with
 `benchmarks/train_step.py`-style synthetic batches (see benchmarks/README.md for the device figures).
+`--backends tensorflow,jax` runs the same configs under each Keras backend (a child process each: the
+backend is fixed at import) and prints them side by side, each as a ratio of the first backend's figure.
 
     python benchmarks/pretrain.py --models bert-tiny,bert-mini --seq 128 --batch 32 --steps 40
     python benchmarks/pretrain.py --models bert-mini --seq 64 --precisions float32,mixed_bfloat16
+    python benchmarks/pretrain.py --models bert-mini --seq 64 --vocab-size 16000 --backends tensorflow,jax
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -37,7 +42,12 @@ def main(argv=None):
     parser.add_argument("--vocab-size", type=int, default=32000)
     parser.add_argument("--precisions", default="float32",
                         help="comma-separated runtime.precision values, each model in each (float32 first: the reference)")
+    parser.add_argument("--backends", default=None,
+                        help="comma-separated Keras backends to compare (a child process each); default: the current one")
+    parser.add_argument("--json", action="store_true", help="print the rows as JSON lines (what a child reports)")
     args = parser.parse_args(argv)
+    if args.backends:
+        return compare_backends(args, argv if argv is not None else sys.argv[1:])
 
     import kbert
     from kbert.data.masking import default_max_predictions
@@ -49,10 +59,11 @@ def main(argv=None):
     tok.save(os.path.join(tmp, "tok"))
     precisions = args.precisions.split(",")
     peaks = {p: matmul_peak(dtype=p.replace("mixed_", "")) for p in precisions}
-    print(f"{os.cpu_count()} cpus; measured matmul peak "
-          + ", ".join(f"{p}: {v / 1e9:.1f} GFLOP/s" for p, v in peaks.items()))
-    print("| model | params | precision | XLA | tokens/s | vs first precision | MFU (of its matmul peak) |")
-    print("|---|---|---|---|---|---|---|")
+    if not args.json:
+        print(f"{os.cpu_count()} cpus; measured matmul peak "
+              + ", ".join(f"{p}: {v / 1e9:.1f} GFLOP/s" for p, v in peaks.items()))
+        print("| model | params | precision | XLA | tokens/s | vs first precision | MFU (of its matmul peak) |")
+        print("|---|---|---|---|---|---|---|")
     for name in args.models.split(","):
         cfg = ModelConfig.preset(name, vocab_size=args.vocab_size)
         predictions = default_max_predictions(args.seq)
@@ -76,9 +87,46 @@ def main(argv=None):
             tps = summary["tokens_per_second"]
             first = first or tps
             steps_per_s = tps / (args.batch * args.seq)
+            if args.json:
+                print(json.dumps({"model": name, "precision": summary["precision"], "jit": summary["jit"],
+                                  "backend": summary.get("backend"), "tokens_per_second": tps,
+                                  "steady_tokens_per_second": summary.get("steady_tokens_per_second"),
+                                  "mfu": flops * steps_per_s / peaks[precision], "seconds": elapsed}), flush=True)
+                continue
             print(f"| {name} | {cfg.num_parameters() / 1e6:.1f}M | {summary['precision']} | {summary['jit']} | "
                   f"{tps:,.0f} | {tps / first:.2f}x | {flops * steps_per_s / peaks[precision] * 100:.1f}% |"
                   f"  ({args.steps - 5} steps in {elapsed:.1f}s incl. start-up and the final save)")
+
+def compare_backends(args, argv):
+    """One child per backend (`KERAS_BACKEND` set before anything imports Keras), the same flags and
+    `--json`; prints one table with each row's steady tokens/s (the first step, tracing and compilation,
+    left out) as a ratio of the first backend's figure for that model and precision."""
+    backends = args.backends.split(",")
+    flags, skip = [], False
+    for a in argv:  # the child gets every flag but --backends
+        if skip:
+            skip = False
+        elif a == "--backends":
+            skip = True
+        elif not a.startswith("--backends="):
+            flags.append(a)
+    rows = []
+    for backend in backends:
+        env = dict(os.environ, KERAS_BACKEND=backend)
+        done = subprocess.run([sys.executable, os.path.abspath(__file__), *flags, "--json"], env=env,
+                              capture_output=True, text=True)
+        if done.returncode:
+            sys.exit(f"the {backend} run failed:\n{done.stderr[-3000:]}")
+        rows += [dict(json.loads(line), backend=backend) for line in done.stdout.splitlines() if line.startswith("{")]
+    print(f"{os.cpu_count()} cpus; steady tokens/s leaves out the first step (tracing, compilation)")
+    print("| model | backend | precision | XLA | tokens/s (steady) | vs " + backends[0] + " | MFU (of its matmul peak) |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        base = next(b for b in rows if (b["model"], b["precision"]) == (r["model"], r["precision"]))
+        print(f"| {r['model']} | {r['backend']} | {r['precision']} | {r['jit']} | {r['steady_tokens_per_second']:,.0f} | "
+              f"{r['steady_tokens_per_second'] / base['steady_tokens_per_second']:.2f}x | "
+              f"{r['mfu'] * r['steady_tokens_per_second'] / r['tokens_per_second'] * 100:.1f}% |")
+
 
 if __name__ == "__main__":
     main()

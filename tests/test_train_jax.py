@@ -318,16 +318,23 @@ def test_every_objective_lamb_accumulation_and_the_out_of_memory_fallback_run_on
     assert result["oom"]["retries"] == 1 and result["oom"]["acc"] == 2  # 16 = 8 x 2 after the fallback
 
 
-def test_the_gpu_profile_counts_the_device_streams_once_and_sorts_kernels_by_kind(tmp_path):
-    """`benchmarks/gpu.py profile` reads jax.profiler's perfetto trace: on a GPU only the stream lines count
-    (the "XLA Ops" line restates the same time by HLO op) and kernel names map to kinds."""
-    import gzip
+def gpu_script():
+    """benchmarks/gpu.py as a module (it is a script, not part of the package)."""
     import importlib.util
 
     path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "gpu.py")
     spec = importlib.util.spec_from_file_location("gpu_benchmark", path)
     gpu = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gpu)
+    return gpu
+
+
+def test_the_gpu_profile_counts_the_device_streams_once_and_sorts_kernels_by_kind(tmp_path):
+    """`benchmarks/gpu.py profile` reads jax.profiler's perfetto trace: on a GPU only the stream lines count
+    (the "XLA Ops" line restates the same time by HLO op) and kernel names map to kinds."""
+    import gzip
+
+    gpu = gpu_script()
     meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
             {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}},
             {"ph": "M", "name": "thread_name", "pid": 1, "tid": 7, "args": {"name": "Stream #13(Compute)"}},
@@ -347,3 +354,15 @@ def test_the_gpu_profile_counts_the_device_streams_once_and_sorts_kernels_by_kin
     assert found["kernels"]["nvjet_tst_128x256_64x4_2x1_v_bz_coopB_TNN"] == 40.0
     kinds = {name: gpu.kernel_kind(name) for name in found["kernels"]}
     assert sorted(kinds.values()) == ["attention (fused)", "elementwise fusion", "matmul", "reduction fusion"]
+    assert gpu.kernel_kind("ynn_fusion.105") == "XNNPACK fusion (CPU)"  # not "elementwise" for its "fusion"
+
+
+def test_the_gpu_script_model_overrides_parse_values_and_name_a_bad_one():
+    """`gpu.py --set field=value` (repeated or comma-joined): JSON numbers and booleans, strings as they are,
+    implementation switches left to `set_implementation`; a malformed item is named, not a JSON traceback."""
+    gpu = gpu_script()
+    config = gpu._config("bert-tiny", 1000, ["dropout=0", "attention_dropout=0.0", "attention=explicit"])
+    assert config.dropout == 0 and config.attention_dropout == 0.0 and config.vocab_size == 1000
+    for bad, named in (["dropout=0x"], "'dropout=0x'"), (["dropout"], "expected field=value"):
+        with pytest.raises(ValueError, match=named):
+            gpu._config("bert-tiny", 1000, bad)
