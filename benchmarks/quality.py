@@ -11,10 +11,13 @@
 3. sentiment: NSMC-style train/dev sets from the reviews (ratings 1-4 vs 9-10, balanced, <= 140 chars,
    split by movie); the pretrained model and the same model from random initialization fine-tuned with the
    same settings (2 epochs, up to 128 tokens: `--epochs`, `--max-length`; the random-init reference runs
-   after stage 4, the random-init reference last), and a TF-IDF character 1-3-gram + logistic-regression baseline;
+   last, after stage 4), and a TF-IDF character 1-3-gram + logistic-regression baseline;
 4. sentence embeddings: the STS bi-encoder fine-tuned from the pretrained model on KorSTS train (mean pooling
    over all layers, no dropout in the backbone: `--sts-layers`, `--sts-dropout`), Spearman on
    KorSTS dev averaged over three fine-tuning seeds (`--sts-seeds`), beside TF-IDF character n-gram cosine.
+   `--only embeddings` runs issue 43's table instead (`--rows`: the bi-encoder, SimCSE, the contrastive
+   multi-dataset recipes; chosen on a selection split cut from train, reported on KorSTS dev and question-pair
+   dev), then `Embedder.search(..., lexical=w)` (hybrid search) with the chosen recipe's models.
 
 Every stage writes its result under `--out` and is skipped when rerun (pretraining resumes from its last
 checkpoint), so an interrupted run continues where it stopped. Seeded: reruns give the same figures. A rerun
@@ -391,7 +394,7 @@ def embedding_stages(args, out, model_dir, sets):
                 return {"checkpoint": summary["checkpoint"], "stopped_by": summary["stopped_by"]}
             return {"select_history": [h.get("dev_spearman") for h in summary["history"]],
                     "best_step": summary["best_step"], **scored(out_dir)}
-        return stage(out, name, run)
+        return dict(stage(out, name, run), model=name)
 
     small = args.small
     tfidf = stage(out, "emb-tfidf", lambda: score_embeddings(tfidf_encoder(sets), sets))
@@ -458,6 +461,49 @@ def embedding_stages(args, out, model_dir, sets):
     return tfidf, runs
 
 
+HYBRID_WEIGHTS = (0.0, 0.2, 0.4, 0.5, 0.6, 0.7, 0.8, 1.0)
+
+
+def hybrid_search(out, results, sets):
+    """`Embedder.search(..., lexical=w)` on question-pair retrieval with one row's models (`results`, one per
+    seed): recall@1 per weight on the selection split and on dev (0: the vectors alone, 1: character n-gram
+    TF-IDF fitted on the candidates alone)."""
+    import numpy as np
+
+    import kbert
+
+    def recall(emb, rows, weight):
+        pairs = paraphrases(rows)
+        candidates = sorted({r["question2"] for r in rows})
+        where = {c: i for i, c in enumerate(candidates)}
+        hits = emb.search([q for q, _ in pairs], candidates, top_k=1, lexical=weight, progress=False)
+        return float(np.mean([h[0][0] == where[p] for h, (_, p) in zip(hits, pairs)]))
+
+    found = {}
+    for result in results:
+        emb = kbert.Embedder.load(os.path.join(out, result["model"]))
+        for weight in HYBRID_WEIGHTS:
+            for split in ("qp_select", "qp_dev"):
+                found.setdefault(f"{weight:g}", {}).setdefault(split, []).append(recall(emb, sets[split], weight))
+    return found
+
+
+def print_hybrid_table(found, label):
+    """The weight the selection split picks, beside the vectors alone and TF-IDF alone."""
+    import numpy as np
+
+    mean = {w: {split: float(np.mean(v)) for split, v in by.items()} for w, by in found.items()}
+    picked = max((w for w in mean if w not in ("0", "1")), key=lambda w: mean[w]["qp_select"])
+    print(f"\n| question-pair retrieval with `Embedder.search`, {label} (mean of {len(found['0']['qp_dev'])} seeds) "
+          f"| selection recall@1 | **dev recall@1** |")
+    print("|---|---:|---:|")
+    for w, name in (("0", "the vectors alone (lexical=0)"), ("1", "character 1-3-gram TF-IDF fitted on the candidates (lexical=1)"),
+                    (picked, f"hybrid, lexical={picked} (picked on the selection split)")):
+        each = ", ".join(f"{v:.3f}" for v in found[w]["qp_dev"])
+        print(f"| {name} | {mean[w]['qp_select']:.4f} | {mean[w]['qp_dev']:.4f} ({each}) |")
+    print("(selection recall@1 by weight: " + ", ".join(f"{w}: {mean[w]['qp_select']:.4f}" for w in mean) + ")")
+
+
 def print_embedding_table(tfidf, runs, sets):
     import numpy as np
 
@@ -493,6 +539,7 @@ def print_embedding_table(tfidf, runs, sets):
           f"{len(sets['simcse'])} SimCSE lines; reported: {len(sets['sts_dev'])} KorSTS dev pairs, "
           f"{len(paraphrases(sets['qp_dev']))} question-pair dev paraphrases among "
           f"{len({r['question2'] for r in sets['qp_dev']})} candidates)")
+    return max(contrastive, key=lambda k: means[k]["sts_select"]) if contrastive else None
 
 
 def main():
@@ -658,7 +705,11 @@ def main():
     def embeddings():  # issue 43: sentence vectors chosen on a selection split, reported on unseen sets
         sets = embedding_sets(args.shared, text, args.simcse_lines, args.seed, args.small)
         tfidf, emb_runs = embedding_stages(args, args.out, pre["model_dir"], sets)
-        print_embedding_table(tfidf, emb_runs, sets)
+        chosen = print_embedding_table(tfidf, emb_runs, sets)
+        if chosen:  # hybrid search (lexical + vectors) with the chosen recipe's models, no training
+            found = stage(args.out, f"emb-hybrid-{chosen}-{args.sts_seeds}seeds",
+                          lambda: hybrid_search(args.out, emb_runs[chosen], sets))
+            print_hybrid_table({k: v for k, v in found.items() if k != "seconds"}, "the chosen recipe")
 
     if args.only == "embeddings":
         embeddings()

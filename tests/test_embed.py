@@ -220,6 +220,38 @@ def test_similarity_and_search(emb):
     np.testing.assert_allclose([[v for _, v in h] for h in fast], [[v for _, v in h] for h in exact], atol=1e-5)
 
 
+def test_hybrid_search_mixes_character_ngram_tfidf_into_the_cosine(emb):
+    """`search(..., lexical=w)`: each score is (1 - w) x the vectors' cosine + w x the cosine of character
+    1-3-gram TF-IDF vectors fitted on the corpus, checked against scikit-learn's vectorizer directly."""
+    from sklearn.feature_extraction.text import TfidfVectorizer
+
+    from kbert.embed.lexical import lexical_scores
+
+    corpus = ["대한민국은 민주공화국이다.", "모든 국민은 법 앞에 평등하다.", "국회는 법률을 제정한다.", "학교에서 공부했다"]
+    queries = ["민주공화국 대한민국", "국민은 평등하다"]
+    tfidf = TfidfVectorizer(analyzer="char_wb", ngram_range=(1, 3), sublinear_tf=True).fit(corpus)
+    lexical = (tfidf.transform(queries) @ tfidf.transform(corpus).T).toarray()
+    np.testing.assert_allclose(lexical_scores(queries, corpus), lexical, atol=1e-6)
+    dense = emb.similarity(emb.encode(queries), emb.encode(corpus))
+    for w in (0.0, 0.4, 1.0):
+        hits = emb.search(queries, corpus, top_k=4, lexical=w)
+        expected = (1 - w) * dense + w * lexical
+        for i, row in enumerate(hits):
+            assert [j for j, _ in row] == list(np.argsort(-expected[i], kind="stable"))
+            np.testing.assert_allclose([v for _, v in row], np.sort(expected[i])[::-1], atol=1e-5)
+    assert emb.search(queries[0], corpus, top_k=1, lexical=1.0)[0][0] == 0  # shares the most n-grams
+    assert emb.search(queries, corpus, top_k=2, lexical=0.0) == emb.search(queries, corpus, top_k=2)
+    # a corpus with nothing to count scores 0 lexically instead of failing
+    np.testing.assert_array_equal(lexical_scores(["법"], ["", "  "]), np.zeros((1, 2), np.float32))
+    with pytest.raises(ValueError, match="not vectors"):
+        emb.search(queries, emb.encode(corpus), lexical=0.5)
+    with pytest.raises(ValueError, match="index='exact'"):
+        emb.search(queries, corpus, lexical=0.5, index="faiss")
+    for bad in (1.5, -0.1, "0.5", True):
+        with pytest.raises(ValueError, match="`lexical` must be a number in \\[0, 1\\]"):
+            emb.search(queries, corpus, lexical=bad)
+
+
 def test_embed_command(emb, tmp_path, capsys):
     import json
 
