@@ -32,6 +32,8 @@ setup(
         "mecab": ["mecab-ko>=1.0"],
         "kiwi": ["kiwipiepy>=0.17"],
         "faiss": ["faiss-cpu>=1.8"],
+        # Embedder.search(..., lexical=w): character n-gram TF-IDF through scikit-learn's vectorizer.
+        "search": ["scikit-learn>=1.4", "faiss-cpu>=1.8"],
         # `kbert serve`: Starlette on uvicorn (the ASGI stack under FastAPI) and Prometheus metrics.
         "serve": ["starlette>=0.37", "uvicorn>=0.29", "httptools>=0.6", "uvloop>=0.19; sys_platform != 'win32'",
                   "prometheus-client>=0.20", "orjson>=3.9"],
@@ -51,7 +53,7 @@ setup(
             # The JAX backend tests run the same model code and the pretraining loop under KERAS_BACKEND=jax.
             "jax>=0.4.30",
             "faiss-cpu>=1.8",
-            # benchmarks/quality.py's helpers are tested too (its TF-IDF baselines and pair sampling).
+            # hybrid search, and benchmarks/quality.py's helpers (its TF-IDF baselines and pair sampling).
             "scikit-learn>=1.4",
             # The tutorial notebooks run end to end in the test suite.
             "nbclient>=0.10",

@@ -24,7 +24,7 @@ def char_tfidf(texts: Sequence[str]):
     try:
         from sklearn.feature_extraction.text import TfidfVectorizer
     except ImportError:
-        raise ImportError("lexical scores need scikit-learn: pip install scikit-learn") from None
+        raise ImportError("lexical scores need scikit-learn: pip install scikit-learn (kbert's [search] extra)") from None
     vectorizer = TfidfVectorizer(analyzer="char_wb", ngram_range=(1, 3), sublinear_tf=True)
     try:
         return vectorizer.fit(list(texts))
