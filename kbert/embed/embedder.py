@@ -445,9 +445,9 @@ class Embedder:
 
         lexical: hybrid search (texts on both sides, exact index): the score is `(1 - lexical)` x the
             vectors' cosine + `lexical` x the cosine of character 1-3-gram TF-IDF vectors fitted on the
-            corpus (`kbert.embed.lexical`; needs scikit-learn). 0.3 to 0.5 found the paraphrase first more
-            often than either alone on this project's Korean question pairs (benchmarks/README.md); 0 (the
-            default) is the vectors alone, 1 TF-IDF alone.
+            corpus (`kbert.embed.lexical`; needs scikit-learn). About 0.6, the weight a selection split of
+            this project's Korean question pairs picked, beat either alone on their dev split
+            (benchmarks/README.md); 0 (the default) is the vectors alone, 1 TF-IDF alone.
         """
         if not isinstance(top_k, int) or top_k < 1:
             raise ValueError(f"`top_k` must be a positive integer. Received: top_k={top_k!r}")
