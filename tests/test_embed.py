@@ -241,6 +241,13 @@ def test_hybrid_search_mixes_character_ngram_tfidf_into_the_cosine(emb):
             np.testing.assert_allclose([v for _, v in row], np.sort(expected[i])[::-1], atol=1e-5)
     assert emb.search(queries[0], corpus, top_k=1, lexical=1.0)[0][0] == 0  # shares the most n-grams
     assert emb.search(queries, corpus, top_k=2, lexical=0.0) == emb.search(queries, corpus, top_k=2)
+    # the corpus encoded once beforehand gives the same hits
+    assert (emb.search(queries, corpus, top_k=4, lexical=0.4, corpus_vectors=emb.encode(corpus))
+            == emb.search(queries, corpus, top_k=4, lexical=0.4))
+    with pytest.raises(ValueError, match="3 rows for 4 corpus texts"):
+        emb.search(queries, corpus, lexical=0.4, corpus_vectors=emb.encode(corpus[:3]))
+    with pytest.raises(ValueError, match="goes with `lexical`"):
+        emb.search(queries, corpus, corpus_vectors=emb.encode(corpus))
     # a corpus with nothing to count scores 0 lexically instead of failing
     np.testing.assert_array_equal(lexical_scores(["법"], ["", "  "]), np.zeros((1, 2), np.float32))
     with pytest.raises(ValueError, match="not vectors"):

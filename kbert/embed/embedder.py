@@ -438,7 +438,7 @@ class Embedder:
         return _unit(a) @ _unit(b).T
 
     def search(self, queries, corpus, top_k: int = 5, index: str = "exact", lexical: float = 0.0,
-               **encode_options):
+               corpus_vectors: Optional[np.ndarray] = None, **encode_options):
         """Cosine search: for each query, `[(corpus index, score), ...]` best first. `queries` and `corpus`
         are texts or precomputed vectors. `index="faiss"` uses FAISS's exact inner-product index (the same
         hits, faster on large corpora; needs `pip install faiss-cpu`).
@@ -448,6 +448,8 @@ class Embedder:
             corpus (`kbert.embed.lexical`; needs scikit-learn). About 0.6, the weight a selection split of
             this project's Korean question pairs picked, beat either alone on their dev split
             (benchmarks/README.md); 0 (the default) is the vectors alone, 1 TF-IDF alone.
+        corpus_vectors: with `lexical`, the corpus texts' vectors encoded once beforehand (`[len(corpus),
+            hidden]`), so repeated searches over a large corpus do not encode it again.
         """
         if not isinstance(top_k, int) or top_k < 1:
             raise ValueError(f"`top_k` must be a positive integer. Received: top_k={top_k!r}")
@@ -457,7 +459,11 @@ class Embedder:
             raise ValueError(f"`lexical` must be a number in [0, 1]. Received: lexical={lexical!r}")
         single = isinstance(queries, str)
         if lexical:
-            return self._hybrid_search(queries, corpus, top_k, index, float(lexical), encode_options, single)
+            return self._hybrid_search(queries, corpus, top_k, index, float(lexical), corpus_vectors,
+                                       encode_options, single)
+        if corpus_vectors is not None:
+            raise ValueError("`corpus_vectors` goes with `lexical` (the texts for TF-IDF, the vectors for the "
+                             "cosine); without it pass the vectors as `corpus`")
         q = _unit(self._as_vectors(queries, encode_options))
         c = _unit(self._as_vectors(corpus, encode_options))
         k = min(top_k, c.shape[0])
@@ -476,7 +482,7 @@ class Embedder:
             hits = [[(int(j), float(scores[i, j])) for j in row] for i, row in enumerate(best)]
         return hits[0] if single else hits
 
-    def _hybrid_search(self, queries, corpus, top_k, index, lexical, encode_options, single):
+    def _hybrid_search(self, queries, corpus, top_k, index, lexical, corpus_vectors, encode_options, single):
         from kbert.embed.lexical import lexical_scores
 
         if index != "exact":
@@ -485,10 +491,14 @@ class Embedder:
         if isinstance(queries, np.ndarray) or isinstance(corpus, np.ndarray):
             raise ValueError("`lexical` needs the texts of the queries and the corpus, not vectors")
         queries, corpus = text_list(queries), text_list(corpus)
+        if corpus_vectors is not None and np.atleast_2d(corpus_vectors).shape[0] != len(corpus):
+            raise ValueError(f"`corpus_vectors` has {np.atleast_2d(corpus_vectors).shape[0]} rows for "
+                             f"{len(corpus)} corpus texts")
         scores = lexical * lexical_scores(queries, corpus)
         if lexical < 1:
+            vectors = corpus_vectors if corpus_vectors is not None else corpus
             scores += (1 - lexical) * (_unit(self._as_vectors(queries, encode_options))
-                                       @ _unit(self._as_vectors(corpus, encode_options)).T)
+                                       @ _unit(self._as_vectors(vectors, encode_options)).T)
         best = np.argsort(-scores, axis=1, kind="stable")[:, :min(top_k, len(corpus))]
         hits = [[(int(j), float(scores[i, j])) for j in row] for i, row in enumerate(best)]
         return hits[0] if single else hits
