@@ -20,16 +20,16 @@ import numpy as np
 
 def char_tfidf(texts: Sequence[str]):
     """A TF-IDF vectorizer of character 1-3-grams within words (sublinear counts, unit rows) fitted on
-    `texts`: the IDF says which n-grams are rare in the collection searched."""
+    `texts` (the IDF says which n-grams are rare in the collection searched), or None when no text has any."""
     try:
         from sklearn.feature_extraction.text import TfidfVectorizer
     except ImportError:
-        raise ImportError("lexical scores need scikit-learn: pip install scikit-learn (kbert's [search] extra)") from None
-    vectorizer = TfidfVectorizer(analyzer="char_wb", ngram_range=(1, 3), sublinear_tf=True)
-    try:
-        return vectorizer.fit(list(texts))
-    except ValueError:  # nothing but whitespace in every text: no n-gram to count
+        raise ImportError("lexical scores need scikit-learn: pip install scikit-learn "
+                          "(kbert's [search] extra)") from None
+    texts = list(texts)
+    if not any(t.strip() for t in texts):  # nothing but whitespace: no n-gram to count (sklearn refuses)
         return None
+    return TfidfVectorizer(analyzer="char_wb", ngram_range=(1, 3), sublinear_tf=True).fit(texts)
 
 
 def lexical_scores(queries: Sequence[str], corpus: Sequence[str]) -> np.ndarray:
