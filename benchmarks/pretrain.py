@@ -89,7 +89,7 @@ def main(argv=None):
             steps_per_s = tps / (args.batch * args.seq)
             if args.json:
                 print(json.dumps({"model": name, "precision": summary["precision"], "jit": summary["jit"],
-                                  "backend": summary.get("backend"), "tokens_per_second": tps,
+                                  "tokens_per_second": tps,
                                   "steady_tokens_per_second": summary.get("steady_tokens_per_second"),
                                   "mfu": flops * steps_per_s / peaks[precision], "seconds": elapsed}), flush=True)
                 continue

@@ -210,15 +210,18 @@ def embedding_sets(shared, text, simcse_lines, seed, small):
     return sets
 
 
-def retrieval_recall(encode, rows):
+def retrieval_recall(encode, rows, first=None):
     """Question-pair retrieval: each paraphrase pair's first question against every distinct second question
-    of the split (paraphrase or not); recall@1 = how often its own paraphrase ranks first."""
+    of the split (paraphrase or not); recall@1 = how often its own paraphrase ranks first. By cosine of the
+    unit vectors `encode` gives, or by `first(queries, candidates)`: the index of each query's top hit."""
     import numpy as np
 
     pairs = paraphrases(rows)
     candidates = sorted({r["question2"] for r in rows})
     where = {c: i for i, c in enumerate(candidates)}
-    top = np.argmax(encode([q for q, _ in pairs]) @ encode(candidates).T, axis=1)
+    queries = [q for q, _ in pairs]
+    top = (first(queries, candidates) if first is not None
+           else np.argmax(encode(queries) @ encode(candidates).T, axis=1))
     return float(np.mean([top[i] == where[p] for i, (_, p) in enumerate(pairs)]))
 
 
@@ -468,23 +471,18 @@ def hybrid_search(out, results, sets):
     """`Embedder.search(..., lexical=w)` on question-pair retrieval with one row's models (`results`, one per
     seed): recall@1 per weight on the selection split and on dev (0: the vectors alone, 1: character n-gram
     TF-IDF fitted on the candidates alone)."""
-    import numpy as np
-
     import kbert
-
-    def recall(emb, rows, weight):
-        pairs = paraphrases(rows)
-        candidates = sorted({r["question2"] for r in rows})
-        where = {c: i for i, c in enumerate(candidates)}
-        hits = emb.search([q for q, _ in pairs], candidates, top_k=1, lexical=weight, progress=False)
-        return float(np.mean([h[0][0] == where[p] for h, (_, p) in zip(hits, pairs)]))
 
     found = {}
     for result in results:
         emb = kbert.Embedder.load(os.path.join(out, result["model"]))
         for weight in HYBRID_WEIGHTS:
+            def first(queries, candidates, weight=weight):
+                return [hits[0][0] for hits in emb.search(queries, candidates, top_k=1, lexical=weight, progress=False)]
+
             for split in ("qp_select", "qp_dev"):
-                found.setdefault(f"{weight:g}", {}).setdefault(split, []).append(recall(emb, sets[split], weight))
+                found.setdefault(f"{weight:g}", {}).setdefault(split, []).append(
+                    retrieval_recall(None, sets[split], first))
     return found
 
 
@@ -525,6 +523,7 @@ def print_embedding_table(tfidf, runs, sets):
         print(f"| {labels[key]} | " + " | ".join(f"{means[key][c]:.4f} ({each[c]})" for c in cols) + " |")
     # the recipe is the contrastive one that scores best on the selection split (never on a reported set)
     contrastive = [k for k in EMBEDDING_ROWS if k.startswith("simcse-") and k in means]
+    chosen = None
     if contrastive:
         chosen = max(contrastive, key=lambda k: means[k]["sts_select"])
         best = means[chosen]
@@ -539,7 +538,7 @@ def print_embedding_table(tfidf, runs, sets):
           f"{len(sets['simcse'])} SimCSE lines; reported: {len(sets['sts_dev'])} KorSTS dev pairs, "
           f"{len(paraphrases(sets['qp_dev']))} question-pair dev paraphrases among "
           f"{len({r['question2'] for r in sets['qp_dev']})} candidates)")
-    return max(contrastive, key=lambda k: means[k]["sts_select"]) if contrastive else None
+    return chosen
 
 
 def main():

@@ -477,9 +477,7 @@ class Embedder:
             scores, best = flat.search(np.ascontiguousarray(q, np.float32), k)
             hits = [[(int(j), float(v)) for j, v in zip(row, vals)] for row, vals in zip(best, scores)]
         else:
-            scores = q @ c.T
-            best = np.argsort(-scores, axis=1, kind="stable")[:, :k]
-            hits = [[(int(j), float(scores[i, j])) for j in row] for i, row in enumerate(best)]
+            hits = _best(q @ c.T, k)
         return hits[0] if single else hits
 
     def _hybrid_search(self, queries, corpus, top_k, index, lexical, corpus_vectors, encode_options, single):
@@ -499,8 +497,7 @@ class Embedder:
             vectors = corpus_vectors if corpus_vectors is not None else corpus
             scores += (1 - lexical) * (_unit(self._as_vectors(queries, encode_options))
                                        @ _unit(self._as_vectors(vectors, encode_options)).T)
-        best = np.argsort(-scores, axis=1, kind="stable")[:, :min(top_k, len(corpus))]
-        hits = [[(int(j), float(scores[i, j])) for j in row] for i, row in enumerate(best)]
+        hits = _best(scores, min(top_k, len(corpus)))
         return hits[0] if single else hits
 
     def _as_vectors(self, items, options):
@@ -513,6 +510,13 @@ def _length_sorted(id_lists, batch_size: int):
     """Index arrays of at most `batch_size` texts each, shortest first (stable), so batches need little padding."""
     order = np.argsort([len(ids) for ids in id_lists], kind="stable")
     return [order[start:start + batch_size] for start in range(0, len(order), batch_size)]
+
+
+def _best(scores: np.ndarray, k: int):
+    """Each row's `k` best `(column, score)` pairs of a `[queries, corpus]` score matrix, best first (ties in
+    corpus order)."""
+    best = np.argsort(-scores, axis=1, kind="stable")[:, :k]
+    return [[(int(j), float(scores[i, j])) for j in row] for i, row in enumerate(best)]
 
 
 def _unit(x) -> np.ndarray:
