@@ -1,6 +1,7 @@
 """The end-to-end proof: pretraining with kbert pays off on real Korean data, on a 2-core CPU.
 
-1. vocabulary: a SentencePiece unigram vocabulary on the pretraining text;
+1. vocabulary: a SentencePiece unigram vocabulary on the pretraining text (`--morphemes mecab`: on MeCab-ko
+   morphemes, so no piece crosses a morpheme boundary);
 2. pretraining: a bert-mini sized BERT (4 layers, 256 hidden) on the movie reviews (movies of the sentiment
    dev split left out) plus the Korean statutes, for a wall-clock budget (`--minutes`, default 55). The recipe
    spends a small budget on as many updates as it can: masked-LM only (no NSP), 64-token sequences (reviews
@@ -566,6 +567,9 @@ def main():
                         help="bi-encoder fine-tuning seeds (--seed, --seed+1, ...); the table reports their mean: one "
                              "seed's Spearman moves by ~0.3 points from seed to seed (benchmarks/README.md)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--morphemes", choices=("none", "mecab", "kiwi", "okt"), default="none",
+                        help="split eojeols into morphemes before the subword vocabulary (kbert.Tokenizer.train's "
+                             "morphemes; the JVM analyzers are too slow for 30M characters); none: plain SentencePiece unigram")
     parser.add_argument("--embedding-init", choices=("cooccurrence", "random"), default="cooccurrence",
                         help="token embeddings to start pretraining from (trainer.embedding_init)")
     parser.add_argument("--learning-rate", type=float, default=None,
@@ -628,14 +632,20 @@ def main():
                                                                   3e6 if args.small else 60e6))
     tok_dir = os.path.join(args.out, "tokenizer")
 
+    morphemes = None if args.morphemes == "none" else args.morphemes
+
     def vocabulary():
         lines = (s for doc in kbert.corpus(text) for s in doc)
         tok = kbert.Tokenizer.train(lines, vocab_size=8000 if args.small else 16000, max_sentences=600_000,
-                                    progress=False, seed=args.seed)
+                                    morphemes=morphemes, progress=False, seed=args.seed)
         tok.save(tok_dir)
-        return {"vocab_size": tok.vocab_size}
+        return {"vocab_size": tok.vocab_size, "morphemes": args.morphemes}
 
-    stage(args.out, "vocabulary", vocabulary)
+    vocab = stage(args.out, "vocabulary", vocabulary)
+    # every later stage is cached on top of this vocabulary: another analyzer needs another --out
+    if vocab.get("morphemes", "none") != args.morphemes:
+        sys.exit(f"{args.out} holds a vocabulary trained with --morphemes {vocab.get('morphemes', 'none')}, not "
+                 f"{args.morphemes}: pass another --out (or the same --morphemes) to keep the cached stages consistent")
 
     # 2. pretraining for a wall-clock budget: a short calibration run sets the step count
     run_dir = os.path.join(args.out, "pretraining")
