@@ -26,6 +26,10 @@ batches that stay on the device, so the figure is the model's step and not an in
   reader must keep up: at least 95%). The records come from `records`, run where TensorFlow is:
   `python benchmarks/gpu.py records --shared ../shared/data --out .gpu` (a WordPiece vocabulary, so the
   device needs no sentencepiece either; about 12 MB of mlm+nsp records of movie reviews at length 128);
+- `xla` (a stage of `all`, after the profile): the `throughput` step again in one process per set of XLA
+  flags (`--xla-variants`; flags are read once per process, so each set needs its own), beside the default:
+  which of XLA's GPU fusion options (cuBLASLt epilogues, Triton or cuDNN GEMM fusions) shorten the
+  memory-bound passes the profile shows, before any of them is made kbert's default;
 - `all`: each of the above in its own process (JAX's peak memory is per process), most important first,
   skipping what would not finish by `--budget` seconds, then one set of tables; also `--out/gpu.json`.
 
@@ -164,7 +168,8 @@ def throughput(model: str, seq: int, batch: int, precision: str, steps: int, voc
             "step_ms": elapsed / steps * 1e3, "tokens_per_s": batch * seq * steps / elapsed,
             "model_flops_per_s": flops * steps / elapsed, "compile_and_warmup_s": compile_s,
             "fused_attention": fused, "loss": float(logs["loss"]), "keras": keras.__version__,
-            "jax": jax.__version__, "device": str(jax.devices()[0].device_kind), "overrides": list(overrides or ())}
+            "jax": jax.__version__, "device": str(jax.devices()[0].device_kind), "overrides": list(overrides or ()),
+            "xla_flags": os.environ.get("XLA_FLAGS", "")}
 
 
 # Kernel names -> what they do, first match wins: cuDNN's fused attention, matmuls (cuBLAS/cuBLASLt's nvjet
@@ -603,6 +608,25 @@ MEMORY_POINTS = ((("mixed_bfloat16", 128, 256), ("float32", 128, 256)),
                  (("mixed_bfloat16", 512, 64), ("mixed_bfloat16", 128, 32)))
 
 
+# XLA's GPU options that may fuse the step's memory-bound passes (25% elementwise, 16% reductions of an H200
+# step) into or around the matmuls; each set is one process's XLA_FLAGS. Checked against jaxlib's flag list
+# on CPU (an unknown flag aborts the process at start).
+XLA_VARIANTS = ("--xla_gpu_enable_cublaslt=true;--xla_gpu_triton_gemm_any=true;"
+                "--xla_gpu_cudnn_gemm_fusion_level=2;--xla_gpu_enable_triton_gemm=false")
+
+
+def xla_variants(spec: str) -> list:
+    """`--xla-variants`: ';'-separated sets of XLA flags (space-separated within a set); '' or 'none': no sets."""
+    sets = [v.strip() for v in (spec or "").split(";") if v.strip()]
+    if sets == ["none"]:
+        return []
+    for flags in sets:
+        bad = [f for f in flags.split() if not f.startswith("--xla_")]
+        if bad:
+            raise ValueError(f"--xla-variants: {bad[0]!r} is not an XLA flag (expected --xla_name=value)")
+    return sets
+
+
 def run_all(args) -> dict:
     """The stages, most important first; a stage that would not finish inside `--budget` is skipped, so a
     short device lease still returns the figures that matter most. Each capped sequence length is its own
@@ -641,6 +665,12 @@ def run_all(args) -> dict:
     out["profile"] = _child(args, ["profile", "--model", m, "--seq", "128", "--batch", b, "--precision",
                                    "mixed_bfloat16", "--steps", "5"], clock, 45)
     _save(args, out)
+    out["xla"] = []
+    for flags in xla_variants(args.xla_variants):
+        env = {"XLA_FLAGS": " ".join(filter(None, (os.environ.get("XLA_FLAGS", ""), flags)))}
+        out["xla"].append(_child(args, ["throughput", "--model", m, "--seq", "128", "--batch", b, "--precision",
+                                        "mixed_bfloat16", "--steps", steps, "--variants", "default"], clock, 60, env))
+        _save(args, out)
     report(out)
     return out
 
@@ -705,6 +735,15 @@ def report(out: dict):
         print("| kernel | kind | ms per step | share |\n|---|---|---:|---:|")
         for v in prof["top"]:
             print(f"| `{v['kernel']}` | {v['kind']} | {v['ms_per_step']:.2f} | {100 * v['share']:.1f}% |")
+    base = next((r for r in _rows(out.get("throughput")) if not r.get("overrides") and "tokens_per_s" in r), None)
+    xla_rows = [r for rows in out.get("xla", []) for r in _rows(rows) if "tokens_per_s" in r]
+    if xla_rows:
+        print("\n| XLA flags (BERT defaults otherwise) | step ms | tokens/s | MFU (of bf16 peak) | vs no flags |")
+        print("|---|---:|---:|---:|---:|")
+        for r in ([base] if base else []) + xla_rows:
+            mfu = f"{r['model_flops_per_s'] / peak_bf16 * 100:.1f}%" if peak_bf16 else "n/a"
+            ratio = f"{r['tokens_per_s'] / base['tokens_per_s']:.3f}" if base else "n/a"
+            print(f"| {r.get('xla_flags') or 'none'} | {r['step_ms']:.1f} | {r['tokens_per_s']:,.0f} | {mfu} | {ratio} |")
     memory_rows = [r for r in out.get("memory", []) if r.get("measured_bytes")]
     if memory_rows:
         print("\n| model | seq | batch | precision | planned GB | XLA compiled GB | allocator peak GB | planned vs "
@@ -753,6 +792,9 @@ def main(argv=None):
                                               "attention_dropout=0.0,attention=explicit",
                         help="throughput/hf/all: ';'-separated override sets ('default' = none; ',' joins "
                              "several overrides in one set; NAME=CHOICE items of kbert.models.layers.IMPLEMENTATIONS switch kbert code paths)")
+    parser.add_argument("--xla-variants", default=XLA_VARIANTS,
+                        help="all: ';'-separated sets of XLA flags, each timed in its own throughput process "
+                             "after the profile ('none': skip)")
     parser.add_argument("--cap", default="12GB", help="capped/all: the memory the GPU is capped at")
     parser.add_argument("--cap-seqs", default="128,512", help="all: sequence lengths of the capped table")
     parser.add_argument("--cap-precisions", default="mixed_bfloat16", help="all: precisions of the capped table")
@@ -765,6 +807,7 @@ def main(argv=None):
     variants = [[] if v.strip() in ("", "default") else v.split(",") for v in args.variants.split(";")]
     args.set = [item for joined in args.set for item in joined.split(",") if item]
     if args.what == "all":
+        xla_variants(args.xla_variants)  # a malformed set fails here, before any device time
         run_all(args)
         return
     if args.what == "peak":

@@ -366,3 +366,22 @@ def test_the_gpu_script_model_overrides_parse_values_and_name_a_bad_one():
     for bad, named in (["dropout=0x"], "'dropout=0x'"), (["dropout"], "expected field=value"):
         with pytest.raises(ValueError, match=named):
             gpu._config("bert-tiny", 1000, bad)
+
+
+def test_the_gpu_script_xla_flag_sets_parse_and_each_is_a_known_flag():
+    """`gpu.py all --xla-variants`: ';' between sets, spaces within one, 'none' for no stage; an item that
+    is not an --xla_ flag is named before any device time. The default sets are flags this jaxlib knows
+    (XLA aborts a process at start on an unknown one, which on a device would lose the stage silently)."""
+    import subprocess
+    import sys
+
+    gpu = gpu_script()
+    assert gpu.xla_variants("--xla_a=1;--xla_b=true --xla_c=2; ") == ["--xla_a=1", "--xla_b=true --xla_c=2"]
+    assert gpu.xla_variants("none") == [] and gpu.xla_variants("") == []
+    with pytest.raises(ValueError, match="'xla_a=1' is not an XLA flag"):
+        gpu.xla_variants("xla_a=1")
+    for flags in gpu.xla_variants(gpu.XLA_VARIANTS):
+        done = subprocess.run([sys.executable, "-c", "import jax.numpy as jnp; print(float((jnp.ones(2) + 1).sum()))"],
+                              env=dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu"), capture_output=True,
+                              text=True, timeout=120)
+        assert done.returncode == 0 and done.stdout.strip() == "4.0", (flags, done.stderr[-500:])
