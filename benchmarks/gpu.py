@@ -608,8 +608,8 @@ MEMORY_POINTS = ((("mixed_bfloat16", 128, 256), ("float32", 128, 256)),
                  (("mixed_bfloat16", 512, 64), ("mixed_bfloat16", 128, 32)))
 
 
-# XLA's GPU options that may fuse the step's memory-bound passes (25% elementwise, 16% reductions of an H200
-# step) into or around the matmuls; each set is one process's XLA_FLAGS. Checked against jaxlib's flag list
+# XLA's GPU options that may fuse the step's memory-bound passes (the elementwise and reduction kernels of the
+# profile) into or around the matmuls; each set is one process's XLA_FLAGS. Checked against jaxlib's flag list
 # on CPU (an unknown flag aborts the process at start).
 XLA_VARIANTS = ("--xla_gpu_enable_cublaslt=true;--xla_gpu_triton_gemm_any=true;"
                 "--xla_gpu_cudnn_gemm_fusion_level=2;--xla_gpu_enable_triton_gemm=false")
@@ -666,7 +666,7 @@ def run_all(args) -> dict:
                                    "mixed_bfloat16", "--steps", "5"], clock, 45)
     _save(args, out)
     out["xla"] = []
-    for flags in xla_variants(args.xla_variants):
+    for flags in args.xla_sets:
         env = {"XLA_FLAGS": " ".join(filter(None, (os.environ.get("XLA_FLAGS", ""), flags)))}
         out["xla"].append(_child(args, ["throughput", "--model", m, "--seq", "128", "--batch", b, "--precision",
                                         "mixed_bfloat16", "--steps", steps, "--variants", "default"], clock, 60, env))
@@ -679,6 +679,10 @@ def _rows(value):
     if isinstance(value, list):
         return [r for r in value if isinstance(r, dict)]
     return [value] if isinstance(value, dict) and "error" not in value else []
+
+
+def _mfu(row: dict, peak_bf16) -> str:
+    return f"{row['model_flops_per_s'] / peak_bf16 * 100:.1f}%" if peak_bf16 else "n/a"
 
 
 def report(out: dict):
@@ -720,7 +724,7 @@ def report(out: dict):
         if "tokens_per_s" not in r:
             continue
         key = tuple(r.get("overrides") or [])
-        mfu = f"{r['model_flops_per_s'] / peak_bf16 * 100:.1f}%" if peak_bf16 else "n/a"
+        mfu = _mfu(r, peak_bf16)
         ratio = f"{r['tokens_per_s'] / compiled[key]:.2f}x" if key in compiled else "n/a"
         print(f"| {r['impl']} | {' '.join(key) or 'BERT defaults'} | {r['seq']} | {r['batch']} | {r['step_ms']:.1f} | "
               f"{r['tokens_per_s']:,.0f} | {mfu} | {ratio} | {r.get('fused_attention', '')} |")
@@ -741,9 +745,9 @@ def report(out: dict):
         print("\n| XLA flags (BERT defaults otherwise) | step ms | tokens/s | MFU (of bf16 peak) | vs no flags |")
         print("|---|---:|---:|---:|---:|")
         for r in ([base] if base else []) + xla_rows:
-            mfu = f"{r['model_flops_per_s'] / peak_bf16 * 100:.1f}%" if peak_bf16 else "n/a"
             ratio = f"{r['tokens_per_s'] / base['tokens_per_s']:.3f}" if base else "n/a"
-            print(f"| {r.get('xla_flags') or 'none'} | {r['step_ms']:.1f} | {r['tokens_per_s']:,.0f} | {mfu} | {ratio} |")
+            print(f"| {r.get('xla_flags') or 'none'} | {r['step_ms']:.1f} | {r['tokens_per_s']:,.0f} | "
+                  f"{_mfu(r, peak_bf16)} | {ratio} |")
     memory_rows = [r for r in out.get("memory", []) if r.get("measured_bytes")]
     if memory_rows:
         print("\n| model | seq | batch | precision | planned GB | XLA compiled GB | allocator peak GB | planned vs "
@@ -794,7 +798,8 @@ def main(argv=None):
                              "several overrides in one set; NAME=CHOICE items of kbert.models.layers.IMPLEMENTATIONS switch kbert code paths)")
     parser.add_argument("--xla-variants", default=XLA_VARIANTS,
                         help="all: ';'-separated sets of XLA flags, each timed in its own throughput process "
-                             "after the profile ('none': skip)")
+                             "after the profile ('none': skip); write it --xla-variants=--xla_..., as the value "
+                             "starts with '--'")
     parser.add_argument("--cap", default="12GB", help="capped/all: the memory the GPU is capped at")
     parser.add_argument("--cap-seqs", default="128,512", help="all: sequence lengths of the capped table")
     parser.add_argument("--cap-precisions", default="mixed_bfloat16", help="all: precisions of the capped table")
@@ -807,7 +812,7 @@ def main(argv=None):
     variants = [[] if v.strip() in ("", "default") else v.split(",") for v in args.variants.split(";")]
     args.set = [item for joined in args.set for item in joined.split(",") if item]
     if args.what == "all":
-        xla_variants(args.xla_variants)  # a malformed set fails here, before any device time
+        args.xla_sets = xla_variants(args.xla_variants)  # a malformed set fails here, before any device time
         run_all(args)
         return
     if args.what == "peak":
