@@ -27,11 +27,13 @@ batches that stay on the device, so the figure is the model's step and not an in
   `python benchmarks/gpu.py records --shared ../shared/data --out .gpu` (a WordPiece vocabulary, so the
   device needs no sentencepiece either; about 12 MB of mlm+nsp records of movie reviews at length 128);
 - `xla` (a stage of `all`, after the profile): the `throughput` step again in one process per set of XLA
-  flags (`--xla-variants`; flags are read once per process, so each set needs its own), beside the default:
+  flags (`--xla-variants`; flags are read once per process, so each set needs its own), with the same model
+  `--variants` as the throughput stage, each beside its no-flags row:
   which of XLA's GPU fusion options (cuBLASLt epilogues, Triton or cuDNN GEMM fusions) shorten the
   memory-bound passes the profile shows, before any of them is made kbert's default;
 - `all`: each of the above in its own process (JAX's peak memory is per process), most important first,
-  skipping what would not finish by `--budget` seconds, then one set of tables; also `--out/gpu.json`.
+  skipping what would not finish by `--budget` seconds (and the stages named in `--skip`), then one set of
+  tables; also `--out/gpu.json`.
 
     python benchmarks/gpu.py records --shared ../shared/data --out .gpu        # here, with TensorFlow
     KERAS_BACKEND=jax python benchmarks/gpu.py all --records .gpu --out /tmp/gpu
@@ -609,10 +611,11 @@ MEMORY_POINTS = ((("mixed_bfloat16", 128, 256), ("float32", 128, 256)),
 
 
 # XLA's GPU options that may fuse the step's memory-bound passes (the elementwise and reduction kernels of the
-# profile) into or around the matmuls; each set is one process's XLA_FLAGS. Checked against jaxlib's flag list
-# on CPU (an unknown flag aborts the process at start).
-XLA_VARIANTS = ("--xla_gpu_enable_cublaslt=true;--xla_gpu_triton_gemm_any=true;"
-                "--xla_gpu_cudnn_gemm_fusion_level=2;--xla_gpu_enable_triton_gemm=false")
+# profile) into or around the matmuls. Each set is one process's XLA_FLAGS. The default: the one set not yet
+# measured (cuDNN GEMM fusions), then cuDNN's LayerNorm with cuBLASLt's bias/GELU epilogues together (each alone
+# moved nothing on an H200; benchmarks/README.md lists what was tried). Checked against jaxlib's flag list on CPU
+# (an unknown flag aborts the process at start).
+XLA_VARIANTS = "--xla_gpu_cudnn_gemm_fusion_level=2;--xla_gpu_enable_cudnn_layer_norm=true --xla_gpu_enable_cublaslt=true"
 
 
 def xla_variants(spec: str) -> list:
@@ -635,19 +638,21 @@ def run_all(args) -> dict:
 
     clock = _Clock(args.budget)
     m, b, steps = args.model, str(args.batch), str(args.steps)
+    skip = set(args.skip_stages)
     out = {"peak": _child(args, ["peak", "--peak-n", str(args.peak_n)], clock, 20)}
     if args.records:
         run_dir = tempfile.mkdtemp(prefix="kbert-gpu-pretrain-")  # checkpoints of ~1.3 GB stay off --out
         out["pretrain"] = _child(args, ["pretrain", "--model", m, "--batch", b, "--records", args.records,
                                         "--steps-pretrain", str(args.steps_pretrain), "--out", run_dir], clock, 150)
         _save(args, out)
-    out["throughput"] = _child(args, ["throughput", "--model", m, "--seq", "128", "--batch", b, "--precision",
+    out["throughput"] = None if "throughput" in skip else _child(args, ["throughput", "--model", m, "--seq", "128", "--batch", b, "--precision",
                                       "mixed_bfloat16", "--steps", steps, "--variants", args.variants], clock, 90)
-    out["hf"] = _child(args, ["hf", "--model", m, "--seq", "128", "--batch", b, "--steps", steps,
-                              "--variants", args.variants], clock, 120)
+    out["hf"] = None if "hf" in skip else _child(args, ["hf", "--model", m, "--seq", "128", "--batch", b, "--steps",
+                                                        steps, "--variants", args.variants,
+                                                        "--hf-modes", args.hf_modes], clock, 120)
     _save(args, out)
     out["memory"] = []
-    for pair in MEMORY_POINTS:
+    for pair in () if "memory" in skip else MEMORY_POINTS:
         out["memory"] += _children(args, [["memory", "--model", m, "--seq", str(seq), "--batch", str(batch),
                                            "--precision", p] for p, seq, batch in pair], clock, 60)
         _save(args, out)
@@ -656,20 +661,22 @@ def run_all(args) -> dict:
     total = _device_bytes()
     env = {"XLA_PYTHON_CLIENT_MEM_FRACTION": f"{min(0.95, parse_memory(args.cap) / total):.4f}"} if total else {}
     out["capped"] = []
-    for precision in args.cap_precisions.split(","):
+    for precision in () if "capped" in skip else args.cap_precisions.split(","):
         for seq in args.cap_seqs.split(","):
             out["capped"].append(_child(args, ["capped", "--model", m, "--seqs", seq, "--precision", precision,
                                                "--cap", args.cap], clock, 100, env))
             _save(args, out)
     # last: a diagnosis for the speed work, not a figure an issue asks for
-    out["profile"] = _child(args, ["profile", "--model", m, "--seq", "128", "--batch", b, "--precision",
+    out["profile"] = None if "profile" in skip else _child(args, ["profile", "--model", m, "--seq", "128", "--batch", b, "--precision",
                                    "mixed_bfloat16", "--steps", "5"], clock, 45)
     _save(args, out)
     out["xla"] = []
     for flags in args.xla_sets:
         env = {"XLA_FLAGS": " ".join(filter(None, (os.environ.get("XLA_FLAGS", ""), flags)))}
-        out["xla"].append(_child(args, ["throughput", "--model", m, "--seq", "128", "--batch", b, "--precision",
-                                        "mixed_bfloat16", "--steps", steps, "--variants", "default"], clock, 60, env))
+        # the same model variants as the throughput stage, so each flag set is compared with its own default
+        rows = _child(args, ["throughput", "--model", m, "--seq", "128", "--batch", b, "--precision",
+                             "mixed_bfloat16", "--steps", steps, "--variants", args.variants], clock, 60, env)
+        out["xla"] += rows if isinstance(rows, list) else [dict(rows, xla_flags=flags)]
         _save(args, out)
     report(out)
     return out
@@ -679,6 +686,13 @@ def _rows(value):
     if isinstance(value, list):
         return [r for r in value if isinstance(r, dict)]
     return [value] if isinstance(value, dict) and "error" not in value else []
+
+
+def _model_key(row: dict) -> tuple:
+    """A row's model overrides without kbert's code-path switches: the HF row a kbert row is compared with
+    (HF has no such switches, so `hf` runs each model once)."""
+    overrides = row.get("overrides") or []
+    return tuple(o for o in overrides if o.split("=", 1)[0] not in _implementation_choices(overrides))
 
 
 def _mfu(row: dict, peak_bf16) -> str:
@@ -716,7 +730,7 @@ def report(out: dict):
     if peak_bf16:
         print(f"\ndevice: {device}; measured matmul peak: bf16 {peak_bf16 / 1e12:.3g} TFLOP/s, fp32 (default "
               f"precision) {(peak_fp32 or 0) / 1e12:.3g} TFLOP/s")  # 3 digits: a CPU's peak is a fraction of one
-    compiled = {tuple(r.get("overrides") or []): r["tokens_per_s"] for r in runs if r.get("impl") == "hf-compile"}
+    compiled = {_model_key(r): r["tokens_per_s"] for r in runs if r.get("impl") == "hf-compile"}
     print("\n| implementation | overrides | seq | batch | step ms | tokens/s | MFU (of bf16 peak) | vs HF compiled |"
           " fused attention |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---|")
@@ -725,7 +739,7 @@ def report(out: dict):
             continue
         key = tuple(r.get("overrides") or [])
         mfu = _mfu(r, peak_bf16)
-        ratio = f"{r['tokens_per_s'] / compiled[key]:.2f}x" if key in compiled else "n/a"
+        ratio = f"{r['tokens_per_s'] / compiled[_model_key(r)]:.2f}x" if _model_key(r) in compiled else "n/a"
         print(f"| {r['impl']} | {' '.join(key) or 'BERT defaults'} | {r['seq']} | {r['batch']} | {r['step_ms']:.1f} | "
               f"{r['tokens_per_s']:,.0f} | {mfu} | {ratio} | {r.get('fused_attention', '')} |")
     prof = out.get("profile")
@@ -739,15 +753,18 @@ def report(out: dict):
         print("| kernel | kind | ms per step | share |\n|---|---|---:|---:|")
         for v in prof["top"]:
             print(f"| `{v['kernel']}` | {v['kind']} | {v['ms_per_step']:.2f} | {100 * v['share']:.1f}% |")
-    base = next((r for r in _rows(out.get("throughput")) if not r.get("overrides") and "tokens_per_s" in r), None)
-    xla_rows = [r for rows in out.get("xla", []) for r in _rows(rows) if "tokens_per_s" in r]
+    xla_rows = [r for r in _rows(out.get("xla")) if "tokens_per_s" in r]
     if xla_rows:
-        print("\n| XLA flags (BERT defaults otherwise) | step ms | tokens/s | MFU (of bf16 peak) | vs no flags |")
-        print("|---|---:|---:|---:|---:|")
-        for r in ([base] if base else []) + xla_rows:
-            ratio = f"{r['tokens_per_s'] / base['tokens_per_s']:.3f}" if base else "n/a"
-            print(f"| {r.get('xla_flags') or 'none'} | {r['step_ms']:.1f} | {r['tokens_per_s']:,.0f} | "
-                  f"{_mfu(r, peak_bf16)} | {ratio} |")
+        # each flag set against the same model variant with no flags (the throughput stage of this run)
+        base = {tuple(r.get("overrides") or []): r for r in _rows(out.get("throughput")) if "tokens_per_s" in r}
+        print("\n| XLA flags | overrides | step ms | tokens/s | MFU (of bf16 peak) | vs no flags | vs HF compiled |")
+        print("|---|---|---:|---:|---:|---:|---:|")
+        for r in list(base.values()) + xla_rows:
+            key = tuple(r.get("overrides") or [])
+            ratio = f"{r['tokens_per_s'] / base[key]['tokens_per_s']:.3f}" if key in base else "n/a"
+            hf_ratio = f"{r['tokens_per_s'] / compiled[_model_key(r)]:.2f}x" if _model_key(r) in compiled else "n/a"
+            print(f"| {r.get('xla_flags') or 'none'} | {' '.join(key) or 'BERT defaults'} | {r['step_ms']:.1f} | "
+                  f"{r['tokens_per_s']:,.0f} | {_mfu(r, peak_bf16)} | {ratio} | {hf_ratio} |")
     memory_rows = [r for r in out.get("memory", []) if r.get("measured_bytes")]
     if memory_rows:
         print("\n| model | seq | batch | precision | planned GB | XLA compiled GB | allocator peak GB | planned vs "
@@ -804,6 +821,8 @@ def main(argv=None):
     parser.add_argument("--cap-seqs", default="128,512", help="all: sequence lengths of the capped table")
     parser.add_argument("--cap-precisions", default="mixed_bfloat16", help="all: precisions of the capped table")
     parser.add_argument("--peak-n", type=int, default=8192, help="matrix size of the peak measurement")
+    parser.add_argument("--skip", default="", help="all: stages to leave out, ','-separated (throughput, hf, "
+                        "memory, capped, profile), for a device run aimed at one question")
     parser.add_argument("--budget", type=float, default=480, help="all: seconds; later stages are skipped past it")
     parser.add_argument("--child-timeout", type=int, default=300)
     parser.add_argument("--out", default=None)
@@ -813,6 +832,10 @@ def main(argv=None):
     args.set = [item for joined in args.set for item in joined.split(",") if item]
     if args.what == "all":
         args.xla_sets = xla_variants(args.xla_variants)  # a malformed set fails here, before any device time
+        args.skip_stages = [s for s in args.skip.split(",") if s]
+        unknown = set(args.skip_stages) - {"throughput", "hf", "memory", "capped", "profile"}
+        if unknown:
+            parser.error(f"--skip: unknown stage(s) {sorted(unknown)}; stages: throughput, hf, memory, capped, profile")
         run_all(args)
         return
     if args.what == "peak":

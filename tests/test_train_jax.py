@@ -380,6 +380,8 @@ def test_the_gpu_script_xla_flag_sets_parse_and_each_is_a_known_flag():
     assert gpu.xla_variants("none") == [] and gpu.xla_variants("") == []
     with pytest.raises(ValueError, match="'xla_a=1' is not an XLA flag"):
         gpu.xla_variants("xla_a=1")
+    with pytest.raises(SystemExit):  # `--skip` names only stages `all` has, before any device time
+        gpu.main(["all", "--skip", "memory,peaks"])
     for flags in gpu.xla_variants(gpu.XLA_VARIANTS):
         done = subprocess.run([sys.executable, "-c", "import jax.numpy as jnp; print(float((jnp.ones(2) + 1).sum()))"],
                               env=dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu"), capture_output=True,
