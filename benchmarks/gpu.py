@@ -54,7 +54,7 @@ os.environ.setdefault("KERAS_BACKEND", "jax")
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(_HERE))
 
-from kbert.train.flops import train_flops_per_step  # noqa: E402 (kbert from this checkout)
+from kbert.train.flops import pretrainer_last_layer_rows, train_flops_per_step  # noqa: E402 (this checkout's kbert)
 
 
 def matmul_peak(dtype: str, n: int = 8192, repeats: int = 10) -> float:
@@ -164,7 +164,7 @@ def throughput(model: str, seq: int, batch: int, precision: str, steps: int, voc
         logs, state = step(state, data)
     jax.block_until_ready((logs, state))
     elapsed = time.perf_counter() - t
-    flops = train_flops_per_step(config, batch, seq, predictions)
+    flops = train_flops_per_step(config, batch, seq, predictions, pretrainer_last_layer_rows(predictions))
     del state, data
     return {"impl": "kbert", "model": model, "seq": seq, "batch": batch, "precision": precision, "steps": steps,
             "step_ms": elapsed / steps * 1e3, "tokens_per_s": batch * seq * steps / elapsed,
@@ -528,7 +528,8 @@ def pretrain_check(records: str, tokenizer: str, model: str, batch: int, steps: 
     config.data.max_length = 128
     model_config = _model_config(config, Tokenizer.load(tokenizer))
     net, optimizer, variables = build_model_and_optimizer(config, model_config, policy, backend)
-    flops = train_flops_per_step(model_config, batch, 128, default_max_predictions(128))
+    flops = train_flops_per_step(model_config, batch, 128, default_max_predictions(128),
+                                 pretrainer_last_layer_rows(default_max_predictions(128)))
     data = dict(source=records, tokenizer=Tokenizer.load(tokenizer), objective="mlm+nsp", max_length=128,
                 mask_rate=0.15, max_predictions=None, whole_word=True, ngram=1, short_seq_prob=0.1, seed=0,
                 shuffle_buffer=10_000, workers=0)

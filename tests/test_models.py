@@ -127,6 +127,29 @@ def test_pretrainer_losses_and_accuracy():
     assert float(losses["loss"]) == pytest.approx(float(losses["mlm_loss"]) + float(losses["pair_loss"]), rel=1e-6)
 
 
+@pytest.mark.parametrize("architecture,norm_first", [("bert", False), ("bert", True), ("albert", False)])
+def test_pretrainer_last_block_at_the_predicted_positions_equals_the_full_block(architecture, norm_first):
+    """The Pretrainer runs its last block at [CLS] and the masked positions only (keys and values from every
+    token): the logits are the full model's, and its rows are the full sequence output's rows there."""
+    from kbert.models import layers
+
+    assert layers.last_layer_at_predictions()  # kbert's default
+    model = kbert.Pretrainer(kbert.build_backbone(tiny(architecture, norm_first=norm_first)))
+    batch = random_batch()
+    positions = np.array([[1, 2, 5], [3, 0, 0], [7, 7, 1], [0, 0, 0]], "int32")  # repeats and padding rows too
+    features = dict(batch, mask_positions=positions)
+    sparse = model(features, training=False)
+    with layers.implementation(last_layer="full"):
+        full = model(features, training=False)
+    assert tuple(sparse["mlm_logits"].shape) == (4, 3, 99)
+    for key in ("mlm_logits", "pair_logits"):
+        np.testing.assert_allclose(np.asarray(sparse[key]), np.asarray(full[key]), atol=2e-5)
+    rows = np.concatenate([np.zeros((4, 1), "int32"), positions], axis=1)
+    at = np.asarray(model.backbone.sequence_output_at(batch, rows))
+    seq = np.asarray(model.backbone(batch)["sequence_output"])
+    np.testing.assert_allclose(at, np.take_along_axis(seq, rows[..., None], axis=1), atol=2e-5)
+
+
 def test_mlm_head_is_tied_to_token_embedding():
     model = kbert.Pretrainer(kbert.build_backbone(tiny("bert")))
     from kbert.models.io import build_pretrainer
@@ -428,6 +451,24 @@ def run(fused):
 (fused_seq, fused_grads), (plain_seq, plain_grads) = run(True), run(False)
 np.testing.assert_allclose(fused_seq, plain_seq, atol=1e-5)
 for a, b in zip(fused_grads, plain_grads):  # float32 summation-order noise scales with the gradient's size
+    np.testing.assert_allclose(a, b, atol=1e-5 * max(1.0, float(np.abs(b).max())), rtol=1e-4)
+# The Pretrainer's last block at [CLS] and the masked positions only (kbert's default): the same logits and
+# gradients as the full last block, through the fused attention with 1 + p queries against s keys.
+pretrainer = kbert.Pretrainer(plain)
+features = dict(inputs, mask_positions=batch["mask_positions"])
+pretrainer(features)
+def heads(last_layer):
+    layers.set_implementation(last_layer=last_layer)
+    def loss(tv):
+        out, _ = pretrainer.stateless_call(tv, [v.value for v in pretrainer.non_trainable_variables], features,
+                                           training=True)
+        return (out["mlm_logits"] ** 2).sum() + (out["pair_logits"] ** 2).sum(), out["mlm_logits"]
+    (_, logits), grads = jax.value_and_grad(loss, has_aux=True)([v.value for v in pretrainer.trainable_variables])
+    return np.asarray(logits), [np.asarray(g) for g in grads]
+(sparse_logits, sparse_grads), (full_logits, full_grads) = heads("predicted"), heads("full")
+layers.set_implementation()
+np.testing.assert_allclose(sparse_logits, full_logits, atol=1e-4)
+for a, b in zip(sparse_grads, full_grads):
     np.testing.assert_allclose(a, b, atol=1e-5 * max(1.0, float(np.abs(b).max())), rtol=1e-4)
 # A training step runs on JAX too.
 keras.config.set_dtype_policy("mixed_bfloat16")

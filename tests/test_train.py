@@ -928,3 +928,22 @@ def test_old_name_max_seq_len_is_accepted_with_a_deprecation_warning(tmp_path):
     args = build_parser().parse_args(["data", "prepare", "--corpus", "x", "--tokenizer", "t", "--out", "o",
                                       "--max-seq-len", "64"])
     assert args.max_length == 64
+
+
+def test_model_flops_count_the_last_block_at_the_rows_it_computes():
+    """MFU's numerator by hand (h 4, i 8, 2 layers, vocab 10, seq 6, 2 predictions, batch 3): per token and
+    layer 4h^2 + 2hi + 4sh = 224; the head (h^2 + hv) p/s. kbert's Pretrainer computes its last block at
+    1 + p rows (the q/k/v projection at every token), and its MFU counts that, not the full block."""
+    from kbert.models import layers
+    from kbert.train.flops import pretrainer_last_layer_rows, train_flops_per_step
+
+    cfg = kbert.ModelConfig.preset("bert-tiny", hidden_size=4, intermediate_size=8, num_layers=2, num_heads=1,
+                                   vocab_size=10)
+    head = (16 + 40) * 2 / 6
+    assert train_flops_per_step(cfg, 3, 6, 2) == pytest.approx(6 * (2 * 224 + head) * 18)
+    assert train_flops_per_step(cfg, 3, 6, 2, last_layer_rows=6) == pytest.approx(train_flops_per_step(cfg, 3, 6, 2))
+    last = 3 * 16 + (16 + 64 + 96) * 3 / 6
+    assert train_flops_per_step(cfg, 3, 6, 2, last_layer_rows=3) == pytest.approx(6 * (224 + last + head) * 18)
+    assert pretrainer_last_layer_rows(20) == 21
+    with layers.implementation(last_layer="full"):
+        assert pretrainer_last_layer_rows(20) is None

@@ -8,7 +8,8 @@ import keras
 from keras import ops
 
 from kbert.models.config import ModelConfig
-from kbert.models.layers import Embeddings, MaskedLMHead, PairHead, Pooler, TransformerBlock, packed_inputs
+from kbert.models.layers import (Embeddings, MaskedLMHead, PairHead, Pooler, TransformerBlock,
+                                 last_layer_at_predictions, packed_inputs)
 
 INPUT_NAMES = ("token_ids", "segment_ids", "padding_mask")
 
@@ -79,6 +80,12 @@ class Backbone(keras.Model):
         return _encode(self.embeddings, self.blocks, self.final_norm, token_ids, ops.zeros_like(token_ids),
                        attend, positions)
 
+    def sequence_output_at(self, inputs, rows, training=None):
+        """`sequence_output` at `rows` [b, r] int only: [b, r, h], equal to gathering those rows from the full
+        output, with the last block computed at those rows alone (what a pretraining head reads)."""
+        return _encode(self.embeddings, self.blocks, self.final_norm, inputs["token_ids"], inputs["segment_ids"],
+                       inputs["padding_mask"], training=training, rows=rows)[-1]
+
     @property
     def token_embedding(self) -> keras.layers.Embedding:
         return self.embeddings.token_embedding
@@ -135,13 +142,15 @@ class AlbertBackbone(Backbone):
         return [groups[i // per_group] for i in range(config.num_layers)]
 
 
-def _encode(embeddings, blocks, final_norm, token_ids, segment_ids, mask, positions=None, training=None):
+def _encode(embeddings, blocks, final_norm, token_ids, segment_ids, mask, positions=None, training=None,
+            rows=None):
     """Embeddings, then the blocks: the hidden states (embedding output first; a pre-LN model's last one
-    normalized). `mask`: [b, s] padding mask or [b, s, s] attention mask (packed rows)."""
+    normalized). `mask`: [b, s] padding mask or [b, s, s] attention mask (packed rows). `rows` [b, r]: the
+    last block computes only those positions, so the last hidden state is [b, r, h]."""
     _, x = embeddings(token_ids, segment_ids, positions=positions, training=training)
     hidden = [x]
-    for block in blocks:
-        x = block(x, mask, training=training)
+    for i, block in enumerate(blocks):
+        x = block(x, mask, training=training, rows=rows if i == len(blocks) - 1 else None)
         hidden.append(x)
     if final_norm is not None:  # pre-LN: the last output is normalized, and so is its hidden state
         hidden[-1] = final_norm(x)
@@ -196,10 +205,21 @@ class Pretrainer(keras.Model):
                           if pair_objective else None)
 
     def call(self, features, training=None):
-        out = self.backbone({k: features[k] for k in INPUT_NAMES}, training=training)
-        result = {"mlm_logits": self.mlm_head(out["sequence_output"], features["mask_positions"])}
+        inputs = {k: features[k] for k in INPUT_NAMES}
+        if last_layer_at_predictions():
+            # the heads read [CLS] (pair head) and the masked positions (MLM head) alone, so the last block
+            # runs at those 1 + p rows only (the logits equal the full model's; `IMPLEMENTATIONS` has both)
+            positions = ops.cast(features["mask_positions"], "int32")  # [b, p]
+            rows = ops.concatenate([ops.zeros_like(positions[:, :1]), positions], axis=1)  # [b, 1 + p]
+            x = self.backbone.sequence_output_at(inputs, rows, training=training)  # [b, 1 + p, h]
+            result = {"mlm_logits": self.mlm_head(x[:, 1:], None)}
+            pooled = self.backbone.pooler(x) if self.pair_head is not None else None  # the pooler reads row 0
+        else:
+            out = self.backbone(inputs, training=training)
+            result = {"mlm_logits": self.mlm_head(out["sequence_output"], features["mask_positions"])}
+            pooled = out["pooled_output"]
         if self.pair_head is not None:
-            result["pair_logits"] = self.pair_head(out["pooled_output"])
+            result["pair_logits"] = self.pair_head(pooled)
         return result
 
     def compute_losses(self, features, labels, outputs=None, training=None) -> Dict[str, "keras.KerasTensor"]:

@@ -28,6 +28,9 @@ IMPLEMENTATIONS = {
     # how the fused kernel gets the padding mask: [b, 1, s, s] (cuDNN takes it) or [b, 1, 1, s] (cuDNN
     # refuses it, XLA's attention runs)
     "attention_mask": ("square", "broadcast"),
+    # pretraining: the last block computed only at [CLS] and the masked positions (all the heads read), or at
+    # every position
+    "last_layer": ("predicted", "full"),
 }
 _CHOSEN = {name: choices[0] for name, choices in IMPLEMENTATIONS.items()}
 _CHOSEN["attention_kernel"] = None
@@ -100,6 +103,11 @@ def _mix32(x):
     x = ops.bitwise_xor(x, ops.right_shift(x, _uint32(15)))
     x = x * _uint32(0x846CA68B)
     return ops.bitwise_xor(x, ops.right_shift(x, _uint32(16)))
+
+
+def last_layer_at_predictions() -> bool:
+    """Whether `Pretrainer` runs its last block only at [CLS] and the masked positions (`IMPLEMENTATIONS`)."""
+    return _CHOSEN["last_layer"] == "predicted"
 
 
 def _counter_hash_applies() -> bool:
@@ -226,12 +234,12 @@ def _fused_attention(q, k, v, padding_mask, scale):
     """
     if _CHOSEN["attention_kernel"] is not None:
         return _CHOSEN["attention_kernel"](q, k, v, padding_mask, scale)
-    if len(padding_mask.shape) == 3:  # packed rows: [b, s, s] already
+    if len(padding_mask.shape) == 3:  # packed rows: [b, s, s] already ([b, r, s] for queries at rows)
         return ops.dot_product_attention(q, k, v, mask=ops.cast(padding_mask, "bool")[:, None], scale=scale)
     keep = ops.cast(padding_mask, "bool")[:, None, None, :]  # [b, 1, 1, s]
     if _CHOSEN["attention_mask"] == "square":
-        b, s = ops.shape(q)[0], ops.shape(q)[1]
-        keep = ops.broadcast_to(keep, (b, 1, s, s))  # [b, 1, s, s]
+        b, queries, keys = ops.shape(q)[0], ops.shape(q)[1], ops.shape(k)[1]
+        keep = ops.broadcast_to(keep, (b, 1, queries, keys))  # [b, 1, s, s] ([b, 1, r, s] at rows)
     return ops.dot_product_attention(q, k, v, mask=keep, scale=scale)
 
 
@@ -316,19 +324,32 @@ class TransformerBlock(keras.layers.Layer):
         self.output_dense.build(lead + (i,))
         self.output_norm.build(lead + (h,))
 
-    def call(self, x, padding_mask, training=None):
+    def call(self, x, padding_mask, training=None, rows=None):
+        """x [b, s, h] -> [b, s, h]; with `rows` [b, r] int, the output at those positions only, [b, r, h]
+        (keys and values still come from every token, so each row equals the full output's row there):
+        a pretraining step reads the last layer at [CLS] and the masked positions alone, so for BERT-Base at
+        seq 128 with 20 predictions the last block's attention output and feed-forward run on 21 rows, not 128."""
+        at = (lambda t: t) if rows is None else (lambda t: gather_positions(t, rows))
         if self.config.norm_first:  # x + attn(LN(x)), then x + ffn(LN(x))
-            x = x + self._attention(self.attention_norm(x), padding_mask, training)
+            x = at(x) + self._attention(self.attention_norm(x), padding_mask, training, rows)
             return x + self._feed_forward(self.output_norm(x), training)
-        x = self.attention_norm(x + self._attention(x, padding_mask, training))
+        x = self.attention_norm(at(x) + self._attention(x, padding_mask, training, rows))
         return self.output_norm(x + self._feed_forward(x, training))
 
-    def _attention(self, x, padding_mask, training):
+    def _attention(self, x, padding_mask, training, rows=None):
         cfg = self.config
         b, s = ops.shape(x)[0], ops.shape(x)[1]
         n, d = cfg.num_heads, cfg.head_size
         # split (not slicing): its gradient is a concat, where a strided slice's gradient pads and adds.
-        q, k, v = (ops.reshape(t, (b, s, n, d)) for t in ops.split(self.qkv(x), 3, axis=-1))  # [b, s, n, d]
+        q, k, v = ops.split(self.qkv(x), 3, axis=-1)  # [b, s, h] each
+        if rows is not None:
+            # queries at `rows` only (the projection stays one fused [h, 3h] matmul over every token: the q
+            # third of it at the other rows is the price of keeping one kernel)
+            q = gather_positions(q, rows)  # [b, r, h]
+            if len(padding_mask.shape) == 3:  # packed rows: each query's own [s] mask row
+                padding_mask = gather_positions(padding_mask, rows)  # [b, r, s]
+        q = ops.reshape(q, (b, ops.shape(q)[1], n, d))  # [b, s, n, d] ([b, r, n, d] at rows)
+        k, v = (ops.reshape(t, (b, s, n, d)) for t in (k, v))  # [b, s, n, d]
         if _fused_attention_applies(self.attention_dropout.rate, training):
             context = _fused_attention(q, k, v, padding_mask, self.scale)  # [b, s, n, d]
         else:
@@ -337,7 +358,7 @@ class TransformerBlock(keras.layers.Layer):
             probs = ops.softmax(ops.cast(scores, "float32") + attention_bias(padding_mask), axis=-1)
             probs = self.attention_dropout(ops.cast(probs, x.dtype), training=training)
             context = ops.einsum("bnqk,bknd->bqnd", probs, v)  # [b, s, n, d]
-        context = ops.reshape(context, (b, s, n * d))  # [b, s, h]
+        context = ops.reshape(context, (b, ops.shape(q)[1], n * d))  # [b, s, h] ([b, r, h] at rows)
         return self.hidden_dropout(self.attention_output(context), training=training)
 
     def _feed_forward(self, x, training):
@@ -362,9 +383,20 @@ class Pooler(keras.layers.Layer):
 
 
 def gather_positions(x, positions):
-    """x [b, s, h], positions [b, p] int -> [b, p, h]."""
-    positions = ops.cast(positions, "int32")
-    return ops.take_along_axis(x, positions[:, :, None], axis=1)
+    """x [b, s, ...] (e.g. [b, s, h]), positions [b, p] int -> [b, p, ...].
+
+    Float tensors of rank 3 are gathered as a product with one-hot rows, [b, p, s] x [b, s, h]: its
+    gradient is another small batched matmul, where a gather's is a scatter-add, which XLA on CPU runs as
+    a slow serial loop (the matmul costs 2 b p s h FLOPs, under 0.01% of a BERT-Base step). Other tensors
+    take `take_along_axis`.
+    """
+    index = ops.cast(positions, "int32")
+    if len(x.shape) == 3 and "float" in keras.backend.standardize_dtype(x.dtype):
+        one_hot = ops.one_hot(index, ops.shape(x)[1], dtype=x.dtype)  # [b, p, s]
+        return ops.einsum("bps,bsh->bph", one_hot, x)
+    for _ in range(len(x.shape) - 2):
+        index = index[..., None]  # [b, p, 1, ...]: broadcast over the trailing axes
+    return ops.take_along_axis(x, index, axis=1)
 
 
 class MaskedLMHead(keras.layers.Layer):
@@ -390,7 +422,9 @@ class MaskedLMHead(keras.layers.Layer):
         self.bias = self.add_weight(name="bias", shape=(self.config.vocab_size,), initializer="zeros")
 
     def call(self, sequence_output, mask_positions):
-        x = gather_positions(sequence_output, mask_positions)  # [b, p, h]
+        """sequence_output [b, s, h] and mask_positions [b, p] -> float32 logits [b, p, v]; mask_positions
+        None: `sequence_output` holds the masked positions' states already ([b, p, h])."""
+        x = sequence_output if mask_positions is None else gather_positions(sequence_output, mask_positions)
         x = self.norm(self.act(self.transform(x)))  # [b, p, e]
         table = ops.cast(self.token_embedding.embeddings, x.dtype)  # [v, e]
         logits = ops.matmul(x, ops.transpose(table))  # [b, p, v]

@@ -20,14 +20,24 @@ PEAK_BF16 = {
 }
 
 
-def train_flops_per_step(config, batch: int, seq: int, predictions: int) -> float:
+def train_flops_per_step(config, batch: int, seq: int, predictions: int, last_layer_rows: Optional[int] = None) -> float:
     """Model FLOPs of one training step of `batch` sequences of `seq` tokens with `predictions` masked
-    positions each: 3 x 2 x (matmul parameters per token + attention + MLM head at the masked positions)."""
+    positions each: 3 x 2 x (matmul parameters per token + attention + MLM head at the masked positions).
+    `last_layer_rows`: the positions the last block computes (kbert's `Pretrainer`: [CLS] and the masked
+    positions, 1 + predictions; its q/k/v projection still runs at every token); default: every position."""
     h, i, layers, v = config.hidden_size, config.intermediate_size, config.num_layers, config.vocab_size
-    per_token = layers * (4 * h * h + 2 * h * i)
-    attention = layers * 2 * 2 * seq * h
+    layer = 4 * h * h + 2 * h * i + 2 * 2 * seq * h  # per token: q/k/v, attention output, feed-forward, scores
+    rows = seq if last_layer_rows is None else min(int(last_layer_rows), seq)
+    last = 3 * h * h + (h * h + 2 * h * i + 2 * 2 * seq * h) * rows / seq
     head = (h * h + h * v) * predictions / seq
-    return 3 * 2 * (per_token + attention + head) * batch * seq
+    return 3 * 2 * ((layers - 1) * layer + last + head) * batch * seq
+
+
+def pretrainer_last_layer_rows(predictions: int) -> Optional[int]:
+    """`last_layer_rows` of kbert's `Pretrainer` under the code path chosen now (`IMPLEMENTATIONS`)."""
+    from kbert.models.layers import last_layer_at_predictions
+
+    return 1 + predictions if last_layer_at_predictions() else None
 
 
 def peak_flops(device_name: str) -> Optional[float]:

@@ -305,7 +305,7 @@ def pretrain(config: Union[PretrainConfig, dict, str], overrides=None, resume: b
     from kbert.train import faults
     from kbert.train.backend import make_backend
     from kbert.train.flops import mfu as model_flops_utilization
-    from kbert.train.flops import train_flops_per_step
+    from kbert.train.flops import pretrainer_last_layer_rows, train_flops_per_step
     from kbert.train.optimizers import sync_iterations
     from kbert.train.run_checkpoint import RunCheckpoints
     from kbert.utils import StopSignals, progress_bar
@@ -402,8 +402,10 @@ def pretrain(config: Union[PretrainConfig, dict, str], overrides=None, resume: b
     train_step = backend.compile_step(model, optimizer, variables, t.accumulation, precision)
     write_scalars = backend.scalar_writer(os.path.join(out, "logs"))
     tokens_per_step = t.batch_size * d.max_length
-    flops_per_step = train_flops_per_step(model_config, t.batch_size, d.max_length,
-                                          d.max_predictions or default_max_predictions(d.max_length, d.mask_rate))
+    predictions = d.max_predictions or default_max_predictions(d.max_length, d.mask_rate)
+    # kbert's Pretrainer runs its last block at [CLS] and the masked positions only: count what it computes
+    rows = pretrainer_last_layer_rows(predictions) if d.objective != "electra" else None
+    flops_per_step = train_flops_per_step(model_config, t.batch_size, d.max_length, predictions, rows)
     bar = progress_bar(total=t.steps, desc="pretrain", unit="step", enabled=progress)
     bar.update(start)
     history, recent = [], collections.deque(maxlen=_RECENT_STEPS)

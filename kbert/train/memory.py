@@ -21,6 +21,10 @@
 - attention scores and softmax per head: `ATTN_BYTES_PER_SCORE` seq x seq tensors per layer (more with
   attention dropout, for its mask);
 - the masked-LM head: logits, softmax and their gradient at the masked positions only;
+- every layer counted at every position, the last one included, although kbert's `Pretrainer` computes its
+  last block at [CLS] and the masked positions only (`kbert.models.layers.IMPLEMENTATIONS["last_layer"]`):
+  the estimate keeps that block's activations (a few percent of a BERT-Base step's bytes) as margin on the
+  side of fitting, since the coefficients were chosen on steps that computed it in full;
 - activation recomputation keeps only each layer's input (1 tensor of size hidden per token) plus one
   layer's full activations; gradient accumulation divides the batch that must fit by the number of
   micro-batches and adds one fp32 accumulator per parameter.
