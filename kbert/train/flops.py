@@ -2,7 +2,8 @@
 
 MFU = the model's matmul FLOPs per second / the device's peak, the PaLM paper's convention: 6 x matmul
 parameters per token (forward 2, backward 4), the attention score and value matmuls, and the MLM head at the
-masked positions only (what kbert computes); no recomputation counted. The peaks are the vendors' dense
+masked positions only (what kbert computes; likewise the last block at [CLS] and the masked positions, where
+kbert's `Pretrainer` computes it only there); no recomputation counted. The peaks are the vendors' dense
 bf16 figures per chip; a device not listed shows no MFU rather than a guess. `benchmarks/gpu.py` measures the
 matmul peak of the device at hand for its own figures.
 """
