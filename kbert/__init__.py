@@ -16,7 +16,7 @@ def _default_backend() -> None:
     Keras' own default is TensorFlow, which would fail to import there."""
     import importlib.util
 
-    if "KERAS_BACKEND" in os.environ or importlib.util.find_spec("tensorflow") is not None:
+    if os.environ.get("KERAS_BACKEND") or importlib.util.find_spec("tensorflow") is not None:  # set and not empty
         return
     if importlib.util.find_spec("jax") is not None:
         os.environ["KERAS_BACKEND"] = "jax"

@@ -661,7 +661,7 @@ def _quiet_tensorflow_start() -> None:
     before any log level applies, so TF_CPP_MIN_LOG_LEVEL cannot hide them. Skipped on another Keras backend,
     when TensorFlow is already imported, or when the user asked for TensorFlow's logs
     (TF_CPP_MIN_LOG_LEVEL=0 or 1)."""
-    if (os.environ.get("KERAS_BACKEND", "tensorflow") != "tensorflow" or "tensorflow" in sys.modules
+    if ((os.environ.get("KERAS_BACKEND") or "tensorflow") != "tensorflow" or "tensorflow" in sys.modules
             or os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2") in ("0", "1")):
         return
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
