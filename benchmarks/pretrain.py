@@ -30,7 +30,9 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(_HERE))
 sys.path.insert(0, _HERE)
 
-from train_step import matmul_peak, train_flops_per_step  # noqa: E402
+from train_step import matmul_peak  # noqa: E402
+
+from kbert.train.flops import pretrainer_last_layer_rows, train_flops_per_step  # noqa: E402
 
 
 def main(argv=None):
@@ -44,6 +46,8 @@ def main(argv=None):
                         help="comma-separated runtime.precision values, each model in each (float32 first: the reference)")
     parser.add_argument("--backends", default=None,
                         help="comma-separated Keras backends to compare (a child process each); default: the current one")
+    parser.add_argument("--jit", default="auto", choices=("auto", "true", "false"),
+                        help="runtime.jit (XLA for the step; auto: on for float32 on one CPU, off for bf16 there)")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON lines (what a child reports)")
     args = parser.parse_args(argv)
     if args.backends:
@@ -67,9 +71,8 @@ def main(argv=None):
     for name in args.models.split(","):
         cfg = ModelConfig.preset(name, vocab_size=args.vocab_size)
         predictions = default_max_predictions(args.seq)
-        flops = train_flops_per_step({"hidden": cfg.hidden_size, "intermediate": cfg.intermediate_size,
-                                      "layers": cfg.num_layers, "vocab": cfg.vocab_size}, args.batch, args.seq,
-                                     predictions)
+        # what kbert.pretrain computes (its last block at [CLS] and the masked positions), as its own MFU
+        flops = train_flops_per_step(cfg, args.batch, args.seq, predictions, pretrainer_last_layer_rows(predictions))
         first = None
         for precision in precisions:
             config = {"model": {"preset": name, "vocab_size": args.vocab_size},
@@ -78,7 +81,7 @@ def main(argv=None):
                       "optimizer": {"learning_rate": 1e-4, "warmup_steps": 10},
                       "trainer": {"steps": args.steps, "batch_size": args.batch, "log_every": 10,
                                   "checkpoint_every": 10 ** 9},
-                      "runtime": {"strategy": "auto", "precision": precision}}
+                      "runtime": {"strategy": "auto", "precision": precision, "jit": {"auto": "auto", "true": True, "false": False}[args.jit]}}
             out = os.path.join(tmp, f"{name}-{precision}")
             kbert.pretrain(dict(config, output_dir=out), progress=False, stop_after=5)  # compile + warm-up
             t0 = time.perf_counter()

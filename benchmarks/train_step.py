@@ -53,13 +53,15 @@ def matmul_peak(n=1024, repeats=20, dtype="float32"):
     return best
 
 
-def train_flops_per_step(cfg, batch, seq, predictions):
-    """6 * (matmul params per token) * tokens + attention matmuls + the MLM head at masked positions."""
-    h, i, layers, v = cfg["hidden"], cfg["intermediate"], cfg["layers"], cfg["vocab"]
-    per_token = layers * (4 * h * h + 2 * h * i)
-    attention = layers * 2 * 2 * seq * h  # QK^T and PV per token, forward
-    head = (h * h + h * v) * predictions / seq
-    return 3 * 2 * (per_token + attention + head) * batch * seq
+def train_flops_per_step(cfg, batch, seq, predictions, last_layer_rows=None):
+    """kbert.train.flops' count for the dict config here: 6 * (matmul params per token) * tokens + attention
+    matmuls + the MLM head at masked positions; `last_layer_rows`: the positions the last block computes."""
+    import kbert
+    from kbert.train.flops import train_flops_per_step as count
+
+    config = kbert.ModelConfig(architecture="bert", vocab_size=cfg["vocab"], hidden_size=cfg["hidden"],
+                               num_layers=cfg["layers"], num_heads=cfg["heads"], intermediate_size=cfg["intermediate"])
+    return count(config, batch, seq, predictions, last_layer_rows)
 
 
 def build_kbert(cfg, jit_compile):
@@ -133,7 +135,12 @@ def main(argv=None):
             times[name].append((time.perf_counter() - t) / args.steps)
 
     peak = matmul_peak()
-    flops = train_flops_per_step(cfg, args.batch, args.seq, args.predictions)
+    # each model's own computation: kbert's Pretrainer runs its last block at [CLS] + the masked positions only
+    from kbert.train.flops import pretrainer_last_layer_rows
+
+    flops = {name: train_flops_per_step(cfg, args.batch, args.seq, args.predictions,
+                                        pretrainer_last_layer_rows(args.predictions) if name == "kbert" else None)
+             for name in models}
     tokens = args.batch * args.seq
     print(f"config: L={cfg['layers']} H={cfg['hidden']} A={cfg['heads']} I={cfg['intermediate']} "
           f"vocab={cfg['vocab']} seq={args.seq} batch={args.batch} predictions={args.predictions} "
@@ -144,7 +151,7 @@ def main(argv=None):
         step_time = statistics.median(ts)
         rates[name] = tokens / step_time
         print(f"{name:10s} {rates[name]:9.0f} tokens/s  step {step_time * 1e3:7.1f} ms  "
-              f"MFU {flops / step_time / peak * 100:5.1f}%  params {models[name][0].count_params():,}")
+              f"MFU {flops[name] / step_time / peak * 100:5.1f}%  params {models[name][0].count_params():,}")
     if "keras-hub" in rates:
         print(f"ratio kbert / keras-hub: {rates['kbert'] / rates['keras-hub']:.2f}x (goal >= 1.25x)")
 
