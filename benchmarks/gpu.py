@@ -81,8 +81,12 @@ def matmul_peak(dtype: str, n: int = 8192, repeats: int = 10) -> float:
 def _lengths_kernel(q, k, v, padding_mask, scale):
     import jax
 
+    import jax.numpy as jnp
+
     lengths = padding_mask.astype("int32").sum(1)  # [b]
-    return jax.nn.dot_product_attention(q, k, v, scale=scale, implementation="cudnn", query_seq_lengths=lengths,
+    # the Pretrainer's last block has 1 + p queries (at [CLS] and the masked positions), every one of them real
+    queries = lengths if q.shape[1] == k.shape[1] else jnp.full_like(lengths, q.shape[1])
+    return jax.nn.dot_product_attention(q, k, v, scale=scale, implementation="cudnn", query_seq_lengths=queries,
                                         key_value_seq_lengths=lengths)
 
 
