@@ -518,6 +518,17 @@ def _electra_case():
     return model, features, labels
 
 
+def test_electra_generator_last_block_at_the_masked_positions_equals_the_full_block():
+    from kbert.models import layers
+
+    model, features, _ = _electra_case()
+    sparse = np.asarray(model(features, training=False)["mlm_logits"])
+    with layers.implementation(last_layer="full"):
+        full = np.asarray(model(features, training=False)["mlm_logits"])
+    assert sparse.shape == (4, 3, 99)
+    np.testing.assert_allclose(sparse, full, atol=2e-5)
+
+
 def test_electra_generator_is_a_quarter_of_the_discriminator():
     from kbert.models.electra import generator_config
 

@@ -20,7 +20,7 @@ from keras import ops
 
 from kbert.models.backbone import INPUT_NAMES, Backbone, build_backbone, pretraining_losses
 from kbert.models.config import ModelConfig
-from kbert.models.layers import MaskedLMHead, activation, initializer
+from kbert.models.layers import MaskedLMHead, activation, initializer, last_layer_at_predictions
 
 
 def generator_config(config: ModelConfig, size: float = 0.25) -> ModelConfig:
@@ -110,7 +110,12 @@ class ElectraPretrainer(keras.Model):
         self.built = True
 
     def call(self, features, training=None):
-        out = self.generator({k: features[k] for k in INPUT_NAMES}, training=training)
+        inputs = {k: features[k] for k in INPUT_NAMES}
+        if last_layer_at_predictions():  # as `Pretrainer`: the generator's last block at the masked positions only
+            x = self.generator.sequence_output_at(inputs, ops.cast(features["mask_positions"], "int32"),
+                                                  training=training)  # [b, p, h]
+            return {"mlm_logits": self.mlm_head(x, None)}
+        out = self.generator(inputs, training=training)
         return {"mlm_logits": self.mlm_head(out["sequence_output"], features["mask_positions"])}
 
     def compute_losses(self, features, labels, outputs=None, training=None) -> Dict[str, "keras.KerasTensor"]:
