@@ -620,7 +620,8 @@ MEMORY_POINTS = ((("mixed_bfloat16", 128, 256), ("float32", 128, 256)),
 # measured (cuDNN GEMM fusions), then cuDNN's LayerNorm with cuBLASLt's bias/GELU epilogues together (each alone
 # moved nothing on an H200; benchmarks/README.md lists what was tried). Checked against jaxlib's flag list on CPU
 # (an unknown flag aborts the process at start).
-XLA_VARIANTS = "--xla_gpu_cudnn_gemm_fusion_level=2;--xla_gpu_enable_cudnn_layer_norm=true --xla_gpu_enable_cublaslt=true"
+XLA_VARIANTS = ("--xla_gpu_cudnn_gemm_fusion_level=2;"
+                "--xla_gpu_enable_cudnn_layer_norm=true --xla_gpu_enable_cublaslt=true")
 
 
 def xla_variants(spec: str) -> list:
@@ -650,11 +651,10 @@ def run_all(args) -> dict:
         out["pretrain"] = _child(args, ["pretrain", "--model", m, "--batch", b, "--records", args.records,
                                         "--steps-pretrain", str(args.steps_pretrain), "--out", run_dir], clock, 150)
         _save(args, out)
-    out["throughput"] = None if "throughput" in skip else _child(args, ["throughput", "--model", m, "--seq", "128", "--batch", b, "--precision",
-                                      "mixed_bfloat16", "--steps", steps, "--variants", args.variants], clock, 90)
-    out["hf"] = None if "hf" in skip else _child(args, ["hf", "--model", m, "--seq", "128", "--batch", b, "--steps",
-                                                        steps, "--variants", args.variants,
-                                                        "--hf-modes", args.hf_modes], clock, 120)
+    step_args = ["--model", m, "--seq", "128", "--batch", b, "--steps", steps, "--variants", args.variants]
+    out["throughput"] = None if "throughput" in skip else _child(
+        args, ["throughput", *step_args, "--precision", "mixed_bfloat16"], clock, 90)
+    out["hf"] = None if "hf" in skip else _child(args, ["hf", *step_args, "--hf-modes", args.hf_modes], clock, 120)
     _save(args, out)
     out["memory"] = []
     for pair in () if "memory" in skip else MEMORY_POINTS:
@@ -672,8 +672,9 @@ def run_all(args) -> dict:
                                                "--cap", args.cap], clock, 100, env))
             _save(args, out)
     # last: a diagnosis for the speed work, not a figure an issue asks for
-    out["profile"] = None if "profile" in skip else _child(args, ["profile", "--model", m, "--seq", "128", "--batch", b, "--precision",
-                                   "mixed_bfloat16", "--steps", "5"], clock, 45)
+    out["profile"] = None if "profile" in skip else _child(
+        args, ["profile", "--model", m, "--seq", "128", "--batch", b, "--precision", "mixed_bfloat16", "--steps", "5"],
+        clock, 45)
     _save(args, out)
     out["xla"] = []
     for flags in args.xla_sets:

@@ -81,7 +81,8 @@ def main(argv=None):
                       "optimizer": {"learning_rate": 1e-4, "warmup_steps": 10},
                       "trainer": {"steps": args.steps, "batch_size": args.batch, "log_every": 10,
                                   "checkpoint_every": 10 ** 9},
-                      "runtime": {"strategy": "auto", "precision": precision, "jit": {"auto": "auto", "true": True, "false": False}[args.jit]}}
+                      "runtime": {"strategy": "auto", "precision": precision,
+                                  "jit": {"auto": "auto", "true": True, "false": False}[args.jit]}}
             out = os.path.join(tmp, f"{name}-{precision}")
             kbert.pretrain(dict(config, output_dir=out), progress=False, stop_after=5)  # compile + warm-up
             t0 = time.perf_counter()

@@ -21,7 +21,8 @@ PEAK_BF16 = {
 }
 
 
-def train_flops_per_step(config, batch: int, seq: int, predictions: int, last_layer_rows: Optional[int] = None) -> float:
+def train_flops_per_step(config, batch: int, seq: int, predictions: int,
+                         last_layer_rows: Optional[int] = None) -> float:
     """Model FLOPs of one training step of `batch` sequences of `seq` tokens with `predictions` masked
     positions each: 3 x 2 x (matmul parameters per token + attention + MLM head at the masked positions).
     `last_layer_rows`: the positions the last block computes (kbert's `Pretrainer`: [CLS] and the masked
