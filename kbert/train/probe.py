@@ -452,7 +452,8 @@ def probe_table(model: str, seq_lens, optimizer: str = "adamw", precision: str =
                 memory=None, max_batch: int = 4096, verbose: bool = False, exact: bool = True,
                 probe: bool = True, workers: Optional[int] = None) -> List[Dict]:
     """For each sequence length: the analytic planner's max batch, the `--exact` one (JAX) and the probed
-    one (real steps, `probe=True`), with planned vs compiled vs measured bytes."""
+    one (real steps, `probe=True`), with planned vs compiled vs measured bytes; `seconds` per length (the
+    first row's include `startup_seconds`, the model and optimizer built once for the table)."""
 
     from kbert.models.config import ModelConfig
     from kbert.train.memory import estimate_memory, max_batch_size, parse_memory
@@ -466,6 +467,7 @@ def probe_table(model: str, seq_lens, optimizer: str = "adamw", precision: str =
     exact = exact and _backend() == "jax"
     config = ModelConfig.preset(model) if isinstance(model, str) else model
     total = parse_memory(memory) if memory else device_memory()
+    began = time.perf_counter()
     trainer = build_trainer(config, optimizer, precision)
     rows, host_state = [], None
     for seq in seq_lens:
@@ -473,6 +475,8 @@ def probe_table(model: str, seq_lens, optimizer: str = "adamw", precision: str =
         planned = max_batch_size(config, total, seq, optimizer=optimizer, precision=precision) if total else None
         row = {"seq_len": seq, "planned_batch": planned}
         step = CompiledStep(trainer, config, seq, host_state=host_state) if _backend() == "jax" else None
+        if not rows:  # once per table: the model and optimizer built, the state copied to the host
+            row["startup_seconds"] = time.perf_counter() - began
         host_state = step.host_state if step is not None else None
         start = planned or 8
         if exact:
