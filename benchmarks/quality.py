@@ -19,6 +19,9 @@
    `--only embeddings` runs issue 43's table instead (`--rows`: the bi-encoder, SimCSE, the contrastive
    multi-dataset recipes; chosen on a selection split cut from train, reported on KorSTS dev and question-pair
    dev), then `Embedder.search(..., lexical=w)` (hybrid search) with the chosen recipe's models.
+   `--pretrain-seeds n` (with `--only embeddings`) spends the same pretraining budget as n runs of 1/n each
+   (their own cached runs in OUT/pretrain-seedK), the chosen recipe on each, then their models as one
+   ensemble and one student model taught by it (Augmented SBERT's candidate pairs scored by the ensemble).
 
 Every stage writes its result under `--out` and is skipped when rerun (pretraining resumes from its last
 checkpoint), so an interrupted run continues where it stopped. Seeded: reruns give the same figures. A rerun
@@ -465,6 +468,139 @@ def embedding_stages(args, out, model_dir, sets):
     return tfidf, runs
 
 
+def ensemble_encoder(encoders):
+    """Several models as one: each model's unit vectors scaled by 1/sqrt(n) and concatenated, so the dot of two
+    results is the mean of the models' cosines (and the results are unit vectors again)."""
+    import numpy as np
+
+    scale = 1.0 / np.sqrt(len(encoders))
+    return lambda texts: np.concatenate([scale * np.asarray(encode(texts)) for encode in encoders], axis=1)
+
+
+def ensemble_silver(encode, rows, pairs):
+    """Augmented SBERT with an ensemble as the teacher: the cosine of `encode`'s vectors on each unlabelled pair,
+    mapped to the 0..5 scale of KorSTS by the least-squares line from cosine to score on the labelled `rows`
+    (the training pairs), clipped to 0..5. Returns the rows to train on: {sentence1, sentence2, score}."""
+    import numpy as np
+
+    def cosines(a, b):
+        return np.sum(encode(a) * encode(b), axis=1)
+
+    slope, intercept = np.polyfit(cosines([r["sentence1"] for r in rows], [r["sentence2"] for r in rows]),
+                                  [float(r["score"]) for r in rows], 1)
+    values = np.clip(slope * cosines([a for a, _ in pairs], [b for _, b in pairs]) + intercept, 0.0, 5.0)
+    return [{"sentence1": a, "sentence2": b, "score": round(float(v), 4)} for (a, b), v in zip(pairs, values)]
+
+
+ENSEMBLE_ROW = "simcse-weak-pairs-sts"  # the recipe each pretraining of `--pretrain-seeds` runs
+
+
+def member_command(args, k):
+    """The quality.py command of the ensemble's k-th pretraining: its own --out, --seed and a 1/n share of the
+    pretraining budget; the chosen recipe only; every other option as given."""
+    n = args.pretrain_seeds
+    out = os.path.join(args.out, f"pretrain-seed{args.seed + k}")  # with --small the run adds "-small" itself
+    cmd = [sys.executable, os.path.abspath(__file__), "--shared", args.shared, "--out", out,
+           "--seed", str(args.seed + k), "--only", "embeddings", "--rows", ENSEMBLE_ROW,
+           "--sts-seeds", str(args.sts_seeds), "--precision", args.precision, "--objective", args.objective,
+           "--embedding-init", args.embedding_init, "--morphemes", args.morphemes,
+           "--simcse-lines", str(args.simcse_lines), "--simcse-lr", str(args.simcse_lr)]
+    cmd += ["--steps", str(max(1, args.steps // n))] if args.steps else ["--minutes", f"{args.minutes / n:g}"]
+    if args.learning_rate:
+        cmd += ["--learning-rate", str(args.learning_rate)]
+    return cmd + (["--small"] if args.small else [])
+
+
+def member_dir(args, k):
+    return os.path.join(args.out, f"pretrain-seed{args.seed + k}") + ("-small" if args.small else "")
+
+
+def ensemble_stages(args):
+    """`--pretrain-seeds n`: n pretrainings of 1/n of the budget each (seeds --seed, --seed+1, ...), each running
+    the chosen recipe in OUT/pretrain-seedK (its own quality.py run, cached and resumable as any); then their
+    models as one ensemble (the mean of their cosines), and one student: the selection split's best member's
+    model before its KorSTS stage, trained on KorSTS train plus the Augmented-SBERT candidate pairs scored by
+    the ensemble. Returns the scored sets and {row: [result per fine-tuning seed]}."""
+    import subprocess
+
+    import kbert
+
+    n = args.pretrain_seeds
+    for k in range(n):
+        print(f"[pretrain-seed{args.seed + k}] {' '.join(member_command(args, k)[1:])}", flush=True)
+        done = subprocess.run(member_command(args, k))
+        if done.returncode:
+            sys.exit(f"the ensemble's pretraining {k + 1} of {n} (seed {args.seed + k}) stopped (exit "
+                     f"{done.returncode}); rerun the same command to resume it")
+    sets = embedding_sets(args.shared, os.path.join(member_dir(args, 0), "pretraining.txt"), args.simcse_lines,
+                          args.seed, args.small)
+    runs = {f"member-{k}": [] for k in range(n)}
+    runs.update(ensemble=[], student=[])
+    for i in range(args.sts_seeds):
+        chosen = []  # (member's result, its dir, the seed it fine-tuned with)
+        for k in range(n):
+            seed = args.seed + k + i
+            with open(os.path.join(member_dir(args, k), f"emb-weak-pairs-sts-seed{seed}.json"), encoding="utf-8") as f:
+                result = json.load(f)
+            runs[f"member-{k}"].append(result)
+            chosen.append((result, member_dir(args, k), seed))
+        embedders = [kbert.Embedder.load(os.path.join(d, f"emb-weak-pairs-sts-seed{seed}")) for _, d, seed in chosen]
+        encode = ensemble_encoder([functools.partial(e.encode, progress=False) for e in embedders])
+        runs["ensemble"].append(stage(args.out, f"emb-ensemble{n}-seed{args.seed + i}",
+                                      lambda: score_embeddings(encode, sets)))
+        best, start_dir, seed = max(chosen, key=lambda c: c[0]["sts_select"])
+        silver_path = os.path.join(args.out, f"emb-ensemble{n}-seed{args.seed + i}-silver.jsonl")
+
+        def silver():
+            pairs = silver_candidates(sets["sts_fit"], args.seed + i)[:2000 if args.small else None]
+            rows = ensemble_silver(encode, sets["sts_fit"], pairs)
+            with open(silver_path, "w", encoding="utf-8") as f:
+                f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+            return {"silver_pairs": len(rows), "silver_mean": sum(r["score"] for r in rows) / len(rows)}
+
+        stage(args.out, f"emb-ensemble{n}-seed{args.seed + i}-silver", silver)
+        name = f"emb-ensemble{n}-student-seed{args.seed + i}"
+        out_dir = os.path.join(args.out, name)
+
+        def student():
+            summary = kbert.finetune(os.path.join(start_dir, f"emb-weak-pairs-seed{seed}"), "sentence-embedding",
+                                     sets["sts_fit"] + read_jsonl(silver_path), sets["sts_select"], out_dir=out_dir,
+                                     text_column="sentence1", pair_column="sentence2", label_column="score",
+                                     layers="all", max_length=64, patience=None, progress=True, backbone_dropout=0.0,
+                                     epochs=1 if args.small else 2, batch_size=32, learning_rate=2e-4,
+                                     seed=args.seed + i)
+            if summary["checkpoint"]:
+                return {"checkpoint": summary["checkpoint"], "stopped_by": summary["stopped_by"]}
+            emb = kbert.Embedder.load(out_dir)
+            return {"select_history": [h.get("dev_spearman") for h in summary["history"]],
+                    "best_step": summary["best_step"], "start": os.path.relpath(start_dir, args.out),
+                    **score_embeddings(lambda texts: emb.encode(texts, progress=False), sets)}
+
+        runs["student"].append(dict(stage(args.out, name, student), model=name))
+    return sets, runs
+
+
+def print_ensemble_table(tfidf, runs, n):
+    import numpy as np
+
+    cols = ("sts_select", "qp_select", "sts_dev", "qp_dev")
+    seeds = len(runs["student"])
+    print(f"\n| {n} pretrainings of 1/{n} the budget each (mean of {seeds} fine-tuning seed(s)) | KorSTS selection "
+          f"Spearman | question-pair selection recall@1 | **KorSTS dev Spearman** | **question-pair dev recall@1** |")
+    print("|---|---:|---:|---:|---:|")
+    print("| TF-IDF char 1-3 cosine | " + " | ".join(f"{tfidf[c]:.4f}" for c in cols) + " |")
+    labels = {f"member-{k}": f"pretraining {k + 1} of {n}, the chosen recipe" for k in range(n)}
+    labels.update(ensemble=f"the {n} models together (mean cosine; {n} models to serve)",
+                  student="one student: KorSTS train + candidate pairs scored by the ensemble")
+    means = {}
+    for key, results in runs.items():
+        means[key] = {c: float(np.mean([r[c] for r in results])) for c in cols}
+        each = {c: ", ".join(f"{r[c]:.3f}" for r in results) for c in cols}
+        print(f"| {labels[key]} | " + " | ".join(f"{means[key][c]:.4f} ({each[c]})" for c in cols) + " |")
+    for c, name in (("sts_select", "KorSTS selection"), ("sts_dev", "KorSTS dev")):
+        print(f"  the student on {name}: {100 * (means['student'][c] - tfidf[c]):+.1f} points over TF-IDF (goal >= +5)")
+
+
 HYBRID_WEIGHTS = (0.0, 0.2, 0.4, 0.5, 0.6, 0.7, 0.8, 1.0)
 
 
@@ -590,6 +726,10 @@ def main():
     parser.add_argument("--multi-dropout", type=float, default=0.0,
                         help="backbone dropout in the multi-dataset run (0: as the bi-encoder's regression)")
     parser.add_argument("--small", action="store_true", help="a few minutes end to end (checks the chain)")
+    parser.add_argument("--pretrain-seeds", type=int, default=1,
+                        help="with --only embeddings: n > 1 splits the pretraining budget into n runs of 1/n each "
+                             "(seeds --seed, --seed+1, ...; OUT/pretrain-seedK), each running the chosen recipe, "
+                             "then scores their ensemble and one student taught by it (the table's last rows)")
     parser.add_argument("--rows", default="default",
                         help=f"the embedding table's rows to run: default ({','.join(DEFAULT_ROWS)}), all, or "
                              f"some of {','.join(EMBEDDING_ROWS)}, comma-separated (the stages a row starts from "
@@ -600,6 +740,8 @@ def main():
     unknown = set(args.rows.split(",")) - set(EMBEDDING_ROWS) if args.rows not in ("default", "all") else set()
     if unknown:
         parser.error(f"--rows: unknown {sorted(unknown)}; choose from {','.join(EMBEDDING_ROWS)}")
+    if args.pretrain_seeds < 1 or (args.pretrain_seeds > 1 and args.only != "embeddings"):
+        parser.error(f"--pretrain-seeds {args.pretrain_seeds}: a whole number >= 1; above 1 only with --only embeddings")
     if args.sts_seeds < 1:
         parser.error(f"--sts-seeds must be at least 1, got {args.sts_seeds}")
     # the TF-IDF baselines run after the pretraining: a missing package must stop the run before that hour
@@ -621,10 +763,17 @@ def main():
     if args.precision == "auto":
         args.precision = "mixed_bfloat16" if cpu_has_native_bf16() else "float32"
 
+    t0 = time.time()
+    if args.pretrain_seeds > 1:  # the ensemble's pretrainings run as their own cached quality.py runs
+        sets, runs = ensemble_stages(args)
+        tfidf = stage(args.out, "emb-tfidf", lambda: score_embeddings(tfidf_encoder(sets), sets))
+        print_ensemble_table(tfidf, runs, args.pretrain_seeds)
+        print(f"(total {(time.time() - t0) / 60:.1f} min this run)")
+        return
+
     reviews = os.path.join(args.shared, "movie-reviews", "reviews.tsv.gz")
     statutes = os.path.join(args.shared, "korean-statutes", "documents.jsonl.gz")
     korsts = os.path.join(args.shared, "korsts")
-    t0 = time.time()
 
     # 1. text and vocabulary
     text = os.path.join(args.out, "pretraining.txt")

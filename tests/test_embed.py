@@ -448,3 +448,46 @@ def test_weak_pairs_match_numbered_issues_to_holdings_and_statute_titles_to_thei
     assert sorted((r["anchor"], r["positive"]) for r in rows) == sorted(
         [(issue1, held1), (issue2, held2), ("어떤 법률", "이 법은 국민의 안전을 목적으로 한다.")])
     assert quality.weak_pairs(str(tmp_path), seed=0) == rows  # seeded order
+
+
+def test_quality_ensemble_averages_cosines_and_scores_candidates_on_the_training_pairs_scale():
+    """benchmarks/quality.py's `--pretrain-seeds`: the ensemble's dot is the mean of its models' cosines (unit
+    vectors again), its silver scores follow the line from cosine to score fitted on the labelled pairs,
+    clipped to 0..5, and each pretraining gets its own seed, dir and 1/n of the steps."""
+    import argparse
+    import importlib.util
+    import os
+
+    import numpy as np
+
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "quality.py")
+    spec = importlib.util.spec_from_file_location("quality_benchmark", path)
+    quality = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(quality)
+    angle = {"a": 0.0, "b": 0.5, "c": 1.0, "d": 2.0, "e": 3.0}  # sentence -> angle of its unit vector
+
+    def model(turn):  # a "model": unit vectors in 2-D, its angles scaled by `turn`
+        return lambda texts: np.array([[np.cos(turn * angle[t]), np.sin(turn * angle[t])] for t in texts])
+
+    one, two = model(1.0), model(0.5)
+    both = quality.ensemble_encoder([one, two])
+    x, y = both(["a", "b", "d"]), both(["c", "e", "a"])
+    np.testing.assert_allclose(np.linalg.norm(x, axis=1), 1.0, rtol=1e-6)
+    mean_cos = (np.sum(one(["a", "b", "d"]) * one(["c", "e", "a"]), 1) + np.sum(two(["a", "b", "d"]) * two(["c", "e", "a"]), 1)) / 2
+    np.testing.assert_allclose(np.sum(x * y, axis=1), mean_cos, rtol=1e-6)
+
+    cos = lambda s, t: float(np.sum(one([s]) * one([t])))  # noqa: E731
+    rows = [{"sentence1": s, "sentence2": t, "score": str(2.0 + 3.0 * cos(s, t))} for s, t in
+            (("a", "b"), ("a", "c"), ("b", "d"), ("a", "d"))]
+    silver = quality.ensemble_silver(one, rows, [("b", "c"), ("a", "e")])
+    assert [(r["sentence1"], r["sentence2"]) for r in silver] == [("b", "c"), ("a", "e")]
+    assert silver[0]["score"] == pytest.approx(min(5.0, 2.0 + 3.0 * cos("b", "c")), abs=1e-3)
+    assert silver[1]["score"] == pytest.approx(0.0)  # cos(0, 3) = -0.99: 2 - 2.97 < 0, clipped
+
+    args = argparse.Namespace(pretrain_seeds=2, out="/tmp/q", seed=3, shared="/data", sts_seeds=1, steps=5574,
+                              minutes=55.0, precision="float32", objective="mlm", embedding_init="cooccurrence",
+                              morphemes="none", simcse_lines=50000, simcse_lr=1e-4, learning_rate=None, small=False)
+    cmd = quality.member_command(args, 1)
+    assert cmd[cmd.index("--steps") + 1] == "2787" and cmd[cmd.index("--seed") + 1] == "4"
+    assert cmd[cmd.index("--out") + 1] == quality.member_dir(args, 1) == os.path.join("/tmp/q", "pretrain-seed4")
+    assert cmd[cmd.index("--rows") + 1] == quality.ENSEMBLE_ROW and "--minutes" not in cmd
