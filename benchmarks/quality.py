@@ -24,7 +24,8 @@
    ensemble and one student model taught by it (Augmented SBERT's candidate pairs scored by the ensemble).
 
 Every stage writes its result under `--out` and is skipped when rerun (pretraining resumes from its last
-checkpoint), so an interrupted run continues where it stopped. Seeded: reruns give the same figures. A rerun
+checkpoint), so an interrupted run continues where it stopped. Seeded, but not bit-reproducible across
+machines (bf16 CPU kernels and thread counts differ; benchmarks/README.md, stop 61: about a point). A rerun
 with another `--epochs` or `--max-length` on the same `--out` reuses stages 1, 2 and 4 and fine-tunes the
 sentiment models again (stages `sentiment-*-Nep-lenL`).
 
@@ -685,7 +686,7 @@ def main():
     parser.add_argument("--minutes", type=float, default=55.0, help="pretraining wall-clock budget")
     parser.add_argument("--steps", type=int, default=None,
                         help="pretraining steps (default: as many as --minutes allows, from a 60-step calibration); "
-                             "the figures are reproducible for a fixed step count and seed")
+                             "a fixed step count and seed make runs comparable across machines of different speed")
     parser.add_argument("--train-examples", type=int, default=150000,
                         help="sentiment training examples (NSMC has 150,000)")
     parser.add_argument("--epochs", type=float, default=2.0,
