@@ -452,8 +452,8 @@ def probe_table(model: str, seq_lens, optimizer: str = "adamw", precision: str =
                 memory=None, max_batch: int = 4096, verbose: bool = False, exact: bool = True,
                 probe: bool = True, workers: Optional[int] = None) -> List[Dict]:
     """For each sequence length: the analytic planner's max batch, the `--exact` one (JAX) and the probed
-    one (real steps, `probe=True`), with planned vs compiled vs measured bytes; `seconds` per length (the
-    first row's include `startup_seconds`, the model and optimizer built once for the table)."""
+    one (real steps, `probe=True`), with planned vs compiled vs measured bytes; `seconds` per length, and on the
+    first row `startup_seconds`: the model and optimizer built and the state copied to the host, once a table)."""
 
     from kbert.models.config import ModelConfig
     from kbert.train.memory import estimate_memory, max_batch_size, parse_memory
