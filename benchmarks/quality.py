@@ -382,28 +382,31 @@ EMBEDDING_ROWS = ("bi-encoder", "simcse", "simcse-multi", "simcse-pairs-sts", "s
 DEFAULT_ROWS = EMBEDDING_ROWS[:4] + ("simcse-weak-pairs-sts",)
 
 
+def tuned_stage(out, sets, name, model, train, record=None, **kw):
+    """The cached stage OUT/NAME: `kbert.finetune` of MODEL as a sentence-embedding bi-encoder on TRAIN (KorSTS-
+    style rows, or None with `datasets=`), keeping its best epoch on the selection split, then scored on every
+    set. `record` adds fields to the stored result; `kw` goes to kbert.finetune."""
+    import kbert
+
+    out_dir = os.path.join(out, name)
+
+    def run():
+        summary = kbert.finetune(model, "sentence-embedding", train, sets["sts_select"], out_dir=out_dir,
+                                 text_column="sentence1", pair_column="sentence2", label_column="score",
+                                 layers="all", max_length=64, patience=None, progress=True, **kw)
+        if summary["checkpoint"]:  # stopped by a signal: stage() exits without caching it
+            return {"checkpoint": summary["checkpoint"], "stopped_by": summary["stopped_by"]}
+        embedder = kbert.Embedder.load(out_dir)
+        return {"select_history": [h.get("dev_spearman") for h in summary["history"]],
+                "best_step": summary["best_step"], **(record or {}),
+                **score_embeddings(lambda texts: embedder.encode(texts, progress=False), sets)}
+    return dict(stage(out, name, run), model=name)
+
+
 def embedding_stages(args, out, model_dir, sets):
     """Issue 43's table: TF-IDF, today's bi-encoder, SimCSE only, and SimCSE + multi-dataset, every model
     fine-tuned on `args.sts_seeds` seeds; each fine-tuning keeps its best epoch on the selection split."""
-    import kbert
-
-    def scored(out_dir):
-        embedder = kbert.Embedder.load(out_dir)
-        return score_embeddings(lambda texts: embedder.encode(texts, progress=False), sets)
-
-    def tuned(name, model, train, **kw):
-        out_dir = os.path.join(out, name)
-
-        def run():
-            summary = kbert.finetune(model, "sentence-embedding", train, sets["sts_select"], out_dir=out_dir,
-                                     text_column="sentence1", pair_column="sentence2", label_column="score",
-                                     layers="all", max_length=64, patience=None, progress=True, **kw)
-            if summary["checkpoint"]:  # stopped by a signal: stage() exits without caching it
-                return {"checkpoint": summary["checkpoint"], "stopped_by": summary["stopped_by"]}
-            return {"select_history": [h.get("dev_spearman") for h in summary["history"]],
-                    "best_step": summary["best_step"], **scored(out_dir)}
-        return dict(stage(out, name, run), model=name)
-
+    tuned = functools.partial(tuned_stage, out, sets)
     small = args.small
     tfidf = stage(out, "emb-tfidf", lambda: score_embeddings(tfidf_encoder(sets), sets))
     simcse_data = [{"data": sets["simcse"], "text_column": "text", "objective": "simcse"}]
@@ -560,24 +563,11 @@ def ensemble_stages(args):
             return {"silver_pairs": len(rows), "silver_mean": sum(r["score"] for r in rows) / len(rows)}
 
         stage(args.out, f"emb-ensemble{n}-seed{args.seed + i}-silver", silver)
-        name = f"emb-ensemble{n}-student-seed{args.seed + i}"
-        out_dir = os.path.join(args.out, name)
-
-        def student():
-            summary = kbert.finetune(os.path.join(start_dir, f"emb-weak-pairs-seed{seed}"), "sentence-embedding",
-                                     sets["sts_fit"] + read_jsonl(silver_path), sets["sts_select"], out_dir=out_dir,
-                                     text_column="sentence1", pair_column="sentence2", label_column="score",
-                                     layers="all", max_length=64, patience=None, progress=True, backbone_dropout=0.0,
-                                     epochs=1 if args.small else 2, batch_size=32, learning_rate=2e-4,
-                                     seed=args.seed + i)
-            if summary["checkpoint"]:
-                return {"checkpoint": summary["checkpoint"], "stopped_by": summary["stopped_by"]}
-            emb = kbert.Embedder.load(out_dir)
-            return {"select_history": [h.get("dev_spearman") for h in summary["history"]],
-                    "best_step": summary["best_step"], "start": os.path.relpath(start_dir, args.out),
-                    **score_embeddings(lambda texts: emb.encode(texts, progress=False), sets)}
-
-        runs["student"].append(dict(stage(args.out, name, student), model=name))
+        runs["student"].append(tuned_stage(
+            args.out, sets, f"emb-ensemble{n}-student-seed{args.seed + i}",
+            os.path.join(start_dir, f"emb-weak-pairs-seed{seed}"), sets["sts_fit"] + read_jsonl(silver_path),
+            record={"start": os.path.relpath(start_dir, args.out)}, backbone_dropout=0.0,
+            epochs=1 if args.small else 2, batch_size=32, learning_rate=2e-4, seed=args.seed + i))
     return sets, runs
 
 
