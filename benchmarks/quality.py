@@ -496,6 +496,44 @@ def ensemble_silver(encode, rows, pairs):
     return [{"sentence1": a, "sentence2": b, "score": round(float(v), 4)} for (a, b), v in zip(pairs, values)]
 
 
+LEXICAL_WEIGHTS = (0.1, 0.2, 0.3, 0.4, 0.5)
+
+
+def lexical_encoder(encode, lexical, weight):
+    """Dense and lexical vectors as one: `encode`'s unit vectors scaled by sqrt(1 - weight) beside `lexical`'s
+    (TF-IDF, unit rows) scaled by sqrt(weight), so the dot of two results is (1 - weight) x the dense cosine +
+    weight x the lexical cosine: the score `Embedder.search(..., lexical=weight)` ranks by, as a vector."""
+    import numpy as np
+
+    return lambda texts: np.concatenate([np.sqrt(1.0 - weight) * np.asarray(encode(texts)),
+                                         np.sqrt(weight) * np.asarray(lexical(texts))], axis=1)
+
+
+def pick_lexical_weight(encode, lexical, rows, weights=LEXICAL_WEIGHTS):
+    """The weight of `weights` whose mix of dense and lexical cosines ranks `rows` (scored pairs: the
+    selection split) best by Spearman. Returns (weight, {weight: Spearman})."""
+    import numpy as np
+
+    from kbert.train.metrics import spearman
+
+    gold = [float(r["score"]) for r in rows]
+    dense, lex = (np.sum(f([r["sentence1"] for r in rows]) * f([r["sentence2"] for r in rows]), axis=1)
+                  for f in (encode, lexical))
+    by = {w: spearman((1.0 - w) * dense + w * lex, gold) for w in weights}
+    return max(by, key=by.get), by
+
+
+def lexical_stage(out, name, encode, sets):
+    """The cached stage OUT/NAME: `encode` mixed with the TF-IDF baseline's vectors (fitted on the training
+    side), the weight picked on the KorSTS selection split, then scored on every set."""
+    def run():
+        lexical = tfidf_encoder(sets)
+        weight, by = pick_lexical_weight(encode, lexical, sets["sts_select"])
+        return {"lexical_weight": weight, "select_by_weight": {f"{w:g}": v for w, v in by.items()},
+                **score_embeddings(lexical_encoder(encode, lexical, weight), sets)}
+    return stage(out, name, run)
+
+
 ENSEMBLE_ROW = "simcse-weak-pairs-sts"  # the recipe each pretraining of `--pretrain-seeds` runs
 
 
@@ -539,7 +577,7 @@ def ensemble_stages(args):
     sets = embedding_sets(args.shared, os.path.join(member_dir(args, 0), "pretraining.txt"), args.simcse_lines,
                           args.seed, args.small)
     runs = {f"member-{k}": [] for k in range(n)}
-    runs.update(ensemble=[], student=[])
+    runs.update({"ensemble": [], "student": [], "ensemble-lexical": [], "student-lexical": []})
     for i in range(args.sts_seeds):
         chosen = []  # (member's result, its dir, the seed it fine-tuned with)
         for k in range(n):
@@ -568,6 +606,13 @@ def ensemble_stages(args):
             os.path.join(start_dir, f"emb-weak-pairs-seed{seed}"), sets["sts_fit"] + read_jsonl(silver_path),
             record={"start": os.path.relpath(start_dir, args.out)}, backbone_dropout=0.0,
             epochs=1 if args.small else 2, batch_size=32, learning_rate=2e-4, seed=args.seed + i))
+        # both again with the lexical baseline mixed in (dense + TF-IDF, the weight chosen on the selection split)
+        runs["ensemble-lexical"].append(lexical_stage(args.out, f"emb-ensemble{n}-lexical-seed{args.seed + i}",
+                                                      encode, sets))
+        student = kbert.Embedder.load(os.path.join(args.out, f"emb-ensemble{n}-student-seed{args.seed + i}"))
+        runs["student-lexical"].append(lexical_stage(
+            args.out, f"emb-ensemble{n}-student-lexical-seed{args.seed + i}",
+            functools.partial(student.encode, progress=False), sets))
     return sets, runs
 
 
@@ -583,13 +628,18 @@ def print_ensemble_table(tfidf, runs, n):
     labels = {f"member-{k}": f"pretraining {k + 1} of {n}, the chosen recipe" for k in range(n)}
     labels.update(ensemble=f"the {n} models together (mean cosine; {n} models to serve)",
                   student="one student: KorSTS train + candidate pairs scored by the ensemble")
+    labels.update({f"{key}-lexical": f"{labels[key]}, mixed with TF-IDF (weight picked on the selection split)"
+                   for key in ("ensemble", "student")})
     means = {}
     for key, results in runs.items():
         means[key] = {c: float(np.mean([r[c] for r in results])) for c in cols}
         each = {c: ", ".join(f"{r[c]:.3f}" for r in results) for c in cols}
         print(f"| {labels[key]} | " + " | ".join(f"{means[key][c]:.4f} ({each[c]})" for c in cols) + " |")
-    for c, name in (("sts_select", "KorSTS selection"), ("sts_dev", "KorSTS dev")):
-        print(f"  the student on {name}: {100 * (means['student'][c] - tfidf[c]):+.1f} points over TF-IDF (goal >= +5)")
+    for key, what in (("student", "the student"), ("student-lexical", "the student mixed with TF-IDF")):
+        for c, name in (("sts_select", "KorSTS selection"), ("sts_dev", "KorSTS dev")):
+            print(f"  {what} on {name}: {100 * (means[key][c] - tfidf[c]):+.1f} points over TF-IDF (goal >= +5)")
+    print("  TF-IDF weights picked on the selection split: " + "; ".join(
+        f"{key}: " + ", ".join(f"{r['lexical_weight']:g}" for r in runs[key]) for key in ("ensemble-lexical", "student-lexical")))
 
 
 HYBRID_WEIGHTS = (0.0, 0.2, 0.4, 0.5, 0.6, 0.7, 0.8, 1.0)

@@ -453,7 +453,8 @@ def test_weak_pairs_match_numbered_issues_to_holdings_and_statute_titles_to_thei
 def test_quality_ensemble_averages_cosines_and_scores_candidates_on_the_training_pairs_scale():
     """benchmarks/quality.py's `--pretrain-seeds`: the ensemble's dot is the mean of its models' cosines (unit
     vectors again), its silver scores follow the line from cosine to score fitted on the labelled pairs,
-    clipped to 0..5, and each pretraining gets its own seed, dir and 1/n of the steps."""
+    clipped to 0..5, a model mixed with TF-IDF takes the weight that ranks the selection pairs best, and each
+    pretraining gets its own seed, dir and 1/n of the steps."""
     import argparse
     import importlib.util
     import os
@@ -483,6 +484,20 @@ def test_quality_ensemble_averages_cosines_and_scores_candidates_on_the_training
     assert [(r["sentence1"], r["sentence2"]) for r in silver] == [("b", "c"), ("a", "e")]
     assert silver[0]["score"] == pytest.approx(min(5.0, 2.0 + 3.0 * cos("b", "c")), abs=1e-3)
     assert silver[1]["score"] == pytest.approx(0.0)  # cos(0, 3) = -0.99: 2 - 2.97 < 0, clipped
+
+    # dense + lexical as one vector: its dot is (1 - w) x one's cosine + w x two's; the weight is the one whose
+    # mix ranks the scored pairs best (here the pairs were scored by the mix at 0.3 itself)
+    other = {"a": 2.0, "b": 0.0, "c": 3.0, "d": 0.5, "e": 1.0}  # a "lexical" model that ranks differently
+    two = lambda texts: np.array([[np.cos(other[t]), np.sin(other[t])] for t in texts])  # noqa: E731
+    mixed = quality.lexical_encoder(one, two, 0.3)
+    x, y = mixed(["a", "b", "d"]), mixed(["c", "e", "a"])
+    np.testing.assert_allclose(np.linalg.norm(x, axis=1), 1.0, rtol=1e-6)
+    np.testing.assert_allclose(np.sum(x * y, axis=1), 0.7 * np.sum(one(["a", "b", "d"]) * one(["c", "e", "a"]), 1)
+                               + 0.3 * np.sum(two(["a", "b", "d"]) * two(["c", "e", "a"]), 1), rtol=1e-6)
+    pairs = [(s, t) for s in angle for t in angle if s < t]
+    scored = [{"sentence1": s, "sentence2": t, "score": str(float(np.sum(mixed([s]) * mixed([t]))))} for s, t in pairs]
+    weight, by = quality.pick_lexical_weight(one, two, scored, weights=(0.0, 0.3, 1.0))
+    assert weight == 0.3 and by[0.3] == pytest.approx(1.0) and by[0.0] < 1.0 and by[1.0] < 1.0
 
     args = argparse.Namespace(pretrain_seeds=2, out="/tmp/q", seed=3, shared="/data", sts_seeds=1, steps=5574,
                               minutes=55.0, precision="float32", objective="mlm", embedding_init="cooccurrence",
