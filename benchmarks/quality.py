@@ -21,7 +21,8 @@
    dev), then `Embedder.search(..., lexical=w)` (hybrid search) with the chosen recipe's models.
    `--pretrain-seeds n` (with `--only embeddings`) spends the same pretraining budget as n runs of 1/n each
    (their own cached runs in OUT/pretrain-seedK), the chosen recipe on each, then their models as one
-   ensemble and one student model taught by it (Augmented SBERT's candidate pairs scored by the ensemble).
+   ensemble and one student model taught by it (Augmented SBERT's candidate pairs scored by the ensemble),
+   each also mixed with the TF-IDF baseline (the weight picked on the selection split).
 
 Every stage writes its result under `--out` and is skipped when rerun (pretraining resumes from its last
 checkpoint), so an interrupted run continues where it stopped. Seeded, but not bit-reproducible across
@@ -562,7 +563,8 @@ def ensemble_stages(args):
     the chosen recipe in OUT/pretrain-seedK (its own quality.py run, cached and resumable as any); then their
     models as one ensemble (the mean of their cosines), and one student: the selection split's best member's
     model before its KorSTS stage, trained on KorSTS train plus the Augmented-SBERT candidate pairs scored by
-    the ensemble. Returns the scored sets and {row: [result per fine-tuning seed]}."""
+    the ensemble; both again mixed with TF-IDF (`lexical_stage`). Returns the scored sets and
+    {row: [result per fine-tuning seed]}."""
     import subprocess
 
     import kbert
@@ -770,7 +772,7 @@ def main():
     parser.add_argument("--pretrain-seeds", type=int, default=1,
                         help="with --only embeddings: n > 1 splits the pretraining budget into n runs of 1/n each "
                              "(seeds --seed, --seed+1, ...; OUT/pretrain-seedK), each running the chosen recipe, "
-                             "then scores their ensemble and one student taught by it (the table's last rows)")
+                             "then scores their ensemble and one student taught by it, each also mixed with TF-IDF")
     parser.add_argument("--rows", default="default",
                         help=f"the embedding table's rows to run: default ({','.join(DEFAULT_ROWS)}), all, or "
                              f"some of {','.join(EMBEDDING_ROWS)}, comma-separated (the stages a row starts from "
