@@ -473,13 +473,15 @@ def embedding_stages(args, out, model_dir, sets):
     return tfidf, runs
 
 
-def ensemble_encoder(encoders):
-    """Several models as one: each model's unit vectors scaled by 1/sqrt(n) and concatenated, so the dot of two
-    results is the mean of the models' cosines (and the results are unit vectors again)."""
+def ensemble_encoder(encoders, weights=None):
+    """Several models as one: each model's unit vectors scaled by sqrt(its weight) (default: 1/n each) and
+    concatenated, so the dot of two results is the weighted sum of the models' cosines (with weights summing
+    to 1, the results are unit vectors again)."""
     import numpy as np
 
-    scale = 1.0 / np.sqrt(len(encoders))
-    return lambda texts: np.concatenate([scale * np.asarray(encode(texts)) for encode in encoders], axis=1)
+    scales = np.sqrt(weights if weights is not None else [1.0 / len(encoders)] * len(encoders))
+    return lambda texts: np.concatenate([s * np.asarray(encode(texts)) for s, encode in zip(scales, encoders)],
+                                        axis=1)
 
 
 def ensemble_silver(encode, rows, pairs):
@@ -504,10 +506,7 @@ def lexical_encoder(encode, lexical, weight):
     """Dense and lexical vectors as one: `encode`'s unit vectors scaled by sqrt(1 - weight) beside `lexical`'s
     (TF-IDF, unit rows) scaled by sqrt(weight), so the dot of two results is (1 - weight) x the dense cosine +
     weight x the lexical cosine: the score `Embedder.search(..., lexical=weight)` ranks by, as a vector."""
-    import numpy as np
-
-    return lambda texts: np.concatenate([np.sqrt(1.0 - weight) * np.asarray(encode(texts)),
-                                         np.sqrt(weight) * np.asarray(lexical(texts))], axis=1)
+    return ensemble_encoder([encode, lexical], (1.0 - weight, weight))
 
 
 def pick_lexical_weight(encode, lexical, rows, weights=LEXICAL_WEIGHTS):
