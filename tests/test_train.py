@@ -744,6 +744,42 @@ def test_exact_plan_reads_the_compiled_program_and_the_probe_confirms_it():
     assert "| 32 |" in proc.stdout and "--memory 12GB" in proc.stderr
 
 
+JAX_ON_HOST = """
+import json, sys
+sys.modules["tensorflow"] = None
+import jax
+import kbert
+from kbert.train import probe
+host, device = jax.devices()[:2]
+jax.config.update("jax_default_device", device)  # two CPU devices: one stands in for the accelerator
+probe.host_device = lambda: host
+cfg = kbert.ModelConfig.preset("bert-tiny", vocab_size=200, hidden_size=32, num_heads=2, intermediate_size=64,
+                               max_position=32)
+
+
+def devices(tree):
+    return sorted({str(d) for x in jax.tree_util.tree_leaves(tree) for d in x.devices()})
+
+
+plain, hosted = probe.build_trainer(cfg), probe.build_trainer(cfg, host=True)
+out = {"plain": devices([v.value for v in plain.variables]), "hosted": devices([v.value for v in hosted.variables])}
+step = probe.CompiledStep(hosted, cfg, 16)  # its optimizer slots are made on the host too
+out["host_state"] = [type(x).__name__ for x in jax.tree_util.tree_leaves(step.host_state)][:1]
+out["loss"] = step.run(4)["loss"]
+out["state"] = devices(step.state)
+print(json.dumps(out))
+"""
+
+
+def test_the_probe_builds_the_model_on_the_host_and_runs_it_on_the_device():
+    # On a GPU Keras' eager initializers would each compile for the device (about 40 small programs for
+    # BERT-Base) only for `CompiledStep` to copy the state back to the host; it is built there instead.
+    pytest.importorskip("jax")
+    out, _ = run_on_jax(JAX_ON_HOST, env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
+    assert out["plain"] == ["cpu:1"] and out["hosted"] == ["cpu:0"], out
+    assert out["host_state"] == ["ndarray"] and out["state"] == ["cpu:1"] and np.isfinite(out["loss"]), out
+
+
 def test_compile_concurrently_overlaps_and_retries_out_of_memory_alone():
     import threading
 

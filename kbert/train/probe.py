@@ -15,6 +15,8 @@
   ResourceExhaustedError, XLA's RESOURCE_EXHAUSTED on JAX), and the model state is restored from a host copy
   when a failed step had already consumed it.
 
+The model and its optimizer slots are built on the host (`on_host`): the state's host copy is what the
+runs start from, and on a GPU each of Keras' eager initializers would otherwise compile for the device.
 The synthetic batches are arguments of the compiled step, never constants inside it, and XLA's
 rematerialization pass is off (otherwise a step that does not fit silently recomputes activations instead
 of failing, and every batch "fits").
@@ -22,6 +24,7 @@ of failing, and every batch "fits").
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import sys
@@ -140,7 +143,8 @@ class CompiledStep:
         one = synthetic_batch(config, 1, seq_len, self.predictions)
         if host_state is None:
             if not trainer.built or trainer.optimizer is None or not trainer.optimizer.built:
-                trainer._symbolic_build(data_batch=one)  # optimizer slots and metrics, nothing executed
+                with on_host():  # optimizer slots and metrics, made where the host copy is wanted
+                    trainer._symbolic_build(data_batch=one)
             # The runs use their own copy of the state (donated step after step); the trainer's device copy
             # is released so that the device holds the state once, as in training.
             state = _state_of(trainer)
@@ -250,20 +254,54 @@ def _no_silent_recomputation():
             pass
 
 
-def build_trainer(config, optimizer: str = "adamw", precision: str = "float32"):
-    """A compiled `Pretrainer` (NSP/SOP head included) whose `train_on_batch` is one real training step."""
+def host_device():
+    """JAX: the host's CPU device when the default device is an accelerator, else None (nothing to move)."""
+    if _backend() != "jax":
+        return None
+    import jax
+
+    if jax.devices()[0].platform == "cpu":
+        return None
+    try:
+        return jax.devices("cpu")[0]
+    except RuntimeError:  # JAX_PLATFORMS without cpu
+        return None
+
+
+def on_host():
+    """A context in which new JAX arrays are made on the host (`host_device`), where there is one.
+
+    `CompiledStep` wants the model's initial state on the host (it keeps a host copy and puts it on the
+    device for each run), so the model is built there: Keras initializes each variable eagerly, one small
+    XLA program per initializer and shape (about 40 for BERT-Base with its optimizer slots), and on a GPU
+    each of those compiles for the device and the result then travels back to the host for nothing."""
+    import contextlib
+
+    device = host_device()
+    if device is None:
+        return contextlib.nullcontext()
+    import jax
+
+    return jax.default_device(device)
+
+
+def build_trainer(config, optimizer: str = "adamw", precision: str = "float32", host: bool = False):
+    """A compiled `Pretrainer` (NSP/SOP head included) whose `train_on_batch` is one real training step.
+    `host=True` (JAX): its variables are made on the host (`on_host`), for a `CompiledStep`, which runs its
+    own copy of the state on the device; train it there, not with `train_on_batch`."""
     import keras
 
     from kbert.models.backbone import Pretrainer, build_backbone
 
     keras.mixed_precision.set_dtype_policy(precision)
     try:
-        model = Pretrainer(build_backbone(config))
-        opt = {"adamw": keras.optimizers.AdamW, "adam": keras.optimizers.Adam, "lamb": keras.optimizers.Lamb,
-               "sgd": keras.optimizers.SGD}[optimizer](learning_rate=1e-5)
-        if precision == "mixed_float16":
-            opt = keras.optimizers.LossScaleOptimizer(opt)
-        model.compile(optimizer=opt, jit_compile=_backend() != "tensorflow" or accelerator() is not None)
+        with on_host() if host else contextlib.nullcontext():
+            model = Pretrainer(build_backbone(config))
+            opt = {"adamw": keras.optimizers.AdamW, "adam": keras.optimizers.Adam, "lamb": keras.optimizers.Lamb,
+                   "sgd": keras.optimizers.SGD}[optimizer](learning_rate=1e-5)
+            if precision == "mixed_float16":
+                opt = keras.optimizers.LossScaleOptimizer(opt)
+            model.compile(optimizer=opt, jit_compile=_backend() != "tensorflow" or accelerator() is not None)
     finally:
         keras.mixed_precision.set_dtype_policy("float32")
     return model
@@ -306,7 +344,7 @@ def exact_batch_size(config, seq_len: int, memory=None, optimizer: str = "adamw"
         raise ValueError("`memory` is required where the device does not report its memory (CPU): name the "
                          "device you are planning for, e.g. --memory 12GB")
     workers = compile_workers() if workers is None else max(1, int(workers))
-    step = step or CompiledStep(build_trainer(config, optimizer, precision), config, seq_len)
+    step = step or CompiledStep(build_trainer(config, optimizer, precision, host=True), config, seq_len)
     sizes: Dict[int, int] = {}
     lo, hi = 0, max_batch + 1  # lo fits (0: none known), hi does not (max_batch + 1: the cap)
     rounds = 0
@@ -377,7 +415,8 @@ def probe_batch_size(config, seq_len: int, optimizer: str = "adamw", precision: 
     predictions = predictions or default_max_predictions(seq_len, 0.15)
     _no_silent_recomputation()
     if _backend() == "jax" and step is None:
-        step = CompiledStep(model or build_trainer(config, optimizer, precision), config, seq_len, predictions)
+        step = CompiledStep(model or build_trainer(config, optimizer, precision, host=True), config, seq_len,
+                            predictions)
     model = model or (step.trainer if step is not None else build_trainer(config, optimizer, precision))
     tried: List = []
     peaks = {}
@@ -468,7 +507,7 @@ def probe_table(model: str, seq_lens, optimizer: str = "adamw", precision: str =
     config = ModelConfig.preset(model) if isinstance(model, str) else model
     total = parse_memory(memory) if memory else device_memory()
     began = time.perf_counter()
-    trainer = build_trainer(config, optimizer, precision)
+    trainer = build_trainer(config, optimizer, precision, host=_backend() == "jax")
     rows, host_state = [], None
     for seq in seq_lens:
         started = time.perf_counter()
