@@ -150,6 +150,103 @@ def test_pretrainer_last_block_at_the_predicted_positions_equals_the_full_block(
     np.testing.assert_allclose(at, np.take_along_axis(seq, rows[..., None], axis=1), atol=2e-5)
 
 
+LAYER_NORM_CHECK = r"""
+import json, sys
+import keras, numpy as np
+from keras import ops
+from kbert.models import layers
+
+rng = np.random.default_rng(0)
+x = rng.normal(0.3, 2.0, (3, 5, 16)).astype("float32")
+gamma, beta = rng.normal(1, 0.2, 16).astype("float32"), rng.normal(0, 0.2, 16).astype("float32")
+w = rng.normal(size=(3, 5, 16)).astype("float32")  # the upstream gradient
+
+
+def grads(fn, *args):
+    if keras.backend.backend() == "jax":
+        import jax
+        return jax.grad(lambda *a: (ops.cast(fn(*a), "float32") * w).sum(), argnums=tuple(range(len(args))))(*args)
+    import tensorflow as tf
+    args = [tf.constant(a) for a in args]
+    with tf.GradientTape() as tape:
+        tape.watch(args)
+        loss = tf.reduce_sum(tf.cast(fn(*args), "float32") * w)
+    return tape.gradient(loss, args)
+
+
+out = {}
+# float32 in, so the hand-written backward is checked against autodiff of Keras' form to float32 precision
+mine = grads(layers._layer_norm_16(1e-12), x, gamma, beta)
+keras_ = grads(lambda *a: ops.layer_normalization(*a, epsilon=1e-12), x, gamma, beta)
+out["float32"] = [float(np.abs(np.asarray(a) - np.asarray(b)).max() / np.abs(np.asarray(b)).max())
+                  for a, b in zip(mine, keras_)]
+# the layer under mixed_bfloat16 against Keras' LayerNormalization with the same weights
+norms = {}
+for name, cls in (("kbert", layers.LayerNorm), ("keras", keras.layers.LayerNormalization)):
+    norm = cls(epsilon=1e-12, dtype="mixed_bfloat16", name="norm")
+    norm.build((None, 5, 16))
+    norm.set_weights([gamma, beta])
+    norms[name] = norm
+out["names"] = [[v.path for v in n.weights] for n in norms.values()]
+xb = ops.cast(x, "bfloat16")
+y = {k: np.asarray(ops.cast(n(xb), "float32")) for k, n in norms.items()}
+out["forward_equal"] = bool((y["kbert"] == y["keras"]).all())
+out["dtype"] = keras.backend.standardize_dtype(norms["kbert"](xb).dtype)
+g = {k: grads(lambda t, n=n: n(t), xb) for k, n in norms.items()}
+out["bf16_dx"] = float(np.abs(np.asarray(g["kbert"][0], "float32") - np.asarray(g["keras"][0], "float32")).max()
+                       / np.abs(np.asarray(g["keras"][0], "float32")).max())
+print(json.dumps(out))
+"""
+
+
+def _check_layer_norm(out):
+    assert max(out["float32"]) < 1e-6, out  # dx, dgamma, dbeta
+    assert out["names"][0] == out["names"][1], out  # the same variables: checkpoints load either way
+    assert out["forward_equal"] and out["dtype"] == "bfloat16", out
+    assert out["bf16_dx"] < 2e-2, out  # both round a float32 gradient to bfloat16
+
+
+@pytest.mark.parametrize("backend", ["tensorflow", "jax"])
+def test_layer_norm_backward_keeps_the_16bit_input_and_equals_keras(backend):
+    """kbert's LayerNorm: Keras' forward to the bit, and a hand-written backward pass (so that it keeps the
+    16-bit input rather than a float32 copy) equal to autodiff of Keras' form."""
+    if backend == "jax":
+        pytest.importorskip("jax")
+        out, _ = run_on_jax(LAYER_NORM_CHECK)
+    else:
+        proc = subprocess.run([sys.executable, "-c", LAYER_NORM_CHECK], capture_output=True, text=True,
+                              env=dict(os.environ, KERAS_BACKEND="tensorflow"), timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        out = json.loads(proc.stdout.strip().splitlines()[-1])
+    _check_layer_norm(out)
+
+
+LAYER_NORM_BYTES = r"""
+import json, sys
+sys.modules["tensorflow"] = None
+import kbert
+from kbert.models import layers
+from kbert.train.probe import CompiledStep, build_trainer
+cfg = kbert.ModelConfig.preset("bert-tiny", vocab_size=200, hidden_size=64, num_heads=2, intermediate_size=128,
+                               max_position=64)
+out = {}
+for choice in ("saved_input", "keras"):
+    layers.set_implementation(layer_norm=choice)
+    out[choice] = CompiledStep(build_trainer(cfg, "adamw", "mixed_bfloat16"), cfg, 64).bytes(16)
+print(json.dumps(out))
+"""
+
+
+def test_layer_norm_keeps_less_in_the_compiled_training_step():
+    """What the hand-written backward is for: XLA's program for a bf16 training step needs about one float32
+    [b, s, h] tensor less per LayerNorm live at the peak (bert-tiny: the embeddings' and two a block, the last
+    block's at the predicted rows only)."""
+    pytest.importorskip("jax")
+    out, _ = run_on_jax(LAYER_NORM_BYTES)
+    tensor = 16 * 64 * 64 * 4
+    assert out["keras"] - out["saved_input"] >= 2.5 * tensor, out
+
+
 def test_mlm_head_is_tied_to_token_embedding():
     model = kbert.Pretrainer(kbert.build_backbone(tiny("bert")))
     from kbert.models.io import build_pretrainer

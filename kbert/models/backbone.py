@@ -8,7 +8,7 @@ import keras
 from keras import ops
 
 from kbert.models.config import ModelConfig
-from kbert.models.layers import (Embeddings, MaskedLMHead, PairHead, Pooler, TransformerBlock,
+from kbert.models.layers import (Embeddings, LayerNorm, MaskedLMHead, PairHead, Pooler, TransformerBlock,
                                  last_layer_at_predictions, packed_inputs)
 
 INPUT_NAMES = ("token_ids", "segment_ids", "padding_mask")
@@ -49,8 +49,8 @@ class Backbone(keras.Model):
         embeddings = Embeddings(config, dtype=policy, name="embeddings")
         blocks = self._make_blocks(config, policy)
         pooler = Pooler(config, dtype=policy, name="pooler")
-        final_norm = (keras.layers.LayerNormalization(epsilon=config.layer_norm_epsilon, dtype=policy,
-                                                      name="final_norm") if config.norm_first else None)
+        final_norm = (LayerNorm(epsilon=config.layer_norm_epsilon, dtype=policy, name="final_norm")
+                      if config.norm_first else None)
 
         hidden = _encode(embeddings, blocks, final_norm, inputs["token_ids"], inputs["segment_ids"],
                          inputs["padding_mask"])
