@@ -785,6 +785,9 @@ def report(out: dict):
             print(f"| {r['model']} | {r['seq']} | {r['batch']} | {r['precision']} | {r['planned_bytes'] / 1e9:.2f} | "
                   f"{(c or 0) / 1e9:.2f} | {r['measured_bytes'] / 1e9:.2f} | "
                   f"{(r['error_vs_compiled'] or 0) * 100:+.1f}% | {r['error'] * 100:+.1f}% |")
+        for precision, (now, needed) in suggest_act_bytes(memory_rows).items():
+            print(f"bytes per activation element ({precision}) that put the planner at or just above every "
+                  f"compiled point here: {needed:.2f} (the `xla` set has {now:.2f})")
     capped_rows = [r for rows in out.get("capped", []) for r in _rows(rows) if "seq_len" in r]
     if capped_rows:
         print("\n| model | precision | cap | seq | `plan --memory` batch | `--exact` batch | probed batch | plan / probed |"
@@ -798,6 +801,30 @@ def report(out: dict):
             print(f"| {r['model']} | {r['precision']} | {r['cap']} | {r['seq_len']} | {r['plan_for_cap']} | "
                   f"{r.get('exact_batch')} | {probed} | {ratio} | {(r.get('exact_bytes') or 0) / 1e9:.2f} | {compiled} | "
                   f"{tries} | {r.get('seconds', 0):.0f}{_process_seconds(r)} |")
+
+
+def suggest_act_bytes(memory_rows) -> dict:
+    """{precision: (the `xla` set's bytes per activation element, the value that would put the planner at or
+    just above every compiled point of `memory_rows`)}, rounded up to 0.05. The planner is the state and
+    workspace (fixed) plus activation terms proportional to that coefficient (the masked-LM logits too, in the
+    `xla` set), so each point asks for coefficient x (compiled - fixed) / (planned - fixed); the largest over
+    the points keeps the plan on the side of fitting everywhere. For a refit after the program changes (a
+    device run's `memory` stage), not a per-row fit."""
+    import math
+
+    from kbert.train.memory import COMPILERS
+
+    c = COMPILERS["xla"]
+    needed = {}
+    for r in memory_rows:
+        compiled, parts = r.get("compiled_bytes"), r.get("components") or {}
+        if not compiled or "weights_grads_slots" not in parts:
+            continue
+        fixed = parts["weights_grads_slots"] + parts["workspace"]
+        now = c.float32_act_bytes if r["precision"] == "float32" else c.mixed_act_bytes
+        want = now * (compiled - fixed) / (r["planned_bytes"] - fixed)
+        needed[r["precision"]] = (now, max(want, needed.get(r["precision"], (now, 0.0))[1]))
+    return {p: (now, math.ceil(want * 20 - 1e-9) / 20) for p, (now, want) in needed.items()}
 
 
 def _process_seconds(row) -> str:

@@ -329,6 +329,36 @@ def gpu_script():
     return gpu
 
 
+def test_the_gpu_memory_stage_suggests_the_coefficient_that_keeps_every_point_fitting(monkeypatch):
+    """After a program change (kbert's LayerNorm, the last block at the predicted rows) the device run's memory
+    points say which bytes-per-activation value would put the planner back just above each compiled step."""
+    import dataclasses
+
+    from kbert.models.config import ModelConfig
+    from kbert.train import memory
+
+    gpu = gpu_script()
+    cfg = ModelConfig.preset("bert-base", vocab_size=32000)
+
+    def point(precision, seq, batch, share):  # a compiled step needing `share` of the planned activations
+        est = memory.estimate_memory(cfg, batch, seq, optimizer="adamw", precision=precision)
+        fixed = est["weights_grads_slots"] + est["workspace"]
+        return {"precision": precision, "seq": seq, "batch": batch, "planned_bytes": est["total"],
+                "compiled_bytes": fixed + share * (est["total"] - fixed),
+                "components": {k: v for k, v in est.items() if k != "total"}}
+
+    rows = [point("mixed_bfloat16", 128, 256, 0.80), point("mixed_bfloat16", 512, 64, 0.90),
+            point("float32", 128, 256, 1.0)]
+    suggested = gpu.suggest_act_bytes(rows)
+    assert suggested == {"mixed_bfloat16": (2.25, 2.05), "float32": (4.25, 4.25)}  # 2.25 x 0.9, rounded up
+    xla = dataclasses.replace(memory.COMPILERS["xla"], mixed_act_bytes=2.05)
+    monkeypatch.setitem(memory.COMPILERS, "xla", xla)
+    planned = [memory.estimate_memory(cfg, r["batch"], r["seq"], optimizer="adamw", precision=r["precision"])["total"]
+               for r in rows[:2]]
+    assert all(r["compiled_bytes"] <= p for r, p in zip(rows, planned))  # never under
+    assert planned[1] <= 1.02 * rows[1]["compiled_bytes"]  # and just above the point that asked the most
+
+
 def test_the_gpu_profile_counts_the_device_streams_once_and_sorts_kernels_by_kind(tmp_path):
     """`benchmarks/gpu.py profile` reads jax.profiler's perfetto trace: on a GPU only the stream lines count
     (the "XLA Ops" line restates the same time by HLO op) and kernel names map to kinds."""
