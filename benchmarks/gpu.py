@@ -438,7 +438,7 @@ def capped(model: str, seqs, precision: str, vocab: int, cap: str) -> list:
     plan = {r["seq_len"]: r["max_batch"] for r in plan_batch_size(config, cap, seqs, optimizer="adamw",
                                                                   precision=precision)}
     for r in rows:
-        r.update(model=model, precision=precision, cap=cap, device_limit=device_memory(),
+        r.update(model=model, precision=precision, cap=cap, device_limit=device_memory(), vocab=vocab,
                  plan_for_cap=plan[r["seq_len"]])
     # where a probe's seconds go: imports and the JAX backend, then the model built (probe_table's
     # startup_seconds), then the search and the real steps (`seconds`)
@@ -785,22 +785,29 @@ def report(out: dict):
             print(f"| {r['model']} | {r['seq']} | {r['batch']} | {r['precision']} | {r['planned_bytes'] / 1e9:.2f} | "
                   f"{(c or 0) / 1e9:.2f} | {r['measured_bytes'] / 1e9:.2f} | "
                   f"{(r['error_vs_compiled'] or 0) * 100:+.1f}% | {r['error'] * 100:+.1f}% |")
-        for precision, (now, needed) in suggest_act_bytes(memory_rows).items():
-            print(f"bytes per activation element ({precision}) that put the planner at or just above every "
-                  f"compiled point here: {needed:.2f} (the `xla` set has {now:.2f})")
+    suggested = suggest_act_bytes(memory_rows)
+    for precision, (now, needed) in suggested.items():
+        print(f"bytes per activation element ({precision}) that put the planner at or just above every "
+              f"compiled point here: {needed:.2f} (the `xla` set has {now:.2f})")
     capped_rows = [r for rows in out.get("capped", []) for r in _rows(rows) if "seq_len" in r]
     if capped_rows:
+        # the refit the memory points suggest, checked on the capped probes (other shapes, the same run)
         print("\n| model | precision | cap | seq | `plan --memory` batch | `--exact` batch | probed batch | plan / probed |"
-              " exact GB | compiled (rounds) | tries (batch, fits) | seconds: search (process; start-up) |")
-        print("|---|---|---|---:|---:|---:|---:|---:|---:|---|---|---:|")
+              " refit plan / probed | exact GB | compiled (rounds) | tries (batch, fits) |"
+              " seconds: search (process; start-up) |")
+        print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|---:|")
         for r in capped_rows:
             probed = r.get("probed_batch")
             ratio = f"{r['plan_for_cap'] / probed:.2f}" if probed else "n/a"
+            refit = "n/a"
+            if r["precision"] in suggested and suggested[r["precision"]][0] != suggested[r["precision"]][1]:
+                batch = refit_plan(r, suggested[r["precision"]][1])
+                refit = f"{batch} ({batch / probed:.2f})" if probed else str(batch)
             tries = " ".join(f"{b}{'+' if ok else '-'}" for b, ok, _ in r.get("tried", []))
             compiled = " ".join(str(b) for b, _ in r.get("exact_tried", [])) + f" ({r.get('exact_rounds', '-')})"
             print(f"| {r['model']} | {r['precision']} | {r['cap']} | {r['seq_len']} | {r['plan_for_cap']} | "
-                  f"{r.get('exact_batch')} | {probed} | {ratio} | {(r.get('exact_bytes') or 0) / 1e9:.2f} | {compiled} | "
-                  f"{tries} | {r.get('seconds', 0):.0f}{_process_seconds(r)} |")
+                  f"{r.get('exact_batch')} | {probed} | {ratio} | {refit} | {(r.get('exact_bytes') or 0) / 1e9:.2f} | "
+                  f"{compiled} | {tries} | {r.get('seconds', 0):.0f}{_process_seconds(r)} |")
 
 
 def suggest_act_bytes(memory_rows) -> dict:
@@ -825,6 +832,24 @@ def suggest_act_bytes(memory_rows) -> dict:
         want = now * (compiled - fixed) / (r["planned_bytes"] - fixed)
         needed[r["precision"]] = (now, max(want, needed.get(r["precision"], (now, 0.0))[1]))
     return {p: (now, math.ceil(want * 20 - 1e-9) / 20) for p, (now, want) in needed.items()}
+
+
+def refit_plan(row, act_bytes: float) -> int:
+    """`kbert plan --memory <cap>`'s batch for a capped row with the `xla` set's bytes per activation element
+    (of the row's precision) replaced by `act_bytes`."""
+    import dataclasses
+
+    from kbert.train import memory
+
+    field = "float32_act_bytes" if row["precision"] == "float32" else "mixed_act_bytes"
+    memory.COMPILERS["xla-refit"] = dataclasses.replace(memory.COMPILERS["xla"], **{field: act_bytes})
+    try:
+        (plan,) = memory.plan_batch_size(_config(row["model"], row.get("vocab", 32000)), row["cap"],
+                                         [row["seq_len"]], optimizer="adamw", precision=row["precision"],
+                                         compiler="xla-refit")
+    finally:
+        del memory.COMPILERS["xla-refit"]
+    return plan["max_batch"]
 
 
 def _process_seconds(row) -> str:

@@ -329,7 +329,7 @@ def gpu_script():
     return gpu
 
 
-def test_the_gpu_memory_stage_suggests_the_coefficient_that_keeps_every_point_fitting(monkeypatch):
+def test_the_gpu_memory_stage_suggests_the_coefficient_that_keeps_every_point_fitting(monkeypatch, capsys):
     """After a program change (kbert's LayerNorm, the last block at the predicted rows) the device run's memory
     points say which bytes-per-activation value would put the planner back just above each compiled step."""
     import dataclasses
@@ -357,6 +357,21 @@ def test_the_gpu_memory_stage_suggests_the_coefficient_that_keeps_every_point_fi
                for r in rows[:2]]
     assert all(r["compiled_bytes"] <= p for r, p in zip(rows, planned))  # never under
     assert planned[1] <= 1.02 * rows[1]["compiled_bytes"]  # and just above the point that asked the most
+    monkeypatch.undo()
+    # the report checks that refit on the capped probes of the same run (other shapes than the memory points)
+    capped = {"model": "bert-base", "precision": "mixed_bfloat16", "cap": "12GB", "seq_len": 128, "vocab": 32000,
+              "plan_for_cap": 182, "exact_batch": 200, "probed_batch": 200, "exact_tried": [[182, 1], [200, 1]],
+              "tried": [[200, True, 1], [201, False, None]], "seconds": 70.0}
+    refit = gpu.refit_plan(capped, 2.05)
+    with monkeypatch.context() as m:
+        m.setitem(memory.COMPILERS, "xla", xla)
+        assert refit == memory.max_batch_size(cfg, "12GB", 128, optimizer="adamw", precision="mixed_bfloat16") > 182
+    gpu.report({"memory": [dict(r, model="bert-base", measured_bytes=r["compiled_bytes"], error=0.0,
+                                error_vs_compiled=0.0) for r in rows], "capped": [[capped]]})
+    table = capsys.readouterr().out
+    assert "that put the planner at or just above every compiled point here: 2.05" in table
+    assert f"| 182 | 200 | 200 | 0.91 | {refit} ({refit / 200:.2f}) |" in table
+    assert "xla-refit" not in memory.COMPILERS
 
 
 def test_the_gpu_profile_counts_the_device_streams_once_and_sorts_kernels_by_kind(tmp_path):
