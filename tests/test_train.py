@@ -165,6 +165,26 @@ def test_resume_continues_with_identical_next_step(tok_dir, tmp_path):
         pretrain(_config(tok_dir, str(tmp_path / "part"), 12), progress=False, resume=False)
 
 
+def test_float16_pretraining_checkpoints_the_loss_scale_and_resumes_the_same(tok_dir, tmp_path):
+    """mixed_float16 (the mixed precision of GPUs without bf16: T4, V100) wraps the optimizer in Keras'
+    LossScaleOptimizer, whose iteration and learning rate share names with the wrapped optimizer's; its
+    checkpoint keeps both apart (it used to refuse to save), the loss scale included, and a resumed run
+    continues as the uninterrupted one."""
+    from kbert.train.run_checkpoint import RunCheckpoints
+
+    fp16 = {"precision": "mixed_float16"}
+    full = pretrain(_config(tok_dir, str(tmp_path / "full"), 8, model=dict(TINY), runtime=fp16), progress=False)
+    part = pretrain(_config(tok_dir, str(tmp_path / "part"), 8, model=dict(TINY), runtime=fp16), progress=False,
+                    stop_after=5)
+    assert part["precision"] == "mixed_float16" and part["checkpoint"].endswith("ckpt-5.safetensors")
+    tensors, _ = RunCheckpoints(str(tmp_path / "part" / "checkpoints")).read(part["checkpoint"])
+    keys = {k for k in tensors if k.startswith("optimizer/")}
+    assert {"optimizer/loss_scale.dynamic_scale", "optimizer/loss_scale.iteration", "optimizer/iteration"} <= keys
+    rest = pretrain(_config(tok_dir, str(tmp_path / "part"), 8, model=dict(TINY), runtime=fp16), progress=False)
+    assert rest["finished"] and len(rest["history"]) == 3
+    np.testing.assert_allclose(part["history"] + rest["history"], full["history"], rtol=1e-4)
+
+
 @pytest.mark.slow
 def test_sigterm_saves_and_stops(tok_dir, tmp_path):
     out = str(tmp_path / "run")

@@ -40,9 +40,13 @@ def slot_key(path: str) -> str:
 
 
 def optimizer_state(optimizer) -> Dict[str, object]:
-    """The optimizer variables a checkpoint holds, by slot key (gradient accumulators left out)."""
+    """The optimizer variables a checkpoint holds, by slot key (gradient accumulators left out). A wrapper's
+    own variables (mixed_float16's `LossScaleOptimizer`: its iteration, learning rate, loss scale) are keyed
+    `loss_scale.<name>`, apart from the wrapped optimizer's, whose keys are the plain optimizer's."""
+    inner = getattr(optimizer, "inner_optimizer", None)
+    wrapper = {id(v) for v in optimizer.variables} - {id(v) for v in inner.variables} if inner is not None else set()
     kept = [v for v in optimizer.variables if "gradient_accumulator" not in v.path]
-    slots = {slot_key(v.path): v for v in kept}
+    slots = {("loss_scale." if id(v) in wrapper else "") + slot_key(v.path): v for v in kept}
     if len(slots) != len(kept):
         raise AssertionError("optimizer variables do not have unique names; please report this")
     return slots
