@@ -171,8 +171,8 @@ def test_a_jax_checkpoint_resumes_under_tensorflow_and_back(prepared, tmp_path):
 
 
 def test_jax_bad_input_fails_fast_with_the_reason(prepared, tmp_path):
-    """Records of another vocabulary, raw text in a process without TensorFlow, and runtime settings with no
-    JAX equivalent are refused before any training, each with the reason."""
+    """Records of another vocabulary, raw text in a process without TensorFlow, runtime settings with no JAX
+    equivalent and float16 on a CPU are refused before any training, each with the reason."""
     other = str(tmp_path / "other-tok")
     kbert.Tokenizer("wordpiece", ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + list("가나다라마바사")).save(other)
     cases = {
@@ -180,6 +180,7 @@ def test_jax_bad_input_fails_fast_with_the_reason(prepared, tmp_path):
         "tpu_name": _config(prepared, str(tmp_path / "b"), 2, runtime={"tpu": "my-tpu"}),
         "jit_off": _config(prepared, str(tmp_path / "c"), 2, runtime={"jit": False}),
         "mirrored_without_gpus": _config(prepared, str(tmp_path / "d"), 2, runtime={"strategy": "mirrored"}),
+        "float16_on_cpu": _config(prepared, str(tmp_path / "f"), 2, runtime={"precision": "mixed_float16"}),
         "raw_text_without_tensorflow": _config(prepared, str(tmp_path / "e"), 2, data={"source": ["kolaw"]}),
     }
     result, _ = run_on_jax(_script(
@@ -203,9 +204,10 @@ def test_jax_bad_input_fails_fast_with_the_reason(prepared, tmp_path):
     assert "runtime.tpu" in result["tpu_name"] and "no JAX equivalent" in result["tpu_name"]
     assert "runtime.jit: false" in result["jit_off"]
     assert "mirrored needs GPUs" in result["mirrored_without_gpus"]
+    assert "mixed_float16" in result["float16_on_cpu"] and "needs a GPU" in result["float16_on_cpu"]
     assert "kbert data prepare" in result["raw_text_without_tensorflow"]
     assert "TensorFlow is not installed" in result["raw_text_without_tensorflow"]
-    assert not any(os.path.isdir(os.path.join(str(tmp_path), x, "checkpoints")) for x in "abcde")
+    assert not any(os.path.isdir(os.path.join(str(tmp_path), x, "checkpoints")) for x in "abcdef")
 
 
 @pytest.mark.slow

@@ -91,7 +91,11 @@ class JaxBackend:
                 major = int(str(getattr(self.devices[0], "compute_capability", "0")).split(".")[0])
             except ValueError:
                 major = 0
-        return choose_precision(requested, self.kind, major)
+        precision = choose_precision(requested, self.kind, major)
+        if precision == "mixed_float16" and self.kind == "cpu":
+            raise ValueError("runtime.precision: mixed_float16 on Keras' JAX backend needs a GPU (XLA on CPU has "
+                             "no float16 matmul that accumulates in float32); on CPU use mixed_bfloat16 or float32")
+        return precision
 
     def scope(self):
         return self.distribution.scope() if self.distribution is not None else contextlib.nullcontext()
