@@ -314,8 +314,7 @@ class Embeddings(keras.layers.Layer):
             config.max_position, e, embeddings_initializer=init, dtype=self.dtype_policy, name="position_embedding")
         self.segment_embedding = keras.layers.Embedding(
             config.type_vocab_size, e, embeddings_initializer=init, dtype=self.dtype_policy, name="segment_embedding")
-        self.norm = LayerNorm(
-            epsilon=config.layer_norm_epsilon, dtype=self.dtype_policy, name="norm")
+        self.norm = LayerNorm(epsilon=config.layer_norm_epsilon, dtype=self.dtype_policy, name="norm")
         self.dropout = Dropout(config.dropout, dtype=self.dtype_policy)
         self.projection = None
         if e != config.hidden_size:
@@ -466,8 +465,7 @@ class MaskedLMHead(keras.layers.Layer):
         self.token_embedding = token_embedding
         self.transform = keras.layers.Dense(config.embedding_dim, kernel_initializer=initializer(config),
                                             dtype=self.dtype_policy, name="transform")
-        self.norm = LayerNorm(epsilon=config.layer_norm_epsilon,
-                                                    dtype=self.dtype_policy, name="norm")
+        self.norm = LayerNorm(epsilon=config.layer_norm_epsilon, dtype=self.dtype_policy, name="norm")
         self.act = activation(config.hidden_act)
 
     def build(self, sequence_output_shape, mask_positions_shape=None):

@@ -275,8 +275,6 @@ def on_host():
     device for each run), so the model is built there: Keras initializes each variable eagerly, one small
     XLA program per initializer and shape (about 40 for BERT-Base with its optimizer slots), and on a GPU
     each of those compiles for the device and the result then travels back to the host for nothing."""
-    import contextlib
-
     device = host_device()
     if device is None:
         return contextlib.nullcontext()
