@@ -810,6 +810,11 @@ def report(out: dict):
                   f"{compiled} | {tries} | {r.get('seconds', 0):.0f}{_process_seconds(r)} |")
 
 
+def _act_field(precision: str) -> str:
+    """The `MemoryCoefficients` field of bytes per activation element for `precision`."""
+    return "float32_act_bytes" if precision == "float32" else "mixed_act_bytes"
+
+
 def suggest_act_bytes(memory_rows) -> dict:
     """{precision: (the `xla` set's bytes per activation element, the value that would put the planner at or
     just above every compiled point of `memory_rows`)}, rounded up to 0.05. The planner is the state and
@@ -828,7 +833,7 @@ def suggest_act_bytes(memory_rows) -> dict:
         if not compiled or "weights_grads_slots" not in parts:
             continue
         fixed = parts["weights_grads_slots"] + parts["workspace"]
-        now = c.float32_act_bytes if r["precision"] == "float32" else c.mixed_act_bytes
+        now = getattr(c, _act_field(r["precision"]))
         want = now * (compiled - fixed) / (r["planned_bytes"] - fixed)
         needed[r["precision"]] = (now, max(want, needed.get(r["precision"], (now, 0.0))[1]))
     return {p: (now, math.ceil(want * 20 - 1e-9) / 20) for p, (now, want) in needed.items()}
@@ -841,8 +846,8 @@ def refit_plan(row, act_bytes: float) -> int:
 
     from kbert.train import memory
 
-    field = "float32_act_bytes" if row["precision"] == "float32" else "mixed_act_bytes"
-    memory.COMPILERS["xla-refit"] = dataclasses.replace(memory.COMPILERS["xla"], **{field: act_bytes})
+    refit = {_act_field(row["precision"]): act_bytes}
+    memory.COMPILERS["xla-refit"] = dataclasses.replace(memory.COMPILERS["xla"], **refit)
     try:
         (plan,) = memory.plan_batch_size(_config(row["model"], row.get("vocab", 32000)), row["cap"],
                                          [row["seq_len"]], optimizer="adamw", precision=row["precision"],
