@@ -792,8 +792,8 @@ print(json.dumps(out))
 
 
 def test_the_probe_builds_the_model_on_the_host_and_runs_it_on_the_device():
-    # On a GPU Keras' eager initializers would each compile for the device (about 40 small programs for
-    # BERT-Base) only for `CompiledStep` to copy the state back to the host; it is built there instead.
+    # On a GPU Keras' eager initializers would each compile for the device (one small program per
+    # initializer and shape) only for `CompiledStep` to copy the state back to the host; it is built there.
     pytest.importorskip("jax")
     out, _ = run_on_jax(JAX_ON_HOST, env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
     assert out["plain"] == ["cpu:1"] and out["hosted"] == ["cpu:0"], out

@@ -273,7 +273,7 @@ def on_host():
 
     `CompiledStep` wants the model's initial state on the host (it keeps a host copy and puts it on the
     device for each run), so the model is built there: Keras initializes each variable eagerly, one small
-    XLA program per initializer and shape (about 40 for BERT-Base with its optimizer slots), and on a GPU
+    XLA program per initializer and shape (dozens for a BERT with its optimizer slots), and on a GPU
     each of those compiles for the device and the result then travels back to the host for nothing."""
     device = host_device()
     if device is None:
