@@ -103,7 +103,14 @@ def _convert(args):
 def _tokenizer_train(args):
     from kbert.text.tokenizer import Tokenizer
 
-    tok = Tokenizer.train(args.input, vocab_size=args.vocab_size, algorithm=args.algorithm,
+    options = _corpus_options(args)
+    if not options and all(os.path.isfile(source) for source in args.input):
+        inputs = args.input  # plain files: every line is a training line, as Tokenizer.train reads them
+    else:  # folders, globs, corpus names (kolaw, movie-reviews, ...) or a --format: kbert's corpus reader
+        from kbert.data.corpus import Corpus
+
+        inputs = Corpus(args.input, **options)
+    tok = Tokenizer.train(inputs, vocab_size=args.vocab_size, algorithm=args.algorithm,
                           morphemes=args.morphemes, repeat=args.repeat, lowercase=args.lowercase,
                           user_defined_symbols=args.user_symbols or ())
     tok.save(args.out)
@@ -454,8 +461,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     tp = sub.add_parser("tokenizer", help="train or apply a Korean subword tokenizer")
     tsub = tp.add_subparsers(dest="tokenizer_command", metavar="ACTION", parser_class=_Parser, required=True)
-    p = tsub.add_parser("train", help="learn a vocabulary from text files")
-    p.add_argument("--input", nargs="+", required=True, help="text files (.txt, .gz, .bz2), one sentence per line")
+    p = tsub.add_parser("train", help="learn a vocabulary from text files or a corpus")
+    p.add_argument("--input", nargs="+", required=True,
+                   help="text files (.txt, .gz, .bz2; each line a training line), or folders, globs and corpus "
+                        "names (`kbert corpus list`) read as `kbert data prepare` reads them")
     p.add_argument("--vocab-size", type=int, required=True)
     p.add_argument("--algorithm", choices=("unigram", "bpe", "wordpiece"), default="unigram")
     p.add_argument("--morphemes", choices=("mecab", "kiwi", "okt", "komoran", "hannanum", "kkma", "konlpy-mecab"),
@@ -464,6 +473,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lowercase", action="store_true")
     p.add_argument("--user-symbols", nargs="*", help="extra tokens kept whole, e.g. [URL]")
     p.add_argument("--out", required=True, help="output tokenizer directory")
+    _add_corpus_arguments(p)
     p.set_defaults(func=_tokenizer_train)
     p = tsub.add_parser("encode", help="print tokens, ids and offsets as JSON lines")
     p.add_argument("--tokenizer", required=True, help="tokenizer dir, vocab.txt or .model")

@@ -78,6 +78,24 @@ def test_tokenizer_bad_vocab_size_is_one_line(tmp_path):
     assert proc.returncode == 2
 
 
+def test_tokenizer_train_reads_corpus_names_and_folders_and_names_a_missing_input(tmp_path):
+    """`--input` takes what `kbert data prepare --corpus` takes; a name that is neither a file nor a corpus is an
+    error (it used to become one line of training text)."""
+    proc = run("tokenizer", "train", "--input", "kolaw", "kobill", "--vocab-size", "1000", "--out", str(tmp_path / "t"))
+    assert proc.returncode == 0, proc.stderr
+    import kbert
+
+    assert kbert.Tokenizer.load(str(tmp_path / "t")).vocab_size == 1000
+    folder = tmp_path / "texts"
+    folder.mkdir()
+    (folder / "a.txt").write_text("대한민국은 민주공화국이다.\n모든 국민은 법 앞에 평등하다.\n" * 20, encoding="utf-8")
+    proc = run("tokenizer", "train", "--input", str(folder), "--vocab-size", "281", "--out", str(tmp_path / "f"))
+    assert proc.returncode == 0, proc.stderr
+    proc = run("tokenizer", "train", "--input", "kolaww", "--vocab-size", "100", "--out", str(tmp_path / "m"))
+    assert proc.returncode == 1 and "not found: 'kolaww'" in proc.stderr and "kolaw" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "m").exists()
+
+
 def test_commands_start_without_tensorflow_log_noise_and_info_lists_the_text_stack():
     proc = run("info")
     assert proc.returncode == 0, proc.stderr
