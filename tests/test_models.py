@@ -418,6 +418,17 @@ def test_save_load_round_trip(tmp_path, architecture):
                                np.asarray(model.backbone(batch)["sequence_output"]), atol=1e-6)
 
 
+def test_a_pretrainer_saved_before_its_first_call_saves_its_heads(tmp_path):
+    """`kbert.save_model(kbert.Pretrainer(backbone), dir)` straight away: the heads exist only after a call, and
+    the dir would say it has heads it lacks (loading it with heads failed); save_model builds them first."""
+    model = kbert.Pretrainer(kbert.build_backbone(tiny("bert")))
+    kbert.save_model(model, str(tmp_path / "m"))
+    again = kbert.load_model(str(tmp_path / "m"), with_heads=True)
+    features = dict(random_batch(), mask_positions=np.ones((4, 3), "int32"))
+    for k, v in model(features).items():
+        np.testing.assert_allclose(np.asarray(again(features)[k]), np.asarray(v), atol=1e-6)
+
+
 def test_backbone_dir_loads_with_fresh_heads(tmp_path):
     backbone = kbert.build_backbone(tiny("bert"))
     kbert.save_model(backbone, str(tmp_path / "b"))

@@ -43,6 +43,8 @@ def save_model(model, directory: str, tokenizer=None) -> str:
     """
     if isinstance(model, Pretrainer):
         backbone, pair_objective, has_heads = model.backbone, model.pair_objective, True
+        if not any("mlm_head/" in path for path in variables_by_path(model)):
+            build_pretrainer(model)  # heads not called yet: create them, else the dir would claim heads it lacks
     elif isinstance(model, Backbone):
         backbone, pair_objective, has_heads = model, None, False
     else:
