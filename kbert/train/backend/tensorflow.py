@@ -69,7 +69,12 @@ class TensorFlowBackend:
                 losses = model.compute_losses(features, labels, outputs, training=True)
                 loss = losses["loss"] / replicas
                 scaled = optimizer.scale_loss(loss) if hasattr(optimizer, "scale_loss") else loss
-            grads = tape.gradient(scaled, variables)
+            # an embedding looked up by `take` (the segment embedding; the token embedding where no tied head
+            # adds a dense part) gets IndexedSlices, one slice per token; the optimizer's global-norm clipping
+            # would take the norm of those slices instead of their sum per row (the gradient): dense, it
+            # clips by the true norm, as on JAX
+            grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
+                     for g in tape.gradient(scaled, variables)]
             pairs = [(g, v) for g, v in zip(grads, variables) if g is not None]
             optimizer.apply([g for g, _ in pairs], [v for _, v in pairs])
             return {k: v / replicas for k, v in losses.items()}
