@@ -298,7 +298,8 @@ def test_interrupted_finetuning_resumes_to_the_same_result(base, tmp_path):
     cut = next(s for s in range(per_epoch + 1, 2 * per_epoch) if s % 10 and s % 7)
     out = str(tmp_path / "part")
     part = kbert.finetune(base, "classification", train, dev, out_dir=out, stop_after=cut, **args)
-    assert (part["steps"], part["stopped_by"]) == (cut, "stop_after") and part["checkpoint"].endswith(f"ckpt-{cut}")
+    assert (part["steps"], part["stopped_by"]) == (cut, "stop_after")
+    assert part["checkpoint"].endswith(f"ckpt-{cut}.safetensors")
     assert len(part["history"]) == cut // 10 and os.path.isdir(os.path.join(out, "checkpoints"))
     rest = kbert.finetune(base, "classification", train, dev, out_dir=out, **args)
     assert (rest["steps"], rest["stopped_by"], rest["checkpoint"]) == (2 * per_epoch, "steps", None)
@@ -347,7 +348,7 @@ def test_finetuning_checkpoint_refuses_other_settings_and_sigterm_stops_with_one
     finally:
         done.set()
     assert stopped["stopped_by"] == "SIGTERM" and 0 < stopped["steps"] < 200 * 10
-    assert stopped["checkpoint"].endswith(f"ckpt-{stopped['steps']}")
+    assert stopped["checkpoint"].endswith(f"ckpt-{stopped['steps']}.safetensors")
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handed back
     again = kbert.finetune(base, "classification", train, out_dir=out, epochs=200, max_length=32, stop_after=1,
                            progress=False)

@@ -50,6 +50,29 @@ def bucket(n: int, buckets) -> int:
     return n
 
 
+def bucketed(x: np.ndarray, value, limit: int, rows: bool = False) -> np.ndarray:
+    """`x` `[b, s, ...]` padded with `value` along s to the smallest width bucket (at most `limit`, the
+    model's positions, unless s is already past it) and, with `rows`, along b to the row bucket: the few
+    shapes a backend that compiles every shape (JAX) then sees. Masked columns change no real output; extra
+    rows do in a loss, so training batches pad the width only."""
+    x = np.asarray(x)
+    width = max(min(bucket(x.shape[1], WIDTH_BUCKETS), limit), x.shape[1])
+    pads = [(0, bucket(len(x), ROW_BUCKETS) - len(x) if rows else 0), (0, width - x.shape[1])]
+    return np.pad(x, pads + [(0, 0)] * (x.ndim - 2), constant_values=value)
+
+
+def bucketed_features(feats: dict, y, pad_id: int, limit: int, label_pad=None):
+    """A training batch (`features(...)` plus any other inputs, labels) at its width bucket (`bucketed`): ids
+    with `pad_id`, segments and mask with 0; labels per token `[b, s]` (tagging) with `label_pad`, other
+    labels and inputs (masked positions, ...) as they are."""
+    out = dict(feats)
+    for key in ("token_ids", "segment_ids", "padding_mask"):
+        out[key] = bucketed(feats[key], pad_id if key == "token_ids" else 0, limit)
+    if label_pad is not None:
+        y = bucketed(y, label_pad, limit)
+    return out, y
+
+
 def pack_rows(lengths, width: int) -> List[List[int]]:
     """Packs texts of `lengths` (each <= `width`) into rows of `width` tokens, several short texts per row:
     best fit, longest first (each row starts with the longest text left, then takes the longest that
@@ -85,11 +108,11 @@ def segment_ids(ids, sep_id: int) -> List[int]:
 
 def features(ids: np.ndarray, segments: np.ndarray, pad_id: int) -> dict:
     """`[b, s]` ids and segment ids -> the backbone's inputs (`token_ids`, `segment_ids`, `padding_mask`) as
-    tensors; position 0 is never masked, so an empty text still attends to its [CLS]."""
-    import tensorflow as tf
-
-    return {"token_ids": tf.constant(ids), "segment_ids": tf.constant(segments),
-            "padding_mask": tf.constant((ids != pad_id) | (np.arange(ids.shape[1]) == 0), tf.int32)}
+    int32 arrays (what either backend's compiled functions take); position 0 is never masked, so an empty text
+    still attends to its [CLS]."""
+    ids = np.asarray(ids, np.int32)
+    return {"token_ids": ids, "segment_ids": np.asarray(segments, np.int32),
+            "padding_mask": ((ids != pad_id) | (np.arange(ids.shape[1]) == 0)).astype(np.int32)}
 
 
 def word_spans(text: str):

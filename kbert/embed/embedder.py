@@ -12,6 +12,9 @@ to itself (`Backbone.packed_hidden_states`); results come back in input order. T
 than `max_length` are truncated with one warning that counts them. An empty or blank text encodes as
 `[CLS] [SEP]`, a defined vector.
 
+On Keras' JAX backend every batch runs as `jit_compile=True` below (JAX compiles each shape; there is no
+graph to run an uncompiled shape on), and word vectors run at bucketed shapes too.
+
 `jit_compile=True` runs sentence vectors through XLA instead: the graph executor dispatches each of a few
 hundred small ops one by one, which on a CPU costs milliseconds per call and leaves elementwise work (GELU,
 layer norm, softmax, bias) unfused; XLA compiles the whole encoder into fused kernels. XLA compiles once per
@@ -29,6 +32,7 @@ from typing import List, Optional, Sequence, Union
 import numpy as np
 
 from kbert.data.features import ROW_BUCKETS, WIDTH_BUCKETS, bucket, pack_rows, text_list
+from kbert.models.compiled import backend, compiled, signature
 from kbert.utils import progress_bar
 from kbert.models.pooling import (PACKED_POOLINGS, POOLINGS, check_pooling, layer_average, pool,  # noqa: F401
                                   pool_packed)
@@ -58,7 +62,10 @@ class Embedder:
         # the sentence pooling `encode` uses by default: a bi-encoder dir's own (`kbert.finetune(pooling=...)`)
         self.pooling, self.layers = pooling, layers
         self.max_length = backbone.config.check_length(max_length or backbone.config.max_position)
-        self.jit_compile = jit_compile
+        # JAX compiles every shape (it has no graph to run one on meanwhile), so every batch takes the bucketed
+        # path that jit_compile=True takes on TensorFlow, compiled in the foreground the first time it is met
+        self._bucketed = backend() == "jax"
+        self.jit_compile = True if self._bucketed else jit_compile
         self._fns = {}
         self._compiled = set()  # (layers, rows, width) shapes XLA has compiled
         self._compiling = None  # "background": (queue, pending shapes)
@@ -95,8 +102,6 @@ class Embedder:
     def _run(self, ids: np.ndarray, mask: np.ndarray, pooling: Optional[str] = None, layers=-1):
         """All hidden states (a list of float32 arrays), or with `pooling` the pooled vectors `[b, h]`
         computed in the same graph (only the vectors leave the device)."""
-        import tensorflow as tf
-
         key = (pooling, layers if isinstance(layers, int) else tuple(layers))
         if key not in self._fns:
             def run(x):
@@ -105,29 +110,33 @@ class Embedder:
                     return out["hidden_states"]
                 return pool(out["hidden_states"], x["padding_mask"], pooling, layers)
 
-            spec = tf.TensorSpec([None, None], tf.int32)  # one trace for every batch shape
-            self._fns[key] = tf.function(run, input_signature=[
-                {"token_ids": spec, "segment_ids": spec, "padding_mask": spec}])
-        out = self._fns[key]({"token_ids": tf.constant(ids), "segment_ids": tf.zeros_like(ids),
-                              "padding_mask": tf.constant(mask)})
+            self._fns[key] = compiled(run, self.backbone.variables, signature({"token_ids": 2, "segment_ids": 2,
+                                                                                "padding_mask": 2}))
+        rows, width = ids.shape
+        if self._bucketed:  # JAX compiles each shape: round it up; the extra rows and columns are padding
+            shape = self._bucket_shape(rows, width)
+            ids = np.pad(ids, [(0, shape[0] - rows), (0, shape[1] - width)], constant_values=self.tokenizer.pad_id)
+            mask = np.pad(mask, [(0, shape[0] - rows), (0, shape[1] - width)])
+        out = self._fns[key]({"token_ids": ids, "segment_ids": np.zeros_like(ids), "padding_mask": mask})
         if pooling is not None:
-            return np.asarray(out, dtype=np.float32)
-        return [np.asarray(h, dtype=np.float32) for h in out]
+            return np.asarray(out[:rows], dtype=np.float32)
+        return [np.asarray(h[:rows, :width], dtype=np.float32) for h in out]
+
+    def _bucket_shape(self, rows: int, width: int):
+        """`[rows, width]` rounded up to the compiled shapes' buckets (never past the model's positions)."""
+        return (bucket(rows, ROW_BUCKETS),
+                max(min(bucket(width, WIDTH_BUCKETS), self.backbone.config.max_position), width))
 
     def _run_packed(self, ids: np.ndarray, segments: np.ndarray, weights: np.ndarray, pooling: str, layers):
         """Pooled vectors `[r, t, h]` of packed rows: ids and segments `[r, s]`, pooling weights `[r, t, s]`
-        (`kbert.models.pooling.pool_packed`)."""
-        import tensorflow as tf
-
+        (`kbert.models.pooling.pool_packed`). Not reached on JAX (every batch takes the bucketed XLA path)."""
         key = ("packed", pooling, layers if isinstance(layers, int) else tuple(layers))
         if key not in self._fns:
             def run(ids, segments, weights):
                 return pool_packed(self.backbone.packed_hidden_states(ids, segments), weights, pooling, layers)
 
-            spec = tf.TensorSpec([None, None], tf.int32)
-            self._fns[key] = tf.function(run, input_signature=[spec, spec, tf.TensorSpec([None] * 3, tf.float32)])
-        return np.asarray(self._fns[key](tf.constant(ids), tf.constant(segments), tf.constant(weights)),
-                          dtype=np.float32)
+            self._fns[key] = compiled(run, self.backbone.variables, signature(2, 2, (3, "float32")))
+        return np.asarray(self._fns[key](ids, segments, weights), dtype=np.float32)
 
     def _pooled_batches(self, id_lists, batch_size: int, bar, pooling: str, layers):
         """Yields (indices, pooled vectors) over length-sorted batches of at most `batch_size` texts. With
@@ -197,8 +206,6 @@ class Embedder:
         """The XLA-compiled encoder of packed rows: ids and segments [r, s] -> the float32 average of the
         layers a pooling reads [r, s, h]; each text is pooled from its own span outside, so the number of
         texts per row is not part of the compiled shape."""
-        import tensorflow as tf
-
         key = ("xla",) + layer_key
         if key not in self._fns:
             which, layers = layer_key
@@ -207,16 +214,14 @@ class Embedder:
             def run(ids, segments):
                 return layer_average(self.backbone.packed_hidden_states(ids, segments), which, layers)
 
-            spec = tf.TensorSpec([None, None], tf.int32)  # one trace; XLA compiles each concrete shape
-            self._fns[key] = tf.function(run, input_signature=[spec, spec], jit_compile=True)
+            # TensorFlow: one trace, XLA compiles each concrete shape; JAX: one compile per shape
+            self._fns[key] = compiled(run, self.backbone.variables, signature(2, 2), jit_compile=True)
         return self._fns[key]
 
     def _run_xla(self, key, texts, lengths, rows, pooling):
-        import tensorflow as tf
-
         layer_key, shape = key[0], key[1:]
         ids, segments, spans = self._fill_rows(texts, lengths, rows, shape)
-        x = np.asarray(self._xla_fn(layer_key)(tf.constant(ids), tf.constant(segments)), np.float32)
+        x = np.asarray(self._xla_fn(layer_key)(ids, segments), np.float32)
         self._compiled.add(key)
         out = np.empty((len(texts), x.shape[-1]), np.float32)
         for j, r, _, at in spans:
@@ -247,8 +252,6 @@ class Embedder:
         import os
         import threading
 
-        import tensorflow as tf
-
         try:  # the lowest CPU priority for this thread (a Linux task): serving requests comes first
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         except (AttributeError, OSError):
@@ -257,7 +260,7 @@ class Embedder:
             key = jobs.get()
             try:
                 shape = key[1:]
-                self._xla_fn(key[0])(tf.zeros(shape, tf.int32), tf.zeros(shape, tf.int32))
+                self._xla_fn(key[0])(np.zeros(shape, np.int32), np.zeros(shape, np.int32))
                 self._compiled.add(key)
             except Exception as e:  # noqa: BLE001 - that shape stays on the graph; say so once
                 warnings.warn(f"XLA could not compile shape {shape} ({type(e).__name__}: {e}); batches of "
@@ -522,3 +525,4 @@ def _best(scores: np.ndarray, k: int):
 def _unit(x) -> np.ndarray:
     x = np.atleast_2d(np.asarray(x, np.float32))
     return x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
+

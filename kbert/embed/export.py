@@ -134,6 +134,12 @@ def export(model_dir: str, out_dir: str, signature: Optional[str] = None, poolin
         overwrite: replace an existing `out_dir/<version>`.
         check: reload the export and compare it with the Python API on sample texts (1e-5).
     """
+    import keras
+
+    if keras.backend.backend() != "tensorflow":  # the model is traced into a TensorFlow graph
+        raise ValueError(f"a SavedModel is TensorFlow's format and the model is traced into its graph, so export "
+                         f"runs on Keras' TensorFlow backend (KERAS_BACKEND is {keras.backend.backend()!r}): run "
+                         f"`KERAS_BACKEND=tensorflow kbert export ...`; the model dir is the same on both backends")
     import tensorflow as tf
 
     from kbert.embed.embedder import Embedder

@@ -6,9 +6,10 @@ from typing import Optional
 
 import numpy as np
 
-from kbert.data.features import ROW_BUCKETS, WIDTH_BUCKETS, bucket, build_network, features, first_pieces, pad
+from kbert.data.features import bucketed, build_network, features, first_pieces, pad
 from kbert.data.features import segment_ids, text_list
 from kbert.data.features import unit_vectors_in_batches, word_spans
+from kbert.models.compiled import backend, compiled, signature
 from kbert.models.tasks import TASK_FILE, TaskNetwork, load_task_head, read_task_meta, save_task_head
 
 
@@ -26,7 +27,7 @@ class TaskModel:
         is met, about a second each): fewer, fused kernels instead of the graph executor's per-op dispatch,
         which on a CPU weighs most on small models and batches."""
         self.network, self.tokenizer, self.meta = network, tokenizer, meta
-        self.jit_compile = bool(jit_compile)
+        self.jit_compile = bool(jit_compile) or backend() == "jax"  # JAX compiles every (bucketed) shape
         self.task, self.labels = meta["task"], meta.get("labels")
         self.max_length = meta.get("max_length", 128)
         self.embedder = None  # set by `load`: an Embedder on the same backbone
@@ -60,23 +61,17 @@ class TaskModel:
         return model_dir
 
     def _call(self, ids, segments):
-        import tensorflow as tf
-
         if self._fn is None:
-            if self.jit_compile:  # one trace; XLA compiles each concrete (bucketed) shape
-                spec = tf.TensorSpec([None, None], tf.int32)
-                self._fn = tf.function(lambda x: self.network(x, training=False), jit_compile=True,
-                                       input_signature=[{"token_ids": spec, "segment_ids": spec,
-                                                         "padding_mask": spec}])
-            else:
-                self._fn = tf.function(lambda x: self.network(x, training=False), reduce_retracing=True)
+            # TensorFlow: one trace for every shape (XLA then compiles each bucketed shape); JAX: one compile
+            # per bucketed shape
+            self._fn = compiled(lambda x: self.network(x, training=False), self.network.variables,
+                                signature({"token_ids": 2, "segment_ids": 2, "padding_mask": 2}),
+                                jit_compile=self.jit_compile)
         rows = len(ids)
         if self.jit_compile:  # pad to a bucketed shape: extra rows are padding, their outputs dropped
-            shape = (bucket(rows, ROW_BUCKETS), min(bucket(ids.shape[1], WIDTH_BUCKETS), self.max_length))
-            shape = (shape[0], max(shape[1], ids.shape[1]))
-            ids = np.pad(ids, [(0, shape[0] - rows), (0, shape[1] - ids.shape[1])],
-                         constant_values=self.tokenizer.pad_id)
-            segments = np.pad(segments, [(0, shape[0] - rows), (0, shape[1] - segments.shape[1])])
+            limit = min(self.max_length, self.network.backbone.config.max_position)
+            ids = bucketed(ids, self.tokenizer.pad_id, limit, rows=True)
+            segments = bucketed(segments, 0, limit, rows=True)
         return np.asarray(self._fn(features(ids, segments, self.tokenizer.pad_id)), np.float32)[:rows]
 
     def predict(self, texts, pairs=None, batch_size: int = 64):

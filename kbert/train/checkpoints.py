@@ -1,9 +1,10 @@
 """The whole state of an interrupted fine-tuning run, so that the same call resumes it exactly.
 
-One TensorFlow checkpoint holds every network variable (dropout seeds included), the optimizer's variables
-and a JSON string with the loop's bookkeeping plus the settings the run was made with, so a restart with
-other settings is refused by name instead of silently mixing two runs. `tf.train.CheckpointManager` is the
-field's tool for this on TensorFlow (atomic writes, keeps the newest).
+One checkpoint file holds every network variable (dropout seeds included), the optimizer's variables and
+the loop's bookkeeping plus the settings the run was made with, so a restart with other settings is refused
+by name instead of silently mixing two runs. It is pretraining's backend-neutral format
+(`kbert.train.run_checkpoint`: safetensors, written to a temporary name and renamed, the newest kept), so a
+run stopped on one Keras backend resumes on the other.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import shutil
 from typing import Optional
 
 import numpy as np
+
+from kbert.train.run_checkpoint import RunCheckpoints
 
 CHECKPOINT_DIR = "checkpoints"  # under the fine-tuning run's out_dir
 
@@ -42,29 +45,23 @@ class FinetuneCheckpoint:
     """Save / restore / remove the run state under `directory` (`out_dir/checkpoints`)."""
 
     def __init__(self, directory: str, network, optimizer, settings: dict, resume: bool):
-        import tensorflow as tf
-
         self.directory, self.settings = directory, json.loads(json.dumps(settings, default=str))
         if not resume and os.path.isdir(directory):
             shutil.rmtree(directory)
-        self.state = tf.Variable("", dtype=tf.string, trainable=False)
-        self.checkpoint = tf.train.Checkpoint(
-            network={str(i): v.value for i, v in enumerate(network.variables)},
-            optimizer={str(i): v.value for i, v in enumerate(optimizer.variables)}, state=self.state)
-        self.manager = tf.train.CheckpointManager(self.checkpoint, directory, max_to_keep=1)
+        self.network, self.optimizer = network, optimizer
+        self.store = RunCheckpoints(directory, keep=1)
 
     @property
     def path(self) -> Optional[str]:
-        return self.manager.latest_checkpoint
+        return self.store.latest
 
     def restore(self) -> Optional[dict]:
         """The saved bookkeeping (with "step"), the variables restored; None when there is no checkpoint."""
-        import tensorflow as tf
-
-        path = self.manager.latest_checkpoint
-        if not path:
+        self.store.check_format()
+        restored = self.store.restore(self.network, self.optimizer, lambda v, value: v.assign(value))
+        if restored is None:
             return None
-        saved = json.loads(tf.train.load_checkpoint(path).get_tensor("state/.ATTRIBUTES/VARIABLE_VALUE"))
+        saved = restored[1]
         differ = sorted(k for k in set(saved["settings"]) | set(self.settings)
                         if saved["settings"].get(k) != self.settings.get(k))
         if differ:
@@ -72,12 +69,11 @@ class FinetuneCheckpoint:
             raise ValueError(f"{self.directory!r} holds an interrupted fine-tuning run (step {saved['step']}) with "
                              f"other settings ({shown}); rerun with its settings to resume it, pass resume=False "
                              f"(CLI: --no-resume) to start over, or choose another out_dir")
-        self.checkpoint.restore(path).assert_consumed()
         return saved
 
     def save(self, step: int, bookkeeping: dict) -> None:
-        self.state.assign(json.dumps({"settings": self.settings, "step": step, **bookkeeping}))
-        self.manager.save(checkpoint_number=step)
+        state = json.loads(json.dumps({"settings": self.settings, "step": step, **bookkeeping}, default=float))
+        self.store.save(step, self.network, self.optimizer, state)
 
     def remove(self) -> None:
         if os.path.isdir(self.directory):

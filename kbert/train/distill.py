@@ -45,8 +45,9 @@ from typing import List, Optional, Sequence
 import numpy as np
 
 from kbert.data import rows as cells
-from kbert.data.features import build_network, features, pad, unit_vectors_in_batches
+from kbert.data.features import bucketed, bucketed_features, build_network, features, pad, unit_vectors_in_batches
 from kbert.data.rows import read_rows
+from kbert.models.compiled import backend, compiled, signature
 from kbert.models.tasks import read_task_meta
 from kbert.train.finetune_tasks import (ClassificationTask, Examples, FinetuneTask, PairClassificationTask,
                                         RegressionTask, SentenceEmbeddingTask)
@@ -141,11 +142,14 @@ class Teacher:
             build_network(self.network, self.tokenizer)
 
     def call(self, ids, segments):
-        import tensorflow as tf
-
         if self._fn is None:
-            self._fn = tf.function(lambda x: self.network(x, training=False), reduce_retracing=True)
-        return np.asarray(self._fn(features(ids, segments, self.tokenizer.pad_id)), np.float32)
+            self._fn = compiled(lambda x: self.network(x, training=False), self.network.variables,
+                                signature({"token_ids": 2, "segment_ids": 2, "padding_mask": 2}))
+        rows = len(ids)
+        if backend() == "jax":  # JAX compiles each shape: a few bucketed ones, the padding dropped after
+            limit = self.config.max_position
+            ids, segments = bucketed(ids, self.tokenizer.pad_id, limit, rows=True), bucketed(segments, 0, limit, rows=True)
+        return np.asarray(self._fn(features(ids, segments, self.tokenizer.pad_id)), np.float32)[:rows]
 
     def outputs(self, token_ids: List[List[int]], segment_ids: List[List[int]], batch_size: int = 64):
         """The task head's outputs `[n, k]` (logits, or `[n, 1]` values) for encoded examples, in order."""
@@ -399,10 +403,8 @@ class EmbeddingDistillTask(SentenceEmbeddingTask):
         self.score_max = 1.0
 
     def batch(self, examples, index, pad_id):
-        import tensorflow as tf
-
         ids = pad([examples.token_ids[i] for i in index], pad_id)
-        return features(ids, np.zeros_like(ids), pad_id), tf.constant(examples.labels[index])
+        return features(ids, np.zeros_like(ids), pad_id), np.asarray(examples.labels[index])
 
     def loss(self, network, feats, y, n, key: int = 0):
         return embedding_distill_loss(network(feats, training=True), y)
@@ -482,7 +484,7 @@ def mask_batch(ids: np.ndarray, tokenizer, rng: np.random.Generator, rate: float
         swap = rows[(draw >= 0.8) & (draw < 0.9)]
         masked[i, swap] = rng.integers(len(tokenizer.special_ids), tokenizer.vocab_size, size=len(swap))
         picked.append(rows)
-    m = max(1, max(len(r) for r in picked))
+    m = -(-max(1, max(len(r) for r in picked)) // 8) * 8  # a multiple of 8, as `pad` widths: few compiled shapes
     positions = np.zeros((ids.shape[0], m), np.int32)
     weights = np.zeros((ids.shape[0], m), np.float32)
     for i, rows in enumerate(picked):
@@ -548,13 +550,14 @@ class GeneralDistillTask(FinetuneTask):
         return self.masked(examples, batch, pad_id, rng)
 
     def masked(self, examples, index, pad_id, rng):
-        import tensorflow as tf
-
         ids = pad([examples.token_ids[i] for i in index], pad_id)
         masked, positions, weights = mask_batch(ids, self.tokenizer, rng)
         feats = features(masked, np.zeros_like(masked), pad_id)
-        feats["mask_positions"] = tf.constant(positions)
-        return feats, tf.constant(weights), len(index), 0
+        feats["mask_positions"] = positions
+        return feats, weights, len(index), 0
+
+    def other_variables(self):
+        return list(self.teacher.network.variables)  # the teacher runs inside each training step
 
     def loss(self, network, feats, y, n, key: int = 0):
         import keras
@@ -569,17 +572,17 @@ class GeneralDistillTask(FinetuneTask):
         return loss
 
     def evaluate(self, infer, examples, batch_size, pad_id):
-        import tensorflow as tf
-
         if self._predict is None:
-            self._predict = tf.function(lambda f: (sequence_and_mlm(self.student, f, False)[1],
-                                                   sequence_and_mlm(self.teacher.network, f, False)[1]),
-                                        reduce_retracing=True)
+            self._predict = compiled(lambda f: (sequence_and_mlm(self.student, f, False)[1],
+                                                sequence_and_mlm(self.teacher.network, f, False)[1]),
+                                     self.student.variables + self.teacher.network.variables)
         rng = np.random.default_rng(self.seed + 1)
         agree = kl = total = 0.0
         for start in range(0, len(examples), batch_size):
             index = np.arange(start, min(start + batch_size, len(examples)))
             feats, weights, _, _ = self.masked(examples, index, pad_id, rng)
+            if backend() == "jax":  # a few bucketed widths, not one compile per batch width
+                feats, _ = bucketed_features(feats, None, pad_id, self.student.backbone.config.max_position)
             student, teacher = (np.asarray(x, np.float32) for x in self._predict(feats))
             w = np.asarray(weights)
             same = np.argmax(student, -1) == np.argmax(teacher, -1)

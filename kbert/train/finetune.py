@@ -23,9 +23,10 @@ from typing import Any, List, Optional, Sequence, Union
 
 import numpy as np
 
-from kbert.data.features import build_network
+from kbert.data.features import bucketed, bucketed_features, build_network
 from kbert.data.features import features as model_inputs
 from kbert.data.rows import read_rows
+from kbert.models.compiled import backend, compiled, training_step
 from kbert.models.tasks import default_pooling
 from kbert.train.checkpoints import CHECKPOINT_DIR, FinetuneCheckpoint, data_fingerprint
 from kbert.train.finetune_tasks import SIMILARITY_LOSSES, task_for
@@ -239,7 +240,7 @@ def _load(config: FinetuneConfig):
     return backbone, tokenizer, max_length, rate
 
 
-def _optimizer(config: FinetuneConfig, total: int, network):
+def _optimizer(config: FinetuneConfig, total: int, variables):
     import keras
 
     from kbert.train.optimizers import NO_DECAY, WarmupDecay
@@ -248,7 +249,7 @@ def _optimizer(config: FinetuneConfig, total: int, network):
         learning_rate=WarmupDecay(config.learning_rate, total, int(config.warmup * total)),
         weight_decay=config.weight_decay, epsilon=1e-6, global_clipnorm=1.0)
     optimizer.exclude_from_weight_decay(var_names=list(NO_DECAY))
-    optimizer.build(network.trainable_variables)
+    optimizer.build(variables)
     return optimizer
 
 
@@ -258,7 +259,6 @@ def run(config: FinetuneConfig, task=None, before_training=None) -> dict:
     task: a `FinetuneTask` built by the caller (distillation's tasks carry a teacher) instead of the one
     `config.task` names; before_training: called once the examples are encoded (a teacher leaves memory)."""
     import keras
-    import tensorflow as tf
 
     from kbert.utils import StopSignals, progress_bar
 
@@ -288,24 +288,26 @@ def run(config: FinetuneConfig, task=None, before_training=None) -> dict:
     if c.max_steps:
         total = min(total, int(c.max_steps))
     eval_every = int(c.eval_every or steps_per_epoch)
-    optimizer = _optimizer(c, total, network)
     # The pooler feeds only the [CLS] heads: bi-encoders and taggers leave it untouched.
     variables = [v for v in network.trainable_variables if task.trains_pooler or not v.path.startswith("pooler/")]
+    optimizer = _optimizer(c, total, variables)
 
-    @tf.function(reduce_retracing=True)
-    def train_step(feats, y, n, key):
-        with tf.GradientTape() as tape:
-            loss = task.loss(network, feats, y, n, key)
-        optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables))
-        return loss
-
-    @tf.function(reduce_retracing=True)
-    def infer(feats):
-        return network(feats, training=False)
+    # one update: tf.function + GradientTape on TensorFlow, jax.jit of the stateless update on JAX; the batch's
+    # split point n and the loss key are static (a compiled step per value: full and last batches, few keys)
+    train_step = training_step(lambda feats, y, n, key: task.loss(network, feats, y, n, key), network, variables,
+                               optimizer, read=task.other_variables())
+    infer = compiled(lambda feats: network(feats, training=False), network.variables)
+    # JAX compiles each shape: batches are padded to a few widths (and, to evaluate, row counts)
+    on_jax, limit = backend() == "jax", backbone.config.max_position
 
     def evaluate(examples):
-        return task.evaluate(lambda ids, segs: np.asarray(infer(model_inputs(ids, segs, tokenizer.pad_id)), np.float32),
-                             examples, c.batch_size, tokenizer.pad_id)
+        def outputs(ids, segs):
+            rows = len(ids)
+            if on_jax:
+                ids, segs = (bucketed(x, v, limit, rows=True) for x, v in ((ids, tokenizer.pad_id), (segs, 0)))
+            return np.asarray(infer(model_inputs(ids, segs, tokenizer.pad_id)), np.float32)[:rows]
+
+        return task.evaluate(outputs, examples, c.batch_size, tokenizer.pad_id)
 
     key = task.dev_metric(dev_ex)
     base_model = os.path.abspath(c.model) if isinstance(c.model, str) else None
@@ -345,7 +347,9 @@ def run(config: FinetuneConfig, task=None, before_training=None) -> dict:
         while step < end and stopped == "steps":
             for batch in task.epoch_batches(rng, train_ex, c.batch_size, c.group_by_length)[skip:]:
                 feats, y, n, loss_key = task.training_batch(train_ex, batch, tokenizer.pad_id)
-                loss = float(train_step(feats, y, tf.constant(n), loss_key))
+                if on_jax:
+                    feats, y = bucketed_features(feats, y, tokenizer.pad_id, limit, task.label_pad)
+                loss = train_step(feats, y, static=(n, loss_key))
                 if not math.isfinite(loss):
                     raise FloatingPointError(f"Fine-tuning diverged at step {step + 1} (loss {loss}); lower "
                                              f"`learning_rate` (now {c.learning_rate})"

@@ -92,6 +92,7 @@ class FinetuneTask:
     metric = "accuracy"  # the dev score that picks the best checkpoint
     higher_is_better = True
     trains_pooler = True  # whether BERT's [CLS] pooler feeds this task's head
+    label_pad = None  # labels per token ([b, s], padded with this where a batch is widened), or None: per row
     needs_pair = False
 
     def __init__(self, config):
@@ -183,14 +184,16 @@ class FinetuneTask:
         return features(ids, segs, pad_id), self.batch_labels(examples, index, ids.shape[1])
 
     def batch_labels(self, examples: Examples, index: np.ndarray, width: int):
-        import tensorflow as tf
-
-        return tf.constant(examples.labels[index])
+        return np.asarray(examples.labels[index])
 
     def loss(self, network, feats, y, n, key: int = 0):
         """The training loss of one batch (the network called with training=True); `key`: see
         `training_batch`."""
         raise NotImplementedError
+
+    def other_variables(self) -> list:
+        """Variables outside the network that `loss` reads (a distillation teacher's), never trained."""
+        return []
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, infer: Callable, examples: Examples, batch_size: int, pad_id: int) -> Dict[str, float]:
@@ -282,6 +285,7 @@ class RegressionTask(FinetuneTask):
 class TaggingTask(FinetuneTask):
     name = "tagging"
     trains_pooler = False
+    label_pad = IGNORE
 
     def check(self):
         super().check()
@@ -315,9 +319,7 @@ class TaggingTask(FinetuneTask):
         return out
 
     def batch_labels(self, examples, index, width):
-        import tensorflow as tf
-
-        return tf.constant(pad([examples.labels[i] for i in index], IGNORE, width))  # [b, s]
+        return pad([examples.labels[i] for i in index], IGNORE, width)  # [b, s]
 
     def loss(self, network, feats, y, n, key: int = 0):
         import keras
@@ -402,14 +404,12 @@ class SentenceEmbeddingTask(FinetuneTask):
     def batch(self, examples, index, pad_id):
         """The texts of the batch in one `[k b, s]` batch: anchors, then positives (SimCSE: the anchors
         again), then hard negatives; `[b]` scores or None."""
-        import tensorflow as tf
-
         rows = [examples.token_ids[i] for i in index]
         rows += [(examples.pair_token_ids or examples.token_ids)[i] for i in index]
         if examples.negative_token_ids is not None:
             rows += [examples.negative_token_ids[i] for i in index]
         ids = pad(rows, pad_id)
-        y = None if examples.labels is None else tf.constant(examples.labels[index])
+        y = None if examples.labels is None else np.asarray(examples.labels[index])
         return features(ids, np.zeros_like(ids), pad_id), y
 
     def loss(self, network, feats, y, n, key: int = 0):

@@ -1,0 +1,229 @@
+"""Fine-tuning, distillation, `Embedder` and `TaskModel` on Keras' JAX backend, with TensorFlow unimportable
+(a GPU or TPU host with `pip install -e ".[jax]"`), against the same calls on TensorFlow in this process.
+
+Without dropout the two backends run the same arithmetic, so a fine-tuning's losses, its dev scores, the saved
+model's predictions and vectors agree to float32 rounding; a model fine-tuned on one backend predicts the same
+on the other; a run stopped on JAX resumes on TensorFlow to the uninterrupted run's result.
+"""
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+import kbert
+from kbert.data.corpus import corpus
+from helpers import run_on_jax
+
+BLOCK_TENSORFLOW = (
+    "import builtins, json, sys\n"
+    "real = builtins.__import__\n"
+    "def guard(name, *a, **k):\n"
+    "    if name.split('.')[0] in ('tensorflow', 'tensorflow_text'):\n"
+    "        raise ImportError('No module named ' + name)\n"
+    "    return real(name, *a, **k)\n"
+    "builtins.__import__ = guard\n"
+    "import numpy as np\n"
+    "import kbert\n")
+TEXTS = ["대한민국은 민주공화국이다.", "모든 국민은 법 앞에 평등하다.", "", "국회는 법률을 제정한다. " * 30]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """A random 2-layer BERT without dropout (a model dir with its tokenizer) and rows of four tasks cut from
+    the constitution: classification (does the sentence name 국민), sentence pairs scored by their shared
+    characters, tagging (words ending in a particle), and unlabeled lines for SimCSE."""
+    root = tmp_path_factory.mktemp("tasks-jax")
+    tok = kbert.Tokenizer.train(corpus(["kolaw", "kobill"]), vocab_size=1500, progress=False)
+    sentences = [s for s in corpus(["kolaw"]).texts() if len(s) > 8][:240]
+    cfg = kbert.ModelConfig.preset("bert-tiny", vocab_size=tok.vocab_size, hidden_size=64, num_heads=2,
+                                   intermediate_size=128, max_position=128, dropout=0.0, attention_dropout=0.0)
+    base = str(root / "base")
+    kbert.save_model(kbert.BertBackbone(cfg), base, tokenizer=tok)
+    classes = [{"text": s, "label": "국민" if "국민" in s else "기타"} for s in sentences]
+    pairs = [{"sentence1": a, "sentence2": b, "score": round(5 * len(set(a) & set(b)) / len(set(a) | set(b)), 2)}
+             for a, b in zip(sentences[::2], sentences[1::2])]
+    tags = [{"text": s, "label": " ".join("J" if w[-1] in "은는이가을를에의" else "O" for w in s.split())}
+            for s in sentences]
+    return {"root": str(root), "base": base, "classification": (classes[:200], classes[200:]),
+            "sentence-embedding": (pairs[:100], pairs[100:]), "tagging": (tags[:200], tags[200:])}
+
+
+SETTINGS = {"classification": {}, "tagging": {},
+            "sentence-embedding": {"text_column": "sentence1", "pair_column": "sentence2", "label_column": "score"}}
+COMMON = {"epochs": 2, "batch_size": 16, "learning_rate": 2e-3, "max_length": 64, "dropout": 0.0, "seed": 5,
+          "progress": False}
+
+
+OUTPUTS = """
+def _outputs(out, task):
+    # what a saved dir gives back: predictions and vectors of TEXTS (tags as their names)
+    model = kbert.TaskModel.load(out)
+    if task == "tagging":
+        predictions = [[t for _, t in row] for row in model.predict(TEXTS)]
+    else:
+        predictions = np.asarray(model.predict(TEXTS), np.float64).tolist()
+    return {"predictions": predictions, "vectors": kbert.Embedder.load(out).encode(TEXTS).astype(float).tolist()}
+"""
+exec(OUTPUTS)
+
+
+def _on_jax(body):
+    result, proc = run_on_jax(BLOCK_TENSORFLOW + f"TEXTS = {TEXTS!r}\n" + OUTPUTS + body + "\nprint(json.dumps(dict(out, tf='tensorflow' in sys.modules)))\n")
+    assert result.pop("tf") is False, proc.stderr[-2000:]
+    return result
+
+
+def _finetune_script(data, task, out, **extra):
+    """A `kbert.finetune` call of `task` as source, and what it returns (with the saved dir's outputs when it
+    finished) as `out`."""
+    train, dev = data[task]
+    args = {**COMMON, **SETTINGS[task], **extra, "out_dir": out}
+    return (f"s = kbert.finetune({data['base']!r}, {task!r}, {train!r}, {dev!r}, **{args!r})\n"
+            f"out = dict(history=s['history'], steps=s['steps'], stopped=s['stopped_by'], checkpoint=s['checkpoint'])\n"
+            f"if s['checkpoint'] is None: out.update(_outputs({out!r}, {task!r}))\n")
+
+
+def _finetune_here(data, task, out, **extra):
+    scope = {"kbert": kbert, "np": np, "TEXTS": TEXTS, "_outputs": _outputs}
+    exec(_finetune_script(data, task, out, **extra), scope)
+    return json.loads(json.dumps(scope["out"]))
+
+
+def _close(a, b, tol):
+    assert np.allclose(np.asarray(a, np.float64), np.asarray(b, np.float64), rtol=tol, atol=tol), (a, b)
+
+
+def _same_run(mine, theirs, task, tol=2e-3):
+    assert (mine["steps"], mine["stopped"]) == (theirs["steps"], theirs["stopped"])
+    assert [h["step"] for h in mine["history"]] == [h["step"] for h in theirs["history"]]
+    for a, b in zip(mine["history"], theirs["history"]):
+        assert sorted(a) == sorted(b)
+        _close([a[k] for k in sorted(a)], [b[k] for k in sorted(b)], tol)
+    if task == "tagging":
+        assert mine["predictions"] == theirs["predictions"]
+    else:
+        _close(mine["predictions"], theirs["predictions"], tol)
+    _close(mine["vectors"], theirs["vectors"], tol)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("task", ["classification", "sentence-embedding", "tagging"])
+def test_jax_finetuning_without_tensorflow_continues_a_run_as_tensorflow_does(data, task):
+    """A task head starts from random numbers, which each backend draws its own way from one seed; so both
+    backends continue one run from its first checkpoint (written by TensorFlow), from the same weights."""
+    first = os.path.join(data["root"], f"tf-{task}")
+    part = _finetune_here(data, task, first, stop_after=2)
+    assert (part["steps"], part["stopped"]) == (2, "stop_after")
+    copy = os.path.join(data["root"], f"jax-{task}")
+    shutil.copytree(first, copy)
+    ref = _finetune_here(data, task, first)
+    jax = _on_jax(_finetune_script(data, task, copy))
+    assert ref["steps"] > 10 and ref["history"][-1]["train_loss"] < ref["history"][0]["train_loss"]
+    _same_run(jax, ref, task)
+    # the TensorFlow-trained dir read on JAX: the inference paths alone agree to float32 rounding
+    crossed = _on_jax(f"out = _outputs({first!r}, {task!r})\n")
+    if task == "tagging":
+        assert crossed["predictions"] == ref["predictions"]
+    else:
+        _close(crossed["predictions"], ref["predictions"], 1e-5)
+    _close(crossed["vectors"], ref["vectors"], 1e-5)
+
+
+@pytest.mark.slow
+def test_a_run_stopped_on_jax_resumes_on_jax_and_on_tensorflow_to_the_same_result(data):
+    task = "classification"
+    out = os.path.join(data["root"], "stopped-on-jax")
+    part = _on_jax(_finetune_script(data, task, out, stop_after=9) + "part = out\nimport shutil\n"
+                   + f"shutil.copytree({out!r}, {out + '-2'!r})\n"
+                   + _finetune_script(data, task, out + "-2") + "out = dict(part=part, rest=out)\n")
+    assert (part["part"]["steps"], part["part"]["stopped"]) == (9, "stop_after")
+    assert part["part"]["checkpoint"].endswith("ckpt-9.safetensors")
+    on_tf = _finetune_here(data, task, out)
+    _same_run(on_tf, part["rest"], task)
+
+
+@pytest.mark.slow
+def test_simcse_and_every_distillation_mode_train_on_jax_without_tensorflow(data, tmp_path):
+    """SimCSE (its two dropout masks per text: `test_the_compiled_step_...` below) and distillation, whose
+    teacher runs inside (general) or before (task, embedding) the student's steps."""
+    lines = [r["text"] for r in data["classification"][0]]
+    pairs_dev = data["sentence-embedding"][1]
+    teacher = os.path.join(data["root"], "tf-classification")
+    if not os.path.isdir(teacher):  # this test run alone
+        kbert.finetune(data["base"], "classification", *data["classification"], out_dir=teacher, **COMMON,
+                       **SETTINGS["classification"])
+    pretrained = str(tmp_path / "pretrained")
+    kbert.save_model(kbert.Pretrainer(kbert.load_model(data["base"])), pretrained,
+                     tokenizer=kbert.Tokenizer.from_model_dir(data["base"]))
+    simcse = dict(objective="simcse", text_column="sentence1", pair_column="sentence2", label_column="score",
+                  max_steps=6, eval_every=2, batch_size=32, learning_rate=1e-3, max_length=64, progress=False)
+    out = _on_jax(
+        f"out = {{}}\n"
+        f"for p in (0.1,):\n"
+        f"    s = kbert.finetune({data['base']!r}, 'sentence-embedding', [{{'sentence1': t}} for t in {lines!r}],"
+        f" {pairs_dev!r}, out_dir={str(tmp_path)!r} + f'/simcse{{p}}', backbone_dropout=p, **{simcse!r})\n"
+        f"    out[f'simcse{{p}}'] = [h['train_loss'] for h in s['history']]\n"
+        f"for mode, kw in (('task', dict(train={data['classification'][0]!r})),"
+        f"                 ('embedding', dict(dev={pairs_dev!r}, text_column='sentence1', pair_column='sentence2',"
+        f"                                    label_column='score')),"
+        f"                 ('general', {{}})):\n"
+        f"    teacher = {pretrained!r} if mode == 'general' else {teacher!r}\n"
+        f"    s = kbert.distill(teacher, 'bert-tiny', data={lines!r}, mode=mode, out_dir={str(tmp_path)!r} + '/' + mode,"
+        f" epochs=1, batch_size=32, max_length=64, progress=False, **kw)\n"
+        f"    out[mode] = dict(steps=s['steps'], loss=s['history'][-1]['train_loss'], dir=s['model_dir'])\n")
+    losses = out["simcse0.1"]
+    assert len(losses) == 3 and all(np.isfinite(losses)) and losses[-1] < losses[0], losses
+    for mode in ("task", "embedding", "general"):
+        assert out[mode]["steps"] > 0 and np.isfinite(out[mode]["loss"]), out
+        assert kbert.load_model(out[mode]["dir"]).config.num_layers >= 1
+
+
+STEP_CHECKS = """
+import keras
+from kbert.models.compiled import training_step
+# dropout: two passes of one batch in one step differ, and the next step draws new masks (the seed state is
+# threaded through the compiled step and kept); a zero learning rate keeps the weights, so only masks change
+cfg = kbert.ModelConfig.preset("bert-tiny", vocab_size=50, hidden_size=32, num_heads=2, intermediate_size=64,
+                               max_position=16, dropout=0.2, attention_dropout=0.2)
+backbone = kbert.BertBackbone(cfg)
+ids = np.arange(2, 26, dtype="int32").reshape(2, 12)
+feats = {"token_ids": ids, "segment_ids": np.zeros_like(ids), "padding_mask": np.ones_like(ids)}
+backbone(feats)
+def gap(feats):
+    a = backbone(feats, training=True)["sequence_output"]
+    b = backbone(feats, training=True)["sequence_output"]
+    return keras.ops.mean(keras.ops.square(a - b))
+sgd = keras.optimizers.SGD(learning_rate=0.0)
+sgd.build(backbone.trainable_variables)
+step = training_step(gap, backbone, backbone.trainable_variables, sgd)
+gaps = [step(feats) for _ in range(2)]
+# clipping by the true global norm: a lookup table read with repeated rows ([0, 0, 0, 1]) gets each row's
+# gradient summed before the norm is taken
+table = keras.layers.Embedding(3, 2, embeddings_initializer="zeros")
+table.build((None,))
+rows = np.array([0, 0, 0, 1], "int32")
+push = np.array([[1.0, 0.0], [1.0, 0.0], [1.0, 0.0], [0.0, 1.0]], "float32")
+def pull(rows):
+    return -keras.ops.sum(table(rows) * push)
+clipped = keras.optimizers.SGD(learning_rate=1.0, global_clipnorm=1.0)
+clipped.build(table.trainable_variables)
+training_step(pull, table, table.trainable_variables, clipped)(rows)
+out = dict(gaps=gaps, table=np.asarray(keras.ops.convert_to_numpy(table.embeddings)).tolist())
+"""
+
+
+def test_the_compiled_step_draws_new_dropout_masks_and_clips_by_the_true_norm_on_both_backends():
+    """The gradient of the table is [[3, 0], [0, 1], [0, 0]] (norm sqrt(10)), so the clipped update moves row 0
+    by 3/sqrt(10) and row 1 by 1/sqrt(10); the norm of the four looked-up slices (sqrt(4) = 2) would move them
+    by 3/2 and 1/2 (what TensorFlow's IndexedSlices gradient gave the optimizer before it was made dense)."""
+    scope = {"kbert": kbert, "np": np}
+    exec(STEP_CHECKS, scope)
+    results = {"tensorflow": json.loads(json.dumps(scope["out"])), "jax": _on_jax(STEP_CHECKS)}
+    expected = [[3 / np.sqrt(10), 0.0], [0.0, 1 / np.sqrt(10)], [0.0, 0.0]]
+    for backend, result in results.items():
+        first, second = result["gaps"]
+        assert first > 1e-3 and second > 1e-3 and abs(first - second) > 1e-6, (backend, result["gaps"])
+        _close(result["table"], expected, 1e-6)
