@@ -8,6 +8,8 @@ so both sides tokenize identically and the vectors agree (the script prints the 
 Throughput does not depend on the weights' values, so the model is randomly initialized.
 
     python benchmarks/embed.py --reviews ../shared/data/movie-reviews/reviews.tsv.gz --texts 10000
+    KERAS_BACKEND=jax python benchmarks/embed.py ...     # Embedder on Keras' JAX backend (no SavedModel rows:
+                                                          # the export is TensorFlow's format)
 """
 
 from __future__ import annotations
@@ -53,8 +55,8 @@ def main():
     parser.add_argument("--repeats", type=int, default=2, help="best of N timed passes per side")
     args = parser.parse_args()
 
+    import keras
     import numpy as np
-    import tensorflow as tf
     import torch
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
@@ -76,8 +78,11 @@ def main():
     emb = kbert.Embedder.load(kbert_dir)
     st = SentenceTransformer(modules=[Transformer(hf_dir, max_seq_length=cfg.max_position),
                                       Pooling(cfg.hidden_size, pooling_mode="mean")], device="cpu")
-    served = tf.saved_model.load(kbert.export(kbert_dir, os.path.join(work, "serving")))
-    serve = served.signatures["serving_default"]
+    on_tf = keras.backend.backend() == "tensorflow"
+    if on_tf:
+        import tensorflow as tf
+
+        serve = tf.saved_model.load(kbert.export(kbert_dir, os.path.join(work, "serving"))).signatures["serving_default"]
 
     def run_kbert():
         return emb.encode(texts, batch_size=args.batch_size, progress=False)
@@ -97,16 +102,18 @@ def main():
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for fn in (run_kbert, run_st, run_savedmodel):  # warm-up: graph tracing, thread pools
-            fn() if fn is not run_savedmodel else serve(texts=tf.constant(texts[:args.batch_size]))
+        run_kbert(), run_st()  # warm-up: graph tracing (JAX: compiling each bucketed shape), thread pools
+        sides = [(f"kbert Embedder.encode ({keras.backend.backend()})", run_kbert), ("sentence-transformers", run_st)]
+        if on_tf:
+            serve(texts=tf.constant(texts[:args.batch_size]))
+            sides += [("kbert SavedModel, batches in input order", run_savedmodel),
+                      ("kbert SavedModel, batches sorted by text length", lambda: run_savedmodel(by_length))]
         rows = []
-        for name, fn in (("kbert Embedder.encode", run_kbert), ("sentence-transformers", run_st),
-                         ("kbert SavedModel, batches in input order", run_savedmodel),
-                         ("kbert SavedModel, batches sorted by text length", lambda: run_savedmodel(by_length))):
+        for name, fn in sides:
             seconds, vectors = timed(fn, args.repeats)
             rows.append((name, len(texts) / seconds, vectors))
     ref = rows[1][1]
-    print(f"\n| side | sentences/s | vs sentence-transformers | max |diff| vs kbert |")
+    print("\n| side | sentences/s | vs sentence-transformers | max |diff| vs kbert |")
     print("|---|---:|---:|---:|")
     for name, speed, vectors in rows:
         diff = float(np.max(np.abs(vectors - rows[0][2])))

@@ -1,6 +1,6 @@
 """The code's layering, read from the import statements (module level and inside functions) with `ast`.
 
-    text -> data -> (models) -> train -> embed -> cli        utils.py, workers.py below all of them
+    text -> data -> (models) -> train -> embed -> cli        utils.py, workers.py, compiled.py below all of them
 
 - `models/` imports nothing of text/data/train/embed;
 - `text/` nothing of data/models/train/embed; `data/` nothing of models/train/embed;
@@ -31,7 +31,7 @@ def layer_of(module: str) -> str:
     parts = module.split(".")
     if len(parts) > 1 and parts[1] in FOLDERS:
         return parts[1]
-    if len(parts) > 1 and parts[1] in ("utils", "workers"):
+    if len(parts) > 1 and parts[1] in ("utils", "workers", "compiled"):
         return "base"
     return "top"  # cli.py, quickstart.py, the package's lazy __init__.py
 

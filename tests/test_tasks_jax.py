@@ -183,7 +183,7 @@ def test_simcse_and_every_distillation_mode_train_on_jax_without_tensorflow(data
 
 STEP_CHECKS = """
 import keras
-from kbert.models.compiled import training_step
+from kbert.compiled import training_step
 # dropout: two passes of one batch in one step differ, and the next step draws new masks (the seed state is
 # threaded through the compiled step and kept); a zero learning rate keeps the weights, so only masks change
 cfg = kbert.ModelConfig.preset("bert-tiny", vocab_size=50, hidden_size=32, num_heads=2, intermediate_size=64,

@@ -32,7 +32,7 @@ from typing import List, Optional, Sequence, Union
 import numpy as np
 
 from kbert.data.features import ROW_BUCKETS, WIDTH_BUCKETS, bucket, pack_rows, text_list
-from kbert.models.compiled import backend, compiled, signature
+from kbert.compiled import backend, compiled, signature
 from kbert.utils import progress_bar
 from kbert.models.pooling import (PACKED_POOLINGS, POOLINGS, check_pooling, layer_average, pool,  # noqa: F401
                                   pool_packed)

@@ -9,7 +9,7 @@ import numpy as np
 from kbert.data.features import bucketed, build_network, features, first_pieces, pad
 from kbert.data.features import segment_ids, text_list
 from kbert.data.features import unit_vectors_in_batches, word_spans
-from kbert.models.compiled import backend, compiled, signature
+from kbert.compiled import backend, compiled, signature
 from kbert.models.tasks import TASK_FILE, TaskNetwork, load_task_head, read_task_meta, save_task_head
 
 

@@ -47,7 +47,7 @@ import numpy as np
 from kbert.data import rows as cells
 from kbert.data.features import bucketed, bucketed_features, build_network, features, pad, unit_vectors_in_batches
 from kbert.data.rows import read_rows
-from kbert.models.compiled import backend, compiled, signature
+from kbert.compiled import backend, compiled, signature
 from kbert.models.tasks import read_task_meta
 from kbert.train.finetune_tasks import (ClassificationTask, Examples, FinetuneTask, PairClassificationTask,
                                         RegressionTask, SentenceEmbeddingTask)

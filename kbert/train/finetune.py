@@ -26,7 +26,7 @@ import numpy as np
 from kbert.data.features import bucketed, bucketed_features, build_network
 from kbert.data.features import features as model_inputs
 from kbert.data.rows import read_rows
-from kbert.models.compiled import backend, compiled, training_step
+from kbert.compiled import backend, compiled, training_step
 from kbert.models.tasks import default_pooling
 from kbert.train.checkpoints import CHECKPOINT_DIR, FinetuneCheckpoint, data_fingerprint
 from kbert.train.finetune_tasks import SIMILARITY_LOSSES, task_for

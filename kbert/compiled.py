@@ -12,9 +12,9 @@ variables' values are arguments of the compiled program, not constants folded in
 as constants is a slow compile and a second copy of the weights). JAX compiles once per input shape, so
 callers round shapes up to a few buckets (`kbert.data.features.bucket`) before calling.
 
-This is the one backend-specific piece of `models/`: what `embed/` (inference) and `train/finetune.py` (a
-fine-tuning update) share, and neither may import the other. With TensorFlow absent, the JAX path never
-imports it.
+It sits below every folder, beside utils.py (no kbert imports): `embed/` (inference) and `train/` (a
+fine-tuning update) share it and may not import each other, and `models/` stays free of backend imports.
+With TensorFlow absent, the JAX path never imports it.
 """
 
 from __future__ import annotations
