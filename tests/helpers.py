@@ -94,6 +94,18 @@ def max_abs_diff_valid(a, b, padding_mask):
     return float(np.max(np.abs(np.asarray(a)[keep] - np.asarray(b)[keep])))
 
 
+# the first lines of a `run_on_jax` script for a host without TensorFlow: importing it (or tensorflow-text)
+# fails from here on, as where it is not installed
+BLOCK_TENSORFLOW = (
+    "import builtins, json, sys\n"
+    "real = builtins.__import__\n"
+    "def guard(name, *a, **k):\n"
+    "    if name.split('.')[0] in ('tensorflow', 'tensorflow_text'):\n"
+    "        raise ImportError('No module named ' + name)\n"
+    "    return real(name, *a, **k)\n"
+    "builtins.__import__ = guard\n")
+
+
 def run_on_jax(script: str, timeout: int = 600, env=None):
     """Runs `script` in a fresh Python under Keras' JAX backend on CPU (Keras fixes its backend at import, and
     this process runs TensorFlow) and returns the JSON object of its last output line."""

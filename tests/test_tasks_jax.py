@@ -6,6 +6,7 @@ model's predictions and vectors agree to float32 rounding; a model fine-tuned on
 on the other; a run stopped on JAX resumes on TensorFlow to the uninterrupted run's result.
 """
 
+import inspect
 import json
 import os
 import shutil
@@ -15,18 +16,9 @@ import pytest
 
 import kbert
 from kbert.data.corpus import corpus
-from helpers import run_on_jax
+from helpers import BLOCK_TENSORFLOW, run_on_jax
 
-BLOCK_TENSORFLOW = (
-    "import builtins, json, sys\n"
-    "real = builtins.__import__\n"
-    "def guard(name, *a, **k):\n"
-    "    if name.split('.')[0] in ('tensorflow', 'tensorflow_text'):\n"
-    "        raise ImportError('No module named ' + name)\n"
-    "    return real(name, *a, **k)\n"
-    "builtins.__import__ = guard\n"
-    "import numpy as np\n"
-    "import kbert\n")
+PRELUDE = BLOCK_TENSORFLOW + "import numpy as np\nimport kbert\n"
 TEXTS = ["대한민국은 민주공화국이다.", "모든 국민은 법 앞에 평등하다.", "", "국회는 법률을 제정한다. " * 30]
 
 
@@ -57,21 +49,21 @@ COMMON = {"epochs": 2, "batch_size": 16, "learning_rate": 2e-3, "max_length": 64
           "progress": False}
 
 
-OUTPUTS = """
 def _outputs(out, task):
-    # what a saved dir gives back: predictions and vectors of TEXTS (tags as their names)
+    """What a saved dir gives back: predictions and vectors of TEXTS (tags as their names)."""
     model = kbert.TaskModel.load(out)
     if task == "tagging":
         predictions = [[t for _, t in row] for row in model.predict(TEXTS)]
     else:
         predictions = np.asarray(model.predict(TEXTS), np.float64).tolist()
     return {"predictions": predictions, "vectors": kbert.Embedder.load(out).encode(TEXTS).astype(float).tolist()}
-"""
-exec(OUTPUTS)
+
+
+OUTPUTS = inspect.getsource(_outputs)  # the same function in the JAX scripts
 
 
 def _on_jax(body):
-    result, proc = run_on_jax(BLOCK_TENSORFLOW + f"TEXTS = {TEXTS!r}\n" + OUTPUTS + body + "\nprint(json.dumps(dict(out, tf='tensorflow' in sys.modules)))\n")
+    result, proc = run_on_jax(PRELUDE + f"TEXTS = {TEXTS!r}\n" + OUTPUTS + body + "\nprint(json.dumps(dict(out, tf='tensorflow' in sys.modules)))\n")
     assert result.pop("tf") is False, proc.stderr[-2000:]
     return result
 

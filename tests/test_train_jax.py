@@ -15,7 +15,7 @@ import kbert
 from kbert.data import records
 from kbert.data.corpus import corpus
 from kbert.train.loop import pretrain
-from helpers import run_on_jax
+from helpers import BLOCK_TENSORFLOW, run_on_jax
 
 TINY = {"architecture": "bert", "hidden_size": 64, "num_layers": 2, "num_heads": 2, "intermediate_size": 128,
         "max_position": 128, "dropout": 0.0, "attention_dropout": 0.0}
@@ -240,14 +240,7 @@ def test_pretraining_from_records_on_jax_never_imports_tensorflow(prepared, tmp_
     TensorBoard scalars out, with TensorFlow unimportable from the first line."""
     cfg = _config(prepared, str(tmp_path / "run"), 3, runtime={"strategy": "cpu"}, trainer={"log_every": 1})
     result, _ = run_on_jax(
-        "import builtins, json, sys\n"
-        "real = builtins.__import__\n"
-        "def guard(name, *a, **k):\n"
-        "    if name.split('.')[0] in ('tensorflow', 'tensorflow_text'):\n"
-        "        raise ImportError('No module named ' + name)\n"
-        "    return real(name, *a, **k)\n"
-        "builtins.__import__ = guard\n"
-        "import kbert\n"
+        BLOCK_TENSORFLOW + "import kbert\n"
         f"s = kbert.pretrain({cfg!r}, progress=False)\n"
         "print(json.dumps(dict(step=s['step'], model=s['model_dir'], tf='tensorflow' in sys.modules)))\n")
     assert result == {"step": 3, "model": str(tmp_path / "run" / "model"), "tf": False}
