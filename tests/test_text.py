@@ -505,6 +505,11 @@ def test_training_bad_inputs(tmp_path):
         kbert.Tokenizer.train(["x"], vocab_size=100, algorithm="char", progress=False)
     with pytest.raises(FileNotFoundError):
         kbert.Tokenizer.train([str(tmp_path / "missing.txt")], vocab_size=100, progress=False)
+    # a generator's lines are text even where one names a file (here the junk file): never read from disk
+    from kbert.text.vocab import text_lines
+
+    assert list(text_lines(line for line in ["가나다", str(junk)])) == ["가나다", str(junk)]
+    assert len(list(text_lines([str(junk)]))) == 50  # a list's item that names a file is that file
 
 
 # ------------------------------------------------------------------------------ imported vocabs

@@ -707,7 +707,8 @@ class Tokenizer:
         """Learns a vocabulary from files (paths) or an iterable of strings.
 
         Args:
-            inputs: a path, a list of paths (plain text, .gz/.bz2), or an iterable of strings.
+            inputs: a path, a list of paths (plain text, .gz/.bz2), a `kbert.corpus(...)`, or an iterable
+                of strings (a list's items that name files are read as files; a generator's are text).
             vocab_size: size of the vocabulary including the special tokens
                 `[PAD]=0 [UNK]=1 [CLS]=2 [SEP]=3 [MASK]=4`.
             algorithm: `"unigram"` (SentencePiece, the default), `"bpe"` (SentencePiece), or

@@ -131,9 +131,12 @@ def text_lines(inputs):
         inputs = [inputs]
     if hasattr(inputs, "texts") and callable(inputs.texts):  # a kbert Corpus
         inputs = inputs.texts()
-    single = isinstance(inputs, (list, tuple)) and len(inputs) == 1
+    # only a list or tuple may name files: the lines of a Corpus or a generator are text, never looked up on
+    # disk (a line such as "README.md" is not read as that file, and no line costs a stat)
+    paths = isinstance(inputs, (list, tuple))
+    single = paths and len(inputs) == 1
     for item in inputs:
-        if isinstance(item, (str, os.PathLike)) and os.path.isfile(item):
+        if paths and isinstance(item, (str, os.PathLike)) and os.path.isfile(item):
             yield from _file_lines(os.fspath(item))
         elif isinstance(item, str):
             if single and not any(c.isspace() for c in item) and ("/" in item or item.endswith(".txt")):
