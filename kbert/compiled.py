@@ -1,6 +1,7 @@
 """A model's forward pass and training update compiled the way the Keras backend compiles, numpy in and out.
 
-    fn = compiled(lambda x: network(x, training=False), network.variables, signature=[FEATURES])
+    fn = compiled(lambda x: network(x, training=False), network.variables,
+                  signature({"token_ids": 2, "segment_ids": 2, "padding_mask": 2}))
     fn({"token_ids": ids, ...})                       # numpy arrays in, numpy arrays out (any pytree)
     step = training_step(loss_of, network, variables, optimizer)
     loss = step(batch, static=(n, key))               # one optimizer update; the variables hold the result
@@ -14,7 +15,7 @@ callers round shapes up to a few buckets (`kbert.data.features.bucket`) before c
 
 It sits below every folder, beside utils.py (no kbert imports): `embed/` (inference) and `train/` (a
 fine-tuning update) share it and may not import each other, and `models/` stays free of backend imports.
-With TensorFlow absent, the JAX path never imports it.
+The JAX path never imports TensorFlow (a GPU or TPU host without it runs every function here).
 """
 
 from __future__ import annotations
