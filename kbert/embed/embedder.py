@@ -31,7 +31,7 @@ from typing import List, Optional, Sequence, Union
 
 import numpy as np
 
-from kbert.data.features import ROW_BUCKETS, WIDTH_BUCKETS, bucket, pack_rows, text_list
+from kbert.data.features import ROW_BUCKETS, WIDTH_BUCKETS, bucket, bucketed, pack_rows, text_list
 from kbert.compiled import backend, compiled, signature
 from kbert.utils import progress_bar
 from kbert.models.pooling import (PACKED_POOLINGS, POOLINGS, check_pooling, layer_average, pool,  # noqa: F401
@@ -114,18 +114,12 @@ class Embedder:
                                                                                 "padding_mask": 2}))
         rows, width = ids.shape
         if self._bucketed:  # JAX compiles each shape: round it up; the extra rows and columns are padding
-            shape = self._bucket_shape(rows, width)
-            ids = np.pad(ids, [(0, shape[0] - rows), (0, shape[1] - width)], constant_values=self.tokenizer.pad_id)
-            mask = np.pad(mask, [(0, shape[0] - rows), (0, shape[1] - width)])
+            limit = self.backbone.config.max_position
+            ids, mask = bucketed(ids, self.tokenizer.pad_id, limit, rows=True), bucketed(mask, 0, limit, rows=True)
         out = self._fns[key]({"token_ids": ids, "segment_ids": np.zeros_like(ids), "padding_mask": mask})
         if pooling is not None:
             return np.asarray(out[:rows], dtype=np.float32)
         return [np.asarray(h[:rows, :width], dtype=np.float32) for h in out]
-
-    def _bucket_shape(self, rows: int, width: int):
-        """`[rows, width]` rounded up to the compiled shapes' buckets (never past the model's positions)."""
-        return (bucket(rows, ROW_BUCKETS),
-                max(min(bucket(width, WIDTH_BUCKETS), self.backbone.config.max_position), width))
 
     def _run_packed(self, ids: np.ndarray, segments: np.ndarray, weights: np.ndarray, pooling: str, layers):
         """Pooled vectors `[r, t, h]` of packed rows: ids and segments `[r, s]`, pooling weights `[r, t, s]`
@@ -525,4 +519,3 @@ def _best(scores: np.ndarray, k: int):
 def _unit(x) -> np.ndarray:
     x = np.atleast_2d(np.asarray(x, np.float32))
     return x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
-
