@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -56,6 +57,18 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(_HERE))
 
 from kbert.train.flops import pretrainer_last_layer_rows, train_flops_per_step  # noqa: E402 (this checkout's kbert)
+
+
+def _error_text(e: BaseException) -> str:
+    """One line naming an exception: Keras wraps a layer's error as "Exception encountered when calling
+    X.call()." with the cause further down ("... Error encountered:\n\ncuDNN is not detected."), so the
+    cause's first line is what a report row shows."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(e))
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    for i, line in enumerate(lines[:-1]):
+        if line.endswith("Error encountered:"):
+            return f"{type(e).__name__}: {lines[i + 1][:300]}"
+    return f"{type(e).__name__}: {(lines[0] if lines else '')[:300]}"
 
 
 def matmul_peak(dtype: str, n: int = 8192, repeats: int = 10) -> float:
@@ -324,7 +337,7 @@ def attention(batch: int, seq: int, heads: int = 12, head_size: int = 64, repeat
             reference = got if reference is None else reference
             row["max_abs_diff_vs_first"] = float(np.abs(got - reference).max())
         except Exception as e:  # noqa: BLE001 - a diagnosis: report and go on
-            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+            row["error"] = _error_text(e)
         rows.append(row)
     try:
         from keras.src.backend.jax.nn import _can_use_flash_attention
@@ -332,7 +345,7 @@ def attention(batch: int, seq: int, heads: int = 12, head_size: int = 64, repeat
         _can_use_flash_attention(q, k, v, None, raise_error=True)
         rows.append({"form": "keras _can_use_flash_attention", "fused": True})
     except Exception as e:  # noqa: BLE001
-        rows.append({"form": "keras _can_use_flash_attention", "error": f"{type(e).__name__}: {str(e)[:300]}"})
+        rows.append({"form": "keras _can_use_flash_attention", "error": _error_text(e)})
     return rows
 
 
@@ -923,7 +936,7 @@ def main(argv=None):
                                          overrides))
             except Exception as e:  # noqa: BLE001 - one variant's failure is its row, the others still run
                 result.append({"impl": "kbert", "overrides": overrides,
-                               "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"})
+                               "error": _error_text(e)})
     elif args.what == "hf":
         sets = [args.set] if args.set else variants
         sets = [[o for o in v if o.split("=", 1)[0] not in _implementation_choices(v)] for v in sets]

@@ -408,6 +408,18 @@ def test_the_gpu_script_model_overrides_parse_values_and_name_a_bad_one():
             gpu._config("bert-tiny", 1000, bad)
 
 
+def test_the_gpu_script_names_the_cause_of_a_variant_that_failed():
+    """A variant's failure is its report row: Keras wraps a layer's error ("Exception encountered when calling
+    TransformerBlock.call()" on its first line), so the row shows the cause underneath instead."""
+    gpu = gpu_script()
+    wrapped = RuntimeError("Exception encountered when calling TransformerBlock.call().\n\n\x1b[1mCould not "
+                           "infer the output shape. Error encountered:\n\ncuDNN is not detected.\x1b[0m\n\n"
+                           "Arguments received by TransformerBlock.call():")
+    assert gpu._error_text(wrapped) == "RuntimeError: cuDNN is not detected."
+    assert gpu._error_text(ValueError("bad shape\nmore")) == "ValueError: bad shape"
+    assert gpu._error_text(MemoryError()) == "MemoryError: "
+
+
 def test_the_gpu_script_xla_flag_sets_parse_and_each_is_a_known_flag():
     """`gpu.py all --xla-variants`: ';' between sets, spaces within one, 'none' for no stage; an item that
     is not an --xla_ flag is named before any device time. The default sets are flags this jaxlib knows
