@@ -25,6 +25,8 @@ setup(
         "tensorboard>=2.16",
         # Model names such as "klue/bert-base": the Hub's own client, with its cache and offline mode.
         "huggingface_hub>=0.20",
+        # TFRecord checksums for `kbert data prepare` without TensorFlow (kbert/data/records.py).
+        "google-crc32c>=1.5",
     ],
     extras_require={
         "tf": ["tensorflow>=2.21,<2.22", "tensorflow-text>=2.21,<2.22"],

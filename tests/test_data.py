@@ -306,6 +306,29 @@ def test_hand_serialized_records_are_tf_train_examples():
     assert ids.numpy()[0, :6].tolist() == cases[0][0].tolist() and not ids.numpy()[0, 6:].any()
 
 
+def test_hand_framed_shards_are_the_bytes_tensorflow_writes(tmp_path):
+    """The TFRecord framing (lengths, masked CRC-32C checksums) is written without TensorFlow too: the same
+    bytes as `tf.io.TFRecordWriter`, and TensorFlow's reader, which checks the checksums, reads them back."""
+    import tensorflow as tf
+
+    data = [records.serialize_example(np.arange(n, dtype="<i4").tobytes(), n // 2, n % 2) for n in (2, 7, 600)]
+    data.append(b"")  # an empty record frames too
+    path = str(tmp_path / "tf.tfrecord")
+    with tf.io.TFRecordWriter(path) as writer:
+        for d in data:
+            writer.write(d)
+    ours = b"".join(records.frame_record(d) for d in data)
+    assert ours == open(path, "rb").read()
+    mine = tmp_path / "ours.tfrecord"
+    mine.write_bytes(ours)
+    assert [r.numpy() for r in tf.data.TFRecordDataset(str(mine))] == data
+    broken = bytearray(ours)
+    broken[20] ^= 1  # a flipped bit in the first record's data: its checksum no longer holds
+    mine.write_bytes(bytes(broken))
+    with pytest.raises(tf.errors.DataLossError):
+        list(tf.data.TFRecordDataset(str(mine)))
+
+
 def test_records_equal_raw_text_and_resume_after_interrupt(tok, tmp_path, monkeypatch):
     kwargs = dict(objective="mlm+nsp", max_length=64, seed=2)
     raw = pretraining_dataset(["kolaw", "kobill"], tok, batch_size=16, workers=0, repeat=False,

@@ -2,21 +2,27 @@
 
 A records directory holds `shard-00000.tfrecord`, ... and `manifest.json` (the settings, the tokenizer's
 fingerprint, and for every finished shard its example count, byte size and cleaning report). Each shard's
-records are tokenized and serialized by a worker process (without TensorFlow: the few protobuf fields are
-encoded here, which spares every worker a ~4 s TensorFlow import) and written by the calling process to a
+records are tokenized, serialized and framed by a worker process and written by the calling process to a
 temporary name, renamed when complete; the manifest is rewritten after every shard, so an interrupted
 `kbert data prepare` loses at most the shards in flight: run it again and it skips every shard already
 listed (the corpus is re-read, but not re-tokenized).
 
 Each record is a `tf.train.Example` with `token_ids` (little-endian int32 bytes of `[CLS] A [SEP] B [SEP]`),
 `num_a` (tokens up to and including the first [SEP]) and `pair_label`. Masking is not stored: it is drawn
-in the graph at read time (`kbert.data.masking`).
+at read time (`kbert.data.masking`).
+
+No TensorFlow is needed to write them: the three protobuf fields and the TFRecord framing (length, data, each
+with its masked CRC-32C) are encoded here, byte for byte what `tf.io.TFRecordWriter` writes (tests compare the
+files). So `kbert data prepare` runs on a JAX host without TensorFlow, and its workers skip a ~4 s TensorFlow
+import each. The checksum is google-crc32c's (the C library Google's own storage clients use, with a
+pure-Python fallback): a Castagnoli CRC in Python bytes loops would cost more than the tokenization.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import struct
 from typing import Optional
 
 from kbert.data.corpus import Corpus, CorpusReport
@@ -75,6 +81,20 @@ def serialize_example(token_ids: bytes, num_a: int, pair_label: int) -> bytes:
     return _field(0x0A, entries)
 
 
+def _masked_crc(data: bytes) -> bytes:
+    """TFRecord's checksum: CRC-32C rotated right by 15 bits plus a constant, little-endian uint32."""
+    import google_crc32c
+
+    crc = google_crc32c.value(data)
+    return struct.pack("<I", (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF)
+
+
+def frame_record(record: bytes) -> bytes:
+    """One TFRecord: uint64 length, its masked CRC, the data, the data's masked CRC (little-endian)."""
+    length = struct.pack("<Q", len(record))
+    return length + _masked_crc(length) + record + _masked_crc(record)
+
+
 class ShardWriter:
     """Calling it (in a worker) serializes one block of examples; `write` (in the calling process) writes
     them to the block's shard file, atomically."""
@@ -83,21 +103,18 @@ class ShardWriter:
         self.out_dir = out_dir
 
     def __call__(self, index: int, block) -> dict:
-        records = [serialize_example(ids[:n].astype("<i4").tobytes(), int(a), int(label))
+        records = [frame_record(serialize_example(ids[:n].astype("<i4").tobytes(), int(a), int(label)))
                    for ids, n, a, label in zip(block["token_ids"], block["lengths"], block["num_a"],
                                                block["pair_labels"])]
-        return {"records": records, "tokens": int(block["lengths"].sum())}
+        return {"data": b"".join(records), "examples": len(records), "tokens": int(block["lengths"].sum())}
 
     def write(self, index: int, shard: dict) -> dict:
-        import tensorflow as tf
-
         path = os.path.join(self.out_dir, shard_name(index))
         tmp = path + ".tmp"
-        with tf.io.TFRecordWriter(tmp) as writer:
-            for record in shard["records"]:
-                writer.write(record)
+        with open(tmp, "wb") as f:
+            f.write(shard["data"])
         os.replace(tmp, path)
-        return {"file": shard_name(index), "examples": len(shard["records"]), "bytes": os.path.getsize(path),
+        return {"file": shard_name(index), "examples": shard["examples"], "bytes": os.path.getsize(path),
                 "tokens": shard["tokens"]}
 
 
