@@ -8,9 +8,9 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["kbert", "kbert.*"]),
-    # The core runs on either Keras backend; pick one with an extra: `.[tf]` (TensorFlow: raw-text pipelines,
-    # `kbert data prepare`, SavedModel export, the default) or `.[jax]` (JAX: pretraining from records on GPUs
-    # and TPU VMs, no TensorFlow installed).
+    # The core runs on either Keras backend; pick one with an extra: `.[tf]` (TensorFlow: tf.data raw-text
+    # pipelines, in-graph tokenization, SavedModel export, the default) or `.[jax]` (JAX: GPUs and TPU VMs,
+    # every command but `kbert export` with no TensorFlow installed).
     install_requires=[
         "keras>=3.8,<4",
         # sentencepiece 0.2.2 changed how unigram ties between equal-score segmentations are broken
@@ -19,6 +19,8 @@ setup(
         "sentencepiece>=0.2.2,<0.2.4",
         "konlpy>=0.6,<0.7",
         "numpy>=1.26,<3",
+        # Sparse products of the co-occurrence embedding start (kbert/train/embedding_init.py); JAX needs it too.
+        "scipy>=1.10",
         "safetensors>=0.4",
         "pyyaml>=6",
         "tqdm>=4.60",

@@ -30,16 +30,25 @@ def _info(args):
     print(f"kbert {kbert.__version__} on Python {platform.python_version()} ({platform.machine()})")
     try:
         import keras
-        import tensorflow as tf
+    except ImportError as e:  # Keras imports its backend: KERAS_BACKEND=tensorflow without TensorFlow lands here
+        print(f"keras not importable: {e} (KERAS_BACKEND={os.environ.get('KERAS_BACKEND', 'tensorflow')}; "
+              f"install that backend, or set KERAS_BACKEND to one that is installed)")
+    else:
+        backend = keras.backend.backend()
+        print(f"keras {keras.__version__} (backend: {backend}), tensorflow {_version('tensorflow')}, "
+              f"jax {_version('jax')}")
+        if backend == "jax":
+            import jax
 
-        print(f"tensorflow {tf.__version__}, keras {keras.__version__} (backend: {keras.backend.backend()})")
-        devices = [d.device_type + ":" + d.name.split(":")[-1] for d in tf.config.list_physical_devices()]
-        print("devices:", ", ".join(devices))
-    except ImportError as e:
-        print(f"tensorflow/keras not importable: {e}")
+            print("devices:", ", ".join(f"{d.platform}:{d.id} ({d.device_kind})" for d in jax.devices()))
+        elif backend == "tensorflow":
+            import tensorflow as tf
+
+            devices = [d.device_type + ":" + d.name.split(":")[-1] for d in tf.config.list_physical_devices()]
+            print("devices:", ", ".join(devices))
     print("text:", ", ".join(f"{name} {_version(module)}" for name, module in (
         ("tensorflow-text", "tensorflow_text"), ("sentencepiece", "sentencepiece"), ("konlpy", "konlpy"),
-        ("mecab-ko", "mecab"), ("kiwipiepy", "kiwipiepy"), ("jax", "jax"))))
+        ("mecab-ko", "mecab"), ("kiwipiepy", "kiwipiepy"))))
     print(f"java (konlpy's taggers): {_java_version()}")
     from kbert.models.config import PRESETS, ModelConfig
 

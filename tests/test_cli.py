@@ -1,5 +1,6 @@
 """The `kbert` command: help, one-line errors with exit code 2, and the subcommands of this package."""
 
+import os
 import subprocess
 import sys
 
@@ -35,6 +36,15 @@ def test_info_lists_presets():
     proc = run("info")
     assert proc.returncode == 0, proc.stderr
     assert "bert-base" in proc.stdout and "albert-xlarge" in proc.stdout and "tensorflow" in proc.stdout
+
+
+def test_info_on_the_jax_backend_lists_its_devices():
+    """On a JAX host `kbert info` names the backend and JAX's devices (not TensorFlow's, which may be absent)."""
+    env = dict(os.environ, KERAS_BACKEND="jax", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-m", "kbert.cli", "info"], capture_output=True, text=True, timeout=300,
+                          env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert "(backend: jax)" in proc.stdout and "devices: cpu:0" in proc.stdout
 
 
 def test_convert_missing_dir_is_one_line(tmp_path):

@@ -171,7 +171,7 @@ def test_a_jax_checkpoint_resumes_under_tensorflow_and_back(prepared, tmp_path):
 
 
 def test_jax_bad_input_fails_fast_with_the_reason(prepared, tmp_path):
-    """Records of another vocabulary, raw text in a process without TensorFlow, runtime settings with no JAX
+    """Records of another vocabulary, random ids in a process without TensorFlow, runtime settings with no JAX
     equivalent and float16 on a CPU are refused before any training, each with the reason."""
     other = str(tmp_path / "other-tok")
     kbert.Tokenizer("wordpiece", ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + list("가나다라마바사")).save(other)
@@ -181,13 +181,13 @@ def test_jax_bad_input_fails_fast_with_the_reason(prepared, tmp_path):
         "jit_off": _config(prepared, str(tmp_path / "c"), 2, runtime={"jit": False}),
         "mirrored_without_gpus": _config(prepared, str(tmp_path / "d"), 2, runtime={"strategy": "mirrored"}),
         "float16_on_cpu": _config(prepared, str(tmp_path / "f"), 2, runtime={"precision": "mixed_float16"}),
-        "raw_text_without_tensorflow": _config(prepared, str(tmp_path / "e"), 2, data={"source": ["kolaw"]}),
+        "dummy_without_tensorflow": _config(prepared, str(tmp_path / "e"), 2, data={"source": "dummy"}),
     }
     result, _ = run_on_jax(_script(
         "import builtins\n"
         "errors = {}\n"
         f"for name, cfg in {cases!r}.items():\n"
-        "    if name == 'raw_text_without_tensorflow':  # from here on, TensorFlow cannot be imported\n"
+        "    if name == 'dummy_without_tensorflow':  # from here on, TensorFlow cannot be imported\n"
         "        real = builtins.__import__\n"
         "        def guard(n, *a, **k):\n"
         "            if n.split('.')[0] == 'tensorflow':\n"
@@ -205,8 +205,8 @@ def test_jax_bad_input_fails_fast_with_the_reason(prepared, tmp_path):
     assert "runtime.jit: false" in result["jit_off"]
     assert "mirrored needs GPUs" in result["mirrored_without_gpus"]
     assert "mixed_float16" in result["float16_on_cpu"] and "needs a GPU" in result["float16_on_cpu"]
-    assert "kbert data prepare" in result["raw_text_without_tensorflow"]
-    assert "TensorFlow is not installed" in result["raw_text_without_tensorflow"]
+    assert "'dummy'" in result["dummy_without_tensorflow"]
+    assert "TensorFlow is not installed" in result["dummy_without_tensorflow"]
     assert not any(os.path.isdir(os.path.join(str(tmp_path), x, "checkpoints")) for x in "abcdef")
 
 
@@ -246,6 +246,35 @@ def test_pretraining_from_records_on_jax_never_imports_tensorflow(prepared, tmp_
     assert result == {"step": 3, "model": str(tmp_path / "run" / "model"), "tf": False}
     assert os.listdir(str(tmp_path / "run" / "logs"))
     assert kbert.load_model(result["model"]).config.num_layers == 2
+
+
+@pytest.mark.slow
+def test_raw_text_pretraining_on_jax_without_tensorflow_goes_through_records_and_resumes(prepared, tmp_path):
+    """`kbert pretrain --corpus text` on a JAX-only host: the text is tokenized into OUT/records (no
+    TensorFlow: the records are framed by hand), the co-occurrence start runs on scipy, and a stopped run
+    resumes on the records it started with instead of tokenizing again."""
+    out = str(tmp_path / "run")
+    cfg = _config(prepared, out, 4, data={"source": ["kolaw", "kobill"], "max_length": 64},
+                  trainer={"log_every": 1, "embedding_init": "cooccurrence"}, runtime={"strategy": "cpu"})
+    script = (BLOCK_TENSORFLOW + "import os\nimport kbert\n"
+              "from kbert.data import records\n"
+              f"first = kbert.pretrain({cfg!r}, progress=False, stop_after=2)\n"
+              f"made = os.path.getmtime(os.path.join({out!r}, 'records', 'shard-00000.tfrecord'))\n"
+              f"last = kbert.pretrain({cfg!r}, progress=False)\n"
+              f"m = records.read_manifest(os.path.join({out!r}, 'records'))\n"
+              "print(json.dumps(dict(steps=[first['step'], last['step']], finished=last['finished'],"
+              f" same=made == os.path.getmtime(os.path.join({out!r}, 'records', 'shard-00000.tfrecord')),"
+              " complete=m['complete'], resumed=m['resumed_shards'], shards=len(m['shards']),"
+              " max_length=m['max_length'], loss=last['loss'], tf='tensorflow' in sys.modules)))\n")
+    result, proc = run_on_jax(script)
+    assert result["steps"] == [2, 4] and result["finished"] and not result["tf"]
+    assert result["complete"] and result["resumed"] == result["shards"] > 0 and result["same"]
+    assert result["max_length"] == 64 and np.isfinite(result["loss"])
+    assert kbert.load_model(os.path.join(out, "model")).config.num_layers == 2
+    # the records are ordinary `kbert data prepare` records: TensorFlow's pipeline reads them too
+    tok = kbert.Tokenizer.load(prepared[0])
+    features, _ = next(iter(kbert.data.pretraining_dataset(os.path.join(out, "records"), tok, batch_size=4)))
+    assert features["token_ids"].shape == (4, 64)
 
 
 @pytest.mark.slow

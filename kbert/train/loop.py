@@ -396,7 +396,8 @@ def pretrain(config: Union[PretrainConfig, dict, str], overrides=None, resume: b
                      max_length=d.max_length, mask_rate=d.mask_rate, max_predictions=d.max_predictions,
                      whole_word=d.whole_word, ngram=d.ngram, short_seq_prob=d.short_seq_prob, seed=rt.seed,
                      shuffle_buffer=d.shuffle_buffer, workers=d.workers)
-    iterator = backend.batches(data_args, micro_batch, start, t.accumulation)
+    iterator = backend.batches(data_args, micro_batch, start, t.accumulation,
+                               records_cache=os.path.join(out, "records"), progress=progress)
 
     # 5. the loop
     train_step = backend.compile_step(model, optimizer, variables, t.accumulation, precision)

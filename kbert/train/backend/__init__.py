@@ -5,7 +5,7 @@
     backend = make_backend(config.runtime)      # from keras.backend.backend(): "tensorflow" or "jax"
     backend.replicas, backend.kind, backend.device_name
     with backend.scope(): ...                   # build the model and optimizer (replicated as the backend does)
-    batches = backend.batches(make_dataset, micro_batch, start_batch)   # the input, placed for the step
+    batches = backend.batches(data_args, micro_batch, start_step, accumulation, records_cache)  # placed input
     step = backend.compile_step(model, optimizer, variables, accumulation)
     metrics = step(batches)                     # one optimizer update, dispatched (JAX: not yet finished)
     backend.read_metrics(metrics)               # its floats (loss, mlm_accuracy, ...): waits for the step

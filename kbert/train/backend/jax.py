@@ -14,8 +14,11 @@ equivalent and are refused by name.
 
 Input: records dirs through `kbert.data.record_reader` (numpy only: no TensorFlow needed, batches equal to
 the `tf.data` path's); each host reads its own share of the shards (`num_pipelines` = hosts) and its slice
-of the global batch becomes one global array (`jax.make_array_from_process_local_data`). Raw text and
-"dummy" go through the `tf.data` pipeline, so they need TensorFlow installed (the error says so).
+of the global batch becomes one global array (`jax.make_array_from_process_local_data`). Raw text goes
+through the `tf.data` pipeline where TensorFlow is installed; where it is not (a GPU host or TPU VM with JAX
+only), a one-host run first writes the text as records to OUT/records (`kbert data prepare`'s code, which
+needs no TensorFlow) and reads those, so `kbert pretrain --corpus text.txt` and `kbert quickstart` work there
+too; the batches then follow the records' order, not the tf.data pipeline's. "dummy" needs TensorFlow.
 
 The step: the model's and optimizer's variables as one state pytree; `accumulation` micro-batches per
 update, each through `jax.value_and_grad` of the model's losses inside a `keras.StatelessScope` and
@@ -33,6 +36,14 @@ import os
 import time
 
 import numpy as np
+
+
+def _tensorflow_installed() -> bool:
+    try:  # imported, not looked up: the tf.data path imports it next anyway
+        import tensorflow  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 class JaxBackend:
@@ -101,8 +112,10 @@ class JaxBackend:
         return self.distribution.scope() if self.distribution is not None else contextlib.nullcontext()
 
     # ------------------------------------------------------------------ input
-    def batches(self, data_args: dict, micro_batch: int, start_step: int, accumulation: int):
-        """An iterator of global micro-batches (features, labels) as JAX arrays laid out for the step."""
+    def batches(self, data_args: dict, micro_batch: int, start_step: int, accumulation: int,
+                records_cache: str = None, progress: bool = True):
+        """An iterator of global micro-batches (features, labels) as JAX arrays laid out for the step.
+        Raw text without TensorFlow is first written as records to `records_cache` (see the module)."""
         from kbert.data import records
 
         if micro_batch % self.process_count:
@@ -110,6 +123,8 @@ class JaxBackend:
         local = micro_batch // self.process_count
         start = start_step * accumulation
         source = data_args["source"]
+        if not records.records_dir(source) and not _tensorflow_installed():
+            source = self._records_of_raw_text(data_args, records_cache, start_step, progress)
         if records.records_dir(source):
             from kbert.data.record_reader import RecordBatches
 
@@ -128,13 +143,8 @@ class JaxBackend:
                                  f"{reader.max_length!r}; prepare new records or leave `max_length` at its default")
             host = iter(reader)
         else:
-            try:
-                import tensorflow as tf
-            except ImportError:
-                raise ValueError(f"data.source {source!r} is raw text (or 'dummy'), which kbert reads with TensorFlow's "
-                                 f"tf.data, and TensorFlow is not installed: run `kbert data prepare` (where "
-                                 f"TensorFlow is installed) and pretrain from the records dir, or install "
-                                 f"tensorflow") from None
+            import tensorflow as tf
+
             from kbert.data.pretraining import pretraining_dataset
 
             context = None
@@ -145,6 +155,36 @@ class JaxBackend:
         from kbert.utils import in_background
 
         return in_background((self._place(batch) for batch in host), depth=2)
+
+    def _records_of_raw_text(self, data_args: dict, records_cache: str, start_step: int, progress: bool) -> str:
+        """Raw text on a host without TensorFlow: `kbert data prepare` into `records_cache` (the run's
+        OUT/records), which the numpy reader then streams. Kept there, so a resumed run tokenizes nothing
+        again (prepare skips finished shards); a fresh run whose text or settings changed rewrites it."""
+        import sys
+
+        from kbert.data import records
+
+        source = data_args["source"]
+        if isinstance(source, str) and source == "dummy":
+            raise ValueError("data.source 'dummy' (random ids) is made by the tf.data pipeline, and TensorFlow is not "
+                             "installed; pretrain from text or a records dir, or install tensorflow")
+        if self.process_count > 1 or records_cache is None:
+            raise ValueError(f"data.source {source!r} is raw text and TensorFlow is not installed: on several hosts "
+                             f"each needs its share of prepared records; run `kbert data prepare` once and "
+                             f"pretrain from the records dir")
+        if progress:
+            print(f"TensorFlow is not installed: tokenizing the raw text into records first ({records_cache}; "
+                  f"kept, so a resumed run reuses them)", file=sys.stderr, flush=True)
+        args = dict(objective=data_args["objective"], max_length=data_args["max_length"],
+                    short_seq_prob=data_args["short_seq_prob"], seed=data_args["seed"],
+                    workers=data_args["workers"], progress=progress)
+        try:
+            records.prepare(source, data_args["tokenizer"], records_cache, **args)
+        except ValueError:
+            if start_step:  # a resumed run must read the records it started on
+                raise
+            records.prepare(source, data_args["tokenizer"], records_cache, overwrite=True, **args)
+        return records_cache
 
     def _place(self, batch):
         """A host's (features, labels) of numpy arrays -> global JAX arrays sharded along the batch."""

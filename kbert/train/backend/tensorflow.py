@@ -43,9 +43,11 @@ class TensorFlowBackend:
         return self.strategy.scope()
 
     # ------------------------------------------------------------------ input
-    def batches(self, data_args: dict, micro_batch: int, start_step: int, accumulation: int):
+    def batches(self, data_args: dict, micro_batch: int, start_step: int, accumulation: int,
+                records_cache: str = None, progress: bool = True):
         """An iterator of per-replica micro-batches from `pretraining_dataset(**data_args)`, positioned at
-        optimizer step `start_step`."""
+        optimizer step `start_step`. (`records_cache`, `progress`: for a backend without tf.data; tf.data
+        reads raw text itself.)"""
         from kbert.data.pretraining import pretraining_dataset
 
         def dataset_fn(ctx):
