@@ -23,8 +23,8 @@ batches that stay on the device, so the figure is the model's step and not an in
 - `pretrain`: `kbert.pretrain` itself on records (the numpy reader, no TensorFlow), `--steps-pretrain` steps
   with a resume in the middle: the loss falls, the resumed step's loss equals the uninterrupted one's, and
   the steady tokens/s is set beside the same compiled step fed one device-resident synthetic batch (the
-  reader must keep up: at least 95%). The records come from `records`, run where TensorFlow is:
-  `python benchmarks/gpu.py records --shared ../shared/data --out .gpu` (a WordPiece vocabulary, so the
+  reader must keep up: at least 95%). The records come from `records`, run where ../shared/data is (no
+  TensorFlow needed): `python benchmarks/gpu.py records --shared ../shared/data --out .gpu` (a WordPiece vocabulary, so the
   device needs no sentencepiece either; about 12 MB of mlm+nsp records of movie reviews at length 128);
 - `xla` (a stage of `all`, after the profile): the `throughput` step again in one process per set of XLA
   flags (`--xla-variants`; flags are read once per process, so each set needs its own), with the same model
@@ -35,7 +35,7 @@ batches that stay on the device, so the figure is the model's step and not an in
   skipping what would not finish by `--budget` seconds (and the stages named in `--skip`), then one set of
   tables; also `--out/gpu.json`.
 
-    python benchmarks/gpu.py records --shared ../shared/data --out .gpu        # here, with TensorFlow
+    python benchmarks/gpu.py records --shared ../shared/data --out .gpu        # here, beside the shared data
     KERAS_BACKEND=jax python benchmarks/gpu.py all --records .gpu --out /tmp/gpu
 """
 
@@ -484,7 +484,7 @@ class _Clock:
 
 
 def make_records(shared: str, out: str, rows: int = 150_000, vocab: int = 32000) -> dict:
-    """Here, with TensorFlow: a WordPiece vocabulary and mlm+nsp records (length 128) of the first `rows` movie
+    """Here, beside ../shared/data: a WordPiece vocabulary and mlm+nsp records (length 128) of the first `rows` movie
     reviews, under `out/tok` and `out/records`."""
     import csv
     import gzip

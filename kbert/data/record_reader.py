@@ -299,9 +299,9 @@ class RecordBatches:
 
         directory = _records.records_dir(source)
         if directory is None:
-            raise ValueError(f"{source!r} is not a records directory (no {_records.MANIFEST}): without TensorFlow "
-                             f"kbert pretrains from records only; run `kbert data prepare` (it needs TensorFlow) "
-                             f"first, or pretrain from raw text on the TensorFlow path")
+            raise ValueError(f"{source!r} is not a records directory (no {_records.MANIFEST}): this reader takes "
+                             f"what `kbert data prepare` writes (no TensorFlow needed); `kbert.pretrain` given raw "
+                             f"text on JAX without TensorFlow prepares them itself")
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"`batch_size` must be a positive integer. Received: batch_size={batch_size!r}")
         manifest, files = _records.shard_files(directory)
