@@ -100,13 +100,25 @@ def _convert(args):
         tokenizer = None
     if args.to == "kbert":
         kbert.save_model(model, args.out, tokenizer=tokenizer)
+        print(f"wrote kbert model dir {args.out}" + (" with its tokenizer" if tokenizer else ""))
     else:
-        kbert.export_transformers(model, args.out, tokenizer=tokenizer)
+        import warnings
+
+        with warnings.catch_warnings():  # a vocabulary transformers cannot read exactly: said below, once
+            warnings.simplefilter("ignore", UserWarning)
+            kbert.export_transformers(model, args.out, tokenizer=tokenizer)
         if tokenizer is not None:  # kbert (embed, finetune, export) reads its own copy in any vocabulary kind
             tokenizer.save(os.path.join(args.out, TOKENIZER_DIR))
+        if tokenizer is None:
+            said = ""
+        elif os.path.isfile(os.path.join(args.out, "tokenizer_config.json")):
+            said = " with its tokenizer (transformers' AutoTokenizer reads it)"
+        else:
+            said = (f"; its {tokenizer.kind} tokenizer in kbert's format only ({os.path.join(args.out, TOKENIZER_DIR)}): "
+                    f"transformers' AutoTokenizer has an exact equivalent only for plain WordPiece vocabularies")
+        print(f"wrote transformers model dir {args.out}{said}")
     if tokenizer is None:
         print(f"note: {args.model!r} holds no tokenizer kbert can read; {args.out} has none either", file=sys.stderr)
-    print(f"wrote {args.to} model dir {args.out}" + (" with its tokenizer" if tokenizer else ""))
 
 
 def _tokenizer_train(args):

@@ -143,7 +143,11 @@ def test_convert_to_transformers_writes_the_tokenizer(tmp_path, algorithm):
     kbert.save_model(kbert.build_backbone(config), str(tmp_path / "kb"), tokenizer=tok)
     proc = run("convert", "--model", str(tmp_path / "kb"), "--out", str(tmp_path / "hf"), "--to", "transformers")
     assert proc.returncode == 0, proc.stderr
-    assert "with its tokenizer" in proc.stdout and (tmp_path / "hf" / "tokenizer").is_dir()
+    assert (tmp_path / "hf" / "tokenizer").is_dir() and "Warning" not in proc.stderr
+    if algorithm == "wordpiece":
+        assert "with its tokenizer (transformers' AutoTokenizer reads it)" in proc.stdout
+    else:  # said once, plainly: no "with its tokenizer" line after a warning that it was not written
+        assert "sentencepiece tokenizer in kbert's format only" in proc.stdout and "with its" not in proc.stdout
     if algorithm == "wordpiece":
         hf_tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
         assert len(hf_tok) == tok.vocab_size
