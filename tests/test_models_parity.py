@@ -84,13 +84,62 @@ def test_export_backbone_only_loads_in_automodel(tmp_path):
     assert max_abs_diff_valid(h, ours, batch["padding_mask"]) <= TOL
 
 
-def test_pytorch_model_bin_is_read(tmp_path):
+@pytest.mark.parametrize("architecture,legacy", [("bert", False), ("bert", True), ("albert", False)])
+def test_pytorch_model_bin_is_read(tmp_path, architecture, legacy):
+    """`pytorch_model.bin` (the only weights file of many 2020-21 Korean checkpoints) is read without torch,
+    in torch.save's zip format and in the legacy format of torch < 1.6."""
+    ref_model = tiny_hf_pretraining_model(architecture)
+    ref_model.config.save_pretrained(tmp_path / "hf")
+    torch.save(ref_model.state_dict(), tmp_path / "hf" / "pytorch_model.bin", _use_new_zipfile_serialization=not legacy)
+    batch = random_batch()
+    model = kbert.load_model(str(tmp_path / "hf"), with_heads=True, output_hidden_states=True)
+    _assert_same(_kbert_outputs(model, batch), hf_outputs(ref_model, batch), batch)
+
+
+def test_pytorch_model_bin_loads_where_torch_is_not_installed_and_runs_no_code(tmp_path):
+    """The same dir in a process where torch cannot be imported gives the same vectors; a .bin whose pickle
+    names anything but tensors and storages (here os.system) is refused before it runs."""
+    import os
+    import subprocess
+    import sys
+
     ref_model = tiny_hf_pretraining_model("bert")
     ref_model.config.save_pretrained(tmp_path / "hf")
     torch.save(ref_model.state_dict(), tmp_path / "hf" / "pytorch_model.bin")
     batch = random_batch()
-    model = kbert.load_model(str(tmp_path / "hf"), with_heads=True, output_hidden_states=True)
-    _assert_same(_kbert_outputs(model, batch), hf_outputs(ref_model, batch), batch)
+    np.savez(tmp_path / "batch.npz", **batch)
+    script = ("import builtins, json, sys\n"
+              "real = builtins.__import__\n"
+              "def guard(name, *a, **k):\n"
+              "    if name.split('.')[0] == 'torch':\n"
+              "        raise ImportError('No module named torch')\n"
+              "    return real(name, *a, **k)\n"
+              "builtins.__import__ = guard\n"
+              "import numpy as np, kbert\n"
+              f"model = kbert.load_model({str(tmp_path / 'hf')!r})\n"
+              f"batch = dict(np.load({str(tmp_path / 'batch.npz')!r}))\n"
+              "out = model(batch)['sequence_output']\n"
+              "print(json.dumps({'out': np.asarray(out).tolist(), 'torch': 'torch' in sys.modules}))\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import json
+
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert not result["torch"]
+    ours = np.asarray(kbert.load_model(str(tmp_path / "hf"))(batch)["sequence_output"])
+    np.testing.assert_allclose(np.asarray(result["out"]), ours, atol=1e-6)
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, ("echo ran",))
+
+    evil = tmp_path / "evil"
+    evil.mkdir()
+    ref_model.config.save_pretrained(evil)
+    torch.save({"bert.embeddings.word_embeddings.weight": Payload()}, evil / "pytorch_model.bin")
+    with pytest.raises(ValueError, match="system is not part of a tensor state dict"):
+        kbert.load_model(str(evil))
 
 
 def _write_tf1_checkpoint(ref_model, architecture, directory):

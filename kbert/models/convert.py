@@ -241,15 +241,11 @@ def _read_hf_dir(directory: str) -> Tuple[ModelConfig, Dict[str, np.ndarray], bo
     if st:
         for path in st:
             tensors.update(read_safetensors(path))
-    elif bins:
-        try:
-            import torch
-        except ImportError:
-            raise ImportError(f"{directory} holds pytorch_model.bin, which needs torch to read: "
-                              "pip install torch (or convert it to model.safetensors)") from None
+    elif bins:  # read without torch (kbert.models.torch_files): many Korean checkpoints ship only this file
+        from kbert.models.torch_files import load_torch_state
+
         for path in bins:
-            state = torch.load(path, map_location="cpu", weights_only=True)
-            tensors.update({k: v.float().numpy() for k, v in state.items()})
+            tensors.update({k: v.astype(np.float32) for k, v in load_torch_state(path).items()})
     else:
         raise FileNotFoundError(f"{directory} has config.json but no weight file "
                                 "(model.safetensors or pytorch_model.bin)")
