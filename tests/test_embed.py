@@ -396,6 +396,38 @@ def test_hub_names_load_through_huggingface_hub_and_its_cache(tmp_path):
     assert "kbert-test/not-cached" in out["missing"] and "HF_HUB_OFFLINE" in out["missing"]
 
 
+def test_hub_fetches_torch_weights_only_for_a_repo_without_safetensors(tmp_path, monkeypatch):
+    """A repo holding model.safetensors and pytorch_model.bin gets the safetensors only (each form can be
+    hundreds of MB); a repo with only the .bin (KcBERT-era uploads) gets it, shards included."""
+    import os
+
+    import huggingface_hub
+
+    from kbert.models.convert import resolve_hub_name
+
+    calls = []
+    layouts = {"org/both": ["config.json", "model.safetensors", "pytorch_model.bin"],
+               "org/bin-only": ["config.json", "pytorch_model-00001-of-00002.bin", "pytorch_model-00002-of-00002.bin"]}
+
+    def snapshot_download(name, allow_patterns):
+        import fnmatch
+
+        calls.append((name, list(allow_patterns)))
+        folder = tmp_path / name.replace("/", "--") / str(len(calls))
+        folder.mkdir(parents=True)
+        for file in layouts[name]:
+            if any(fnmatch.fnmatch(file, p) for p in allow_patterns):
+                (folder / file).write_text("x")
+        return str(folder)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    both = resolve_hub_name("org/both")
+    assert sorted(os.listdir(both)) == ["config.json", "model.safetensors"] and len(calls) == 1
+    only = resolve_hub_name("org/bin-only")
+    assert len(calls) == 3 and sorted(os.listdir(only)) == ["config.json", "pytorch_model-00001-of-00002.bin",
+                                                            "pytorch_model-00002-of-00002.bin"]
+
+
 def test_silver_candidates_pair_each_sentence_with_its_nearest_and_leave_out_gold_pairs():
     """benchmarks/quality.py's Augmented SBERT sampling: nearest TF-IDF neighbours, never a sentence with
     itself, a labelled pair or one pair twice (in either order)."""

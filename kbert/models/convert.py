@@ -342,14 +342,17 @@ def detect_format(directory: str) -> str:
 
 
 # What a model needs from a Hugging Face Hub repo: configs, weights, vocabularies (not other frameworks' weights).
-HUB_FILES = ["*.json", "*.safetensors", "vocab.txt", "*.model", "*.txt", "*ckpt*", "pytorch_model.bin"]
+HUB_FILES = ["*.json", "*.safetensors", "vocab.txt", "*.model", "*.txt", "*ckpt*"]
+# torch.save weights, fetched only for a repo without safetensors or TF1 weights (many hold both forms, each
+# hundreds of MB); shards ("pytorch_model-00001-of-00002.bin") included.
+HUB_TORCH_FILES = ["pytorch_model*.bin"]
 
 
 def resolve_hub_name(name: str) -> str:
     """A local directory for `name`: itself when it is a path, else the snapshot of the Hugging Face Hub repo
     `name` ("klue/roberta-base") through `huggingface_hub`, the hub's own client: its cache (HF_HOME /
     HF_HUB_CACHE), its offline mode (HF_HUB_OFFLINE=1 reads the cache only), revisions and tokens. Only
-    the files a model needs are fetched (HUB_FILES)."""
+    the files a model needs are fetched (HUB_FILES, then HUB_TORCH_FILES where those hold no weights)."""
     if os.path.exists(name) or not isinstance(name, str):
         return name
     parts = name.split("/")
@@ -361,7 +364,10 @@ def resolve_hub_name(name: str) -> str:
         raise ImportError(f"{name!r} is not a local directory; loading it from the Hugging Face Hub needs "
                           f"huggingface_hub (pip install huggingface_hub)") from None
     try:
-        return huggingface_hub.snapshot_download(name, allow_patterns=HUB_FILES)
+        path = huggingface_hub.snapshot_download(name, allow_patterns=HUB_FILES)
+        if not glob.glob(os.path.join(path, "*.safetensors")) and not glob.glob(os.path.join(path, "*ckpt*")):
+            path = huggingface_hub.snapshot_download(name, allow_patterns=HUB_FILES + HUB_TORCH_FILES)
+        return path
     except Exception as e:  # offline without a cached copy, an unknown repo, no network
         raise FileNotFoundError(f"{name!r} is neither a local directory nor a Hugging Face Hub model kbert could "
                                 f"fetch ({type(e).__name__}: {str(e).splitlines()[0][:200]}); with HF_HUB_OFFLINE=1 "
