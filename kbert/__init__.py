@@ -43,6 +43,7 @@ _EXPORTS = {
     "Corpus": "kbert.data.corpus",
     "pretraining_dataset": "kbert.data.pretraining",
     "pretrain": "kbert.train.loop",
+    "read_scalars": "kbert.train.metrics",
     "PretrainConfig": "kbert.train.config",
     "plan_batch_size": "kbert.train.memory",
     "Embedder": "kbert.embed.embedder",

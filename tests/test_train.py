@@ -1003,3 +1003,41 @@ def test_model_flops_count_the_last_block_at_the_rows_it_computes():
     assert pretrainer_last_layer_rows(20) == 21
     with layers.implementation(last_layer="full"):
         assert pretrainer_last_layer_rows(20) is None
+
+
+def test_read_scalars_reads_both_backends_logs_and_a_resumed_runs_last_values(tmp_path):
+    """`kbert.read_scalars(OUT/logs)`: TensorFlow's `tf.summary` tensors, the JAX backend's simple values and
+    its scalars.jsonl fallback give one {tag: {step: value}}; a step written again by a resumed run keeps the
+    later value."""
+    import time
+
+    import tensorflow as tf
+    from tensorboard.compat.proto.event_pb2 import Event
+    from tensorboard.compat.proto.summary_pb2 import Summary
+    from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+    tf_logs = tmp_path / "tf"
+    writer = tf.summary.create_file_writer(str(tf_logs))
+    with writer.as_default():
+        for step in (10, 20):
+            tf.summary.scalar("loss", 9.0 - step / 10, step=step)
+    writer.close()
+    assert kbert.read_scalars(str(tf_logs)) == {"loss": {10: 8.0, 20: 7.0}}
+
+    jax_logs = tmp_path / "jax"
+    for run, steps in enumerate(((10, 20), (20, 30))):  # the second file: a run resumed from step 10
+        events = EventFileWriter(str(jax_logs))
+        for step in steps:
+            summary = Summary(value=[Summary.Value(tag="loss", simple_value=float(step + 1000 * run)),
+                                     Summary.Value(tag="mlm_accuracy", simple_value=step / 80)])
+            events.add_event(Event(step=step, wall_time=time.time(), summary=summary))
+        events.close()
+        time.sleep(1.1)  # event files are named by the second; the resumed run's is the later one
+    assert kbert.read_scalars(str(jax_logs)) == {"loss": {10: 10.0, 20: 1020.0, 30: 1030.0},
+                                                "mlm_accuracy": {10: 0.125, 20: 0.25, 30: 0.375}}
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "scalars.jsonl").write_text('{"step": 5, "loss": 3.5}\n{"step": 10, "loss": 3.0}\n', encoding="utf-8")
+    assert kbert.read_scalars(str(plain)) == {"loss": {5: 3.5, 10: 3.0}}
+    with pytest.raises(FileNotFoundError, match="OUTPUT_DIR/logs"):
+        kbert.read_scalars(str(tmp_path / "missing"))

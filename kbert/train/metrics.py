@@ -1,6 +1,7 @@
-"""Evaluation metrics of fine-tuning, in numpy: correlations for scores and similarities, accuracy and macro-F1.
+"""Evaluation metrics of fine-tuning, in numpy: correlations for scores and similarities, accuracy and macro-F1;
+and `read_scalars`, a run's training curves from its TensorBoard logs.
 
-Small enough to write out (scipy and scikit-learn are not dependencies of kbert); `rank` matches
+The metrics are small enough to write out (scikit-learn is not a dependency of kbert); `rank` matches
 `scipy.stats.rankdata`'s average ranks, which the tests check on ties.
 """
 
@@ -43,3 +44,44 @@ def macro_f1(y, p, num_classes: int) -> float:
         if denom:
             scores.append(2 * tp / denom)
     return float(np.mean(scores)) if scores else 0.0
+
+
+def read_scalars(logdir: str) -> dict:
+    """{tag: {step: value}} of the scalars a pretraining run logged (`OUT/logs` of `kbert.pretrain`),
+    through tensorboard's event reader, without TensorFlow. Both ways kbert writes them are read: TensorFlow's
+    `tf.summary` tensors and the JAX backend's simple values (or its `scalars.jsonl` where tensorboard is
+    missing). A step logged twice (a resumed run repeats the steps after its last checkpoint) keeps the
+    last value written."""
+    import glob
+    import json
+    import os
+
+    if not os.path.isdir(logdir):
+        raise FileNotFoundError(f"no log directory {logdir!r} (a run writes its scalars to OUTPUT_DIR/logs)")
+    curves: dict = {}
+    jsonl = os.path.join(logdir, "scalars.jsonl")
+    if os.path.isfile(jsonl):
+        with open(jsonl, encoding="utf-8") as f:
+            for line in f:
+                row = json.loads(line)
+                step = row.pop("step")
+                for tag, value in row.items():
+                    curves.setdefault(tag, {})[step] = float(value)
+    files = sorted(glob.glob(os.path.join(logdir, "**", "events.out.tfevents.*"), recursive=True))
+    if files:
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+        from tensorboard.util import tensor_util
+
+        for path in sorted(files, key=os.path.getmtime):  # later files (a resumed run) overwrite earlier steps
+            events = EventAccumulator(path, size_guidance={"scalars": 0, "tensors": 0})
+            events.Reload()
+            tags = events.Tags()
+            for tag in tags.get("scalars", []):
+                for e in events.Scalars(tag):
+                    curves.setdefault(tag, {})[e.step] = float(e.value)
+            for tag in tags.get("tensors", []):
+                for e in events.Tensors(tag):
+                    value = tensor_util.make_ndarray(e.tensor_proto)
+                    if value.size == 1:
+                        curves.setdefault(tag, {})[e.step] = float(value.reshape(()))
+    return {tag: dict(sorted(steps.items())) for tag, steps in curves.items()}
