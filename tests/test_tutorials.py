@@ -46,6 +46,27 @@ def test_tutorial_runs_end_to_end(name, tmp_path, monkeypatch):
     assert not glob.glob(os.path.join(TUTORIALS, "hs_err_pid*.log"))  # no JVM crash report in the tree
 
 
+@pytest.mark.slow
+def test_the_pretraining_tutorial_runs_on_jax_where_tensorflow_is_not_installed(tmp_path, monkeypatch):
+    """A GPU host or TPU VM with `pip install -e ".[jax]"`: tutorial 02 (records, pretraining, the curves from
+    TensorBoard logs, the memory planner) runs on Keras' JAX backend with TensorFlow unimportable in the
+    kernel (a `tensorflow` package that raises ImportError, first on the kernel's path)."""
+    blocker = tmp_path / "no-tensorflow" / "tensorflow"
+    blocker.mkdir(parents=True)
+    (blocker / "__init__.py").write_text("raise ImportError('No module named tensorflow')\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(blocker.parent)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    monkeypatch.setenv("KERAS_BACKEND", "jax")
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    book = run_notebook("02_pretraining.ipynb", tmp_path / "work", monkeypatch)
+    errors = [o for c in book.cells if c.cell_type == "code" for o in c.get("outputs", [])
+              if o.get("output_type") == "error"]
+    assert not errors, errors[0].get("evalue")
+    # (no error with TensorFlow unimportable: Keras ran on JAX, its TensorFlow backend could not have loaded)
+    images = [o for c in book.cells if c.cell_type == "code" for o in c.get("outputs", [])
+              if "image/png" in o.get("data", {})]
+    assert len(images) >= 2
+
+
 def test_the_readme_command_that_runs_a_notebook_is_installed():
     """tutorials/README.md's run command named `jupyter nbconvert`, which no extra installed; its command
     must come with `pip install -e ".[test]"`."""
