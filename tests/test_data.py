@@ -12,7 +12,7 @@ import pytest
 
 import kbert
 from kbert.data import records
-from kbert.data.corpus import Corpus, corpus
+from kbert.data.corpus import corpus
 from kbert.data.sentences import split_sentences_rules
 from kbert.data.wiki import strip_wiki_markup
 from kbert.data.masking import example_keys, make_spec, mask_tokens
