@@ -179,11 +179,14 @@ class JaxBackend:
                     short_seq_prob=data_args["short_seq_prob"], seed=data_args["seed"],
                     workers=data_args["workers"], progress=progress)
         try:
-            records.prepare(source, data_args["tokenizer"], records_cache, **args)
+            manifest = records.prepare(source, data_args["tokenizer"], records_cache, **args)
         except ValueError:
             if start_step:  # a resumed run must read the records it started on
                 raise
-            records.prepare(source, data_args["tokenizer"], records_cache, overwrite=True, **args)
+            manifest = records.prepare(source, data_args["tokenizer"], records_cache, overwrite=True, **args)
+        if progress:
+            print(f"records: {manifest['examples']:,} examples in {len(manifest['shards'])} shards "
+                  f"({manifest['resumed_shards']} kept from an earlier run)", file=sys.stderr, flush=True)
         return records_cache
 
     def _place(self, batch):
