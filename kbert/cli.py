@@ -115,7 +115,8 @@ def _convert(args):
             said = " with its tokenizer (transformers' AutoTokenizer reads it)"
         else:
             said = (f"; its {tokenizer.kind} tokenizer in kbert's format only ({os.path.join(args.out, TOKENIZER_DIR)}): "
-                    f"transformers' AutoTokenizer has an exact equivalent only for plain WordPiece vocabularies")
+                    f"transformers' AutoTokenizer has an exact equivalent only for WordPiece and unigram "
+                    f"vocabularies without a morpheme analyzer, `repeat` or NFKC")
         print(f"wrote transformers model dir {args.out}{said}")
     if tokenizer is None:
         print(f"note: {args.model!r} holds no tokenizer kbert can read; {args.out} has none either", file=sys.stderr)

@@ -144,13 +144,17 @@ def test_convert_to_transformers_writes_the_tokenizer(tmp_path, algorithm):
     proc = run("convert", "--model", str(tmp_path / "kb"), "--out", str(tmp_path / "hf"), "--to", "transformers")
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "hf" / "tokenizer").is_dir() and "Warning" not in proc.stderr
-    if algorithm == "wordpiece":
-        assert "with its tokenizer (transformers' AutoTokenizer reads it)" in proc.stdout
-    else:  # said once, plainly: no "with its tokenizer" line after a warning that it was not written
+    assert "with its tokenizer (transformers' AutoTokenizer reads it)" in proc.stdout
+    hf_tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    assert len(hf_tok) == tok.vocab_size
+    assert hf_tok(KOREAN_SENTENCES[0])["input_ids"] == tok.encode(KOREAN_SENTENCES[0]).ids
+    if algorithm == "unigram":  # a vocabulary with no exact transformers form: said once, on the result line
+        bpe = kbert.Tokenizer.train(TRAIN_FILES, vocab_size=800, algorithm="bpe", progress=False)
+        kbert.save_model(kbert.build_backbone(config), str(tmp_path / "kb-bpe"), tokenizer=bpe)
+        proc = run("convert", "--model", str(tmp_path / "kb-bpe"), "--out", str(tmp_path / "hf-bpe"), "--to",
+                   "transformers")
+        assert proc.returncode == 0 and "Warning" not in proc.stderr
         assert "sentencepiece tokenizer in kbert's format only" in proc.stdout and "with its" not in proc.stdout
-    if algorithm == "wordpiece":
-        hf_tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
-        assert len(hf_tok) == tok.vocab_size
     text = tmp_path / "texts.txt"
     text.write_text("\n".join(KOREAN_SENTENCES[:3]) + "\n", encoding="utf-8")
     proc = subprocess.run([sys.executable, "-m", "kbert.cli", "embed", "--model", str(tmp_path / "hf")],

@@ -433,7 +433,9 @@ def export_transformers(model, directory: str, tokenizer=None) -> str:
     """Writes `model` (a backbone or `Pretrainer`) as a Hugging Face dir (`config.json` +
     `model.safetensors`) that `transformers.AutoModel.from_pretrained(directory)` loads.
 
-    A `Pretrainer` is written as `BertForPreTraining` / `AlbertForPreTraining` with its heads.
+    A `Pretrainer` is written as `BertForPreTraining` / `AlbertForPreTraining` with its heads. A `tokenizer`
+    (`kbert.Tokenizer`) is written beside it where transformers can read it exactly (`Tokenizer.
+    export_transformers`: WordPiece, unigram SentencePiece); otherwise a warning says why not.
     """
     if isinstance(model, Pretrainer):
         config, pair, heads = model.config, model.pair_objective, True
@@ -458,11 +460,10 @@ def export_transformers(model, directory: str, tokenizer=None) -> str:
     with open(os.path.join(directory, "config.json"), "w", encoding="utf-8") as f:
         json.dump(config_to_hf(config, with_heads=heads), f, indent=2)
     if tokenizer is not None:
-        if getattr(tokenizer, "kind", None) == "wordpiece" and not tokenizer.morphemes:
+        try:
             tokenizer.export_transformers(directory)
-        else:
+        except ValueError as e:
             import warnings
 
-            warnings.warn("The tokenizer was not written: only plain WordPiece vocabularies map exactly onto a "
-                          "transformers tokenizer", stacklevel=2)
+            warnings.warn(f"The tokenizer was not written in transformers' format: {e}", stacklevel=2)
     return directory

@@ -20,7 +20,7 @@ _CONTROL = "\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\u00ad\u200b\u200e\u200f\u2060\uf
 _SPACE = "\t\n\r\x0b\x0c \u00a0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
 CONTROL_RE = re.compile(f"[{_CONTROL}]")
 SPACE_RE = re.compile(f"[{_SPACE}]+")
-# The same classes in RE2 syntax for tf.strings.regex_replace.
+# The same classes in RE2 syntax for tf.strings.regex_replace (Oniguruma reads them too: `tokenizers`).
 _RE2_CONTROL = r"[\x{0}-\x{8}\x{b}\x{c}\x{e}-\x{1f}\x{7f}-\x{9f}\x{ad}\x{200b}\x{200e}\x{200f}\x{2060}\x{feff}]"
 _RE2_SPACE = r"[\t\n\r\x{b}\x{c} \x{a0}\x{1680}\x{2000}-\x{200a}\x{2028}\x{2029}\x{202f}\x{205f}\x{3000}]+"
 # NFKC maps compatibility jamo (U+3131-U+318E) to conjoining jamo, which would merge `ㅎㅏ` into `하`
@@ -81,6 +81,24 @@ def normalize(text, form: str = "NFC", repeat: Optional[int] = None, lowercase: 
     if repeat is not None:
         text = re.sub(r"(.)\1{%d,}" % repeat, lambda m: m.group(1) * repeat, text)
     return text
+
+
+def tokenizers_normalizer(form: str = "NFC", repeat: Optional[int] = None, lowercase: bool = False):
+    """The same normalization as a Hugging Face `tokenizers` normalizer, for a `tokenizer.json` that
+    `transformers.AutoTokenizer` loads: NFC, the control characters removed, whitespace runs made one space,
+    stripped, then lowercased if asked. `form="NFKC"` (compatibility jamo kept) and `repeat` have no
+    `tokenizers` equivalent and raise ValueError."""
+    _check(form, repeat)
+    if form != "NFC" or repeat is not None:
+        raise ValueError(f"form={form!r}, repeat={repeat!r}: only NFC without `repeat` has an exact Hugging Face "
+                         f"`tokenizers` normalizer")
+    from tokenizers import Regex, normalizers
+
+    steps = [normalizers.NFC(), normalizers.Replace(Regex(_RE2_CONTROL), ""),
+             normalizers.Replace(Regex(_RE2_SPACE), " "), normalizers.Strip()]
+    if lowercase:
+        steps.append(normalizers.Lowercase())
+    return normalizers.Sequence(steps)
 
 
 def tf_normalize(texts, form: str = "NFC", repeat: Optional[int] = None, lowercase: bool = False):
