@@ -661,6 +661,11 @@ class Tokenizer:
                 "mask_token": self.vocab[self.mask_id]}
 
     def _export_unigram(self, directory: str) -> str:
+        try:
+            import tokenizers  # noqa: F401
+        except ImportError:
+            raise ValueError("a unigram vocabulary goes to transformers as a tokenizer.json, which needs Hugging Face "
+                             "`tokenizers` (pip install tokenizers; transformers depends on it)") from None
         from sentencepiece import sentencepiece_model_pb2
 
         from kbert.text.normalize import tokenizers_normalizer
