@@ -54,6 +54,8 @@ setup(
             # The independent numerical reference: transformers on CPU torch (2.13.0 is the local CPU wheel).
             "torch==2.13.0",
             "transformers>=4.40,<6",
+            # kbert.export_sentence_transformers is checked by loading its dirs with sentence-transformers.
+            "sentence-transformers>=3",
             # The JAX backend tests run the same model code and the pretraining loop under KERAS_BACKEND=jax.
             "jax>=0.4.30",
             "faiss-cpu>=1.8",

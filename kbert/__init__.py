@@ -47,6 +47,7 @@ _EXPORTS = {
     "PretrainConfig": "kbert.train.config",
     "plan_batch_size": "kbert.train.memory",
     "Embedder": "kbert.embed.embedder",
+    "export_sentence_transformers": "kbert.embed.st_format",
     "finetune": "kbert.train.finetune",
     "distill": "kbert.train.distill",
     "TaskModel": "kbert.embed.task_model",

@@ -93,6 +93,13 @@ def _convert(args):
     from kbert.models.io import TOKENIZER_DIR
 
     source = model_dir_of(args.model)
+    if args.to == "sentence-transformers":
+        embedder = kbert.Embedder.load(source)
+        kbert.export_sentence_transformers(embedder, args.out)
+        layers = "" if embedder.layers in (-1, [-1]) else f" over layers {embedder.layers}"
+        print(f"wrote sentence-transformers dir {args.out} ({embedder.pooling} pooling{layers}, max_seq_length "
+              f"{embedder.max_length}): SentenceTransformer({args.out!r}) gives `kbert embed`'s vectors")
+        return
     model = kbert.load_model(source, with_heads=args.with_heads)
     try:
         tokenizer = kbert.Tokenizer.from_model_dir(source)
@@ -477,7 +484,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("convert", help="convert a Hugging Face / TF1 / kbert model dir")
     p.add_argument("--model", required=True, help="input model directory (any format kbert.load_model reads)")
     p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--to", choices=("kbert", "transformers"), default="kbert", help="output format")
+    p.add_argument("--to", choices=("kbert", "transformers", "sentence-transformers"), default="kbert",
+                   help="output format (sentence-transformers: the model's sentence pooling as SentenceTransformer "
+                        "modules; the same vectors as kbert embed)")
     p.add_argument("--with-heads", action="store_true", help="keep the pretraining heads")
     p.set_defaults(func=_convert)
 

@@ -590,3 +590,54 @@ def test_quality_ensemble_averages_cosines_and_scores_candidates_on_the_training
     assert cmd[cmd.index("--steps") + 1] == "2787" and cmd[cmd.index("--seed") + 1] == "4"
     assert cmd[cmd.index("--out") + 1] == quality.member_dir(args, 1) == os.path.join("/tmp/q", "pretrain-seed4")
     assert cmd[cmd.index("--rows") + 1] == quality.ENSEMBLE_ROW and "--minutes" not in cmd
+
+
+@pytest.mark.parametrize("pooling,layers", [("mean", "all"), ("cls", -1), ("max", [1, -1]), ("first_last_avg", -1)])
+def test_sentence_transformers_dir_gives_the_same_vectors_and_reads_back(emb, tmp_path, pooling, layers):
+    """`kbert.export_sentence_transformers`: SentenceTransformer(dir).encode equals Embedder.encode for every
+    kbert pooling (layer averages as WeightedLayerPooling), long texts truncated alike; Embedder.load(dir)
+    reads the pooling back from the modules instead of defaulting to mean."""
+    from sentence_transformers import SentenceTransformer
+
+    num_hidden = emb.backbone.config.num_layers + 1
+    embedder = kbert.Embedder(emb.backbone, emb.tokenizer, pooling=pooling,
+                              layers=list(range(num_hidden)) if layers == "all" else layers)
+    out = str(tmp_path / "st")
+    kbert.export_sentence_transformers(embedder, out)
+    texts = [t for t in TEXTS if t.strip()] + ["대한민국 헌법 " * 40]  # the last one longer than max_length
+    st = SentenceTransformer(out, device="cpu")
+    np.testing.assert_allclose(st.encode(texts), embedder.encode(texts), atol=2e-5)
+    back = kbert.Embedder.load(out)
+    np.testing.assert_allclose(back.encode(texts), embedder.encode(texts), atol=1e-6)
+    assert back.pooling == ("mean" if pooling == "first_last_avg" else pooling)
+
+
+def test_sentence_transformers_dirs_kbert_cannot_match_are_refused_by_name(emb, tmp_path):
+    """A Dense projection or learned layer weights would give other vectors than the dir's own model: refused,
+    not read with a default pooling. `kbert convert --to sentence-transformers` writes the dir from the CLI."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from safetensors.numpy import save_file
+
+    model_dir = str(tmp_path / "kb")
+    kbert.save_model(emb.backbone, model_dir, tokenizer=emb.tokenizer)
+    out = str(tmp_path / "st")
+    proc = subprocess.run([sys.executable, "-m", "kbert.cli", "convert", "--model", model_dir, "--out", out, "--to",
+                           "sentence-transformers"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "mean pooling" in proc.stdout, proc.stderr[-2000:]
+    modules = json.load(open(os.path.join(out, "modules.json"), encoding="utf-8"))
+    dense = modules + [{"idx": 3, "name": "3", "path": "3_Dense", "type": "sentence_transformers.models.Dense"}]
+    json.dump(dense, open(os.path.join(out, "modules.json"), "w", encoding="utf-8"))
+    with pytest.raises(ValueError, match="Dense.*no kbert equivalent"):
+        kbert.Embedder.load(out)
+    learned = modules[:1] + [{"idx": 1, "name": "1", "path": "w", "type": "sentence_transformers.models.WeightedLayerPooling"}]
+    os.makedirs(os.path.join(out, "w"))
+    json.dump({"embedding_dimension": 32, "layer_start": 0, "num_hidden_layers": 2},
+              open(os.path.join(out, "w", "config.json"), "w", encoding="utf-8"))
+    save_file({"layer_weights": np.array([0.2, 0.5, 1.3], np.float32)}, os.path.join(out, "w", "model.safetensors"))
+    json.dump(learned, open(os.path.join(out, "modules.json"), "w", encoding="utf-8"))
+    with pytest.raises(ValueError, match="learned weights"):
+        kbert.Embedder.load(out)

@@ -81,21 +81,34 @@ class Embedder:
             >>> emb = kbert.Embedder.load("klue/bert-base")
             >>> emb.encode(["대한민국은 민주공화국이다."]).shape
         """
+        from kbert.embed.st_format import read_sentence_transformers
         from kbert.models.convert import check_vocabulary, load_model, model_dir_of, resolve_hub_name
         from kbert.models.tasks import read_task_meta
         from kbert.text.tokenizer import Tokenizer
 
         model_dir = model_dir_of(resolve_hub_name(model_dir))  # a hub name: its snapshot; a run dir: its model
-        backbone = load_model(model_dir, output_hidden_states=True, dtype=dtype)
         task = read_task_meta(model_dir)
+        # a sentence-transformers dir: its own pooling, layers and length (and its transformer's folder)
+        st = None if task else read_sentence_transformers(model_dir)
+        weights_dir = st["model_dir"] if st else model_dir
+        backbone = load_model(weights_dir, output_hidden_states=True, dtype=dtype)
         if max_length is None and task:  # a fine-tuned dir: the length it was tuned at
             max_length = task.get("max_length")
-        tokenizer = Tokenizer.from_model_dir(model_dir)
+        if max_length is None and st and st["max_length"]:
+            max_length = min(int(st["max_length"]), backbone.config.max_position)
+        try:
+            tokenizer = Tokenizer.from_model_dir(model_dir)
+        except FileNotFoundError:
+            if weights_dir == model_dir:
+                raise
+            tokenizer = Tokenizer.from_model_dir(weights_dir)  # an older sentence-transformers layout: 0_BERT/
         check_vocabulary(backbone.config, tokenizer.vocab_size)
         pooling, layers = "mean", -1
         if task and task.get("task") == "sentence-embedding":
             pooling, layers = task.get("pooling") or "mean", task.get("layers", -1)
             layers = -1 if layers is None else layers
+        elif st:
+            pooling, layers = st["pooling"], st["layers"]
         return cls(backbone, tokenizer, max_length, pooling, layers, jit_compile=jit_compile)
 
     # ----------------------------------------------------------------- running the model

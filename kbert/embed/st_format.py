@@ -1,0 +1,156 @@
+"""sentence-transformers directories: a kbert sentence-embedding model written as one, and one read back.
+
+`SentenceTransformer(directory)` is what much of the field serves and searches with (LangChain, LlamaIndex,
+vector databases, MTEB), so a bi-encoder trained with kbert (`kbert.finetune(..., "sentence-embedding")`, the
+SimCSE and multi-dataset recipes) goes out in its layout instead of kbert's own: the backbone and tokenizer as
+a transformers dir (`kbert.export_transformers`, `Tokenizer.export_transformers`), then the module list
+sentence-transformers reads (`modules.json`: Transformer, Pooling, Normalize), the pooling config
+(`1_Pooling/config.json`) and the length (`sentence_bert_config.json`). The files are written here rather
+than through sentence-transformers' own `save`, which would need torch and sentence-transformers installed
+to export; loading the result needs them, as it always does. Tests load it with sentence-transformers and
+compare its vectors with `Embedder.encode`.
+
+Every kbert pooling maps onto sentence-transformers' own modules: averaging several layers (the quality recipe's
+bi-encoders average all of them; `first_last_avg` the first and the last) is its WeightedLayerPooling with
+weight 1 on each layer read and 0 on the others (the config asks transformers for every hidden state), then
+Pooling (mean, cls or max) and Normalize.
+
+The other way, `read_sentence_transformers` gives `Embedder.load` the pooling, layers and length of a
+sentence-transformers dir (Korean sentence models on the Hub are published that way): without it a model
+trained with [CLS] pooling would be read with kbert's default mean pooling and give other vectors, silently.
+Modules kbert does not compute (a Dense projection, weighted-mean or last-token pooling, ...) are refused by
+name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+def export_sentence_transformers(model, directory: str, max_length=None) -> str:
+    """Writes `model` (a model dir, a Hub name, or a `kbert.Embedder`) as a sentence-transformers dir whose
+    `SentenceTransformer(directory).encode(texts)` gives `Embedder.encode(texts)` (unit vectors, cosine
+    similarity), with the model's own pooling and layers. A tokenizer transformers cannot read exactly (a
+    morpheme-aware one, ...) raises ValueError naming the reason, before anything is written."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from kbert.embed.embedder import Embedder
+    from kbert.models.convert import export_transformers
+    from kbert.models.io import TOKENIZER_DIR
+
+    embedder = model if isinstance(model, Embedder) else Embedder.load(model, max_length=max_length)
+    config = embedder.backbone.config
+    num_hidden = config.num_layers + 1  # the embedding output, then each layer
+    weights = np.zeros(num_hidden, np.float32)  # how often each hidden state enters kbert's layer average
+    if embedder.pooling == "first_last_avg":
+        for index in ([1, num_hidden - 1] if num_hidden > 1 else [0]):
+            weights[index] += 1
+        pooling = "mean"
+    else:
+        chosen = range(num_hidden) if embedder.layers == "all" else (
+            [embedder.layers] if isinstance(embedder.layers, int) else embedder.layers)
+        for index in chosen:
+            weights[index % num_hidden] += 1
+        pooling = embedder.pooling
+    last_only = weights[-1] == weights.sum()
+    embedder.tokenizer.export_transformers(directory)  # first: its ValueError before the weights are written
+    export_transformers(embedder.backbone, directory)
+    embedder.tokenizer.save(os.path.join(directory, TOKENIZER_DIR))  # kbert reads the dir back as well
+    modules = [{"path": "", "type": "sentence_transformers.models.Transformer"}]
+    if not last_only:
+        modules.append({"path": "1_WeightedLayerPooling", "type": "sentence_transformers.models.WeightedLayerPooling"})
+        folder = os.path.join(directory, "1_WeightedLayerPooling")
+        os.makedirs(folder, exist_ok=True)
+        _write(os.path.join(folder, "config.json"), {"embedding_dimension": config.hidden_size, "layer_start": 0,
+                                                     "num_hidden_layers": config.num_layers})
+        save_file({"layer_weights": weights}, os.path.join(folder, "model.safetensors"))
+        hf_config_path = os.path.join(directory, "config.json")  # transformers then returns every hidden state
+        with open(hf_config_path, encoding="utf-8") as f:
+            hf_config = json.load(f)
+        _write(hf_config_path, {**hf_config, "output_hidden_states": True})
+    n = len(modules)
+    modules += [{"path": f"{n}_Pooling", "type": "sentence_transformers.models.Pooling"},
+                {"path": f"{n + 1}_Normalize", "type": "sentence_transformers.models.Normalize"}]
+    os.makedirs(os.path.join(directory, f"{n}_Pooling"), exist_ok=True)
+    os.makedirs(os.path.join(directory, f"{n + 1}_Normalize"), exist_ok=True)
+    _write(os.path.join(directory, f"{n}_Pooling", "config.json"), {
+        "word_embedding_dimension": config.hidden_size, "pooling_mode_cls_token": pooling == "cls",
+        "pooling_mode_mean_tokens": pooling == "mean", "pooling_mode_max_tokens": pooling == "max",
+        "pooling_mode_mean_sqrt_len_tokens": False, "pooling_mode_weightedmean_tokens": False,
+        "pooling_mode_lasttoken": False, "include_prompt": True})
+    _write(os.path.join(directory, "modules.json"),
+           [{"idx": i, "name": str(i), **m} for i, m in enumerate(modules)])
+    _write(os.path.join(directory, "sentence_bert_config.json"),
+           {"max_seq_length": int(embedder.max_length), "do_lower_case": False})
+    _write(os.path.join(directory, "config_sentence_transformers.json"),
+           {"similarity_fn_name": "cosine", "prompts": {}, "default_prompt_name": None})
+    return directory
+
+
+def _write(path: str, obj) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=2, ensure_ascii=False)
+
+
+_POOLING_MODES = {"pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "mean",
+                  "pooling_mode_max_tokens": "max"}
+
+
+def read_sentence_transformers(directory: str):
+    """For a sentence-transformers dir (`modules.json`): {"model_dir", "pooling", "layers", "max_length"} that
+    make `Embedder` give `SentenceTransformer(directory).encode`'s vectors; None for any other dir. A module
+    or mode kbert does not compute raises ValueError naming it."""
+    import numpy as np
+
+    path = os.path.join(directory, "modules.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        modules = json.load(f)
+    found = {"model_dir": directory, "pooling": "mean", "layers": -1, "max_length": None}
+    for module in modules:
+        kind = module.get("type", "").rsplit(".", 1)[-1]
+        folder = os.path.join(directory, module.get("path", ""))
+        if kind == "Transformer":
+            found["model_dir"] = folder
+            config_path = os.path.join(directory, "sentence_bert_config.json")
+            if not os.path.isfile(config_path):
+                config_path = os.path.join(folder, "sentence_bert_config.json")
+            if os.path.isfile(config_path):
+                with open(config_path, encoding="utf-8") as f:
+                    found["max_length"] = json.load(f).get("max_seq_length")
+        elif kind == "Pooling":
+            with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
+                config = json.load(f)
+            modes = [name for key, name in _POOLING_MODES.items() if config.get(key)]
+            other = [key for key, value in config.items() if key.startswith("pooling_mode_") and value
+                     and key not in _POOLING_MODES]
+            if other or len(modes) != 1:
+                raise ValueError(f"{directory}: its Pooling module uses {other + modes}; kbert pools with exactly one "
+                                 f"of cls, mean or max")
+            found["pooling"] = modes[0]
+        elif kind == "WeightedLayerPooling":
+            from safetensors.numpy import load_file
+
+            with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
+                config = json.load(f)
+            weights_path = os.path.join(folder, "model.safetensors")
+            if os.path.isfile(weights_path):
+                weights = load_file(weights_path)["layer_weights"]
+            else:
+                from kbert.models.torch_files import load_torch_state
+
+                weights = load_torch_state(os.path.join(folder, "pytorch_model.bin"))["layer_weights"]
+            counts = np.asarray(weights, np.float64)
+            if np.any(counts < 0) or np.any(np.abs(counts - np.round(counts)) > 1e-6) or counts.sum() == 0:
+                raise ValueError(f"{directory}: WeightedLayerPooling with learned weights {counts.tolist()}; kbert "
+                                 f"averages layers with equal (whole-number) weights only")
+            start = int(config.get("layer_start", 0))
+            found["layers"] = [start + i for i, c in enumerate(np.round(counts).astype(int)) for _ in range(c)]
+        elif kind == "Normalize":
+            continue  # Embedder.encode returns unit vectors by default
+        else:
+            raise ValueError(f"{directory}: its module {module.get('type')!r} has no kbert equivalent; kbert reads "
+                             f"sentence-transformers dirs of Transformer, WeightedLayerPooling, Pooling and Normalize")
+    return found
