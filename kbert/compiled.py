@@ -83,6 +83,25 @@ def compiled(fn: Callable, variables: Sequence, signature: Optional[list] = None
     return lambda *args: to_numpy(function(*args))
 
 
+class _RetracingNotice:
+    """Drops TensorFlow's "N out of the last M calls to <function training_step...update> triggered tf.function
+    retracing" warning for kbert's own update functions: each traces once per batch shape of a small fixed
+    set (bucketed widths, one per dataset and loss in multi-dataset training), so the frequent-retracing
+    alarm, which counts traces of every function sharing one code object, is a false one here."""
+
+    def filter(self, record) -> bool:
+        message = record.getMessage()
+        return not ("triggered tf.function retracing" in message and "training_step.<locals>" in message)
+
+
+def _quiet_retracing_warning() -> None:
+    import logging
+
+    logger = logging.getLogger("tensorflow")
+    if not any(isinstance(f, _RetracingNotice) for f in logger.filters):
+        logger.addFilter(_RetracingNotice())
+
+
 def training_step(loss_of: Callable, model, variables: Sequence, optimizer, read: Sequence = ()):
     """`step(*args, static=())` -> the loss (a float) of `loss_of(*args, *static)` after one update of
     `variables` by `optimizer` (built on them). `static`: Python values the loss branches on (a batch split
@@ -127,6 +146,7 @@ def training_step(loss_of: Callable, model, variables: Sequence, optimizer, read
         return step
     import tensorflow as tf
 
+    _quiet_retracing_warning()
     functions = {}
 
     def step(*args, static=()):

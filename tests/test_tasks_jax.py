@@ -219,3 +219,41 @@ def test_the_compiled_step_draws_new_dropout_masks_and_clips_by_the_true_norm_on
         first, second = result["gaps"]
         assert first > 1e-3 and second > 1e-3 and abs(first - second) > 1e-6, (backend, result["gaps"])
         _close(result["table"], expected, 1e-6)
+
+
+def test_the_tensorflow_step_does_not_raise_the_frequent_retracing_alarm_for_its_own_shapes():
+    """Each bucketed width and loss key traces the TensorFlow update once by design; TensorFlow's "N out of
+    the last M calls ... triggered tf.function retracing" warning (seen in tutorial 04's multi-dataset cell)
+    is dropped for kbert's update functions, and only for them."""
+    import logging
+
+    import keras
+    import tensorflow as tf
+
+    from kbert.compiled import training_step
+
+    records = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    logger = tf.get_logger()
+    handler = Keep()
+    logger.addHandler(handler)
+    try:
+        x = keras.Variable(np.ones(3, np.float32))
+        optimizer = keras.optimizers.SGD(0.1)
+        optimizer.build([x])
+
+        class Model:
+            trainable_variables, non_trainable_variables, variables = [x], [], [x]
+
+        step = training_step(lambda a, k: keras.ops.sum(x * keras.ops.sum(a)) * k, Model(), [x], optimizer)
+        for n in range(2, 12):  # ten loss keys, one trace each
+            step(np.ones((n, 3), np.float32), static=(n,))
+        logger.warning("5 out of the last 9 calls to <function mine> triggered tf.function retracing.")
+    finally:
+        logger.removeHandler(handler)
+    assert not any("training_step" in r for r in records), records
+    assert any("function mine" in r for r in records)  # another function's alarm still gets through
