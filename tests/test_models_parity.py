@@ -299,6 +299,42 @@ def _assert_same_hidden(backbone, ref_hidden, batch):
         assert max_abs_diff_valid(np.asarray(a), b, batch["padding_mask"]) <= TOL, f"hidden state {i} differs"
 
 
+@pytest.mark.parametrize("cls_name", ["RobertaModel", "RobertaForMaskedLM"])
+def test_load_hf_roberta_matches_transformers(tmp_path, cls_name):
+    """RoBERTa (KLUE-RoBERTa and the Korean sentence models built on it): BERT with positions counted from
+    pad_token_id + 1, one segment type and an `lm_head`. Every hidden state and the masked-LM logits match
+    transformers on real tokens of a padded batch, whatever segment ids kbert is given (a pair's second
+    segment reads the one type), and the model goes back out as a BERT dir that AutoModel reads alike."""
+    config = transformers.RobertaConfig(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                        intermediate_size=64, max_position_embeddings=66, pad_token_id=1,
+                                        type_vocab_size=1, layer_norm_eps=1e-5)
+    torch.manual_seed(0)
+    ref = getattr(transformers, cls_name)(config).eval()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    ref.save_pretrained(tmp_path / "hf")
+    batch = random_batch()  # segment ids 1 on each row's second half: kbert reads them as type 0
+    ids = torch.tensor(np.where(batch["padding_mask"] > 0, batch["token_ids"], 1), dtype=torch.long)
+    with torch.no_grad():
+        out = ref(input_ids=ids, attention_mask=torch.tensor(batch["padding_mask"], dtype=torch.long),
+                  output_hidden_states=True)
+    heads = cls_name == "RobertaForMaskedLM"
+    model = kbert.load_model(str(tmp_path / "hf"), with_heads=heads, output_hidden_states=True)
+    backbone = model.backbone if heads else model
+    assert backbone.config.max_position == 64 and backbone.config.type_vocab_size == 1
+    _assert_same_hidden(backbone, [h.numpy() for h in out.hidden_states], batch)
+    if heads:
+        logits = np.asarray(model(dict(batch, mask_positions=all_positions(batch)))["mlm_logits"])
+        assert max_abs_diff_valid(logits, out.logits.numpy(), batch["padding_mask"]) <= TOL
+    kbert.export_transformers(backbone, str(tmp_path / "bert"))
+    again = transformers.AutoModel.from_pretrained(str(tmp_path / "bert")).eval()
+    with torch.no_grad():
+        h = again(input_ids=torch.tensor(batch["token_ids"], dtype=torch.long),
+                  attention_mask=torch.tensor(batch["padding_mask"], dtype=torch.long)).last_hidden_state.numpy()
+    assert max_abs_diff_valid(h, out.hidden_states[-1].numpy(), batch["padding_mask"]) <= TOL
+
+
 @pytest.mark.parametrize("cls_name,overrides", [("ElectraModel", {}),  # embedding 16 -> hidden 32 projection
                                                 ("ElectraForPreTraining", {"embedding_size": 32})])
 def test_load_hf_electra_discriminator_matches_transformers(tmp_path, cls_name, overrides):

@@ -1,9 +1,11 @@
-"""Checkpoints in and out: kbert model dirs, Hugging Face BERT/ALBERT/ELECTRA dirs, Google TF1 checkpoints.
+"""Checkpoints in and out: kbert model dirs, Hugging Face BERT/ALBERT/RoBERTa/ELECTRA dirs, Google TF1 checkpoints.
 
 An ELECTRA discriminator (KoELECTRA) is a BERT encoder whose embeddings may be narrower than the hidden
 size (`embeddings_project`, kbert's `embeddings/projection`) and that has no pooler: it loads as a kbert
 BERT backbone with `embedding_size` set and a freshly initialized pooler (fine-tuning trains it, as
-ELECTRA's own classification head is trained; `pooled_output` means nothing before that).
+ELECTRA's own classification head is trained; `pooled_output` means nothing before that). RoBERTa
+(KLUE-RoBERTa) is BERT with positions counted from pad_token_id + 1, one segment type and an `lm_head`: it
+loads as a BERT backbone with the position rows before the first real position dropped.
 
 Foreign weight names are translated here and nowhere else. Every format is first read into a dict of
 Hugging Face style names (`encoder.layer.0.attention.self.query.weight`, torch [out, in] layout), then
@@ -36,9 +38,9 @@ def config_from_hf(hf: dict, source: str = "config.json") -> ModelConfig:
     model_type = hf.get("model_type")
     if model_type is None:  # Google's JSON has no model_type; ALBERT's has embedding_size.
         model_type = "albert" if "embedding_size" in hf else "bert"
-    if model_type not in ("bert", "albert", "electra"):
-        raise ValueError(f"{source}: model_type {model_type!r} is not supported; kbert loads 'bert', 'albert' "
-                         "and 'electra' (the discriminator)")
+    if model_type not in ("bert", "albert", "electra", "roberta"):
+        raise ValueError(f"{source}: model_type {model_type!r} is not supported; kbert loads 'bert', 'albert', "
+                         "'roberta' and 'electra' (the discriminator)")
     act = hf.get("hidden_act", "gelu")
     if act not in _HF_ACT:
         raise ValueError(f"{source}: hidden_act {act!r} is not supported. Supported: {sorted(_HF_ACT)}")
@@ -67,6 +69,9 @@ def config_from_hf(hf: dict, source: str = "config.json") -> ModelConfig:
         initializer_range=hf.get("initializer_range", 0.02),
         pad_token_id=hf.get("pad_token_id") or 0,
     )
+    if model_type == "roberta":  # positions count from pad_token_id + 1: kbert keeps the rows real tokens use
+        fields["max_position"] = hf.get("max_position_embeddings", 514) - (hf.get("pad_token_id", 1) + 1)
+        fields["type_vocab_size"] = hf.get("type_vocab_size", 1)
     if model_type == "albert":
         fields["embedding_size"] = hf.get("embedding_size", 128)
         fields["num_groups"] = hf.get("num_hidden_groups", 1)
@@ -209,11 +214,34 @@ def kbert_to_hf(tensors: Dict[str, np.ndarray], config: ModelConfig, pair_object
     return {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in out.items()}
 
 
+# RoBERTa's masked-LM head under BERT's names (its decoder is tied to the token embedding, as kbert's is)
+_ROBERTA_HEAD = {"lm_head.dense.": "cls.predictions.transform.dense.",
+                 "lm_head.layer_norm.": "cls.predictions.transform.LayerNorm.", "lm_head.bias": "cls.predictions.bias"}
+
+
+def _roberta_as_bert(tensors: Dict[str, np.ndarray], pad_token_id: int) -> Dict[str, np.ndarray]:
+    """RoBERTa is BERT with positions counted from pad_token_id + 1 (token i of a row has position i + 2 for
+    KLUE-RoBERTa's pad id 1) and its masked-LM head named `lm_head`: the position table loses the rows
+    before the first real position, so kbert's positions 0..s-1 read the rows RoBERTa reads; padded positions
+    differ, but no real token attends to them."""
+    out = {}
+    for name, value in tensors.items():
+        if name == "embeddings.position_embeddings.weight":
+            value = value[pad_token_id + 1:]
+        elif name.startswith("lm_head.decoder"):
+            continue
+        for old, new in _ROBERTA_HEAD.items():
+            if name.startswith(old):
+                name = new + name[len(old):]
+        out[name] = value
+    return out
+
+
 def _normalize_hf_names(tensors: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
     """Strips the base-model prefix and maps legacy LayerNorm gamma/beta names."""
     out = {}
     for name, value in tensors.items():
-        for prefix in ("bert.", "albert.", "electra."):
+        for prefix in ("bert.", "albert.", "electra.", "roberta."):
             if name.startswith(prefix):
                 name = name[len(prefix):]
         name = re.sub(r"LayerNorm\.gamma$", "LayerNorm.weight", name)
@@ -232,7 +260,7 @@ def _read_json(path: str) -> dict:
 
 
 def _read_hf_dir(directory: str) -> Tuple[ModelConfig, Dict[str, np.ndarray], bool]:
-    """(config, tensors, whether it is an ELECTRA discriminator)."""
+    """(config, tensors, whether its pooler may be missing: an ELECTRA discriminator, a RoBERTa MLM checkpoint)."""
     hf_config = _read_json(os.path.join(directory, "config.json"))
     config = config_from_hf(hf_config, source=directory)
     st = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
@@ -249,7 +277,10 @@ def _read_hf_dir(directory: str) -> Tuple[ModelConfig, Dict[str, np.ndarray], bo
     else:
         raise FileNotFoundError(f"{directory} has config.json but no weight file "
                                 "(model.safetensors or pytorch_model.bin)")
-    return config, _normalize_hf_names(tensors), hf_config.get("model_type") == "electra"
+    tensors = _normalize_hf_names(tensors)
+    if hf_config.get("model_type") == "roberta":
+        tensors = _roberta_as_bert(tensors, hf_config.get("pad_token_id", 1))
+    return config, tensors, hf_config.get("model_type") in ("electra", "roberta")
 
 
 _TF1_BERT_RULES = [
@@ -394,7 +425,11 @@ def model_dir_of(directory: str) -> str:
 # ------------------------------------------------------------------------------------ public API
 def load_model(directory: str, with_heads: bool = False, output_hidden_states: bool = False,
                dtype: Optional[str] = None):
-    """Loads a kbert model dir, a Hugging Face BERT/ALBERT/ELECTRA dir or a Google TF1 checkpoint dir.
+    """Loads a kbert model dir, a Hugging Face BERT/ALBERT/RoBERTa/ELECTRA dir or a Google TF1 checkpoint dir.
+
+    RoBERTa (KLUE-RoBERTa) loads as a BERT backbone: the same network once its position table starts at the
+    first position real tokens use (`_roberta_as_bert`); one segment type, and a masked-LM checkpoint's
+    missing pooler starts fresh.
 
     ELECTRA (KoELECTRA) loads its discriminator as a BERT backbone; its pooler, which ELECTRA does not
     have, is freshly initialized (see the module docstring), and `with_heads` gives fresh MLM/NSP heads.
@@ -417,7 +452,7 @@ def load_model(directory: str, with_heads: bool = False, output_hidden_states: b
         return load_kbert_dir(directory, with_heads=with_heads, output_hidden_states=output_hidden_states,
                               dtype=dtype)
     config, tensors, electra = _read_hf_dir(directory) if fmt == "hf" else _read_tf1_dir(directory)
-    no_pooler = ("pooler/",) if electra else ()  # ELECTRA has none: the fresh one stays
+    no_pooler = ("pooler/",) if electra else ()  # ELECTRA has none, a RoBERTa MLM checkpoint none: a fresh one
     backbone = build_backbone(config, output_hidden_states=output_hidden_states, dtype=dtype)
     if not with_heads:
         assign_weights(backbone, hf_to_kbert(tensors, config), directory, allow_missing=no_pooler)

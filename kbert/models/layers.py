@@ -335,6 +335,8 @@ class Embeddings(keras.layers.Layer):
         if positions is None:
             # Position ids 0..s-1 built from the input itself, so symbolic shapes work on every backend.
             positions = ops.cumsum(ops.ones_like(token_ids, dtype="int32"), axis=1) - 1  # [b, s]
+        if self.config.type_vocab_size == 1:  # one segment type (RoBERTa): a pair's second segment reads it too
+            segment_ids = ops.zeros_like(segment_ids)
         x = (self.token_embedding(token_ids) + self.segment_embedding(segment_ids)
              + self.position_embedding(positions))
         x = self.dropout(self.norm(x), training=training)
