@@ -641,3 +641,64 @@ def test_sentence_transformers_dirs_kbert_cannot_match_are_refused_by_name(emb, 
     json.dump(learned, open(os.path.join(out, "modules.json"), "w", encoding="utf-8"))
     with pytest.raises(ValueError, match="learned weights"):
         kbert.Embedder.load(out)
+
+
+def test_a_sentence_transformers_dir_written_by_sentence_transformers_on_roberta_loads_with_its_pooling(tmp_path):
+    """The layout of the Korean sentence models on the Hub (a KLUE-RoBERTa encoder with a WordPiece vocab.txt,
+    [CLS] or mean Pooling, Normalize), written by sentence-transformers itself: Embedder.load gives its
+    vectors, the pooling read from its modules."""
+    import torch
+    import transformers
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
+
+    from helpers import KOREAN_SENTENCES
+
+    tok = kbert.Tokenizer.train(corpus(["kolaw", "kobill"]), vocab_size=600, algorithm="wordpiece", progress=False)
+    hf_dir = str(tmp_path / "roberta")
+    tok.export_transformers(hf_dir)
+    config = transformers.RobertaConfig(vocab_size=tok.vocab_size, hidden_size=32, num_hidden_layers=2,
+                                        num_attention_heads=2, intermediate_size=64, max_position_embeddings=66,
+                                        pad_token_id=tok.pad_id, type_vocab_size=1)
+    torch.manual_seed(0)
+    transformers.RobertaModel(config).save_pretrained(hf_dir)
+    for mode in ("cls", "mean"):
+        st = SentenceTransformer(modules=[Transformer(hf_dir, max_seq_length=48), Pooling(32, pooling_mode=mode),
+                                          Normalize()], device="cpu")
+        out = str(tmp_path / f"st-{mode}")
+        st.save(out)
+        emb = kbert.Embedder.load(out)
+        assert emb.pooling == mode and emb.max_length == 48
+        texts = KOREAN_SENTENCES[:4] + ["대한민국 헌법 " * 30]
+        np.testing.assert_allclose(emb.encode(texts), st.encode(texts), atol=2e-5)
+
+
+@pytest.mark.parametrize("lowercase", [False, True])
+def test_a_hugging_face_wordpiece_tokenizer_json_alone_loads(tmp_path, lowercase):
+    """transformers >= 5 saves BERT-style tokenizers as tokenizer.json only (no vocab.txt): kbert reads its
+    WordPiece vocabulary and lowercasing and gives the same ids; a tokenizer.json of another model is named."""
+    import json
+    import os
+
+    import transformers
+
+    from helpers import KOREAN_SENTENCES
+
+    tok = kbert.Tokenizer.train(corpus(["kolaw", "kobill"]), vocab_size=800, algorithm="wordpiece", progress=False)
+    tok.save(str(tmp_path / "kb"))
+    fast = transformers.BertTokenizerFast(os.path.join(str(tmp_path / "kb"), "vocab.txt"), do_lower_case=lowercase,
+                                          strip_accents=False)
+    out = str(tmp_path / "hf")
+    fast.save_pretrained(out)
+    for name in os.listdir(out):
+        if name != "tokenizer.json":
+            os.remove(os.path.join(out, name))
+    loaded = kbert.Tokenizer.load(out)
+    assert loaded.kind == "wordpiece" and loaded.lowercase == lowercase and loaded.vocab == tok.vocab
+    for text in KOREAN_SENTENCES[:4] + ["Hello WORLD 헌법 제1조"]:
+        assert loaded.encode(text).ids == fast(text)["input_ids"], text
+    spec = json.load(open(os.path.join(out, "tokenizer.json"), encoding="utf-8"))
+    spec["model"] = {"type": "BPE", "vocab": {}, "merges": []}
+    json.dump(spec, open(os.path.join(out, "tokenizer.json"), "w", encoding="utf-8"))
+    with pytest.raises(ValueError, match="'BPE' tokenizer"):
+        kbert.Tokenizer.load(out)

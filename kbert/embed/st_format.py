@@ -74,11 +74,10 @@ def export_sentence_transformers(model, directory: str, max_length=None) -> str:
                 {"path": f"{n + 1}_Normalize", "type": "sentence_transformers.models.Normalize"}]
     os.makedirs(os.path.join(directory, f"{n}_Pooling"), exist_ok=True)
     os.makedirs(os.path.join(directory, f"{n + 1}_Normalize"), exist_ok=True)
+    # `pooling_mode` as one string: sentence-transformers 3-5 read it beside `word_embedding_dimension`, and 6
+    # (which renamed the dimension `embedding_dimension`) still reads the old name
     _write(os.path.join(directory, f"{n}_Pooling", "config.json"), {
-        "word_embedding_dimension": config.hidden_size, "pooling_mode_cls_token": pooling == "cls",
-        "pooling_mode_mean_tokens": pooling == "mean", "pooling_mode_max_tokens": pooling == "max",
-        "pooling_mode_mean_sqrt_len_tokens": False, "pooling_mode_weightedmean_tokens": False,
-        "pooling_mode_lasttoken": False, "include_prompt": True})
+        "word_embedding_dimension": config.hidden_size, "pooling_mode": pooling, "include_prompt": True})
     _write(os.path.join(directory, "modules.json"),
            [{"idx": i, "name": str(i), **m} for i, m in enumerate(modules)])
     _write(os.path.join(directory, "sentence_bert_config.json"),
@@ -114,21 +113,30 @@ def read_sentence_transformers(directory: str):
         folder = os.path.join(directory, module.get("path", ""))
         if kind == "Transformer":
             found["model_dir"] = folder
-            config_path = os.path.join(directory, "sentence_bert_config.json")
-            if not os.path.isfile(config_path):
-                config_path = os.path.join(folder, "sentence_bert_config.json")
-            if os.path.isfile(config_path):
-                with open(config_path, encoding="utf-8") as f:
-                    found["max_length"] = json.load(f).get("max_seq_length")
+            # the length: sentence_bert_config.json's max_seq_length (sentence-transformers < 6), else the
+            # tokenizer's model_max_length (where 6 keeps it)
+            for name in ("sentence_bert_config.json", "tokenizer_config.json"):
+                for base in (directory, folder):
+                    config_path = os.path.join(base, name)
+                    if found["max_length"] is None and os.path.isfile(config_path):
+                        with open(config_path, encoding="utf-8") as f:
+                            value = json.load(f).get("max_seq_length" if name.startswith("sentence") else
+                                                     "model_max_length")
+                        if isinstance(value, int) and 0 < value < 1_000_000:  # transformers' "no limit" is huge
+                            found["max_length"] = value
         elif kind == "Pooling":
             with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
                 config = json.load(f)
-            modes = [name for key, name in _POOLING_MODES.items() if config.get(key)]
-            other = [key for key, value in config.items() if key.startswith("pooling_mode_") and value
-                     and key not in _POOLING_MODES]
-            if other or len(modes) != 1:
-                raise ValueError(f"{directory}: its Pooling module uses {other + modes}; kbert pools with exactly one "
-                                 f"of cls, mean or max")
+            if config.get("pooling_mode"):  # sentence-transformers >= 6 (and `pooling_mode` of older ones)
+                mode = config["pooling_mode"]
+                modes = [mode] if isinstance(mode, str) else list(mode)
+            else:  # the boolean keys of sentence-transformers < 6
+                modes = [key[len("pooling_mode_"):] for key, value in config.items()
+                         if key.startswith("pooling_mode_") and value]
+            modes = [_POOLING_MODES.get(f"pooling_mode_{m}", m) for m in modes]
+            if len(modes) != 1 or modes[0] not in ("cls", "mean", "max"):
+                raise ValueError(f"{directory}: its Pooling module uses {modes}; kbert pools with exactly one of cls, "
+                                 f"mean or max")
             found["pooling"] = modes[0]
         elif kind == "WeightedLayerPooling":
             from safetensors.numpy import load_file

@@ -53,6 +53,32 @@ class Encoding(NamedTuple):
     normalized: str
 
 
+def _hf_wordpiece(path: str):
+    """(vocabulary in id order, lowercase) of a Hugging Face `tokenizer.json` holding a WordPiece model, the only
+    vocabulary file transformers >= 5 writes for BERT-style tokenizers. Its normalizer's lowercasing is kept;
+    accents are never stripped (kbert never decomposes Hangul). Other models raise ValueError."""
+    with open(path, encoding="utf-8") as f:
+        spec = json.load(f)
+    model = spec.get("model") or {}
+    if model.get("type") != "WordPiece":
+        raise ValueError(f"{path}: a Hugging Face {model.get('type')!r} tokenizer; kbert reads WordPiece ones (and "
+                         f"vocab.txt or a SentencePiece .model)")
+    if model.get("continuing_subword_prefix", "##") != "##":
+        raise ValueError(f"{path}: continuation prefix {model['continuing_subword_prefix']!r}; kbert's WordPiece uses ##")
+    by_id = sorted(model["vocab"].items(), key=lambda item: item[1])
+    if [i for _, i in by_id] != list(range(len(by_id))):
+        raise ValueError(f"{path}: the WordPiece ids are not 0..{len(by_id) - 1}")
+    def flat(normalizer):
+        if normalizer.get("type") == "Sequence":
+            return [n for inner in normalizer.get("normalizers", []) for n in flat(inner)]
+        return [normalizer]
+
+    normalizers = flat(spec.get("normalizer") or {})
+    lowercase = any(n.get("type") == "Lowercase" or (n.get("type") == "BertNormalizer" and n.get("lowercase"))
+                    for n in normalizers)
+    return [token for token, _ in by_id], lowercase
+
+
 class Tokenizer:
     """A Korean subword tokenizer (see the module docstring for how it works).
 
@@ -741,8 +767,11 @@ class Tokenizer:
             for name in sorted(os.listdir(path)):
                 if name == VOCAB_FILE or name.endswith(".model"):
                     return cls.load(os.path.join(path, name), **overrides)
-            raise FileNotFoundError(f"{path!r} holds no tokenizer: expected {CONFIG_FILE} (kbert), "
-                                    f"{VOCAB_FILE} (WordPiece) or a SentencePiece .model")
+            if os.path.isfile(os.path.join(path, CONFIG_FILE)):  # a Hugging Face tokenizer.json alone
+                vocab, lowercase = _hf_wordpiece(os.path.join(path, CONFIG_FILE))
+                return cls("wordpiece", vocab, **{"lowercase": lowercase, **overrides})
+            raise FileNotFoundError(f"{path!r} holds no tokenizer: expected {CONFIG_FILE} (kbert, or a Hugging Face "
+                                    f"WordPiece one), {VOCAB_FILE} (WordPiece) or a SentencePiece .model")
         if not os.path.isfile(path):
             raise FileNotFoundError(f"Tokenizer file not found: {path!r}")
         if path.endswith(".model"):
