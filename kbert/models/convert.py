@@ -375,8 +375,9 @@ def detect_format(directory: str) -> str:
 # What a model needs from a Hugging Face Hub repo: configs, weights, vocabularies (not other frameworks' weights).
 HUB_FILES = ["*.json", "*.safetensors", "vocab.txt", "*.model", "*.txt", "*ckpt*"]
 # torch.save weights, fetched only for a repo without safetensors or TF1 weights (many hold both forms, each
-# hundreds of MB); shards ("pytorch_model-00001-of-00002.bin") included.
-HUB_TORCH_FILES = ["pytorch_model*.bin"]
+# hundreds of MB); shards ("pytorch_model-00001-of-00002.bin") and a sentence-transformers module's own weights
+# ("1_WeightedLayerPooling/pytorch_model.bin") included.
+HUB_TORCH_FILES = ["pytorch_model*.bin", "*/pytorch_model.bin"]
 
 
 def resolve_hub_name(name: str) -> str:
