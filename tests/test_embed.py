@@ -702,3 +702,18 @@ def test_a_hugging_face_wordpiece_tokenizer_json_alone_loads(tmp_path, lowercase
     json.dump(spec, open(os.path.join(out, "tokenizer.json"), "w", encoding="utf-8"))
     with pytest.raises(ValueError, match="'BPE' tokenizer"):
         kbert.Tokenizer.load(out)
+
+
+def test_fine_tuning_a_sentence_transformers_dir_keeps_its_pooling(emb, tmp_path):
+    """`kbert.finetune(st_dir, "sentence-embedding", ...)` goes on with the dir's own pooling (here [CLS] over
+    the last layer) instead of switching to kbert's default mean pooling, and its result encodes that way."""
+    cls_embedder = kbert.Embedder(emb.backbone, emb.tokenizer, pooling="cls")
+    st_dir = kbert.export_sentence_transformers(cls_embedder, str(tmp_path / "st"))
+    rows = [{"sentence1": a, "sentence2": b, "score": s} for a, b, s in (
+        ("대한민국은 민주공화국이다.", "대한민국은 공화국이다.", 4.5), ("국민은 법 앞에 평등하다.", "날씨가 맑다.", 0.5),
+        ("헌법을 개정한다.", "헌법 개정", 4.0), ("대통령은 국가의 원수이다.", "법률을 공포한다.", 1.0))]
+    out = str(tmp_path / "tuned")
+    kbert.finetune(st_dir, "sentence-embedding", rows * 4, rows, out_dir=out, text_column="sentence1",
+                   pair_column="sentence2", label_column="score", max_steps=2, batch_size=4, progress=False)
+    tuned = kbert.Embedder.load(out)
+    assert tuned.pooling == "cls" and tuned.layers in (-1, [-1])

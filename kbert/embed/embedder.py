@@ -81,7 +81,7 @@ class Embedder:
             >>> emb = kbert.Embedder.load("klue/bert-base")
             >>> emb.encode(["대한민국은 민주공화국이다."]).shape
         """
-        from kbert.embed.st_format import read_sentence_transformers
+        from kbert.models.st_dir import read_sentence_transformers
         from kbert.models.convert import check_vocabulary, load_model, model_dir_of, resolve_hub_name
         from kbert.models.tasks import read_task_meta
         from kbert.text.tokenizer import Tokenizer

@@ -15,17 +15,14 @@ bi-encoders average all of them; `first_last_avg` the first and the last) is its
 weight 1 on each layer read and 0 on the others (the config asks transformers for every hidden state), then
 Pooling (mean, cls or max) and Normalize.
 
-The other way, `read_sentence_transformers` gives `Embedder.load` the pooling, layers and length of a
-sentence-transformers dir (Korean sentence models on the Hub are published that way): without it a model
-trained with [CLS] pooling would be read with kbert's default mean pooling and give other vectors, silently.
-Modules kbert does not compute (a Dense projection, weighted-mean or last-token pooling, ...) are refused by
-name.
+The other way is `kbert.models.st_dir.read_sentence_transformers`, which `Embedder.load` and fine-tuning use.
 """
 
 from __future__ import annotations
 
 import json
 import os
+
 
 def export_sentence_transformers(model, directory: str, max_length=None) -> str:
     """Writes `model` (a model dir, a Hub name, or a `kbert.Embedder`) as a sentence-transformers dir whose
@@ -90,75 +87,3 @@ def export_sentence_transformers(model, directory: str, max_length=None) -> str:
 def _write(path: str, obj) -> None:
     with open(path, "w", encoding="utf-8") as f:
         json.dump(obj, f, indent=2, ensure_ascii=False)
-
-
-_POOLING_MODES = {"pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "mean",
-                  "pooling_mode_max_tokens": "max"}
-
-
-def read_sentence_transformers(directory: str):
-    """For a sentence-transformers dir (`modules.json`): {"model_dir", "pooling", "layers", "max_length"} that
-    make `Embedder` give `SentenceTransformer(directory).encode`'s vectors; None for any other dir. A module
-    or mode kbert does not compute raises ValueError naming it."""
-    import numpy as np
-
-    path = os.path.join(directory, "modules.json")
-    if not os.path.isfile(path):
-        return None
-    with open(path, encoding="utf-8") as f:
-        modules = json.load(f)
-    found = {"model_dir": directory, "pooling": "mean", "layers": -1, "max_length": None}
-    for module in modules:
-        kind = module.get("type", "").rsplit(".", 1)[-1]
-        folder = os.path.join(directory, module.get("path", ""))
-        if kind == "Transformer":
-            found["model_dir"] = folder
-            # the length: sentence_bert_config.json's max_seq_length (sentence-transformers < 6), else the
-            # tokenizer's model_max_length (where 6 keeps it)
-            for name in ("sentence_bert_config.json", "tokenizer_config.json"):
-                for base in (directory, folder):
-                    config_path = os.path.join(base, name)
-                    if found["max_length"] is None and os.path.isfile(config_path):
-                        with open(config_path, encoding="utf-8") as f:
-                            value = json.load(f).get("max_seq_length" if name.startswith("sentence") else
-                                                     "model_max_length")
-                        if isinstance(value, int) and 0 < value < 1_000_000:  # transformers' "no limit" is huge
-                            found["max_length"] = value
-        elif kind == "Pooling":
-            with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
-                config = json.load(f)
-            if config.get("pooling_mode"):  # sentence-transformers >= 6 (and `pooling_mode` of older ones)
-                mode = config["pooling_mode"]
-                modes = [mode] if isinstance(mode, str) else list(mode)
-            else:  # the boolean keys of sentence-transformers < 6
-                modes = [key[len("pooling_mode_"):] for key, value in config.items()
-                         if key.startswith("pooling_mode_") and value]
-            modes = [_POOLING_MODES.get(f"pooling_mode_{m}", m) for m in modes]
-            if len(modes) != 1 or modes[0] not in ("cls", "mean", "max"):
-                raise ValueError(f"{directory}: its Pooling module uses {modes}; kbert pools with exactly one of cls, "
-                                 f"mean or max")
-            found["pooling"] = modes[0]
-        elif kind == "WeightedLayerPooling":
-            from safetensors.numpy import load_file
-
-            with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
-                config = json.load(f)
-            weights_path = os.path.join(folder, "model.safetensors")
-            if os.path.isfile(weights_path):
-                weights = load_file(weights_path)["layer_weights"]
-            else:
-                from kbert.models.torch_files import load_torch_state
-
-                weights = load_torch_state(os.path.join(folder, "pytorch_model.bin"))["layer_weights"]
-            counts = np.asarray(weights, np.float64)
-            if np.any(counts < 0) or np.any(np.abs(counts - np.round(counts)) > 1e-6) or counts.sum() == 0:
-                raise ValueError(f"{directory}: WeightedLayerPooling with learned weights {counts.tolist()}; kbert "
-                                 f"averages layers with equal (whole-number) weights only")
-            start = int(config.get("layer_start", 0))
-            found["layers"] = [start + i for i, c in enumerate(np.round(counts).astype(int)) for _ in range(c)]
-        elif kind == "Normalize":
-            continue  # Embedder.encode returns unit vectors by default
-        else:
-            raise ValueError(f"{directory}: its module {module.get('type')!r} has no kbert equivalent; kbert reads "
-                             f"sentence-transformers dirs of Transformer, WeightedLayerPooling, Pooling and Normalize")
-    return found

@@ -157,8 +157,9 @@ def finetune(model: str, task: str, train, dev=None, out_dir: str = "finetuned",
             classification / pair-classification / regression head reads: one of "mean", "cls", "max",
             "first_last_avg" over `layers` as in `Embedder.encode` (`layers="all"` averages every layer, the
             embedding output included, before pooling), or for the heads "pooler" (BERT's tanh layer over
-            the last layer's [CLS], with `layers=-1`). Defaults: "mean" for sentence-embedding, "pooler"
-            for the heads; tagging reads every token and takes neither. Saved with the model, so
+            the last layer's [CLS], with `layers=-1`). Defaults: "mean" for sentence-embedding (or, from a
+            sentence-transformers dir, its own pooling and layers), "pooler" for the heads; tagging reads
+            every token and takes neither. Saved with the model, so
             `Embedder.load(out_dir).encode`, `TaskModel.predict` and `kbert export` pool the same way
             (benchmarks/README.md compares the choices).
         resume: continue an interrupted run from `out_dir/checkpoints` (the default). A run stopped by SIGINT or
@@ -217,11 +218,20 @@ def _load(config: FinetuneConfig):
     """(backbone with hidden states, tokenizer, max_length) of `config.model`."""
     from kbert.models.convert import check_vocabulary, load_model, model_dir_of, resolve_hub_name
     from kbert.models.io import with_dropout
+    from kbert.models.st_dir import read_sentence_transformers
+    from kbert.models.tasks import read_task_meta
     from kbert.text.tokenizer import Tokenizer
 
     model_dir = model_dir_of(resolve_hub_name(os.fspath(config.model)))  # a hub name: its snapshot; a run dir: its model
-    backbone = load_model(model_dir, output_hidden_states=True, dtype=config.dtype)
-    tokenizer = Tokenizer.from_model_dir(model_dir)
+    st = None if read_task_meta(model_dir) else read_sentence_transformers(model_dir)
+    weights_dir = st["model_dir"] if st else model_dir  # a sentence-transformers dir: its transformer's folder
+    backbone = load_model(weights_dir, output_hidden_states=True, dtype=config.dtype)
+    try:
+        tokenizer = Tokenizer.from_model_dir(model_dir)
+    except FileNotFoundError:
+        if weights_dir == model_dir:
+            raise
+        tokenizer = Tokenizer.from_model_dir(weights_dir)
     check_vocabulary(backbone.config, tokenizer.vocab_size)
     # 128 tokens by default, or the model's limit when it has fewer positions; beyond them is an error
     max_length = (min(128, backbone.config.max_position) if config.max_length is None
@@ -237,7 +247,7 @@ def _load(config: FinetuneConfig):
     if simcse and not (backbone.config.dropout > 0 or backbone.config.attention_dropout > 0):
         raise ValueError("objective='simcse' learns from two dropout masks of the same text, and this backbone "
                          "has no dropout: set backbone_dropout (SimCSE uses 0.1)")
-    return backbone, tokenizer, max_length, rate
+    return backbone, tokenizer, max_length, rate, st
 
 
 def _optimizer(config: FinetuneConfig, total: int, variables):
@@ -267,8 +277,10 @@ def run(config: FinetuneConfig, task=None, before_training=None) -> dict:
     task = task or task_for(c)
     task.check()
     keras.utils.set_random_seed(c.seed)
-    backbone, tokenizer, max_length, backbone_dropout = _load(c)
+    backbone, tokenizer, max_length, backbone_dropout, st = _load(c)
     pooling, layers = c.pooling, c.layers
+    if st and task.name == "sentence-embedding" and pooling is None and layers == -1:
+        pooling, layers = st["pooling"], st["layers"]  # a sentence-transformers model goes on with its own pooling
     if task.name != "tagging":
         pooling, layers = _check_head_pooling(task.name, pooling or default_pooling(task.name), layers,
                                               backbone.config.num_layers + 1)
