@@ -96,12 +96,7 @@ class Embedder:
             max_length = task.get("max_length")
         if max_length is None and st and st["max_length"]:
             max_length = min(int(st["max_length"]), backbone.config.max_position)
-        try:
-            tokenizer = Tokenizer.from_model_dir(model_dir)
-        except FileNotFoundError:
-            if weights_dir == model_dir:
-                raise
-            tokenizer = Tokenizer.from_model_dir(weights_dir)  # an older sentence-transformers layout: 0_BERT/
+        tokenizer = Tokenizer.from_model_dir(weights_dir)  # sentence-transformers keep it beside the weights
         check_vocabulary(backbone.config, tokenizer.vocab_size)
         pooling, layers = "mean", -1
         if task and task.get("task") == "sentence-embedding":

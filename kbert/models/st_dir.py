@@ -33,17 +33,7 @@ def read_sentence_transformers(directory: str):
         folder = os.path.join(directory, module.get("path", ""))
         if kind == "Transformer":
             found["model_dir"] = folder
-            # the length: sentence_bert_config.json's max_seq_length (sentence-transformers < 6), else the
-            # tokenizer's model_max_length (where 6 keeps it)
-            for name in ("sentence_bert_config.json", "tokenizer_config.json"):
-                for base in (directory, folder):
-                    config_path = os.path.join(base, name)
-                    if found["max_length"] is None and os.path.isfile(config_path):
-                        with open(config_path, encoding="utf-8") as f:
-                            value = json.load(f).get("max_seq_length" if name.startswith("sentence") else
-                                                     "model_max_length")
-                        if isinstance(value, int) and 0 < value < 1_000_000:  # transformers' "no limit" is huge
-                            found["max_length"] = value
+            found["max_length"] = _max_length(directory, folder)
         elif kind == "Pooling":
             with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
                 config = json.load(f)
@@ -82,3 +72,17 @@ def read_sentence_transformers(directory: str):
             raise ValueError(f"{directory}: its module {module.get('type')!r} has no kbert equivalent; kbert reads "
                              f"sentence-transformers dirs of Transformer, WeightedLayerPooling, Pooling and Normalize")
     return found
+
+
+def _max_length(directory: str, folder: str):
+    """sentence_bert_config.json's max_seq_length (sentence-transformers < 6), else the tokenizer's
+    model_max_length (where 6 keeps it); None when neither says."""
+    for name, key in (("sentence_bert_config.json", "max_seq_length"), ("tokenizer_config.json", "model_max_length")):
+        for base in (directory, folder):
+            path = os.path.join(base, name)
+            if os.path.isfile(path):
+                with open(path, encoding="utf-8") as f:
+                    value = json.load(f).get(key)
+                if isinstance(value, int) and 0 < value < 1_000_000:  # transformers' "no limit" is a huge number
+                    return value
+    return None

@@ -53,6 +53,14 @@ class Encoding(NamedTuple):
     normalized: str
 
 
+def _sees_text_as_given(proto) -> bool:
+    """A SentencePiece model (a parsed ModelProto) that sees kbert's normalized text exactly as given: identity
+    normalization, spaces kept, a dummy prefix, `▁` before words (kbert trains them so)."""
+    norm = proto.normalizer_spec
+    return (norm.name == "identity" and not norm.precompiled_charsmap and not norm.remove_extra_whitespaces
+            and norm.add_dummy_prefix and not proto.trainer_spec.treat_whitespace_as_suffix)
+
+
 def _hf_wordpiece(path: str):
     """(vocabulary in id order, lowercase) of a Hugging Face `tokenizer.json` holding a WordPiece model, the only
     vocabulary file transformers >= 5 writes for BERT-style tokenizers. Its normalizer's lowercasing is kept;
@@ -305,10 +313,7 @@ class Tokenizer:
 
                 proto = sentencepiece_model_pb2.ModelProto()
                 proto.ParseFromString(self._spm_proto)
-                norm = proto.normalizer_spec
-                if norm.name == "identity" and not norm.precompiled_charsmap and not norm.remove_extra_whitespaces \
-                        and norm.add_dummy_prefix and proto.trainer_spec.byte_fallback \
-                        and not proto.trainer_spec.treat_whitespace_as_suffix:
+                if _sees_text_as_given(proto) and proto.trainer_spec.byte_fallback:
                     sp = self._sp
                     self._lengths = [0 if sp.is_byte(i) else -1 if sp.is_control(i) or sp.is_unknown(i)
                                      else len(p) for i, p in enumerate(self.vocab)]
@@ -698,12 +703,11 @@ class Tokenizer:
 
         proto = sentencepiece_model_pb2.ModelProto()
         proto.ParseFromString(self._spm_proto)
-        norm, trainer = proto.normalizer_spec, proto.trainer_spec
+        trainer = proto.trainer_spec
         if trainer.model_type != sentencepiece_model_pb2.TrainerSpec.UNIGRAM:
             raise ValueError("only unigram SentencePiece vocabularies export to transformers exactly (a BPE model's "
                              "merges are not stored); train with algorithm='unigram' or 'wordpiece'")
-        if norm.name != "identity" or norm.precompiled_charsmap or norm.remove_extra_whitespaces \
-                or not norm.add_dummy_prefix or trainer.treat_whitespace_as_suffix or not trainer.split_by_whitespace:
+        if not _sees_text_as_given(proto) or not trainer.split_by_whitespace:
             raise ValueError("this SentencePiece model normalizes or splits text itself (not a kbert-trained "
                              "vocabulary); load it in transformers with its own tokenizer class")
         normalizer = tokenizers_normalizer(self.form, self.repeat, self.lowercase)

@@ -226,12 +226,7 @@ def _load(config: FinetuneConfig):
     st = None if read_task_meta(model_dir) else read_sentence_transformers(model_dir)
     weights_dir = st["model_dir"] if st else model_dir  # a sentence-transformers dir: its transformer's folder
     backbone = load_model(weights_dir, output_hidden_states=True, dtype=config.dtype)
-    try:
-        tokenizer = Tokenizer.from_model_dir(model_dir)
-    except FileNotFoundError:
-        if weights_dir == model_dir:
-            raise
-        tokenizer = Tokenizer.from_model_dir(weights_dir)
+    tokenizer = Tokenizer.from_model_dir(weights_dir)  # sentence-transformers keep it beside the weights
     check_vocabulary(backbone.config, tokenizer.vocab_size)
     # 128 tokens by default, or the model's limit when it has fewer positions; beyond them is an error
     max_length = (min(128, backbone.config.max_position) if config.max_length is None
