@@ -13,8 +13,8 @@ at read time (`kbert.data.masking`).
 
 No TensorFlow is needed to write them: the three protobuf fields and the TFRecord framing (length, data, each
 with its masked CRC-32C) are encoded here, byte for byte what `tf.io.TFRecordWriter` writes (tests compare the
-files). So `kbert data prepare` runs on a JAX host without TensorFlow, and its workers skip a ~4 s TensorFlow
-import each. The checksum is google-crc32c's (the C library Google's own storage clients use, with a
+files). So `kbert data prepare` runs on a JAX host without TensorFlow, and its workers never import
+TensorFlow. The checksum is google-crc32c's (the C library Google's own storage clients use, with a
 pure-Python fallback): a Castagnoli CRC in Python bytes loops would cost more than the tokenization.
 """
 

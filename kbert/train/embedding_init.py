@@ -86,8 +86,8 @@ def ppmi_matrix(lines: Iterable[np.ndarray], vocab_size: int, window: int = 5, a
 
 def randomized_svd(rows, cols, values, shape, rank: int, oversample: int = 10, iterations: int = 4, seed: int = 0):
     """U[:, :rank], S[:rank] of a sparse matrix given as coordinates. scipy.sparse does the sparse products
-    and numpy the QR and SVD: no TensorFlow, so a JAX-only host starts from these embeddings too (and on a
-    2-core CPU it is about 5x faster than TensorFlow's sparse matmul: benchmarks/README.md)."""
+    and numpy the QR and SVD: no TensorFlow, so a JAX-only host starts from these embeddings too (and it is
+    faster than TensorFlow's sparse matmul was here: benchmarks/README.md)."""
     import scipy.sparse
 
     matrix = scipy.sparse.csr_matrix((values, (rows, cols)), shape=shape, dtype=np.float32)
