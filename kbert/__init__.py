@@ -48,6 +48,7 @@ _EXPORTS = {
     "plan_batch_size": "kbert.train.memory",
     "Embedder": "kbert.embed.embedder",
     "export_sentence_transformers": "kbert.embed.st_format",
+    "mine_hard_negatives": "kbert.embed.mining",
     "finetune": "kbert.train.finetune",
     "distill": "kbert.train.distill",
     "TaskModel": "kbert.embed.task_model",

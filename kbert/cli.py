@@ -449,6 +449,30 @@ def _export(args):
     print(f"SavedModel ({signature}) written to {path}; checked against the Python API")
 
 
+def _mine_negatives(args):
+    from kbert.data.rows import write_rows
+    from kbert.embed.mining import mine_hard_negatives
+    from kbert.utils import open_text
+
+    corpus = None
+    if args.corpus:
+        with open_text(args.corpus) as f:
+            corpus = [line.rstrip("\n") for line in f if line.strip()]
+    relative = None if args.relative_margin < 0 else args.relative_margin
+    rows = mine_hard_negatives(args.model, args.pairs, corpus, anchor_column=args.anchor_column,
+                               positive_column=args.positive_column, negative_column=args.negative_column,
+                               num_negatives=args.num_negatives, range_min=args.range_min, range_max=args.range_max,
+                               margin=args.margin, relative_margin=relative, max_score=args.max_score,
+                               sampling=args.sampling, lexical=args.lexical, seed=args.seed)
+    if not rows:
+        raise ValueError("no pair got a negative (every candidate was the pair's own text or within the margins); "
+                         "nothing written")
+    write_rows(rows, args.out)
+    print(f"{len(rows)} (anchor, positive, negative) rows written to {args.out}; train on them with "
+          f"kbert finetune --task sentence-embedding --no-label --text-column {args.anchor_column} "
+          f"--pair-column {args.positive_column} --negative-column {args.negative_column}")
+
+
 def _quickstart(args):
     from kbert.quickstart import main_args
 
@@ -616,6 +640,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, help="sentence-embedding: in-batch / SimCSE temperature (0.05)")
     p.add_argument("--matryoshka-dims", help="sentence-embedding: also train vectors cut to these widths, e.g. 64,128")
     p.set_defaults(func=_finetune)
+
+    p = sub.add_parser("mine-negatives", help="hard negatives for (anchor, positive) pairs, nearest by a model "
+                                              "(or by character n-grams), as training rows")
+    p.add_argument("--model", help="model dir whose vectors rank the candidates (not needed with --lexical 1)")
+    p.add_argument("--pairs", required=True, help="TSV (header), CSV or JSONL file of (anchor, positive) rows")
+    p.add_argument("--out", required=True, help="output file: .jsonl, .csv or .tsv (the pairs' columns + the negative)")
+    p.add_argument("--corpus", help="candidate texts, one per line (default: the pairs' distinct positives)")
+    p.add_argument("--anchor-column", default="anchor")
+    p.add_argument("--positive-column", default="positive")
+    p.add_argument("--negative-column", default="negative")
+    p.add_argument("--num-negatives", type=int, default=1, help="negatives per pair, a row each (default 1)")
+    p.add_argument("--range-min", type=int, default=0, help="skip this many of the best-ranked candidates")
+    p.add_argument("--range-max", type=int, help="look no further than this rank (default: the whole corpus)")
+    p.add_argument("--margin", type=float, help="keep candidates scored at most the positive's score minus this")
+    p.add_argument("--relative-margin", type=float, default=0.05,
+                   help="keep candidates scored at most (1 - this) x the positive's score (default 0.05; "
+                        "-1 turns it off)")
+    p.add_argument("--max-score", type=float, help="keep candidates scored at most this")
+    p.add_argument("--sampling", choices=("top", "random"), default="top")
+    p.add_argument("--lexical", type=float, default=0.0,
+                   help="mix in character n-gram TF-IDF cosine with this weight (1: TF-IDF alone, no model)")
+    p.add_argument("--seed", type=int, default=0, help="for --sampling random")
+    p.set_defaults(func=_mine_negatives)
 
     p = sub.add_parser("distill", help="knowledge distillation: a small student learns a pretrained, fine-tuned or "
                                        "sentence-embedding teacher (general / task / embedding modes)")

@@ -1,5 +1,6 @@
 """kbert.Embedder: pooling, order, batching, edge cases, word vectors, similarity and search."""
 
+import json
 import warnings
 
 import numpy as np
@@ -717,3 +718,115 @@ def test_fine_tuning_a_sentence_transformers_dir_keeps_its_pooling(emb, tmp_path
                    pair_column="sentence2", label_column="score", max_steps=2, batch_size=4, progress=False)
     tuned = kbert.Embedder.load(out)
     assert tuned.pooling == "cls" and tuned.layers in (-1, [-1])
+
+
+class _TableEmbedder(kbert.Embedder):
+    """Fixed vectors per text (no model), so the mining logic is checked against cosines set by hand."""
+
+    def __init__(self, table):
+        self.table = table
+
+    def encode(self, texts, progress=True, **options):
+        return np.array([self.table[t] for t in texts], np.float32)
+
+
+def _mining_table():
+    """Anchor 'a' = e0; each other text c * e0 + sqrt(1 - c^2) * e_k (its own axis k), so cos(a, text) = c."""
+    cosines = {"p": 0.9, "p2": 0.85, "n1": 0.95, "n2": 0.87, "n3": 0.8, "n4": 0.5, "n5": 0.1}
+    width = len(cosines) + 3
+    table = {"a": np.eye(width)[0], "b": np.eye(width)[1]}
+    for k, (text, c) in enumerate(cosines.items()):
+        table[text] = c * np.eye(width)[0] + np.sqrt(1 - c * c) * np.eye(width)[k + 3]
+    table["q"] = 0.6 * np.eye(width)[1] + 0.8 * np.eye(width)[2]  # b's positive; cos(a, q) = 0
+    return table
+
+
+def test_mined_negatives_skip_the_anchors_own_texts_and_keep_to_margins_ranks_and_sampling():
+    from kbert.embed.mining import mine_hard_negatives
+
+    emb = _TableEmbedder(_mining_table())
+    pairs = [{"anchor": "a", "positive": "p", "id": 1}, {"anchor": "a", "positive": "p2", "id": 2},
+             {"anchor": "b", "positive": "q", "id": 3}]
+    corpus = ["a", "p", "p2", "q", "n1", "n2", "n3", "n4", "n5", "n3"]  # a repeat counts once
+
+    def mine(**kw):
+        report = {}
+        rows = mine_hard_negatives(emb, pairs, corpus, progress=False, report=report, **kw)
+        return [(r["id"], r["negative"]) for r in rows], report
+
+    # default relative margin 0.05: n1 (above the positive) and n2 (0.87 > 0.95 x 0.9) are probable positives;
+    # p2 is another positive of anchor a, so never its negative, and a text is never its own negative
+    rows, report = mine()
+    assert rows[:2] == [(1, "n3"), (2, "n3")]  # 0.8 <= 0.855 and <= 0.8075
+    assert rows[2][0] == 3 and rows[2][1] not in ("b", "q")  # every other text is at cos 0 from b
+    assert report["pairs"] == 3 and report["with_negatives"] == 3 and report["candidates"] == 9
+    assert report["positive_score"] == pytest.approx((0.9 + 0.85 + 0.6) / 3, abs=1e-6)
+    rows = mine_hard_negatives(emb, pairs, corpus, progress=False)
+    assert rows[0] == {"anchor": "a", "positive": "p", "id": 1, "negative": "n3"}  # the pair's columns kept
+    assert mine(num_negatives=2)[0][:4] == [(1, "n3"), (1, "n4"), (2, "n3"), (2, "n4")]
+    assert mine(relative_margin=None)[0][0] == (1, "n1")  # no filter: the nearest that is not a's own
+    assert mine(relative_margin=None, margin=0.2)[0][:2] == [(1, "n4"), (2, "n4")]  # at most 0.7 / 0.65
+    assert mine(relative_margin=None, max_score=0.6)[0][0] == (1, "n4")
+    assert mine(relative_margin=None, range_min=3)[0][0] == (1, "n4")  # skips n1, n2, n3 (a's own not ranked)
+    rows, report = mine(range_max=2)  # n1 and n2 only, both filtered: no negative for anchor a
+    assert [i for i, _ in rows] == [3] and report["with_negatives"] == 1 and report["short"] == 2
+    drawn = mine(sampling="random", num_negatives=2, seed=5)[0]
+    assert drawn == mine(sampling="random", num_negatives=2, seed=5)[0]  # seeded
+    assert {n for i, n in drawn if i == 1} <= {"n3", "n4", "n5", "q"} and len(drawn[:2]) == 2
+    assert drawn[0] != drawn[1]
+    draws = {tuple(mine(sampling="random", seed=s)[0][:1]) for s in range(12)}
+    assert len(draws) > 1  # not always the top one
+    # default corpus: the pairs' distinct positives
+    assert mine_hard_negatives(emb, pairs, progress=False)[0]["negative"] == "q"  # p, p2 are a's own
+    for bad, match in [(dict(num_negatives=0), "`num_negatives`"), (dict(range_min=2, range_max=2), "`range_max`"),
+                       (dict(relative_margin=1.0), "`relative_margin`"), (dict(sampling="hard"), "`sampling`"),
+                       (dict(lexical=2), "`lexical`"), (dict(margin=-1), "`margin`"), (dict(chunk=0), "`chunk`")]:
+        with pytest.raises(ValueError, match=match):
+            mine_hard_negatives(emb, pairs, corpus, progress=False, **bad)
+    with pytest.raises(ValueError, match="already have a column 'id'"):
+        mine_hard_negatives(emb, pairs, corpus, negative_column="id", progress=False)
+    with pytest.raises(ValueError, match="no column 'positive'"):
+        mine_hard_negatives(emb, [{"anchor": "a", "pos": "p"}], corpus, progress=False)
+    with pytest.raises(ValueError, match="lexical=1"):
+        mine_hard_negatives(None, pairs, corpus, progress=False)
+    # chunks of one anchor give the same rows as one chunk
+    assert mine_hard_negatives(emb, pairs, corpus, chunk=1, progress=False) == \
+        mine_hard_negatives(emb, pairs, corpus, progress=False)
+
+
+def test_lexical_mining_needs_no_model_and_finds_the_negative_that_shares_words(emb, tmp_path, capsys):
+    from kbert.cli import main
+    from kbert.data.rows import read_rows
+    from kbert.embed.mining import mine_hard_negatives
+
+    pairs = [{"anchor": "서울 날씨 어때", "positive": "오늘 서울은 맑을까"},
+             {"anchor": "고양이 사료 추천해줘", "positive": "고양이한테 뭐 먹이지"}]
+    corpus = ["부산 날씨 어때", "강아지 사료 추천해줘", "주식 시장 전망", "오늘 서울은 맑을까"]
+    rows = mine_hard_negatives(None, pairs, corpus, lexical=1.0, relative_margin=None, progress=False)
+    assert [r["negative"] for r in rows] == ["부산 날씨 어때", "강아지 사료 추천해줘"]
+    # hybrid: the model's cosine and TF-IDF mixed, as Embedder.search(..., lexical=w) scores
+    hybrid = mine_hard_negatives(emb, pairs, corpus, lexical=0.5, relative_margin=None, num_negatives=3,
+                                 progress=False)
+    hits = emb.search([p["anchor"] for p in pairs], corpus, top_k=4, lexical=0.5)
+    for k, pair in enumerate(pairs):
+        expected = [corpus[j] for j, _ in hits[k] if corpus[j] != pair["positive"]][:3]
+        assert [r["negative"] for r in hybrid if r["anchor"] == pair["anchor"]] == expected
+    # the command writes rows that kbert finetune reads back (TSV here)
+    src = tmp_path / "pairs.jsonl"
+    src.write_text("".join(json.dumps(p, ensure_ascii=False) + "\n" for p in pairs), encoding="utf-8")
+    (tmp_path / "corpus.txt").write_text("\n".join(corpus) + "\n", encoding="utf-8")
+    out = tmp_path / "mined.tsv"
+    assert main(["mine-negatives", "--pairs", str(src), "--corpus", str(tmp_path / "corpus.txt"), "--lexical", "1",
+                 "--relative-margin", "-1", "--out", str(out)]) == 0
+    assert "2 (anchor, positive, negative) rows written" in capsys.readouterr().out
+    assert [r["negative"] for r in read_rows(str(out), ["anchor", "positive", "negative"])] == \
+        ["부산 날씨 어때", "강아지 사료 추천해줘"]
+    assert main(["mine-negatives", "--pairs", str(src), "--out", str(out)]) == 1  # no model, not lexical
+    assert "lexical=1" in capsys.readouterr().err
+    from kbert.data.rows import write_rows
+
+    with pytest.raises(ValueError, match="row 1, column 'anchor' holds a tab"):
+        write_rows([{"anchor": "a\tb"}], str(tmp_path / "bad.tsv"))
+    assert not (tmp_path / "bad.tsv").exists() and not (tmp_path / "bad.tsv.tmp").exists()
+    write_rows([{"anchor": "a\tb"}], str(tmp_path / "ok.jsonl"))
+    assert read_rows(str(tmp_path / "ok.jsonl"), ["anchor"]) == [{"anchor": "a\tb"}]

@@ -638,3 +638,32 @@ def test_multi_dataset_batches_keep_to_one_dataset_in_the_stated_proportion():
     bad = FinetuneConfig(model="m", task="sentence-embedding", datasets=[{"data": "a", "text_column": "t"}])
     with pytest.raises(ValueError, match=r"`datasets\[0\]`: task='sentence-embedding' needs `pair_column`"):
         task_for(bad).check()
+
+
+def test_negatives_mined_by_the_model_train_a_bi_encoder(base, tmp_path):
+    """Question-pair paraphrases get negatives mined by the model from every question of the split; the rows
+    feed kbert.finetune's hard-negative column as they are."""
+    import csv
+
+    with open(os.path.join(SHARED, "question-pair", "train.txt"), encoding="utf-8-sig") as f:
+        rows = list(csv.DictReader(f, delimiter="\t", quoting=csv.QUOTE_NONE))[:300]
+    pairs = [{"anchor": r["question1"], "positive": r["question2"]} for r in rows
+             if r["is_duplicate"].strip() == "0" and r["question1"] != r["question2"]]
+    corpus = sorted({r[c] for r in rows for c in ("question1", "question2")})
+    report = {}
+    mined = kbert.mine_hard_negatives(base, pairs, corpus, num_negatives=2, progress=False, report=report)
+    # a random model: a few pairs have no candidate scored under 95% of their own positive
+    assert report["candidates"] == len(corpus) and report["with_negatives"] >= 0.9 * len(pairs)
+    with_one = report["short"] - (len(pairs) - report["with_negatives"])  # short: fewer than 2, none included
+    assert len(mined) == report["rows"] == 2 * report["with_negatives"] - with_one
+    own = {}
+    for p in pairs:
+        own.setdefault(p["anchor"], set()).update({p["anchor"], p["positive"]})
+    assert all(r["negative"] not in own[r["anchor"]] for r in mined)
+    emb = kbert.Embedder.load(base)
+    a, p, n = (emb.encode([r[c] for r in mined[:40]], progress=False) for c in ("anchor", "positive", "negative"))
+    assert np.all(np.sum(a * n, axis=1) <= 0.95 * np.sum(a * p, axis=1) + 1e-4)  # the default relative margin
+    summary = kbert.finetune(base, "sentence-embedding", mined, out_dir=str(tmp_path / "mined"), text_column="anchor",
+                             pair_column="positive", label_column=None, negative_column="negative", max_steps=3,
+                             batch_size=16, max_length=32, progress=False)
+    assert summary["steps"] == 3 and all(np.isfinite(h["train_loss"]) for h in summary["history"])

@@ -47,6 +47,36 @@ def read_rows(source, columns: Sequence[str]) -> List[dict]:
     return rows
 
 
+def write_rows(rows: Sequence[dict], path: str) -> None:
+    """Writes `rows` as the file `read_rows` reads back: JSONL for .jsonl / .json, CSV for .csv, else TSV
+    (header row, no quoting: a cell holding a tab or a line break is refused by row and column; write
+    JSONL for such text). The columns are the first row's; the file is written whole, then renamed into place."""
+    if not rows:
+        raise ValueError(f"no rows to write to {path!r}")
+    columns = list(rows[0])
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8", newline="") as f:
+        if path.endswith((".jsonl", ".json")):
+            for row in rows:
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+        elif path.endswith(".csv"):
+            writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
+            writer.writeheader()
+            writer.writerows(rows)
+        else:
+            f.write("\t".join(columns) + "\n")
+            for i, row in enumerate(rows):
+                cells = ["" if row.get(c) is None else str(row.get(c)) for c in columns]
+                for c, cell in zip(columns, cells):
+                    if "\t" in cell or "\n" in cell or "\r" in cell:
+                        f.close()
+                        os.remove(tmp)
+                        raise ValueError(f"row {i + 1}, column {c!r} holds a tab or a line break, which a TSV "
+                                         f"cannot: write {path!r} as .jsonl or .csv instead")
+                f.write("\t".join(cells) + "\n")
+    os.replace(tmp, path)
+
+
 def text_cell(row: dict, column: str, where: str) -> str:
     value = row.get(column)
     if value is None:

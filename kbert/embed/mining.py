@@ -1,0 +1,207 @@
+"""Hard-negative mining: for each (anchor, positive) pair, the corpus texts a model ranks nearest the anchor
+that are not its positive, as (anchor, positive, negative) rows for `kbert.finetune(..., negative_column=...)`.
+
+Why: in-batch negatives are mostly easy (a random question is rarely close to another), so a contrastive
+bi-encoder learns little from most of them; retrieval models since DPR and ANCE train on negatives retrieved
+by a model (BM25 or the model itself), and the sentence-transformers user expects the step as
+`sentence_transformers.util.mine_hard_negatives`. The settings follow that function (ranks `range_min` ..
+`range_max`, margins, `max_score`, "top" or "random" sampling) so a recipe carries over. The default
+`relative_margin=0.05` is NV-Retriever's "TopK-PercPos" filter (Moreira et al., 2024): a candidate scored
+within 5% of the anchor's own positive is likely an unlabelled positive (a false negative that would teach the
+model to push a paraphrase away), and dropping such candidates was the best of the filters they compared.
+
+The scores are `Embedder`'s cosines, or with `lexical=w` the same hybrid score as `Embedder.search`
+(character n-gram TF-IDF fitted on the corpus): a lexical miner finds the negatives that share words with
+the anchor, which a small model misses. Scoring runs in chunks of anchors, so memory is `[chunk, corpus]`.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import numpy as np
+
+from kbert.data.rows import read_rows, text_cell
+from kbert.utils import progress_bar
+
+SAMPLINGS = ("top", "random")
+
+
+def _unit(x: np.ndarray) -> np.ndarray:
+    x = np.asarray(x, np.float32)
+    return x / np.maximum(np.linalg.norm(x, axis=-1, keepdims=True), 1e-12)
+
+
+def _check_settings(num_negatives, range_min, range_max, margin, relative_margin, max_score, sampling, lexical):
+    if isinstance(num_negatives, bool) or not isinstance(num_negatives, int) or num_negatives < 1:
+        raise ValueError(f"`num_negatives` must be a positive integer. Received: num_negatives={num_negatives!r}")
+    if isinstance(range_min, bool) or not isinstance(range_min, int) or range_min < 0:
+        raise ValueError(f"`range_min` must be an integer >= 0. Received: range_min={range_min!r}")
+    if range_max is not None and (isinstance(range_max, bool) or not isinstance(range_max, int)
+                                  or range_max <= range_min):
+        raise ValueError(f"`range_max` must be None or an integer above range_min={range_min}. "
+                         f"Received: range_max={range_max!r}")
+    if margin is not None and not (isinstance(margin, (int, float)) and margin >= 0):
+        raise ValueError(f"`margin` must be None or a number >= 0. Received: margin={margin!r}")
+    if relative_margin is not None and not (isinstance(relative_margin, (int, float)) and 0 <= relative_margin < 1):
+        raise ValueError(f"`relative_margin` must be None or a number in [0, 1). Received: "
+                         f"relative_margin={relative_margin!r}")
+    if max_score is not None and not isinstance(max_score, (int, float)):
+        raise ValueError(f"`max_score` must be None or a number. Received: max_score={max_score!r}")
+    if sampling not in SAMPLINGS:
+        raise ValueError(f"`sampling` must be one of {SAMPLINGS}. Received: sampling={sampling!r}")
+    if isinstance(lexical, bool) or not isinstance(lexical, (int, float)) or not 0 <= lexical <= 1:
+        raise ValueError(f"`lexical` must be a number in [0, 1]. Received: lexical={lexical!r}")
+
+
+def mine_hard_negatives(model, pairs, corpus: Optional[Sequence[str]] = None, anchor_column: str = "anchor",
+                        positive_column: str = "positive", negative_column: str = "negative",
+                        num_negatives: int = 1, range_min: int = 0, range_max: Optional[int] = None,
+                        margin: Optional[float] = None, relative_margin: Optional[float] = 0.05,
+                        max_score: Optional[float] = None, sampling: str = "top", lexical: float = 0.0,
+                        seed: int = 0, chunk: int = 1024, progress: bool = True,
+                        report: Optional[dict] = None) -> List[dict]:
+    """Rows `{**pair, negative_column: text}`, one per negative found (so a pair with `num_negatives` of them
+    appears that many times, sentence-transformers' "triplet" form), in the order of `pairs`.
+
+    Args:
+        model: an `Embedder`, or a model dir / Hub name for `Embedder.load` (its own pooling); None with
+            `lexical=1`.
+        pairs: rows with `anchor_column` and `positive_column`: a TSV / CSV / JSONL path or a list of dicts.
+            Other columns are kept in the output.
+        corpus: the candidate texts (duplicates count once). Default: the distinct positives of `pairs`.
+        num_negatives: negatives per pair.
+        range_min, range_max: among the candidates ranked by score for an anchor (its own texts left out:
+            itself and every positive any pair gives it), skip the `range_min` best and look no further than
+            rank `range_max` (None: the whole corpus). Skipping the very top is the other guard against
+            unlabelled positives.
+        margin, relative_margin: keep a candidate only if its score is at most the pair's positive score
+            minus `margin`, and at most `(1 - relative_margin)` x the positive score (default 0.05: within 5%
+            of the positive is treated as a probable positive). None turns either off.
+        max_score: keep only candidates scored at most this.
+        sampling: "top": the best-scored candidates that pass; "random": drawn uniformly (with `seed`) from
+            those that pass within the rank range.
+        lexical: 0 (default) ranks by the model's cosine; w in (0, 1] by `(1 - w)` x cosine + `w` x the
+            cosine of character 1-3-gram TF-IDF fitted on the corpus (as `Embedder.search`; 1 is TF-IDF alone,
+            a BM25-like miner that needs no model).
+        chunk: anchors scored at a time (memory `[chunk, len(corpus)]` floats).
+        report: a dict that receives counts: pairs, with_negatives, short (pairs with fewer than asked),
+            candidates, and the mean positive and negative scores.
+
+    An anchor with no candidate left gets no row; `report` and the progress line say how many.
+    """
+    from kbert.embed.embedder import Embedder
+
+    _check_settings(num_negatives, range_min, range_max, margin, relative_margin, max_score, sampling, lexical)
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"`chunk` must be a positive integer. Received: chunk={chunk!r}")
+    rows = read_rows(pairs, [anchor_column, positive_column])
+    anchors = [text_cell(r, anchor_column, f"pair {i}") for i, r in enumerate(rows)]
+    positives = [text_cell(r, positive_column, f"pair {i}") for i, r in enumerate(rows)]
+    if negative_column in rows[0]:
+        raise ValueError(f"the pairs already have a column {negative_column!r}: name the output column "
+                         f"another way with `negative_column`")
+    if corpus is None:
+        corpus = positives
+    if isinstance(corpus, str):
+        raise ValueError("`corpus` must be a list of texts, not one string")
+    corpus = list(dict.fromkeys(str(t) for t in corpus))
+    if not corpus:
+        raise ValueError("`corpus` holds no text")
+
+    # each anchor's own texts: itself and every positive any pair gives it (a paraphrase of the anchor listed
+    # in another pair must not come back as its negative)
+    own = {}
+    for a, p in zip(anchors, positives):
+        own.setdefault(a.strip(), {a.strip()}).add(p.strip())
+    where = {}
+    for j, t in enumerate(corpus):
+        where.setdefault(t.strip(), []).append(j)
+
+    if model is None and lexical < 1:
+        raise ValueError("`model` is None: give a model dir (or an Embedder), or rank by character n-grams "
+                         "alone with lexical=1")
+    embedder = model if isinstance(model, Embedder) or lexical >= 1 else Embedder.load(model)
+    scores_of = _scorer(embedder, anchors, positives, corpus, lexical, progress)
+    rng = np.random.default_rng(seed)
+    out, found, short, neg_scores, pos_scores = [], 0, 0, [], []
+    bar = progress_bar(total=len(rows), desc="mining negatives", unit="pair", enabled=progress)
+    for start in range(0, len(rows), chunk):
+        idx = np.arange(start, min(start + chunk, len(rows)))
+        scores, positive = scores_of(idx)  # [c, n], [c]
+        for row_i, s, pos in zip(idx, scores, positive):
+            s = s.copy()
+            for text in own[anchors[row_i].strip()]:
+                s[where.get(text, [])] = -np.inf
+            limit = len(corpus) if range_max is None else min(range_max, len(corpus))
+            if limit < len(corpus):
+                top = np.argpartition(-s, limit - 1)[:limit]
+                ranked = top[np.argsort(-s[top], kind="stable")]
+            else:
+                ranked = np.argsort(-s, kind="stable")
+            ranked = ranked[np.isfinite(s[ranked])][range_min:]
+            keep = np.ones(len(ranked), bool)
+            if margin is not None:
+                keep &= s[ranked] <= pos - margin
+            if relative_margin is not None:
+                keep &= s[ranked] <= pos * (1.0 - relative_margin)
+            if max_score is not None:
+                keep &= s[ranked] <= max_score
+            ranked = ranked[keep]
+            if sampling == "random" and len(ranked) > num_negatives:
+                ranked = rng.choice(ranked, num_negatives, replace=False)
+            chosen = ranked[:num_negatives]
+            found += bool(len(chosen))
+            short += len(chosen) < num_negatives
+            pos_scores.append(float(pos))
+            for j in chosen:
+                out.append({**rows[row_i], negative_column: corpus[j]})
+                neg_scores.append(float(s[j]))
+        bar.update(len(idx))
+    bar.close()
+    summary = {"pairs": len(rows), "with_negatives": found, "short": short, "rows": len(out),
+               "candidates": len(corpus),
+               "positive_score": float(np.mean(pos_scores)) if pos_scores else float("nan"),
+               "negative_score": float(np.mean(neg_scores)) if neg_scores else float("nan")}
+    if report is not None:
+        report.update(summary)
+    if progress:
+        import sys
+
+        print(f"mined {len(out)} negatives for {found} of {len(rows)} pairs from {len(corpus)} candidates "
+              f"({short} pairs with fewer than {num_negatives}); mean score: positives "
+              f"{summary['positive_score']:.3f}, negatives {summary['negative_score']:.3f}", file=sys.stderr)
+    return out
+
+
+def _scorer(embedder, anchors, positives, corpus, lexical, progress):
+    """A function of anchor indices -> (scores `[c, len(corpus)]`, positive scores `[c]`) by cosine, or the
+    hybrid score with `lexical`; each distinct text is encoded once."""
+    texts = list(dict.fromkeys(anchors + positives + corpus))
+    at = {t: i for i, t in enumerate(texts)}
+    vectors = (_unit(embedder.encode(texts, progress=progress)) if lexical < 1
+               else np.zeros((len(texts), 1), np.float32))
+    a_rows = np.array([at[t] for t in anchors])
+    p_rows = np.array([at[t] for t in positives])
+    c_vectors = vectors[[at[t] for t in corpus]]
+    vectorizer = None
+    if lexical:
+        from kbert.embed.lexical import char_tfidf
+
+        vectorizer = char_tfidf(corpus)
+        c_lexical = vectorizer.transform(corpus) if vectorizer is not None else None
+
+    def scores_of(idx):
+        a, p = vectors[a_rows[idx]], vectors[p_rows[idx]]
+        dense, positive = a @ c_vectors.T, np.sum(a * p, axis=1)
+        if not lexical:
+            return dense, positive
+        if vectorizer is None:  # no n-gram in the corpus: the lexical part is 0 everywhere
+            sparse, sparse_positive = np.zeros_like(dense), np.zeros_like(positive)
+        else:
+            qa = vectorizer.transform([anchors[i] for i in idx])
+            qp = vectorizer.transform([positives[i] for i in idx])
+            sparse = np.asarray((qa @ c_lexical.T).todense(), np.float32)
+            sparse_positive = np.asarray(qa.multiply(qp).sum(axis=1), np.float32).ravel()
+        return (1 - lexical) * dense + lexical * sparse, (1 - lexical) * positive + lexical * sparse_positive
+    return scores_of
