@@ -371,15 +371,43 @@ def _mined_weak_pairs(shared):
     return tuple(rows)
 
 
+def mined_question_pairs(out, start, seed, sets, small):
+    """The training-side question-pair paraphrases as (anchor, positive, negative) rows, the negative mined by
+    the model OUT/START-seedN among every question of the training side (paraphrase rows or not), cached as
+    OUT/START-mined-seedN.jsonl."""
+    import kbert
+
+    name = f"{start}-mined-seed{seed}"
+    path = os.path.join(out, f"{name}.jsonl")
+
+    def run():
+        pairs = [{"anchor": a, "positive": p} for a, p in paraphrases(sets["qp_fit"])]
+        corpus = sorted({r[c] for r in sets["qp_fit"] for c in ("question1", "question2")})
+        report = {}
+        rows = kbert.mine_hard_negatives(os.path.join(out, f"{start}-seed{seed}"), pairs, corpus, report=report,
+                                         progress=not small)
+        with open(path + ".tmp", "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+        os.replace(path + ".tmp", path)
+        return report
+    if not os.path.isfile(path):  # the rows are the stage's output: mine again when they are gone
+        stale = os.path.join(out, f"{name}.json")
+        if os.path.isfile(stale):
+            os.remove(stale)
+    stage(out, name, run)
+    return read_jsonl(path)
+
+
 def read_jsonl(path):
     with open(path, encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
 
 
 EMBEDDING_ROWS = ("bi-encoder", "simcse", "simcse-multi", "simcse-pairs-sts", "simcse-pairs-silver",
-                  "simcse-weak-pairs-sts")
+                  "simcse-weak-pairs-sts", "simcse-weak-mined-sts")
 # the Augmented SBERT row is a closed probe (benchmarks/README.md: at this backbone the cross-encoder is far
-# below the bi-encoder, so its labels cannot teach it); `--rows all` reruns it
+# below the bi-encoder, so its labels cannot teach it), and so is the mined-negatives row (better retrieval
+# after its pairs stage, no better STS after the KorSTS stage); `--rows all` reruns them
 DEFAULT_ROWS = EMBEDDING_ROWS[:4] + ("simcse-weak-pairs-sts",)
 
 
@@ -417,13 +445,19 @@ def embedding_stages(args, out, model_dir, sets):
          "text_column": "anchor", "pair_column": "positive"},
         {"data": sets["sts_fit"], "text_column": "sentence1", "pair_column": "sentence2", "label_column": "score"}]
 
-    def pairs_then_sts(start, seed, sts):
+    def pairs_then_sts(start, seed, sts, mined=False):
         """The sequential form (sentence-transformers' Korean multitask recipe) from the model START-seedN:
-        the contrastive sets (NLI triplets, question pairs) as START-pairs-seedN, then, with `sts`, the KorSTS
-        regression alone, as the bi-encoder is trained, as START-pairs-sts-seedN (its result returned)."""
-        tuned(f"{start}-pairs-seed{seed}", os.path.join(out, f"{start}-seed{seed}"), None,
-              datasets=multi_data[:2], mix="proportional", epochs=1 if small else 2, batch_size=32,
-              learning_rate=1e-4, seed=seed)
+        the contrastive sets (NLI triplets, question pairs) as START[-mined]-pairs-seedN, then, with `sts`, the
+        KorSTS regression alone, as the bi-encoder is trained, as START[-mined]-pairs-sts-seedN (its result
+        returned). `mined`: each question pair also gets a hard negative that START-seedN ranks nearest its
+        first question among every training-side question (`kbert.mine_hard_negatives`, its defaults)."""
+        start_dir, data = os.path.join(out, f"{start}-seed{seed}"), multi_data[:2]
+        if mined:
+            data = [data[0], dict(data[1], data=mined_question_pairs(out, start, seed, sets, small),
+                                  negative_column="negative")]
+            start = f"{start}-mined"
+        tuned(f"{start}-pairs-seed{seed}", start_dir, None, datasets=data, mix="proportional",
+              epochs=1 if small else 2, batch_size=32, learning_rate=1e-4, seed=seed)
         if not sts:
             return None
         return tuned(f"{start}-pairs-sts-seed{seed}", os.path.join(out, f"{start}-pairs-seed{seed}"),
@@ -449,13 +483,16 @@ def embedding_stages(args, out, model_dir, sets):
                 f"emb-simcse-multi-seed{seed}", os.path.join(out, f"emb-simcse-seed{seed}"), None,
                 datasets=multi_data, mix="proportional", backbone_dropout=args.multi_dropout,
                 epochs=1 if small else args.multi_epochs, batch_size=32, learning_rate=args.multi_lr, seed=seed))
-        if "simcse-weak-pairs-sts" in runs:
+        if {"simcse-weak-pairs-sts", "simcse-weak-mined-sts"} & set(runs):
             # the sequential recipe with a stage of weakly supervised pairs (court decisions, statutes) first
             weak = weak_pairs(args.shared, seed)[:400 if small else None]
             tuned(f"emb-weak-seed{seed}", os.path.join(out, f"emb-simcse-seed{seed}"), None,
                   datasets=[{"data": weak, "text_column": "anchor", "pair_column": "positive"}], epochs=1,
                   batch_size=64, learning_rate=1e-4, seed=seed)
-            runs["simcse-weak-pairs-sts"].append(pairs_then_sts("emb-weak", seed, sts=True))
+            if "simcse-weak-pairs-sts" in runs:
+                runs["simcse-weak-pairs-sts"].append(pairs_then_sts("emb-weak", seed, sts=True))
+            if "simcse-weak-mined-sts" in runs:
+                runs["simcse-weak-mined-sts"].append(pairs_then_sts("emb-weak", seed, sts=True, mined=True))
         if not {"simcse-pairs-sts", "simcse-pairs-silver"} & set(runs):
             continue
         sts = pairs_then_sts("emb-simcse", seed, sts="simcse-pairs-sts" in runs)
@@ -694,7 +731,8 @@ def print_embedding_table(tfidf, runs, sets):
               "simcse-multi": "SimCSE + multi-dataset (NLI triplets, question pairs, KorSTS) in one run",
               "simcse-pairs-sts": "SimCSE, then NLI triplets + question pairs, then KorSTS regression",
               "simcse-pairs-silver": "the same, the KorSTS regression on the pairs + cross-encoder-scored pairs",
-              "simcse-weak-pairs-sts": "SimCSE, then weak pairs (court decisions, statutes), then the same two stages"}
+              "simcse-weak-pairs-sts": "SimCSE, then weak pairs (court decisions, statutes), then the same two stages",
+              "simcse-weak-mined-sts": "the same, each question pair with a negative mined by the weak-pair model"}
     means = {}
     for key, results in runs.items():
         means[key] = {c: float(np.mean([r[c] for r in results])) for c in cols}
