@@ -25,6 +25,7 @@ from kbert.data.rows import read_rows, text_cell
 from kbert.utils import progress_bar
 
 SAMPLINGS = ("top", "random")
+_MAX_SCORES = 1 << 26  # scores held at once, [chunk, corpus] float32: 256 MB
 
 
 def _unit(x: np.ndarray) -> np.ndarray:
@@ -84,7 +85,8 @@ def mine_hard_negatives(model, pairs, corpus: Optional[Sequence[str]] = None, an
         lexical: 0 (default) ranks by the model's cosine; w in (0, 1] by `(1 - w)` x cosine + `w` x the
             cosine of character 1-3-gram TF-IDF fitted on the corpus (as `Embedder.search`; 1 is TF-IDF alone,
             a BM25-like miner that needs no model).
-        chunk: anchors scored at a time (memory `[chunk, len(corpus)]` floats).
+        chunk: anchors scored at a time (memory `[chunk, len(corpus)]` floats; fewer when that would pass
+            64M scores, 256 MB).
         report: a dict that receives counts: pairs, with_negatives, short (pairs with fewer than asked),
             candidates, and the mean positive and negative scores.
 
@@ -126,6 +128,7 @@ def mine_hard_negatives(model, pairs, corpus: Optional[Sequence[str]] = None, an
     rng = np.random.default_rng(seed)
     out, found, short, neg_scores, pos_scores = [], 0, 0, [], []
     bar = progress_bar(total=len(rows), desc="mining negatives", unit="pair", enabled=progress)
+    chunk = max(1, min(chunk, _MAX_SCORES // len(corpus)))  # a large corpus: fewer anchors at a time
     for start in range(0, len(rows), chunk):
         idx = np.arange(start, min(start + chunk, len(rows)))
         scores, positive = scores_of(idx)  # [c, n], [c]
