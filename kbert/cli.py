@@ -366,7 +366,8 @@ def _finetune(args):
              "epochs": "epochs", "batch_size": "batch_size", "learning_rate": "learning_rate",
              "max_length": "max_length", "patience": "patience", "eval_every": "eval_every",
              "max_steps": "max_steps", "seed": "seed", "checkpoint_every": "checkpoint_every",
-             "objective": "objective", "negative_column": "negative_column", "temperature": "temperature"}
+             "objective": "objective", "negative_column": "negative_column", "temperature": "temperature",
+             "mini_batch_size": "mini_batch_size"}
     values.update({key: getattr(args, dest) for dest, key in flags.items() if getattr(args, dest) is not None})
     if args.layers is not None:
         values["layers"] = parse_layers(args.layers)
@@ -639,6 +640,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--negative-column", help="sentence-embedding: a hard negative per (anchor, positive) row")
     p.add_argument("--temperature", type=float, help="sentence-embedding: in-batch / SimCSE temperature (0.05)")
     p.add_argument("--matryoshka-dims", help="sentence-embedding: also train vectors cut to these widths, e.g. 64,128")
+    p.add_argument("--mini-batch-size", type=int,
+                   help="sentence-embedding: texts through the network at a time (gradient caching: a large "
+                        "contrastive batch in the memory of this many)")
     p.set_defaults(func=_finetune)
 
     p = sub.add_parser("mine-negatives", help="hard negatives for (anchor, positive) pairs, nearest by a model "

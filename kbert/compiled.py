@@ -5,6 +5,9 @@
     fn({"token_ids": ids, ...})                       # numpy arrays in, numpy arrays out (any pytree)
     step = training_step(loss_of, network, variables, optimizer)
     loss = step(batch, static=(n, key))               # one optimizer update; the variables hold the result
+    step = cached_training_step(embed_of, loss_on, network, variables, optimizer, mini_batch_size=32)
+    loss = step(feats, y, static=(n, key))            # the same update, a chunk of rows at a time (GradCache)
+    step.lower(...).compile().memory_analysis()       # JAX: the update's memory, nothing run
 
 TensorFlow: a `tf.function` (with `signature`, one trace for every shape; `jit_compile=True` hands each shape
 to XLA), as the Embedder, TaskModel and fine-tuning always ran. JAX: `jax.jit` of the function made pure with
@@ -135,14 +138,18 @@ def training_step(loss_of: Callable, model, variables: Sequence, optimizer, read
 
         jitted = jax.jit(update, static_argnums=(4,), donate_argnums=(0, 1, 2))
 
+        def state():
+            return [v.value for v in trained], [v.value for v in others], [v.value for v in opt_vars]
+
         def step(*args, static=()):
-            state = ([v.value for v in trained], [v.value for v in others], [v.value for v in opt_vars])
-            tv, nv, ov, loss = jitted(*state, args, tuple(static))
+            tv, nv, ov, loss = jitted(*state(), args, tuple(static))
             for group, values in ((trained, tv), (others, nv), (opt_vars, ov)):
                 for v, value in zip(group, values):
                     v.assign(value)
             return float(loss)
 
+        # the update lowered for these inputs (`.compile().memory_analysis()`: its memory), run nothing
+        step.lower = lambda *args, static=(): jitted.lower(*state(), args, tuple(static))
         return step
     import tensorflow as tf
 
@@ -166,5 +173,154 @@ def training_step(loss_of: Callable, model, variables: Sequence, optimizer, read
 
             functions[static] = update
         return float(functions[static](*args))
+
+    return step
+
+
+def _rows(tree) -> int:
+    import keras
+
+    return int(np.shape(keras.tree.flatten(tree)[0])[0])
+
+
+def _part(tree, lo: int, hi: int):
+    import keras
+
+    return keras.tree.map_structure(lambda x: x[lo:hi], tree)
+
+
+def cached_training_step(embed_of: Callable, loss_on: Callable, model, variables: Sequence, optimizer,
+                         mini_batch_size: int):
+    """As `training_step`, for a loss of a batch's embeddings, in the memory of `mini_batch_size` rows:
+    `step(feats, y, static=())` -> the loss of `loss_on(embed_of(feats), y, *static)` after one update.
+
+    Gradient caching (GradCache, Gao et al. 2021; sentence-transformers' CachedMultipleNegativesRankingLoss):
+    a contrastive loss scores every text of the batch against every other, so its batch cannot be split into
+    accumulated steps without changing the loss, and the batch size is what makes in-batch negatives work.
+    Instead: (1) `embed_of` runs over the rows `mini_batch_size` at a time without keeping activations, giving
+    the embeddings `[rows, h]`; (2) the loss and its gradient with respect to those embeddings (small); (3) each
+    chunk runs again, now with a backward pass that takes its slice of (2) as the output gradient, and the
+    weight gradients add up. Peak activation memory is one chunk's instead of the batch's, for about a third
+    more compute (the second forward). Dropout draws the same masks in (1) and (3): the random state each
+    chunk started from is put back before its second pass. The gradient equals the whole batch's own
+    (tests/test_finetune.py). `feats` is a pytree of arrays whose first axis is the rows; `loss_on` must
+    read no variable."""
+    trained = list(variables)
+    if isinstance(mini_batch_size, bool) or not isinstance(mini_batch_size, int) or mini_batch_size < 1:
+        raise ValueError(f"`mini_batch_size` must be a positive integer. Received: {mini_batch_size!r}")
+
+    def bounds_of(feats):
+        rows = _rows(feats)
+        return tuple((lo, min(lo + mini_batch_size, rows)) for lo in range(0, rows, mini_batch_size))
+
+    if backend() == "jax":
+        import jax
+        import keras
+
+        ids = {id(v) for v in trained}
+        others = [v for v in model.variables if id(v) not in ids]
+        seeds = [v for v in others if "float" not in str(v.dtype)]  # the random state a forward pass advances
+        frozen = [v for v in others if "float" in str(v.dtype)]
+        opt_vars = list(optimizer.variables)
+
+        def embed_chunk(tv, sv, fv, part):
+            mapping = list(zip(trained, tv)) + list(zip(seeds, sv)) + list(zip(frozen, fv))
+            with keras.StatelessScope(state_mapping=mapping) as scope:
+                e = embed_of(part)
+            return e, [scope.get_current_value(v) for v in seeds]
+
+        def update(tv, sv, fv, ov, feats, y, rows, static):
+            # the rows as [chunks, m, ...], the last chunk filled with copies of the last row (their vectors
+            # never reach the loss, so their gradient is zero); lax.scan runs the chunks one after another,
+            # so one chunk's activations are live at a time
+            m = mini_batch_size
+            count = -(-rows // m)
+
+            def chunked(x):
+                x = jax.numpy.concatenate([x, jax.numpy.repeat(x[-1:], count * m - rows, axis=0)], axis=0)
+                return x.reshape((count, m) + x.shape[1:])
+            parts = jax.tree_util.tree_map(chunked, feats)
+
+            def first(state, part):  # (1) a chunk's vectors, and the random state it started from
+                e, after = embed_chunk(tv, state, fv, part)
+                return after, (e, state)
+            end, (vectors, starts) = jax.lax.scan(first, sv, parts)
+            vectors = vectors.reshape((count * m,) + vectors.shape[2:])[:rows]
+            loss, g = jax.value_and_grad(lambda e: loss_on(e, y, *static))(vectors)  # (2) dL/d vectors
+            g = jax.numpy.concatenate([g, jax.numpy.zeros((count * m - rows,) + g.shape[1:], g.dtype)], axis=0)
+            g = g.reshape((count, m) + g.shape[1:])
+
+            def second(grads, chunk):  # (3) the chunk again from its random state, backward from its dL/de
+                part, start, cotangent = chunk
+                _, vjp = jax.vjp(lambda t: embed_chunk(t, start, fv, part)[0], tv)
+                return jax.tree_util.tree_map(jax.numpy.add, grads, vjp(cotangent)[0]), None
+            grads, _ = jax.lax.scan(second, jax.tree_util.tree_map(jax.numpy.zeros_like, tv), (parts, starts, g))
+            tv, ov = optimizer.stateless_apply(ov, grads, tv)
+            return tv, end, ov, loss
+
+        jitted = jax.jit(update, static_argnums=(6, 7), donate_argnums=(0, 1, 3))
+
+        def state():
+            return ([v.value for v in trained], [v.value for v in seeds], [v.value for v in frozen],
+                    [v.value for v in opt_vars])
+
+        def step(feats, y, static=()):
+            tv, sv, ov, loss = jitted(*state(), feats, y, _rows(feats), tuple(static))
+            for group, values in ((trained, tv), (seeds, sv), (opt_vars, ov)):
+                for v, value in zip(group, values):
+                    v.assign(value)
+            return float(loss)
+
+        step.lower = lambda feats, y, static=(): jitted.lower(*state(), feats, y, _rows(feats), tuple(static))
+        return step
+    import tensorflow as tf
+
+    _quiet_retracing_warning()
+    ids = {id(v) for v in trained}
+    # the random state (dropout's seed generators): integer variables the forward pass advances
+    seeds = [v for v in model.variables if id(v) not in ids and not ("float" in str(v.dtype))]
+    functions = {}
+
+    def dense(g):
+        return tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
+
+    def step(feats, y, static=()):
+        key = (tuple(static), bounds_of(feats))
+        if key not in functions:
+            static_args, bounds = key
+
+            @tf.function(reduce_retracing=True)
+            def update(feats, y):
+                starts, chunks = [], []
+                for lo, hi in bounds:  # (1) the embeddings; no tape, so no activations kept
+                    starts.append([tf.identity(v.value) for v in seeds])
+                    with tf.control_dependencies(chunks[-1:]):  # one chunk after another
+                        part = _part(feats, lo, hi)
+                        part = tf.nest.map_structure(tf.identity, part)
+                    chunks.append(tf.stop_gradient(embed_of(part)))
+                ends = [tf.identity(v.value) for v in seeds]
+                embeddings = tf.concat(chunks, axis=0)
+                with tf.GradientTape() as tape:
+                    tape.watch(embeddings)
+                    loss = loss_on(embeddings, y, *static_args)
+                g = tape.gradient(loss, embeddings)
+                grads = None
+                for (lo, hi), start in zip(bounds, starts):  # (3) each chunk again from its random state
+                    for v, value in zip(seeds, start):
+                        v.assign(value)
+                    with tf.control_dependencies([x for x in grads or [] if x is not None]):
+                        part = tf.nest.map_structure(tf.identity, _part(feats, lo, hi))  # after the last chunk
+                    with tf.GradientTape() as tape:
+                        e = embed_of(part)
+                    chunk_grads = [dense(x) for x in tape.gradient(e, trained, output_gradients=g[lo:hi])]
+                    grads = chunk_grads if grads is None else [
+                        b if a is None else a if b is None else a + b for a, b in zip(grads, chunk_grads)]
+                for v, value in zip(seeds, ends):
+                    v.assign(value)
+                optimizer.apply_gradients(zip(grads, trained))
+                return loss
+
+            functions[key] = update
+        return float(functions[key](feats, y))
 
     return step

@@ -257,3 +257,133 @@ def test_the_tensorflow_step_does_not_raise_the_frequent_retracing_alarm_for_its
         logger.removeHandler(handler)
     assert not any("training_step" in r for r in records), records
     assert any("function mine" in r for r in records)  # another function's alarm still gets through
+
+
+GRADIENT_CACHE = """import json
+import keras
+import numpy as np
+import kbert
+from kbert.compiled import backend, cached_training_step, training_step
+from kbert.data.features import features
+from kbert.train.finetune import FinetuneConfig
+from kbert.train.finetune_tasks import task_for
+
+
+def run(kind, dropout, chunk=5, matryoshka=None):
+    # two SGD steps of a 2-layer bi-encoder on 6 (anchor, positive, hard negative) rows: 18 texts
+    task = task_for(FinetuneConfig(model="-", task="sentence-embedding", pair_column="p", label_column=None,
+                                   negative_column="n", matryoshka_dims=matryoshka))
+    keras.utils.set_random_seed(0)
+    cfg = kbert.ModelConfig.preset("bert-tiny", vocab_size=120, hidden_size=32, num_heads=2, intermediate_size=64,
+                                   max_position=32, dropout=dropout, attention_dropout=dropout)
+    net = task.network(kbert.BertBackbone(cfg, output_hidden_states=True), 0.0, "mean", -1)
+    rng = np.random.default_rng(0)
+    ids = rng.integers(5, 120, (18, 12)).astype("int32")
+    ids[::3, 8:] = 0  # some padding
+    feats = features(ids, np.zeros_like(ids), 0)
+    net(feats)
+    variables = [v for v in net.trainable_variables if not v.path.startswith("pooler/")]  # unused by mean pooling
+    opt = keras.optimizers.SGD(1.0)  # the update is the gradient itself
+    opt.build(variables)
+    bounds = [(lo, min(lo + chunk, 18)) for lo in range(0, 18, chunk)]
+
+    def part(f, lo, hi):
+        return {k: v[lo:hi] for k, v in f.items()}
+
+    if kind == "cached":
+        step = cached_training_step(lambda f: task.embed(net, f), task.embedding_loss, net, variables, opt, chunk)
+    elif kind == "chunked":  # the same chunks through one ordinary backward pass: the reference with dropout
+        step = training_step(lambda f, y, n, key: task.embedding_loss(
+            keras.ops.concatenate([task.embed(net, part(f, lo, hi)) for lo, hi in bounds], axis=0), y, n, key),
+            net, variables, opt)
+    else:
+        step = training_step(lambda f, y, n, key: task.loss(net, f, y, n, key), net, variables, opt)
+    losses = [step(feats, None, static=(6, 0)) for _ in range(2)]
+    return losses, [np.asarray(v.value) for v in variables]
+
+
+def diff(a, b):
+    return max(float(np.max(np.abs(x - y))) for x, y in zip(a[1], b[1])), max(abs(x - y) for x, y in zip(a[0], b[0]))
+
+
+result = {"backend": backend(),
+          "no_dropout": diff(run("cached", 0.0, matryoshka=[16]), run("full", 0.0, matryoshka=[16])),
+          "dropout": diff(run("cached", 0.1), run("chunked", 0.1)),
+          "one_chunk": diff(run("cached", 0.1, chunk=18), run("full", 0.1)),
+          "dropout_matters": diff(run("full", 0.1), run("full", 0.0))}
+if backend() == "jax":  # memory of the compiled update: 256 texts of 64 tokens at once, and 32 at a time
+    task = task_for(FinetuneConfig(model="-", task="sentence-embedding", pair_column="p", label_column=None))
+    cfg = kbert.ModelConfig.preset("bert-mini", vocab_size=1000, max_position=64)
+    net = task.network(kbert.BertBackbone(cfg, output_hidden_states=True), 0.0, "mean", -1)
+    ids = np.random.default_rng(0).integers(5, 1000, (256, 64)).astype("int32")
+    feats = features(ids, np.zeros_like(ids), 0)
+    net({k: v[:2] for k, v in feats.items()})
+    variables = [v for v in net.trainable_variables if not v.path.startswith("pooler/")]
+    opt = keras.optimizers.AdamW(1e-4)
+    opt.build(variables)
+    sizes = {}
+    for name, step in (("full", training_step(lambda f, y, n, key: task.loss(net, f, y, n, key), net, variables, opt)),
+                       ("cached", cached_training_step(lambda f: task.embed(net, f), task.embedding_loss, net,
+                                                       variables, opt, 32))):
+        sizes[name] = step.lower(feats, None, static=(128, 0)).compile().memory_analysis().temp_size_in_bytes
+    result["temp_bytes"] = sizes
+"""
+
+
+def _gradient_cache_checks(result):
+    assert result["no_dropout"][0] < 1e-4 and result["no_dropout"][1] < 1e-5  # the whole batch's gradient
+    assert result["dropout"][0] < 1e-4 and result["dropout"][1] < 1e-5  # each chunk replays its own masks
+    assert list(result["one_chunk"]) == [0.0, 0.0]
+    assert result["dropout_matters"][0] > 1e-2  # the masks are really on, so the replay is really tested
+
+
+def test_gradient_caching_updates_as_the_whole_batch_does_on_tensorflow():
+    """`kbert.compiled.cached_training_step` (finetune's mini_batch_size): after two SGD steps of a bi-encoder
+    with hard negatives on 18 texts in chunks of 5, the weights equal the whole batch's update (no dropout,
+    Matryoshka widths on), and with dropout they equal one ordinary backward pass through the same chunks, so
+    the second pass draws each chunk's masks again; one chunk of everything is the ordinary step exactly."""
+    scope = {}
+    exec(GRADIENT_CACHE, scope)
+    assert scope["result"]["backend"] == "tensorflow"
+    _gradient_cache_checks(scope["result"])
+
+
+def test_gradient_caching_on_jax_in_a_chunks_memory():
+    """The same on JAX, and the compiled update of 256 texts x 64 tokens (bert-mini) in chunks of 32 needs a
+    fraction of the temporary memory of the whole batch at once (XLA's memory analysis, nothing run)."""
+    result, _ = run_on_jax(BLOCK_TENSORFLOW + GRADIENT_CACHE + "\nprint(json.dumps(result))\n")
+    assert result["backend"] == "jax"
+    _gradient_cache_checks(result)
+    sizes = result["temp_bytes"]
+    assert sizes["cached"] < sizes["full"] / 4, sizes
+
+
+def test_finetune_mini_batch_size_trains_the_same_model_and_is_refused_elsewhere(data, tmp_path, capsys):
+    """kbert.finetune(mini_batch_size=...) and --mini-batch-size: a bi-encoder on scored pairs trained with
+    chunks of 8 texts gives the vectors of the same run without chunks; other tasks refuse it by name."""
+    from kbert.cli import main
+
+    train, dev = data["sentence-embedding"]
+    settings = dict(SETTINGS["sentence-embedding"], **COMMON, max_steps=6)
+    vectors = {}
+    for name, chunk in (("whole", None), ("chunks", 8)):
+        out = str(tmp_path / name)
+        kbert.finetune(data["base"], "sentence-embedding", train, dev, out_dir=out, mini_batch_size=chunk, **settings)
+        vectors[name] = kbert.Embedder.load(out).encode(TEXTS)
+    np.testing.assert_allclose(vectors["chunks"], vectors["whole"], atol=2e-4)
+    with pytest.raises(ValueError, match="`mini_batch_size` \\(gradient caching\\) applies to task='sentence-embedding'"):
+        kbert.finetune(data["base"], "classification", data["classification"][0], out_dir=str(tmp_path / "c"),
+                       mini_batch_size=8, **dict(COMMON, max_steps=1))
+    with pytest.raises(ValueError, match="`mini_batch_size` must be None or a positive integer"):
+        kbert.finetune(data["base"], "sentence-embedding", train, out_dir=str(tmp_path / "d"), mini_batch_size=0,
+                       **settings)
+    rows = tmp_path / "pairs.jsonl"
+    rows.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in train), encoding="utf-8")
+    assert main(["finetune", "--model", data["base"], "--task", "sentence-embedding", "--train", str(rows),
+                 "--out", str(tmp_path / "cli"), "--text-column", "sentence1", "--pair-column", "sentence2",
+                 "--label-column", "score", "--max-steps", "2", "--mini-batch-size", "8"]) == 0
+    capsys.readouterr()
+    assert main(["finetune", "--model", data["base"], "--task", "sentence-embedding", "--train", str(rows),
+                 "--out", str(tmp_path / "cli"), "--text-column", "sentence1", "--pair-column", "sentence2",
+                 "--label-column", "score", "--max-steps", "2", "--mini-batch-size", "0", "--no-resume"]) == 1
+    assert "mini_batch_size=0" in capsys.readouterr().err

@@ -406,8 +406,8 @@ class EmbeddingDistillTask(SentenceEmbeddingTask):
         ids = pad([examples.token_ids[i] for i in index], pad_id)
         return features(ids, np.zeros_like(ids), pad_id), np.asarray(examples.labels[index])
 
-    def loss(self, network, feats, y, n, key: int = 0):
-        return embedding_distill_loss(network(feats, training=True), y)
+    def embedding_loss(self, v, y, n, key: int = 0):  # `loss` is the parent's: this of `embed`'s vectors
+        return embedding_distill_loss(v, y)
 
     def evaluate(self, infer, examples, batch_size, pad_id):
         a = unit_vectors_in_batches(infer, examples.token_ids, pad_id, batch_size)

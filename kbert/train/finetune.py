@@ -26,7 +26,7 @@ import numpy as np
 from kbert.data.features import bucketed, bucketed_features, build_network
 from kbert.data.features import features as model_inputs
 from kbert.data.rows import read_rows
-from kbert.compiled import backend, compiled, training_step
+from kbert.compiled import backend, cached_training_step, compiled, training_step
 from kbert.models.tasks import default_pooling
 from kbert.train.checkpoints import CHECKPOINT_DIR, FinetuneCheckpoint, data_fingerprint
 from kbert.train.finetune_tasks import SIMILARITY_LOSSES, task_for
@@ -72,6 +72,7 @@ class FinetuneConfig:
     matryoshka_dims: Optional[List[int]] = None  # sentence-embedding: also train vectors cut to these widths
     datasets: Optional[List[dict]] = None  # sentence-embedding from several datasets (finetune_tasks.py)
     mix: str = "proportional"  # how datasets' batches are ordered: proportional | round_robin
+    mini_batch_size: Optional[int] = None  # sentence-embedding: rows per forward pass (gradient caching)
 
     @classmethod
     def from_dict(cls, values: dict) -> "FinetuneConfig":
@@ -106,7 +107,7 @@ class FinetuneConfig:
         rate = self.backbone_dropout
         if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0.0 <= rate < 1.0):
             raise ValueError(f"`backbone_dropout` must be None or a rate in [0, 1). Received: {rate!r}")
-        for name in ("checkpoint_every", "stop_after"):
+        for name in ("checkpoint_every", "stop_after", "mini_batch_size"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"`{name}` must be None or a positive integer. Received: {name}={value!r}")
@@ -124,7 +125,7 @@ def finetune(model: str, task: str, train, dev=None, out_dir: str = "finetuned",
              resume: bool = True, checkpoint_every: Optional[int] = 1000, stop_after: Optional[int] = None,
              objective: Optional[str] = None, negative_column: Optional[str] = None, temperature: float = 0.05,
              matryoshka_dims: Optional[Sequence[int]] = None, datasets: Optional[Sequence[dict]] = None,
-             mix: str = "proportional") -> dict:
+             mix: str = "proportional", mini_batch_size: Optional[int] = None) -> dict:
     """Fine-tunes the model dir `model` on `train`; returns a summary with the dev history.
 
     Args:
@@ -183,6 +184,11 @@ def finetune(model: str, task: str, train, dev=None, out_dir: str = "finetuned",
             or rows), its columns, `objective`, `similarity_loss` and `weight` (how many times an epoch sees
             it); `train` is then unused. Every batch comes from one dataset and gets that dataset's loss.
         mix: how the datasets' batches are ordered: "proportional" (shuffled together) or "round_robin".
+        mini_batch_size: for sentence-embedding, the texts that go through the network at a time (gradient
+            caching, as sentence-transformers' Cached losses): the batch's vectors are computed a chunk at a
+            time without activations, then each chunk runs again with its share of the loss's gradient. The
+            update equals the whole batch's, in one chunk's activation memory, for about a third more compute:
+            a large contrastive batch (more in-batch negatives) on a small GPU. None: the whole batch at once.
 
     Example:
         >>> kbert.finetune("my-model", "classification", "train.tsv", "dev.tsv", out_dir="sentiment",
@@ -301,8 +307,16 @@ def run(config: FinetuneConfig, task=None, before_training=None) -> dict:
 
     # one update: tf.function + GradientTape on TensorFlow, jax.jit of the stateless update on JAX; the batch's
     # split point n and the loss key are static (a compiled step per value: full and last batches, few keys)
-    train_step = training_step(lambda feats, y, n, key: task.loss(network, feats, y, n, key), network, variables,
-                               optimizer, read=task.other_variables())
+    if c.mini_batch_size:  # gradient caching: the vectors a chunk at a time, then each chunk's backward pass
+        if not hasattr(task, "embedding_loss") or task.other_variables():
+            raise ValueError(f"`mini_batch_size` (gradient caching) applies to task='sentence-embedding'. "
+                             f"Received: task={task.name!r}")
+        train_step = cached_training_step(lambda feats: task.embed(network, feats),
+                                          lambda v, y, n, key: task.embedding_loss(v, y, n, key), network,
+                                          variables, optimizer, c.mini_batch_size)
+    else:
+        train_step = training_step(lambda feats, y, n, key: task.loss(network, feats, y, n, key), network,
+                                   variables, optimizer, read=task.other_variables())
     infer = compiled(lambda feats: network(feats, training=False), network.variables)
     # JAX compiles each shape: batches are padded to a few widths (and, to evaluate, row counts)
     on_jax, limit = backend() == "jax", backbone.config.max_position

@@ -413,9 +413,18 @@ class SentenceEmbeddingTask(FinetuneTask):
         return features(ids, np.zeros_like(ids), pad_id), y
 
     def loss(self, network, feats, y, n, key: int = 0):
+        return self.embedding_loss(self.embed(network, feats), y, n, key)
+
+    @staticmethod
+    def embed(network, feats):
+        """The batch's vectors `[k b, h]` (k = 2, or 3 with hard negatives), the part of the loss that reads
+        the weights: `finetune(mini_batch_size=...)` runs it a chunk of rows at a time (gradient caching)."""
+        return network(feats, training=True)
+
+    def embedding_loss(self, v, y, n, key: int = 0):
+        """The loss of the batch's vectors `v` (`embed`); reads no variable."""
         import keras
 
-        v = network(feats, training=True)  # [k b, h]: k = 2, or 3 with hard negatives
         dims = sorted(set(self.config.matryoshka_dims or [])) + [None]
         return keras.ops.mean(keras.ops.stack([self._loss_at(v if d is None else v[:, :d], y, n) for d in dims]))
 
@@ -546,8 +555,8 @@ class MultiDatasetEmbeddingTask(SentenceEmbeddingTask):
         feats, y = self.parts[k][0].batch(examples.parts[k], index, pad_id)
         return feats, y, len(index), k
 
-    def loss(self, network, feats, y, n, key: int = 0):
-        return self.parts[key][0].loss(network, feats, y, n)
+    def embedding_loss(self, v, y, n, key: int = 0):
+        return self.parts[key][0].embedding_loss(v, y, n)
 
 
 TASKS: Dict[str, type] = {t.name: t for t in (ClassificationTask, PairClassificationTask, RegressionTask,
