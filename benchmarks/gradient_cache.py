@@ -6,7 +6,9 @@ in-batch-negatives bi-encoder step of `--batch` (anchor, positive) pairs, i.e. 2
     python benchmarks/gradient_cache.py --model bert-mini --batch 128 --seq 64 --chunks 32,64      # TensorFlow
 
 Random token ids, dropout on (the model's 0.1, as SimCSE and in-batch training run). Each setting runs
-`--steps` timed updates after one untimed (compilation); settings alternate over `--rounds` rounds.
+`--steps` timed updates after one untimed (compilation); settings alternate over `--rounds` rounds. On
+TensorFlow (no compiled program to analyse) each setting also runs alone in a fresh process for its peak
+resident memory above what the process held before its first step.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ def main(argv=None):
     parser.add_argument("--chunks", default="32,64", help="mini_batch_size values (texts per pass)")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rss-of", help=argparse.SUPPRESS)  # internal: one setting alone, print its peak RSS
     args = parser.parse_args(argv)
 
     task = task_for(FinetuneConfig(model="-", task="sentence-embedding", pair_column="p", label_column=None))
@@ -54,10 +57,25 @@ def main(argv=None):
     for m in (int(x) for x in args.chunks.split(",")):
         steps[f"mini_batch_size={m}"] = cached_training_step(lambda f: task.embed(net, f), task.embedding_loss, net,
                                                              variables, optimizer, m)
+    if args.rss_of is not None:
+        import resource
+
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        for _ in range(2):
+            steps[args.rss_of](feats, None, static=(args.batch, 0))
+        print("RSS", (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)  # Linux: KiB
+        return
     memory = {}
     if backend() == "jax":
         for name, step in steps.items():
             memory[name] = step.lower(feats, None, static=(args.batch, 0)).compile().memory_analysis().temp_size_in_bytes
+    else:
+        import subprocess
+
+        for name in steps:
+            out = subprocess.run([sys.executable, os.path.abspath(__file__), *(argv or sys.argv[1:]), "--rss-of", name],
+                                 capture_output=True, text=True, check=True).stdout
+            memory[name] = int([line for line in out.splitlines() if line.startswith("RSS ")][-1].split()[1])
     times = {name: [] for name in steps}
     for name, step in steps.items():
         step(feats, None, static=(args.batch, 0))  # compile
@@ -69,7 +87,8 @@ def main(argv=None):
             times[name].append(1000 * (time.perf_counter() - start) / args.steps)
     base = float(np.median(times["whole batch"]))
     print(f"\n{args.model}, {args.batch} pairs ({2 * args.batch} texts) x {args.seq} tokens, Keras on {backend()}")
-    print("| update | ms per step (rounds) | time vs whole batch | compiled temporary memory |")
+    kind = "compiled temporary memory" if backend() == "jax" else "peak resident memory of its steps"
+    print(f"| update | ms per step (rounds) | time vs whole batch | {kind} |")
     print("|---|---:|---:|---:|")
     for name in steps:
         mem = f"{memory[name] / 1e6:,.0f} MB" if name in memory else "-"
