@@ -136,21 +136,8 @@ def mine_hard_negatives(model, pairs, corpus: Optional[Sequence[str]] = None, an
             s = s.copy()
             for text in own[anchors[row_i].strip()]:
                 s[where.get(text, [])] = -np.inf
-            limit = len(corpus) if range_max is None else min(range_max, len(corpus))
-            if limit < len(corpus):
-                top = np.argpartition(-s, limit - 1)[:limit]
-                ranked = top[np.argsort(-s[top], kind="stable")]
-            else:
-                ranked = np.argsort(-s, kind="stable")
-            ranked = ranked[np.isfinite(s[ranked])][range_min:]
-            keep = np.ones(len(ranked), bool)
-            if margin is not None:
-                keep &= s[ranked] <= pos - margin
-            if relative_margin is not None:
-                keep &= s[ranked] <= pos * (1.0 - relative_margin)
-            if max_score is not None:
-                keep &= s[ranked] <= max_score
-            ranked = ranked[keep]
+            ranked = _candidates(s, _bound(pos, margin, relative_margin, max_score), range_min, range_max,
+                                 num_negatives if sampling == "top" else None)
             if sampling == "random" and len(ranked) > num_negatives:
                 ranked = rng.choice(ranked, num_negatives, replace=False)
             chosen = ranked[:num_negatives]
@@ -175,6 +162,46 @@ def mine_hard_negatives(model, pairs, corpus: Optional[Sequence[str]] = None, an
               f"({short} pairs with fewer than {num_negatives}); mean score: positives "
               f"{summary['positive_score']:.3f}, negatives {summary['negative_score']:.3f}", file=sys.stderr)
     return out
+
+
+def _bound(pos: float, margin, relative_margin, max_score) -> float:
+    """The highest score a candidate may have for a pair whose positive scores `pos`."""
+    bound = np.inf
+    if margin is not None:
+        bound = min(bound, pos - margin)
+    if relative_margin is not None:
+        bound = min(bound, pos * (1.0 - relative_margin))
+    if max_score is not None:
+        bound = min(bound, max_score)
+    return bound
+
+
+def _best_first(s: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the `k` highest of `s`, highest first (equal scores by index)."""
+    top = np.argpartition(-s, k - 1)[:k] if k < len(s) else np.arange(len(s))
+    return top[np.lexsort((top, -s[top]))]
+
+
+def _candidates(s: np.ndarray, bound: float, range_min: int, range_max, wanted):
+    """The indices of one anchor's row of scores `s` (-inf: its own texts) at ranks range_min .. range_max
+    (ranked best first among the finite scores) that score at most `bound`, best first; with `wanted` only
+    the first that many; with neither `wanted` nor `range_max`, all of them in index order. Every filter is an upper bound on the score, so the candidates it drops are the
+    best-ranked ones: the first `wanted` survivors lie within the first max(range_min, number above the
+    bound) + wanted ranks, and only those are sorted (a full sort of a large corpus per anchor is the cost
+    this avoids)."""
+    finite = int(np.isfinite(s).sum())
+    if wanted is None and range_max is None:  # every survivor, in no order (random sampling): no sort at all
+        keep = np.isfinite(s) & (s <= bound)
+        if range_min:
+            keep[_best_first(s, min(range_min, finite))] = False
+        return np.flatnonzero(keep)
+    limit = finite if range_max is None else min(range_max, finite)
+    if wanted is not None:
+        limit = min(limit, max(range_min, int(np.sum(np.isfinite(s) & (s > bound)))) + wanted)
+    if limit <= range_min:
+        return np.zeros(0, np.int64)
+    ranked = _best_first(s, limit)[range_min:]
+    return ranked[s[ranked] <= bound]
 
 
 def _scorer(embedder, anchors, positives, corpus, lexical, progress):
