@@ -833,9 +833,9 @@ def test_lexical_mining_needs_no_model_and_finds_the_negative_that_shares_words(
 
 
 def test_mining_candidates_equal_a_full_sort_for_every_setting():
-    """`_candidates` sorts only the prefix of ranks a pair can take; its picks score as a full stable sort's do
+    """`ranked_candidates` sorts only the prefix of ranks a pair can take; its picks score as a full stable sort's do
     (ties included: scores rounded to two decimals), for ranks, margins and both samplings."""
-    from kbert.embed.mining import _bound, _candidates
+    from kbert.embed.mining import ranked_candidates, score_bound
 
     rng = np.random.default_rng(3)
     for trial in range(300):
@@ -847,13 +847,13 @@ def test_mining_candidates_equal_a_full_sort_for_every_setting():
         range_max = None if rng.random() < 0.5 else range_min + int(rng.integers(1, 40))
         margin = None if rng.random() < 0.5 else float(rng.uniform(0, 0.3))
         relative = None if rng.random() < 0.3 else 0.05
-        bound = _bound(pos, margin, relative, None)
+        bound = score_bound(pos, margin, relative, None)
         ranked = np.argsort(-s, kind="stable")
         ranked = ranked[np.isfinite(s[ranked])]
         ranked = ranked[:len(ranked) if range_max is None else range_max][range_min:]
         expected = ranked[s[ranked] <= bound]
         for wanted in (1, 3):
-            got = _candidates(s, bound, range_min, range_max, wanted)
+            got = ranked_candidates(s, bound, range_min, range_max, wanted)
             np.testing.assert_array_equal(s[got], s[expected[:wanted]], err_msg=f"trial {trial}")
-        got = _candidates(s, bound, range_min, range_max, None)  # random sampling draws from all of them
+        got = ranked_candidates(s, bound, range_min, range_max, None)  # random sampling draws from all of them
         np.testing.assert_array_equal(np.sort(s[got]), np.sort(s[expected]), err_msg=f"trial {trial}")

@@ -136,8 +136,8 @@ def mine_hard_negatives(model, pairs, corpus: Optional[Sequence[str]] = None, an
             s = s.copy()
             for text in own[anchors[row_i].strip()]:
                 s[where.get(text, [])] = -np.inf
-            ranked = _candidates(s, _bound(pos, margin, relative_margin, max_score), range_min, range_max,
-                                 num_negatives if sampling == "top" else None)
+            bound = score_bound(pos, margin, relative_margin, max_score)
+            ranked = ranked_candidates(s, bound, range_min, range_max, num_negatives if sampling == "top" else None)
             if sampling == "random" and len(ranked) > num_negatives:
                 ranked = rng.choice(ranked, num_negatives, replace=False)
             chosen = ranked[:num_negatives]
@@ -164,7 +164,7 @@ def mine_hard_negatives(model, pairs, corpus: Optional[Sequence[str]] = None, an
     return out
 
 
-def _bound(pos: float, margin, relative_margin, max_score) -> float:
+def score_bound(pos: float, margin, relative_margin, max_score) -> float:
     """The highest score a candidate may have for a pair whose positive scores `pos`."""
     bound = np.inf
     if margin is not None:
@@ -182,13 +182,13 @@ def _best_first(s: np.ndarray, k: int) -> np.ndarray:
     return top[np.lexsort((top, -s[top]))]
 
 
-def _candidates(s: np.ndarray, bound: float, range_min: int, range_max, wanted):
+def ranked_candidates(s: np.ndarray, bound: float, range_min: int, range_max, wanted):
     """The indices of one anchor's row of scores `s` (-inf: its own texts) at ranks range_min .. range_max
     (ranked best first among the finite scores) that score at most `bound`, best first; with `wanted` only
-    the first that many; with neither `wanted` nor `range_max`, all of them in index order. Every filter is an upper bound on the score, so the candidates it drops are the
-    best-ranked ones: the first `wanted` survivors lie within the first max(range_min, number above the
-    bound) + wanted ranks, and only those are sorted (a full sort of a large corpus per anchor is the cost
-    this avoids)."""
+    the first that many; with neither `wanted` nor `range_max`, all of them in index order. Every filter is
+    an upper bound on the score, so the candidates it drops are the best-ranked ones: the first `wanted`
+    survivors lie within the first max(range_min, number above the bound) + wanted ranks, and only those
+    are sorted (a full sort of a large corpus per anchor is the cost this avoids)."""
     finite = int(np.isfinite(s).sum())
     if wanted is None and range_max is None:  # every survivor, in no order (random sampling): no sort at all
         keep = np.isfinite(s) & (s <= bound)
