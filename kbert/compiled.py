@@ -166,8 +166,7 @@ def training_step(loss_of: Callable, model, variables: Sequence, optimizer, read
                 # an embedding's gradient comes as IndexedSlices with one slice per token of the batch, and the
                 # optimizer's global-norm clipping would take the norm of those slices, not of their sum per
                 # row (the gradient); as one dense tensor it clips by the true norm, as JAX does
-                grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
-                         for g in tape.gradient(loss, trained)]
+                grads = _dense_gradients(tape.gradient(loss, trained))
                 optimizer.apply_gradients(zip(grads, trained))
                 return loss
 
@@ -175,6 +174,13 @@ def training_step(loss_of: Callable, model, variables: Sequence, optimizer, read
         return float(functions[static](*args))
 
     return step
+
+
+def _dense_gradients(grads):
+    """TensorFlow gradients with each IndexedSlices made one dense tensor (see `training_step`)."""
+    import tensorflow as tf
+
+    return [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
 
 
 def _rows(tree) -> int:
@@ -203,7 +209,7 @@ def cached_training_step(embed_of: Callable, loss_on: Callable, model, variables
     weight gradients add up. Peak activation memory is one chunk's instead of the batch's, for about a third
     more compute (the second forward). Dropout draws the same masks in (1) and (3): the random state each
     chunk started from is put back before its second pass. The gradient equals the whole batch's own
-    (tests/test_finetune.py). `feats` is a pytree of arrays whose first axis is the rows; `loss_on` must
+    (tests/test_tasks_jax.py). `feats` is a pytree of arrays whose first axis is the rows; `loss_on` must
     read no variable."""
     trained = list(variables)
     if isinstance(mini_batch_size, bool) or not isinstance(mini_batch_size, int) or mini_batch_size < 1:
@@ -281,9 +287,6 @@ def cached_training_step(embed_of: Callable, loss_on: Callable, model, variables
     seeds = [v for v in model.variables if id(v) not in ids and not ("float" in str(v.dtype))]
     functions = {}
 
-    def dense(g):
-        return tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
-
     def step(feats, y, static=()):
         key = (tuple(static), bounds_of(feats))
         if key not in functions:
@@ -312,7 +315,7 @@ def cached_training_step(embed_of: Callable, loss_on: Callable, model, variables
                         part = tf.nest.map_structure(tf.identity, _part(feats, lo, hi))  # after the last chunk
                     with tf.GradientTape() as tape:
                         e = embed_of(part)
-                    chunk_grads = [dense(x) for x in tape.gradient(e, trained, output_gradients=g[lo:hi])]
+                    chunk_grads = _dense_gradients(tape.gradient(e, trained, output_gradients=g[lo:hi]))
                     grads = chunk_grads if grads is None else [
                         b if a is None else a if b is None else a + b for a, b in zip(grads, chunk_grads)]
                 for v, value in zip(seeds, ends):
