@@ -857,3 +857,127 @@ def test_mining_candidates_equal_a_full_sort_for_every_setting():
             np.testing.assert_array_equal(s[got], s[expected[:wanted]], err_msg=f"trial {trial}")
         got = ranked_candidates(s, bound, range_min, range_max, None)  # random sampling draws from all of them
         np.testing.assert_array_equal(np.sort(s[got]), np.sort(s[expected]), err_msg=f"trial {trial}")
+
+
+def xlmr_dir(tmp_path, vocab_size=800):
+    """A Hugging Face dir as XLM-RoBERTa's sentence models ship one (BGE-M3, KURE, multilingual E5): a unigram
+    `sentencepiece.bpe.model` numbered <unk> <s> </s> by SentencePiece, which transformers renumbers as fairseq's
+    dictionary, and a tiny XLMRobertaModel over its 802 ids."""
+    import io
+    import os
+
+    import sentencepiece as spm
+    import torch
+    import transformers
+
+    lines = [line for doc in corpus(["kolaw"]) for line in doc if line.strip()]
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_writer=buf, vocab_size=vocab_size,
+                                   model_type="unigram", normalization_rule_name="nmt_nfkc", unk_id=0, bos_id=1,
+                                   eos_id=2, pad_id=-1, minloglevel=2)
+    out = str(tmp_path / "xlmr")
+    os.makedirs(out)
+    open(os.path.join(out, "sentencepiece.bpe.model"), "wb").write(buf.getvalue())
+    json.dump({"tokenizer_class": "XLMRobertaTokenizer", "model_max_length": 64},
+              open(os.path.join(out, "tokenizer_config.json"), "w", encoding="utf-8"))
+    config = transformers.XLMRobertaConfig(vocab_size=vocab_size + 2, hidden_size=32, num_hidden_layers=2,
+                                           num_attention_heads=2, intermediate_size=64, max_position_embeddings=66,
+                                           pad_token_id=1, type_vocab_size=1)
+    torch.manual_seed(0)
+    transformers.XLMRobertaModel(config).save_pretrained(out)
+    return out
+
+
+ODD_TEXTS = ["ＡＢＣ　①②… 한국어ﾊﾝｸﾞﾙ  여러   칸", "😀 이모지와 漢字", " 앞뒤 공백 ", "", "Hello, WORLD 123"]
+
+
+def test_an_xlm_roberta_tokenizer_gives_the_checkpoints_ids_from_its_model_or_its_tokenizer_json(tmp_path):
+    """XLM-RoBERTa's SentencePiece model numbered as fairseq's dictionary (<s> 0, <pad> 1, </s> 2, <unk> 3, the
+    pieces one place later, <mask> last): kbert's ids equal transformers' on Korean and odd text, from the
+    `.model` and from a tokenizer.json alone, in Python and in the graph."""
+    import os
+    import shutil
+
+    import tensorflow as tf
+    import transformers
+
+    from helpers import KOREAN_SENTENCES
+
+    out = xlmr_dir(tmp_path)
+    hf = transformers.AutoTokenizer.from_pretrained(out)
+    json_only = str(tmp_path / "json-only")
+    hf.save_pretrained(json_only)
+    for name in os.listdir(json_only):
+        if name != "tokenizer.json":
+            os.remove(os.path.join(json_only, name))
+    lines = [line.strip() for doc in corpus(["kobill"]) for line in doc if line.strip()][:300]
+    texts = KOREAN_SENTENCES + lines + ODD_TEXTS
+    for where in (out, json_only):
+        tok = kbert.Tokenizer.load(where)
+        assert tok.vocab_size == len(hf) == 802
+        assert tok.special_ids == {"pad": 1, "unk": 3, "cls": 0, "sep": 2, "mask": 801}
+        for text in texts:
+            assert tok.encode(text).ids == hf(text)["input_ids"], (where, text)
+        assert tok.tf_tokenize(tf.constant(texts)).to_list() == [hf(t)["input_ids"] for t in texts]
+    # the same model without the fairseq marker is SentencePiece's own numbering (an ALBERT-style dir)
+    plain = str(tmp_path / "plain")
+    os.makedirs(plain)
+    shutil.copy(os.path.join(out, "sentencepiece.bpe.model"), plain)
+    own = kbert.Tokenizer.load(plain, special_tokens={"pad": "<unk>", "mask": "<unk>"})  # it has neither
+    assert own.encode("대한민국").ids[0] == 1  # <s> is SentencePiece's id 1
+
+
+def test_hugging_face_sentencepiece_files_kbert_cannot_reproduce_are_refused_by_name(tmp_path):
+    import os
+
+    import transformers
+
+    from kbert.text.hf_sentencepiece import fairseq_layout, unigram_from_json
+
+    out = xlmr_dir(tmp_path)
+    hf = transformers.AutoTokenizer.from_pretrained(out)
+    hf.save_pretrained(str(tmp_path / "saved"))
+    path = os.path.join(str(tmp_path / "saved"), "tokenizer.json")
+    spec = json.load(open(path, encoding="utf-8"))
+    for change, message in ((lambda s: s["model"].update(byte_fallback=True), "byte fallback"),
+                            (lambda s: s.update(normalizer={"type": "Lowercase"}), "'Lowercase'"),
+                            (lambda s: s.update(pre_tokenizer={"type": "ByteLevel"}), "pre-tokenizer")):
+        broken = json.loads(json.dumps(spec))
+        change(broken)
+        json.dump(broken, open(path, "w", encoding="utf-8"))
+        with pytest.raises(ValueError, match=message):
+            unigram_from_json(path)
+    tok = kbert.Tokenizer.train(corpus(["kolaw"]), vocab_size=800, progress=False)  # [PAD] [UNK] ... first
+    with pytest.raises(ValueError, match="does not start <unk> <s> </s>"):
+        fairseq_layout(open(os.path.join(tok.save(str(tmp_path / "kb")), "spm.model"), "rb").read())
+
+
+def test_an_xlm_roberta_sentence_model_loads_with_its_vectors(tmp_path):
+    """An XLM-RoBERTa sentence-transformers dir (the layout of BGE-M3 / KURE / multilingual E5): kbert's vectors
+    equal SentenceTransformer's, long texts truncated alike, and the encoder equals transformers'."""
+    import torch
+    import transformers
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
+
+    from helpers import KOREAN_SENTENCES
+
+    out = xlmr_dir(tmp_path)
+    st = SentenceTransformer(modules=[Transformer(out, max_seq_length=48), Pooling(32, pooling_mode="mean"),
+                                      Normalize()], device="cpu")
+    st_dir = str(tmp_path / "st")
+    st.save(st_dir)
+    emb = kbert.Embedder.load(st_dir)
+    assert emb.pooling == "mean" and emb.max_length == 48
+    texts = KOREAN_SENTENCES[:4] + ["대한민국 헌법 " * 30] + ODD_TEXTS[:2]
+    np.testing.assert_allclose(emb.encode(texts), st.encode(texts), atol=2e-5)
+    ref = transformers.XLMRobertaModel.from_pretrained(out).eval()
+    hf = transformers.AutoTokenizer.from_pretrained(out)
+    batch = hf(KOREAN_SENTENCES[:3], padding=True, return_tensors="pt")
+    with torch.no_grad():
+        expected = ref(**batch).last_hidden_state.numpy()
+    model = kbert.load_model(out)
+    got = model({"token_ids": batch["input_ids"].numpy(), "segment_ids": np.zeros_like(batch["input_ids"].numpy()),
+                 "padding_mask": batch["attention_mask"].numpy().astype(bool)})["sequence_output"]
+    mask = batch["attention_mask"].numpy().astype(bool)
+    np.testing.assert_allclose(np.asarray(got)[mask], expected[mask], atol=2e-5)

@@ -5,7 +5,10 @@ size (`embeddings_project`, kbert's `embeddings/projection`) and that has no poo
 BERT backbone with `embedding_size` set and a freshly initialized pooler (fine-tuning trains it, as
 ELECTRA's own classification head is trained; `pooled_output` means nothing before that). RoBERTa
 (KLUE-RoBERTa) is BERT with positions counted from pad_token_id + 1, one segment type and an `lm_head`: it
-loads as a BERT backbone with the position rows before the first real position dropped.
+loads as a BERT backbone with the position rows before the first real position dropped. XLM-RoBERTa, the
+base of today's multilingual and Korean sentence models (BGE-M3, KURE, multilingual E5), is RoBERTa with a
+250,002-row vocabulary and loads the same way; its tokenizer's fairseq numbering is
+`kbert.text.hf_sentencepiece`'s.
 
 Foreign weight names are translated here and nowhere else. Every format is first read into a dict of
 Hugging Face style names (`encoder.layer.0.attention.self.query.weight`, torch [out, in] layout), then
@@ -29,6 +32,9 @@ from kbert.models.io import (assign_weights, build_pretrainer, is_kbert_dir, loa
 
 _HF_ACT = {"gelu": "gelu", "gelu_python": "gelu", "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh",
            "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu", "tanh": "tanh"}
+# XLM-RoBERTa (and the sentence models on it: BGE-M3, KURE, multilingual E5) is RoBERTa's architecture with a
+# larger vocabulary; its SentencePiece ids are renumbered by kbert.text.hf_sentencepiece
+_ROBERTA_TYPES = ("roberta", "xlm-roberta")
 _KBERT_ACT = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu", "tanh": "tanh"}
 
 
@@ -38,9 +44,9 @@ def config_from_hf(hf: dict, source: str = "config.json") -> ModelConfig:
     model_type = hf.get("model_type")
     if model_type is None:  # Google's JSON has no model_type; ALBERT's has embedding_size.
         model_type = "albert" if "embedding_size" in hf else "bert"
-    if model_type not in ("bert", "albert", "electra", "roberta"):
+    if model_type not in ("bert", "albert", "electra") + _ROBERTA_TYPES:
         raise ValueError(f"{source}: model_type {model_type!r} is not supported; kbert loads 'bert', 'albert', "
-                         "'roberta' and 'electra' (the discriminator)")
+                         "'roberta', 'xlm-roberta' and 'electra' (the discriminator)")
     act = hf.get("hidden_act", "gelu")
     if act not in _HF_ACT:
         raise ValueError(f"{source}: hidden_act {act!r} is not supported. Supported: {sorted(_HF_ACT)}")
@@ -69,7 +75,7 @@ def config_from_hf(hf: dict, source: str = "config.json") -> ModelConfig:
         initializer_range=hf.get("initializer_range", 0.02),
         pad_token_id=hf.get("pad_token_id") or 0,
     )
-    if model_type == "roberta":  # positions count from pad_token_id + 1: kbert keeps the rows real tokens use
+    if model_type in _ROBERTA_TYPES:  # positions count from pad_token_id + 1: kbert keeps the rows real tokens use
         fields["max_position"] = hf.get("max_position_embeddings", 514) - (hf.get("pad_token_id", 1) + 1)
         fields["type_vocab_size"] = hf.get("type_vocab_size", 1)
     if model_type == "albert":
@@ -278,9 +284,9 @@ def _read_hf_dir(directory: str) -> Tuple[ModelConfig, Dict[str, np.ndarray], bo
         raise FileNotFoundError(f"{directory} has config.json but no weight file "
                                 "(model.safetensors or pytorch_model.bin)")
     tensors = _normalize_hf_names(tensors)
-    if hf_config.get("model_type") == "roberta":
+    if hf_config.get("model_type") in _ROBERTA_TYPES:
         tensors = _roberta_as_bert(tensors, hf_config.get("pad_token_id", 1))
-    return config, tensors, hf_config.get("model_type") in ("electra", "roberta")
+    return config, tensors, hf_config.get("model_type") in ("electra",) + _ROBERTA_TYPES
 
 
 _TF1_BERT_RULES = [

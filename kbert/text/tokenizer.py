@@ -29,6 +29,7 @@ from typing import Iterable, List, NamedTuple, Optional, Sequence, Union
 import numpy as np
 
 from kbert.text.fast_unigram import add_specials, fast_unigram_ids, fast_unigram_parts, is_unigram, specials_as_bos_eos
+from kbert.text.hf_sentencepiece import fairseq_layout, is_fairseq_dir, unigram_from_json
 from kbert.text.normalize import normalize, tf_normalize
 from kbert.text.vocab import ALGORITHMS, JOINER, SPECIAL_TOKENS, train_vocabulary  # noqa: F401 (re-exported)
 from kbert.text.wordpiece import WordPieceIds
@@ -768,10 +769,18 @@ class Tokenizer:
                     meta.update(overrides)
                     model_path = os.path.join(path, SPM_FILE if kind == "sentencepiece" else VOCAB_FILE)
                     return cls(kind, _read_model(model_path, kind), **meta)
+            fairseq = is_fairseq_dir(path)  # XLM-RoBERTa's numbering of its SentencePiece model
             for name in sorted(os.listdir(path)):
                 if name == VOCAB_FILE or name.endswith(".model"):
+                    if fairseq and name.endswith(".model"):
+                        proto = fairseq_layout(_read_model(os.path.join(path, name), "sentencepiece"))
+                        return cls._from_sentencepiece(proto, overrides)
                     return cls.load(os.path.join(path, name), **overrides)
             if os.path.isfile(os.path.join(path, CONFIG_FILE)):  # a Hugging Face tokenizer.json alone
+                with open(os.path.join(path, CONFIG_FILE), encoding="utf-8") as f:
+                    model_type = (json.load(f).get("model") or {}).get("type")
+                if model_type == "Unigram":  # SentencePiece's, converted by transformers
+                    return cls._from_sentencepiece(unigram_from_json(os.path.join(path, CONFIG_FILE)), overrides)
                 vocab, lowercase = _hf_wordpiece(os.path.join(path, CONFIG_FILE))
                 return cls("wordpiece", vocab, **{"lowercase": lowercase, **overrides})
             raise FileNotFoundError(f"{path!r} holds no tokenizer: expected {CONFIG_FILE} (kbert, or a Hugging Face "
@@ -779,20 +788,25 @@ class Tokenizer:
         if not os.path.isfile(path):
             raise FileNotFoundError(f"Tokenizer file not found: {path!r}")
         if path.endswith(".model"):
-            proto = _read_model(path, "sentencepiece")
-            import sentencepiece as spm
-
-            sp = spm.SentencePieceProcessor(model_proto=proto)
-            pieces = {sp.id_to_piece(i) for i in range(sp.get_piece_size())}
-            specials = dict(overrides.pop("special_tokens", {}) or {})
-            for role, choices in (("pad", ("[PAD]", "<pad>")), ("unk", ("[UNK]", "<unk>")),
-                                  ("cls", ("[CLS]", "<s>", "<cls>")), ("sep", ("[SEP]", "</s>", "<sep>")),
-                                  ("mask", ("[MASK]", "<mask>"))):
-                found = next((c for c in choices if c in pieces), None)
-                if role not in specials and found is not None:
-                    specials[role] = found
-            return cls("sentencepiece", proto, special_tokens=specials, **overrides)
+            return cls._from_sentencepiece(_read_model(path, "sentencepiece"), overrides)
         return cls("wordpiece", _read_model(path, "wordpiece"), **overrides)
+
+    @classmethod
+    def _from_sentencepiece(cls, proto: bytes, overrides: dict) -> "Tokenizer":
+        """A SentencePiece tokenizer of `proto`, its special tokens found by their usual names."""
+        import sentencepiece as spm
+
+        overrides = dict(overrides)
+        sp = spm.SentencePieceProcessor(model_proto=proto)
+        pieces = {sp.id_to_piece(i) for i in range(sp.get_piece_size())}
+        specials = dict(overrides.pop("special_tokens", {}) or {})
+        for role, choices in (("pad", ("[PAD]", "<pad>")), ("unk", ("[UNK]", "<unk>")),
+                              ("cls", ("[CLS]", "<s>", "<cls>")), ("sep", ("[SEP]", "</s>", "<sep>")),
+                              ("mask", ("[MASK]", "<mask>"))):
+            found = next((c for c in choices if c in pieces), None)
+            if role not in specials and found is not None:
+                specials[role] = found
+        return cls("sentencepiece", proto, special_tokens=specials, **overrides)
 
     # ------------------------------------------------------------------- training
     @classmethod

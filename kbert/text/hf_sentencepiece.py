@@ -1,0 +1,158 @@
+"""SentencePiece vocabularies as XLM-RoBERTa's Hugging Face dirs hold them, made into models whose own ids are
+the ids the checkpoint was trained with.
+
+XLM-RoBERTa and the Korean sentence models built on it (BGE-M3 and its Korean fine-tunes, KURE, multilingual
+E5, KoE5, ...) ship `sentencepiece.bpe.model` (a unigram model despite the name) but number its pieces as
+fairseq's dictionary does: `<s>` 0, `<pad>` 1, `</s>` 2, `<unk>` 3, then SentencePiece's pieces from its id 3
+on, each one place later, and `<mask>` last. transformers applies that shift in Python around SentencePiece's
+ids. kbert rewrites the model proto instead (`fairseq_layout`): the same pieces with the same scores, in
+fairseq's order, so SentencePiece's own ids, the in-graph op's and therefore every kbert path (Python, tf.data,
+SavedModel) are the checkpoint's ids with nothing added after the encoder. Viterbi only reads scores, and the
+pieces keep their relative order, so the segmentation is unchanged.
+
+Some repos ship only a `tokenizer.json` (Hugging Face `tokenizers`, the Unigram model): `unigram_from_json`
+builds the SentencePiece proto from its pieces and scores and its precompiled normalization map, which is
+the map the `.model` carried before it was converted, so SentencePiece normalizes and segments as the
+`tokenizers` pipeline does.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+
+# tokenizer classes / model types whose SentencePiece ids are fairseq's (transformers' XLMRobertaTokenizer)
+_FAIRSEQ_CLASSES = ("XLMRobertaTokenizer", "XLMRobertaTokenizerFast")
+_FAIRSEQ_MODEL_TYPES = ("xlm-roberta",)
+_FAIRSEQ_HEAD = ("<s>", "<pad>", "</s>", "<unk>")
+
+
+def is_fairseq_dir(directory: str) -> bool:
+    """A Hugging Face dir whose SentencePiece model is numbered as fairseq's dictionary (XLM-RoBERTa): its
+    tokenizer_config.json names XLMRobertaTokenizer, or its config.json model_type is xlm-roberta."""
+    for name, key, values in (("tokenizer_config.json", "tokenizer_class", _FAIRSEQ_CLASSES),
+                              ("config.json", "model_type", _FAIRSEQ_MODEL_TYPES)):
+        path = os.path.join(directory, name)
+        if os.path.isfile(path):
+            try:
+                with open(path, encoding="utf-8") as f:
+                    if json.load(f).get(key) in values:
+                        return True
+            except (ValueError, OSError, AttributeError):
+                continue
+    return False
+
+
+def fairseq_layout(proto: bytes) -> bytes:
+    """The SentencePiece model `proto` renumbered as fairseq's dictionary: `<s>` 0, `<pad>` 1, `</s>` 2, `<unk>`
+    3, SentencePiece's piece i (i >= 3) at i + 1, `<mask>` last. The input must be numbered as SentencePiece
+    trains XLM-R-style models (`<unk>` 0, `<s>` 1, `</s>` 2); a model already in fairseq's order is returned
+    as it is. Anything else raises ValueError naming what it found."""
+    from sentencepiece import sentencepiece_model_pb2 as pb
+
+    model = pb.ModelProto()
+    model.ParseFromString(proto)
+    head = [p.piece for p in model.pieces[:4]]
+    if tuple(head) == _FAIRSEQ_HEAD:
+        return proto
+    Type = pb.ModelProto.SentencePiece.Type
+    expected = [("<unk>", Type.UNKNOWN), ("<s>", Type.CONTROL), ("</s>", Type.CONTROL)]
+    found = [(p.piece, p.type) for p in model.pieces[:3]]
+    if found != expected:
+        raise ValueError(f"This SentencePiece model does not start <unk> <s> </s> (it starts {head[:3]}), so "
+                         f"fairseq's (XLM-RoBERTa's) numbering of it is not defined")
+    out = pb.ModelProto()
+    out.CopyFrom(model)
+    del out.pieces[:]
+    for piece, kind in (("<s>", Type.CONTROL), ("<pad>", Type.CONTROL), ("</s>", Type.CONTROL),
+                        ("<unk>", Type.UNKNOWN)):
+        out.pieces.add(piece=piece, score=0.0, type=kind)
+    out.pieces.extend(model.pieces[3:])
+    if not any(p.piece == "<mask>" for p in model.pieces):
+        out.pieces.add(piece="<mask>", score=0.0, type=Type.CONTROL)
+    spec = out.trainer_spec
+    spec.bos_id, spec.pad_id, spec.eos_id, spec.unk_id = 0, 1, 2, 3
+    spec.bos_piece, spec.pad_piece, spec.eos_piece, spec.unk_piece = _FAIRSEQ_HEAD
+    return out.SerializeToString()
+
+
+def unigram_from_json(path: str) -> bytes:
+    """A SentencePiece model proto from a Hugging Face `tokenizer.json` whose model is Unigram (pieces, scores,
+    unk_id), its normalizer's precompiled map and its Metaspace pre-tokenizer; the added special tokens become
+    control pieces at their ids. Other pipelines raise ValueError naming the part kbert cannot reproduce."""
+    from sentencepiece import sentencepiece_model_pb2 as pb
+
+    with open(path, encoding="utf-8") as f:
+        spec = json.load(f)
+    model = spec.get("model") or {}
+    if model.get("type") != "Unigram":
+        raise ValueError(f"{path}: its model is {model.get('type')!r}; kbert reads WordPiece (vocab.txt) and "
+                         f"Unigram tokenizer.json files")
+    if model.get("byte_fallback"):
+        raise ValueError(f"{path}: byte fallback is not supported for a tokenizer.json Unigram model")
+    charsmap = _precompiled_charsmap(spec.get("normalizer"), path)
+    _check_metaspace(spec.get("pre_tokenizer"), path)
+    special = {t["content"] for t in spec.get("added_tokens", []) if t.get("special")}
+    Type = pb.ModelProto.SentencePiece.Type
+    out = pb.ModelProto()
+    unk_id = model.get("unk_id")
+    for i, (piece, score) in enumerate(model["vocab"]):
+        kind = Type.UNKNOWN if i == unk_id else Type.CONTROL if piece in special else Type.NORMAL
+        out.pieces.add(piece=piece, score=float(score) if kind == Type.NORMAL else 0.0, type=kind)
+    if unk_id is None:
+        raise ValueError(f"{path}: its Unigram model has no unk_id")
+    out.trainer_spec.model_type = pb.TrainerSpec.UNIGRAM
+    out.trainer_spec.vocab_size = len(out.pieces)
+    out.trainer_spec.unk_id = unk_id
+    for role in ("bos", "eos", "pad"):
+        setattr(out.trainer_spec, f"{role}_id", -1)
+    ids = {p.piece: i for i, p in enumerate(out.pieces)}
+    for role, piece in (("bos", "<s>"), ("eos", "</s>"), ("pad", "<pad>")):
+        if piece in ids and out.pieces[ids[piece]].type == Type.CONTROL:
+            setattr(out.trainer_spec, f"{role}_id", ids[piece])
+    norm = out.normalizer_spec
+    norm.name = "hf_precompiled" if charsmap else "identity"
+    norm.precompiled_charsmap = charsmap
+    norm.add_dummy_prefix = True
+    norm.remove_extra_whitespaces = True
+    norm.escape_whitespaces = True
+    return out.SerializeToString()
+
+
+def _precompiled_charsmap(normalizer, path: str) -> bytes:
+    """The precompiled map of a tokenizer.json normalizer (alone or inside a Sequence with the whitespace
+    replacement transformers' converter adds); b"" when there is none."""
+    if normalizer is None:
+        return b""
+    parts = normalizer.get("normalizers", [normalizer]) if normalizer.get("type") == "Sequence" else [normalizer]
+    found = b""
+    for part in parts:
+        kind = part.get("type")
+        if kind == "Precompiled":
+            found = base64.b64decode(part.get("precompiled_charsmap") or "")
+        elif kind == "Replace" and _collapses_spaces(part):
+            continue  # SentencePiece's remove_extra_whitespaces does the same
+        elif kind == "Strip":
+            continue  # likewise (leading and trailing whitespace)
+        else:
+            raise ValueError(f"{path}: its normalizer step {kind!r} has no SentencePiece equivalent")
+    return found
+
+
+def _collapses_spaces(part) -> bool:
+    pattern = part.get("pattern") or {}
+    return part.get("content") == " " and (pattern.get("Regex") == " {2,}" or pattern.get("String") == "  ")
+
+
+def _check_metaspace(pre, path: str) -> None:
+    steps = pre.get("pretokenizers", [pre]) if pre and pre.get("type") == "Sequence" else [pre]
+    for step in steps:
+        if step is None:
+            continue
+        if step.get("type") == "WhitespaceSplit":
+            continue
+        if step.get("type") != "Metaspace" or step.get("replacement", "\u2581") != "\u2581" or \
+                step.get("prepend_scheme", "always") != "always" or not step.get("add_prefix_space", True):
+            raise ValueError(f"{path}: its pre-tokenizer {step} is not SentencePiece's (Metaspace '\u2581', a "
+                             f"space prepended always)")
