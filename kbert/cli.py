@@ -329,6 +329,9 @@ def _embed(args):
     emb = Embedder.load(args.model, max_length=args.max_length)
     if args.format == "npy" and not args.out:
         raise ValueError("--format npy needs --out FILE.npy")
+    if args.words and (args.prompt_name or args.prompt):
+        raise ValueError("--prompt-name / --prompt go with sentence vectors, not --words")
+    emb.prompt_text(args.prompt_name, args.prompt)  # an unknown prompt name fails before any text is read
     source = open(args.input, encoding="utf-8") if args.input else sys.stdin
     chunks = []
     lines = (line.rstrip("\n") for line in source)
@@ -342,7 +345,8 @@ def _embed(args):
                                                            "vector": [round(float(x), 6) for x in v]}
                                                           for w, s, e, v in words]}, ensure_ascii=False))
             continue
-        vectors = emb.encode(chunk, pooling=args.pooling, progress=False)
+        vectors = emb.encode(chunk, pooling=args.pooling, progress=False, prompt_name=args.prompt_name,
+                             prompt=args.prompt)
         if args.format == "npy":
             chunks.append(vectors)
         else:
@@ -588,6 +592,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input", help="text file, one text per line (default: stdin)")
     p.add_argument("--pooling", choices=("mean", "cls", "max", "first_last_avg"),
                    help="default: the model's own (a fine-tuned bi-encoder's pooling), else mean")
+    p.add_argument("--prompt-name", help="one of the model's prompts put before every text (a sentence-transformers "
+                                         "dir's, e.g. E5's query / passage; default: the model's default prompt)")
+    p.add_argument("--prompt", help="a text put before every text instead of a named prompt")
     p.add_argument("--words", action="store_true", help="word vectors instead of sentence vectors")
     p.add_argument("--unit", choices=("eojeol", "morpheme", "subword"), default="eojeol", help="with --words")
     p.add_argument("--format", choices=("jsonl", "npy"), default="jsonl")

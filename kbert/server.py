@@ -6,7 +6,8 @@
 
 Routes (JSON in and out; errors are `{"error": {"message", "type", "code"}}` with the status below):
     POST /v1/embeddings   OpenAI-compatible: {"input": str | [str], "model"?: str} and kbert's own
-                          "pooling", "normalize" -> {"object": "list", "data": [{"object": "embedding",
+                          "pooling", "normalize", "prompt_name" (one of the model's prompts, E5's "query" /
+                          "passage"; default: its default prompt) -> {"object": "list", "data": [{"object": "embedding",
                           "index": i, "embedding": [...]}], "model", "usage": {"prompt_tokens", "total_tokens"}}
     POST /v1/similarity   {"source_sentence": str, "sentences": [str]} -> {"similarities": [cosine, ...]}
     POST /v1/classify     task dirs (`kbert finetune` output): {"input": str | [str], "pairs"?: [str]} ->
@@ -223,6 +224,7 @@ class Engine:
         options = group[0].options
         if kind == "embed":
             return self.embedder.encode(texts, pooling=options.get("pooling"), normalize=options.get("normalize", True),
+                                        prompt_name=options.get("prompt_name"),
                                         batch_size=self.batch_size, progress=False)
         pairs = None
         if any(j.pairs is not None for j in group):
@@ -360,8 +362,13 @@ def build_app(model: str, max_batch_tokens: int = 8192, max_wait_ms: float = 5.0
             if not isinstance(data["normalize"], bool):
                 raise HTTPError(400, "`normalize` must be true or false")
             options["normalize"] = data["normalize"]
+        if "prompt_name" in data:
+            if not isinstance(data["prompt_name"], str):
+                raise HTTPError(400, "`prompt_name` must be a string")
+            options["prompt_name"] = data["prompt_name"]
         if "pooling" in options:  # refuse a bad pooling before it waits in the queue
             engine.embedder.resolve_pooling(options["pooling"], None)
+        engine.embedder.prompt_text(options.get("prompt_name"))  # and an unknown prompt name
         vectors = await engine.run("embed", texts, options, timeout=timeout_s, ticket=ticket)
         engine.metrics.texts.labels("/v1/embeddings").inc(len(texts))
         tokens = sum(engine.cost(t) for t in texts)

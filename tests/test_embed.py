@@ -279,6 +279,11 @@ def test_embed_command(emb, tmp_path, capsys):
     assert main(["embed", "--model", model_dir, "--input", str(src), "--words"]) == 0
     words = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
     assert [w["word"] for w in words[-1]["words"]] == ["학교에서", "공부했다"]
+    assert main(["embed", "--model", model_dir, "--input", str(src), "--prompt", "질문: "]) == 0
+    rows = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    np.testing.assert_allclose(rows[1]["vector"], emb.encode("학교에서 공부했다", prompt="질문: "), atol=1e-5)
+    assert main(["embed", "--model", model_dir, "--input", str(src), "--prompt-name", "query"]) == 1
+    assert "'query' is not one of this model's prompts" in capsys.readouterr().err
 
 
 @pytest.mark.slow
@@ -725,6 +730,7 @@ class _TableEmbedder(kbert.Embedder):
 
     def __init__(self, table):
         self.table = table
+        self.prompts, self.default_prompt_name = {}, None
 
     def encode(self, texts, progress=True, **options):
         return np.array([self.table[t] for t in texts], np.float32)
@@ -963,13 +969,25 @@ def test_an_xlm_roberta_sentence_model_loads_with_its_vectors(tmp_path):
     from helpers import KOREAN_SENTENCES
 
     out = xlmr_dir(tmp_path)
+    prompts = {"query": "query: ", "passage": "passage: "}  # E5's
     st = SentenceTransformer(modules=[Transformer(out, max_seq_length=48), Pooling(32, pooling_mode="mean"),
-                                      Normalize()], device="cpu")
+                                      Normalize()], device="cpu", prompts=prompts)
     st_dir = str(tmp_path / "st")
     st.save(st_dir)
     emb = kbert.Embedder.load(st_dir)
     assert emb.pooling == "mean" and emb.max_length == 48
+    assert emb.prompts == st.prompts and emb.default_prompt_name is None  # sentence-transformers 6 adds "document"
     texts = KOREAN_SENTENCES[:4] + ["대한민국 헌법 " * 30] + ODD_TEXTS[:2]
+    np.testing.assert_allclose(emb.encode(texts), st.encode(texts), atol=2e-5)
+    # prompts as sentence-transformers applies them: before the text, counted in its length, pooled with it
+    np.testing.assert_allclose(emb.encode_query(texts), st.encode_query(texts), atol=2e-5)
+    np.testing.assert_allclose(emb.encode_document(texts), st.encode_document(texts), atol=2e-5)
+    np.testing.assert_allclose(emb.encode(texts, prompt="질문: "), st.encode(texts, prompt="질문: "), atol=2e-5)
+    assert not np.allclose(emb.encode_query(texts), emb.encode(texts), atol=1e-3)
+    st.default_prompt_name = "query"
+    st.save(st_dir)
+    emb = kbert.Embedder.load(st_dir)
+    assert emb.default_prompt_name == "query"
     np.testing.assert_allclose(emb.encode(texts), st.encode(texts), atol=2e-5)
     ref = transformers.XLMRobertaModel.from_pretrained(out).eval()
     hf = transformers.AutoTokenizer.from_pretrained(out)
@@ -981,3 +999,44 @@ def test_an_xlm_roberta_sentence_model_loads_with_its_vectors(tmp_path):
                  "padding_mask": batch["attention_mask"].numpy().astype(bool)})["sequence_output"]
     mask = batch["attention_mask"].numpy().astype(bool)
     np.testing.assert_allclose(np.asarray(got)[mask], expected[mask], atol=2e-5)
+
+
+def test_prompts_go_to_search_mining_export_and_are_checked_by_name(emb, tmp_path):
+    """An Embedder with E5-style prompts: `search` and `mine_hard_negatives` encode queries with the query
+    prompt and the texts searched with the document one; an exported sentence-transformers dir keeps them;
+    unknown names and conflicting arguments are refused by name."""
+    from sentence_transformers import SentenceTransformer
+
+    e = kbert.Embedder(emb.backbone, emb.tokenizer, prompts={"query": "질문: ", "passage": "문서: "})
+    queries = ["대한민국의 주권은 누구에게 있는가", "국회의원의 임기"]
+    corpus = ["대한민국의 주권은 국민에게 있고, 모든 권력은 국민으로부터 나온다.", "국회의원의 임기는 4년으로 한다.",
+              "대통령의 임기는 5년으로 하며, 중임할 수 없다.", "모든 국민은 법 앞에 평등하다."]
+    scores = e.encode_query(queries) @ e.encode_document(corpus).T
+    assert not np.allclose(scores, e.encode(queries) @ e.encode(corpus).T, atol=1e-4)
+    hits = e.search(queries, corpus, top_k=4)
+    for row, found in zip(scores, hits):
+        assert [j for j, _ in found] == list(np.argsort(-row, kind="stable"))
+        np.testing.assert_allclose([v for _, v in found], np.sort(row)[::-1], atol=1e-5)
+    hybrid = e.search(queries, corpus, top_k=4, lexical=0.5)
+    from kbert.embed.lexical import lexical_scores
+    expected = 0.5 * scores + 0.5 * lexical_scores(queries, corpus)
+    np.testing.assert_allclose([[v for _, v in row] for row in hybrid], -np.sort(-expected, axis=1), atol=1e-5)
+    # mining: the anchor as a query, the candidates as documents
+    pairs = [{"anchor": q, "positive": corpus[i]} for q, i in zip(queries, (0, 1))]
+    mined = kbert.mine_hard_negatives(e, pairs, corpus, relative_margin=None, progress=False)
+    for pair, row in zip(mined, scores):
+        allowed = [j for j in np.argsort(-row, kind="stable") if corpus[j] not in (pair["positive"],)]
+        assert pair["negative"] == corpus[allowed[0]]
+    out = kbert.export_sentence_transformers(e, str(tmp_path / "st"))
+    st = SentenceTransformer(out, device="cpu")
+    assert {k: st.prompts[k] for k in ("query", "passage")} == e.prompts
+    np.testing.assert_allclose(st.encode_query(queries), e.encode_query(queries), atol=2e-5)
+    np.testing.assert_allclose(st.encode_document(corpus), e.encode_document(corpus), atol=2e-5)
+    np.testing.assert_allclose(kbert.Embedder.load(out).encode_document(corpus), e.encode_document(corpus), atol=1e-6)
+    with pytest.raises(ValueError, match="'document' is not one of this model's prompts"):
+        e.encode(queries, prompt_name="document")
+    with pytest.raises(ValueError, match="not both"):
+        e.encode(queries, prompt_name="query", prompt="q: ")
+    with pytest.raises(ValueError, match="default_prompt_name 'q'"):
+        kbert.Embedder(emb.backbone, emb.tokenizer, prompts={"query": "질문: "}, default_prompt_name="q")
+    np.testing.assert_allclose(emb.encode_query(queries), emb.encode(queries), atol=1e-6)  # no prompts: plain

@@ -136,6 +136,28 @@ def test_concurrent_requests_are_batched_and_each_gets_its_own_rows(dirs):
     assert total == sum(len(r) for r in requests) and count < len(requests)  # requests shared batches
 
 
+def test_embeddings_take_one_of_the_models_prompts_by_name(dirs, tmp_path):
+    """A sentence-transformers dir with E5-style prompts: "prompt_name" picks one (the vectors of
+    Embedder.encode_query), an unknown name or a non-string is a 400 naming it."""
+    from kbert.server import build_app
+
+    model_dir, _ = dirs
+    loaded = kbert.Embedder.load(model_dir)
+    prompted = kbert.Embedder(loaded.backbone, loaded.tokenizer, prompts={"query": "질문: ", "passage": "문서: "})
+    st_dir = kbert.export_sentence_transformers(prompted, str(tmp_path / "st"))
+    emb = kbert.Embedder.load(st_dir)
+    with Running(build_app(st_dir)) as srv, httpx.Client(base_url=srv.url, timeout=60) as client:
+        r = client.post("/v1/embeddings", json={"input": TEXTS[:3], "prompt_name": "query"}).json()
+        got = np.array([d["embedding"] for d in r["data"]], np.float32)
+        np.testing.assert_allclose(got, emb.encode_query(TEXTS[:3]), atol=1e-5)
+        plain = client.post("/v1/embeddings", json={"input": TEXTS[:3]}).json()
+        np.testing.assert_allclose(np.array([d["embedding"] for d in plain["data"]], np.float32),
+                                   emb.encode(TEXTS[:3]), atol=1e-5)
+        for bad, message in (("answer", "'answer' is not one of this model's prompts"), (3, "must be a string")):
+            response = client.post("/v1/embeddings", json={"input": "a", "prompt_name": bad})
+            assert response.status_code == 400 and message in response.json()["error"]["message"]
+
+
 def test_bad_input_gets_its_status_and_a_json_message(dirs):
     from kbert.server import build_app
 

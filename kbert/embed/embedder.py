@@ -49,10 +49,16 @@ class Embedder:
     """Sentence and word embeddings from a BERT/ALBERT backbone and its tokenizer."""
 
     def __init__(self, backbone, tokenizer, max_length: Optional[int] = None, pooling: str = "mean",
-                 layers: Union[int, List[int]] = -1, jit_compile: Union[bool, str] = False):
+                 layers: Union[int, List[int]] = -1, jit_compile: Union[bool, str] = False,
+                 prompts: Optional[dict] = None, default_prompt_name: Optional[str] = None):
         """jit_compile: False (one traced graph for every shape), True (sentence vectors through XLA, a
         bucketed shape compiled the first time it is met), or "background" (as True, but a batch whose shape
-        is not compiled yet runs on the graph while a background thread compiles it: for servers)."""
+        is not compiled yet runs on the graph while a background thread compiles it: for servers).
+
+        prompts: named texts put before every text encoded with that name, as sentence-transformers' prompts
+            (E5-style models: {"query": "query: ", "document": "passage: "}; `Embedder.load` reads a
+            sentence-transformers dir's own). `encode_query` / `encode_document` and `search` use them.
+        default_prompt_name: the prompt `encode` uses when it is given none (one of `prompts`)."""
         if not getattr(backbone, "output_hidden_states", False):
             raise ValueError("Embedder needs a backbone built with output_hidden_states=True; use Embedder.load(dir)")
         if not (isinstance(jit_compile, bool) or jit_compile == "background"):
@@ -62,6 +68,7 @@ class Embedder:
         # the sentence pooling `encode` uses by default: a bi-encoder dir's own (`kbert.finetune(pooling=...)`)
         self.pooling, self.layers = pooling, layers
         self.max_length = backbone.config.check_length(max_length or backbone.config.max_position)
+        self.prompts, self.default_prompt_name = check_prompts(prompts, default_prompt_name)
         # JAX compiles every shape (it has no graph to run one on meanwhile), so every batch takes the bucketed
         # path that jit_compile=True takes on TensorFlow, compiled in the foreground the first time it is met
         self._bucketed = backend() == "jax"
@@ -104,7 +111,8 @@ class Embedder:
             layers = -1 if layers is None else layers
         elif st:
             pooling, layers = st["pooling"], st["layers"]
-        return cls(backbone, tokenizer, max_length, pooling, layers, jit_compile=jit_compile)
+        return cls(backbone, tokenizer, max_length, pooling, layers, jit_compile=jit_compile,
+                   prompts=(st or {}).get("prompts"), default_prompt_name=(st or {}).get("default_prompt_name"))
 
     # ----------------------------------------------------------------- running the model
     def _run(self, ids: np.ndarray, mask: np.ndarray, pooling: Optional[str] = None, layers=-1):
@@ -346,7 +354,8 @@ class Embedder:
     def encode(self, texts: Union[str, Sequence[str]], pooling: Optional[str] = None,
                layers: Union[int, List[int], None] = None,
                normalize: bool = True, batch_size: int = 64, max_length: Optional[int] = None,
-               progress: Optional[bool] = None) -> np.ndarray:
+               progress: Optional[bool] = None, prompt_name: Optional[str] = None,
+               prompt: Optional[str] = None) -> np.ndarray:
         """Sentence vectors `[n, hidden]` (a single string gives `[hidden]`), float32, in input order.
 
         pooling: "mean" (over real tokens, [CLS]/[SEP] included, as sentence-transformers), "cls" (the [CLS]
@@ -356,12 +365,18 @@ class Embedder:
             Both default to the model's own: a bi-encoder fine-tuned by `kbert.finetune` pools as it was
             trained (`self.pooling`, `self.layers`); any other model, mean pooling of the last layer.
         normalize: unit length, so dot products are cosine similarities.
+        prompt_name: one of `self.prompts`, put before every text (default: `self.default_prompt_name`, else
+            none); prompt: the text to put there instead. The prompt's tokens count toward `max_length` and
+            are pooled with the text's, as in sentence-transformers.
         """
         pooling, layers = self.resolve_pooling(pooling, layers)
+        prefix = self.prompt_text(prompt_name, prompt)
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"`batch_size` must be a positive integer. Received: batch_size={batch_size!r}")
         single = isinstance(texts, (str, bytes))
         texts = text_list(texts)
+        if prefix:
+            texts = [prefix + t for t in texts]
         max_length = self._max_length(max_length)
         out = np.zeros((len(texts), self.backbone.config.hidden_size), np.float32)
         show = progress if progress is not None else len(texts) >= 10 * batch_size
@@ -381,6 +396,53 @@ class Embedder:
         if normalize:
             out /= np.maximum(np.linalg.norm(out, axis=1, keepdims=True), 1e-12)
         return out[0] if single else out
+
+    def prompt_text(self, prompt_name: Optional[str] = None, prompt: Optional[str] = None) -> str:
+        """The text `encode` puts before each text for these arguments ("" for none)."""
+        if prompt is not None:
+            if prompt_name is not None:
+                raise ValueError(f"Pass `prompt_name` or `prompt`, not both. Received: prompt_name={prompt_name!r}, "
+                                 f"prompt={prompt!r}")
+            if not isinstance(prompt, str):
+                raise ValueError(f"`prompt` must be a string. Received: prompt={prompt!r}")
+            return prompt
+        name = prompt_name if prompt_name is not None else self.default_prompt_name
+        if name is None:
+            return ""
+        if name not in self.prompts:
+            known = sorted(self.prompts) or "none: pass prompts= to Embedder or use a model dir that has them"
+            raise ValueError(f"prompt_name {name!r} is not one of this model's prompts ({known})")
+        return self.prompts[name]
+
+    def role_prompt_name(self, role: str) -> Optional[str]:
+        """The prompt sentence-transformers' `encode_query` ("query") or `encode_document` ("document": the
+        first of document, passage, corpus) picks for this model, or None when it has none."""
+        if role not in ("query", "document"):
+            raise ValueError(f"`role` must be 'query' or 'document'. Received: role={role!r}")
+        names = ("query",) if role == "query" else ("document", "passage", "corpus")
+        return next((n for n in names if n in self.prompts), None)
+
+    def role_prompt(self, role: str) -> str:
+        """The text `encode_query` ("query") or `encode_document` ("document") puts before each text."""
+        name = self.role_prompt_name(role)
+        return "" if name is None else self.prompts[name]
+
+    def encode_query(self, texts: Union[str, Sequence[str]], **options) -> np.ndarray:
+        """`encode` with the model's query prompt (sentence-transformers' `encode_query`): for the search side
+        of retrieval models trained with prompts (E5: "query: "); `encode` itself for a model without one."""
+        return self._encode_as("query", texts, options)
+
+    def encode_document(self, texts: Union[str, Sequence[str]], **options) -> np.ndarray:
+        """`encode` with the model's document prompt ("document", "passage" or "corpus"; sentence-transformers'
+        `encode_document`): for the texts searched."""
+        return self._encode_as("document", texts, options)
+
+    def _encode_as(self, role, texts, options):
+        if options.get("prompt_name") is None and options.get("prompt") is None:
+            name = self.role_prompt_name(role)
+            if name is not None:
+                options = dict(options, prompt_name=name)
+        return self.encode(texts, **options)
 
     def encode_words(self, texts: Union[str, Sequence[str]], unit: str = "eojeol", pooling: str = "mean",
                      layers: Union[int, List[int]] = -1, morphemes: str = "mecab", batch_size: int = 64,
@@ -446,7 +508,9 @@ class Embedder:
                corpus_vectors: Optional[np.ndarray] = None, **encode_options):
         """Cosine search: for each query, `[(corpus index, score), ...]` best first. `queries` and `corpus`
         are texts or precomputed vectors. `index="faiss"` uses FAISS's exact inner-product index (the same
-        hits, faster on large corpora; needs `pip install faiss-cpu`).
+        hits, faster on large corpora; needs `pip install faiss-cpu`). Texts are encoded as `encode_query`
+        (queries) and `encode_document` (corpus) do, so a model with prompts gets each side's own; a
+        `prompt_name` / `prompt` in `encode_options` goes to both sides instead.
 
         lexical: hybrid search (texts on both sides, exact index): the score is `(1 - lexical)` x the
             vectors' cosine + `lexical` x the cosine of character 1-3-gram TF-IDF vectors fitted on the
@@ -469,8 +533,8 @@ class Embedder:
         if corpus_vectors is not None:
             raise ValueError("`corpus_vectors` goes with `lexical` (the texts for TF-IDF, the vectors for the "
                              "cosine); without it pass the vectors as `corpus`")
-        q = _unit(self._as_vectors(queries, encode_options))
-        c = _unit(self._as_vectors(corpus, encode_options))
+        q = _unit(self._as_vectors(queries, encode_options, "query"))
+        c = _unit(self._as_vectors(corpus, encode_options, "document"))
         k = min(top_k, c.shape[0])
         if index == "faiss":
             try:
@@ -500,15 +564,26 @@ class Embedder:
         scores = lexical * lexical_scores(queries, corpus)
         if lexical < 1:
             vectors = corpus_vectors if corpus_vectors is not None else corpus
-            scores += (1 - lexical) * (_unit(self._as_vectors(queries, encode_options))
-                                       @ _unit(self._as_vectors(vectors, encode_options)).T)
+            scores += (1 - lexical) * (_unit(self._as_vectors(queries, encode_options, "query"))
+                                       @ _unit(self._as_vectors(vectors, encode_options, "document")).T)
         hits = _best(scores, min(top_k, len(corpus)))
         return hits[0] if single else hits
 
-    def _as_vectors(self, items, options):
+    def _as_vectors(self, items, options, role):
         if isinstance(items, np.ndarray):
             return np.atleast_2d(items)
-        return np.atleast_2d(self.encode(items, **options))
+        return np.atleast_2d(self._encode_as(role, items, options))
+
+
+def check_prompts(prompts, default_prompt_name):
+    """`(prompts, default_prompt_name)` validated: a dict of name -> prompt text, and None or one of its names."""
+    prompts = dict(prompts or {})
+    bad = {k: v for k, v in prompts.items() if not isinstance(k, str) or not isinstance(v, str)}
+    if bad:
+        raise ValueError(f"`prompts` maps names to prompt texts (strings). Received: {bad!r}")
+    if default_prompt_name is not None and default_prompt_name not in prompts:
+        raise ValueError(f"default_prompt_name {default_prompt_name!r} is not one of the prompts {sorted(prompts)}")
+    return prompts, default_prompt_name
 
 
 def _length_sorted(id_lists, batch_size: int):

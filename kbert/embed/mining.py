@@ -206,14 +206,23 @@ def ranked_candidates(s: np.ndarray, bound: float, range_min: int, range_max, wa
 
 def _scorer(embedder, anchors, positives, corpus, lexical, progress):
     """A function of anchor indices -> (scores `[c, len(corpus)]`, positive scores `[c]`) by cosine, or the
-    hybrid score with `lexical`; each distinct text is encoded once."""
-    texts = list(dict.fromkeys(anchors + positives + corpus))
-    at = {t: i for i, t in enumerate(texts)}
-    vectors = (_unit(embedder.encode(texts, progress=progress)) if lexical < 1
-               else np.zeros((len(texts), 1), np.float32))
-    a_rows = np.array([at[t] for t in anchors])
-    p_rows = np.array([at[t] for t in positives])
-    c_vectors = vectors[[at[t] for t in corpus]]
+    hybrid score with `lexical`; each distinct text is encoded once (anchors once more when the model has a query
+    prompt: they are encoded as queries, the rest as documents)."""
+    docs = list(dict.fromkeys(positives + corpus))
+    if lexical >= 1:  # TF-IDF alone: no model, the dense part is 0
+        a_vectors, d_vectors = np.zeros((len(anchors), 1), np.float32), np.zeros((len(docs), 1), np.float32)
+    elif embedder.role_prompt("query") == embedder.role_prompt("document"):  # one encoding a text
+        texts = list(dict.fromkeys(docs + anchors))
+        at = {t: i for i, t in enumerate(texts)}
+        vectors = _unit(embedder.encode_document(texts, progress=progress))
+        a_vectors, d_vectors = vectors[[at[t] for t in anchors]], vectors[:len(docs)]
+    else:  # anchors with the model's query prompt, positives and candidates with its document prompt (E5)
+        d_vectors = _unit(embedder.encode_document(docs, progress=progress))
+        distinct = list(dict.fromkeys(anchors))
+        at = {t: i for i, t in enumerate(distinct)}
+        a_vectors = _unit(embedder.encode_query(distinct, progress=progress))[[at[t] for t in anchors]]
+    at = {t: i for i, t in enumerate(docs)}
+    p_vectors, c_vectors = d_vectors[[at[t] for t in positives]], d_vectors[[at[t] for t in corpus]]
     vectorizer = None
     if lexical:
         from kbert.embed.lexical import char_tfidf
@@ -222,7 +231,7 @@ def _scorer(embedder, anchors, positives, corpus, lexical, progress):
         c_lexical = vectorizer.transform(corpus) if vectorizer is not None else None
 
     def scores_of(idx):
-        a, p = vectors[a_rows[idx]], vectors[p_rows[idx]]
+        a, p = a_vectors[idx], p_vectors[idx]
         dense, positive = a @ c_vectors.T, np.sum(a * p, axis=1)
         if not lexical:
             return dense, positive

@@ -27,7 +27,7 @@ import os
 def export_sentence_transformers(model, directory: str, max_length=None) -> str:
     """Writes `model` (a model dir, a Hub name, or a `kbert.Embedder`) as a sentence-transformers dir whose
     `SentenceTransformer(directory).encode(texts)` gives `Embedder.encode(texts)` (unit vectors, cosine
-    similarity), with the model's own pooling and layers. A tokenizer transformers cannot read exactly (a
+    similarity), with the model's own pooling, layers and prompts. A tokenizer transformers cannot read exactly (a
     morpheme-aware one, ...) raises ValueError naming the reason, before anything is written."""
     import numpy as np
     from safetensors.numpy import save_file
@@ -80,8 +80,20 @@ def export_sentence_transformers(model, directory: str, max_length=None) -> str:
     _write(os.path.join(directory, "sentence_bert_config.json"),
            {"max_seq_length": int(embedder.max_length), "do_lower_case": False})
     _write(os.path.join(directory, "config_sentence_transformers.json"),
-           {"similarity_fn_name": "cosine", "prompts": {}, "default_prompt_name": None})
+           {"similarity_fn_name": "cosine", "prompts": _prompts(embedder),
+            "default_prompt_name": embedder.default_prompt_name})
     return directory
+
+
+def _prompts(embedder) -> dict:
+    """The embedder's prompts, with its document prompt also under "document" (and its query one under "query"):
+    sentence-transformers 6 fills both names with "" when a saved dir lacks them, and its encode_document then
+    reads "document" before "passage", so without the alias an E5-style "passage" prompt would go unused."""
+    prompts = dict(embedder.prompts)
+    for role in ("query", "document"):
+        if prompts and role not in prompts:
+            prompts[role] = embedder.role_prompt(role)
+    return prompts
 
 
 def _write(path: str, obj) -> None:

@@ -17,9 +17,9 @@ _POOLING_MODES = {"pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "
 
 
 def read_sentence_transformers(directory: str):
-    """For a sentence-transformers dir (`modules.json`): {"model_dir", "pooling", "layers", "max_length"} that
-    make `Embedder` give `SentenceTransformer(directory).encode`'s vectors; None for any other dir. A module
-    or mode kbert does not compute raises ValueError naming it."""
+    """For a sentence-transformers dir (`modules.json`): {"model_dir", "pooling", "layers", "max_length",
+    "prompts", "default_prompt_name"} that make `Embedder` give `SentenceTransformer(directory).encode`'s
+    vectors; None for any other dir. A module or mode kbert does not compute raises ValueError naming it."""
     import numpy as np
 
     path = os.path.join(directory, "modules.json")
@@ -27,7 +27,7 @@ def read_sentence_transformers(directory: str):
         return None
     with open(path, encoding="utf-8") as f:
         modules = json.load(f)
-    found = {"model_dir": directory, "pooling": "mean", "layers": -1, "max_length": None}
+    found = {"model_dir": directory, "pooling": "mean", "layers": -1, "max_length": None, **_prompts(directory)}
     for module in modules:
         kind = module.get("type", "").rsplit(".", 1)[-1]
         folder = os.path.join(directory, module.get("path", ""))
@@ -48,6 +48,10 @@ def read_sentence_transformers(directory: str):
                 raise ValueError(f"{directory}: its Pooling module uses {modes}; kbert pools with exactly one of cls, "
                                  f"mean or max")
             found["pooling"] = modes[0]
+            if config.get("include_prompt") is False and found["prompts"]:
+                raise ValueError(f"{directory}: its Pooling module leaves the prompt's tokens out of the pooling "
+                                 f"(include_prompt false); kbert pools every token, as sentence-transformers does "
+                                 f"by default")
         elif kind == "WeightedLayerPooling":
             from safetensors.numpy import load_file
 
@@ -72,6 +76,21 @@ def read_sentence_transformers(directory: str):
             raise ValueError(f"{directory}: its module {module.get('type')!r} has no kbert equivalent; kbert reads "
                              f"sentence-transformers dirs of Transformer, WeightedLayerPooling, Pooling and Normalize")
     return found
+
+
+def _prompts(directory: str) -> dict:
+    """The prompts of `config_sentence_transformers.json` (E5-style "query: " / "passage: " texts put before
+    each input) and the one used by default: {"prompts": {...}, "default_prompt_name": name or None}."""
+    path = os.path.join(directory, "config_sentence_transformers.json")
+    config = {}
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    # "" is kept: sentence-transformers 6 saves {"query": "", "document": ""} for a model without prompts, and a
+    # "document": "" then wins over a "passage" prompt in its encode_document, as here
+    prompts = {k: v for k, v in (config.get("prompts") or {}).items() if isinstance(v, str)}
+    default = config.get("default_prompt_name")
+    return {"prompts": prompts, "default_prompt_name": default if default in prompts else None}
 
 
 def _max_length(directory: str, folder: str):
