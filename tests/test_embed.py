@@ -925,6 +925,12 @@ def test_an_xlm_roberta_tokenizer_gives_the_checkpoints_ids_from_its_model_or_it
         for text in texts:
             assert tok.encode(text).ids == hf(text)["input_ids"], (where, text)
         assert tok.tf_tokenize(tf.constant(texts)).to_list() == [hf(t)["input_ids"] for t in texts]
+    # out again as XLM-RoBERTa's files (a model fine-tuned from one exports so): transformers reads them as it
+    # read the originals, and so does kbert
+    exported = tok.export_transformers(str(tmp_path / "exported"))
+    again = transformers.AutoTokenizer.from_pretrained(exported)
+    assert [again(t)["input_ids"] for t in texts] == [hf(t)["input_ids"] for t in texts]
+    assert [kbert.Tokenizer.load(exported).encode(t).ids for t in texts] == [hf(t)["input_ids"] for t in texts]
     # the same model without the fairseq marker is SentencePiece's own numbering (an ALBERT-style dir)
     plain = str(tmp_path / "plain")
     os.makedirs(plain)
@@ -994,6 +1000,15 @@ def test_an_xlm_roberta_sentence_model_loads_with_its_vectors(tmp_path):
     batch = hf(KOREAN_SENTENCES[:3], padding=True, return_tensors="pt")
     with torch.no_grad():
         expected = ref(**batch).last_hidden_state.numpy()
+    # fine-tuned by kbert, it goes out as a sentence-transformers dir with XLM-RoBERTa's tokenizer files
+    rows = [{"sentence1": a, "sentence2": b, "score": v} for a, b, v in (
+        ("대한민국은 민주공화국이다.", "대한민국은 공화국이다.", 4.5), ("국민은 법 앞에 평등하다.", "날씨가 맑다.", 0.5))]
+    tuned = str(tmp_path / "tuned")
+    kbert.finetune(st_dir, "sentence-embedding", rows * 4, rows, out_dir=tuned, text_column="sentence1",
+                   pair_column="sentence2", label_column="score", max_steps=2, batch_size=4, progress=False)
+    exported = kbert.export_sentence_transformers(tuned, str(tmp_path / "tuned-st"))
+    np.testing.assert_allclose(SentenceTransformer(exported, device="cpu").encode(texts),
+                               kbert.Embedder.load(tuned).encode(texts), atol=2e-5)
     model = kbert.load_model(out)
     got = model({"token_ids": batch["input_ids"].numpy(), "segment_ids": np.zeros_like(batch["input_ids"].numpy()),
                  "padding_mask": batch["attention_mask"].numpy().astype(bool)})["sequence_output"]

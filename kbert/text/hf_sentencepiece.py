@@ -14,6 +14,11 @@ Some repos ship only a `tokenizer.json` (Hugging Face `tokenizers`, the Unigram 
 builds the SentencePiece proto from its pieces and scores and its precompiled normalization map, which is
 the map the `.model` carried before it was converted, so SentencePiece normalizes and segments as the
 `tokenizers` pipeline does.
+
+Out again (`export_fairseq`, for `kbert.export_transformers` / `export_sentence_transformers` of a model
+fine-tuned from one of these): the `.model` in SentencePiece's own numbering, as XLM-RoBERTa ships it, and
+the tokenizer.json transformers' own converter makes of it (Precompiled normalizer, Metaspace, `<s> A </s>`),
+written with `tokenizers` so that loading it needs neither sentencepiece nor protobuf.
 """
 
 from __future__ import annotations
@@ -156,3 +161,54 @@ def _check_metaspace(pre, path: str) -> None:
                 step.get("prepend_scheme", "always") != "always" or not step.get("add_prefix_space", True):
             raise ValueError(f"{path}: its pre-tokenizer {step} is not SentencePiece's (Metaspace '\u2581', a "
                              f"space prepended always)")
+
+
+def is_fairseq_layout(proto: bytes) -> bool:
+    """Whether `proto` is numbered as `fairseq_layout` leaves it (<s> <pad> </s> <unk> first, <mask> last)."""
+    from sentencepiece import sentencepiece_model_pb2 as pb
+
+    model = pb.ModelProto()
+    model.ParseFromString(proto)
+    return tuple(p.piece for p in model.pieces[:4]) == _FAIRSEQ_HEAD and model.pieces[-1].piece == "<mask>"
+
+
+def export_fairseq(proto: bytes, directory: str, model_max_length: int = 512) -> str:
+    """Writes a `fairseq_layout` tokenizer as XLM-RoBERTa's Hugging Face files: `sentencepiece.bpe.model`
+    (SentencePiece's numbering), `tokenizer.json` and `tokenizer_config.json` (XLMRobertaTokenizer)."""
+    from sentencepiece import sentencepiece_model_pb2 as pb
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+
+    model = pb.ModelProto()
+    model.ParseFromString(proto)
+    Type = pb.ModelProto.SentencePiece.Type
+    original = pb.ModelProto()
+    original.CopyFrom(model)
+    del original.pieces[:]
+    for piece, kind in (("<unk>", Type.UNKNOWN), ("<s>", Type.CONTROL), ("</s>", Type.CONTROL)):
+        original.pieces.add(piece=piece, score=0.0, type=kind)
+    original.pieces.extend(model.pieces[4:-1])
+    spec = original.trainer_spec
+    spec.unk_id, spec.bos_id, spec.eos_id, spec.pad_id = 0, 1, 2, -1
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, "sentencepiece.bpe.model"), "wb") as f:
+        f.write(original.SerializeToString())
+    vocab = [(p.piece, p.score if p.type == Type.NORMAL else 0.0) for p in model.pieces]
+    fast = Tokenizer(models.Unigram(vocab, unk_id=3, byte_fallback=False))
+    steps = [normalizers.Replace(Regex(" {2,}"), " ")]
+    if model.normalizer_spec.precompiled_charsmap:
+        steps.insert(0, normalizers.Precompiled(model.normalizer_spec.precompiled_charsmap))
+    fast.normalizer = normalizers.Sequence(steps)
+    fast.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(),
+                                                  pre_tokenizers.Metaspace(replacement="\u2581",
+                                                                           prepend_scheme="always")])
+    fast.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="always")
+    fast.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in _FAIRSEQ_HEAD + ("<mask>",)])
+    fast.post_processor = processors.TemplateProcessing(
+        single="<s> $A </s>", pair="<s> $A </s> </s> $B </s>", special_tokens=[("<s>", 0), ("</s>", 2)])
+    fast.save(os.path.join(directory, "tokenizer.json"))
+    config = {"tokenizer_class": "XLMRobertaTokenizer", "model_max_length": model_max_length,
+              "bos_token": "<s>", "eos_token": "</s>", "sep_token": "</s>", "cls_token": "<s>", "unk_token": "<unk>",
+              "pad_token": "<pad>", "mask_token": "<mask>", "clean_up_tokenization_spaces": False}
+    with open(os.path.join(directory, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2, ensure_ascii=False)
+    return directory

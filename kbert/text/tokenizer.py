@@ -29,7 +29,8 @@ from typing import Iterable, List, NamedTuple, Optional, Sequence, Union
 import numpy as np
 
 from kbert.text.fast_unigram import add_specials, fast_unigram_ids, fast_unigram_parts, is_unigram, specials_as_bos_eos
-from kbert.text.hf_sentencepiece import fairseq_layout, is_fairseq_dir, unigram_from_json
+from kbert.text.hf_sentencepiece import (export_fairseq, fairseq_layout, is_fairseq_dir, is_fairseq_layout,
+                                         unigram_from_json)
 from kbert.text.normalize import normalize, tf_normalize
 from kbert.text.vocab import ALGORITHMS, JOINER, SPECIAL_TOKENS, train_vocabulary  # noqa: F401 (re-exported)
 from kbert.text.wordpiece import WordPieceIds
@@ -676,6 +677,8 @@ class Tokenizer:
         if self.morphemes:
             raise ValueError(f"a {self.morphemes}-morpheme tokenizer runs its analyzer in Python before the "
                              f"vocabulary; transformers has no equivalent, so it does not export")
+        if self.kind == "sentencepiece" and is_fairseq_layout(self._spm_proto):  # XLM-RoBERTa's, as it came
+            return export_fairseq(self._spm_proto, directory)
         if self.kind == "sentencepiece":
             return self._export_unigram(directory)
         os.makedirs(directory, exist_ok=True)
