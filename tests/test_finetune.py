@@ -667,3 +667,45 @@ def test_negatives_mined_by_the_model_train_a_bi_encoder(base, tmp_path):
                              pair_column="positive", label_column=None, negative_column="negative", max_steps=3,
                              batch_size=16, max_length=32, progress=False)
     assert summary["steps"] == 3 and all(np.isfinite(h["train_loss"]) for h in summary["history"])
+
+
+def test_training_prompts_equal_the_texts_written_with_them_and_the_model_keeps_its_prompts(base, tmp_path):
+    """`prompts` (sentence-transformers' training prompts) trains exactly as the same rows with the prompt
+    written before each text; `model_prompts` (or a sentence-transformers start's own) stay with the output for
+    inference; per-dataset prompts and bad names."""
+    texts = [r["text"] for r in movie_review_sentiment(REVIEWS, "train", limit=64)]
+    pairs = [{"a": t, "p": t[: max(1, len(t) // 2)], "n": texts[(i + 5) % len(texts)]} for i, t in enumerate(texts)]
+    written = [{"a": "질문: " + r["a"], "p": "문서: " + r["p"], "n": "문서: " + r["n"]} for r in pairs]
+    common = dict(text_column="a", pair_column="p", label_column=None, negative_column="n", max_steps=2,
+                  batch_size=16, max_length=32, progress=False, seed=3, learning_rate=2e-3, warmup=0.0)
+    kbert.finetune(base, "sentence-embedding", pairs, out_dir=str(tmp_path / "prompted"),
+                   prompts={"a": "질문: ", "p": "문서: ", "n": "문서: "},
+                   model_prompts={"query": "질문: ", "document": "문서: "}, **common)
+    kbert.finetune(base, "sentence-embedding", written, out_dir=str(tmp_path / "written"), **common)
+    prompted, plain = kbert.Embedder.load(str(tmp_path / "prompted")), kbert.Embedder.load(str(tmp_path / "written"))
+    np.testing.assert_allclose(prompted.encode(texts[:8]), plain.encode(texts[:8]), atol=1e-5)
+    kbert.finetune(base, "sentence-embedding", pairs, out_dir=str(tmp_path / "none"), **common)
+    unprompted = kbert.Embedder.load(str(tmp_path / "none"))  # the control: without the prompts, other weights
+    assert not np.allclose(unprompted.encode(texts[:8]), plain.encode(texts[:8]), atol=1e-3)
+    assert prompted.prompts == {"query": "질문: ", "document": "문서: "} and plain.prompts == {}
+    np.testing.assert_allclose(prompted.encode_query(texts[:4]), plain.encode(["질문: " + t for t in texts[:4]]),
+                               atol=1e-5)
+    # a sentence-transformers start keeps its prompts through fine-tuning (as sentence-transformers saves them)
+    st_dir = kbert.export_sentence_transformers(prompted, str(tmp_path / "st"))
+    kbert.finetune(st_dir, "sentence-embedding", pairs, out_dir=str(tmp_path / "again"), **common)
+    assert kbert.Embedder.load(str(tmp_path / "again")).prompts["query"] == "질문: "
+    # one string for every text column, per dataset, and as the run's {column: prompt} for several datasets
+    kbert.finetune(base, "sentence-embedding", None, out_dir=str(tmp_path / "multi"),
+                   datasets=[{"data": pairs, "text_column": "a", "pair_column": "p", "prompts": "질문: "},
+                             {"data": written, "text_column": "a", "pair_column": "p"}],
+                   prompts={"p": "문서: "}, max_steps=2, batch_size=16, max_length=32, progress=False)
+    bad = dict(out_dir=str(tmp_path / "bad"), max_steps=1, progress=False)
+    with pytest.raises(ValueError, match="names column 'q', which is not a text column"):
+        kbert.finetune(base, "sentence-embedding", pairs, text_column="a", pair_column="p", label_column=None,
+                       prompts={"q": "질문: "}, **bad)
+    with pytest.raises(ValueError, match="no dataset has as a text column"):
+        kbert.finetune(base, "sentence-embedding", None, datasets=[{"data": pairs, "text_column": "a",
+                                                                    "pair_column": "p"}], prompts={"q": "x"}, **bad)
+    with pytest.raises(ValueError, match="go with task='sentence-embedding'"):
+        kbert.finetune(base, "classification", movie_review_sentiment(REVIEWS, "train", limit=8), prompts="x: ",
+                       **bad)

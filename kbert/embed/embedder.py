@@ -33,6 +33,7 @@ import numpy as np
 
 from kbert.data.features import ROW_BUCKETS, WIDTH_BUCKETS, bucket, bucketed, pack_rows, text_list
 from kbert.compiled import backend, compiled, signature
+from kbert.models.st_dir import check_prompts
 from kbert.utils import progress_bar
 from kbert.models.pooling import (PACKED_POOLINGS, POOLINGS, check_pooling, layer_average, pool,  # noqa: F401
                                   pool_packed)
@@ -111,8 +112,9 @@ class Embedder:
             layers = -1 if layers is None else layers
         elif st:
             pooling, layers = st["pooling"], st["layers"]
+        own = st or (task if task and task.get("task") == "sentence-embedding" else None) or {}
         return cls(backbone, tokenizer, max_length, pooling, layers, jit_compile=jit_compile,
-                   prompts=(st or {}).get("prompts"), default_prompt_name=(st or {}).get("default_prompt_name"))
+                   prompts=own.get("prompts"), default_prompt_name=own.get("default_prompt_name"))
 
     # ----------------------------------------------------------------- running the model
     def _run(self, ids: np.ndarray, mask: np.ndarray, pooling: Optional[str] = None, layers=-1):
@@ -573,17 +575,6 @@ class Embedder:
         if isinstance(items, np.ndarray):
             return np.atleast_2d(items)
         return np.atleast_2d(self._encode_as(role, items, options))
-
-
-def check_prompts(prompts, default_prompt_name):
-    """`(prompts, default_prompt_name)` validated: a dict of name -> prompt text, and None or one of its names."""
-    prompts = dict(prompts or {})
-    bad = {k: v for k, v in prompts.items() if not isinstance(k, str) or not isinstance(v, str)}
-    if bad:
-        raise ValueError(f"`prompts` maps names to prompt texts (strings). Received: {bad!r}")
-    if default_prompt_name is not None and default_prompt_name not in prompts:
-        raise ValueError(f"default_prompt_name {default_prompt_name!r} is not one of the prompts {sorted(prompts)}")
-    return prompts, default_prompt_name
 
 
 def _length_sorted(id_lists, batch_size: int):

@@ -105,3 +105,16 @@ def _max_length(directory: str, folder: str):
                 if isinstance(value, int) and 0 < value < 1_000_000:  # transformers' "no limit" is a huge number
                     return value
     return None
+
+
+def check_prompts(prompts, default_prompt_name):
+    """`(prompts, default_prompt_name)` validated: a dict of name -> prompt text, and None or one of its names."""
+    if prompts is not None and not isinstance(prompts, dict):
+        raise ValueError(f"`prompts` maps names to prompt texts, e.g. {{'query': 'query: '}}. Received: {prompts!r}")
+    prompts = dict(prompts or {})
+    bad = {k: v for k, v in prompts.items() if not isinstance(k, str) or not isinstance(v, str)}
+    if bad:
+        raise ValueError(f"`prompts` maps names to prompt texts (strings). Received: {bad!r}")
+    if default_prompt_name is not None and default_prompt_name not in prompts:
+        raise ValueError(f"default_prompt_name {default_prompt_name!r} is not one of the prompts {sorted(prompts)}")
+    return prompts, default_prompt_name

@@ -73,6 +73,8 @@ class FinetuneConfig:
     datasets: Optional[List[dict]] = None  # sentence-embedding from several datasets (finetune_tasks.py)
     mix: str = "proportional"  # how datasets' batches are ordered: proportional | round_robin
     mini_batch_size: Optional[int] = None  # sentence-embedding: rows per forward pass (gradient caching)
+    prompts: Any = None  # sentence-embedding: a text put before every text, or {column: text}
+    model_prompts: Optional[dict] = None  # sentence-embedding: the output's prompts for inference {name: text}
 
     @classmethod
     def from_dict(cls, values: dict) -> "FinetuneConfig":
@@ -107,6 +109,9 @@ class FinetuneConfig:
         rate = self.backbone_dropout
         if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0.0 <= rate < 1.0):
             raise ValueError(f"`backbone_dropout` must be None or a rate in [0, 1). Received: {rate!r}")
+        if (self.prompts or self.model_prompts) and self.task != "sentence-embedding":
+            raise ValueError(f"`prompts` / `model_prompts` go with task='sentence-embedding'. "
+                             f"Received: task={self.task!r}")
         for name in ("checkpoint_every", "stop_after", "mini_batch_size"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -125,7 +130,8 @@ def finetune(model: str, task: str, train, dev=None, out_dir: str = "finetuned",
              resume: bool = True, checkpoint_every: Optional[int] = 1000, stop_after: Optional[int] = None,
              objective: Optional[str] = None, negative_column: Optional[str] = None, temperature: float = 0.05,
              matryoshka_dims: Optional[Sequence[int]] = None, datasets: Optional[Sequence[dict]] = None,
-             mix: str = "proportional", mini_batch_size: Optional[int] = None) -> dict:
+             mix: str = "proportional", mini_batch_size: Optional[int] = None, prompts=None,
+             model_prompts: Optional[dict] = None) -> dict:
     """Fine-tunes the model dir `model` on `train`; returns a summary with the dev history.
 
     Args:
@@ -189,6 +195,13 @@ def finetune(model: str, task: str, train, dev=None, out_dir: str = "finetuned",
             time without activations, then each chunk runs again with its share of the loss's gradient. The
             update equals the whole batch's, in one chunk's activation memory, for about a third more compute:
             a large contrastive batch (more in-batch negatives) on a small GPU. None: the whole batch at once.
+        prompts: for sentence-embedding, text put before the texts while training, as sentence-transformers'
+            training `prompts`: one string for every text column, or {column: string} (E5-style: {"anchor":
+            "query: ", "positive": "passage: ", "negative": "passage: "}); a `datasets` entry may have its own.
+            The dev set's columns get the same.
+        model_prompts: for sentence-embedding, the prompts the output keeps for inference ({"query": "query: ",
+            "document": "passage: "}: `Embedder.encode_query` / `encode_document`, `search`, a
+            sentence-transformers export). Default: the starting model's own (a sentence-transformers dir's).
 
     Example:
         >>> kbert.finetune("my-model", "classification", "train.tsv", "dev.tsv", out_dir="sentiment",
@@ -251,6 +264,16 @@ def _load(config: FinetuneConfig):
     return backbone, tokenizer, max_length, rate, st
 
 
+def _start_task_meta(model):
+    """The kbert_task.json of the starting model dir (None for other dirs)."""
+    from kbert.models.convert import model_dir_of, resolve_hub_name
+    from kbert.models.tasks import read_task_meta
+
+    if not isinstance(model, (str, os.PathLike)):
+        return None
+    return read_task_meta(model_dir_of(resolve_hub_name(os.fspath(model))))
+
+
 def _optimizer(config: FinetuneConfig, total: int, variables):
     import keras
 
@@ -279,6 +302,13 @@ def run(config: FinetuneConfig, task=None, before_training=None) -> dict:
     task.check()
     keras.utils.set_random_seed(c.seed)
     backbone, tokenizer, max_length, backbone_dropout, st = _load(c)
+    from kbert.models.st_dir import check_prompts
+
+    start_meta = _start_task_meta(c.model)
+    own = (st or {}).get("prompts") or (start_meta or {}).get("prompts") or {}
+    own_default = (st or {}).get("default_prompt_name") or (start_meta or {}).get("default_prompt_name")
+    model_prompts, default_prompt = check_prompts(c.model_prompts if c.model_prompts is not None else own,
+                                                  own_default if c.model_prompts is None else None)
     pooling, layers = c.pooling, c.layers
     if st and task.name == "sentence-embedding" and pooling is None and layers == -1:
         pooling, layers = st["pooling"], st["layers"]  # a sentence-transformers model goes on with its own pooling
@@ -336,6 +366,8 @@ def run(config: FinetuneConfig, task=None, before_training=None) -> dict:
             "pair_column": c.pair_column, "label_column": c.label_column, "pooling": pooling,
             "layers": None if task.name == "tagging" else layers, "base_model": base_model,
             "target": list(task.target) if task.name == "regression" else None, **getattr(task, "extra_meta", {})}
+    if task.name == "sentence-embedding" and model_prompts:
+        meta.update(prompts=model_prompts, default_prompt_name=default_prompt)
     # what a resumed run must share with the interrupted one
     settings = {k: v for k, v in c.to_dict().items() if k not in ("model", "train", "dev", "out_dir", "progress",
                                                                    "resume", "checkpoint_every", "stop_after",

@@ -370,6 +370,16 @@ class SentenceEmbeddingTask(FinetuneTask):
         dims = c.matryoshka_dims or []
         if any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in dims):
             raise ValueError(f"`matryoshka_dims` must be positive integers. Received: {c.matryoshka_dims!r}")
+        prompts = getattr(c, "prompts", None)
+        if not (prompts is None or isinstance(prompts, str) or (isinstance(prompts, dict) and all(
+                isinstance(k, str) and isinstance(v, str) for k, v in prompts.items()))):
+            raise ValueError(f"`prompts` must be a string (every text column) or {{column: string}}. "
+                             f"Received: prompts={prompts!r}")
+        unknown = sorted(set(prompts) - {c.text_column, c.pair_column, c.negative_column} - {None}) \
+            if isinstance(prompts, dict) else []
+        if unknown:
+            raise ValueError(f"`prompts` names column {unknown[0]!r}, which is not a text column of this data "
+                             f"({[x for x in (c.text_column, c.pair_column, c.negative_column) if x]})")
 
     @property
     def columns(self):
@@ -383,8 +393,13 @@ class SentenceEmbeddingTask(FinetuneTask):
     def encode(self, rows, tokenizer, max_length, split):
         c = self.config
 
+        prompts = getattr(c, "prompts", None)
+
         def ids(column):
             texts = [cells.text_cell(r, column, f"{split} row {i + 1}") for i, r in enumerate(rows)]
+            prompt = prompts if isinstance(prompts, str) else (prompts or {}).get(column, "")
+            if prompt:  # sentence-transformers' training prompts: before the text, inside its max_length
+                texts = [prompt + t for t in texts]
             return [e.ids for e in tokenizer.encode_batch(texts, max_length=max_length)]
 
         a = ids(c.text_column)
@@ -473,7 +488,7 @@ class MultiExamples:
 
 
 DATASET_KEYS = ("data", "text_column", "pair_column", "label_column", "negative_column", "objective",
-                "similarity_loss", "weight")
+                "similarity_loss", "weight", "prompts")
 MIXES = ("proportional", "round_robin")
 
 
@@ -497,6 +512,10 @@ class MultiDatasetEmbeddingTask(SentenceEmbeddingTask):
                 raise ValueError(f"`datasets[{i}]` has unknown key {unknown[0]!r}; keys are {DATASET_KEYS}")
             fields = {k: v for k, v in spec.items() if k not in ("data", "weight")}
             fields.setdefault("label_column", None)
+            shared = getattr(config, "prompts", None)
+            if "prompts" not in spec and isinstance(shared, dict):  # the run's {column: prompt}: this data's columns
+                own = {fields.get(k, getattr(config, k)) for k in ("text_column", "pair_column", "negative_column")}
+                fields["prompts"] = {k: v for k, v in shared.items() if k in own}
             sub = dataclasses.replace(config, train=spec["data"], datasets=None, **fields)
             self.parts.append((SentenceEmbeddingTask(sub), float(spec.get("weight", 1))))
 
@@ -506,6 +525,13 @@ class MultiDatasetEmbeddingTask(SentenceEmbeddingTask):
                              f"Received: task={self.config.task!r}")
         if self.config.mix not in MIXES:
             raise ValueError(f"`mix` must be one of {MIXES}. Received: mix={self.config.mix!r}")
+        shared = getattr(self.config, "prompts", None)
+        if isinstance(shared, dict):
+            used = {self.config.text_column, self.config.pair_column}.union(*(
+                p.config.prompts or {} for p, _ in self.parts if isinstance(p.config.prompts, dict)))
+            unknown = sorted(set(shared) - used)
+            if unknown:
+                raise ValueError(f"`prompts` names column {unknown[0]!r}, which no dataset has as a text column")
         for i, (part, weight) in enumerate(self.parts):
             try:
                 part.check()
