@@ -448,7 +448,8 @@ def _export(args):
     from kbert.embed.export import export
 
     path = export(args.model, args.out, signature=args.signature, pooling=args.pooling, max_length=args.max_length,
-                  version=args.model_version, overwrite=args.overwrite)
+                  version=args.model_version, overwrite=args.overwrite, prompt_name=args.prompt_name,
+                  prompt=args.prompt)
     with open(os.path.join(path, "assets.extra", "kbert.json"), encoding="utf-8") as f:
         signature = json.load(f)["signature"]
     print(f"SavedModel ({signature}) written to {path}; checked against the Python API")
@@ -730,6 +731,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-length", type=int, help="longest input in tokens (default: the model's)")
     p.add_argument("--model-version", type=int, default=1, help="the numbered subdir TF Serving loads")
     p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--prompt-name", help="embed: one of the model's prompts put before every text in the graph "
+                                         "(e.g. query; default: the model's default prompt)")
+    p.add_argument("--prompt", help="embed: a text put before every text instead of a named prompt")
     p.set_defaults(func=_export)
 
     p = sub.add_parser("plan", help="the largest batch that fits device memory, per sequence length")

@@ -1000,6 +1000,13 @@ def test_an_xlm_roberta_sentence_model_loads_with_its_vectors(tmp_path):
     batch = hf(KOREAN_SENTENCES[:3], padding=True, return_tensors="pt")
     with torch.no_grad():
         expected = ref(**batch).last_hidden_state.numpy()
+    # a SavedModel (its tokenizer in the graph) gives the same vectors: the default (query) prompt, or another
+    import tensorflow as tf
+
+    for name, st_vectors in ((None, st.encode(texts)), ("passage", st.encode_document(texts, prompt_name="passage"))):
+        saved = kbert.export(st_dir, str(tmp_path / f"saved-{name}"), prompt_name=name)
+        served = tf.saved_model.load(saved).signatures["serving_default"](texts=tf.constant(texts))["embeddings"]
+        np.testing.assert_allclose(served.numpy(), st_vectors, atol=2e-5)
     # fine-tuned by kbert, it goes out as a sentence-transformers dir with XLM-RoBERTa's tokenizer files
     rows = [{"sentence1": a, "sentence2": b, "score": v} for a, b, v in (
         ("대한민국은 민주공화국이다.", "대한민국은 공화국이다.", 4.5), ("국민은 법 앞에 평등하다.", "날씨가 맑다.", 0.5))]

@@ -73,7 +73,7 @@ def _graph_inputs(tokenizer, texts, pairs, max_length: int):
             "padding_mask": mask.to_tensor(0)}
 
 
-def _module(backbone, tokenizer, signature, max_length, pooling, layers, normalize, head=None, task=None):
+def _module(backbone, tokenizer, signature, max_length, pooling, layers, normalize, head=None, task=None, prefix=""):
     import tensorflow as tf
 
     from kbert.models.pooling import pool
@@ -93,6 +93,8 @@ def _module(backbone, tokenizer, signature, max_length, pooling, layers, normali
     if signature == "embed":
         @tf.function(input_signature=[spec])
         def serve(texts):
+            if prefix:  # the prompt, before the text as `Embedder.encode` puts it (then normalized with it)
+                texts = tf.strings.join([tf.constant(prefix), texts])
             x = module._features(texts)
             out = module.backbone(x, training=False)
             return {"embeddings": pool(out["hidden_states"], x["padding_mask"], pooling, layers, normalize)}
@@ -119,7 +121,8 @@ def _head_outputs(module, x, task):
 
 def export(model_dir: str, out_dir: str, signature: Optional[str] = None, pooling: Optional[str] = None,
            layers: Union[int, List[int], None] = None, normalize: bool = True, max_length: Optional[int] = None,
-           version: int = 1, overwrite: bool = False, check: bool = True) -> str:
+           version: int = 1, overwrite: bool = False, check: bool = True, prompt_name: Optional[str] = None,
+           prompt: Optional[str] = None) -> str:
     """Writes `out_dir/<version>/` (TensorFlow Serving's layout) and returns that path.
 
     Args:
@@ -130,6 +133,9 @@ def export(model_dir: str, out_dir: str, signature: Optional[str] = None, poolin
         pooling, layers, normalize: as `Embedder.encode` (pooling and layers default to the model's
             fine-tuned pooling, else mean pooling of the last layer).
         max_length: longest input in tokens (default: the model's maximum); longer inputs are truncated.
+        prompt_name, prompt: for "embed", a prompt put before every text inside the graph, as
+            `Embedder.encode(prompt_name=..., prompt=...)` (default: the model's default prompt, if any), so an
+            E5-style model exports once as its query encoder (`prompt_name="query"`) and once for documents.
         version: the numbered subdirectory TF Serving loads.
         overwrite: replace an existing `out_dir/<version>`.
         check: reload the export and compare it with the Python API on sample texts (1e-5).
@@ -163,11 +169,15 @@ def export(model_dir: str, out_dir: str, signature: Optional[str] = None, poolin
         tokenizer, backbone = emb.tokenizer, emb.backbone
         pooling, layers = emb.resolve_pooling(pooling, layers)
         _check_tokenizer(tokenizer)
-        module = _module(backbone, tokenizer, signature, emb.max_length, pooling, layers, normalize)
+        prefix = emb.prompt_text(prompt_name, prompt)
+        module = _module(backbone, tokenizer, signature, emb.max_length, pooling, layers, normalize, prefix=prefix)
         limit = emb.max_length
     else:
         from kbert.embed.task_model import TaskModel
 
+        if prompt_name is not None or prompt is not None:
+            raise ValueError("`prompt_name` / `prompt` go with signature='embed' (sentence vectors)")
+        prefix = ""
         if meta is None or meta.get("task") not in CLASSIFY_TASKS:
             raise ValueError(f"signature='classify' needs a classification, pair-classification or regression "
                              f"model from `kbert finetune`; {model_dir!r} is "
@@ -185,14 +195,15 @@ def export(model_dir: str, out_dir: str, signature: Optional[str] = None, poolin
     os.makedirs(os.path.join(tmp, "assets.extra"), exist_ok=True)  # TF Serving's place for extra files
     with open(os.path.join(tmp, "assets.extra", "kbert.json"), "w", encoding="utf-8") as f:
         json.dump({"signature": signature, "pooling": pooling, "layers": layers, "max_length": limit, "normalize": normalize,
-                   "task": (meta or {}).get("task"), "labels": (meta or {}).get("labels")}, f, ensure_ascii=False)
+                   "task": (meta or {}).get("task"), "labels": (meta or {}).get("labels"), "prompt": prefix}, f,
+                  ensure_ascii=False)
     os.replace(tmp, target)
     if check:
-        _self_check(target, model_dir, signature, pooling, layers, normalize, limit, meta)
+        _self_check(target, model_dir, signature, pooling, layers, normalize, limit, meta, prefix)
     return target
 
 
-def _self_check(path, model_dir, signature, pooling, layers, normalize, max_length, meta):
+def _self_check(path, model_dir, signature, pooling, layers, normalize, max_length, meta, prefix=""):
     import tensorflow as tf
 
     loaded = tf.saved_model.load(path)
@@ -206,7 +217,7 @@ def _self_check(path, model_dir, signature, pooling, layers, normalize, max_leng
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the long sample text is truncated on purpose
             expected = Embedder.load(model_dir, max_length=max_length).encode(
-                texts, pooling=pooling, layers=layers, normalize=normalize)
+                texts, pooling=pooling, layers=layers, normalize=normalize, prompt=prefix)
         got = fn(texts=tf.constant(texts))["embeddings"].numpy()
     else:
         from kbert.embed.task_model import TaskModel
