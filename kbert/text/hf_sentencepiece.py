@@ -82,18 +82,25 @@ def fairseq_layout(proto: bytes) -> bytes:
     return out.SerializeToString()
 
 
+def read_tokenizer_json(path: str, model_type: str):
+    """(the whole spec, its "model") of a Hugging Face tokenizer.json whose model is `model_type`; another
+    model raises ValueError naming it."""
+    with open(path, encoding="utf-8") as f:
+        spec = json.load(f)
+    model = spec.get("model") or {}
+    if model.get("type") != model_type:
+        raise ValueError(f"{path}: a Hugging Face {model.get('type')!r} tokenizer where {model_type!r} was expected; "
+                         f"kbert reads WordPiece and Unigram ones (and vocab.txt or a SentencePiece .model)")
+    return spec, model
+
+
 def unigram_from_json(path: str) -> bytes:
     """A SentencePiece model proto from a Hugging Face `tokenizer.json` whose model is Unigram (pieces, scores,
     unk_id), its normalizer's precompiled map and its Metaspace pre-tokenizer; the added special tokens become
     control pieces at their ids. Other pipelines raise ValueError naming the part kbert cannot reproduce."""
     from sentencepiece import sentencepiece_model_pb2 as pb
 
-    with open(path, encoding="utf-8") as f:
-        spec = json.load(f)
-    model = spec.get("model") or {}
-    if model.get("type") != "Unigram":
-        raise ValueError(f"{path}: its model is {model.get('type')!r}; kbert reads WordPiece (vocab.txt) and "
-                         f"Unigram tokenizer.json files")
+    spec, model = read_tokenizer_json(path, "Unigram")
     if model.get("byte_fallback"):
         raise ValueError(f"{path}: byte fallback is not supported for a tokenizer.json Unigram model")
     charsmap = _precompiled_charsmap(spec.get("normalizer"), path)

@@ -30,7 +30,7 @@ import numpy as np
 
 from kbert.text.fast_unigram import add_specials, fast_unigram_ids, fast_unigram_parts, is_unigram, specials_as_bos_eos
 from kbert.text.hf_sentencepiece import (export_fairseq, fairseq_layout, is_fairseq_dir, is_fairseq_layout,
-                                         unigram_from_json)
+                                         read_tokenizer_json, unigram_from_json)
 from kbert.text.normalize import normalize, tf_normalize
 from kbert.text.vocab import ALGORITHMS, JOINER, SPECIAL_TOKENS, train_vocabulary  # noqa: F401 (re-exported)
 from kbert.text.wordpiece import WordPieceIds
@@ -67,12 +67,7 @@ def _hf_wordpiece(path: str):
     """(vocabulary in id order, lowercase) of a Hugging Face `tokenizer.json` holding a WordPiece model, the only
     vocabulary file transformers >= 5 writes for BERT-style tokenizers. Its normalizer's lowercasing is kept;
     accents are never stripped (kbert never decomposes Hangul). Other models raise ValueError."""
-    with open(path, encoding="utf-8") as f:
-        spec = json.load(f)
-    model = spec.get("model") or {}
-    if model.get("type") != "WordPiece":
-        raise ValueError(f"{path}: a Hugging Face {model.get('type')!r} tokenizer; kbert reads WordPiece ones (and "
-                         f"vocab.txt or a SentencePiece .model)")
+    spec, model = read_tokenizer_json(path, "WordPiece")
     if model.get("continuing_subword_prefix", "##") != "##":
         raise ValueError(f"{path}: continuation prefix {model['continuing_subword_prefix']!r}; kbert's WordPiece uses ##")
     by_id = sorted(model["vocab"].items(), key=lambda item: item[1])
