@@ -1,4 +1,4 @@
-"""Checkpoints in and out: kbert model dirs, Hugging Face BERT/ALBERT/RoBERTa/ELECTRA dirs, Google TF1 checkpoints.
+"""Checkpoints in and out: kbert model dirs, Hugging Face BERT/ALBERT/(XLM-)RoBERTa/ELECTRA dirs, Google TF1 checkpoints.
 
 An ELECTRA discriminator (KoELECTRA) is a BERT encoder whose embeddings may be narrower than the hidden
 size (`embeddings_project`, kbert's `embeddings/projection`) and that has no pooler: it loads as a kbert
@@ -432,7 +432,7 @@ def model_dir_of(directory: str) -> str:
 # ------------------------------------------------------------------------------------ public API
 def load_model(directory: str, with_heads: bool = False, output_hidden_states: bool = False,
                dtype: Optional[str] = None):
-    """Loads a kbert model dir, a Hugging Face BERT/ALBERT/RoBERTa/ELECTRA dir or a Google TF1 checkpoint dir.
+    """Loads a kbert model dir, a Hugging Face BERT/ALBERT/(XLM-)RoBERTa/ELECTRA dir or a Google TF1 checkpoint dir.
 
     RoBERTa (KLUE-RoBERTa) loads as a BERT backbone: the same network once its position table starts at the
     first position real tokens use (`_roberta_as_bert`); one segment type, and a masked-LM checkpoint's
