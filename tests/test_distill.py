@@ -312,3 +312,17 @@ def test_cli_distills_with_a_config_file_and_overrides(teacher, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "kbert.cli", "distill", "--config", str(config), "--corpus",
                            str(corpus), "--set", "tempreature=3"], capture_output=True, text=True, timeout=600)
     assert proc.returncode != 0 and "unknown distillation setting 'tempreature'" in proc.stderr
+
+
+def test_a_sentence_transformers_teacher_gives_its_own_vectors(teacher, tmp_path):
+    """A sentence-transformers dir as the teacher of embedding distillation (BGE-M3 and KURE pool [CLS]): its
+    vectors are the dir's own (its pooling), the ones `Embedder.load` gives, not mean pooling."""
+    from kbert.train.distill import Teacher
+
+    loaded = kbert.Embedder.load(teacher[0])
+    st_dir = kbert.export_sentence_transformers(kbert.Embedder(loaded.backbone, loaded.tokenizer, pooling="cls"),
+                                                str(tmp_path / "st"))
+    texts = ["대한민국은 민주공화국이다.", "모든 국민은 법 앞에 평등하다.", "짧은 글"]
+    vectors = Teacher(st_dir, "embedding").vectors(texts, 32)
+    np.testing.assert_allclose(vectors, kbert.Embedder.load(st_dir).encode(texts), atol=1e-5)
+    assert not np.allclose(vectors, loaded.encode(texts, pooling="mean"), atol=1e-3)

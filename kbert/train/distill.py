@@ -99,14 +99,18 @@ class Teacher:
 
     def __init__(self, model_dir: str, mode: str, dtype: Optional[str] = None, progress: bool = False):
         from kbert.models.convert import load_model
+        from kbert.models.st_dir import read_sentence_transformers
         from kbert.models.tasks import TaskNetwork, load_task_head
         from kbert.text.tokenizer import Tokenizer
 
         self.dir, self.meta = model_dir, read_task_meta(model_dir) or {}
+        # a sentence-transformers teacher (BGE-M3, KURE, ...): its transformer's folder, pooling and layers
+        st = None if self.meta else read_sentence_transformers(model_dir)
+        weights_dir = st["model_dir"] if st else model_dir
         self.progress = progress
-        self.tokenizer = Tokenizer.from_model_dir(model_dir)
+        self.tokenizer = Tokenizer.from_model_dir(weights_dir)
         self._fn = None
-        backbone = load_model(model_dir, output_hidden_states=True, dtype=dtype)
+        backbone = load_model(weights_dir, output_hidden_states=True, dtype=dtype)
         self.hidden_size = backbone.config.hidden_size
         self.config = backbone.config
         if mode == "general":
@@ -137,6 +141,8 @@ class Teacher:
             pooling, layers = "mean", -1
             if self.meta.get("task") == "sentence-embedding":
                 pooling, layers = self.meta.get("pooling") or "mean", self.meta.get("layers", -1)
+            elif st:
+                pooling, layers = st["pooling"], st["layers"]
             self.pooling, self.layers = pooling, layers
             self.network = TaskNetwork(backbone, "sentence-embedding", 0, 0.0, (0.0, 1.0), pooling, layers)
             build_network(self.network, self.tokenizer)
@@ -672,6 +678,10 @@ def distill(teacher: str, student, data=None, out_dir: str = "distilled", mode: 
         raise ValueError(f"`alpha` must be in [0, 1]. Received: alpha={alpha!r}")
     if data is None and train is None:
         raise ValueError("distillation needs text: `data` (unlabeled text) and/or `train` (the task's rows)")
+    if isinstance(teacher, (str, os.PathLike)):  # a Hub name: its snapshot; a `kbert pretrain` run dir: its model
+        from kbert.models.convert import model_dir_of, resolve_hub_name
+
+        teacher = model_dir_of(resolve_hub_name(os.fspath(teacher)))
     meta = read_task_meta(teacher) or {}
     if mode == "task":
         text_column = text_column or meta.get("text_column") or "text"
