@@ -10,6 +10,14 @@ Throughput does not depend on the weights' values, so the model is randomly init
     python benchmarks/embed.py --reviews ../shared/data/movie-reviews/reviews.tsv.gz --texts 10000
     KERAS_BACKEND=jax python benchmarks/embed.py ...     # Embedder on Keras' JAX backend (no SavedModel rows:
                                                           # the export is TensorFlow's format)
+    python benchmarks/embed.py --architecture xlm-roberta --texts 3000   # multilingual-E5-small's shape
+
+`--architecture xlm-roberta` measures the retrieval models most used for Korean (BGE-M3, KURE, multilingual
+E5 are XLM-RoBERTa encoders) at multilingual-e5-small's shape (12 layers, 384 hidden, 12 heads): a transformers
+XLMRobertaModel with random weights and a unigram SentencePiece model learned on the reviews, numbered as
+XLM-RoBERTa's (the vocabulary is 8,002 rows instead of 250,002, which only changes the embedding table's size),
+saved as a Hugging Face dir that both sides load: kbert through its XLM-RoBERTa reader, sentence-transformers
+through transformers, each with its own tokenizer.
 """
 
 from __future__ import annotations
@@ -38,6 +46,33 @@ def read_reviews(path, n, skip=0):
     return out
 
 
+def xlm_roberta_dir(texts, out):
+    """A Hugging Face XLM-RoBERTa dir of multilingual-e5-small's shape (random weights) whose
+    `sentencepiece.bpe.model` is a unigram model learned on `texts` (SentencePiece's numbering <unk> <s> </s>,
+    which transformers and kbert renumber as fairseq's dictionary)."""
+    import io
+    import json
+
+    import sentencepiece as spm
+    import torch
+    import transformers
+
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(texts), model_writer=buf, vocab_size=8000,
+                                   model_type="unigram", normalization_rule_name="nmt_nfkc", unk_id=0, bos_id=1,
+                                   eos_id=2, pad_id=-1, minloglevel=2)
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "sentencepiece.bpe.model"), "wb") as f:
+        f.write(buf.getvalue())
+    with open(os.path.join(out, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+        json.dump({"tokenizer_class": "XLMRobertaTokenizer", "model_max_length": 512}, f)
+    config = transformers.XLMRobertaConfig(vocab_size=8002, hidden_size=384, num_hidden_layers=12,
+                                           num_attention_heads=12, intermediate_size=1536,
+                                           max_position_embeddings=514, pad_token_id=1, type_vocab_size=1)
+    torch.manual_seed(0)
+    transformers.XLMRobertaModel(config).save_pretrained(out)
+
+
 def timed(fn, repeats):
     best = float("inf")
     for _ in range(repeats):
@@ -53,6 +88,9 @@ def main():
     parser.add_argument("--texts", type=int, default=10000)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2, help="best of N timed passes per side")
+    parser.add_argument("--architecture", choices=("bert", "xlm-roberta"), default="bert",
+                        help="bert: bert-mini with a WordPiece vocabulary (default); xlm-roberta: multilingual-e5-"
+                             "small's shape with an XLM-RoBERTa SentencePiece vocabulary")
     args = parser.parse_args()
 
     import keras
@@ -67,13 +105,19 @@ def main():
     texts = read_reviews(args.reviews, args.texts)
     print(f"{len(texts)} reviews, mean {np.mean([len(t) for t in texts]):.0f} chars; batch {args.batch_size}; "
           f"CPU threads: torch {torch.get_num_threads()}, os {os.cpu_count()}")
-    tok = kbert.Tokenizer.train(read_reviews(args.reviews, 50000, skip=args.texts), vocab_size=8000,
-                                algorithm="wordpiece", progress=False)
-    cfg = kbert.ModelConfig.preset("bert-mini", vocab_size=tok.vocab_size)
-    backbone = kbert.BertBackbone(cfg)
     kbert_dir, hf_dir = os.path.join(work, "kbert"), os.path.join(work, "hf")
-    kbert.save_model(backbone, kbert_dir, tokenizer=tok)
-    kbert.export_transformers(backbone, hf_dir, tokenizer=tok)
+    if args.architecture == "xlm-roberta":
+        xlm_roberta_dir(read_reviews(args.reviews, 50000, skip=args.texts), hf_dir)
+        kbert_dir = hf_dir  # kbert reads the Hugging Face dir as it is
+        cfg = kbert.load_model(hf_dir).config
+    else:
+        tok = kbert.Tokenizer.train(read_reviews(args.reviews, 50000, skip=args.texts), vocab_size=8000,
+                                    algorithm="wordpiece", progress=False)
+        cfg = kbert.ModelConfig.preset("bert-mini", vocab_size=tok.vocab_size)
+        backbone = kbert.BertBackbone(cfg)
+        kbert.save_model(backbone, kbert_dir, tokenizer=tok)
+        kbert.export_transformers(backbone, hf_dir, tokenizer=tok)
+    print(f"{args.architecture}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, vocabulary {cfg.vocab_size}")
 
     emb = kbert.Embedder.load(kbert_dir)
     st = SentenceTransformer(modules=[Transformer(hf_dir, max_seq_length=cfg.max_position),
