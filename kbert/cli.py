@@ -332,6 +332,7 @@ def _embed(args):
     if args.words and (args.prompt_name or args.prompt):
         raise ValueError("--prompt-name / --prompt go with sentence vectors, not --words")
     emb.prompt_text(args.prompt_name, args.prompt)  # an unknown prompt name fails before any text is read
+    emb.check_truncate_dim(args.truncate_dim)
     source = open(args.input, encoding="utf-8") if args.input else sys.stdin
     chunks = []
     lines = (line.rstrip("\n") for line in source)
@@ -346,7 +347,7 @@ def _embed(args):
                                                           for w, s, e, v in words]}, ensure_ascii=False))
             continue
         vectors = emb.encode(chunk, pooling=args.pooling, progress=False, prompt_name=args.prompt_name,
-                             prompt=args.prompt)
+                             prompt=args.prompt, truncate_dim=args.truncate_dim)
         if args.format == "npy":
             chunks.append(vectors)
         else:
@@ -596,6 +597,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-name", help="one of the model's prompts put before every text (a sentence-transformers "
                                          "dir's, e.g. E5's query / passage; default: the model's default prompt)")
     p.add_argument("--prompt", help="a text put before every text instead of a named prompt")
+    p.add_argument("--truncate-dim", type=int, help="keep the first N dimensions of each vector (a Matryoshka "
+                                                    "model's short vectors), renormalized")
     p.add_argument("--words", action="store_true", help="word vectors instead of sentence vectors")
     p.add_argument("--unit", choices=("eojeol", "morpheme", "subword"), default="eojeol", help="with --words")
     p.add_argument("--format", choices=("jsonl", "npy"), default="jsonl")

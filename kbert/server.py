@@ -7,7 +7,8 @@
 Routes (JSON in and out; errors are `{"error": {"message", "type", "code"}}` with the status below):
     POST /v1/embeddings   OpenAI-compatible: {"input": str | [str], "model"?: str} and kbert's own
                           "pooling", "normalize", "prompt_name" (one of the model's prompts, E5's "query" /
-                          "passage"; default: its default prompt) -> {"object": "list", "data": [{"object": "embedding",
+                          "passage"; default: its default prompt), OpenAI's "dimensions" (the first n of each
+                          vector, renormalized) -> {"object": "list", "data": [{"object": "embedding",
                           "index": i, "embedding": [...]}], "model", "usage": {"prompt_tokens", "total_tokens"}}
     POST /v1/similarity   {"source_sentence": str, "sentences": [str]} -> {"similarities": [cosine, ...]}
     POST /v1/classify     task dirs (`kbert finetune` output): {"input": str | [str], "pairs"?: [str]} ->
@@ -224,7 +225,7 @@ class Engine:
         options = group[0].options
         if kind == "embed":
             return self.embedder.encode(texts, pooling=options.get("pooling"), normalize=options.get("normalize", True),
-                                        prompt_name=options.get("prompt_name"),
+                                        prompt_name=options.get("prompt_name"), truncate_dim=options.get("truncate_dim"),
                                         batch_size=self.batch_size, progress=False)
         pairs = None
         if any(j.pairs is not None for j in group):
@@ -362,6 +363,10 @@ def build_app(model: str, max_batch_tokens: int = 8192, max_wait_ms: float = 5.0
             if not isinstance(data["normalize"], bool):
                 raise HTTPError(400, "`normalize` must be true or false")
             options["normalize"] = data["normalize"]
+        if "dimensions" in data:  # OpenAI's name for a Matryoshka model's shorter vectors
+            if isinstance(data["dimensions"], bool) or not isinstance(data["dimensions"], int):
+                raise HTTPError(400, "`dimensions` must be an integer")
+            options["truncate_dim"] = engine.embedder.check_truncate_dim(data["dimensions"])
         if "prompt_name" in data:
             if not isinstance(data["prompt_name"], str):
                 raise HTTPError(400, "`prompt_name` must be a string")

@@ -284,6 +284,9 @@ def test_embed_command(emb, tmp_path, capsys):
     np.testing.assert_allclose(rows[1]["vector"], emb.encode("학교에서 공부했다", prompt="질문: "), atol=1e-5)
     assert main(["embed", "--model", model_dir, "--input", str(src), "--prompt-name", "query"]) == 1
     assert "'query' is not one of this model's prompts" in capsys.readouterr().err
+    assert main(["embed", "--model", model_dir, "--input", str(src), "--truncate-dim", "8"]) == 0
+    rows = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    np.testing.assert_allclose(rows[1]["vector"], emb.encode("학교에서 공부했다", truncate_dim=8), atol=1e-5)
 
 
 @pytest.mark.slow
@@ -1021,6 +1024,21 @@ def test_an_xlm_roberta_sentence_model_loads_with_its_vectors(tmp_path):
                  "padding_mask": batch["attention_mask"].numpy().astype(bool)})["sequence_output"]
     mask = batch["attention_mask"].numpy().astype(bool)
     np.testing.assert_allclose(np.asarray(got)[mask], expected[mask], atol=2e-5)
+
+
+def test_truncated_vectors_are_the_first_dimensions_renormalized(emb):
+    """`truncate_dim` (sentence-transformers' name; OpenAI's `dimensions` over HTTP): a Matryoshka model's short
+    vectors, cut before normalization; searches take it too; widths outside 1..hidden are refused."""
+    full = emb.encode(TEXTS, normalize=False)
+    short = emb.encode(TEXTS, truncate_dim=8)
+    assert short.shape == (len(TEXTS), 8)
+    np.testing.assert_allclose(short, full[:, :8] / np.linalg.norm(full[:, :8], axis=1, keepdims=True), atol=1e-6)
+    np.testing.assert_allclose(emb.encode(TEXTS, truncate_dim=8, normalize=False), full[:, :8], atol=1e-6)
+    hits = emb.search(TEXTS[:2], TEXTS, top_k=3, truncate_dim=8)
+    assert [j for j, _ in hits[0]] == list(np.argsort(-(short[:1] @ short.T)[0], kind="stable")[:3])
+    for bad in (0, 33, 2.5, True):
+        with pytest.raises(ValueError, match="`truncate_dim` must be an integer in \\[1, 32\\]"):
+            emb.encode(TEXTS, truncate_dim=bad)
 
 
 def test_prompts_go_to_search_mining_export_and_are_checked_by_name(emb, tmp_path):

@@ -136,9 +136,10 @@ def test_concurrent_requests_are_batched_and_each_gets_its_own_rows(dirs):
     assert total == sum(len(r) for r in requests) and count < len(requests)  # requests shared batches
 
 
-def test_embeddings_take_one_of_the_models_prompts_by_name(dirs, tmp_path):
+def test_embeddings_take_a_prompt_by_name_and_openais_dimensions(dirs, tmp_path):
     """A sentence-transformers dir with E5-style prompts: "prompt_name" picks one (the vectors of
-    Embedder.encode_query), an unknown name or a non-string is a 400 naming it."""
+    Embedder.encode_query), an unknown name or a non-string is a 400 naming it; "dimensions" gives the first
+    n dimensions renormalized (Embedder.encode's truncate_dim)."""
     from kbert.server import build_app
 
     model_dir, _ = dirs
@@ -155,6 +156,13 @@ def test_embeddings_take_one_of_the_models_prompts_by_name(dirs, tmp_path):
                                    emb.encode(TEXTS[:3]), atol=1e-5)
         for bad, message in (("answer", "'answer' is not one of this model's prompts"), (3, "must be a string")):
             response = client.post("/v1/embeddings", json={"input": "a", "prompt_name": bad})
+            assert response.status_code == 400 and message in response.json()["error"]["message"]
+        # OpenAI's `dimensions`: a Matryoshka model's first n dimensions, renormalized
+        short = client.post("/v1/embeddings", json={"input": TEXTS[:3], "dimensions": 8}).json()
+        np.testing.assert_allclose(np.array([d["embedding"] for d in short["data"]], np.float32),
+                                   emb.encode(TEXTS[:3], truncate_dim=8), atol=1e-5)
+        for bad, message in ((0, "`truncate_dim` must be an integer in [1, 32]"), ("8", "`dimensions` must be")):
+            response = client.post("/v1/embeddings", json={"input": "a", "dimensions": bad})
             assert response.status_code == 400 and message in response.json()["error"]["message"]
 
 

@@ -357,7 +357,7 @@ class Embedder:
                layers: Union[int, List[int], None] = None,
                normalize: bool = True, batch_size: int = 64, max_length: Optional[int] = None,
                progress: Optional[bool] = None, prompt_name: Optional[str] = None,
-               prompt: Optional[str] = None) -> np.ndarray:
+               prompt: Optional[str] = None, truncate_dim: Optional[int] = None) -> np.ndarray:
         """Sentence vectors `[n, hidden]` (a single string gives `[hidden]`), float32, in input order.
 
         pooling: "mean" (over real tokens, [CLS]/[SEP] included, as sentence-transformers), "cls" (the [CLS]
@@ -370,9 +370,13 @@ class Embedder:
         prompt_name: one of `self.prompts`, put before every text (default: `self.default_prompt_name`, else
             none); prompt: the text to put there instead. The prompt's tokens count toward `max_length` and
             are pooled with the text's, as in sentence-transformers.
+        truncate_dim: keep the first this many dimensions (before `normalize`): the short vectors of a model
+            trained with Matryoshka widths (`kbert.finetune(matryoshka_dims=[64, 128])`), as
+            sentence-transformers' `truncate_dim` and OpenAI's `dimensions`.
         """
         pooling, layers = self.resolve_pooling(pooling, layers)
         prefix = self.prompt_text(prompt_name, prompt)
+        width = self.check_truncate_dim(truncate_dim)
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"`batch_size` must be a positive integer. Received: batch_size={batch_size!r}")
         single = isinstance(texts, (str, bytes))
@@ -395,9 +399,21 @@ class Embedder:
                 out[first + index] = vectors
         bar.close()
         self._warn_truncated(truncated, len(texts), max_length)
+        out = out[:, :width]
         if normalize:
             out /= np.maximum(np.linalg.norm(out, axis=1, keepdims=True), 1e-12)
         return out[0] if single else out
+
+    def check_truncate_dim(self, truncate_dim: Optional[int]) -> int:
+        """The width `encode` returns for `truncate_dim` (None: the model's); anything but 1..hidden raises."""
+        hidden = self.backbone.config.hidden_size
+        if truncate_dim is None:
+            return hidden
+        if isinstance(truncate_dim, bool) or not isinstance(truncate_dim, (int, np.integer)) or \
+                not 1 <= truncate_dim <= hidden:
+            raise ValueError(f"`truncate_dim` must be an integer in [1, {hidden}] (the model's width). "
+                             f"Received: truncate_dim={truncate_dim!r}")
+        return int(truncate_dim)
 
     def prompt_text(self, prompt_name: Optional[str] = None, prompt: Optional[str] = None) -> str:
         """The text `encode` puts before each text for these arguments ("" for none)."""
