@@ -399,7 +399,8 @@ class Embedder:
                 out[first + index] = vectors
         bar.close()
         self._warn_truncated(truncated, len(texts), max_length)
-        out = out[:, :width]
+        if width < out.shape[1]:
+            out = np.ascontiguousarray(out[:, :width])  # its own buffer, not a view of the full vectors
         if normalize:
             out /= np.maximum(np.linalg.norm(out, axis=1, keepdims=True), 1e-12)
         return out[0] if single else out

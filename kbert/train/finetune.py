@@ -27,6 +27,7 @@ from kbert.data.features import bucketed, bucketed_features, build_network
 from kbert.data.features import features as model_inputs
 from kbert.data.rows import read_rows
 from kbert.compiled import backend, cached_training_step, compiled, training_step
+from kbert.models.st_dir import check_prompts
 from kbert.models.tasks import default_pooling
 from kbert.train.checkpoints import CHECKPOINT_DIR, FinetuneCheckpoint, data_fingerprint
 from kbert.train.finetune_tasks import SIMILARITY_LOSSES, task_for
@@ -302,8 +303,6 @@ def run(config: FinetuneConfig, task=None, before_training=None) -> dict:
     task.check()
     keras.utils.set_random_seed(c.seed)
     backbone, tokenizer, max_length, backbone_dropout, st = _load(c)
-    from kbert.models.st_dir import check_prompts
-
     start_meta = _start_task_meta(c.model)
     own = (st or {}).get("prompts") or (start_meta or {}).get("prompts") or {}
     own_default = (st or {}).get("default_prompt_name") or (start_meta or {}).get("default_prompt_name")
