@@ -928,6 +928,7 @@ def test_an_xlm_roberta_tokenizer_gives_the_checkpoints_ids_from_its_model_or_it
         for text in texts:
             assert tok.encode(text).ids == hf(text)["input_ids"], (where, text)
         assert tok.tf_tokenize(tf.constant(texts)).to_list() == [hf(t)["input_ids"] for t in texts]
+        assert tok.tf_tokenize(tf.constant(texts), portable=True).to_list() == [hf(t)["input_ids"] for t in texts]
     # out again as XLM-RoBERTa's files (a model fine-tuned from one exports so): transformers reads them as it
     # read the originals, and so does kbert
     exported = tok.export_transformers(str(tmp_path / "exported"))

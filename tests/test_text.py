@@ -354,11 +354,14 @@ def test_fast_unigram_graph_equals_sentencepiece_on_hard_lines(tmp_path, tokeniz
 
 def test_unigram_models_the_fast_op_cannot_read_run_sentencepiece(tmp_path):
     """A model with sentencepiece's own normalization map (ALBERT/KoBERT style) is not read by the fast op
-    as sentencepiece reads it: `ds.map(tok)` then calls sentencepiece through `tf.numpy_function`."""
+    as sentencepiece reads it: `ds.map(tok)` then calls sentencepiece through `tf.numpy_function`, and a
+    portable graph runs the fast op without kbert's unknown-character step."""
     tok = kbert.Tokenizer.load(_spm_model(tmp_path, "n"))
     assert tok._unigram_graph() is None
     texts = HARD_LINES + VARIED + ["Ｆｕｌｌ　ｗｉｄｔｈ ....... ①②"]
     assert _graph_rows(tok, texts) == [e.ids for e in tok.encode_batch(texts)]
+    # a portable graph (no Python) runs the fast op with the model's own map, which agrees on these lines
+    assert _graph_rows(tok, texts, portable=True) == [e.ids for e in tok.encode_batch(texts)]
 
 
 def test_sentencepiece_version_outside_the_pin_warns(monkeypatch):

@@ -14,6 +14,15 @@ A model qualifies when the op reads it as sentencepiece does: unigram, no precom
 normalizes first), no unused pieces, and every character of a piece is a piece of its own (so sentencepiece
 scores an unknown character only where no piece could cover it).
 
+A model with a precompiled normalization map (ALBERT, KoBERT, XLM-RoBERTa's `nmt_nfkc`) is not read exactly:
+the op applies the map itself, but the placeholder re-encoding above is defined on characters as the
+vocabulary spells them, which the map changes. In a graph that may call Python such models run sentencepiece
+itself; in a portable graph (a SavedModel) the choice is between this op without the re-encoding
+(`allow_map=True`: the long-line threshold a quarter of the usual one, since the map can lengthen a line)
+and tensorflow-text's SentencePiece op, whose ties between equal-score segmentations differ from
+sentencepiece's on runs like `.......`; the fast op is the closer of the two (benchmarks/README.md, the
+XLM-RoBERTa rows of the sentence-embedding section).
+
 `kbert.text.tokenizer.Tokenizer` is the only caller; everything here works on tensors of normalized text.
 """
 
@@ -80,11 +89,12 @@ def is_unigram(model: bytes) -> bool:
     return proto.trainer_spec.model_type == sentencepiece_model_pb2.TrainerSpec.UNIGRAM
 
 
-def fast_unigram_parts(model: bytes, cls_id: int, sep_id: int):
+def fast_unigram_parts(model: bytes, cls_id: int, sep_id: int, allow_map: bool = False):
     """tensorflow-text `FastSentencepieceTokenizer`s for a unigram model they read as sentencepiece does
     (see the module docstring), a table of the ids that send a line to sentencepiece, and the longest
     normalized line (bytes) whose running score stays inside sentencepiece's 1e5 rebasing threshold; or
-    None when the model does not qualify."""
+    None when the model does not qualify. `allow_map`: a model with a precompiled normalization map too,
+    without the unknown-character re-encoding (portable graphs only; see the module docstring)."""
     import tensorflow as tf
     import tensorflow_text as tf_text
     from sentencepiece import sentencepiece_model_pb2 as pb
@@ -93,7 +103,8 @@ def fast_unigram_parts(model: bytes, cls_id: int, sep_id: int):
     proto.ParseFromString(model)
     kinds = pb.ModelProto.SentencePiece
     norm = proto.normalizer_spec
-    if proto.trainer_spec.model_type != pb.TrainerSpec.UNIGRAM or norm.precompiled_charsmap \
+    mapped = bool(norm.precompiled_charsmap)  # the op normalizes with it (see the module docstring)
+    if proto.trainer_spec.model_type != pb.TrainerSpec.UNIGRAM or (mapped and not allow_map) \
             or proto.trainer_spec.treat_whitespace_as_suffix or not norm.escape_whitespaces:
         return None
     if any(p.type == kinds.UNUSED for p in proto.pieces):
@@ -110,7 +121,7 @@ def fast_unigram_parts(model: bytes, cls_id: int, sep_id: int):
     min_score = min((p.score for p in proto.pieces if p.type == kinds.NORMAL), default=0.0)
     per_piece = max(abs(min_score - 10.0), max(abs(p.score) for p in scored))
     bad = np.array([p.type not in (kinds.NORMAL, kinds.USER_DEFINED) and i not in (cls_id, sep_id)
-                    for i, p in enumerate(proto.pieces)])
+                    and not mapped for i, p in enumerate(proto.pieces)])
     # Lines with a character no piece covers are encoded again with every such character replaced by a
     # placeholder that is a piece scored as sentencepiece scores its unknown node (min score - 10, in
     # float32); the placeholder's id then becomes the character's UTF-8 byte pieces (byte fallback) or
@@ -136,7 +147,7 @@ def fast_unigram_parts(model: bytes, cls_id: int, sep_id: int):
             parts = {key: tf_text.FastSentencepieceTokenizer(m, add_bos=key.startswith("special"),
                                                              add_eos=key.startswith("special"))
                      for key, m in models.items()}
-            parts.update(bad=tf.constant(bad), max_bytes=int(0.9e5 / per_piece) - 3,
+            parts.update(bad=tf.constant(bad), max_bytes=(int(0.9e5 / per_piece) - 3) // (4 if mapped else 1),
                          known=_char_class(cps), placeholder=placeholder, placeholder_id=len(proto.pieces),
                          unk_id=unk_id, byte_table=tf.constant(byte_table, tf.int32) if byte_fallback else None)
             return parts

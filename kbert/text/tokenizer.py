@@ -128,6 +128,7 @@ class Tokenizer:
         self._graph = None
         self._graph_special = None
         self._graph_unigram = None
+        self._graph_unigram_mapped = None
         self._wordpiece_ids = None
 
     # ------------------------------------------------------------------ properties
@@ -143,8 +144,8 @@ class Tokenizer:
 
     def __getstate__(self):  # picklable for worker processes: native handles are rebuilt there
         state = dict(self.__dict__)
-        state.update(_sp=None, _graph=None, _graph_special=None, _graph_unigram=None, _analyzer=None,
-                     _wordpiece_ids=None)
+        state.update(_sp=None, _graph=None, _graph_special=None, _graph_unigram=None, _graph_unigram_mapped=None,
+                     _analyzer=None, _wordpiece_ids=None)
         return state
 
     def __setstate__(self, state):
@@ -511,7 +512,17 @@ class Tokenizer:
                 self._graph_unigram = fast_unigram_parts(self._encoder_proto(), self.cls_id, self.sep_id) or False
         return self._graph_unigram or None
 
-    def _graph_ids(self, normalized, add_special_tokens: bool, portable: bool):
+    def _mapped_unigram_graph(self):
+        """For a portable graph of a unigram model with a precompiled normalization map (XLM-RoBERTa, ALBERT,
+        KoBERT): the fast op's parts without the unknown-character re-encoding; None for other models."""
+        if self._graph_unigram_mapped is None:
+            self._graph_unigram_mapped = False
+            if self.kind == "sentencepiece" and not self.morphemes:
+                self._graph_unigram_mapped = fast_unigram_parts(self._encoder_proto(), self.cls_id, self.sep_id,
+                                                                allow_map=True) or False
+        return self._graph_unigram_mapped or None
+
+    def _graph_ids(self, normalized, add_special_tokens: bool, portable: bool, parts=None):
         """Ids of a 1-D batch of normalized strings from the fast unigram op (`fast_unigram_ids`); the rare
         lines too long for it go to sentencepiece in Python (`tf.numpy_function`) or, in a `portable` graph,
         to tensorflow-text's SentencePiece op."""
@@ -529,7 +540,7 @@ class Tokenizer:
             def slow(texts):
                 r = self._py_ids(texts, add_special_tokens)
                 return r.values, r.row_lengths()
-        return fast_unigram_ids(self._unigram_graph(), normalized, add_special_tokens, slow)
+        return fast_unigram_ids(parts or self._unigram_graph(), normalized, add_special_tokens, slow)
 
     def _graph_with_specials(self):
         """Plain SentencePiece whose [CLS]/[SEP] are control pieces: an op that adds them itself (as
@@ -561,7 +572,9 @@ class Tokenizer:
         `portable=True` builds a graph without Python (for a SavedModel): such a line then goes through
         tensorflow-text's SentencePiece op, which breaks ties between equal-score segmentations as
         sentencepiece <= 0.2.1 did, so on a long line with a tie (a run like `.......`) the ids can differ
-        from Python's.
+        from Python's. A unigram model with its own normalization map (XLM-RoBERTa, ALBERT, KoBERT), which
+        the fast op cannot read exactly, calls sentencepiece through `tf.numpy_function`; portable, it runs
+        the fast op without kbert's unknown-character step, the closer of the two ops to sentencepiece.
         """
         import tensorflow as tf
 
@@ -587,6 +600,9 @@ class Tokenizer:
             return ids[0] if scalar else ids
         if self.kind == "sentencepiece" and not self.morphemes and not portable and is_unigram(self._spm_proto):
             ids = self._py_ids(normalized, add_special_tokens)  # a model the fast op cannot read exactly
+            return ids[0] if scalar else ids
+        if portable and self._mapped_unigram_graph():  # no Python: the fast op is closer than the legacy op
+            ids = self._graph_ids(normalized, add_special_tokens, portable, self._mapped_unigram_graph())
             return ids[0] if scalar else ids
         special = self._graph_with_specials() if add_special_tokens else None
         ids = (special or self._graph_tokenizer()).tokenize(normalized)
