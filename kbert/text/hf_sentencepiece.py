@@ -82,11 +82,12 @@ def fairseq_layout(proto: bytes) -> bytes:
     return out.SerializeToString()
 
 
-def read_tokenizer_json(path: str, model_type: str):
-    """(the whole spec, its "model") of a Hugging Face tokenizer.json whose model is `model_type`; another
-    model raises ValueError naming it."""
-    with open(path, encoding="utf-8") as f:
-        spec = json.load(f)
+def read_tokenizer_json(path: str, model_type: str, spec=None):
+    """(the whole spec, its "model") of a Hugging Face tokenizer.json whose model is `model_type` (`spec`: the
+    file already parsed); another model raises ValueError naming it."""
+    if spec is None:
+        with open(path, encoding="utf-8") as f:
+            spec = json.load(f)
     model = spec.get("model") or {}
     if model.get("type") != model_type:
         raise ValueError(f"{path}: a Hugging Face {model.get('type')!r} tokenizer where {model_type!r} was expected; "
@@ -94,13 +95,14 @@ def read_tokenizer_json(path: str, model_type: str):
     return spec, model
 
 
-def unigram_from_json(path: str) -> bytes:
+def unigram_from_json(path: str, spec=None) -> bytes:
     """A SentencePiece model proto from a Hugging Face `tokenizer.json` whose model is Unigram (pieces, scores,
     unk_id), its normalizer's precompiled map and its Metaspace pre-tokenizer; the added special tokens become
-    control pieces at their ids. Other pipelines raise ValueError naming the part kbert cannot reproduce."""
+    control pieces at their ids (`spec`: the file already parsed). Other pipelines raise ValueError naming the
+    part kbert cannot reproduce."""
     from sentencepiece import sentencepiece_model_pb2 as pb
 
-    spec, model = read_tokenizer_json(path, "Unigram")
+    spec, model = read_tokenizer_json(path, "Unigram", spec)
     if model.get("byte_fallback"):
         raise ValueError(f"{path}: byte fallback is not supported for a tokenizer.json Unigram model")
     charsmap = _precompiled_charsmap(spec.get("normalizer"), path)
@@ -109,11 +111,11 @@ def unigram_from_json(path: str) -> bytes:
     Type = pb.ModelProto.SentencePiece.Type
     out = pb.ModelProto()
     unk_id = model.get("unk_id")
+    if unk_id is None:
+        raise ValueError(f"{path}: its Unigram model has no unk_id")
     for i, (piece, score) in enumerate(model["vocab"]):
         kind = Type.UNKNOWN if i == unk_id else Type.CONTROL if piece in special else Type.NORMAL
         out.pieces.add(piece=piece, score=float(score) if kind == Type.NORMAL else 0.0, type=kind)
-    if unk_id is None:
-        raise ValueError(f"{path}: its Unigram model has no unk_id")
     out.trainer_spec.model_type = pb.TrainerSpec.UNIGRAM
     out.trainer_spec.vocab_size = len(out.pieces)
     out.trainer_spec.unk_id = unk_id

@@ -63,11 +63,12 @@ def _sees_text_as_given(proto) -> bool:
             and norm.add_dummy_prefix and not proto.trainer_spec.treat_whitespace_as_suffix)
 
 
-def _hf_wordpiece(path: str):
+def _hf_wordpiece(path: str, spec=None):
     """(vocabulary in id order, lowercase) of a Hugging Face `tokenizer.json` holding a WordPiece model, the only
     vocabulary file transformers >= 5 writes for BERT-style tokenizers. Its normalizer's lowercasing is kept;
-    accents are never stripped (kbert never decomposes Hangul). Other models raise ValueError."""
-    spec, model = read_tokenizer_json(path, "WordPiece")
+    accents are never stripped (kbert never decomposes Hangul). Other models raise ValueError. `spec`: the file
+    already parsed."""
+    spec, model = read_tokenizer_json(path, "WordPiece", spec)
     if model.get("continuing_subword_prefix", "##") != "##":
         raise ValueError(f"{path}: continuation prefix {model['continuing_subword_prefix']!r}; kbert's WordPiece uses ##")
     by_id = sorted(model["vocab"].items(), key=lambda item: item[1])
@@ -774,6 +775,7 @@ class Tokenizer:
         (e.g. a Hugging Face model dir) holding one of them. Keyword overrides set normalization
         options (`lowercase=True` for an uncased vocab.txt) or `special_tokens`."""
         if os.path.isdir(path):
+            meta = None  # tokenizer.json, parsed once: kbert's own, or a Hugging Face one
             if os.path.isfile(os.path.join(path, CONFIG_FILE)):
                 with open(os.path.join(path, CONFIG_FILE), encoding="utf-8") as f:
                     meta = json.load(f)
@@ -790,12 +792,11 @@ class Tokenizer:
                         proto = fairseq_layout(_read_model(os.path.join(path, name), "sentencepiece"))
                         return cls._from_sentencepiece(proto, overrides)
                     return cls.load(os.path.join(path, name), **overrides)
-            if os.path.isfile(os.path.join(path, CONFIG_FILE)):  # a Hugging Face tokenizer.json alone
-                with open(os.path.join(path, CONFIG_FILE), encoding="utf-8") as f:
-                    model_type = (json.load(f).get("model") or {}).get("type")
-                if model_type == "Unigram":  # SentencePiece's, converted by transformers
-                    return cls._from_sentencepiece(unigram_from_json(os.path.join(path, CONFIG_FILE)), overrides)
-                vocab, lowercase = _hf_wordpiece(os.path.join(path, CONFIG_FILE))
+            if meta is not None:  # a Hugging Face tokenizer.json alone
+                hf_path = os.path.join(path, CONFIG_FILE)
+                if (meta.get("model") or {}).get("type") == "Unigram":  # SentencePiece's, converted by transformers
+                    return cls._from_sentencepiece(unigram_from_json(hf_path, meta), overrides)
+                vocab, lowercase = _hf_wordpiece(hf_path, meta)
                 return cls("wordpiece", vocab, **{"lowercase": lowercase, **overrides})
             raise FileNotFoundError(f"{path!r} holds no tokenizer: expected {CONFIG_FILE} (kbert, or a Hugging Face "
                                     f"WordPiece one), {VOCAB_FILE} (WordPiece) or a SentencePiece .model")

@@ -235,7 +235,8 @@ def _check_head_pooling(task, pooling, layers, num_hidden):
 
 
 def _load(config: FinetuneConfig):
-    """(backbone with hidden states, tokenizer, max_length) of `config.model`."""
+    """(backbone with hidden states, tokenizer, max_length, backbone dropout, the sentence-transformers dir's
+    settings or None, the model dir's kbert_task.json or None) of `config.model`."""
     from kbert.models.convert import check_vocabulary, load_model, model_dir_of, resolve_hub_name
     from kbert.models.io import with_dropout
     from kbert.models.st_dir import read_sentence_transformers
@@ -243,7 +244,8 @@ def _load(config: FinetuneConfig):
     from kbert.text.tokenizer import Tokenizer
 
     model_dir = model_dir_of(resolve_hub_name(os.fspath(config.model)))  # a hub name: its snapshot; a run dir: its model
-    st = None if read_task_meta(model_dir) else read_sentence_transformers(model_dir)
+    meta = read_task_meta(model_dir)
+    st = None if meta else read_sentence_transformers(model_dir)
     weights_dir = st["model_dir"] if st else model_dir  # a sentence-transformers dir: its transformer's folder
     backbone = load_model(weights_dir, output_hidden_states=True, dtype=config.dtype)
     tokenizer = Tokenizer.from_model_dir(weights_dir)  # sentence-transformers keep it beside the weights
@@ -262,17 +264,7 @@ def _load(config: FinetuneConfig):
     if simcse and not (backbone.config.dropout > 0 or backbone.config.attention_dropout > 0):
         raise ValueError("objective='simcse' learns from two dropout masks of the same text, and this backbone "
                          "has no dropout: set backbone_dropout (SimCSE uses 0.1)")
-    return backbone, tokenizer, max_length, rate, st
-
-
-def _start_task_meta(model):
-    """The kbert_task.json of the starting model dir (None for other dirs)."""
-    from kbert.models.convert import model_dir_of, resolve_hub_name
-    from kbert.models.tasks import read_task_meta
-
-    if not isinstance(model, (str, os.PathLike)):
-        return None
-    return read_task_meta(model_dir_of(resolve_hub_name(os.fspath(model))))
+    return backbone, tokenizer, max_length, rate, st, meta
 
 
 def _optimizer(config: FinetuneConfig, total: int, variables):
@@ -302,12 +294,11 @@ def run(config: FinetuneConfig, task=None, before_training=None) -> dict:
     task = task or task_for(c)
     task.check()
     keras.utils.set_random_seed(c.seed)
-    backbone, tokenizer, max_length, backbone_dropout, st = _load(c)
-    start_meta = _start_task_meta(c.model)
-    own = (st or {}).get("prompts") or (start_meta or {}).get("prompts") or {}
-    own_default = (st or {}).get("default_prompt_name") or (start_meta or {}).get("default_prompt_name")
-    model_prompts, default_prompt = check_prompts(c.model_prompts if c.model_prompts is not None else own,
-                                                  own_default if c.model_prompts is None else None)
+    backbone, tokenizer, max_length, backbone_dropout, st, start_meta = _load(c)
+    own = st or start_meta or {}  # the starting model's prompts, kept unless `model_prompts` replaces them
+    model_prompts, default_prompt = check_prompts(
+        own.get("prompts") if c.model_prompts is None else c.model_prompts,
+        own.get("default_prompt_name") if c.model_prompts is None else None)
     pooling, layers = c.pooling, c.layers
     if st and task.name == "sentence-embedding" and pooling is None and layers == -1:
         pooling, layers = st["pooling"], st["layers"]  # a sentence-transformers model goes on with its own pooling
