@@ -46,10 +46,11 @@ def read_reviews(path, n, skip=0):
     return out
 
 
-def xlm_roberta_dir(texts, out):
+def xlm_roberta_dir(texts, out, model_class="XLMRobertaModel", **overrides):
     """A Hugging Face XLM-RoBERTa dir of multilingual-e5-small's shape (random weights) whose
     `sentencepiece.bpe.model` is a unigram model learned on `texts` (SentencePiece's numbering <unk> <s> </s>,
-    which transformers and kbert renumber as fairseq's dictionary)."""
+    which transformers and kbert renumber as fairseq's dictionary). `model_class` / config `overrides`: e.g.
+    a reranker's XLMRobertaForSequenceClassification with num_labels=1."""
     import io
     import json
 
@@ -68,9 +69,10 @@ def xlm_roberta_dir(texts, out):
         json.dump({"tokenizer_class": "XLMRobertaTokenizer", "model_max_length": 512}, f)
     config = transformers.XLMRobertaConfig(vocab_size=8002, hidden_size=384, num_hidden_layers=12,
                                            num_attention_heads=12, intermediate_size=1536,
-                                           max_position_embeddings=514, pad_token_id=1, type_vocab_size=1)
+                                           max_position_embeddings=514, pad_token_id=1, type_vocab_size=1,
+                                           **overrides)
     torch.manual_seed(0)
-    transformers.XLMRobertaModel(config).save_pretrained(out)
+    getattr(transformers, model_class)(config).save_pretrained(out)
 
 
 def timed(fn, repeats):

@@ -93,6 +93,25 @@ def _convert(args):
     from kbert.models.io import TOKENIZER_DIR
 
     source = model_dir_of(args.model)
+    from kbert.embed.task_model import task_meta
+
+    meta = task_meta(source) if not args.with_heads else None
+    if meta and meta.get("task") in ("classification", "pair-classification", "regression") and args.to == "kbert":
+        model = kbert.TaskModel.load(source)  # a Hugging Face classifier keeps its head as a kbert task dir
+        model.save(args.out)
+        print(f"wrote kbert {model.task} dir {args.out} with its head and tokenizer")
+        return
+    if meta and meta.get("task") in ("classification", "pair-classification", "regression"):
+        # a classifier / cross-encoder: transformers' sequence-classification layout, which sentence-transformers'
+        # CrossEncoder reads (the same dir for --to transformers and --to sentence-transformers)
+        model = kbert.TaskModel.load(source)
+        kbert.export_transformers(model, args.out)
+        model.tokenizer.save(os.path.join(args.out, TOKENIZER_DIR))
+        kind = "cross-encoder" if model.task == "regression" else f"{model.task} model"
+        print(f"wrote {kind} {args.out} ({model.network.backbone.config.architecture} sequence classification): "
+              f"CrossEncoder({args.out!r}).predict(pairs) gives TaskModel.predict's "
+              + ("scores" if model.task == "regression" else "logits (apply_softmax=True: its probabilities)"))
+        return
     if args.to == "sentence-transformers":
         embedder = kbert.Embedder.load(source)
         kbert.export_sentence_transformers(embedder, args.out)

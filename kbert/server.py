@@ -11,8 +11,14 @@ Routes (JSON in and out; errors are `{"error": {"message", "type", "code"}}` wit
                           vector, renormalized) -> {"object": "list", "data": [{"object": "embedding",
                           "index": i, "embedding": [...]}], "model", "usage": {"prompt_tokens", "total_tokens"}}
     POST /v1/similarity   {"source_sentence": str, "sentences": [str]} -> {"similarities": [cosine, ...]}
-    POST /v1/classify     task dirs (`kbert finetune` output): {"input": str | [str], "pairs"?: [str]} ->
-                          {"data": [{"index", "label", "probabilities": {label: p}}]} (regression: "value")
+    POST /v1/classify     task dirs (`kbert finetune` output, a Hugging Face classifier): {"input": str | [str],
+                          "pairs"?: [str]} -> {"data": [{"index", "label", "probabilities": {label: p}}]}
+                          (regression: "value")
+    POST /v1/rerank       cross-encoders (a reranker such as BGE-reranker-v2-m3, a kbert pair regression),
+                          the request and answer of Cohere's rerank API, which Jina, vLLM and Infinity serve
+                          too: {"query": str, "documents": [str | {"text": str}], "top_n"?: int,
+                          "return_documents"?: bool} -> {"results": [{"index", "relevance_score",
+                          "document"?: {"text"}}], best first} (the score is `TaskModel.rank`'s)
     GET  /health          200 {"status": "ok"} once the model has run once; 503 {"status": "loading"} before
     GET  /metrics         Prometheus text: requests by route and status, latency, batch sizes, queue depth,
                           XLA compilations pending
@@ -52,7 +58,7 @@ from typing import List
 
 import numpy as np
 
-ROUTES = ("/v1/embeddings", "/v1/similarity", "/v1/classify")
+ROUTES = ("/v1/embeddings", "/v1/similarity", "/v1/classify", "/v1/rerank")
 
 
 class HTTPError(Exception):
@@ -75,11 +81,10 @@ class Engine:
     def __init__(self, model_dir: str, max_batch_tokens: int = 8192, max_wait_ms: float = 5.0,
                  max_queue: int = 4096, batch_size: int = 64, jit_compile: bool = True):
         from kbert.embed.embedder import Embedder
-        from kbert.embed.task_model import TaskModel
-        from kbert.models.tasks import read_task_meta
+        from kbert.embed.task_model import TaskModel, task_meta
 
         self.model_dir = str(model_dir)
-        meta = read_task_meta(self.model_dir)
+        meta = task_meta(self.model_dir)  # a task dir's, or a Hugging Face classifier's (a reranker)
         self.task_model = TaskModel.load(self.model_dir) if meta and meta["task"] != "sentence-embedding" else None
         # one copy of the weights: a task dir's model serves its vectors too
         self.embedder = (self.task_model.embedder if self.task_model and self.task_model.embedder
@@ -411,6 +416,37 @@ def build_app(model: str, max_batch_tokens: int = 8192, max_wait_ms: float = 5.0
                             "probabilities": {label: float(p) for label, p in zip(model.labels, probs)}})
         return {"task": model.task, "data": out}
 
+    async def rerank(data, ticket=None):
+        model = engine.task_model
+        if model is None or model.task != "regression":
+            raise HTTPError(404, f"{name} is not a cross-encoder: /v1/rerank needs a model with one score per "
+                                 "(query, document) pair (a reranker, a `kbert finetune` pair regression)", "not_found")
+        query = data.get("query")
+        if not isinstance(query, str):
+            raise HTTPError(400, "`query` must be a string")
+        documents = data.get("documents")
+        if isinstance(documents, list):  # Cohere's documents may be {"text": ...} objects
+            documents = [d.get("text") if isinstance(d, dict) else d for d in documents]
+        documents = _texts(documents, "documents", max_texts, max_chars)
+        _texts(query, "query", 1, max_chars)
+        top_n = data.get("top_n", len(documents))
+        if isinstance(top_n, bool) or not isinstance(top_n, int) or top_n < 1:
+            raise HTTPError(400, "`top_n` must be a positive integer")
+        keep = data.get("return_documents", False)
+        if not isinstance(keep, bool):
+            raise HTTPError(400, "`return_documents` must be true or false")
+        scores = await engine.run("classify", [query] * len(documents), {}, pairs=documents, timeout=timeout_s,
+                                  ticket=ticket)
+        scores = np.asarray(scores, np.float64)
+        results = []
+        for i in np.argsort(-scores, kind="stable")[:top_n]:
+            row = {"index": int(i), "relevance_score": float(scores[i])}
+            if keep:
+                row["document"] = {"text": documents[i]}
+            results.append(row)
+        engine.metrics.texts.labels("/v1/rerank").inc(len(documents))
+        return {"model": data.get("model") or name, "results": results}
+
     async def health(request):
         if engine.ready.is_set():
             return JSONResponse({"status": "ok", "model": name})
@@ -432,6 +468,7 @@ def build_app(model: str, max_batch_tokens: int = 8192, max_wait_ms: float = 5.0
     routes = [Route("/v1/embeddings", handler("/v1/embeddings", embeddings), methods=["POST"]),
               Route("/v1/similarity", handler("/v1/similarity", similarity), methods=["POST"]),
               Route("/v1/classify", handler("/v1/classify", classify), methods=["POST"]),
+              Route("/v1/rerank", handler("/v1/rerank", rerank), methods=["POST"]),
               Route("/health", health), Route("/metrics", metrics)]
     app = Starlette(routes=routes, lifespan=lifespan)
     app.state.engine = engine

@@ -117,3 +117,35 @@ def run_on_jax(script: str, timeout: int = 600, env=None):
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1]), proc
+
+
+def xlmr_dir(tmp_path, vocab_size=800, model_class="XLMRobertaModel", **overrides):
+    """A Hugging Face dir as XLM-RoBERTa's sentence models ship one (BGE-M3, KURE, multilingual E5): a unigram
+    `sentencepiece.bpe.model` numbered <unk> <s> </s> by SentencePiece, which transformers renumbers as fairseq's
+    dictionary, and a tiny XLMRobertaModel (or `model_class`, e.g. a reranker's
+    XLMRobertaForSequenceClassification, with config `overrides`) over its 802 ids."""
+    import io
+    import json
+
+    import sentencepiece as spm
+    import torch
+    import transformers
+
+    from kbert.data.corpus import corpus
+
+    lines = [line for doc in corpus(["kolaw"]) for line in doc if line.strip()]
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_writer=buf, vocab_size=vocab_size,
+                                   model_type="unigram", normalization_rule_name="nmt_nfkc", unk_id=0, bos_id=1,
+                                   eos_id=2, pad_id=-1, minloglevel=2)
+    out = str(tmp_path / "xlmr")
+    os.makedirs(out)
+    open(os.path.join(out, "sentencepiece.bpe.model"), "wb").write(buf.getvalue())
+    json.dump({"tokenizer_class": "XLMRobertaTokenizer", "model_max_length": 64},
+              open(os.path.join(out, "tokenizer_config.json"), "w", encoding="utf-8"))
+    config = transformers.XLMRobertaConfig(vocab_size=vocab_size + 2, hidden_size=32, num_hidden_layers=2,
+                                           num_attention_heads=2, intermediate_size=64, max_position_embeddings=66,
+                                           pad_token_id=1, type_vocab_size=1, **overrides)
+    torch.manual_seed(0)
+    getattr(transformers, model_class)(config).save_pretrained(out)
+    return out

@@ -175,3 +175,27 @@ def test_decode_takes_an_encoding_and_names_wrong_input():
         tok.decode([enc, enc])
     with pytest.raises(TypeError, match="kbert.normalize"):
         tok.decode("대한민국")
+
+
+def test_convert_keeps_a_cross_encoders_head_both_ways(tmp_path):
+    """`kbert convert` of a Hugging Face reranker: --to kbert keeps its head as a task dir (same scores), and that
+    dir --to sentence-transformers is a CrossEncoder dir with the same scores again."""
+    import numpy as np
+    from sentence_transformers import CrossEncoder
+
+    import kbert
+    from helpers import xlmr_dir
+
+    reranker = xlmr_dir(tmp_path, model_class="XLMRobertaForSequenceClassification", num_labels=1)
+    proc = run("convert", "--model", reranker, "--out", str(tmp_path / "kb"))
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "kb" / "kbert_task.json").exists() and "regression" in proc.stdout
+    proc = run("convert", "--model", str(tmp_path / "kb"), "--out", str(tmp_path / "ce"), "--to", "sentence-transformers")
+    assert proc.returncode == 0, proc.stderr
+    assert "CrossEncoder" in proc.stdout
+    queries, docs = ["대한민국의 주권", "국회"] * 2, ["국민에게 있다", "법률을 제정한다", "", "대한민국 헌법 " * 30]
+    expected = CrossEncoder(reranker, device="cpu").predict(list(zip(queries, docs)))
+    np.testing.assert_allclose(kbert.TaskModel.load(str(tmp_path / "kb")).predict(queries, pairs=docs), expected,
+                               atol=2e-5)
+    np.testing.assert_allclose(CrossEncoder(str(tmp_path / "ce"), device="cpu").predict(list(zip(queries, docs))),
+                               expected, atol=2e-5)

@@ -9,6 +9,8 @@ import pytest
 import kbert
 from kbert.data.corpus import corpus
 
+from helpers import xlmr_dir
+
 TEXTS = ["대한민국은 민주공화국이다.", "모든 국민은 법 앞에 평등하다.", "", "   ",
          "국회는 법률을 제정한다. 대통령은 국가를 대표한다. " * 3, "학교에서 공부했다"]
 
@@ -866,35 +868,6 @@ def test_mining_candidates_equal_a_full_sort_for_every_setting():
             np.testing.assert_array_equal(s[got], s[expected[:wanted]], err_msg=f"trial {trial}")
         got = ranked_candidates(s, bound, range_min, range_max, None)  # random sampling draws from all of them
         np.testing.assert_array_equal(np.sort(s[got]), np.sort(s[expected]), err_msg=f"trial {trial}")
-
-
-def xlmr_dir(tmp_path, vocab_size=800):
-    """A Hugging Face dir as XLM-RoBERTa's sentence models ship one (BGE-M3, KURE, multilingual E5): a unigram
-    `sentencepiece.bpe.model` numbered <unk> <s> </s> by SentencePiece, which transformers renumbers as fairseq's
-    dictionary, and a tiny XLMRobertaModel over its 802 ids."""
-    import io
-    import os
-
-    import sentencepiece as spm
-    import torch
-    import transformers
-
-    lines = [line for doc in corpus(["kolaw"]) for line in doc if line.strip()]
-    buf = io.BytesIO()
-    spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_writer=buf, vocab_size=vocab_size,
-                                   model_type="unigram", normalization_rule_name="nmt_nfkc", unk_id=0, bos_id=1,
-                                   eos_id=2, pad_id=-1, minloglevel=2)
-    out = str(tmp_path / "xlmr")
-    os.makedirs(out)
-    open(os.path.join(out, "sentencepiece.bpe.model"), "wb").write(buf.getvalue())
-    json.dump({"tokenizer_class": "XLMRobertaTokenizer", "model_max_length": 64},
-              open(os.path.join(out, "tokenizer_config.json"), "w", encoding="utf-8"))
-    config = transformers.XLMRobertaConfig(vocab_size=vocab_size + 2, hidden_size=32, num_hidden_layers=2,
-                                           num_attention_heads=2, intermediate_size=64, max_position_embeddings=66,
-                                           pad_token_id=1, type_vocab_size=1)
-    torch.manual_seed(0)
-    transformers.XLMRobertaModel(config).save_pretrained(out)
-    return out
 
 
 ODD_TEXTS = ["ＡＢＣ　①②… 한국어ﾊﾝｸﾞﾙ  여러   칸", "😀 이모지와 漢字", " 앞뒤 공백 ", "", "Hello, WORLD 123"]

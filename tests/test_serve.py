@@ -233,6 +233,34 @@ def test_classify_from_a_task_dir(dirs):
         assert row["label"] == ("부정", "긍정")[int(np.argmax(expected[i]))]
 
 
+def test_rerank_serves_a_hugging_face_reranker_in_cohere_s_form(dirs, tmp_path):
+    """/v1/rerank on a one-logit XLMRobertaForSequenceClassification: the order and scores of TaskModel.rank,
+    Cohere's request and answer (documents as strings or {"text"}, top_n, return_documents); a model that is
+    not a cross-encoder answers 404, bad fields 400."""
+    from helpers import xlmr_dir
+    from kbert.server import build_app
+
+    reranker = xlmr_dir(tmp_path, model_class="XLMRobertaForSequenceClassification", num_labels=1)
+    query, docs = TEXTS[0], TEXTS[1:]
+    expected = kbert.TaskModel.load(reranker).rank(query, docs)
+    with Running(build_app(reranker)) as srv:
+        body = httpx.post(srv.url + "/v1/rerank", json={"query": query, "documents": docs}, timeout=60).json()
+        assert [r["index"] for r in body["results"]] == [e["corpus_id"] for e in expected]
+        np.testing.assert_allclose([r["relevance_score"] for r in body["results"]],
+                                   [e["score"] for e in expected], atol=1e-5)
+        top = httpx.post(srv.url + "/v1/rerank", json={"query": query, "documents": [{"text": d} for d in docs],
+                                                       "top_n": 2, "return_documents": True}, timeout=60).json()
+        assert [r["index"] for r in top["results"]] == [e["corpus_id"] for e in expected[:2]]
+        assert [r["document"]["text"] for r in top["results"]] == [docs[e["corpus_id"]] for e in expected[:2]]
+        bad = httpx.post(srv.url + "/v1/rerank", json={"query": query, "documents": docs, "top_n": 0}, timeout=60)
+        assert bad.status_code == 400 and "top_n" in bad.json()["error"]["message"]
+        bad = httpx.post(srv.url + "/v1/rerank", json={"query": [query], "documents": docs}, timeout=60)
+        assert bad.status_code == 400 and "query" in bad.json()["error"]["message"]
+    with Running(build_app(dirs[1])) as srv:
+        missing = httpx.post(srv.url + "/v1/rerank", json={"query": query, "documents": docs}, timeout=60)
+    assert missing.status_code == 404 and "cross-encoder" in missing.json()["error"]["message"]
+
+
 @pytest.mark.slow
 def test_sigterm_drains_the_requests_in_flight(dirs):
     model_dir, _ = dirs

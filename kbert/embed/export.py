@@ -54,7 +54,8 @@ def _graph_inputs(tokenizer, texts, pairs, max_length: int):
         segments = tf.zeros_like(ids)
     else:
         b = tokenizer.tf_tokenize(pairs, add_special_tokens=False, portable=True)
-        budget = max_length - 3
+        middle = tokenizer.pair_separators  # XLM-RoBERTa: <s> a </s></s> b </s>
+        budget = max_length - 2 - middle
         la, lb = a.row_lengths(), b.row_lengths()
         half_floor, half_ceil = budget // 2, budget - budget // 2
         fits = la + lb <= budget
@@ -65,7 +66,7 @@ def _graph_inputs(tokenizer, texts, pairs, max_length: int):
         a = tf.ragged.boolean_mask(a, tf.ragged.range(la) < tf.expand_dims(keep_a, 1))
         b = tf.ragged.boolean_mask(b, tf.ragged.range(lb) < tf.expand_dims(keep_b, 1))
         first = tf.concat([cls, a, sep], axis=1)
-        second = tf.concat([b, sep], axis=1)
+        second = tf.concat([sep] * (middle - 1) + [b, sep], axis=1)
         ids = tf.concat([first, second], axis=1)
         segments = tf.concat([tf.zeros_like(first), tf.ones_like(second)], axis=1)
     mask = tf.ones_like(ids)
@@ -114,8 +115,11 @@ def _head_outputs(module, x, task):
     import tensorflow as tf
 
     logits = tf.cast(module.head["network"](x, training=False), tf.float32)
-    if task == "regression":
-        return {"predictions": logits[:, 0]}
+    if task == "regression":  # a cross-encoder's own output function, as TaskModel.predict applies it
+        value = logits[:, 0]
+        activation = module.head["activation"]
+        return {"predictions": tf.sigmoid(value) if activation == "sigmoid" else
+                tf.tanh(value) if activation == "tanh" else value}
     return {"probabilities": tf.nn.softmax(logits, axis=-1)}
 
 
@@ -126,7 +130,9 @@ def export(model_dir: str, out_dir: str, signature: Optional[str] = None, poolin
     """Writes `out_dir/<version>/` (TensorFlow Serving's layout) and returns that path.
 
     Args:
-        model_dir: a model dir `kbert.Embedder.load` reads (for `classify`: a `kbert finetune` output).
+        model_dir: a model dir `kbert.Embedder.load` reads (for `classify`: a `kbert finetune` output, or a
+            Hugging Face *ForSequenceClassification dir: a cross-encoder exports with a (texts, text_pairs)
+            signature and its own output function).
         signature: "embed" (vectors) or "classify" (class probabilities / regression values); default:
             "classify" for a classification, pair-classification or regression dir of `kbert finetune`,
             "embed" for every other model.
@@ -149,10 +155,9 @@ def export(model_dir: str, out_dir: str, signature: Optional[str] = None, poolin
     import tensorflow as tf
 
     from kbert.embed.embedder import Embedder
+    from kbert.embed.task_model import task_meta
 
-    from kbert.models.tasks import read_task_meta
-
-    meta = read_task_meta(model_dir)
+    meta = task_meta(model_dir)  # a `kbert finetune` dir's, or a Hugging Face classifier's (cross-encoders)
     if signature is None:
         signature = "classify" if meta is not None and meta.get("task") in CLASSIFY_TASKS else "embed"
     if signature not in SIGNATURES:
@@ -186,7 +191,8 @@ def export(model_dir: str, out_dir: str, signature: Optional[str] = None, poolin
         tokenizer = model.tokenizer
         _check_tokenizer(tokenizer)
         limit = model.network.backbone.config.check_length(max_length or model.max_length)
-        head = {"network": model.network, "pairs": bool(meta.get("pair_column"))}
+        head = {"network": model.network, "pairs": bool(meta.get("pair_column") or meta.get("pairs")),
+                "activation": model.activation}
         module = _module(model.network.backbone, tokenizer, signature, limit, None, -1, False, head, meta["task"])
     os.makedirs(out_dir, exist_ok=True)
     tmp = target + ".tmp"

@@ -1,7 +1,11 @@
-"""`TaskModel`: predictions from a fine-tuned task dir (`kbert finetune`'s output)."""
+"""`TaskModel`: predictions from a fine-tuned task dir (`kbert finetune`'s output) or a Hugging Face
+`*ForSequenceClassification` dir, which is how cross-encoders (rerankers such as BGE-reranker-v2-m3 and its
+Korean fine-tunes, KLUE NLI classifiers) ship; `rank` orders documents for a query as sentence-transformers'
+`CrossEncoder.rank` does."""
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import numpy as np
@@ -10,16 +14,43 @@ from kbert.data.features import bucketed, build_network, features, first_pieces,
 from kbert.data.features import segment_ids, text_list
 from kbert.data.features import unit_vectors_in_batches, word_spans
 from kbert.compiled import backend, compiled, signature
+from kbert.models.io import assign_weights
 from kbert.models.tasks import TASK_FILE, TaskNetwork, load_task_head, read_task_meta, save_task_head
 
 
+_ACTIVATIONS = ("identity", "sigmoid", "tanh")
+
+
+def _resolve(model_dir: str):
+    """(local dir, task meta or None, the Hugging Face classifier's head or None) of a task dir, a Hugging Face
+    *ForSequenceClassification dir, a Hub name of either, or a `kbert pretrain` run dir."""
+    from kbert.models.convert import model_dir_of, read_classifier, resolve_hub_name
+
+    model_dir = model_dir_of(resolve_hub_name(model_dir))
+    meta = read_task_meta(model_dir)
+    if meta is not None or not os.path.isdir(model_dir):
+        return model_dir, meta, None
+    classifier = read_classifier(model_dir)
+    return model_dir, (classifier or {}).get("meta"), classifier
+
+
+def task_meta(model_dir: str) -> Optional[dict]:
+    """What `TaskModel.load(model_dir)` would predict, without loading it: a `kbert finetune` dir's
+    `kbert_task.json`, the equivalent for a Hugging Face classifier / cross-encoder (`"pairs": True` for a
+    one-score one), or None for any other model."""
+    return _resolve(model_dir)[1]
+
+
 class TaskModel:
-    """A fine-tuned model: backbone, task head, tokenizer and label names.
+    """A fine-tuned model: backbone, task head, tokenizer and label names. kbert's cross-encoder too: a pair
+    model's `predict(queries, pairs=documents)` scores each pair, `rank(query, documents)` sorts documents.
 
     Example:
         >>> model = kbert.TaskModel.load("sentiment-model")
         >>> model.predict(["재밌어요", "최악"])     # class probabilities [2, num_labels]
         >>> model.labels                            # ['0', '1']
+        >>> reranker = kbert.TaskModel.load("BAAI/bge-reranker-v2-m3")   # a Hugging Face cross-encoder
+        >>> reranker.rank("헌법 개정 절차", documents, top_k=3)   # [{"corpus_id": 2, "score": 0.97}, ...]
     """
 
     def __init__(self, network: TaskNetwork, tokenizer, meta: dict, jit_compile: bool = False):
@@ -30,25 +61,40 @@ class TaskModel:
         self.jit_compile = bool(jit_compile) or backend() == "jax"  # JAX compiles every (bucketed) shape
         self.task, self.labels = meta["task"], meta.get("labels")
         self.max_length = meta.get("max_length", 128)
+        # a regression's output function: "identity" for kbert's regressors (their values on the label
+        # scale), "sigmoid" for a Hugging Face cross-encoder with one logit, as sentence-transformers applies
+        self.activation = meta.get("activation", "identity")
         self.embedder = None  # set by `load`: an Embedder on the same backbone
         self._fn = None
 
     @classmethod
     def load(cls, model_dir: str, dtype: Optional[str] = None, jit_compile: bool = False) -> "TaskModel":
+        """A `kbert finetune` output dir, or a Hugging Face `*ForSequenceClassification` dir or Hub name (BERT,
+        ALBERT, RoBERTa, XLM-RoBERTa: KLUE classifiers, cross-encoders and rerankers)."""
         from kbert.embed.embedder import Embedder
 
-        meta = read_task_meta(model_dir)
+        model_dir, meta, classifier = _resolve(model_dir)
         if meta is None:
             raise FileNotFoundError(f"{model_dir!r} is not a fine-tuned model dir: {TASK_FILE} is missing "
-                                    f"(`kbert finetune` writes it)")
+                                    "(`kbert finetune` writes it), and it is not a Hugging Face "
+                                    "*ForSequenceClassification dir either")
         emb = Embedder.load(model_dir, dtype=dtype)
+        if classifier is not None:
+            meta["max_length"] = min(meta.get("max_length") or emb.max_length, emb.max_length)
         labels = meta.get("labels") or []
         num = 1 if meta["task"] == "regression" else len(labels)
         layers = meta.get("layers")
         network = TaskNetwork(emb.backbone, meta["task"], num, 0.0, meta.get("target") or (0.0, 1.0),
                               meta.get("pooling"), -1 if layers is None else layers)
         build_network(network, emb.tokenizer)
-        load_task_head(network, model_dir)
+        if classifier is None:
+            load_task_head(network, model_dir)
+        else:  # (XLM-)RoBERTa's classifier.dense is the pooler's place (kbert.models.convert.read_classifier)
+            head = network.head
+            assign_weights(head, {head.kernel.path: classifier["head"]["kernel"],
+                                  head.bias.path: classifier["head"]["bias"]}, model_dir)
+            if classifier["pooler"]:
+                assign_weights(emb.backbone.pooler, classifier["pooler"], model_dir)
         model = cls(network, emb.tokenizer, meta, jit_compile=jit_compile)
         model.embedder = emb  # the same backbone, for sentence vectors (`kbert serve` uses both)
         return model
@@ -74,9 +120,16 @@ class TaskModel:
             segments = bucketed(segments, 0, limit, rows=True)
         return np.asarray(self._fn(features(ids, segments, self.tokenizer.pad_id)), np.float32)[:rows]
 
-    def predict(self, texts, pairs=None, batch_size: int = 64):
+    def predict(self, texts, pairs=None, batch_size: int = 64, activation: Optional[str] = None):
         """classification / pair-classification: probabilities `[n, labels]`; regression: values `[n]`;
-        tagging: for each text a list of `(word, tag)`; sentence-embedding: unit vectors `[n, hidden]`."""
+        tagging: for each text a list of `(word, tag)`; sentence-embedding: unit vectors `[n, hidden]`.
+
+        activation: a regression's output function, default the model's own (`self.activation`): "identity"
+            gives a cross-encoder's raw logits (FlagEmbedding's `compute_score` default), "sigmoid" maps them
+            to (0, 1) (sentence-transformers' `CrossEncoder.predict` default for one logit)."""
+        if activation is not None and activation not in _ACTIVATIONS:
+            raise ValueError(f"`activation` must be one of {_ACTIVATIONS}. Received: activation={activation!r}")
+        activation = activation or self.activation
         single = isinstance(texts, (str, bytes))
         texts = text_list(texts)
         if pairs is not None:
@@ -110,5 +163,34 @@ class TaskModel:
                     rows[i] = probs
         out = rows if self.task == "tagging" else np.asarray(rows, np.float32).reshape(
             (len(rows),) if self.task == "regression" else (len(rows), -1))
+        if self.task == "regression" and activation != "identity":
+            out = (1.0 / (1.0 + np.exp(-out)) if activation == "sigmoid" else np.tanh(out)).astype(np.float32)
         return out[0] if single else out
+
+    def rank(self, query: str, documents, top_k: Optional[int] = None, return_documents: bool = False,
+             batch_size: int = 64, activation: Optional[str] = None):
+        """`documents` sorted by this cross-encoder's score for (query, document), best first, as
+        sentence-transformers' `CrossEncoder.rank` returns them: `[{"corpus_id": i, "score": s}, ...]` (and
+        `"text"` with `return_documents`), the first `top_k` (default all). Needs a one-score model: a
+        regression (a reranker, an STS cross-encoder); a classifier's probabilities have no single order.
+
+        Retrieve and rerank: `hits = embedder.search(query, corpus, top_k=100)[0]`, then
+        `reranker.rank(query, [corpus[i] for i, _ in hits], top_k=10)` (`corpus_id` indexes the candidates).
+        """
+        if self.task != "regression":
+            raise ValueError(f"rank needs a model with one score per pair (a regression / reranker); this is a "
+                             f"{self.task} model{' with labels ' + str(self.labels) if self.labels else ''}: use "
+                             "predict(queries, pairs=documents) for its probabilities")
+        if not isinstance(query, (str, bytes)):
+            raise TypeError(f"`query` must be one text. Received: {type(query).__name__}")
+        documents = text_list(documents)
+        if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+            raise ValueError(f"`top_k` must be a positive integer or None. Received: top_k={top_k!r}")
+        if not documents:
+            return []
+        scores = np.atleast_1d(self.predict([query] * len(documents), pairs=documents, batch_size=batch_size,
+                                            activation=activation))
+        order = np.argsort(-scores, kind="stable")[:top_k]
+        return [dict({"corpus_id": int(i), "score": float(scores[i])},
+                     **({"text": documents[i]} if return_documents else {})) for i in order]
 

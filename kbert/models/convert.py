@@ -289,6 +289,99 @@ def _read_hf_dir(directory: str) -> Tuple[ModelConfig, Dict[str, np.ndarray], bo
     return config, tensors, hf_config.get("model_type") in ("electra",) + _ROBERTA_TYPES
 
 
+# sentence-transformers' CrossEncoder names its activation in config_sentence_transformers.json (v5+), config.json
+# (`sentence_transformers.activation_fn`, v4; `sbert_ce_default_activation_function` before); the ones kbert
+# applies, by name
+_CE_ACTIVATIONS = {"Sigmoid": "sigmoid", "Identity": "identity", "Tanh": "tanh"}
+
+
+def _tensors_named(directory: str, wanted) -> Dict[str, np.ndarray]:
+    """The tensors of a Hugging Face dir whose (prefix-stripped) names `wanted(name)` accepts, without reading
+    the others: a 2.2 GB reranker's head is a few MB."""
+    st = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
+    out = {}
+    if st:
+        from safetensors import safe_open
+
+        for path in st:
+            with safe_open(path, framework="numpy") as f:
+                for key in f.keys():
+                    name = next(iter(_normalize_hf_names({key: None})))
+                    if wanted(name):
+                        out[name] = f.get_tensor(key).astype(np.float32)
+        return out
+    from kbert.models.torch_files import load_torch_state
+
+    for path in sorted(glob.glob(os.path.join(directory, "pytorch_model*.bin"))):
+        out.update({k: v.astype(np.float32) for k, v in _normalize_hf_names(load_torch_state(path)).items()
+                    if wanted(k)})
+    return out
+
+
+def read_classifier(directory: str) -> Optional[dict]:
+    """A Hugging Face `*ForSequenceClassification` dir's head, in kbert's terms: a cross-encoder (reranker such
+    as BGE-reranker-v2-m3, a KLUE NLI model) as a `TaskNetwork` with "pooler" pooling. None for any other dir.
+
+    BERT and ALBERT classify `dropout(pooler(h))`, the pooler being the backbone's own; (XLM-)RoBERTa classify
+    `out_proj(dropout(tanh(dense(dropout(h[<s>])))))`, the same function at inference, so `classifier.dense`
+    becomes the backbone's pooler and `out_proj` the task head. ELECTRA's head uses GELU where the pooler has
+    tanh and is refused.
+
+    Returns {"meta": kbert_task.json-like dict, "pooler": {kbert path: array} (empty when the backbone's own
+    pooler is the classifier's), "head": {"kernel": [h, labels], "bias": [labels]}}. One logit is a
+    "regression" whose `activation` is what sentence-transformers' CrossEncoder and transformers' text-
+    classification pipeline apply (sigmoid unless the config names another); more are a "classification"
+    over `id2label` (probabilities, as kbert's own classifiers give).
+    """
+    path = os.path.join(directory, "config.json")
+    if not os.path.isfile(path):
+        return None
+    hf = _read_json(path)
+    architectures = [a for a in hf.get("architectures") or [] if a.endswith("ForSequenceClassification")]
+    if not architectures:
+        return None
+    model_type = hf.get("model_type")
+    if model_type not in ("bert", "albert") + _ROBERTA_TYPES:
+        raise ValueError(f"{directory}: {architectures[0]} is not supported as a cross-encoder; kbert reads the "
+                         "classification heads of BERT, ALBERT, RoBERTa and XLM-RoBERTa (ELECTRA's head runs GELU "
+                         "where BERT's pooler runs tanh)")
+    roberta = model_type in _ROBERTA_TYPES
+    tensors = _tensors_named(directory, lambda n: n.startswith("classifier."))
+    names = (("classifier.out_proj.weight", "classifier.out_proj.bias") if roberta
+             else ("classifier.weight", "classifier.bias"))
+    if roberta:
+        names += ("classifier.dense.weight", "classifier.dense.bias")
+    missing = [n for n in names if n not in tensors]
+    if missing:
+        raise ValueError(f"{directory}: config.json names {architectures[0]} but the weights have no {missing}")
+    kernel, bias = tensors[names[0]].T, tensors[names[1]]
+    pooler = ({"pooler/dense/kernel": tensors["classifier.dense.weight"].T,
+               "pooler/dense/bias": tensors["classifier.dense.bias"]} if roberta else {})
+    num = int(kernel.shape[1])
+    st_path = os.path.join(directory, "config_sentence_transformers.json")  # sentence-transformers >= 5 keep it here
+    st = _read_json(st_path) if os.path.isfile(st_path) else {}
+    named = (st.get("activation_fn") or (hf.get("sentence_transformers") or {}).get("activation_fn")
+             or hf.get("sbert_ce_default_activation_function"))
+    activation = "sigmoid"
+    if named and num == 1:
+        activation = _CE_ACTIVATIONS.get(str(named).rsplit(".", 1)[-1])
+        if activation is None:
+            raise ValueError(f"{directory}: the activation {named!r} in config.json is not one kbert applies "
+                             f"({sorted(_CE_ACTIVATIONS)})")
+    id2label = hf.get("id2label") or {}
+    labels = [str(id2label.get(str(i), id2label.get(i, i))) for i in range(num)]
+    meta = {"task": "regression" if num == 1 else "classification", "labels": None if num == 1 else labels,
+            "pooling": "pooler", "target": [0.0, 1.0], "source": architectures[0]}
+    if num == 1:  # a cross-encoder: it scores (query, document) pairs
+        meta.update(activation=activation, pairs=True)
+    from kbert.models.st_dir import configured_max_length
+
+    length = configured_max_length(directory, directory)  # where transformers' tokenizer truncates
+    if length:
+        meta["max_length"] = length
+    return {"meta": meta, "pooler": pooler, "head": {"kernel": kernel, "bias": bias}}
+
+
 _TF1_BERT_RULES = [
     (r"^(bert|electra)/", ""),
     (r"^embeddings/word_embeddings$", "embeddings.word_embeddings.weight"),
@@ -472,13 +565,21 @@ def load_model(directory: str, with_heads: bool = False, output_hidden_states: b
 
 
 def export_transformers(model, directory: str, tokenizer=None) -> str:
-    """Writes `model` (a backbone or `Pretrainer`) as a Hugging Face dir (`config.json` +
-    `model.safetensors`) that `transformers.AutoModel.from_pretrained(directory)` loads.
+    """Writes `model` (a backbone, a `Pretrainer`, or a `kbert.TaskModel` classifier / cross-encoder) as a
+    Hugging Face dir (`config.json` + `model.safetensors`) that `transformers.AutoModel.from_pretrained(directory)`
+    loads.
 
-    A `Pretrainer` is written as `BertForPreTraining` / `AlbertForPreTraining` with its heads. A `tokenizer`
-    (`kbert.Tokenizer`) is written beside it where transformers can read it exactly (`Tokenizer.
-    export_transformers`: WordPiece, unigram SentencePiece); otherwise a warning says why not.
+    A `Pretrainer` is written as `BertForPreTraining` / `AlbertForPreTraining` with its heads. A `TaskModel`
+    whose head reads the pooler (classification, pair-classification, regression: a cross-encoder) is written
+    as `BertForSequenceClassification` / `AlbertForSequenceClassification`, a regression's target scaling
+    folded into the classifier, with a `config_sentence_transformers.json` naming its output function, so
+    sentence-transformers' `CrossEncoder(directory).predict(pairs)` gives `TaskModel.predict`'s scores. A
+    `tokenizer` (`kbert.Tokenizer`; a TaskModel's own by default) is written beside it where transformers can
+    read it exactly (`Tokenizer.export_transformers`: WordPiece, unigram SentencePiece); otherwise a warning
+    says why not.
     """
+    if getattr(model, "network", None) is not None and hasattr(model, "meta"):  # a TaskModel
+        return _export_classifier(model, directory, tokenizer if tokenizer is not None else model.tokenizer)
     if isinstance(model, Pretrainer):
         config, pair, heads = model.config, model.pair_objective, True
     elif isinstance(model, Backbone):
@@ -509,3 +610,72 @@ def export_transformers(model, directory: str, tokenizer=None) -> str:
 
             warnings.warn(f"The tokenizer was not written in transformers' format: {e}", stacklevel=2)
     return directory
+
+
+# torch's names of the output functions `TaskModel` applies, as sentence-transformers' CrossEncoder stores them
+_TORCH_ACTIVATIONS = {"identity": "torch.nn.modules.linear.Identity", "sigmoid": "torch.nn.modules.activation.Sigmoid",
+                      "tanh": "torch.nn.modules.activation.Tanh"}
+
+
+def _export_classifier(task_model, directory: str, tokenizer) -> str:
+    """`export_transformers` of a `TaskModel`: the backbone under `bert.` / `albert.`, its pooler, and the head
+    as `classifier` (transformers' sequence-classification layout, which reads the pooled [CLS])."""
+    import keras
+    from safetensors.numpy import save_file
+
+    network, meta = task_model.network, task_model.meta
+    if network.task not in ("classification", "pair-classification", "regression"):
+        raise ValueError(f"A {network.task} model has no transformers sequence-classification equivalent; export "
+                         "its backbone (`export_transformers(model.network.backbone, ...)`)")
+    if network.pooling != "pooler":
+        raise ValueError(f"This model's head reads {network.pooling!r} pooling; transformers' sequence "
+                         "classifiers read BERT's pooler over [CLS] (fine-tune with pooling='pooler' to export)")
+    backbone = network.backbone
+    config = backbone.config
+    tensors = {p: keras.ops.convert_to_numpy(v) for p, v in variables_by_path(backbone).items()}
+    prefix = "bert." if config.architecture == "bert" else "albert."
+    hf = {prefix + k: v for k, v in kbert_to_hf(tensors, config).items()}
+    kernel = np.asarray(keras.ops.convert_to_numpy(network.head.kernel), np.float32)  # [h, labels]
+    bias = np.asarray(keras.ops.convert_to_numpy(network.head.bias), np.float32)
+    if network.task == "regression":  # TaskNetwork returns head * std + mean: folded into the weights
+        mean, std = network.target
+        kernel, bias = kernel * std, bias * std + mean
+    hf["classifier.weight"], hf["classifier.bias"] = np.ascontiguousarray(kernel.T), bias
+    labels = list(meta.get("labels") or []) if network.task != "regression" else ["score"]
+    hf_config = config_to_hf(config, with_heads=False)
+    hf_config["architectures"] = ["BertForSequenceClassification" if config.architecture == "bert"
+                                  else "AlbertForSequenceClassification"]
+    hf_config.update(id2label={str(i): str(label) for i, label in enumerate(labels)},
+                     label2id={str(label): i for i, label in enumerate(labels)}, classifier_dropout=None)
+    if network.task == "regression":
+        hf_config["problem_type"] = "regression"
+    # kbert's classifiers give probabilities (CrossEncoder: predict(..., apply_softmax=True)); a regression its
+    # own output function, which CrossEncoder reads from either place (sentence-transformers >= 5, and 4)
+    activation = _TORCH_ACTIVATIONS[getattr(task_model, "activation", "identity")] if network.task == "regression" \
+        else _TORCH_ACTIVATIONS["identity"]
+    hf_config["sentence_transformers"] = {"activation_fn": activation}
+    os.makedirs(directory, exist_ok=True)
+    if tokenizer is not None:
+        try:
+            tokenizer.export_transformers(directory)
+            _set_json(os.path.join(directory, "tokenizer_config.json"),  # truncate where the model was tuned
+                      model_max_length=int(getattr(task_model, "max_length", None) or config.max_position))
+        except ValueError as e:
+            import warnings
+
+            warnings.warn(f"The tokenizer was not written in transformers' format: {e}", stacklevel=3)
+    save_file({k: np.ascontiguousarray(v, dtype=np.float32) for k, v in hf.items()},
+              os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+    for name, obj in (("config.json", hf_config),
+                      ("config_sentence_transformers.json", {"model_type": "CrossEncoder", "activation_fn": activation,
+                                                             "prompts": {}, "default_prompt_name": None})):
+        with open(os.path.join(directory, name), "w", encoding="utf-8") as f:
+            json.dump(obj, f, indent=2, ensure_ascii=False)
+    return directory
+
+
+def _set_json(path: str, **values) -> None:
+    if os.path.isfile(path):
+        obj = {**_read_json(path), **values}
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(obj, f, indent=2, ensure_ascii=False)

@@ -33,7 +33,7 @@ def read_sentence_transformers(directory: str):
         folder = os.path.join(directory, module.get("path", ""))
         if kind == "Transformer":
             found["model_dir"] = folder
-            found["max_length"] = _max_length(directory, folder)
+            found["max_length"] = configured_max_length(directory, folder)
         elif kind == "Pooling":
             with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
                 config = json.load(f)
@@ -93,7 +93,7 @@ def _prompts(directory: str) -> dict:
     return {"prompts": prompts, "default_prompt_name": default if default in prompts else None}
 
 
-def _max_length(directory: str, folder: str):
+def configured_max_length(directory: str, folder: str):
     """sentence_bert_config.json's max_seq_length (sentence-transformers < 6), else the tokenizer's
     model_max_length (where 6 keeps it); None when neither says."""
     for name, key in (("sentence_bert_config.json", "max_seq_length"), ("tokenizer_config.json", "model_max_length")):

@@ -143,6 +143,13 @@ class Tokenizer:
     sep_id = property(lambda self: self.special_ids["sep"])
     mask_id = property(lambda self: self.special_ids["mask"])
 
+    @property
+    def pair_separators(self) -> int:
+        """Separator tokens between the two texts of a pair: 2 for XLM-RoBERTa's numbering (`<s> a </s></s> b
+        </s>`, as fairseq and transformers write its pairs), 1 for BERT's `[CLS] a [SEP] b [SEP]`."""
+        return 2 if self.kind == "sentencepiece" and self.vocab[-1] == "<mask>" and tuple(
+            self.vocab[:4]) == ("<s>", "<pad>", "</s>", "<unk>") else 1
+
     def __getstate__(self):  # picklable for worker processes: native handles are rebuilt there
         state = dict(self.__dict__)
         state.update(_sp=None, _graph=None, _graph_special=None, _graph_unigram=None, _graph_unigram_mapped=None,
@@ -262,7 +269,8 @@ class Tokenizer:
 
     def encode(self, text: str, pair: Optional[str] = None, add_special_tokens: bool = True,
                max_length: Optional[int] = None) -> Encoding:
-        """Ids, tokens and character offsets of `text` (and `pair`, as `[CLS] a [SEP] b [SEP]`).
+        """Ids, tokens and character offsets of `text` (and `pair`, as `[CLS] a [SEP] b [SEP]`; XLM-RoBERTa's
+        `<s> a </s></s> b </s>`, `pair_separators`).
 
         `max_length` truncates the longer of the two segments first, counting special tokens.
         """
@@ -390,16 +398,17 @@ class Tokenizer:
             pair_texts = [self.normalize(self._check_text(t)) for t in pairs]
             pair_pieces = self._pieces_batch(pair_texts)
         out = []
+        middle = self.pair_separators
         for i, (text, a) in enumerate(zip(texts, pieces)):
             b = pair_pieces[i] if pair_pieces is not None else None
             if max_length is not None:
-                special = (3 if b is not None else 2) if add_special_tokens else 0
+                special = (2 + middle if b is not None else 2) if add_special_tokens else 0
                 a, b = _truncate(a, b, max_length - special)
             cls = (self.cls_id, self.vocab[self.cls_id], 0, 0)
             sep = (self.sep_id, self.vocab[self.sep_id], 0, 0)
             items = ([cls] if add_special_tokens else []) + a + ([sep] if add_special_tokens else [])
             if b is not None:
-                items += b + ([sep] if add_special_tokens else [])
+                items += ([sep] * (middle - 1) if add_special_tokens else []) + b + ([sep] if add_special_tokens else [])
             out.append(Encoding([x[0] for x in items], [x[1] for x in items], [(x[2], x[3]) for x in items],
                                 text))
         return out
