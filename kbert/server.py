@@ -418,9 +418,14 @@ def build_app(model: str, max_batch_tokens: int = 8192, max_wait_ms: float = 5.0
 
     async def rerank(data, ticket=None):
         model = engine.task_model
-        if model is None or model.task != "regression":
+        try:
+            if model is None:
+                raise ValueError("it is not a fine-tuned or classification model")
+            model.check_rankable()
+        except ValueError as e:
             raise HTTPError(404, f"{name} is not a cross-encoder: /v1/rerank needs a model with one score per "
-                                 "(query, document) pair (a reranker, a `kbert finetune` pair regression)", "not_found")
+                                 f"(query, document) pair (a reranker, a `kbert finetune` pair regression or "
+                                 f"two-label pair classifier); {e}", "not_found") from None
         query = data.get("query")
         if not isinstance(query, str):
             raise HTTPError(400, "`query` must be a string")
@@ -437,7 +442,7 @@ def build_app(model: str, max_batch_tokens: int = 8192, max_wait_ms: float = 5.0
             raise HTTPError(400, "`return_documents` must be true or false")
         scores = await engine.run("classify", [query] * len(documents), {}, pairs=documents, timeout=timeout_s,
                                   ticket=ticket)
-        scores = np.asarray(scores, np.float64)
+        scores = model.scores(scores).astype(np.float64)
         results = []
         for i in np.argsort(-scores, kind="stable")[:top_n]:
             row = {"index": int(i), "relevance_score": float(scores[i])}

@@ -157,6 +157,11 @@ def test_a_kbert_cross_encoder_exports_for_sentence_transformers_cross_encoder(t
     ce = CrossEncoder(out, device="cpu")
     got = ce.predict(list(zip(queries, docs)), apply_softmax=task != "regression")
     np.testing.assert_allclose(got, expected, atol=2e-5)
+    # a two-label pair classifier ranks by its second label's probability ("같음"), a regression by its value
+    ranked = model.rank(QUERY, DOCUMENTS)
+    own = expected[:len(DOCUMENTS)] if task == "regression" else expected[:len(DOCUMENTS), 1]
+    assert [r["corpus_id"] for r in ranked] == list(np.argsort(-own, kind="stable"))
+    np.testing.assert_allclose([r["score"] for r in ranked], np.sort(own)[::-1], atol=1e-6)
     if task == "regression":
         assert expected.min() > 1  # on the label scale around the target mean 2.6, not squashed into (0, 1)
     again = kbert.TaskModel.load(out)
@@ -175,3 +180,27 @@ def test_a_reranker_read_from_hugging_face_writes_back_with_the_same_scores(tmp_
     pairs = list(zip([QUERY] * len(DOCUMENTS), DOCUMENTS))
     np.testing.assert_allclose(CrossEncoder(copy, device="cpu").predict(pairs),
                                CrossEncoder(out, device="cpu").predict(pairs), atol=2e-5)
+
+
+def test_search_with_a_reranker_rescores_the_first_stages_candidates(tmp_path):
+    """`Embedder.search(..., reranker=model, candidates=k)`: each query's first k hits by the vectors, in the
+    cross-encoder's order with its scores; only those k are re-scored; vectors instead of texts are refused."""
+    emb = kbert.Embedder.load(xlmr_dir(tmp_path / "bi"))
+    reranker = kbert.TaskModel.load(xlmr_dir(tmp_path / "ce", model_class="XLMRobertaForSequenceClassification",
+                                             num_labels=1))
+    queries = [QUERY, KOREAN_SENTENCES[0]]
+    corpus = DOCUMENTS[:4] + KOREAN_SENTENCES[1:6]
+    got = emb.search(queries, corpus, top_k=3, reranker=reranker, candidates=5)
+    first = emb.search(queries, corpus, top_k=5)
+    for query, hits, row in zip(queries, first, got):
+        ids = [j for j, _ in hits]
+        expected = reranker.rank(query, [corpus[j] for j in ids], top_k=3)
+        assert row == [(ids[r["corpus_id"]], pytest.approx(r["score"], abs=1e-6)) for r in expected]
+        assert {j for j, _ in row} <= set(ids)
+    # never fewer candidates than top_k: candidates=1 with top_k=2 reranks the first two
+    assert emb.search(QUERY, corpus, top_k=2, reranker=reranker, candidates=1) == \
+        emb.search(QUERY, corpus, top_k=2, reranker=reranker, candidates=2)
+    with pytest.raises(ValueError, match="texts"):
+        emb.search(emb.encode(queries), corpus, reranker=reranker)
+    with pytest.raises(ValueError, match="candidates"):
+        emb.search(queries, corpus, reranker=reranker, candidates=0)

@@ -524,7 +524,8 @@ class Embedder:
         return _unit(a) @ _unit(b).T
 
     def search(self, queries, corpus, top_k: int = 5, index: str = "exact", lexical: float = 0.0,
-               corpus_vectors: Optional[np.ndarray] = None, **encode_options):
+               corpus_vectors: Optional[np.ndarray] = None, reranker=None, candidates: int = 100,
+               **encode_options):
         """Cosine search: for each query, `[(corpus index, score), ...]` best first. `queries` and `corpus`
         are texts or precomputed vectors. `index="faiss"` uses FAISS's exact inner-product index (the same
         hits, faster on large corpora; needs `pip install faiss-cpu`). Texts are encoded as `encode_query`
@@ -538,6 +539,10 @@ class Embedder:
             (benchmarks/README.md); 0 (the default) is the vectors alone, 1 TF-IDF alone.
         corpus_vectors: with `lexical`, the corpus texts' vectors encoded once beforehand (`[len(corpus),
             hidden]`), so repeated searches over a large corpus do not encode it again.
+        reranker: a cross-encoder (`kbert.TaskModel`: a Hugging Face reranker, a `kbert.finetune` pair model)
+            that re-scores each query's first `candidates` hits (retrieve and rerank, sentence-transformers'
+            recipe): the hits come back in its order with its scores (`TaskModel.rank`). Texts on both sides.
+        candidates: how many hits of the search above the reranker sees per query (at least `top_k`).
         """
         if not isinstance(top_k, int) or top_k < 1:
             raise ValueError(f"`top_k` must be a positive integer. Received: top_k={top_k!r}")
@@ -546,6 +551,10 @@ class Embedder:
         if isinstance(lexical, bool) or not isinstance(lexical, (int, float)) or not 0 <= lexical <= 1:
             raise ValueError(f"`lexical` must be a number in [0, 1]. Received: lexical={lexical!r}")
         single = isinstance(queries, str)
+        if reranker is not None:
+            return self._reranked_search(queries, corpus, top_k, reranker, candidates, single,
+                                         dict(index=index, lexical=lexical, corpus_vectors=corpus_vectors,
+                                              **encode_options))
         if lexical:
             return self._hybrid_search(queries, corpus, top_k, index, float(lexical), corpus_vectors,
                                        encode_options, single)
@@ -587,6 +596,21 @@ class Embedder:
                                        @ _unit(self._as_vectors(vectors, encode_options, "document")).T)
         hits = _best(scores, min(top_k, len(corpus)))
         return hits[0] if single else hits
+
+    def _reranked_search(self, queries, corpus, top_k, reranker, candidates, single, options):
+        if isinstance(candidates, bool) or not isinstance(candidates, int) or candidates < 1:
+            raise ValueError(f"`candidates` must be a positive integer. Received: candidates={candidates!r}")
+        if isinstance(queries, np.ndarray) or isinstance(corpus, np.ndarray):
+            raise ValueError("`reranker` reads the texts of the queries and the corpus, not vectors (pass the "
+                             "corpus' vectors as `corpus_vectors` with `lexical`)")
+        reranker.check_rankable()
+        queries, corpus = text_list(queries), text_list(corpus)
+        first = self.search(queries, corpus, top_k=max(top_k, candidates), **options)
+        out = []
+        for query, hits in zip(queries, first):
+            ranked = reranker.rank(query, [corpus[j] for j, _ in hits], top_k=top_k)
+            out.append([(hits[r["corpus_id"]][0], r["score"]) for r in ranked])
+        return out[0] if single else out
 
     def _as_vectors(self, items, options, role):
         if isinstance(items, np.ndarray):
