@@ -204,3 +204,21 @@ def test_search_with_a_reranker_rescores_the_first_stages_candidates(tmp_path):
         emb.search(emb.encode(queries), corpus, reranker=reranker)
     with pytest.raises(ValueError, match="candidates"):
         emb.search(queries, corpus, reranker=reranker, candidates=0)
+
+
+def test_a_reranker_ranks_alike_on_keras_jax_backend(tmp_path):
+    """The same Hugging Face reranker on Keras' JAX backend (TensorFlow unimportable, a GPU host's install):
+    `rank` gives this process's TensorFlow order and scores."""
+    import json
+
+    from helpers import BLOCK_TENSORFLOW, run_on_jax
+
+    out = xlmr_dir(tmp_path, model_class="XLMRobertaForSequenceClassification", num_labels=1)
+    expected = kbert.TaskModel.load(out).rank(QUERY, DOCUMENTS)
+    script = BLOCK_TENSORFLOW + (
+        "import json, kbert\n"
+        f"ranked = kbert.TaskModel.load({out!r}).rank({QUERY!r}, {json.dumps(DOCUMENTS, ensure_ascii=False)})\n"
+        "print(json.dumps(ranked))\n")
+    got, _ = run_on_jax(script)
+    assert [r["corpus_id"] for r in got] == [r["corpus_id"] for r in expected]
+    np.testing.assert_allclose([r["score"] for r in got], [r["score"] for r in expected], atol=2e-5)
