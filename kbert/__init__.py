@@ -49,6 +49,8 @@ _EXPORTS = {
     "Embedder": "kbert.embed.embedder",
     "export_sentence_transformers": "kbert.embed.st_format",
     "mine_hard_negatives": "kbert.embed.mining",
+    "evaluate_retrieval": "kbert.embed.evaluation",
+    "evaluate_sts": "kbert.embed.evaluation",
     "finetune": "kbert.train.finetune",
     "distill": "kbert.train.distill",
     "TaskModel": "kbert.embed.task_model",

@@ -73,6 +73,9 @@ def bucketed_features(feats: dict, y, pad_id: int, limit: int, label_pad=None):
     return out, y
 
 
+PACK_WHEN = 0.8  # a batch runs as packed rows when that needs at most this share of its rows
+
+
 def pack_rows(lengths, width: int) -> List[List[int]]:
     """Packs texts of `lengths` (each <= `width`) into rows of `width` tokens, several short texts per row:
     best fit, longest first (each row starts with the longest text left, then takes the longest that

@@ -31,7 +31,7 @@ from typing import List, Optional, Sequence, Union
 
 import numpy as np
 
-from kbert.data.features import ROW_BUCKETS, WIDTH_BUCKETS, bucket, bucketed, pack_rows, text_list
+from kbert.data.features import PACK_WHEN, ROW_BUCKETS, WIDTH_BUCKETS, bucket, bucketed, pack_rows, text_list
 from kbert.compiled import backend, compiled, signature
 from kbert.models.st_dir import check_prompts
 from kbert.utils import progress_bar
@@ -39,7 +39,6 @@ from kbert.models.pooling import (PACKED_POOLINGS, POOLINGS, check_pooling, laye
                                   pool_packed)
 
 ENCODE_CHUNK = 8192  # texts tokenized at a time by `encode`
-PACK_WHEN = 0.8  # a batch runs packed when that needs at most this share of its rows
 PACK_WIDTH = 64  # XLA: a batch holding this many tokens packs into rows of at least this width
 JIT_MODES = (False, True, "background")
 UNITS = ("eojeol", "morpheme", "subword")

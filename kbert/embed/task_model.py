@@ -10,7 +10,7 @@ from typing import Optional
 
 import numpy as np
 
-from kbert.data.features import bucketed, build_network, features, first_pieces, pad
+from kbert.data.features import PACK_WHEN, bucketed, build_network, features, first_pieces, pack_rows, pad
 from kbert.data.features import segment_ids, text_list
 from kbert.data.features import unit_vectors_in_batches, word_spans
 from kbert.compiled import backend, compiled, signature
@@ -66,6 +66,7 @@ class TaskModel:
         self.activation = meta.get("activation", "identity")
         self.embedder = None  # set by `load`: an Embedder on the same backbone
         self._fn = None
+        self._packed_fn = None
 
     @classmethod
     def load(cls, model_dir: str, dtype: Optional[str] = None, jit_compile: bool = False) -> "TaskModel":
@@ -120,6 +121,36 @@ class TaskModel:
             segments = bucketed(segments, 0, limit, rows=True)
         return np.asarray(self._fn(features(ids, segments, self.tokenizer.pad_id)), np.float32)[:rows]
 
+    def _call_packed(self, ids, segs):
+        """Logits `[n, labels]` of texts of mixed lengths (a reranker's candidates, a server's requests) run as
+        packed rows, several to a row (`TaskNetwork.packed_logits`), or None when packing would not save a
+        fifth of the rows (or the head does not read the pooler, or XLA runs padded buckets)."""
+        lengths = [len(x) for x in ids]
+        if self.jit_compile or self.network.pooling != "pooler" or len(ids) < 2:
+            return None
+        width = max(lengths)
+        packed = pack_rows(lengths, width)
+        if len(packed) > PACK_WHEN * len(ids):
+            return None
+        slots = max(len(row) for row in packed)
+        token_ids = np.full((len(packed), width), self.tokenizer.pad_id, np.int32)
+        segments, types = np.zeros_like(token_ids), np.zeros_like(token_ids)
+        starts = np.zeros((len(packed), slots, width), np.float32)
+        where = np.zeros((len(ids), 2), np.int64)  # (row, slot) of each text
+        for r, row in enumerate(packed):
+            at = 0
+            for t, j in enumerate(row):
+                n = lengths[j]
+                token_ids[r, at:at + n], segments[r, at:at + n], types[r, at:at + n] = ids[j], t + 1, segs[j]
+                starts[r, t, at] = 1.0
+                where[j] = (r, t)
+                at += n
+        if self._packed_fn is None:
+            self._packed_fn = compiled(self.network.packed_logits, self.network.variables,
+                                       signature(2, 2, 2, (3, "float32")))
+        logits = np.asarray(self._packed_fn(token_ids, segments, types, starts), np.float32)  # [r, t, labels]
+        return logits[where[:, 0], where[:, 1]]
+
     def predict(self, texts, pairs=None, batch_size: int = 64, activation: Optional[str] = None):
         """classification / pair-classification: probabilities `[n, labels]`; regression: values `[n]`;
         tagging: for each text a list of `(word, tag)`; sentence-embedding: unit vectors `[n, hidden]`.
@@ -147,7 +178,9 @@ class TaskModel:
             chunk = [encodings[i] for i in index]
             ids = [e.ids for e in chunk]
             segs = [segment_ids(e.ids, self.tokenizer.sep_id) for e in chunk]
-            logits = self._call(pad(ids, self.tokenizer.pad_id), pad(segs, 0))
+            logits = self._call_packed(ids, segs) if self.task != "tagging" else None
+            if logits is None:
+                logits = self._call(pad(ids, self.tokenizer.pad_id), pad(segs, 0))
             if self.task == "tagging":
                 for i, e, row in zip(index, chunk, logits):
                     words = [e.normalized[s:t] for s, t in word_spans(e.normalized)]

@@ -71,14 +71,15 @@ class Backbone(keras.Model):
     def _make_blocks(self, config, policy):
         raise NotImplementedError
 
-    def packed_hidden_states(self, token_ids, segments):
+    def packed_hidden_states(self, token_ids, segments, type_ids=None):
         """Every layer's output `[b, s, h]` for packed rows: several texts per row, `segments` [b, s]
         numbering each token's text within its row (1, 1, 2, 2, 2, ..., 0 = padding; see
         `kbert.models.layers.packed_inputs`). Each text's states equal those it gets alone (its own
-        positions from 0, attention within the text); inference only (no dropout). Segment ids are 0."""
+        positions from 0, attention within the text); inference only (no dropout). `type_ids` [b, s]: each
+        token's segment type (a pair's second text: 1), default 0."""
         positions, attend = packed_inputs(segments)
-        return _encode(self.embeddings, self.blocks, self.final_norm, token_ids, ops.zeros_like(token_ids),
-                       attend, positions)
+        return _encode(self.embeddings, self.blocks, self.final_norm, token_ids,
+                       ops.zeros_like(token_ids) if type_ids is None else type_ids, attend, positions)
 
     def sequence_output_at(self, inputs, rows, training=None):
         """`sequence_output` at `rows` [b, r] int only: [b, r, h], equal to gathering those rows from the full

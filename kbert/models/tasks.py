@@ -12,6 +12,7 @@ import os
 from typing import Optional, Sequence, Union
 
 import keras
+from keras import ops
 import numpy as np
 
 from kbert.models.backbone import INPUT_NAMES
@@ -88,6 +89,21 @@ class TaskNetwork(keras.Model):
         else:
             x = pool(out["hidden_states"], features["padding_mask"], self.pooling, self.pooled_layers)  # [b, h]
         logits = self.head(self.dropout(keras.ops.cast(x, "float32"), training=training))
+        mean, std = self.target
+        return logits * std + mean if self.task == "regression" else logits
+
+    def packed_logits(self, token_ids, segments, type_ids, starts):
+        """`call`'s outputs for packed rows (inference): `[b, t, labels]` for text t of row b, where `token_ids`,
+        `segments` (1, 1, 2, ... numbering each row's texts; 0 = padding) and `type_ids` are `[b, s]` and
+        `starts` `[b, t, s]` is 1 at each text's first token ([CLS]), which the pooler reads. The same logits as
+        each text (a pair) run alone; a batch of mixed lengths then needs far fewer padded positions. Heads on
+        the pooler only."""
+        if self.pooling != "pooler" or self.head is None:
+            raise ValueError("packed_logits reads BERT's pooler: a classification / regression head with "
+                             f"pooling='pooler' (this one: task {self.task!r}, pooling {self.pooling!r})")
+        x = self.backbone.packed_hidden_states(token_ids, segments, type_ids)[-1]  # [b, s, h]
+        first = ops.einsum("bts,bsh->bth", ops.cast(starts, x.dtype), x)  # [b, t, h]
+        logits = self.head(ops.cast(self.backbone.pooler.dense(first), "float32"))  # [b, t, labels]
         mean, std = self.target
         return logits * std + mean if self.task == "regression" else logits
 
