@@ -728,9 +728,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-resume", action="store_true", help="start over instead of resuming OUT/checkpoints")
     p.set_defaults(func=_distill)
 
-    p = sub.add_parser("serve", help="an HTTP server for embeddings (OpenAI-compatible), similarity and "
-                                     "classification, with dynamic batching")
-    p.add_argument("--model", required=True, help="a kbert model dir, a `kbert finetune` task dir, or a Hugging Face dir")
+    p = sub.add_parser("serve", help="an HTTP server for embeddings (OpenAI-compatible), similarity, "
+                                     "classification and reranking (Cohere's form), with dynamic batching")
+    p.add_argument("--model", required=True, help="a kbert model dir, a `kbert finetune` task dir, or a Hugging Face "
+                                                  "dir (a *ForSequenceClassification one: a classifier / reranker)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--max-batch-tokens", type=int, default=8192, help="token budget of one model batch")
@@ -745,7 +746,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_serve)
 
     p = sub.add_parser("export", help="a SavedModel that takes raw strings (TF Serving layout DIR/VERSION/)")
-    p.add_argument("--model", required=True, help="model dir (classify: a `kbert finetune` output)")
+    p.add_argument("--model", required=True, help="model dir (classify: a `kbert finetune` output or a Hugging Face "
+                                                  "classifier / cross-encoder)")
     p.add_argument("--out", required=True, help="export base dir; the model goes to OUT/VERSION/")
     p.add_argument("--signature", choices=("embed", "classify"),
                    help="default: classify for a fine-tuned classifier/regressor dir, embed otherwise")

@@ -224,20 +224,22 @@ def test_a_reranker_ranks_alike_on_keras_jax_backend(tmp_path):
     np.testing.assert_allclose([r["score"] for r in got], [r["score"] for r in expected], atol=2e-5)
 
 
-@pytest.mark.parametrize("kind", ["xlm-roberta", "bert"])
+@pytest.mark.parametrize("kind", ["xlm-roberta", "bert", "xla"])
 def test_pairs_of_mixed_lengths_run_packed_with_the_padded_scores(tmp_path, kind, monkeypatch):
     """A batch of pairs of mixed lengths runs as packed rows, several pairs to a row (each its own positions,
-    attention and, for BERT, segment types), with the scores it gets padded."""
+    attention and, for BERT, segment types), with the scores it gets padded; through XLA too, in bucketed
+    shapes (padding rows and slots)."""
     import kbert.embed.task_model as task_model
 
     if kind == "bert":
         model = _task_model(tmp_path, "pair-classification", ["0", "1"])
     else:
         model = kbert.TaskModel.load(xlmr_dir(tmp_path, model_class="XLMRobertaForSequenceClassification",
-                                              num_labels=1))
+                                              num_labels=1), jit_compile=kind == "xla")
     queries = [QUERY, "헌법", "국회", "대한민국"] * 4
     docs = DOCUMENTS[:4] + KOREAN_SENTENCES[:6] + ["법", "가", "국민의 권리와 의무", "", "재판", "선거"]
     packed = model.predict(queries, pairs=docs)
     assert model._packed_fn is not None  # it ran packed
     monkeypatch.setattr(task_model, "PACK_WHEN", -1.0)  # never pack
+    model.jit_compile = False
     np.testing.assert_allclose(model.predict(queries, pairs=docs), packed, atol=2e-5)

@@ -1,7 +1,11 @@
 """`TaskModel`: predictions from a fine-tuned task dir (`kbert finetune`'s output) or a Hugging Face
 `*ForSequenceClassification` dir, which is how cross-encoders (rerankers such as BGE-reranker-v2-m3 and its
 Korean fine-tunes, KLUE NLI classifiers) ship; `rank` orders documents for a query as sentence-transformers'
-`CrossEncoder.rank` does."""
+`CrossEncoder.rank` does.
+
+A batch of texts or pairs of mixed lengths (a reranker's candidates for one query, a server's requests) runs
+as packed rows, several to a row with attention kept within each (`TaskNetwork.packed_logits`), rather than
+each padded to the longest: on a CPU the padded positions are most of a reranking batch's work."""
 
 from __future__ import annotations
 
@@ -10,7 +14,8 @@ from typing import Optional
 
 import numpy as np
 
-from kbert.data.features import PACK_WHEN, bucketed, build_network, features, first_pieces, pack_rows, pad
+from kbert.data.features import (PACK_WHEN, ROW_BUCKETS, WIDTH_BUCKETS, bucket, bucketed, build_network, features,
+                                 first_pieces, pack_rows, pad)
 from kbert.data.features import segment_ids, text_list
 from kbert.data.features import unit_vectors_in_batches, word_spans
 from kbert.compiled import backend, compiled, signature
@@ -107,11 +112,14 @@ class TaskModel:
         save_task_head(self.network, self.meta, model_dir)
         return model_dir
 
+    def _forward(self, x):  # a method, not a lambda: AutoGraph reads its source (a lambda's it cannot parse)
+        return self.network(x, training=False)
+
     def _call(self, ids, segments):
         if self._fn is None:
             # TensorFlow: one trace for every shape (XLA then compiles each bucketed shape); JAX: one compile
             # per bucketed shape
-            self._fn = compiled(lambda x: self.network(x, training=False), self.network.variables,
+            self._fn = compiled(self._forward, self.network.variables,
                                 signature({"token_ids": 2, "segment_ids": 2, "padding_mask": 2}),
                                 jit_compile=self.jit_compile)
         rows = len(ids)
@@ -123,19 +131,26 @@ class TaskModel:
 
     def _call_packed(self, ids, segs):
         """Logits `[n, labels]` of texts of mixed lengths (a reranker's candidates, a server's requests) run as
-        packed rows, several to a row (`TaskNetwork.packed_logits`), or None when packing would not save a
-        fifth of the rows (or the head does not read the pooler, or XLA runs padded buckets)."""
+        packed rows, several to a row (`TaskNetwork.packed_logits`), or None when the head does not read the
+        pooler, or when packing would not save a fifth of the rows. Through XLA (`jit_compile`, and always on
+        JAX) every batch runs packed, its rows, width and texts per row rounded up to buckets, so a few
+        compiled shapes serve every batch."""
         lengths = [len(x) for x in ids]
-        if self.jit_compile or self.network.pooling != "pooler" or len(ids) < 2:
+        xla = self.jit_compile
+        if self.network.pooling != "pooler" or (len(ids) < 2 and not xla):
             return None
         width = max(lengths)
+        if xla:
+            width = max(min(bucket(width, WIDTH_BUCKETS), self.network.backbone.config.max_position), width)
         packed = pack_rows(lengths, width)
-        if len(packed) > PACK_WHEN * len(ids):
+        if not xla and len(packed) > PACK_WHEN * len(ids):
             return None
-        slots = max(len(row) for row in packed)
-        token_ids = np.full((len(packed), width), self.tokenizer.pad_id, np.int32)
+        rows, slots = len(packed), max(len(row) for row in packed)
+        if xla:
+            rows, slots = bucket(rows, ROW_BUCKETS), bucket(slots, ROW_BUCKETS)
+        token_ids = np.full((rows, width), self.tokenizer.pad_id, np.int32)
         segments, types = np.zeros_like(token_ids), np.zeros_like(token_ids)
-        starts = np.zeros((len(packed), slots, width), np.float32)
+        starts = np.zeros((rows, slots, width), np.float32)
         where = np.zeros((len(ids), 2), np.int64)  # (row, slot) of each text
         for r, row in enumerate(packed):
             at = 0
@@ -147,7 +162,7 @@ class TaskModel:
                 at += n
         if self._packed_fn is None:
             self._packed_fn = compiled(self.network.packed_logits, self.network.variables,
-                                       signature(2, 2, 2, (3, "float32")))
+                                       signature(2, 2, 2, (3, "float32")), jit_compile=xla)
         logits = np.asarray(self._packed_fn(token_ids, segments, types, starts), np.float32)  # [r, t, labels]
         return logits[where[:, 0], where[:, 1]]
 
