@@ -1,4 +1,4 @@
-"""Small shared helpers: compressed text files, progress bars, pausing the cycle collector."""
+"""Small shared helpers: compressed text files, progress bars, pausing the cycle collector, rank correlations."""
 
 from __future__ import annotations
 
@@ -128,3 +128,31 @@ def in_background(items, depth: int = 2):
         if isinstance(item, BaseException):
             raise item
         yield item
+
+
+# Correlations of scores (fine-tuning's dev metrics in kbert.train.metrics, sentence-vector figures in
+# kbert.embed.evaluation): written out, as scikit-learn and scipy are not dependencies of kbert.
+def rank(x):
+    """Ranks from 1 (a float array) with ties sharing their average rank (as scipy.stats.rankdata)."""
+    import numpy as np  # here: this module is imported by the command line's start-up, which numpy would slow
+
+    _, inverse, counts = np.unique(np.asarray(x), return_inverse=True, return_counts=True)
+    ends = np.cumsum(counts)
+    return (ends - (counts - 1) / 2.0)[inverse]
+
+
+def pearson(a, b) -> float:
+    """Pearson's r; 0.0 when either side is constant or has fewer than 2 values."""
+    import numpy as np
+
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    if len(a) < 2 or a.std() == 0 or b.std() == 0:
+        return 0.0
+    return float(np.corrcoef(a, b)[0, 1])
+
+
+def spearman(a, b) -> float:
+    """Spearman's rho: Pearson's r of the ranks."""
+    import numpy as np
+
+    return pearson(rank(np.asarray(a, np.float64)), rank(np.asarray(b, np.float64)))

@@ -20,7 +20,7 @@ from typing import Dict, Iterable, Sequence
 import numpy as np
 
 from kbert.data.features import text_list
-from kbert.train.metrics import pearson, spearman
+from kbert.utils import pearson, spearman
 
 
 def _embedder(model):

@@ -9,25 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-
-def rank(x) -> np.ndarray:
-    """Ranks from 1 with ties sharing their average rank (as scipy.stats.rankdata)."""
-    _, inverse, counts = np.unique(np.asarray(x), return_inverse=True, return_counts=True)
-    ends = np.cumsum(counts)
-    return (ends - (counts - 1) / 2.0)[inverse]
-
-
-def pearson(a, b) -> float:
-    """Pearson's r; 0.0 when either side is constant or has fewer than 2 values."""
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    if len(a) < 2 or a.std() == 0 or b.std() == 0:
-        return 0.0
-    return float(np.corrcoef(a, b)[0, 1])
-
-
-def spearman(a, b) -> float:
-    """Spearman's rho: Pearson's r of the ranks."""
-    return pearson(rank(np.asarray(a, np.float64)), rank(np.asarray(b, np.float64)))
+from kbert.utils import pearson, rank, spearman  # noqa: F401  (here for fine-tuning and its users; kbert.embed too)
 
 
 def accuracy(y, p) -> float:
