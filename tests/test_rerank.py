@@ -197,9 +197,12 @@ def test_search_with_a_reranker_rescores_the_first_stages_candidates(tmp_path):
         expected = reranker.rank(query, [corpus[j] for j in ids], top_k=3)
         assert row == [(ids[r["corpus_id"]], pytest.approx(r["score"], abs=1e-6)) for r in expected]
         assert {j for j, _ in row} <= set(ids)
-    # never fewer candidates than top_k: candidates=1 with top_k=2 reranks the first two
-    assert emb.search(QUERY, corpus, top_k=2, reranker=reranker, candidates=1) == \
-        emb.search(QUERY, corpus, top_k=2, reranker=reranker, candidates=2)
+    # more hits than candidates: the reranked first ones, then the search's own order and scores
+    wide = emb.search(QUERY, corpus, top_k=6, reranker=reranker, candidates=3)
+    plain = emb.search(QUERY, corpus, top_k=6)
+    assert wide[3:] == plain[3:] and {j for j, _ in wide[:3]} == {j for j, _ in plain[:3]}
+    assert [j for j, _ in wide[:3]] == [j for j, _ in emb.search(QUERY, corpus, top_k=3, reranker=reranker,
+                                                                 candidates=3)]
     with pytest.raises(ValueError, match="texts"):
         emb.search(emb.encode(queries), corpus, reranker=reranker)
     with pytest.raises(ValueError, match="candidates"):
@@ -243,3 +246,21 @@ def test_pairs_of_mixed_lengths_run_packed_with_the_padded_scores(tmp_path, kind
     monkeypatch.setattr(task_model, "PACK_WHEN", -1.0)  # never pack
     model.jit_compile = False
     np.testing.assert_allclose(model.predict(queries, pairs=docs), packed, atol=2e-5)
+
+
+def test_evaluate_retrieval_with_a_reranker_reorders_only_the_candidates(tmp_path):
+    """`kbert.evaluate_retrieval(..., reranker=, candidates=k)`: the first k hits are re-scored, so recall at k
+    and beyond is the vectors' own, while the figures inside the first k follow the reranker's order."""
+    emb = kbert.Embedder.load(xlmr_dir(tmp_path / "bi"))
+    reranker = kbert.TaskModel.load(xlmr_dir(tmp_path / "ce", model_class="XLMRobertaForSequenceClassification",
+                                             num_labels=1))
+    corpus = DOCUMENTS[:4] + KOREAN_SENTENCES
+    queries = [QUERY, KOREAN_SENTENCES[0][:6], KOREAN_SENTENCES[3][:8]]
+    relevant = [{0}, {4}, {7}]
+    plain = kbert.evaluate_retrieval(emb, queries, corpus, relevant, precision_recall_at_k=[1, 3, 5])
+    reranked = kbert.evaluate_retrieval(emb, queries, corpus, relevant, precision_recall_at_k=[1, 3, 5],
+                                        reranker=reranker, candidates=3)
+    assert reranked["recall@3"] == plain["recall@3"] and reranked["recall@5"] == plain["recall@5"]
+    first = [h[0][0] for h in emb.search(queries, corpus, top_k=1, reranker=reranker, candidates=3)]
+    assert reranked["accuracy@1"] == pytest.approx(np.mean([j in r for j, r in zip(first, relevant)]))
+

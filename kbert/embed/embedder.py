@@ -540,8 +540,9 @@ class Embedder:
             hidden]`), so repeated searches over a large corpus do not encode it again.
         reranker: a cross-encoder (`kbert.TaskModel`: a Hugging Face reranker, a `kbert.finetune` pair model)
             that re-scores each query's first `candidates` hits (retrieve and rerank, sentence-transformers'
-            recipe): the hits come back in its order with its scores (`TaskModel.rank`). Texts on both sides.
-        candidates: how many hits of the search above the reranker sees per query (at least `top_k`).
+            recipe): those hits come back in its order with its scores (`TaskModel.rank`), and any hits past
+            them (`top_k` > `candidates`) follow in the search's own order with its scores. Texts on both sides.
+        candidates: how many of each query's first hits the reranker re-scores.
         """
         if not isinstance(top_k, int) or top_k < 1:
             raise ValueError(f"`top_k` must be a positive integer. Received: top_k={top_k!r}")
@@ -607,8 +608,9 @@ class Embedder:
         first = self.search(queries, corpus, top_k=max(top_k, candidates), **options)
         out = []
         for query, hits in zip(queries, first):
-            ranked = reranker.rank(query, [corpus[j] for j, _ in hits], top_k=top_k)
-            out.append([(hits[r["corpus_id"]][0], r["score"]) for r in ranked])
+            head, tail = hits[:candidates], hits[candidates:]
+            ranked = reranker.rank(query, [corpus[j] for j, _ in head])
+            out.append(([(head[r["corpus_id"]][0], r["score"]) for r in ranked] + tail)[:top_k])
         return out[0] if single else out
 
     def _as_vectors(self, items, options, role):

@@ -56,7 +56,9 @@ def evaluate_retrieval(model, queries, corpus, relevant_docs, accuracy_at_k: Ite
         corpus: {document id: text} or a list of texts.
         relevant_docs: {query id: the ids of its relevant documents} (or for list queries, a list of them).
         accuracy_at_k ... map_at_k: the cut-offs of each metric (sentence-transformers' defaults).
-        lexical, reranker, candidates, encode options (`batch_size`, `prompt_name`, ...): as `Embedder.search`.
+        lexical, reranker, candidates, encode options (`batch_size`, `prompt_name`, ...): as `Embedder.search`
+            (a reranker re-scores each query's first `candidates` hits; deeper ranks keep the search's order, so
+            recall@k for k >= candidates is the first stage's).
 
     Returns:
         {"accuracy@1": ..., "precision@1": ..., "recall@1": ..., "mrr@10": ..., "ndcg@10": ..., "map@100": ...,
