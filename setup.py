@@ -49,6 +49,9 @@ setup(
             "tensorflow>=2.21,<2.22",
             "tensorflow-text>=2.21,<2.22",
             "pytest>=8",
+            # pytest.ini runs the suite on two workers (`-n 2 --dist loadfile`): compiling, tracing and the
+            # subprocess tests leave a core idle that a second worker fills.
+            "pytest-xdist>=3.5",
             "mecab-ko>=1.0",
             "kiwipiepy>=0.17",
             # The independent numerical reference: transformers on CPU torch (2.13.0 is the local CPU wheel).
