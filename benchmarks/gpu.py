@@ -438,16 +438,17 @@ def memory(model: str, seq: int, batch: int, precision: str, vocab: int) -> dict
             "device": str(jax.devices()[0].device_kind)}
 
 
-def capped(model: str, seqs, precision: str, vocab: int, cap: str) -> list:
+def capped(model: str, seqs, precision: str, vocab: int, cap: str, shallow=None) -> list:
     """Under a memory cap (the child is started with XLA_PYTHON_CLIENT_MEM_FRACTION set): the analytic plan
-    for `cap`, `--exact` and `--probe` per sequence length."""
+    for `cap`, `--exact` and `--probe` per sequence length (`shallow`: `--exact`'s start from 1- and 2-layer
+    copies of the model; None: kbert's default, on for deep models on an accelerator)."""
     from kbert.train.memory import plan_batch_size
     from kbert.train.probe import device_memory, probe_table
 
     config = _config(model, vocab)
     on_device = bool(device_memory())  # CPU (a dry run): the cap stands in, and `--exact` runs without `--probe`
     rows = probe_table(config, seqs, optimizer="adamw", precision=precision, verbose=True,
-                       memory=None if on_device else cap, probe=on_device)
+                       memory=None if on_device else cap, probe=on_device, shallow=shallow)
     plan = {r["seq_len"]: r["max_batch"] for r in plan_batch_size(config, cap, seqs, optimizer="adamw",
                                                                   precision=precision)}
     for r in rows:
@@ -686,7 +687,7 @@ def run_all(args) -> dict:
     for precision in () if "capped" in skip else args.cap_precisions.split(","):
         for seq in args.cap_seqs.split(","):
             out["capped"].append(_child(args, ["capped", "--model", m, "--seqs", seq, "--precision", precision,
-                                               "--cap", args.cap], clock, 100, env))
+                                               "--cap", args.cap, "--shallow", args.shallow], clock, 100, env))
             _save(args, out)
     # last: a diagnosis for the speed work, not a figure an issue asks for
     out["profile"] = None if "profile" in skip else _child(
@@ -818,6 +819,9 @@ def report(out: dict):
                 refit = f"{batch} ({batch / probed:.2f})" if probed else str(batch)
             tries = " ".join(f"{b}{'+' if ok else '-'}" for b, ok, _ in r.get("tried", []))
             compiled = " ".join(str(b) for b, _ in r.get("exact_tried", [])) + f" ({r.get('exact_rounds', '-')})"
+            early = r.get("exact_shallow")
+            if early:  # the start the 1- and 2-layer copies predicted, and what their compilations took
+                compiled = f"1-2 layers: {early['predicted_batch']} in {early['seconds']:.0f} s; {compiled}"
             print(f"| {r['model']} | {r['precision']} | {r['cap']} | {r['seq_len']} | {r['plan_for_cap']} | "
                   f"{r.get('exact_batch')} | {probed} | {ratio} | {refit} | {(r.get('exact_bytes') or 0) / 1e9:.2f} | "
                   f"{compiled} | {tries} | {r.get('seconds', 0):.0f}{_process_seconds(r)} |")
@@ -907,6 +911,9 @@ def main(argv=None):
     parser.add_argument("--cap", default="12GB", help="capped/all: the memory the GPU is capped at")
     parser.add_argument("--cap-seqs", default="128,512", help="all: sequence lengths of the capped table")
     parser.add_argument("--cap-precisions", default="mixed_bfloat16", help="all: precisions of the capped table")
+    parser.add_argument("--shallow", choices=("auto", "on", "off"), default="auto",
+                        help="capped/all: start `--exact` from 1- and 2-layer copies of the model (auto: kbert's "
+                             "default, on for 6+ layers on an accelerator); off measures the search without them")
     parser.add_argument("--peak-n", type=int, default=8192, help="matrix size of the peak measurement")
     parser.add_argument("--skip", default="", help="all: stages to leave out, ','-separated (throughput, hf, "
                         "memory, capped, profile), for a device run aimed at one question")
@@ -957,7 +964,8 @@ def main(argv=None):
     elif args.what == "memory":
         result = memory(args.model, args.seq, args.batch, args.precision, args.vocab)
     elif args.what == "capped":
-        result = capped(args.model, [int(s) for s in args.seqs.split(",")], args.precision, args.vocab, args.cap)
+        result = capped(args.model, [int(s) for s in args.seqs.split(",")], args.precision, args.vocab, args.cap,
+                        {"auto": None, "on": True, "off": False}[args.shallow])
     else:
         result = probe(args.model, [int(s) for s in args.seqs.split(",")], args.precision, args.vocab)
     print(json.dumps(result, default=str))

@@ -724,6 +724,16 @@ for budget in (2.5e6, 6e6):
                             rounds=found["rounds"], par_batch=par["max_batch"], par_rounds=par["rounds"],
                             par_compiles=len(par["tried"]))
 out["none"] = exact_batch_size(cfg, 32, memory=1e5)["max_batch"]
+# a deeper model: 1- and 2-layer copies predict the full program, so the search starts at the answer
+deep = kbert.ModelConfig.preset("bert-tiny", vocab_size=300, hidden_size=32, num_heads=2, intermediate_size=64,
+                                max_position=64, num_layers=6)
+plain = exact_batch_size(deep, 32, memory=6e6, shallow=False)
+early = exact_batch_size(deep, 32, memory=6e6, shallow=True)
+out["shallow"] = dict(batch=early["max_batch"], plain=plain["max_batch"], compiles=len(early["tried"]),
+                      plain_compiles=len(plain["tried"]), predicted=early["shallow"]["predicted_batch"],
+                      at=list(early["shallow"]["predicted"].items()), per_batch=early["shallow"]["bytes_per_batch"],
+                      full=early["tried"], layers=sorted({n for n, _, _ in early["shallow"]["tried"]}),
+                      default=exact_batch_size(deep, 32, memory=6e6)["shallow"])  # off on CPU
 # the probe confirms the exact answer with two real steps when the device holds exactly that batch
 step = CompiledStep(build_trainer(cfg), cfg, 32)
 b = exact_batch_size(cfg, 32, memory=6e6, step=step)["max_batch"]
@@ -756,6 +766,13 @@ def test_exact_plan_reads_the_compiled_program_and_the_probe_confirms_it():
         assert r["par_compiles"] <= 2 * r["par_rounds"], r
     assert out["6000000.0"]["batch"] > out["2500000.0"]["batch"]
     assert out["none"] == 0  # not even one sequence fits
+    sh = out["shallow"]
+    assert sh["batch"] == sh["plain"] > 0 and sh["layers"] == [1, 2], sh  # the same answer, from shallow copies
+    assert abs(sh["predicted"] - sh["batch"]) <= 1 and sh["compiles"] <= 2 < sh["plain_compiles"], sh
+    (b0, at), full = sh["at"][0], dict(sh["full"])
+    for b, compiled in full.items():  # the copies' affine model against the 6-layer program XLA compiled
+        assert abs(at + (b - b0) * sh["per_batch"] - compiled) <= 0.01 * compiled, (b, at, sh["per_batch"], full)
+    assert sh["default"] is None  # CPU: one full compilation is quick, so the default skips the copies
     b = out["6000000.0"]["batch"]
     assert out["probe"]["batch"] == b and out["probe"]["tried"] == [[b, True], [b + 1, False]]
     assert out["probe"]["has"] == [True, True] and not out["probe"]["recompiled"]  # --exact's executables reused

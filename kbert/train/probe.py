@@ -9,6 +9,9 @@
   compile at once (`compile_workers`): each round compiles the predicted batch and the one just above it,
   so a right prediction is landed and confirmed in the same round (XLA's compilation runs outside Python's
   GIL, in threads; a GPU host's cores are idle while one program compiles).
+  There, for models of 6 layers or more, the first prediction comes from 1- and 2-layer copies of the
+  model (`shallow_prediction`): a step's bytes are affine in the layers and the batch, and small programs
+  compile in a fraction of a full one's time, so the first full round usually lands and confirms.
 - `--probe`: starts at the `--exact` answer (the analytic one on TensorFlow) and confirms it with one real
   step at that batch and one just above, searching further only when one of those surprises; each step
   reuses the executable `--exact` compiled for its batch. Out-of-memory errors are caught (TensorFlow's
@@ -188,8 +191,11 @@ class CompiledStep:
         if not todo:
             return
         _no_silent_recomputation()
-        lowered = {b: self._jit.lower(self._state_spec, self._data_spec(b)) for b in todo}
-        self._compiled.update(compile_concurrently(lowered, workers))
+        self._compiled.update(compile_concurrently({b: self.lower(b) for b in todo}, workers))
+
+    def lower(self, batch: int):
+        """The step traced and lowered at `batch` (JAX `Lowered`; shapes only, nothing on the device)."""
+        return self._jit.lower(self._state_spec, self._data_spec(batch))
 
     @property
     def compiled_batches(self) -> List[int]:
@@ -318,9 +324,67 @@ def compile_workers() -> int:
     return 2 if accelerator() is not None else 1
 
 
+def shallow_prediction(config, seq_len: int, budget: float, batch: int, optimizer: str = "adamw",
+                       precision: str = "float32", predictions: Optional[int] = None, workers: int = 1,
+                       verbose: bool = False) -> Optional[Dict]:
+    """The full model's compiled bytes, predicted from copies of it with 1 and 2 layers, and the batch at
+    which they reach `budget`. None where the model is too shallow or its layers are not alike.
+
+    A compiled step's bytes are affine in the number of layers (each block keeps the same activations,
+    weights, gradients and slots; the embeddings, heads, the last block at the predicted rows and the
+    input are the rest) and in the batch, so four small compilations, 1 and 2 layers at `batch` and at
+    about half of it, give the whole plane: bytes(L, b) = s1(b) + (L - 1) x (s2(b) - s1(b)), with s1, s2
+    affine in b. When the prediction lies more than a factor of 2 outside those batches (a start far off;
+    at a few sequences the bytes are not yet affine in the batch) the copies compile again around it, at
+    most three rounds. On a GPU a compilation's time grows with the program (HLO passes, code generation), so
+    these are a fraction of one full compilation each, and compile `2 x workers` at a time; the prediction
+    then only has to be confirmed, which `exact_batch_size` does with full compilations. Returns
+    `predicted_batch`, `bytes_per_batch`, `predicted` {batch: bytes} at the two batches, `tried`
+    [(layers, batch, bytes)] and `seconds`."""
+    import dataclasses
+
+    layers = config.num_layers
+    if layers < 3 or (config.architecture == "albert" and config.num_groups != 1):
+        return None  # nothing to save below 3 layers; ALBERT groups change what a layer adds
+    began = time.perf_counter()
+    steps = {}
+    for n in (1, 2):
+        shallow = dataclasses.replace(config, num_layers=n)
+        steps[n] = CompiledStep(build_trainer(shallow, optimizer, precision, host=True), shallow, seq_len,
+                                predictions)
+    _no_silent_recomputation()
+    sizes: Dict = {}
+    batch, found = max(2, int(batch)), None
+    for _ in range(3):  # a start far from the answer: again around the prediction (small batches are not affine)
+        batches = (batch, max(1, batch // 2))
+        todo = {(n, b): steps[n].lower(b) for n in steps for b in batches if (n, b) not in sizes}
+        for key, c in compile_concurrently(todo, 2 * workers if workers > 1 else 1).items():
+            sizes[key] = _program_bytes(c)
+        if any(v is None for v in sizes.values()):
+            break
+        full = {b: sizes[1, b] + (layers - 1) * (sizes[2, b] - sizes[1, b]) for b in batches}
+        slope = (full[batches[0]] - full[batches[1]]) / (batches[0] - batches[1])
+        if slope <= 0:
+            break
+        predicted = max(0, int(batches[0] + (budget - full[batches[0]]) // slope))
+        found = {"predicted_batch": predicted, "bytes_per_batch": slope, "predicted": full}
+        if verbose:
+            print(f"  seq {seq_len}: 1- and 2-layer copies at batch {batches[0]} and {batches[1]} predict "
+                  f"{_size(full[batches[0]])} at {batches[0]}, so batch {predicted} at the budget",
+                  file=sys.stderr, flush=True)
+        if batches[1] / 2 <= predicted <= 2 * batches[0] or predicted < 2:
+            break
+        batch = predicted
+    for st in steps.values():
+        st.release()
+    if found is None:
+        return None
+    return dict(found, tried=[(n, b, sizes[n, b]) for (n, b) in sizes], seconds=time.perf_counter() - began)
+
+
 def exact_batch_size(config, seq_len: int, memory=None, optimizer: str = "adamw", precision: str = "float32",
                      start: Optional[int] = None, max_batch: int = 4096, step: Optional[CompiledStep] = None,
-                     verbose: bool = False, workers: Optional[int] = None) -> Dict:
+                     verbose: bool = False, workers: Optional[int] = None, shallow: Optional[bool] = None) -> Dict:
     """The largest batch (at most `max_batch`) whose compiled training step needs at most `memory` bytes
     (default: the device's limit), by XLA's memory analysis; nothing is executed. Keras' JAX backend only.
 
@@ -328,9 +392,17 @@ def exact_batch_size(config, seq_len: int, memory=None, optimizer: str = "adamw"
     the secant prediction through the measured points nearest the budget (bisection when it stalls),
     starting from `start` (default: the analytic planner's batch). With `workers` >= 2 (default
     `compile_workers()`: 2 on an accelerator) each round compiles the prediction and the batch just above it
-    together: when the prediction is right, that one round both lands and confirms it. Returns a dict with
-    `max_batch`, `bytes` at it, `budget`, `limited_by`, `tried` [(batch, bytes)] in compile order and
-    `rounds` (compile rounds: the wall time is about rounds x one compilation).
+    together: when the prediction is right, that one round both lands and confirms it.
+
+    `shallow` (default: on an accelerator, for models of 6 layers or more) starts the search from
+    `shallow_prediction` instead of the planner: four compilations of 1- and 2-layer copies pin the
+    full program's bytes to the batch, so the first full round usually lands the answer and confirms it,
+    where the planner's start (deliberately a few percent on the fitting side) takes a second round. On
+    CPU it is off: one compilation of the full model is already quick there.
+
+    Returns a dict with `max_batch`, `bytes` at it, `budget`, `limited_by`, `tried` [(batch, bytes)] in
+    compile order, `rounds` (rounds of full compilations: the wall time is about rounds x one compilation)
+    and `shallow` (`shallow_prediction`'s answer, or None).
 
     Example:
         >>> exact_batch_size(ModelConfig.preset("bert-base"), 128, "12GB", precision="mixed_bfloat16")
@@ -343,6 +415,14 @@ def exact_batch_size(config, seq_len: int, memory=None, optimizer: str = "adamw"
                          "device you are planning for, e.g. --memory 12GB")
     workers = compile_workers() if workers is None else max(1, int(workers))
     step = step or CompiledStep(build_trainer(config, optimizer, precision, host=True), config, seq_len)
+    if start is None:
+        start = max_batch_size(config, budget, seq_len, optimizer=optimizer, precision=precision)
+    if shallow is None:
+        shallow = accelerator() is not None and config.num_layers >= 6
+    early = shallow_prediction(config, seq_len, budget, start or 1, optimizer, precision, step.predictions,
+                               workers, verbose) if shallow else None
+    if early is not None:
+        start = early["predicted_batch"]
     sizes: Dict[int, int] = {}
     lo, hi = 0, max_batch + 1  # lo fits (0: none known), hi does not (max_batch + 1: the cap)
     rounds = 0
@@ -374,13 +454,13 @@ def exact_batch_size(config, seq_len: int, memory=None, optimizer: str = "adamw"
             b = apart[0]
             slope = (sizes[b] - sizes[a]) / (b - a)
             return int(a + (budget - sizes[a]) // slope) if slope > 0 else (lo + hi) // 2
+        if early is not None:  # one point: the shallow copies' bytes per sequence
+            return int(a + (budget - sizes[a]) // early["bytes_per_batch"])
         # one point: the bytes above the model state (analytic) grow in proportion to the batch
         state = estimate_memory(config, 1, seq_len, optimizer=optimizer, precision=precision)["weights_grads_slots"]
         above = sizes[a] - state
         return int(a * (budget - state) / above) if above > 0 and budget > state else a // 2
 
-    if start is None:
-        start = max_batch_size(config, budget, seq_len, optimizer=optimizer, precision=precision)
     batch, stalled = max(1, min(start or 1, max_batch)), 0
     for _ in range(64):  # the secant converges in a few rounds; bisection bounds the rest (log2 of max_batch)
         # the prediction, and with a second worker its confirmation just above (the cap excluded)
@@ -395,7 +475,7 @@ def exact_batch_size(config, seq_len: int, memory=None, optimizer: str = "adamw"
         batch = clamped
     return {"seq_len": seq_len, "max_batch": lo, "bytes": sizes.get(lo), "budget": budget,
             "limited_by": "max_batch" if lo >= max_batch else "memory",
-            "tried": [(b, sizes[b]) for b in sizes], "rounds": rounds}
+            "tried": [(b, sizes[b]) for b in sizes], "rounds": rounds, "shallow": early}
 
 
 def probe_batch_size(config, seq_len: int, optimizer: str = "adamw", precision: str = "float32",
@@ -487,10 +567,12 @@ def device_memory() -> Optional[int]:
 
 def probe_table(model: str, seq_lens, optimizer: str = "adamw", precision: str = "float32",
                 memory=None, max_batch: int = 4096, verbose: bool = False, exact: bool = True,
-                probe: bool = True, workers: Optional[int] = None) -> List[Dict]:
+                probe: bool = True, workers: Optional[int] = None, shallow: Optional[bool] = None) -> List[Dict]:
     """For each sequence length: the analytic planner's max batch, the `--exact` one (JAX) and the probed
     one (real steps, `probe=True`), with planned vs compiled vs measured bytes; `seconds` per length, and on the
-    first row `startup_seconds`: the model and optimizer built and the state copied to the host, once a table)."""
+    first row `startup_seconds`: the model and optimizer built and the state copied to the host, once a table).
+    `shallow`: `exact_batch_size`'s start from 1- and 2-layer copies (None: its default); the row's
+    `exact_shallow` has that prediction and its seconds."""
 
     from kbert.models.config import ModelConfig
     from kbert.train.memory import estimate_memory, max_batch_size, parse_memory
@@ -518,9 +600,11 @@ def probe_table(model: str, seq_lens, optimizer: str = "adamw", precision: str =
         start = planned or 8
         if exact:
             found = exact_batch_size(config, seq, total, optimizer, precision, start=start, max_batch=max_batch,
-                                     step=step, verbose=verbose, workers=workers)
+                                     step=step, verbose=verbose, workers=workers, shallow=shallow)
+            early = found["shallow"]
             row.update(exact_batch=found["max_batch"], exact_bytes=found["bytes"], exact_tried=found["tried"],
-                       exact_rounds=found["rounds"])
+                       exact_rounds=found["rounds"], exact_shallow=early and {
+                           "predicted_batch": early["predicted_batch"], "seconds": early["seconds"]})
             start = found["max_batch"] or 1
         if probe:
             found = probe_batch_size(config, seq, optimizer, precision, start=start, max_batch=max_batch,
