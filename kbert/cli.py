@@ -351,7 +351,20 @@ def _embed(args):
     if args.words and (args.prompt_name or args.prompt):
         raise ValueError("--prompt-name / --prompt go with sentence vectors, not --words")
     emb.prompt_text(args.prompt_name, args.prompt)  # an unknown prompt name fails before any text is read
-    emb.check_truncate_dim(args.truncate_dim)
+    width = emb.check_truncate_dim(args.truncate_dim)
+    scalar = args.precision in ("int8", "uint8")
+    if args.words and args.precision != "float32":
+        raise ValueError("--precision quantizes sentence vectors, not --words")
+    if args.ranges and not scalar:
+        raise ValueError("--ranges goes with --precision int8 or uint8")
+    ranges = np.load(args.ranges) if args.ranges else None
+    if ranges is not None and ranges.shape != (2, width):
+        raise ValueError(f"--ranges {args.ranges}: shape {ranges.shape}, expected (2, {width}) for these vectors")
+    if scalar and ranges is None and args.format != "npy":
+        raise ValueError(f"--precision {args.precision} streams JSON lines chunk by chunk, so it needs the same "
+                         f"--ranges for every chunk (or --format npy: ranges from all the vectors written)")
+    # int8/uint8 without --ranges: float vectors first, quantized once all are known (one set of ranges)
+    chunk_precision = "float32" if scalar and ranges is None else args.precision
     source = open(args.input, encoding="utf-8") if args.input else sys.stdin
     chunks = []
     lines = (line.rstrip("\n") for line in source)
@@ -366,15 +379,27 @@ def _embed(args):
                                                           for w, s, e, v in words]}, ensure_ascii=False))
             continue
         vectors = emb.encode(chunk, pooling=args.pooling, progress=False, prompt_name=args.prompt_name,
-                             prompt=args.prompt, truncate_dim=args.truncate_dim)
+                             prompt=args.prompt, truncate_dim=args.truncate_dim, precision=chunk_precision,
+                             ranges=ranges)
         if args.format == "npy":
             chunks.append(vectors)
         else:
             for text, v in zip(chunk, vectors):
-                print(json.dumps({"text": text, "vector": [round(float(x), 6) for x in v]}, ensure_ascii=False))
+                values = [round(float(x), 6) for x in v] if v.dtype.kind == "f" else v.tolist()
+                print(json.dumps({"text": text, "vector": values}, ensure_ascii=False))
     if args.format == "npy":
-        np.save(args.out, np.concatenate(chunks) if chunks else np.zeros((0, emb.backbone.config.hidden_size)))
-        print(f"wrote {sum(len(c) for c in chunks)} vectors to {args.out}", file=sys.stderr)
+        from kbert.embed.quantize import quantization_ranges, quantize_embeddings
+
+        out = np.concatenate(chunks) if chunks else np.zeros((0, width), np.float32)
+        if chunk_precision != args.precision:
+            ranges = quantization_ranges(out)
+            out = quantize_embeddings(out, args.precision, ranges)
+            ranges_path = (args.out[:-4] if args.out.endswith(".npy") else args.out) + ".ranges.npy"
+            np.save(ranges_path, ranges)
+            print(f"wrote the {args.precision} ranges to {ranges_path} (pass them as --ranges for queries and "
+                  f"later texts)", file=sys.stderr)
+        np.save(args.out, out)
+        print(f"wrote {len(out)} vectors to {args.out}", file=sys.stderr)
 
 
 def _finetune(args):
@@ -622,6 +647,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--unit", choices=("eojeol", "morpheme", "subword"), default="eojeol", help="with --words")
     p.add_argument("--format", choices=("jsonl", "npy"), default="jsonl")
     p.add_argument("--out", help="output file for --format npy")
+    p.add_argument("--precision", choices=("float32", "int8", "uint8", "binary", "ubinary"), default="float32",
+                   help="quantized vectors in sentence-transformers' formats: int8/uint8 (256 buckets per "
+                        "dimension over --ranges, or with --format npy the ranges of all the vectors written, "
+                        "saved beside them as OUT.ranges.npy) or binary/ubinary (sign bits, 8 to a byte)")
+    p.add_argument("--ranges", help="int8/uint8: a [2, dim] .npy of each dimension's min and max (the "
+                                    "OUT.ranges.npy an earlier run wrote, or kbert.quantization_ranges)")
     p.add_argument("--chunk", type=int, default=256, help="lines per batch of work")
     p.add_argument("--max-length", type=int, help="tokens per text; longer texts are truncated with a warning "
                                                   "(default: the model's limit)")

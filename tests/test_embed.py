@@ -1054,3 +1054,134 @@ def test_prompts_go_to_search_mining_export_and_are_checked_by_name(emb, tmp_pat
     with pytest.raises(ValueError, match="default_prompt_name 'q'"):
         kbert.Embedder(emb.backbone, emb.tokenizer, prompts={"query": "질문: "}, default_prompt_name="q")
     np.testing.assert_allclose(emb.encode_query(queries), emb.encode(queries), atol=1e-6)  # no prompts: plain
+
+
+def _unit_rows(n, dim, seed=0):
+    x = np.random.default_rng(seed).normal(size=(n, dim)).astype(np.float32)
+    return x / np.linalg.norm(x, axis=1, keepdims=True)
+
+
+@pytest.mark.parametrize("dim", [32, 77])  # 77: the last byte of the packed bits is partly padding
+def test_quantized_vectors_are_sentence_transformers_bytes(dim):
+    from sentence_transformers.util.quantization import quantize_embeddings as st_quantize
+
+    x, sample = _unit_rows(300, dim), _unit_rows(200, dim, seed=1)
+    ranges = kbert.quantization_ranges(sample)
+    np.testing.assert_array_equal(ranges, np.stack([sample.min(0), sample.max(0)]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for precision in ("float32", "int8", "uint8", "binary", "ubinary"):
+            for options in ({"calibration_embeddings": sample}, {"ranges": ranges}, {}):
+                ours = kbert.quantize_embeddings(x, precision, **options)
+                theirs = st_quantize(x, precision, **options)
+                assert ours.dtype == theirs.dtype and ours.shape == theirs.shape, (precision, options)
+                np.testing.assert_array_equal(ours, theirs)
+    assert kbert.quantize_embeddings(x, "ubinary").shape == (300, (dim + 7) // 8)
+    assert kbert.quantize_embeddings(x[0], "binary").shape == ((dim + 7) // 8,)  # one vector stays 1-D
+    # what the codes stand for: int8 within one bucket of the value (inside the ranges), bits the signs
+    from kbert.embed.quantize import dequantize_embeddings
+
+    back = dequantize_embeddings(kbert.quantize_embeddings(sample, "int8", ranges=ranges), "int8", ranges)
+    step = (ranges[1] - ranges[0]) / 255
+    assert np.all(back <= sample + 1e-6) and np.all(sample - back <= step + 1e-6)
+    bits = dequantize_embeddings(kbert.quantize_embeddings(x, "binary"), "binary", dim=dim)
+    np.testing.assert_array_equal(bits, (x > 0).astype(np.float32))
+    with pytest.raises(ValueError, match="float vectors"):
+        kbert.quantize_embeddings(kbert.quantize_embeddings(x, "int8"), "int8")
+    with pytest.raises(ValueError, match="two calibration vectors"):
+        kbert.quantize_embeddings(x[0], "int8")
+    with pytest.raises(ValueError, match=r"shape \(2, %d\)" % dim):
+        kbert.quantize_embeddings(x, "uint8", ranges=ranges[:, :5])
+    with pytest.raises(ValueError, match="precision"):
+        kbert.quantize_embeddings(x, "int4")
+
+
+def test_quantized_search_finds_what_sentence_transformers_and_a_full_sort_find(monkeypatch):
+    from sentence_transformers.util.quantization import semantic_search_faiss
+
+    from kbert.embed import quantize
+
+    corpus, rng = _unit_rows(700, 64), np.random.default_rng(2)
+    queries = corpus[:9] + 0.3 * rng.normal(size=(9, 64)).astype(np.float32)
+    queries /= np.linalg.norm(queries, axis=1, keepdims=True)
+    bits = kbert.quantize_embeddings(corpus, "ubinary")
+    hits = kbert.quantized_search(queries, bits, top_k=5, rescore_multiplier=4)
+    theirs, _ = semantic_search_faiss(queries, corpus_embeddings=bits, corpus_precision="ubinary", top_k=5,
+                                      rescore_multiplier=4, exact=True)
+    assert [[j for j, _ in h] for h in hits] == [[r["corpus_id"] for r in t] for t in theirs]
+    np.testing.assert_allclose([[s for _, s in h] for h in hits], [[r["score"] for r in t] for t in theirs],
+                               rtol=1e-5)
+    # FAISS's binary index, the signed codes and small search blocks all give the same hits
+    assert kbert.quantized_search(queries, bits, top_k=5, index="faiss") == hits
+    assert kbert.quantized_search(queries, kbert.quantize_embeddings(corpus, "binary"), top_k=5) == hits
+    monkeypatch.setattr(quantize, "SEARCH_CHUNK", 64)
+    assert kbert.quantized_search(queries, bits, top_k=5) == hits
+    # no rescoring: the share of bits that agree, by a hand count
+    plain = kbert.quantized_search(queries, bits, top_k=3, rescore_multiplier=0)
+    agree = ((queries > 0)[:, None, :] == (corpus > 0)[None, :, :]).mean(axis=-1)
+    for h, row in zip(plain, agree):
+        assert [j for j, _ in h] == list(np.argsort(-row, kind="stable")[:3])
+        np.testing.assert_allclose([s for _, s in h], np.sort(row)[::-1][:3], rtol=1e-6)
+    # int8: the query against each code's bucket value, as a full sort of those scores
+    ranges = kbert.quantization_ranges(corpus)
+    codes = kbert.quantize_embeddings(corpus, "int8", ranges=ranges)
+    values = (codes.astype(np.float64) + 128) * ((ranges[1] - ranges[0]) / 255) + ranges[0]
+    scores = queries @ values.T
+    for h, row in zip(kbert.quantized_search(queries, codes, top_k=4, ranges=ranges), scores):
+        assert [j for j, _ in h] == list(np.argsort(-row, kind="stable")[:4])
+        np.testing.assert_allclose([s for _, s in h], np.sort(row)[::-1][:4], rtol=1e-5)
+    assert kbert.quantized_search(queries, codes, top_k=4, ranges=ranges)[0][0][0] == 0  # finds its source
+    with pytest.raises(ValueError, match="ranges"):
+        kbert.quantized_search(queries, codes, top_k=4)
+    with pytest.raises(ValueError, match="is not uint8"):
+        kbert.quantized_search(queries, codes, top_k=4, precision="uint8", ranges=ranges)
+    with pytest.raises(ValueError, match="columns"):
+        kbert.quantized_search(queries, codes[:, :10], top_k=4)
+
+
+def _same_hits(a, b):
+    """The same corpus rows in the same order, and scores equal to float32 rounding (texts encoded in other
+    batches differ in the last bits)."""
+    assert [[j for j, _ in h] for h in a] == [[j for j, _ in h] for h in b]
+    np.testing.assert_allclose([[s for _, s in h] for h in a], [[s for _, s in h] for h in b], atol=1e-5)
+
+
+def test_encode_and_search_take_quantized_vectors(emb, tmp_path, capsys):
+    from kbert.cli import main
+
+    texts = [t for t in TEXTS if t.strip()]
+    vectors = emb.encode(texts)
+    ranges = kbert.quantization_ranges(vectors)
+    for precision in ("int8", "uint8", "binary", "ubinary"):
+        codes = emb.encode(texts, precision=precision, ranges=ranges)
+        np.testing.assert_array_equal(codes, kbert.quantize_embeddings(vectors, precision, ranges=ranges))
+        options = {"ranges": ranges} if precision in ("int8", "uint8") else {}
+        from_codes = emb.search(texts[:2], codes, top_k=3, **options)
+        _same_hits(from_codes, kbert.quantized_search(vectors[:2], codes, top_k=3, **options))
+        # texts quantized on the way in: the same hits (int8 over the corpus' own ranges, which these are)
+        _same_hits(emb.search(texts[:2], texts, top_k=3, corpus_precision=precision), from_codes)
+        assert [h[0][0] for h in from_codes] == [0, 1]  # each text still finds itself first
+    with pytest.raises(ValueError, match="lexical"):
+        emb.search(texts[:2], texts, corpus_precision="binary", lexical=0.5)
+    with pytest.raises(ValueError, match="precision"):
+        emb.encode(texts, precision="fp8")
+    # the command: bits per line, or int8 with the ranges of every vector written beside them
+    model_dir = str(tmp_path / "m")
+    kbert.save_model(emb.backbone, model_dir, tokenizer=emb.tokenizer)
+    src = tmp_path / "in.txt"
+    src.write_text("\n".join(texts) + "\n", encoding="utf-8")
+    assert main(["embed", "--model", model_dir, "--input", str(src), "--precision", "ubinary"]) == 0
+    rows = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert [r["vector"] for r in rows] == kbert.quantize_embeddings(vectors, "ubinary").tolist()
+    out = str(tmp_path / "v.npy")
+    assert main(["embed", "--model", model_dir, "--input", str(src), "--precision", "int8", "--format", "npy",
+                 "--out", out, "--chunk", "2"]) == 0  # chunks of 2 lines, one set of ranges for all
+    np.testing.assert_allclose(np.load(str(tmp_path / "v.ranges.npy")), ranges, atol=1e-6)
+    codes = kbert.quantize_embeddings(vectors, "int8", ranges=ranges).astype(np.int16)
+    assert np.load(out).dtype == np.int8 and np.abs(np.load(out) - codes).max() <= 1  # float rounding at edges
+    assert main(["embed", "--model", model_dir, "--input", str(src), "--precision", "int8", "--ranges",
+                 str(tmp_path / "v.ranges.npy")]) == 0
+    rows = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
+    assert np.abs(np.array([r["vector"] for r in rows]) - np.load(out)).max() <= 1  # float rounding at edges
+    assert main(["embed", "--model", model_dir, "--input", str(src), "--precision", "int8"]) == 1
+    assert "needs the same --ranges" in capsys.readouterr().err

@@ -356,7 +356,8 @@ class Embedder:
                layers: Union[int, List[int], None] = None,
                normalize: bool = True, batch_size: int = 64, max_length: Optional[int] = None,
                progress: Optional[bool] = None, prompt_name: Optional[str] = None,
-               prompt: Optional[str] = None, truncate_dim: Optional[int] = None) -> np.ndarray:
+               prompt: Optional[str] = None, truncate_dim: Optional[int] = None, precision: str = "float32",
+               ranges=None, calibration_embeddings=None) -> np.ndarray:
         """Sentence vectors `[n, hidden]` (a single string gives `[hidden]`), float32, in input order.
 
         pooling: "mean" (over real tokens, [CLS]/[SEP] included, as sentence-transformers), "cls" (the [CLS]
@@ -372,7 +373,15 @@ class Embedder:
         truncate_dim: keep the first this many dimensions (before `normalize`): the short vectors of a model
             trained with Matryoshka widths (`kbert.finetune(matryoshka_dims=[64, 128])`), as
             sentence-transformers' `truncate_dim` and OpenAI's `dimensions`.
+        precision: "float32", or quantized as sentence-transformers' `encode(precision=...)` writes it
+            (`kbert.quantize_embeddings`, after `normalize`): "int8" / "uint8" (each dimension's [min, max] in
+            256 buckets: `ranges` [2, dim], or `calibration_embeddings` to take them from; default: from these
+            vectors, so keep `kbert.quantization_ranges` of a corpus sample for later texts and queries),
+            "binary" / "ubinary" (sign bits, 8 to a byte). `search` takes such a corpus as it is.
         """
+        from kbert.embed.quantize import check_precision
+
+        check_precision(precision)
         pooling, layers = self.resolve_pooling(pooling, layers)
         prefix = self.prompt_text(prompt_name, prompt)
         width = self.check_truncate_dim(truncate_dim)
@@ -402,6 +411,10 @@ class Embedder:
             out = np.ascontiguousarray(out[:, :width])  # its own buffer, not a view of the full vectors
         if normalize:
             out /= np.maximum(np.linalg.norm(out, axis=1, keepdims=True), 1e-12)
+        if precision != "float32":
+            from kbert.embed.quantize import quantize_embeddings
+
+            out = quantize_embeddings(out, precision, ranges, calibration_embeddings)
         return out[0] if single else out
 
     def check_truncate_dim(self, truncate_dim: Optional[int]) -> int:
@@ -524,6 +537,7 @@ class Embedder:
 
     def search(self, queries, corpus, top_k: int = 5, index: str = "exact", lexical: float = 0.0,
                corpus_vectors: Optional[np.ndarray] = None, reranker=None, candidates: int = 100,
+               corpus_precision: Optional[str] = None, ranges=None, rescore_multiplier: int = 4,
                **encode_options):
         """Cosine search: for each query, `[(corpus index, score), ...]` best first. `queries` and `corpus`
         are texts or precomputed vectors. `index="faiss"` uses FAISS's exact inner-product index (the same
@@ -543,6 +557,13 @@ class Embedder:
             recipe): those hits come back in its order with its scores (`TaskModel.rank`), and any hits past
             them (`top_k` > `candidates`) follow in the search's own order with its scores. Texts on both sides.
         candidates: how many of each query's first hits the reranker re-scores.
+        corpus_precision: search a quantized corpus (`kbert.quantized_search`): a corpus passed as int8/uint8
+            vectors (`encode(..., precision=...)`, `kbert.quantize_embeddings`) is searched as it is (its
+            precision read from its dtype and width unless named here); corpus texts or float vectors are
+            quantized to this precision first ("int8"/"uint8" over `ranges`, default: the corpus' own). Queries
+            stay float. int8/uint8 score the query against the buckets' values and need the corpus' `ranges`;
+            binary/ubinary find `top_k x rescore_multiplier` candidates by Hamming distance (FAISS's binary
+            index with `index="faiss"`) and rescore them with the float query against their bits.
         """
         if not isinstance(top_k, int) or top_k < 1:
             raise ValueError(f"`top_k` must be a positive integer. Received: top_k={top_k!r}")
@@ -551,10 +572,21 @@ class Embedder:
         if isinstance(lexical, bool) or not isinstance(lexical, (int, float)) or not 0 <= lexical <= 1:
             raise ValueError(f"`lexical` must be a number in [0, 1]. Received: lexical={lexical!r}")
         single = isinstance(queries, str)
+        quantized = isinstance(corpus, np.ndarray) and corpus.dtype.kind in "iu"
         if reranker is not None:
+            if quantized:
+                raise ValueError("`reranker` reads the corpus texts: pass them as `corpus`, with "
+                                 "`corpus_precision` to retrieve the candidates from quantized vectors")
             return self._reranked_search(queries, corpus, top_k, reranker, candidates, single,
                                          dict(index=index, lexical=lexical, corpus_vectors=corpus_vectors,
-                                              **encode_options))
+                                              corpus_precision=corpus_precision, ranges=ranges,
+                                              rescore_multiplier=rescore_multiplier, **encode_options))
+        if quantized or corpus_precision not in (None, "float32"):
+            if lexical:
+                raise ValueError("`lexical` mixes float cosines with TF-IDF; it does not search quantized "
+                                 "vectors (leave `corpus_precision` unset)")
+            return self._quantized_search(queries, corpus, top_k, index, corpus_precision, ranges,
+                                          rescore_multiplier, encode_options, single)
         if lexical:
             return self._hybrid_search(queries, corpus, top_k, index, float(lexical), corpus_vectors,
                                        encode_options, single)
@@ -575,6 +607,21 @@ class Embedder:
             hits = [[(int(j), float(v)) for j, v in zip(row, vals)] for row, vals in zip(best, scores)]
         else:
             hits = _best(q @ c.T, k)
+        return hits[0] if single else hits
+
+    def _quantized_search(self, queries, corpus, top_k, index, precision, ranges, rescore_multiplier,
+                          encode_options, single):
+        from kbert.embed.quantize import check_precision, quantization_ranges, quantize_embeddings, quantized_search
+
+        if precision is not None:
+            check_precision(precision)
+        q = _unit(self._as_vectors(queries, encode_options, "query"))
+        if not (isinstance(corpus, np.ndarray) and corpus.dtype.kind in "iu"):  # texts or float vectors
+            vectors = _unit(self._as_vectors(corpus, encode_options, "document"))
+            if precision in ("int8", "uint8") and ranges is None:
+                ranges = quantization_ranges(vectors)  # the corpus' own, for its codes and their scoring
+            corpus = quantize_embeddings(vectors, precision, ranges)
+        hits = quantized_search(q, corpus, top_k, precision, ranges, rescore_multiplier, index)
         return hits[0] if single else hits
 
     def _hybrid_search(self, queries, corpus, top_k, index, lexical, corpus_vectors, encode_options, single):
