@@ -1116,6 +1116,11 @@ def test_quantized_search_finds_what_sentence_transformers_and_a_full_sort_find(
     assert kbert.quantized_search(queries, kbert.quantize_embeddings(corpus, "binary"), top_k=5) == hits
     monkeypatch.setattr(quantize, "SEARCH_CHUNK", 64)
     assert kbert.quantized_search(queries, bits, top_k=5) == hits
+    # ties (each vector three times) come back lower row first, across search blocks too, as a stable sort
+    tripled = np.repeat(corpus[:40], 3, axis=0)
+    scores = queries @ tripled.T
+    for h, row in zip(kbert.quantized_search(queries, tripled, top_k=7), scores):
+        assert [j for j, _ in h] == list(np.argsort(-row, kind="stable")[:7])
     # no rescoring: the share of bits that agree, by a hand count
     plain = kbert.quantized_search(queries, bits, top_k=3, rescore_multiplier=0)
     agree = ((queries > 0)[:, None, :] == (corpus > 0)[None, :, :]).mean(axis=-1)

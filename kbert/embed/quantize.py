@@ -135,13 +135,23 @@ def infer_precision(codes: np.ndarray, dim: int) -> str:
 
 def _merge_best(best: Optional[Tuple[np.ndarray, np.ndarray]], scores: np.ndarray, offset: int, k: int):
     """The running `k` best (scores, columns) per row after a block of `scores` whose columns start at
-    `offset`; ties keep the lower column."""
+    `offset`; ties keep the lower column. A partial sort picks each row's `k` first; a row whose `k`-th score
+    ties one left out (the partial sort orders ties arbitrarily) is sorted in full."""
     columns = np.broadcast_to(np.arange(offset, offset + scores.shape[1]), scores.shape)
+    rows = np.arange(scores.shape[0])[:, None]
+    if scores.shape[1] > k:
+        part = np.argpartition(-scores, k - 1, axis=1)[:, :k]
+        cut = scores[rows, part].min(axis=1)
+        tied = np.flatnonzero((scores >= cut[:, None]).sum(axis=1) > k)
+        picked_scores, picked_columns = scores[rows, part], columns[rows, part]
+        for i in tied:
+            full = np.lexsort((columns[i], -scores[i]))[:k]
+            picked_scores[i], picked_columns[i] = scores[i, full], columns[i, full]
+        scores, columns = picked_scores, picked_columns
     if best is not None:
         scores = np.concatenate([best[0], scores], axis=1)
         columns = np.concatenate([best[1], columns], axis=1)
     order = np.lexsort((columns, -scores), axis=-1)[:, :k]
-    rows = np.arange(scores.shape[0])[:, None]
     return scores[rows, order], columns[rows, order]
 
 
@@ -161,7 +171,9 @@ def _hamming_candidates(query_bits: np.ndarray, corpus_bits: np.ndarray, k: int,
     for start in range(0, corpus_bits.shape[0], SEARCH_CHUNK):
         block = corpus_bits[start:start + SEARCH_CHUNK]
         distance = _POPCOUNT[query_bits[:, None, :] ^ block[None, :, :]].sum(axis=-1)  # [nq, block]
-        best = _merge_best(best, -distance.astype(np.float32), start, k)
+        # one key per row: the distance, then the column (Hamming distances tie often); exact in float64
+        key = distance.astype(np.float64) * corpus_bits.shape[0] + np.arange(start, start + block.shape[0])
+        best = _merge_best(best, -key, start, k)
     return best[1]
 
 
