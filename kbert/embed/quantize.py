@@ -28,6 +28,7 @@ import numpy as np
 PRECISIONS = ("float32", "int8", "uint8", "binary", "ubinary")
 # corpus rows scored at a time: bounds the dequantized block (int8) and the XOR block (binary)
 SEARCH_CHUNK = 8192
+QUERY_CHUNK = 256  # queries at a time in numpy's Hamming pass: [256, 8192, words] XOR blocks
 _POPCOUNT = np.array([bin(i).count("1") for i in range(256)], np.int32)
 
 
@@ -167,14 +168,31 @@ def _hamming_candidates(query_bits: np.ndarray, corpus_bits: np.ndarray, k: int,
         flat.add(np.ascontiguousarray(corpus_bits))
         _, columns = flat.search(np.ascontiguousarray(query_bits), k)
         return columns
-    best = None
-    for start in range(0, corpus_bits.shape[0], SEARCH_CHUNK):
-        block = corpus_bits[start:start + SEARCH_CHUNK]
-        distance = _POPCOUNT[query_bits[:, None, :] ^ block[None, :, :]].sum(axis=-1)  # [nq, block]
-        # one key per row: the distance, then the column (Hamming distances tie often); exact in float64
-        key = distance.astype(np.float64) * corpus_bits.shape[0] + np.arange(start, start + block.shape[0])
-        best = _merge_best(best, -key, start, k)
-    return best[1]
+    words_q, words_c = _words(query_bits), _words(corpus_bits)
+    out = []
+    for first in range(0, words_q.shape[0], QUERY_CHUNK):
+        queries, best = words_q[first:first + QUERY_CHUNK], None
+        for start in range(0, words_c.shape[0], SEARCH_CHUNK):
+            block = words_c[start:start + SEARCH_CHUNK]
+            distance = _popcount(queries[:, None, :] ^ block[None, :, :]).sum(axis=-1)  # [queries, block]
+            # one key per row: the distance, then the column (Hamming distances tie often); exact in float64
+            key = distance.astype(np.float64) * words_c.shape[0] + np.arange(start, start + block.shape[0])
+            best = _merge_best(best, -key, start, k)
+        out.append(best[1])
+    return np.concatenate(out)
+
+
+def _words(bits: np.ndarray) -> np.ndarray:
+    """Packed bits as 64-bit words (zero bytes appended to a multiple of 8) where numpy counts bits in words
+    (`np.bitwise_count`, numpy 2), else the bytes as they are."""
+    if not hasattr(np, "bitwise_count"):
+        return bits
+    pad = (-bits.shape[1]) % 8
+    return np.ascontiguousarray(np.pad(bits, ((0, 0), (0, pad))) if pad else bits).view(np.uint64)
+
+
+def _popcount(x: np.ndarray) -> np.ndarray:
+    return np.bitwise_count(x) if hasattr(np, "bitwise_count") else _POPCOUNT[x]
 
 
 def quantized_search(queries, corpus, top_k: int = 5, precision: Optional[str] = None, ranges=None,
