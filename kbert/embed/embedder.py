@@ -585,7 +585,7 @@ class Embedder:
             if lexical:
                 raise ValueError("`lexical` mixes float cosines with TF-IDF; it does not search quantized "
                                  "vectors (leave `corpus_precision` unset)")
-            return self._quantized_search(queries, corpus, top_k, index, corpus_precision, ranges,
+            return self._quantized_search(queries, corpus, quantized, top_k, index, corpus_precision, ranges,
                                           rescore_multiplier, encode_options, single)
         if lexical:
             return self._hybrid_search(queries, corpus, top_k, index, float(lexical), corpus_vectors,
@@ -609,14 +609,14 @@ class Embedder:
             hits = _best(q @ c.T, k)
         return hits[0] if single else hits
 
-    def _quantized_search(self, queries, corpus, top_k, index, precision, ranges, rescore_multiplier,
+    def _quantized_search(self, queries, corpus, quantized, top_k, index, precision, ranges, rescore_multiplier,
                           encode_options, single):
         from kbert.embed.quantize import check_precision, quantization_ranges, quantize_embeddings, quantized_search
 
         if precision is not None:
             check_precision(precision)
         q = _unit(self._as_vectors(queries, encode_options, "query"))
-        if not (isinstance(corpus, np.ndarray) and corpus.dtype.kind in "iu"):  # texts or float vectors
+        if not quantized:  # texts or float vectors
             vectors = _unit(self._as_vectors(corpus, encode_options, "document"))
             if precision in ("int8", "uint8") and ranges is None:
                 ranges = quantization_ranges(vectors)  # the corpus' own, for its codes and their scoring

@@ -205,10 +205,11 @@ def quantized_search(queries, corpus, top_k: int = 5, precision: Optional[str] =
     (`rescore_multiplier=0`: no rescoring; the score is then the share of bits that agree)."""
     q = np.atleast_2d(np.asarray(queries, np.float32))
     corpus = np.atleast_2d(np.asarray(corpus))
-    precision = check_precision(precision or infer_precision(corpus, q.shape[1]))
-    if infer_precision(corpus, q.shape[1]) != precision:
+    looks = infer_precision(corpus, q.shape[1])
+    precision = check_precision(precision or looks)
+    if looks != precision:
         raise ValueError(f"corpus of dtype {corpus.dtype} and width {corpus.shape[1]} is not {precision} for "
-                         f"{q.shape[1]}-wide queries (it looks like {infer_precision(corpus, q.shape[1])})")
+                         f"{q.shape[1]}-wide queries (it looks like {looks})")
     if isinstance(rescore_multiplier, bool) or not isinstance(rescore_multiplier, int) or rescore_multiplier < 0:
         raise ValueError(f"`rescore_multiplier` must be a whole number >= 0. Received: {rescore_multiplier!r}")
     if index not in ("exact", "faiss"):
@@ -226,12 +227,13 @@ def quantized_search(queries, corpus, top_k: int = 5, precision: Optional[str] =
     else:
         bits = _unsigned_bits(corpus)
         first = min(corpus.shape[0], k * max(1, rescore_multiplier))
-        columns = _hamming_candidates(quantize_embeddings(q, "ubinary"), bits, first, index)
+        q_bits = quantize_embeddings(q, "ubinary")
+        columns = _hamming_candidates(q_bits, bits, first, index)
         if rescore_multiplier:
             unpacked = np.unpackbits(bits[columns], axis=-1)[..., :q.shape[1]].astype(np.float32)  # [nq, m, dim]
             scores = np.einsum("qd,qmd->qm", q, unpacked)
         else:
-            differ = _POPCOUNT[quantize_embeddings(q, "ubinary")[:, None, :] ^ bits[columns]].sum(axis=-1)
+            differ = _POPCOUNT[q_bits[:, None, :] ^ bits[columns]].sum(axis=-1)
             scores = 1 - differ.astype(np.float32) / q.shape[1]
         order = np.lexsort((columns, -scores), axis=-1)[:, :k]
         rows = np.arange(q.shape[0])[:, None]
