@@ -425,7 +425,7 @@ def memory(model: str, seq: int, batch: int, precision: str, vocab: int) -> dict
     from kbert.train.probe import CompiledStep, build_trainer, peak_memory
 
     config = _config(model, vocab)
-    step = CompiledStep(build_trainer(config, "adamw", precision, host=True), config, seq)
+    step = CompiledStep(build_trainer(config, "adamw", precision, abstract=True), config, seq)
     compiled = step.bytes(batch)
     logs = step.run(batch, steps=3)
     measured = peak_memory()

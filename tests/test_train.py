@@ -788,6 +788,7 @@ JAX_ON_HOST = """
 import json, sys
 sys.modules["tensorflow"] = None
 import jax
+import numpy as np
 import kbert
 from kbert.train import probe
 host, device = jax.devices()[:2]
@@ -807,6 +808,16 @@ step = probe.CompiledStep(hosted, cfg, 16)  # its optimizer slots are made on th
 out["host_state"] = [type(x).__name__ for x in jax.tree_util.tree_leaves(step.host_state)][:1]
 out["loss"] = step.run(4)["loss"]
 out["state"] = devices(step.state)
+# built without values: the same program, compiled from shapes alone; its real steps start from zeros
+abstract = probe.build_trainer(cfg, abstract=True)
+out["valueless"] = sum(getattr(v, "_value", None) is None for v in abstract.variables)
+out["variables"] = len(abstract.variables)
+bare = probe.CompiledStep(abstract, cfg, 16)
+out["bytes"] = [step.bytes(4), bare.bytes(4)]
+out["zeros"] = [float(np.abs(x).max()) for x in jax.tree_util.tree_leaves(bare.host_state[0])]
+out["abstract_loss"] = bare.run(4)["loss"]
+out["abstract_state"] = devices(bare.state)
+out["after"] = float(np.ravel(plain.train_on_batch(*probe.synthetic_batch(cfg, 2, 16, 3)))[0])  # valued models train as before
 print(json.dumps(out))
 """
 
@@ -818,6 +829,12 @@ def test_the_probe_builds_the_model_on_the_host_and_runs_it_on_the_device():
     out, _ = run_on_jax(JAX_ON_HOST, env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
     assert out["plain"] == ["cpu:1"] and out["hosted"] == ["cpu:0"], out
     assert out["host_state"] == ["ndarray"] and out["state"] == ["cpu:1"] and np.isfinite(out["loss"]), out
+    # `abstract=True`: no initializer runs (every variable of the model, slots and metrics is valueless),
+    # the compiled program is the valued one's to the byte, and a real step runs on the device from zeros
+    assert out["valueless"] >= out["variables"] - 2 > 0, out  # the model's own variables: all without values
+    assert out["bytes"][0] == out["bytes"][1] > 0, out
+    assert max(out["zeros"]) == 0.0 and np.isfinite(out["abstract_loss"]), out
+    assert out["abstract_state"] == ["cpu:1"] and np.isfinite(out["after"]), out
 
 
 def test_compile_concurrently_overlaps_and_retries_out_of_memory_alone():

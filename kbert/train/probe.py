@@ -18,8 +18,10 @@
   ResourceExhaustedError, XLA's RESOURCE_EXHAUSTED on JAX), and the model state is restored from a host copy
   when a failed step had already consumed it.
 
-The model and its optimizer slots are built on the host (`on_host`): the state's host copy is what the
-runs start from, and on a GPU each of Keras' eager initializers would otherwise compile for the device.
+The model and its optimizer slots are built without values (`build_trainer(..., abstract=True)`): compiling
+needs only their shapes and dtypes, and Keras' eager initializers are most of a BERT's start-up (one small
+XLA program per initializer and shape, dozens with the optimizer slots, each compiled for the device on a
+GPU). A real step (`--probe`) runs from zeros: a step's memory does not depend on the values in it.
 The synthetic batches are arguments of the compiled step, never constants inside it, and XLA's
 rematerialization pass is off (otherwise a step that does not fit silently recomputes activations instead
 of failing, and every batch "fits").
@@ -97,6 +99,34 @@ def _state_of(trainer):
                                   optimizer_variables=True, metrics_variables=True)
 
 
+def _state_variables(trainer):
+    """The variables of `_state_of(trainer)`, in its order: (trainable, non-trainable, optimizer, metrics)."""
+    return (trainer.trainable_variables, trainer.non_trainable_variables, trainer.optimizer.variables,
+            trainer.metrics_variables)
+
+
+def _state_spec(trainer):
+    """`_state_of(trainer)`'s shapes and dtypes (JAX `ShapeDtypeStruct`s), read from the variables, which
+    need not hold values (`build_trainer(..., abstract=True)`)."""
+    import jax
+
+    return tuple([jax.ShapeDtypeStruct(tuple(v.shape), jax.numpy.dtype(v.dtype)) for v in group]
+                 for group in _state_variables(trainer))
+
+
+def _zero_state(trainer):
+    """`_state_of(trainer)` on the host: each variable's value where it has one (the optimizer's step count
+    and learning rate, made outside the abstract build), zeros where it was built without one."""
+    import jax
+
+    def value(v):
+        if getattr(v, "_value", None) is None:
+            return np.zeros(tuple(v.shape), jax.numpy.dtype(v.dtype))
+        return np.asarray(jax.device_get(v.value))
+
+    return tuple([value(v) for v in group] for group in _state_variables(trainer))
+
+
 def _program_bytes(compiled) -> Optional[int]:
     m = compiled.memory_analysis()
     if m is None:
@@ -144,22 +174,32 @@ class CompiledStep:
         self.trainer, self.config, self.seq_len = trainer, config, seq_len
         self.predictions = predictions or default_max_predictions(seq_len, 0.15)
         one = synthetic_batch(config, 1, seq_len, self.predictions)
-        if host_state is None:
-            if not trainer.built or trainer.optimizer is None or not trainer.optimizer.built:
-                with on_host():  # optimizer slots and metrics, made where the host copy is wanted
-                    trainer._symbolic_build(data_batch=one)
+        if not trainer.built or trainer.optimizer is None or not trainer.optimizer.built:
+            with on_host():  # optimizer slots and metrics, made where the host copy is wanted
+                trainer._symbolic_build(data_batch=one)
+        if host_state is None and not getattr(trainer, "_kbert_abstract", False):
             # The runs use their own copy of the state (donated step after step); the trainer's device copy
             # is released so that the device holds the state once, as in training.
             state = _state_of(trainer)
             host_state = jax.device_get(state)
             for x in jax.tree_util.tree_leaves(state):
                 x.delete()
-        self.host_state = host_state
+        self._host_state = host_state
         self.state = None
-        self._state_spec = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), host_state)
+        self._state_spec = _state_spec(trainer) if host_state is None else jax.tree_util.tree_map(
+            lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), host_state)
         self._one = one
         self._jit = jax.jit(trainer.train_step, donate_argnums=0)
         self._compiled: Dict[int, object] = {}
+
+    @property
+    def host_state(self):
+        """The state the runs start from, on the host: the trainer's values, or zeros where it was built
+        without any (`build_trainer(..., abstract=True)`; made at the first real step, since compiling
+        needs only the shapes)."""
+        if self._host_state is None:
+            self._host_state = _zero_state(self.trainer)
+        return self._host_state
 
     def release(self):
         """Frees the device copy of the state (the host copy stays for the next `run`)."""
@@ -289,26 +329,59 @@ def on_host():
     return jax.default_device(device)
 
 
-def build_trainer(config, optimizer: str = "adamw", precision: str = "float32", host: bool = False):
+def build_trainer(config, optimizer: str = "adamw", precision: str = "float32", host: bool = False,
+                  abstract: bool = False):
     """A compiled `Pretrainer` (NSP/SOP head included) whose `train_on_batch` is one real training step.
     `host=True` (JAX): its variables are made on the host (`on_host`), for a `CompiledStep`, which runs its
-    own copy of the state on the device; train it there, not with `train_on_batch`."""
+    own copy of the state on the device; train it there, not with `train_on_batch`.
+
+    `abstract=True` (JAX; implies `host`): the model, its optimizer slots and metrics are built with shapes
+    and dtypes only, no initializer run (Keras' deferred variables), which is all `CompiledStep` needs to
+    compile; its real steps start from zeros. Only for `CompiledStep`: the variables hold no values."""
     import keras
 
+    from kbert.data.masking import default_max_predictions
     from kbert.models.backbone import Pretrainer, build_backbone
 
+    abstract = abstract and _backend() == "jax"
     keras.mixed_precision.set_dtype_policy(precision)
     try:
-        with on_host() if host else contextlib.nullcontext():
-            model = Pretrainer(build_backbone(config))
+        with on_host() if host or abstract else contextlib.nullcontext():
+            # the optimizer's own scalars (step count, learning rate) take values: Keras makes them from
+            # constants, which a stateless scope refuses; they are a few bytes
             opt = {"adamw": keras.optimizers.AdamW, "adam": keras.optimizers.Adam, "lamb": keras.optimizers.Lamb,
                    "sgd": keras.optimizers.SGD}[optimizer](learning_rate=1e-5)
             if precision == "mixed_float16":
                 opt = keras.optimizers.LossScaleOptimizer(opt)
-            model.compile(optimizer=opt, jit_compile=_backend() != "tensorflow" or accelerator() is not None)
+            with _deferred_variables() if abstract else contextlib.nullcontext():
+                model = Pretrainer(build_backbone(config))
+                model.compile(optimizer=opt, jit_compile=_backend() != "tensorflow" or accelerator() is not None)
+                if abstract:
+                    model._symbolic_build(
+                        data_batch=synthetic_batch(config, 1, 8, default_max_predictions(8, 0.15)))
+                    model._kbert_abstract = True
     finally:
         keras.mixed_precision.set_dtype_policy("float32")
     return model
+
+
+@contextlib.contextmanager
+def _deferred_variables():
+    """Keras variables made inside get a shape, a dtype and an initializer but no value (a stateless scope
+    that does not initialize them on exit). They are also taken off Keras' list of variables waiting for a
+    value: every stateless scope that closes with its default settings initializes that list, and one
+    closes inside each traced training step, where an initializer would run on tracers."""
+    import keras
+    from keras.src.backend.common import global_state
+
+    def waiting():
+        return list(global_state.get_global_attribute("uninitialized_variables") or [])
+
+    before = waiting()
+    with keras.StatelessScope(initialize_variables=False):
+        yield
+    kept = {id(v) for v in before}
+    global_state.set_global_attribute("uninitialized_variables", [v for v in waiting() if id(v) in kept])
 
 
 def compile_workers() -> int:
@@ -350,7 +423,7 @@ def shallow_prediction(config, seq_len: int, budget: float, batch: int, optimize
     steps = {}
     for n in (1, 2):
         shallow = dataclasses.replace(config, num_layers=n)
-        steps[n] = CompiledStep(build_trainer(shallow, optimizer, precision, host=True), shallow, seq_len,
+        steps[n] = CompiledStep(build_trainer(shallow, optimizer, precision, abstract=True), shallow, seq_len,
                                 predictions)
     _no_silent_recomputation()
     sizes: Dict = {}
@@ -414,7 +487,7 @@ def exact_batch_size(config, seq_len: int, memory=None, optimizer: str = "adamw"
         raise ValueError("`memory` is required where the device does not report its memory (CPU): name the "
                          "device you are planning for, e.g. --memory 12GB")
     workers = compile_workers() if workers is None else max(1, int(workers))
-    step = step or CompiledStep(build_trainer(config, optimizer, precision, host=True), config, seq_len)
+    step = step or CompiledStep(build_trainer(config, optimizer, precision, abstract=True), config, seq_len)
     if start is None:
         start = max_batch_size(config, budget, seq_len, optimizer=optimizer, precision=precision)
     if shallow is None:
@@ -493,7 +566,7 @@ def probe_batch_size(config, seq_len: int, optimizer: str = "adamw", precision: 
     predictions = predictions or default_max_predictions(seq_len, 0.15)
     _no_silent_recomputation()
     if _backend() == "jax" and step is None:
-        step = CompiledStep(model or build_trainer(config, optimizer, precision, host=True), config, seq_len,
+        step = CompiledStep(model or build_trainer(config, optimizer, precision, abstract=True), config, seq_len,
                             predictions)
     model = model or (step.trainer if step is not None else build_trainer(config, optimizer, precision))
     tried: List = []
@@ -587,7 +660,7 @@ def probe_table(model: str, seq_lens, optimizer: str = "adamw", precision: str =
     config = ModelConfig.preset(model) if isinstance(model, str) else model
     total = parse_memory(memory) if memory else device_memory()
     began = time.perf_counter()
-    trainer = build_trainer(config, optimizer, precision, host=True)  # a no-op off JAX
+    trainer = build_trainer(config, optimizer, precision, abstract=True)  # built on TensorFlow
     rows, host_state = [], None
     for seq in seq_lens:
         started = time.perf_counter()
