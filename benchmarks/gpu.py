@@ -523,14 +523,16 @@ def pretrain_check(records: str, tokenizer: str, model: str, batch: int, steps: 
     from kbert.data.masking import default_max_predictions
     from kbert.text.tokenizer import Tokenizer
     from kbert.train.backend import make_backend
+    from kbert.train.backend.jax import use_compilation_cache
     from kbert.train.config import PretrainConfig
     from kbert.train.loop import _model_config, build_model_and_optimizer, pretrain
     from kbert.train.run_checkpoint import RunCheckpoints
 
     # The resumed run compiles the same step again (and the synthetic timing a third time): JAX's persistent
-    # compilation cache turns those full XLA compilations into reads.
+    # compilation cache turns those full XLA compilations into reads (kbert.pretrain's `auto` keeps this dir;
+    # set here, and made to take effect after the stages before this one compiled, in `all`)
     if not jax.config.jax_compilation_cache_dir:
-        jax.config.update("jax_compilation_cache_dir", os.path.join(out, "jax-cache"))
+        use_compilation_cache(os.path.join(out, "jax-cache"))
     half = steps // 2
     cfg = {"model": model, "data": {"source": records, "tokenizer": tokenizer},
            "optimizer": {"learning_rate": 1e-4, "warmup_steps": 20},

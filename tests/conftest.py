@@ -4,6 +4,14 @@ import sys
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 sys.path.insert(0, os.path.dirname(__file__))
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # JAX runs' compiled steps (`runtime.compilation_cache: auto`)
+    import atexit  # noqa: E402
+    import shutil  # noqa: E402
+    import tempfile  # noqa: E402
+
+    # kept for this test session (and its subprocesses) only, not in the user's ~/.cache
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="kbert-test-jax-cache-")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], True)
 
 import pytest  # noqa: E402
 

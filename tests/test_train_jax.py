@@ -277,6 +277,35 @@ def test_raw_text_pretraining_on_jax_without_tensorflow_goes_through_records_and
     assert features["token_ids"].shape == (4, 64)
 
 
+def test_a_resumed_jax_run_reads_its_compiled_step_from_the_compilation_cache(prepared, tmp_path):
+    """`runtime.compilation_cache`: the first run writes its compiled programs to the dir, and the same command
+    resumed after a stop reads them back instead of compiling (JAX's cache hits), to the same loss; "none"
+    leaves JAX's cache off, and "auto" keeps a dir JAX was already given."""
+    cache = str(tmp_path / "cache")
+    cfg = _config(prepared, str(tmp_path / "run"), 4, runtime={"strategy": "cpu", "compilation_cache": cache})
+    full = _config(prepared, str(tmp_path / "full"), 4, runtime={"strategy": "cpu", "compilation_cache": "none"})
+    result, _ = run_on_jax(_script(
+        "import jax\n"
+        "from kbert.train.backend.jax import use_compilation_cache\n"
+        "jax.config.update('jax_persistent_cache_min_compile_time_secs', 0)  # this tiny model compiles fast\n"
+        "events = []\n"
+        "jax.monitoring.register_event_listener(lambda name, **kw: events.append(name))\n"
+        "def hits(): return events.count('/jax/compilation_cache/cache_hits')\n"
+        f"base = pretrain({full!r}, progress=False)\n"
+        "off = jax.config.jax_enable_compilation_cache\n"
+        f"first = pretrain({cfg!r}, progress=False, stop_after=2)\n"
+        f"written = len(os.listdir({cache!r}))\n"
+        "before = hits()\n"
+        f"rest = pretrain({cfg!r}, progress=False)\n"
+        "print(json.dumps(dict(off=off, written=written, hits=hits() - before, auto=use_compilation_cache('auto'),"
+        " losses=[base['history'], first['history'] + rest['history']], steps=[first['step'], rest['step']])))\n"))
+    assert result["off"] is False  # "none": off, even with a dir in JAX_COMPILATION_CACHE_DIR (conftest)
+    assert result["written"] > 0 and result["hits"] > 0, result
+    assert result["auto"] == cache  # "auto" keeps the dir JAX already has
+    assert result["steps"] == [2, 4]
+    np.testing.assert_allclose(result["losses"][1], result["losses"][0], rtol=1e-5)
+
+
 @pytest.mark.slow
 def test_the_gpu_pretrain_script_runs_on_cpu(tmp_path):
     """`benchmarks/gpu.py records` (here, with TensorFlow) then `gpu.py pretrain` (JAX, what a GPU host runs):

@@ -9,7 +9,7 @@ Unknown keys fail with the key named; the resolved config is written next to the
                                     # objective: mlm | mlm+nsp (BERT) | mlm+sop (ALBERT) | electra
     optimizer: {name: adamw, learning_rate: 1e-4, warmup_steps: 100}
     trainer: {steps: 1000, batch_size: 32}
-    runtime: {strategy: auto, precision: auto}
+    runtime: {strategy: auto, precision: auto}   # compilation_cache: auto | none | a dir (JAX)
 """
 
 from __future__ import annotations
@@ -79,6 +79,9 @@ class RuntimeConfig:
     precision: str = "auto"  # auto | float32 | mixed_float16 | mixed_bfloat16
     jit: Union[bool, str] = "auto"  # XLA for the train step ("auto": on one device; TPUs compile anyway)
     seed: int = 0
+    # JAX: where compiled steps are kept between runs, so that a resumed or repeated run reads its step
+    # instead of compiling it again ("auto": $JAX_COMPILATION_CACHE_DIR, else ~/.cache/kbert/jax; "none": off)
+    compilation_cache: Optional[str] = "auto"
 
 
 @dataclasses.dataclass

@@ -191,7 +191,7 @@ def _validate(config: PretrainConfig):
 # the data, the optimizer, the global batch, the seed) decides what the checkpoint's numbers mean.
 RESUMABLE_CHANGES = ("trainer.steps", "trainer.log_every", "trainer.checkpoint_every", "trainer.keep_checkpoints",
                      "trainer.accumulation", "trainer.memory", "trainer.oom_fallback", "data.workers",
-                     "runtime.strategy", "runtime.tpu", "runtime.jit", "output_dir")
+                     "runtime.strategy", "runtime.tpu", "runtime.jit", "runtime.compilation_cache", "output_dir")
 
 
 def _flat(values, prefix=""):
@@ -358,8 +358,9 @@ def pretrain(config: Union[PretrainConfig, dict, str], overrides=None, resume: b
               f"  data: {d.source!r}, {d.max_length} tokens per sequence\n"
               f"  batch: {t.batch_size} sequences per step" + (" (planned by batch_size: auto)" if plan else "")
               + f" = {replicas} replica(s) x {t.accumulation} micro-step(s) x {micro_batch // replicas}; "
-              f"precision {precision} on {backend.kind} ({backend.name})\n  output: {config.output_dir}",
-              file=sys.stderr, flush=True)
+              f"precision {precision} on {backend.kind} ({backend.name})\n  output: {config.output_dir}"
+              + (f"\n  compiled steps kept in {backend.compilation_cache} (runtime.compilation_cache)"
+                 if getattr(backend, "compilation_cache", None) else ""), file=sys.stderr, flush=True)
 
     out = config.output_dir
     checkpoints = RunCheckpoints(os.path.join(out, "checkpoints"), keep=t.keep_checkpoints,

@@ -38,6 +38,52 @@ import time
 import numpy as np
 
 
+def use_compilation_cache(setting) -> "str | None":
+    """Turns on JAX's persistent compilation cache (`runtime.compilation_cache`) and returns its dir, or None.
+
+    A resumed run (or the same run again) then reads its compiled step from disk instead of compiling it:
+    BERT-Base's step takes tens of seconds to compile on a GPU and minutes on a TPU pod, paid again on
+    every restart after a preemption. JAX's own cache is used (not a kbert format): it keys each program
+    by its HLO, the compile options, the device kind and the jax/jaxlib versions, so a changed model or
+    upgrade compiles afresh. "auto": the dir JAX was given (JAX_COMPILATION_CACHE_DIR, or
+    `jax.config`), else ~/.cache/kbert/jax ($XDG_CACHE_HOME respected); "none" (or empty): off for this
+    process, even a dir JAX was given; else a dir.
+    JAX caches only programs that took at least `jax_persistent_cache_min_compile_time_secs` (1 s) to
+    compile, which keeps Keras' many small eager programs out of it."""
+    import jax
+    from jax.experimental.compilation_cache import compilation_cache
+
+    def restart():  # JAX decides once per process whether a cache is in use, at its first compilation
+        compilation_cache.reset_cache()  # (Keras' eager initializers may already have run): decide again
+
+    if setting is None or str(setting).strip().lower() in ("", "none", "off", "false"):
+        if jax.config.jax_enable_compilation_cache and jax.config.jax_compilation_cache_dir:
+            jax.config.update("jax_enable_compilation_cache", False)  # a dir JAX was given stays unused
+            restart()
+        return None
+    if not jax.config.jax_enable_compilation_cache:  # turned off by an earlier run in this process
+        jax.config.update("jax_enable_compilation_cache", True)
+        restart()
+    current = jax.config.jax_compilation_cache_dir
+    if str(setting) == "auto":
+        if current:
+            return current
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        path = os.path.join(base, "kbert", "jax")
+    else:
+        path = os.path.abspath(os.path.expanduser(str(setting)))
+    if path == current:
+        return path
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"runtime.compilation_cache: cannot create {path!r} ({e}); name a writable dir, or "
+                         f"set it to none") from e
+    compilation_cache.set_cache_dir(path)
+    restart()
+    return path
+
+
 def _tensorflow_installed() -> bool:
     try:  # imported, not looked up: the tf.data path imports it next anyway
         import tensorflow  # noqa: F401
@@ -92,6 +138,7 @@ class JaxBackend:
             self.distribution = keras.distribution.DataParallel(devices=devices)
         self.jit = True
         self._state = None
+        self.compilation_cache = use_compilation_cache(getattr(runtime, "compilation_cache", "auto"))
 
     def precision(self, requested: str) -> str:
         from kbert.train.strategy import choose_precision
