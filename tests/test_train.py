@@ -837,6 +837,24 @@ def test_the_probe_builds_the_model_on_the_host_and_runs_it_on_the_device():
     assert out["abstract_state"] == ["cpu:1"] and np.isfinite(out["after"]), out
 
 
+def test_exact_names_a_device_whose_compiled_step_reports_no_memory_analysis():
+    """A compiled step whose memory analysis is missing (None, or all zeros) is an error that says so, never a
+    batch that "fits" at zero bytes."""
+    from kbert.train.probe import exact_batch_size
+
+    class NoAnalysis:  # CompiledStep's interface, its bytes unreported
+        predictions = 20
+
+        def compile_all(self, batches, workers=1):
+            pass
+
+        def bytes(self, batch):
+            return None
+
+    with pytest.raises(RuntimeError, match="no memory analysis"):
+        exact_batch_size(kbert.ModelConfig.preset("bert-tiny"), 128, "1GB", step=NoAnalysis(), shallow=False)
+
+
 def test_compile_concurrently_overlaps_and_retries_out_of_memory_alone():
     import threading
 

@@ -128,8 +128,10 @@ def _zero_state(trainer):
 
 
 def _program_bytes(compiled) -> Optional[int]:
+    """The bytes of a compiled step by XLA's memory analysis; None where it reports none (a training step
+    always has arguments, so an analysis of all zeros is a missing one, not a free program)."""
     m = compiled.memory_analysis()
-    if m is None:
+    if m is None or m.argument_size_in_bytes <= 0:
         return None
     return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes)
 
@@ -509,6 +511,10 @@ def exact_batch_size(config, seq_len: int, memory=None, optimizer: str = "adamw"
         step.compile_all(batches, workers)
         for b in batches:
             sizes[b] = step.bytes(b)
+            if sizes[b] is None:
+                raise RuntimeError(f"XLA reports no memory analysis for the compiled step on "
+                                   f"{accelerator() or 'cpu'}, so --exact cannot size it; use --probe (real "
+                                   f"steps) or the planner's estimate")
             fit = sizes[b] <= budget
             if verbose:
                 print(f"  seq {seq_len}: batch {b} compiles to {_size(sizes[b])} "
