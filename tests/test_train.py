@@ -882,6 +882,19 @@ def test_compile_concurrently_overlaps_and_retries_out_of_memory_alone():
     serial = {6: Lowered(6), 7: Lowered(7)}
     assert compile_concurrently(serial, workers=1) == {6: "executable 6", 7: "executable 7"}
 
+    # from (key, lowered) pairs, a program compiles while the next one is still being lowered
+    started = threading.Event()
+
+    class Signals(Lowered):
+        def compile(self):
+            started.set()
+            return super().compile()
+
+    def lowering():
+        yield 8, Signals(8)
+        yield 9, Lowered(9, None if started.wait(timeout=10) else RuntimeError("8 had not started compiling"))
+    assert compile_concurrently(lowering(), workers=2) == {8: "executable 8", 9: "executable 9"}
+
 
 def test_compile_workers_default_and_override(monkeypatch):
     from kbert.train.probe import compile_workers

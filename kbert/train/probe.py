@@ -227,13 +227,13 @@ class CompiledStep:
     def compile_all(self, batches, workers: int = 1) -> None:
         """Compiles the batch sizes not compiled yet, up to `workers` at a time. Tracing and lowering (Python,
         Keras state) run here one after another; XLA's compilation releases the GIL, so `workers` > 1 runs
-        that part in threads. On a GPU a compilation is mostly serial host work (HLO passes, autotuning) on a
+        that part in threads, each starting as soon as its program is lowered. On a GPU a compilation is mostly serial host work (HLO passes, autotuning) on a
         host with many idle cores; on a CPU XLA already spreads one compilation over the cores."""
         todo = [b for b in dict.fromkeys(batches) if b not in self._compiled]
         if not todo:
             return
         _no_silent_recomputation()
-        self._compiled.update(compile_concurrently({b: self.lower(b) for b in todo}, workers))
+        self._compiled.update(compile_concurrently(((b, self.lower(b)) for b in todo), workers))
 
     def lower(self, batch: int):
         """The step traced and lowered at `batch` (JAX `Lowered`; shapes only, nothing on the device)."""
@@ -267,16 +267,23 @@ class CompiledStep:
         return {k: float(v) for k, v in logs.items()}
 
 
-def compile_concurrently(lowered: Dict, workers: int = 1) -> Dict:
-    """`{key: lowered.compile()}` for JAX `Lowered` programs, up to `workers` at a time in threads (XLA's
-    compilation releases the GIL). A compilation that runs out of device memory while others run beside it
-    (autotuning's scratch buffers on a capped device) is retried alone; any other error propagates."""
-    if workers <= 1 or len(lowered) <= 1:
-        return {k: low.compile() for k, low in lowered.items()}
+def compile_concurrently(lowered, workers: int = 1) -> Dict:
+    """`{key: lowered.compile()}` for JAX `Lowered` programs (a dict, or (key, lowered) pairs, which may be a
+    generator that lowers as it goes), up to `workers` at a time in threads (XLA's compilation releases the
+    GIL). From pairs, each program starts compiling as soon as it is lowered, while the next one is traced
+    and lowered here (Python, a second or two for BERT-Base). A compilation that runs out of device memory
+    while others run beside it (autotuning's scratch buffers on a capped device) is retried alone; any other
+    error propagates."""
+    pairs = lowered.items() if isinstance(lowered, dict) else lowered
+    if workers <= 1:
+        return {k: low.compile() for k, low in pairs}
     from concurrent.futures import ThreadPoolExecutor
 
-    with ThreadPoolExecutor(max_workers=min(workers, len(lowered)), thread_name_prefix="kbert-compile") as pool:
-        futures = {k: pool.submit(low.compile) for k, low in lowered.items()}
+    lowered, futures = {}, {}
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kbert-compile") as pool:
+        for k, low in pairs:
+            lowered[k] = low
+            futures[k] = pool.submit(low.compile)
     done = {}
     for k, future in futures.items():
         error = future.exception()
@@ -432,7 +439,7 @@ def shallow_prediction(config, seq_len: int, budget: float, batch: int, optimize
     batch, found = max(2, int(batch)), None
     for _ in range(3):  # a start far from the answer: again around the prediction (small batches are not affine)
         batches = (batch, max(1, batch // 2))
-        todo = {(n, b): steps[n].lower(b) for n in steps for b in batches if (n, b) not in sizes}
+        todo = (((n, b), steps[n].lower(b)) for n in steps for b in batches if (n, b) not in sizes)
         for key, c in compile_concurrently(todo, 2 * workers if workers > 1 else 1).items():
             sizes[key] = _program_bytes(c)
         if any(v is None for v in sizes.values()):
