@@ -817,6 +817,8 @@ out["bytes"] = [step.bytes(4), bare.bytes(4)]
 out["zeros"] = [float(np.abs(x).max()) for x in jax.tree_util.tree_leaves(bare.host_state[0])]
 out["abstract_loss"] = bare.run(4)["loss"]
 out["abstract_state"] = devices(bare.state)
+fp16 = probe.CompiledStep(probe.build_trainer(cfg, precision="mixed_float16", abstract=True), cfg, 16)
+out["scale"] = [float(x) for v, x in zip(fp16.trainer.optimizer.variables, fp16.host_state[2]) if "dynamic_scale" in v.path]
 out["after"] = float(np.ravel(plain.train_on_batch(*probe.synthetic_batch(cfg, 2, 16, 3)))[0])  # valued models train as before
 print(json.dumps(out))
 """
@@ -835,6 +837,7 @@ def test_the_probe_builds_the_model_on_the_host_and_runs_it_on_the_device():
     assert out["bytes"][0] == out["bytes"][1] > 0, out
     assert max(out["zeros"]) == 0.0 and np.isfinite(out["abstract_loss"]), out
     assert out["abstract_state"] == ["cpu:1"] and np.isfinite(out["after"]), out
+    assert out["scale"] == [2.0 ** 15], out  # scalars keep their initial value: a loss scale of 0 would give 0/0
 
 
 def test_exact_names_a_device_whose_compiled_step_reports_no_memory_analysis():

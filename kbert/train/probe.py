@@ -116,11 +116,16 @@ def _state_spec(trainer):
 
 def _zero_state(trainer):
     """`_state_of(trainer)` on the host: each variable's value where it has one (the optimizer's step count
-    and learning rate, made outside the abstract build), zeros where it was built without one."""
+    and learning rate, made outside the abstract build), zeros where it was built without one, except
+    scalars, which get their initial value (a loss-scale optimizer's scale of 0 would make every step's
+    gradients 0/0; a scalar initializer is one tiny program)."""
     import jax
 
     def value(v):
         if getattr(v, "_value", None) is None:
+            if not tuple(v.shape) and callable(getattr(v, "_initializer", None)):
+                with on_host():
+                    return np.asarray(jax.device_get(v._initializer((), v.dtype)))
             return np.zeros(tuple(v.shape), jax.numpy.dtype(v.dtype))
         return np.asarray(jax.device_get(v.value))
 
