@@ -280,7 +280,8 @@ def test_raw_text_pretraining_on_jax_without_tensorflow_goes_through_records_and
 def test_a_resumed_jax_run_reads_its_compiled_step_from_the_compilation_cache(prepared, tmp_path):
     """`runtime.compilation_cache`: the first run writes its compiled programs to the dir, and the same command
     resumed after a stop reads them back instead of compiling (JAX's cache hits), to the same loss; "none"
-    leaves JAX's cache off, and "auto" keeps a dir JAX was already given."""
+    leaves JAX's cache off, "auto" keeps a dir JAX was already given, and falls back to no cache (with a
+    warning) where its default dir cannot be made."""
     cache = str(tmp_path / "cache")
     cfg = _config(prepared, str(tmp_path / "run"), 4, runtime={"strategy": "cpu", "compilation_cache": cache})
     full = _config(prepared, str(tmp_path / "full"), 4, runtime={"strategy": "cpu", "compilation_cache": "none"})
@@ -297,11 +298,27 @@ def test_a_resumed_jax_run_reads_its_compiled_step_from_the_compilation_cache(pr
         f"written = len(os.listdir({cache!r}))\n"
         "before = hits()\n"
         f"rest = pretrain({cfg!r}, progress=False)\n"
-        "print(json.dumps(dict(off=off, written=written, hits=hits() - before, auto=use_compilation_cache('auto'),"
+        "auto = use_compilation_cache('auto')\n"
+        "import warnings\n"
+        "jax.config.update('jax_compilation_cache_dir', None)\n"
+        f"os.environ['XDG_CACHE_HOME'] = os.path.join({cache!r}, os.listdir({cache!r})[0])  # a file: no dir there\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        "    unusable = use_compilation_cache('auto')\n"
+        "try:\n"
+        "    use_compilation_cache(os.path.join(os.environ['XDG_CACHE_HOME'], 'x'))\n"
+        "    named = None\n"
+        "except ValueError as e:\n"
+        "    named = str(e)\n"
+        "print(json.dumps(dict(off=off, written=written, hits=hits() - before, auto=auto, unusable=unusable,"
+        " warned=[str(w.message) for w in caught], named=named,"
         " losses=[base['history'], first['history'] + rest['history']], steps=[first['step'], rest['step']])))\n"))
     assert result["off"] is False  # "none": off, even with a dir in JAX_COMPILATION_CACHE_DIR (conftest)
     assert result["written"] > 0 and result["hits"] > 0, result
     assert result["auto"] == cache  # "auto" keeps the dir JAX already has
+    # where its default dir cannot be made, "auto" runs without a cache and says so; a named dir is an error
+    assert result["unusable"] is None and any("could not use" in w for w in result["warned"]), result
+    assert result["named"] and "cannot use" in result["named"], result
     assert result["steps"] == [2, 4]
     np.testing.assert_allclose(result["losses"][1], result["losses"][0], rtol=1e-5)
 

@@ -76,9 +76,17 @@ def use_compilation_cache(setting) -> "str | None":
         return path
     try:
         os.makedirs(path, exist_ok=True)
+        if not os.access(path, os.W_OK):
+            raise PermissionError(f"{path!r} is not writable")
     except OSError as e:
-        raise ValueError(f"runtime.compilation_cache: cannot create {path!r} ({e}); name a writable dir, or "
-                         f"set it to none") from e
+        if str(setting) == "auto":  # a read-only home (a container, a shared account): run without it
+            import warnings
+
+            warnings.warn(f"runtime.compilation_cache: auto could not use {path!r} ({e}); compiled steps are "
+                          f"not kept (name a writable dir to keep them, or none to silence this)", stacklevel=2)
+            return None
+        raise ValueError(f"runtime.compilation_cache: cannot use {path!r} ({e}); name a writable dir, or set "
+                         f"it to none") from e
     compilation_cache.set_cache_dir(path)
     restart()
     return path
