@@ -818,8 +818,10 @@ out["zeros"] = [float(np.abs(x).max()) for x in jax.tree_util.tree_leaves(bare.h
 out["abstract_loss"] = bare.run(4)["loss"]
 out["abstract_state"] = devices(bare.state)
 fp16 = probe.CompiledStep(probe.build_trainer(cfg, precision="mixed_float16", abstract=True), cfg, 16)
-out["scale"] = [float(x) for v, x in zip(fp16.trainer.optimizer.variables, fp16.host_state[2]) if "dynamic_scale" in v.path]
-out["after"] = float(np.ravel(plain.train_on_batch(*probe.synthetic_batch(cfg, 2, 16, 3)))[0])  # valued models train as before
+out["scale"] = [float(x) for v, x in zip(fp16.trainer.optimizer.variables, fp16.host_state[2])
+                if "dynamic_scale" in v.path]
+batch = probe.synthetic_batch(cfg, 2, 16, 3)
+out["after"] = float(np.ravel(plain.train_on_batch(*batch))[0])  # valued models train as before
 print(json.dumps(out))
 """
 

@@ -232,8 +232,9 @@ class CompiledStep:
     def compile_all(self, batches, workers: int = 1) -> None:
         """Compiles the batch sizes not compiled yet, up to `workers` at a time. Tracing and lowering (Python,
         Keras state) run here one after another; XLA's compilation releases the GIL, so `workers` > 1 runs
-        that part in threads, each starting as soon as its program is lowered. On a GPU a compilation is mostly serial host work (HLO passes, autotuning) on a
-        host with many idle cores; on a CPU XLA already spreads one compilation over the cores."""
+        that part in threads, each starting as soon as its program is lowered. On a GPU a compilation is
+        mostly serial host work (HLO passes, autotuning) on a host with many idle cores; on a CPU XLA already
+        spreads one compilation over the cores."""
         todo = [b for b in dict.fromkeys(batches) if b not in self._compiled]
         if not todo:
             return
@@ -687,7 +688,7 @@ def probe_table(model: str, seq_lens, optimizer: str = "adamw", precision: str =
         step = CompiledStep(trainer, config, seq, host_state=host_state) if _backend() == "jax" else None
         if not rows:  # once per table: the model and optimizer built, the state copied to the host
             row["startup_seconds"] = time.perf_counter() - began
-        host_state = step.host_state if step is not None else None
+        host_state = step._host_state if step is not None else None  # None for an abstract build: nothing to copy
         start = planned or 8
         if exact:
             found = exact_batch_size(config, seq, total, optimizer, precision, start=start, max_batch=max_batch,
