@@ -193,8 +193,7 @@ class CompiledStep:
                 x.delete()
         self._host_state = host_state
         self.state = None
-        self._state_spec = _state_spec(trainer) if host_state is None else jax.tree_util.tree_map(
-            lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), host_state)
+        self._state_spec = _state_spec(trainer)
         self._one = one
         self._jit = jax.jit(trainer.train_step, donate_argnums=0)
         self._compiled: Dict[int, object] = {}
@@ -285,10 +284,10 @@ def compile_concurrently(lowered, workers: int = 1) -> Dict:
         return {k: low.compile() for k, low in pairs}
     from concurrent.futures import ThreadPoolExecutor
 
-    lowered, futures = {}, {}
+    programs, futures = {}, {}
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kbert-compile") as pool:
         for k, low in pairs:
-            lowered[k] = low
+            programs[k] = low
             futures[k] = pool.submit(low.compile)
     done = {}
     for k, future in futures.items():
@@ -296,7 +295,7 @@ def compile_concurrently(lowered, workers: int = 1) -> Dict:
         if error is None:
             done[k] = future.result()
         elif is_out_of_memory(error):
-            done[k] = lowered[k].compile()
+            done[k] = programs[k].compile()
         else:
             raise error
     return done
@@ -679,7 +678,7 @@ def probe_table(model: str, seq_lens, optimizer: str = "adamw", precision: str =
     config = ModelConfig.preset(model) if isinstance(model, str) else model
     total = parse_memory(memory) if memory else device_memory()
     began = time.perf_counter()
-    trainer = build_trainer(config, optimizer, precision, abstract=True)  # built on TensorFlow
+    trainer = build_trainer(config, optimizer, precision, abstract=True)  # with values on TensorFlow
     rows, host_state = [], None
     for seq in seq_lens:
         started = time.perf_counter()
