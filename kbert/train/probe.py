@@ -276,7 +276,7 @@ def compile_concurrently(lowered, workers: int = 1) -> Dict:
     """`{key: lowered.compile()}` for JAX `Lowered` programs (a dict, or (key, lowered) pairs, which may be a
     generator that lowers as it goes), up to `workers` at a time in threads (XLA's compilation releases the
     GIL). From pairs, each program starts compiling as soon as it is lowered, while the next one is traced
-    and lowered here (Python, a second or two for BERT-Base). A compilation that runs out of device memory
+    and lowered here (Python work that grows with the model). A compilation that runs out of device memory
     while others run beside it (autotuning's scratch buffers on a capped device) is retried alone; any other
     error propagates."""
     pairs = lowered.items() if isinstance(lowered, dict) else lowered

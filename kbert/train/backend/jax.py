@@ -42,7 +42,7 @@ def use_compilation_cache(setting) -> "str | None":
     """Turns on JAX's persistent compilation cache (`runtime.compilation_cache`) and returns its dir, or None.
 
     A resumed run (or the same run again) then reads its compiled step from disk instead of compiling it:
-    BERT-Base's step takes tens of seconds to compile on a GPU and minutes on a TPU pod, paid again on
+    a large model's step is slow to compile on a GPU and slower on a TPU pod, and that is paid again on
     every restart after a preemption. JAX's own cache is used (not a kbert format): it keys each program
     by its HLO, the compile options, the device kind and the jax/jaxlib versions, so a changed model or
     upgrade compiles afresh. "auto": the dir JAX was given (JAX_COMPILATION_CACHE_DIR, or
