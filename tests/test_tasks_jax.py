@@ -387,3 +387,75 @@ def test_finetune_mini_batch_size_trains_the_same_model_and_is_refused_elsewhere
                  "--out", str(tmp_path / "cli"), "--text-column", "sentence1", "--pair-column", "sentence2",
                  "--label-column", "score", "--max-steps", "2", "--mini-batch-size", "0", "--no-resume"]) == 1
     assert "mini_batch_size=0" in capsys.readouterr().err
+
+
+DATA_PARALLEL = """
+import jax
+import kbert.train.finetune as ft
+spans = []
+def recording(distribution, tree, split=True):  # how many devices each training batch's ids are spread over
+    placed = place(distribution, tree, split)
+    if split:
+        ids = placed[0]["token_ids"]
+        spans.append((ids.shape[0], len(ids.addressable_shards), ids.addressable_shards[0].data.shape[0]))
+    return placed
+place, ft.place = ft.place, recording
+out = {"devices": jax.device_count()}
+for name, strategy in (("one", "cpu"), ("two", "auto")):
+    spans.clear()
+    runs = {}
+    for task, train, dev, extra in RUNS:
+        s = kbert.finetune(BASE, task, train, dev, out_dir=ROOT + f"/{name}-{task}", strategy=strategy,
+                           **dict(COMMON, **extra))
+        vectors = kbert.Embedder.load(ROOT + f"/{name}-{task}").encode(TEXTS).astype(float).tolist()
+        runs[task] = dict(history=s["history"], steps=s["steps"], vectors=vectors)
+    out[name] = dict(runs=runs, spans=sorted(set(spans)))
+"""
+
+
+@pytest.mark.slow
+def test_data_parallel_finetuning_over_two_devices_trains_the_one_device_model(data, tmp_path):
+    """strategy='auto' on two (host) devices: each batch split along its rows, and the run, in-batch negatives
+    and dropout included, the one the same seed gives on one device (`batch_size` is the whole batch, and an
+    anchor is scored against the whole batch's positives, not its device's). A classification batch of odd
+    rows (the epoch's last) runs whole on each device."""
+    pairs = [[{"anchor": r["sentence1"], "positive": r["sentence2"]} for r in rows] for rows in data["sentence-embedding"]]
+    classes_train, classes_dev = data["classification"]
+    runs = [("sentence-embedding", pairs[0], pairs[1],
+             dict(text_column="anchor", pair_column="positive", label_column=None, backbone_dropout=0.1)),
+            ("classification", classes_train[:199], classes_dev, {})]
+    body = (f"BASE, ROOT, COMMON = {data['base']!r}, {str(tmp_path)!r}, {dict(COMMON, epochs=1)!r}\n"
+            f"RUNS = {runs!r}\n" + DATA_PARALLEL)
+    result, proc = run_on_jax(PRELUDE + f"TEXTS = {TEXTS!r}\n" + body + "print(json.dumps(out))\n",
+                              env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
+    assert result["devices"] == 2
+    one, two = result["one"], result["two"]
+    assert all(devices == 1 for _, devices, _ in one["spans"]), one["spans"]
+    # two devices: a batch of even rows is split in halves; the classification's last batch (7 rows) is whole
+    assert [32, 2, 16] in two["spans"] and [7, 2, 7] in two["spans"], two["spans"]
+    assert all(rows == 7 or per == rows // 2 for rows, devices, per in two["spans"]), two["spans"]
+    for task in ("sentence-embedding", "classification"):
+        a, b = one["runs"][task], two["runs"][task]
+        assert a["steps"] == b["steps"] > 5
+        for ha, hb in zip(a["history"], b["history"]):
+            assert sorted(ha) == sorted(hb)
+            _close([ha[k] for k in sorted(ha)], [hb[k] for k in sorted(hb)], 1e-4)
+        _close(a["vectors"], b["vectors"], 1e-4)
+
+
+def test_finetune_strategy_is_checked_by_name_and_several_devices_need_jax(data, tmp_path, capsys):
+    from kbert.cli import main
+
+    train, dev = data["classification"]
+    with pytest.raises(ValueError, match="`strategy` must be one of \\('auto', 'cpu', 'mirrored', 'tpu'\\)"):
+        kbert.finetune(data["base"], "classification", train, out_dir=str(tmp_path / "a"), strategy="gpus",
+                       **dict(COMMON, max_steps=1))
+    with pytest.raises(ValueError, match="strategy='mirrored': fine-tuning on chosen or several devices runs on "
+                                         "Keras' JAX backend"):
+        kbert.finetune(data["base"], "classification", train, out_dir=str(tmp_path / "b"), strategy="mirrored",
+                       **dict(COMMON, max_steps=1))
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in train), encoding="utf-8")
+    assert main(["finetune", "--model", data["base"], "--task", "classification", "--train", str(rows),
+                 "--out", str(tmp_path / "cli"), "--max-steps", "1", "--strategy", "tpu"]) == 1
+    assert "strategy='tpu'" in capsys.readouterr().err

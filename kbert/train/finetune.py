@@ -11,6 +11,12 @@ tokenizer, so `kbert.Embedder.load` and `kbert export` read it) plus `kbert_task
 run keeps its whole state in `out_dir/checkpoints` (`kbert.train.checkpoints`) and the same call resumes it.
 
 Data: a TSV (header row, no quoting), CSV, or JSONL file (gzip allowed), or a list of dicts.
+
+Devices (`strategy`): on Keras' JAX backend a GPU box's GPUs or a TPU VM's cores train data-parallel through
+Keras' own distribution API (`keras.distribution.DataParallel`, what `kbert pretrain` on JAX uses): the
+weights are replicated, each batch is split along its rows, and XLA partitions the one compiled step and adds
+the gradient all-reduce. The step is the single-device program, so the loss is the whole batch's (in-batch
+negatives span every device) and a run equals the one-device run of the same seed.
 """
 
 from __future__ import annotations
@@ -31,6 +37,9 @@ from kbert.models.st_dir import check_prompts
 from kbert.models.tasks import default_pooling
 from kbert.train.checkpoints import CHECKPOINT_DIR, FinetuneCheckpoint, data_fingerprint
 from kbert.train.finetune_tasks import SIMILARITY_LOSSES, task_for
+
+
+FINETUNE_STRATEGIES = ("auto", "cpu", "mirrored", "tpu")  # `kbert pretrain`'s names; one host
 
 
 @dataclasses.dataclass
@@ -76,6 +85,7 @@ class FinetuneConfig:
     mini_batch_size: Optional[int] = None  # sentence-embedding: rows per forward pass (gradient caching)
     prompts: Any = None  # sentence-embedding: a text put before every text, or {column: text}
     model_prompts: Optional[dict] = None  # sentence-embedding: the output's prompts for inference {name: text}
+    strategy: str = "auto"  # devices: auto | cpu | mirrored | tpu (several: Keras' JAX backend only)
 
     @classmethod
     def from_dict(cls, values: dict) -> "FinetuneConfig":
@@ -113,6 +123,8 @@ class FinetuneConfig:
         if (self.prompts or self.model_prompts) and self.task != "sentence-embedding":
             raise ValueError(f"`prompts` / `model_prompts` go with task='sentence-embedding'. "
                              f"Received: task={self.task!r}")
+        if self.strategy not in FINETUNE_STRATEGIES:
+            raise ValueError(f"`strategy` must be one of {FINETUNE_STRATEGIES}. Received: strategy={self.strategy!r}")
         for name in ("checkpoint_every", "stop_after", "mini_batch_size"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -132,7 +144,7 @@ def finetune(model: str, task: str, train, dev=None, out_dir: str = "finetuned",
              objective: Optional[str] = None, negative_column: Optional[str] = None, temperature: float = 0.05,
              matryoshka_dims: Optional[Sequence[int]] = None, datasets: Optional[Sequence[dict]] = None,
              mix: str = "proportional", mini_batch_size: Optional[int] = None, prompts=None,
-             model_prompts: Optional[dict] = None) -> dict:
+             model_prompts: Optional[dict] = None, strategy: str = "auto") -> dict:
     """Fine-tunes the model dir `model` on `train`; returns a summary with the dev history.
 
     Args:
@@ -203,6 +215,14 @@ def finetune(model: str, task: str, train, dev=None, out_dir: str = "finetuned",
         model_prompts: for sentence-embedding, the prompts the output keeps for inference ({"query": "query: ",
             "document": "passage: "}: `Embedder.encode_query` / `encode_document`, `search`, a
             sentence-transformers export). Default: the starting model's own (a sentence-transformers dir's).
+        strategy: the devices, by `kbert pretrain --strategy`'s names: "auto" (every local device), "cpu",
+            "mirrored" (the GPUs), "tpu". On Keras' JAX backend several devices train data-parallel: the
+            weights replicated, each batch split along its rows, and XLA all-reduces the gradients.
+            `batch_size` stays the whole batch, so results do not depend on the device count, and an in-batch
+            loss scores every anchor against the whole batch's candidates, not one device's (what
+            sentence-transformers calls gathering across devices). A batch whose rows do not divide among the
+            devices (an epoch's last) runs on each of them whole. On TensorFlow fine-tuning runs on one device:
+            "auto" only.
 
     Example:
         >>> kbert.finetune("my-model", "classification", "train.tsv", "dev.tsv", out_dir="sentiment",
@@ -280,17 +300,63 @@ def _optimizer(config: FinetuneConfig, total: int, variables):
     return optimizer
 
 
+def data_parallel(strategy: str):
+    """`keras.distribution.DataParallel` over the devices `strategy` names when they are several (Keras' JAX
+    backend), else None. Keras' own distribution API, as `kbert pretrain` on JAX uses it: variables created
+    in its scope are replicated (restored and saved weights too), and `place` lays each batch out over the
+    same mesh."""
+    if backend() != "jax":
+        if strategy != "auto":
+            raise ValueError(f"strategy={strategy!r}: fine-tuning on chosen or several devices runs on Keras' JAX "
+                             "backend (KERAS_BACKEND=jax); on TensorFlow it runs on one device (strategy='auto')")
+        return None
+    import keras
+
+    from kbert.train.backend.jax import strategy_devices
+
+    devices = strategy_devices(strategy)
+    if strategy == "cpu" or len(devices) > 1:
+        return keras.distribution.DataParallel(devices=devices)
+    return None
+
+
+def place(distribution, tree, split: bool = True):
+    """Arrays of a batch -> JAX arrays split along their rows over `distribution`'s devices; an array whose rows
+    do not divide among them (an epoch's last batch), or any with `split=False`, goes to every device whole."""
+    import jax
+    import keras
+
+    mesh = distribution.device_mesh
+
+    def put(x):
+        x = np.asarray(x)
+        if split and x.ndim and x.shape[0] % mesh.devices.size == 0:
+            layout = distribution.get_data_layout(x.shape)
+        else:
+            layout = keras.distribution.TensorLayout([None] * x.ndim, mesh)
+        return jax.device_put(x, layout.backend_layout)
+
+    return jax.tree_util.tree_map(put, tree)
+
+
 def run(config: FinetuneConfig, task=None, before_training=None) -> dict:
     """Fine-tunes as `config` says; returns the summary `kbert.finetune` documents.
 
     task: a `FinetuneTask` built by the caller (distillation's tasks carry a teacher) instead of the one
     `config.task` names; before_training: called once the examples are encoded (a teacher leaves memory)."""
+    import contextlib
+
+    config.validate()
+    distribution = data_parallel(config.strategy)
+    with distribution.scope() if distribution is not None else contextlib.nullcontext():
+        return _run(config, task, before_training, distribution)
+
+
+def _run(c: FinetuneConfig, task, before_training, distribution) -> dict:
     import keras
 
     from kbert.utils import StopSignals, progress_bar
 
-    c = config
-    c.validate()
     task = task or task_for(c)
     task.check()
     keras.utils.set_random_seed(c.seed)
@@ -337,6 +403,9 @@ def run(config: FinetuneConfig, task=None, before_training=None) -> dict:
     else:
         train_step = training_step(lambda feats, y, n, key: task.loss(network, feats, y, n, key), network,
                                    variables, optimizer, read=task.other_variables())
+    if distribution is not None:
+        for v in task.other_variables():  # a teacher built before this scope: its weights onto every device too
+            v.assign(place(distribution, v.value, split=False))
     infer = compiled(lambda feats: network(feats, training=False), network.variables)
     # JAX compiles each shape: batches are padded to a few widths (and, to evaluate, row counts)
     on_jax, limit = backend() == "jax", backbone.config.max_position
@@ -392,6 +461,8 @@ def run(config: FinetuneConfig, task=None, before_training=None) -> dict:
                 feats, y, n, loss_key = task.training_batch(train_ex, batch, tokenizer.pad_id)
                 if on_jax:
                     feats, y = bucketed_features(feats, y, tokenizer.pad_id, limit, task.label_pad)
+                if distribution is not None:
+                    feats, y = place(distribution, (feats, y))
                 loss = train_step(feats, y, static=(n, loss_key))
                 if not math.isfinite(loss):
                     raise FloatingPointError(f"Fine-tuning diverged at step {step + 1} (loss {loss}); lower "
