@@ -410,6 +410,13 @@ for name, strategy in (("one", "cpu"), ("two", "auto")):
         vectors = kbert.Embedder.load(ROOT + f"/{name}-{task}").encode(TEXTS).astype(float).tolist()
         runs[task] = dict(history=s["history"], steps=s["steps"], vectors=vectors)
     out[name] = dict(runs=runs, spans=sorted(set(spans)))
+# stopped on two devices, resumed on one: the checkpoint does not tie a run to its devices
+task, train, dev, extra = RUNS[0]
+for strategy, stop in (("auto", 3), ("cpu", None)):
+    s = kbert.finetune(BASE, task, train, dev, out_dir=ROOT + "/moved", strategy=strategy, stop_after=stop,
+                       **dict(COMMON, **extra))
+out["moved"] = dict(history=s["history"], steps=s["steps"],
+                    vectors=kbert.Embedder.load(ROOT + "/moved").encode(TEXTS).astype(float).tolist())
 """
 
 
@@ -418,7 +425,7 @@ def test_data_parallel_finetuning_over_two_devices_trains_the_one_device_model(d
     """strategy='auto' on two (host) devices: each batch split along its rows, and the run, in-batch negatives
     and dropout included, the one the same seed gives on one device (`batch_size` is the whole batch, and an
     anchor is scored against the whole batch's positives, not its device's). A classification batch of odd
-    rows (the epoch's last) runs whole on each device."""
+    rows (the epoch's last) runs whole on each device. A run stopped on two devices resumes on one."""
     pairs = [[{"anchor": r["sentence1"], "positive": r["sentence2"]} for r in rows] for rows in data["sentence-embedding"]]
     classes_train, classes_dev = data["classification"]
     runs = [("sentence-embedding", pairs[0], pairs[1],
@@ -434,8 +441,8 @@ def test_data_parallel_finetuning_over_two_devices_trains_the_one_device_model(d
     # two devices: a batch of even rows is split in halves; the classification's last batch (7 rows) is whole
     assert [32, 2, 16] in two["spans"] and [7, 2, 7] in two["spans"], two["spans"]
     assert all(rows == 7 or per == rows // 2 for rows, devices, per in two["spans"]), two["spans"]
-    for task in ("sentence-embedding", "classification"):
-        a, b = one["runs"][task], two["runs"][task]
+    pairs = [(one["runs"][task], two["runs"][task]) for task in ("sentence-embedding", "classification")]
+    for a, b in pairs + [(one["runs"]["sentence-embedding"], result["moved"])]:
         assert a["steps"] == b["steps"] > 5
         for ha, hb in zip(a["history"], b["history"]):
             assert sorted(ha) == sorted(hb)

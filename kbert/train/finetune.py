@@ -427,10 +427,10 @@ def _run(c: FinetuneConfig, task, before_training, distribution) -> dict:
             "target": list(task.target) if task.name == "regression" else None, **getattr(task, "extra_meta", {})}
     if task.name == "sentence-embedding" and model_prompts:
         meta.update(prompts=model_prompts, default_prompt_name=default_prompt)
-    # what a resumed run must share with the interrupted one
+    # what a resumed run must share with the interrupted one (not its devices: a run is the same on any number)
     settings = {k: v for k, v in c.to_dict().items() if k not in ("model", "train", "dev", "out_dir", "progress",
                                                                    "resume", "checkpoint_every", "stop_after",
-                                                                   "max_steps", "labels")}
+                                                                   "max_steps", "labels", "strategy")}
     settings.update(model=base_model or repr(c.model), data=data_fingerprint(train_ex, dev_ex), labels=task.labels,
                     max_length=max_length, eval_every=eval_every, total_steps=total, pooling=pooling, layers=layers,
                     backbone_dropout=backbone_dropout)
