@@ -345,7 +345,7 @@ def _embed(args):
 
     from kbert.embed.embedder import Embedder
 
-    emb = Embedder.load(args.model, max_length=args.max_length)
+    emb = Embedder.load(args.model, max_length=args.max_length, strategy=args.strategy)
     if args.format == "npy" and not args.out:
         raise ValueError("--format npy needs --out FILE.npy")
     if args.words and (args.prompt_name or args.prompt):
@@ -653,6 +653,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "saved beside them as OUT.ranges.npy) or binary/ubinary (sign bits, 8 to a byte)")
     p.add_argument("--ranges", help="int8/uint8: a [2, dim] .npy of each dimension's min and max (the "
                                     "OUT.ranges.npy an earlier run wrote, or kbert.quantization_ranges)")
+    p.add_argument("--strategy", choices=("auto", "cpu", "mirrored", "tpu"), default="auto",
+                   help="devices: auto (every local one), cpu, mirrored (the GPUs), tpu; several share each batch "
+                        "(Keras' JAX backend; TensorFlow: one)")
     p.add_argument("--chunk", type=int, default=256, help="lines per batch of work")
     p.add_argument("--max-length", type=int, help="tokens per text; longer texts are truncated with a warning "
                                                   "(default: the model's limit)")

@@ -61,10 +61,59 @@ def signature(*ranks):
     return [spec(r) for r in ranks]
 
 
-def compiled(fn: Callable, variables: Sequence, signature: Optional[list] = None, jit_compile: bool = False):
+STRATEGIES = ("auto", "cpu", "mirrored", "tpu")  # `kbert pretrain --strategy`'s names for one host
+
+
+def data_parallel(strategy: str):
+    """`keras.distribution.DataParallel` over the devices `strategy` names (`kbert pretrain --strategy`'s names:
+    auto, cpu, mirrored, tpu) when they are several or chosen (Keras' JAX backend), else None. Keras' own
+    distribution API, as `kbert pretrain` on JAX uses it: variables created in its scope are replicated
+    (restored and saved weights too), and `place` lays each batch out over the same mesh; XLA then partitions
+    the one compiled program (fine-tuning: data-parallel steps with the gradients all-reduced)."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"`strategy` must be one of {STRATEGIES}. Received: strategy={strategy!r}")
+    if backend() != "jax":
+        if strategy != "auto":
+            raise ValueError(f"strategy={strategy!r}: chosen or several devices are for Keras' JAX backend "
+                             "(KERAS_BACKEND=jax); on TensorFlow kbert fine-tunes and encodes on one device "
+                             "(strategy='auto')")
+        return None
+    import keras
+
+    from kbert.train.backend.jax import strategy_devices
+
+    devices = strategy_devices(strategy)
+    if strategy == "cpu" or len(devices) > 1:
+        return keras.distribution.DataParallel(devices=devices)
+    return None
+
+
+def place(distribution, tree, split: bool = True):
+    """Arrays of a batch -> JAX arrays split along their rows over `distribution`'s devices; an array whose rows
+    do not divide among them (an epoch's last batch), or any with `split=False`, goes to every device whole."""
+    import jax
+    import keras
+
+    mesh = distribution.device_mesh
+
+    def put(x):
+        x = np.asarray(x)
+        if split and x.ndim and x.shape[0] % mesh.devices.size == 0:
+            layout = distribution.get_data_layout(x.shape)
+        else:
+            layout = keras.distribution.TensorLayout([None] * x.ndim, mesh)
+        return jax.device_put(x, layout.backend_layout)
+
+    return jax.tree_util.tree_map(put, tree)
+
+
+def compiled(fn: Callable, variables: Sequence, signature: Optional[list] = None, jit_compile: bool = False,
+             distribution=None):
     """`fn(*args)` -> its outputs as numpy, compiled for the backend. `variables`: every variable `fn` reads
     (JAX passes their current values in each call, so later assignments are seen). `signature`: TensorFlow
-    input specs (`tf.TensorSpec` or nests of them) for one trace of every shape; ignored on JAX."""
+    input specs (`tf.TensorSpec` or nests of them) for one trace of every shape; ignored on JAX.
+    `distribution` (JAX, `data_parallel`): the args are split along their rows over its devices (`place`);
+    the variables must be on those devices already."""
     if backend() == "jax":
         import jax
         import keras
@@ -76,6 +125,8 @@ def compiled(fn: Callable, variables: Sequence, signature: Optional[list] = None
                 return fn(*args)
 
         jitted = jax.jit(pure)
+        if distribution is not None:
+            return lambda *args: to_numpy(jitted([v.value for v in variables], *place(distribution, args)))
         return lambda *args: to_numpy(jitted([v.value for v in variables], *args))
     import tensorflow as tf
 

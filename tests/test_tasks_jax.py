@@ -417,6 +417,18 @@ for strategy, stop in (("auto", 3), ("cpu", None)):
                        **dict(COMMON, **extra))
 out["moved"] = dict(history=s["history"], steps=s["steps"],
                     vectors=kbert.Embedder.load(ROOT + "/moved").encode(TEXTS).astype(float).tolist())
+# the Embedder on both devices: each encoding batch split along its rows, the one device's vectors
+import kbert.compiled as kc
+encoded = []
+def recording_embedder(distribution, tree, split=True):
+    placed = embedder_place(distribution, tree, split)
+    if split:
+        encoded.extend((x.shape[0], len(x.sharding.device_set)) for x in jax.tree_util.tree_leaves(placed))
+    return placed
+embedder_place, kc.place = kc.place, recording_embedder
+texts = [t + f" {i}" for i in range(30) for t in TEXTS]
+vectors = {s: kbert.Embedder.load(ROOT + "/moved", strategy=s).encode(texts, batch_size=32) for s in ("cpu", "auto")}
+out["embedder"] = dict(gap=float(np.abs(vectors["cpu"] - vectors["auto"]).max()), batches=sorted(set(encoded)))
 """
 
 
@@ -425,7 +437,8 @@ def test_data_parallel_finetuning_over_two_devices_trains_the_one_device_model(d
     """strategy='auto' on two (host) devices: each batch split along its rows, and the run, in-batch negatives
     and dropout included, the one the same seed gives on one device (`batch_size` is the whole batch, and an
     anchor is scored against the whole batch's positives, not its device's). A classification batch of odd
-    rows (the epoch's last) runs whole on each device. A run stopped on two devices resumes on one."""
+    rows (the epoch's last) runs whole on each device. A run stopped on two devices resumes on one. An
+    Embedder on both devices splits its batches and gives the one device's vectors."""
     pairs = [[{"anchor": r["sentence1"], "positive": r["sentence2"]} for r in rows] for rows in data["sentence-embedding"]]
     classes_train, classes_dev = data["classification"]
     runs = [("sentence-embedding", pairs[0], pairs[1],
@@ -442,6 +455,7 @@ def test_data_parallel_finetuning_over_two_devices_trains_the_one_device_model(d
     assert [32, 2, 16] in two["spans"] and [7, 2, 7] in two["spans"], two["spans"]
     assert all(rows == 7 or per == rows // 2 for rows, devices, per in two["spans"]), two["spans"]
     pairs = [(one["runs"][task], two["runs"][task]) for task in ("sentence-embedding", "classification")]
+    assert result["embedder"]["gap"] < 1e-5 and any(devices == 2 for _, devices in result["embedder"]["batches"])
     for a, b in pairs + [(one["runs"]["sentence-embedding"], result["moved"])]:
         assert a["steps"] == b["steps"] > 5
         for ha, hb in zip(a["history"], b["history"]):
@@ -450,15 +464,14 @@ def test_data_parallel_finetuning_over_two_devices_trains_the_one_device_model(d
         _close(a["vectors"], b["vectors"], 1e-4)
 
 
-def test_finetune_strategy_is_checked_by_name_and_several_devices_need_jax(data, tmp_path, capsys):
+def test_finetune_and_embedder_strategy_is_checked_by_name_and_several_devices_need_jax(data, tmp_path, capsys):
     from kbert.cli import main
 
     train, dev = data["classification"]
     with pytest.raises(ValueError, match="`strategy` must be one of \\('auto', 'cpu', 'mirrored', 'tpu'\\)"):
         kbert.finetune(data["base"], "classification", train, out_dir=str(tmp_path / "a"), strategy="gpus",
                        **dict(COMMON, max_steps=1))
-    with pytest.raises(ValueError, match="strategy='mirrored': fine-tuning on chosen or several devices runs on "
-                                         "Keras' JAX backend"):
+    with pytest.raises(ValueError, match="strategy='mirrored': chosen or several devices are for Keras' JAX backend"):
         kbert.finetune(data["base"], "classification", train, out_dir=str(tmp_path / "b"), strategy="mirrored",
                        **dict(COMMON, max_steps=1))
     rows = tmp_path / "rows.jsonl"
@@ -466,3 +479,7 @@ def test_finetune_strategy_is_checked_by_name_and_several_devices_need_jax(data,
     assert main(["finetune", "--model", data["base"], "--task", "classification", "--train", str(rows),
                  "--out", str(tmp_path / "cli"), "--max-steps", "1", "--strategy", "tpu"]) == 1
     assert "strategy='tpu'" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="`strategy` must be one of"):
+        kbert.Embedder.load(data["base"], strategy="all")
+    with pytest.raises(ValueError, match="strategy='cpu': chosen or several devices are for Keras' JAX backend"):
+        kbert.Embedder.load(data["base"], strategy="cpu")

@@ -32,7 +32,7 @@ from typing import List, Optional, Sequence, Union
 import numpy as np
 
 from kbert.data.features import PACK_WHEN, ROW_BUCKETS, WIDTH_BUCKETS, bucket, bucketed, pack_rows, text_list
-from kbert.compiled import backend, compiled, signature
+from kbert.compiled import backend, compiled, data_parallel, place, signature
 from kbert.models.st_dir import check_prompts
 from kbert.utils import progress_bar
 from kbert.models.pooling import (PACKED_POOLINGS, POOLINGS, check_pooling, layer_average, pool,  # noqa: F401
@@ -50,7 +50,8 @@ class Embedder:
 
     def __init__(self, backbone, tokenizer, max_length: Optional[int] = None, pooling: str = "mean",
                  layers: Union[int, List[int]] = -1, jit_compile: Union[bool, str] = False,
-                 prompts: Optional[dict] = None, default_prompt_name: Optional[str] = None):
+                 prompts: Optional[dict] = None, default_prompt_name: Optional[str] = None,
+                 strategy: str = "auto"):
         """jit_compile: False (one traced graph for every shape), True (sentence vectors through XLA, a
         bucketed shape compiled the first time it is met), or "background" (as True, but a batch whose shape
         is not compiled yet runs on the graph while a background thread compiles it: for servers).
@@ -58,7 +59,11 @@ class Embedder:
         prompts: named texts put before every text encoded with that name, as sentence-transformers' prompts
             (E5-style models: {"query": "query: ", "document": "passage: "}; `Embedder.load` reads a
             sentence-transformers dir's own). `encode_query` / `encode_document` and `search` use them.
-        default_prompt_name: the prompt `encode` uses when it is given none (one of `prompts`)."""
+        default_prompt_name: the prompt `encode` uses when it is given none (one of `prompts`).
+        strategy: the devices, by `kbert pretrain --strategy`'s names: "auto" (every local device), "cpu",
+            "mirrored" (the GPUs), "tpu". On Keras' JAX backend several devices each hold the weights and take
+            a share of every batch's rows (a batch too small to share runs whole on each); the vectors are
+            the one device's. On TensorFlow: one device, "auto" only."""
         if not getattr(backbone, "output_hidden_states", False):
             raise ValueError("Embedder needs a backbone built with output_hidden_states=True; use Embedder.load(dir)")
         if not (isinstance(jit_compile, bool) or jit_compile == "background"):
@@ -72,6 +77,10 @@ class Embedder:
         # JAX compiles every shape (it has no graph to run one on meanwhile), so every batch takes the bucketed
         # path that jit_compile=True takes on TensorFlow, compiled in the foreground the first time it is met
         self._bucketed = backend() == "jax"
+        self._distribution = data_parallel(strategy)
+        if self._distribution is not None:  # the weights onto every device of the mesh
+            for v in backbone.variables:
+                v.assign(place(self._distribution, v.value, split=False))
         self.jit_compile = True if self._bucketed else jit_compile
         self._fns = {}
         self._compiled = set()  # (layers, rows, width) shapes XLA has compiled
@@ -79,7 +88,7 @@ class Embedder:
 
     @classmethod
     def load(cls, model_dir: str, max_length: Optional[int] = None, dtype: Optional[str] = None,
-             jit_compile: Union[bool, str] = False) -> "Embedder":
+             jit_compile: Union[bool, str] = False, strategy: str = "auto") -> "Embedder":
         """An Embedder for a model dir (kbert, Hugging Face with its vocab, or a `kbert pretrain` run dir: its
         `model/`), or a Hugging Face Hub name ("klue/bert-base", fetched and cached by `huggingface_hub`;
         HF_HUB_OFFLINE=1 reads the cache only).
@@ -113,7 +122,7 @@ class Embedder:
             pooling, layers = st["pooling"], st["layers"]
         own = st or (task if task and task.get("task") == "sentence-embedding" else None) or {}
         return cls(backbone, tokenizer, max_length, pooling, layers, jit_compile=jit_compile,
-                   prompts=own.get("prompts"), default_prompt_name=own.get("default_prompt_name"))
+                   prompts=own.get("prompts"), default_prompt_name=own.get("default_prompt_name"), strategy=strategy)
 
     # ----------------------------------------------------------------- running the model
     def _run(self, ids: np.ndarray, mask: np.ndarray, pooling: Optional[str] = None, layers=-1):
@@ -128,7 +137,8 @@ class Embedder:
                 return pool(out["hidden_states"], x["padding_mask"], pooling, layers)
 
             self._fns[key] = compiled(run, self.backbone.variables, signature({"token_ids": 2, "segment_ids": 2,
-                                                                                "padding_mask": 2}))
+                                                                                "padding_mask": 2}),
+                                      distribution=self._distribution)
         rows, width = ids.shape
         if self._bucketed:  # JAX compiles each shape: round it up; the extra rows and columns are padding
             limit = self.backbone.config.max_position
@@ -226,7 +236,8 @@ class Embedder:
                 return layer_average(self.backbone.packed_hidden_states(ids, segments), which, layers)
 
             # TensorFlow: one trace, XLA compiles each concrete shape; JAX: one compile per shape
-            self._fns[key] = compiled(run, self.backbone.variables, signature(2, 2), jit_compile=True)
+            self._fns[key] = compiled(run, self.backbone.variables, signature(2, 2), jit_compile=True,
+                                      distribution=self._distribution)
         return self._fns[key]
 
     def _run_xla(self, key, texts, lengths, rows, pooling):

@@ -32,14 +32,11 @@ import numpy as np
 from kbert.data.features import bucketed, bucketed_features, build_network
 from kbert.data.features import features as model_inputs
 from kbert.data.rows import read_rows
-from kbert.compiled import backend, cached_training_step, compiled, training_step
+from kbert.compiled import STRATEGIES, backend, cached_training_step, compiled, data_parallel, place, training_step
 from kbert.models.st_dir import check_prompts
 from kbert.models.tasks import default_pooling
 from kbert.train.checkpoints import CHECKPOINT_DIR, FinetuneCheckpoint, data_fingerprint
 from kbert.train.finetune_tasks import SIMILARITY_LOSSES, task_for
-
-
-FINETUNE_STRATEGIES = ("auto", "cpu", "mirrored", "tpu")  # `kbert pretrain`'s names; one host
 
 
 @dataclasses.dataclass
@@ -123,8 +120,8 @@ class FinetuneConfig:
         if (self.prompts or self.model_prompts) and self.task != "sentence-embedding":
             raise ValueError(f"`prompts` / `model_prompts` go with task='sentence-embedding'. "
                              f"Received: task={self.task!r}")
-        if self.strategy not in FINETUNE_STRATEGIES:
-            raise ValueError(f"`strategy` must be one of {FINETUNE_STRATEGIES}. Received: strategy={self.strategy!r}")
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"`strategy` must be one of {STRATEGIES}. Received: strategy={self.strategy!r}")
         for name in ("checkpoint_every", "stop_after", "mini_batch_size"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -298,45 +295,6 @@ def _optimizer(config: FinetuneConfig, total: int, variables):
     optimizer.exclude_from_weight_decay(var_names=list(NO_DECAY))
     optimizer.build(variables)
     return optimizer
-
-
-def data_parallel(strategy: str):
-    """`keras.distribution.DataParallel` over the devices `strategy` names when they are several (Keras' JAX
-    backend), else None. Keras' own distribution API, as `kbert pretrain` on JAX uses it: variables created
-    in its scope are replicated (restored and saved weights too), and `place` lays each batch out over the
-    same mesh."""
-    if backend() != "jax":
-        if strategy != "auto":
-            raise ValueError(f"strategy={strategy!r}: fine-tuning on chosen or several devices runs on Keras' JAX "
-                             "backend (KERAS_BACKEND=jax); on TensorFlow it runs on one device (strategy='auto')")
-        return None
-    import keras
-
-    from kbert.train.backend.jax import strategy_devices
-
-    devices = strategy_devices(strategy)
-    if strategy == "cpu" or len(devices) > 1:
-        return keras.distribution.DataParallel(devices=devices)
-    return None
-
-
-def place(distribution, tree, split: bool = True):
-    """Arrays of a batch -> JAX arrays split along their rows over `distribution`'s devices; an array whose rows
-    do not divide among them (an epoch's last batch), or any with `split=False`, goes to every device whole."""
-    import jax
-    import keras
-
-    mesh = distribution.device_mesh
-
-    def put(x):
-        x = np.asarray(x)
-        if split and x.ndim and x.shape[0] % mesh.devices.size == 0:
-            layout = distribution.get_data_layout(x.shape)
-        else:
-            layout = keras.distribution.TensorLayout([None] * x.ndim, mesh)
-        return jax.device_put(x, layout.backend_layout)
-
-    return jax.tree_util.tree_map(put, tree)
 
 
 def run(config: FinetuneConfig, task=None, before_training=None) -> dict:
