@@ -364,7 +364,7 @@ def _run(c: FinetuneConfig, task, before_training, distribution) -> dict:
     if distribution is not None:
         for v in task.other_variables():  # a teacher built before this scope: its weights onto every device too
             v.assign(place(distribution, v.value, split=False))
-    infer = compiled(lambda feats: network(feats, training=False), network.variables)
+    infer = compiled(lambda feats: network(feats, training=False), network.variables, distribution=distribution)
     # JAX compiles each shape: batches are padded to a few widths (and, to evaluate, row counts)
     on_jax, limit = backend() == "jax", backbone.config.max_position
 
