@@ -16,7 +16,7 @@ Devices (`strategy`): on Keras' JAX backend a GPU box's GPUs or a TPU VM's cores
 Keras' own distribution API (`keras.distribution.DataParallel`, what `kbert pretrain` on JAX uses): the
 weights are replicated, each batch is split along its rows, and XLA partitions the one compiled step and adds
 the gradient all-reduce. The step is the single-device program, so the loss is the whole batch's (in-batch
-negatives span every device) and a run equals the one-device run of the same seed.
+negatives span every device) and a run is the one-device run of the same seed to float rounding.
 """
 
 from __future__ import annotations
