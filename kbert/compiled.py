@@ -64,6 +64,27 @@ def signature(*ranks):
 STRATEGIES = ("auto", "cpu", "mirrored", "tpu")  # `kbert pretrain --strategy`'s names for one host
 
 
+def strategy_devices(strategy: str, name: str = "strategy") -> list:
+    """The JAX devices a `--strategy` name stands for (kbert/train/backend/jax.py's table); `name` is the setting
+    named in errors. "multiworker" must have called `keras.distribution.initialize()` first."""
+    import jax
+
+    if strategy == "cpu":
+        return jax.devices("cpu")[:1]
+    if strategy == "mirrored":
+        devices = [d for d in jax.local_devices() if d.platform == "gpu"]
+        if not devices:
+            raise ValueError(f"{name}: mirrored needs GPUs, and JAX sees none "
+                             f"({jax.local_devices()[0].platform} only); use auto or cpu")
+        return devices
+    if strategy == "tpu":
+        devices = [d for d in jax.devices() if d.platform == "tpu"]
+        if not devices:
+            raise ValueError(f"{name}: tpu needs TPU devices, and JAX sees none; on a Cloud TPU VM install jax[tpu]")
+        return devices
+    return jax.devices()  # auto, multiworker: every device of every host (one host: the local ones)
+
+
 def data_parallel(strategy: str):
     """`keras.distribution.DataParallel` over the devices `strategy` names (`kbert pretrain --strategy`'s names:
     auto, cpu, mirrored, tpu) when they are several or chosen (Keras' JAX backend), else None. Keras' own
@@ -78,11 +99,11 @@ def data_parallel(strategy: str):
                              "(KERAS_BACKEND=jax); on TensorFlow kbert fine-tunes and encodes on one device "
                              "(strategy='auto')")
         return None
+    import jax
     import keras
 
-    from kbert.train.backend.jax import strategy_devices
-
-    devices = strategy_devices(strategy)
+    here = jax.process_index()  # this host's devices: fine-tuning and encoding run on one host
+    devices = [d for d in strategy_devices(strategy) if d.process_index == here]
     if strategy == "cpu" or len(devices) > 1:
         return keras.distribution.DataParallel(devices=devices)
     return None

@@ -429,6 +429,9 @@ embedder_place, kc.place = kc.place, recording_embedder
 texts = [t + f" {i}" for i in range(30) for t in TEXTS]
 vectors = {s: kbert.Embedder.load(ROOT + "/moved", strategy=s).encode(texts, batch_size=32) for s in ("cpu", "auto")}
 out["embedder"] = dict(gap=float(np.abs(vectors["cpu"] - vectors["auto"]).max()), batches=sorted(set(encoded)))
+encoded.clear()
+probs = {s: kbert.TaskModel.load(ROOT + "/one-classification", strategy=s).predict(texts) for s in ("cpu", "auto")}
+out["task_model"] = dict(gap=float(np.abs(probs["cpu"] - probs["auto"]).max()), batches=sorted(set(encoded)))
 """
 
 
@@ -438,7 +441,7 @@ def test_data_parallel_finetuning_over_two_devices_trains_the_one_device_model(d
     and dropout included, the one the same seed gives on one device (`batch_size` is the whole batch, and an
     anchor is scored against the whole batch's positives, not its device's). A classification batch of odd
     rows (the epoch's last) runs whole on each device. A run stopped on two devices resumes on one. An
-    Embedder on both devices splits its batches and gives the one device's vectors."""
+    Embedder and a TaskModel on both devices split their batches and give the one device's outputs."""
     pairs = [[{"anchor": r["sentence1"], "positive": r["sentence2"]} for r in rows] for rows in data["sentence-embedding"]]
     classes_train, classes_dev = data["classification"]
     runs = [("sentence-embedding", pairs[0], pairs[1],
@@ -455,7 +458,8 @@ def test_data_parallel_finetuning_over_two_devices_trains_the_one_device_model(d
     assert [32, 2, 16] in two["spans"] and [7, 2, 7] in two["spans"], two["spans"]
     assert all(rows == 7 or per == rows // 2 for rows, devices, per in two["spans"]), two["spans"]
     pairs = [(one["runs"][task], two["runs"][task]) for task in ("sentence-embedding", "classification")]
-    assert result["embedder"]["gap"] < 1e-5 and any(devices == 2 for _, devices in result["embedder"]["batches"])
+    for model in ("embedder", "task_model"):
+        assert result[model]["gap"] < 1e-5 and any(devices == 2 for _, devices in result[model]["batches"]), result
     for a, b in pairs + [(one["runs"]["sentence-embedding"], result["moved"])]:
         assert a["steps"] == b["steps"] > 5
         for ha, hb in zip(a["history"], b["history"]):

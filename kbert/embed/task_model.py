@@ -18,7 +18,7 @@ from kbert.data.features import (PACK_WHEN, ROW_BUCKETS, WIDTH_BUCKETS, bucket, 
                                  first_pieces, pack_rows, pad)
 from kbert.data.features import segment_ids, text_list
 from kbert.data.features import unit_vectors_in_batches, word_spans
-from kbert.compiled import backend, compiled, signature
+from kbert.compiled import backend, compiled, place, signature
 from kbert.models.io import assign_weights
 from kbert.models.tasks import TASK_FILE, TaskNetwork, load_task_head, read_task_meta, save_task_head
 
@@ -70,13 +70,17 @@ class TaskModel:
         # scale), "sigmoid" for a Hugging Face cross-encoder with one logit, as sentence-transformers applies
         self.activation = meta.get("activation", "identity")
         self.embedder = None  # set by `load`: an Embedder on the same backbone
+        self._distribution = None  # set by `load`: the Embedder's devices (`kbert.compiled.data_parallel`)
         self._fn = None
         self._packed_fn = None
 
     @classmethod
-    def load(cls, model_dir: str, dtype: Optional[str] = None, jit_compile: bool = False) -> "TaskModel":
+    def load(cls, model_dir: str, dtype: Optional[str] = None, jit_compile: bool = False,
+             strategy: str = "auto") -> "TaskModel":
         """A `kbert finetune` output dir, or a Hugging Face `*ForSequenceClassification` dir or Hub name (BERT,
-        ALBERT, RoBERTa, XLM-RoBERTa: KLUE classifiers, cross-encoders and rerankers)."""
+        ALBERT, RoBERTa, XLM-RoBERTa: KLUE classifiers, cross-encoders and rerankers). `strategy`: the devices,
+        as `Embedder.load`'s (several on Keras' JAX backend: each holds the weights and takes a share of every
+        batch's rows)."""
         from kbert.embed.embedder import Embedder
 
         model_dir, meta, classifier = _resolve(model_dir)
@@ -84,7 +88,7 @@ class TaskModel:
             raise FileNotFoundError(f"{model_dir!r} is not a fine-tuned model dir: {TASK_FILE} is missing "
                                     "(`kbert finetune` writes it), and it is not a Hugging Face "
                                     "*ForSequenceClassification dir either")
-        emb = Embedder.load(model_dir, dtype=dtype)
+        emb = Embedder.load(model_dir, dtype=dtype, strategy=strategy)
         if classifier is not None:
             meta["max_length"] = min(meta.get("max_length") or emb.max_length, emb.max_length)
         labels = meta.get("labels") or []
@@ -103,6 +107,10 @@ class TaskModel:
                 assign_weights(emb.backbone.pooler, classifier["pooler"], model_dir)
         model = cls(network, emb.tokenizer, meta, jit_compile=jit_compile)
         model.embedder = emb  # the same backbone, for sentence vectors (`kbert serve` uses both)
+        model._distribution = emb._distribution
+        if model._distribution is not None:  # the head onto the devices that hold the backbone
+            for v in network.variables:
+                v.assign(place(model._distribution, v.value, split=False))
         return model
 
     def save(self, model_dir: str) -> str:
@@ -121,7 +129,7 @@ class TaskModel:
             # per bucketed shape
             self._fn = compiled(self._forward, self.network.variables,
                                 signature({"token_ids": 2, "segment_ids": 2, "padding_mask": 2}),
-                                jit_compile=self.jit_compile)
+                                jit_compile=self.jit_compile, distribution=self._distribution)
         rows = len(ids)
         if self.jit_compile:  # pad to a bucketed shape: extra rows are padding, their outputs dropped
             limit = min(self.max_length, self.network.backbone.config.max_position)
@@ -162,7 +170,8 @@ class TaskModel:
                 at += n
         if self._packed_fn is None:
             self._packed_fn = compiled(self.network.packed_logits, self.network.variables,
-                                       signature(2, 2, 2, (3, "float32")), jit_compile=xla)
+                                       signature(2, 2, 2, (3, "float32")), jit_compile=xla,
+                                       distribution=self._distribution)
         logits = np.asarray(self._packed_fn(token_ids, segments, types, starts), np.float32)  # [r, t, labels]
         return logits[where[:, 0], where[:, 1]]
 

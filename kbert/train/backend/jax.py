@@ -100,27 +100,6 @@ def _tensorflow_installed() -> bool:
     return True
 
 
-def strategy_devices(strategy: str, name: str = "strategy") -> list:
-    """The JAX devices a `--strategy` name stands for (the module docstring's table); `name` is the setting
-    named in errors. "multiworker" must have called `keras.distribution.initialize()` first."""
-    import jax
-
-    if strategy == "cpu":
-        return jax.devices("cpu")[:1]
-    if strategy == "mirrored":
-        devices = [d for d in jax.local_devices() if d.platform == "gpu"]
-        if not devices:
-            raise ValueError(f"{name}: mirrored needs GPUs, and JAX sees none "
-                             f"({jax.local_devices()[0].platform} only); use auto or cpu")
-        return devices
-    if strategy == "tpu":
-        devices = [d for d in jax.devices() if d.platform == "tpu"]
-        if not devices:
-            raise ValueError(f"{name}: tpu needs TPU devices, and JAX sees none; on a Cloud TPU VM install jax[tpu]")
-        return devices
-    return jax.devices()  # auto, multiworker: every device of every host (one host: the local ones)
-
-
 class JaxBackend:
     name = "jax"
 
@@ -128,6 +107,7 @@ class JaxBackend:
         import jax
         import keras
 
+        from kbert.compiled import strategy_devices
         from kbert.train.strategy import STRATEGIES
 
         self.runtime = runtime
@@ -141,7 +121,7 @@ class JaxBackend:
             raise ValueError("`runtime.jit: false` has no JAX equivalent (JAX always compiles the step); leave it at auto")
         if runtime.strategy == "multiworker":
             keras.distribution.initialize()
-        devices = strategy_devices(runtime.strategy, "runtime.strategy")
+        devices = strategy_devices(runtime.strategy, "runtime.strategy")  # shared with fine-tuning
         self.devices = devices
         self.replicas = len(devices)
         self.kind = devices[0].platform if devices[0].platform in ("gpu", "tpu") else "cpu"
