@@ -118,7 +118,7 @@ def place(distribution, tree, split: bool = True):
     mesh = distribution.device_mesh
 
     def put(x):
-        x = np.asarray(x)
+        x = x if hasattr(x, "sharding") else np.asarray(x)  # a JAX array moves between devices, not via the host
         if split and x.ndim and x.shape[0] % mesh.devices.size == 0:
             layout = distribution.get_data_layout(x.shape)
         else:
@@ -126,6 +126,18 @@ def place(distribution, tree, split: bool = True):
         return jax.device_put(x, layout.backend_layout)
 
     return jax.tree_util.tree_map(put, tree)
+
+
+def replicate(distribution, variables) -> None:
+    """Puts each variable's value on every device of `distribution` (weights built outside its scope), leaving
+    those already there as they are."""
+    whole = None
+    for v in variables:
+        value = v.value
+        if whole is None:
+            whole = place(distribution, value, split=False).sharding
+        if not value.sharding.is_equivalent_to(whole, value.ndim):
+            v.assign(place(distribution, value, split=False))
 
 
 def compiled(fn: Callable, variables: Sequence, signature: Optional[list] = None, jit_compile: bool = False,

@@ -32,7 +32,7 @@ from typing import List, Optional, Sequence, Union
 import numpy as np
 
 from kbert.data.features import PACK_WHEN, ROW_BUCKETS, WIDTH_BUCKETS, bucket, bucketed, pack_rows, text_list
-from kbert.compiled import backend, compiled, data_parallel, place, signature
+from kbert.compiled import backend, compiled, data_parallel, replicate, signature
 from kbert.models.st_dir import check_prompts
 from kbert.utils import progress_bar
 from kbert.models.pooling import (PACKED_POOLINGS, POOLINGS, check_pooling, layer_average, pool,  # noqa: F401
@@ -79,8 +79,7 @@ class Embedder:
         self._bucketed = backend() == "jax"
         self._distribution = data_parallel(strategy)
         if self._distribution is not None:  # the weights onto every device of the mesh
-            for v in backbone.variables:
-                v.assign(place(self._distribution, v.value, split=False))
+            replicate(self._distribution, backbone.variables)
         self.jit_compile = True if self._bucketed else jit_compile
         self._fns = {}
         self._compiled = set()  # (layers, rows, width) shapes XLA has compiled

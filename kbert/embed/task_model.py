@@ -18,7 +18,7 @@ from kbert.data.features import (PACK_WHEN, ROW_BUCKETS, WIDTH_BUCKETS, bucket, 
                                  first_pieces, pack_rows, pad)
 from kbert.data.features import segment_ids, text_list
 from kbert.data.features import unit_vectors_in_batches, word_spans
-from kbert.compiled import backend, compiled, place, signature
+from kbert.compiled import backend, compiled, replicate, signature
 from kbert.models.io import assign_weights
 from kbert.models.tasks import TASK_FILE, TaskNetwork, load_task_head, read_task_meta, save_task_head
 
@@ -109,8 +109,7 @@ class TaskModel:
         model.embedder = emb  # the same backbone, for sentence vectors (`kbert serve` uses both)
         model._distribution = emb._distribution
         if model._distribution is not None:  # the head onto the devices that hold the backbone
-            for v in network.variables:
-                v.assign(place(model._distribution, v.value, split=False))
+            replicate(model._distribution, network.variables)
         return model
 
     def save(self, model_dir: str) -> str:

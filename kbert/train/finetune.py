@@ -32,7 +32,8 @@ import numpy as np
 from kbert.data.features import bucketed, bucketed_features, build_network
 from kbert.data.features import features as model_inputs
 from kbert.data.rows import read_rows
-from kbert.compiled import STRATEGIES, backend, cached_training_step, compiled, data_parallel, place, training_step
+from kbert.compiled import STRATEGIES, backend, cached_training_step, compiled, data_parallel, place, replicate
+from kbert.compiled import training_step
 from kbert.models.st_dir import check_prompts
 from kbert.models.tasks import default_pooling
 from kbert.train.checkpoints import CHECKPOINT_DIR, FinetuneCheckpoint, data_fingerprint
@@ -361,9 +362,8 @@ def _run(c: FinetuneConfig, task, before_training, distribution) -> dict:
     else:
         train_step = training_step(lambda feats, y, n, key: task.loss(network, feats, y, n, key), network,
                                    variables, optimizer, read=task.other_variables())
-    if distribution is not None:
-        for v in task.other_variables():  # a teacher built before this scope: its weights onto every device too
-            v.assign(place(distribution, v.value, split=False))
+    if distribution is not None:  # a teacher built before this scope: its weights onto every device too
+        replicate(distribution, task.other_variables())
     infer = compiled(lambda feats: network(feats, training=False), network.variables, distribution=distribution)
     # JAX compiles each shape: batches are padded to a few widths (and, to evaluate, row counts)
     on_jax, limit = backend() == "jax", backbone.config.max_position
