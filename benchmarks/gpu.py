@@ -11,7 +11,11 @@ batches that stay on the device, so the figure is the model's step and not an in
   donated, timed over `--steps` steps after two warm-up steps; tokens/s and MFU = model FLOPs per second /
   measured bf16 peak (the convention of the PaLM paper: the model's matmul FLOPs, no recomputation counted).
   `--variants` runs several `ModelConfig` overrides in one process (`default`, `attention_dropout=0.0`, ...)
-  and says whether XLA's program holds cuDNN's fused attention;
+  and says whether XLA's program holds cuDNN's fused attention; `attention_kernel=cudnn_dropout` runs BERT's
+  attention dropout inside cuDNN's kernel, after `dropout-check` (below) says whether that is dropout;
+- `dropout-check`: cuDNN's attention dropout against its definition on one layer's shape: kept entries are the
+  softmax / (1 - rate), about `rate` of them dropped, the backward pass uses the forward's mask, and the mask
+  changes between steps and between layers;
 - `hf`: the peer, transformers' `BertForPreTraining` (SDPA attention, bf16 autocast, fused AdamW, labels at
   the same number of masked positions) eager and under `torch.compile`, same shape, same FLOP count;
 - `profile`: the same step under `jax.profiler.trace`: the device's kernel time per kind (matmul, fused
@@ -104,10 +108,37 @@ def _lengths_kernel(q, k, v, padding_mask, scale):
                                         key_value_seq_lengths=lengths)
 
 
+# attention_kernel=cudnn_dropout: cuDNN's fused attention with the attention dropout inside the kernel, so BERT's
+# default (attention dropout 0.1) runs fused in training too. jax.nn.dot_product_attention takes no dropout rate;
+# JAX's cuDNN binding underneath it does, and XLA's cuDNN runtime advances the kernel's random offset on every
+# execution (one counter per call site, forward and backward in step). Every call site starts that counter at 0,
+# so each gets its own seed here, or all the layers of a step would drop the same entries. `dropout_check`
+# below verifies on the device that this is dropout before a step time of it means anything.
+_SEEDS = iter(range(1, 1 << 30))
+
+
+def _cudnn_dropout_kernel(q, k, v, padding_mask, scale, dropout=0.0):
+    """q, k, v [b, s, n, d] ([b, r, n, d] queries at the last block's rows), padding_mask [b, s] right-padded
+    -> [b, s, n, d]: the padding as per-row key lengths (cuDNN's padding-mask type), dropout in the kernel."""
+    import jax.numpy as jnp
+    from jax._src.cudnn.fused_attention_stablehlo import MaskType, dot_product_attention
+
+    if len(padding_mask.shape) != 2:
+        raise ValueError("attention_kernel=cudnn_dropout takes a [b, s] padding mask, not packed rows")
+    lengths = padding_mask.astype("int32").sum(1)  # [b]
+    queries = lengths if q.shape[1] == k.shape[1] else jnp.full_like(lengths, q.shape[1])
+    return dot_product_attention(q, k, v, q_seqlen=queries, kv_seqlen=lengths, scale=scale,
+                                 mask_type=MaskType.PADDING, seed=next(_SEEDS), dropout_rate=float(dropout))
+
+
+_cudnn_dropout_kernel.with_dropout = True  # kbert.models.layers calls it in training with attention dropout too
+KERNELS = {"attention_mask=lengths": _lengths_kernel, "attention_kernel=cudnn_dropout": _cudnn_dropout_kernel}
+
+
 def _implementation_choices(overrides) -> dict:
     from kbert.models.layers import IMPLEMENTATIONS
 
-    names = set(IMPLEMENTATIONS) | {"attention_mask"}
+    names = set(IMPLEMENTATIONS) | {"attention_mask", "attention_kernel"}
     return dict(item.split("=", 1) for item in overrides or () if item.split("=", 1)[0] in names)
 
 
@@ -116,10 +147,84 @@ def _switch_implementation(overrides):
     from kbert.models.layers import set_implementation
 
     choices = _implementation_choices(overrides)
-    kernel = _lengths_kernel if choices.get("attention_mask") == "lengths" else None
-    if kernel is not None:
-        del choices["attention_mask"]
-    set_implementation(attention_kernel=kernel, **choices)
+    kernels = [KERNELS[f"{name}={value}"] for name, value in choices.items() if f"{name}={value}" in KERNELS]
+    if len(kernels) > 1:
+        raise ValueError(f"one attention kernel at a time: {sorted(choices)}")
+    choices = {name: value for name, value in choices.items() if f"{name}={value}" not in KERNELS}
+    if "attention_kernel" in choices:
+        raise ValueError(f"attention_kernel={choices['attention_kernel']}: choose from {sorted(KERNELS)}")
+    set_implementation(attention_kernel=kernels[0] if kernels else None, **choices)
+
+
+def _cudnn_dropout_check_kernel(q, k, v, mask, scale, dropout, step):
+    """`dropout_check`'s form of the kernel: cuDNN keeps its random state itself, so `step` is unused."""
+    del step
+    return _cudnn_dropout_kernel(q, k, v, mask, scale, dropout)
+
+
+def dropout_check(batch: int = 4, seq: int = 64, heads: int = 12, rate: float = 0.1, kernel=None) -> dict:
+    """Whether an attention kernel's own dropout is dropout (default: cuDNN's, `attention_kernel=cudnn_dropout`).
+
+    One program calls `kernel(q, k, v, mask, scale, dropout, step)` at two call sites on one BERT layer's shape
+    with head size = `seq` and V the identity ([b, s, n, d], v[:, j, :, j] = 1), so each output is the dropped
+    and rescaled probability matrix A [b, s, n, s] itself, and takes the first site's backward pass. Then:
+    - A's kept entries equal softmax(q k^T scale) / (1 - rate) (`kept_max_rel_error`), and the share dropped is
+      near `rate` (`dropped_share`);
+    - the backward pass used the forward's mask: dV = A^T dO with A from the same execution (`backward_rel_error`;
+      `backward_rel_error_without_dropout` is what a backward pass with no mask at all would score);
+    - a second execution draws another mask (`differs_between_steps`: the share of entries kept in one and
+      dropped in the other, 2 rate (1 - rate) for independent masks), and so does the second call site.
+    `step` (0, then 1) is for kernels without random state of their own (the CPU tests' stand-ins)."""
+    import jax
+    import jax.numpy as jnp
+
+    kernel = kernel or _cudnn_dropout_check_kernel
+    rng = np.random.default_rng(0)
+    q, k = (jnp.asarray(rng.normal(size=(batch, seq, heads, seq)), "bfloat16") for _ in range(2))
+    v = jnp.broadcast_to(jnp.eye(seq, dtype="bfloat16")[None, :, None, :], (batch, seq, heads, seq))
+    g = jnp.asarray(rng.normal(size=(batch, seq, heads, seq)), "bfloat16")  # dO
+    mask = jnp.ones((batch, seq), "int32")
+    scale = seq ** -0.5
+
+    def program(q, k, v, g, step):  # both sites differentiated, as every layer of a training step is
+        outs = [jax.vjp(lambda v: kernel(q, k, v, mask, scale, rate, step), v) for _ in range(2)]
+        return [out for out, _ in outs], [pullback(g)[0] for _, pullback in outs]
+
+    compiled = jax.jit(program).lower(q, k, v, g, 0).compile()
+    (a, a_second), dvs = jax.tree.map(lambda t: np.asarray(t, "float32"), compiled(q, k, v, g, 0))  # A[b, i, n, j]
+    a_next = np.asarray(compiled(q, k, v, g, 1)[0][0], "float32")
+    probs = np.asarray(jax.nn.softmax(jnp.einsum("bind,bjnd->binj", q.astype("float32"), k.astype("float32"))
+                                      * scale, axis=-1))
+    expected = probs / (1 - rate)
+    clear = expected > 2e-3  # entries big enough to tell kept (~expected) from dropped (0) in bf16
+
+    def dropped(x):
+        return np.abs(x) < 0.5 * expected
+
+    def status_differs(x, y):
+        return float((dropped(x) != dropped(y))[clear].mean())
+
+    def backward_error(a, dv, against=None):  # dV [b, j, n, d] = sum_i A[b, n, i, j] dO[b, i, n, d]
+        want = np.einsum("binj,bind->bjnd", a, np.asarray(g, "float32"))
+        return float(np.linalg.norm(dv - (want if against is None else np.einsum(
+            "binj,bind->bjnd", against, np.asarray(g, "float32")))) / np.linalg.norm(want))
+
+    both = np.stack([a, a_second])
+    result = {"form": "cudnn dropout" if kernel is _cudnn_dropout_check_kernel else getattr(kernel, "__name__", ""),
+              "shape": [batch, seq, heads, seq], "rate": rate,
+              "fused": "__cudnn$fmha" in compiled.as_text(),
+              "kept_max_rel_error": float(np.abs(both / expected - 1)[clear & ~dropped(both)].max()),
+              "dropped_share": float(dropped(both)[np.broadcast_to(clear, both.shape)].mean()),
+              "backward_rel_error": max(backward_error(a, dvs[0]), backward_error(a_second, dvs[1])),
+              "backward_rel_error_without_dropout": backward_error(a, dvs[0], against=probs),
+              "differs_between_steps": status_differs(a, a_next),
+              "differs_between_call_sites": status_differs(a, a_second)}
+    independent = 2 * rate * (1 - rate)
+    result["ok"] = bool(result["kept_max_rel_error"] < 0.05 and abs(result["dropped_share"] - rate) < 0.3 * rate
+                        and result["backward_rel_error"] < 0.05
+                        and result["differs_between_steps"] > 0.5 * independent
+                        and result["differs_between_call_sites"] > 0.5 * independent)
+    return result
 
 
 def _config(model: str, vocab: int, overrides=()):
@@ -768,6 +873,21 @@ def report(out: dict):
         ratio = f"{r['tokens_per_s'] / compiled[_model_key(r)]:.2f}x" if _model_key(r) in compiled else "n/a"
         print(f"| {r['impl']} | {' '.join(key) or 'BERT defaults'} | {r['seq']} | {r['batch']} | {r['step_ms']:.1f} | "
               f"{r['tokens_per_s']:,.0f} | {mfu} | {ratio} | {r.get('fused_attention', '')} |")
+    check = next((r["dropout_check"] for r in _rows(out.get("throughput")) if "dropout_check" in r),
+                 out.get("dropout_check"))
+    if isinstance(check, dict):
+        print("\nattention dropout inside cuDNN's kernel (`dropout-check`" + (
+            f"): not run: {check['error']}" if "error" in check else
+            f", q, k, v {check['shape']}, rate {check['rate']}): " + (
+                "it is dropout" if check["ok"] else "**it is not dropout: ignore the attention_kernel=cudnn_dropout "
+                                                    "row**")))
+        if "error" not in check:
+            print("| fused | kept entries vs softmax / (1 - rate), max rel. error | share dropped | backward vs "
+                  "A^T dO, rel. error (without the mask) | masks differ: between steps | between call sites |")
+            print("|---|---:|---:|---:|---:|---:|")
+            print(f"| {check['fused']} | {check['kept_max_rel_error']:.4f} | {check['dropped_share']:.4f} | "
+                  f"{check['backward_rel_error']:.4f} ({check['backward_rel_error_without_dropout']:.4f}) | "
+                  f"{check['differs_between_steps']:.4f} | {check['differs_between_call_sites']:.4f} |")
     prof = out.get("profile")
     if isinstance(prof, dict) and "kinds" in prof:
         print(f"\nwhere the step's device time goes ({prof['device']}, {prof['model']}, seq {prof['seq']}, batch "
@@ -886,7 +1006,7 @@ def _process_seconds(row) -> str:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("what", choices=("all", "peak", "throughput", "hf", "profile", "memory", "probe", "capped",
-                                         "attention", "pretrain", "records"))
+                                         "attention", "dropout-check", "pretrain", "records"))
     parser.add_argument("--records", help="pretrain/all: the dir `records` wrote (records/ and tok/ inside)")
     parser.add_argument("--steps-pretrain", type=int, default=300, help="pretrain: steps, resumed at half")
     parser.add_argument("--shared", default="../shared/data", help="records: the shared Korean data")
@@ -940,6 +1060,11 @@ def main(argv=None):
         sets = [args.set] if args.set else variants
         result = []
         for overrides in sets:
+            if "attention_kernel=cudnn_dropout" in overrides:  # its step time means something only if this holds
+                try:
+                    result.append({"dropout_check": dropout_check()})
+                except Exception as e:  # noqa: BLE001 - no cuDNN here: the check's row says why
+                    result.append({"dropout_check": {"form": "cudnn dropout", "error": _error_text(e)}})
             try:
                 result.append(throughput(args.model, args.seq, args.batch, args.precision, args.steps, args.vocab,
                                          overrides))
@@ -958,6 +1083,11 @@ def main(argv=None):
                          args.set or variants[0])
     elif args.what == "attention":
         result = attention(args.batch, args.seq)
+    elif args.what == "dropout-check":
+        try:
+            result = dropout_check()
+        except Exception as e:  # noqa: BLE001 - no cuDNN here (a CPU, an older JAX): the row says why
+            result = {"form": "cudnn dropout", "error": _error_text(e)}
     elif args.what == "records":
         result = make_records(args.shared, args.out or ".gpu", args.rows, args.vocab)
     elif args.what == "pretrain":

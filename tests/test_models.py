@@ -578,6 +578,27 @@ layers.set_implementation()
 np.testing.assert_allclose(sparse_logits, full_logits, atol=1e-4)
 for a, b in zip(sparse_grads, full_grads):
     np.testing.assert_allclose(a, b, atol=1e-5 * max(1.0, float(np.abs(b).max())), rtol=1e-4)
+# An attention kernel that applies attention dropout itself (benchmarks/gpu.py's cuDNN one) runs in training with
+# attention dropout too, told the rate, and outside training told 0; a kernel without dropout is left out then.
+seen = []
+def kernel(q, k, v, padding_mask, scale, dropout=0.0):
+    seen.append(dropout)
+    return jax.nn.dot_product_attention(q, k, v, mask=padding_mask.astype(bool)[:, None, None, :], scale=scale)
+kernel.with_dropout = True
+dropping = kbert.build_backbone(dataclasses.replace(model.config, dropout=0.0, attention_dropout=0.1))
+layers.set_implementation(attention_kernel=kernel)
+dropping(inputs, training=True)
+dropping(inputs, training=False)
+n = model.config.num_layers
+assert seen == [0.1] * n + [0.0] * n, seen
+layers.set_implementation(attention_kernel=lambda q, k, v, padding_mask, scale: seen.append("plain") or kernel(
+    q, k, v, padding_mask, scale))
+seen.clear()
+dropping(inputs, training=True)
+assert seen == [], seen
+dropping(inputs, training=False)
+assert seen == ["plain", 0.0] * n, seen
+layers.set_implementation()
 # A training step runs on JAX too.
 keras.config.set_dtype_policy("mixed_bfloat16")
 bf = kbert.Pretrainer(kbert.build_backbone(model.config))

@@ -472,6 +472,68 @@ def test_the_gpu_profile_counts_the_device_streams_once_and_sorts_kernels_by_kin
     assert gpu.kernel_kind("ynn_fusion.105") == "XNNPACK fusion (CPU)"  # not "elementwise" for its "fusion"
 
 
+def _stand_in_dropout_attention(frozen=False, backward_mask=None):
+    """Attention with dropout in plain JAX, as `gpu.dropout_check` calls a kernel: each call site its own
+    random stream and each `step` a new mask (what XLA's cuDNN runtime does with its seeds and offsets), or with
+    `frozen` the same mask everywhere, or with `backward_mask` a backward pass that draws its own mask."""
+    import itertools
+
+    import jax
+    import jax.numpy as jnp
+
+    sites = itertools.count()
+
+    def attend(q, k, v, scale, rate, key):
+        probs = jax.nn.softmax(jnp.einsum("bind,bjnd->bnij", q.astype("float32"), k.astype("float32")) * scale, -1)
+        kept = jnp.where(jax.random.bernoulli(key, 1 - rate, probs.shape), probs / (1 - rate), 0.0)
+        return jnp.einsum("bnij,bjnd->bind", kept, v.astype("float32")).astype(q.dtype)
+
+    def kernel(q, k, v, mask, scale, dropout, step):
+        site = next(sites)  # at trace time, once per call site
+        key = jax.random.PRNGKey(0) if frozen else jax.random.fold_in(jax.random.PRNGKey(site), step)
+        if backward_mask is None:
+            return attend(q, k, v, scale, dropout, key)
+
+        @jax.custom_vjp
+        def linear_in_v(v):
+            return attend(q, k, v, scale, dropout, key)
+
+        def backward(v, g):
+            return jax.vjp(lambda v: attend(q, k, v, scale, dropout, jax.random.fold_in(key, 7)), v)[1](g)
+
+        linear_in_v.defvjp(lambda v: (linear_in_v(v), v), backward)
+        return linear_in_v(v)
+
+    return kernel
+
+
+def test_the_gpu_dropout_check_tells_dropout_from_a_frozen_or_mismatched_mask():
+    """`gpu.py dropout-check` decides whether cuDNN's own attention dropout (`attention_kernel=cudnn_dropout`)
+    is dropout before its step time is reported. On stand-ins in plain JAX (no cuDNN here): a right kernel
+    passes; one that drops the same entries at every step and call site fails, and so does one whose backward
+    pass draws another mask than its forward pass."""
+    gpu = gpu_script()
+    shape = dict(batch=2, seq=32, heads=2, rate=0.1)
+    right = gpu.dropout_check(**shape, kernel=_stand_in_dropout_attention())
+    assert right["ok"], right
+    assert right["kept_max_rel_error"] < 0.01 and abs(right["dropped_share"] - 0.1) < 0.01
+    assert right["backward_rel_error"] < 0.01 < 0.1 < right["backward_rel_error_without_dropout"]
+    assert 0.12 < right["differs_between_steps"] < 0.24 and 0.12 < right["differs_between_call_sites"] < 0.24
+    frozen = gpu.dropout_check(**shape, kernel=_stand_in_dropout_attention(frozen=True))
+    assert not frozen["ok"] and frozen["differs_between_steps"] == frozen["differs_between_call_sites"] == 0.0
+    assert frozen["backward_rel_error"] < 0.01  # each fault is named by its own figure
+    mismatched = gpu.dropout_check(**shape, kernel=_stand_in_dropout_attention(backward_mask="another"))
+    assert not mismatched["ok"] and mismatched["backward_rel_error"] > 0.1, mismatched
+    assert abs(mismatched["dropped_share"] - 0.1) < 0.01
+    # the kernel switch of `--variants`: one attention kernel at a time, and a name it does not know is named
+    assert gpu._implementation_choices(["attention_kernel=cudnn_dropout", "dropout=0.0"]) == {
+        "attention_kernel": "cudnn_dropout"}
+    with pytest.raises(ValueError, match="attention_kernel=flash: choose from"):
+        gpu._switch_implementation(["attention_kernel=flash"])
+    with pytest.raises(ValueError, match="one attention kernel at a time"):
+        gpu._switch_implementation(["attention_kernel=cudnn_dropout", "attention_mask=lengths"])
+
+
 def test_the_gpu_script_model_overrides_parse_values_and_name_a_bad_one():
     """`gpu.py --set field=value` (repeated or comma-joined): JSON numbers and booleans, strings as they are,
     implementation switches left to `set_implementation`; a malformed item is named, not a JSON traceback."""

@@ -42,7 +42,9 @@ _CHOSEN["attention_kernel"] = None
 def set_implementation(attention_kernel=None, **choices) -> dict:
     """Chooses code paths (see `IMPLEMENTATIONS`) for models traced from now on; returns the previous
     choices. Unnamed ones go back to the defaults. `attention_kernel(q, k, v, padding_mask, scale)`, when
-    given, replaces the fused attention call (a benchmark trying a backend's own kernel)."""
+    given, replaces the fused attention call (a benchmark trying a backend's own kernel). A kernel whose
+    attribute `with_dropout` is true applies attention dropout itself: it then runs in training with
+    attention dropout too, called with `dropout=` the rate (0.0 outside training)."""
     for name, value in choices.items():
         if value not in IMPLEMENTATIONS.get(name, ()):
             raise ValueError(f"implementation {name}={value!r}: choose from {IMPLEMENTATIONS}")
@@ -270,22 +272,33 @@ def _fused_attention_applies(attention_dropout: float, training) -> bool:
 
     On Keras' JAX backend that call is cuDNN's flash attention on Ampere+ GPUs (bf16/fp16) and Pallas'
     splash attention on TPUs, falling back to XLA's einsum-softmax-einsum (float32 softmax, as below)
-    elsewhere. Neither fused kernel has dropout on the attention probabilities, so it applies only when
+    elsewhere. Neither takes a dropout rate for the attention probabilities, so it applies only when
     attention dropout is 0 (as MosaicBERT and ModernBERT pretrain: `ModelConfig(attention_dropout=0.0)`)
-    or outside training. On TensorFlow Keras' version is the same einsums with extra masking passes, so the
+    or outside training, unless the chosen `attention_kernel` applies dropout itself (cuDNN's kernel does,
+    through JAX's private binding; benchmarks/gpu.py's `attention_kernel=cudnn_dropout` measures it before
+    it can be a default). On TensorFlow Keras' version is the same einsums with extra masking passes, so the
     explicit form stays there.
     """
     if keras.backend.backend() != "jax" or _CHOSEN["attention"] == "explicit":
         return False
-    return attention_dropout == 0.0 or not training
+    return attention_dropout == 0.0 or not training or _kernel_with_dropout() is not None
 
 
-def _fused_attention(q, k, v, padding_mask, scale):
+def _kernel_with_dropout():
+    """The chosen attention kernel when it applies attention dropout itself (`set_implementation`)."""
+    kernel = _CHOSEN["attention_kernel"]
+    return kernel if getattr(kernel, "with_dropout", False) else None
+
+
+def _fused_attention(q, k, v, padding_mask, scale, dropout=0.0):
     """q, k, v [b, s, n, d], padding_mask [b, s] -> [b, s, n, d] through `ops.dot_product_attention`.
 
     The mask goes in as [b, 1, s, s]: cuDNN's fused kernel takes a mask only as a bias of the full
     [query, key] shape and refuses [b, 1, 1, s] (Keras then falls back to XLA's unfused attention).
+    `dropout` (the attention dropout rate, 0.0 outside training) reaches only a kernel that applies it.
     """
+    if _kernel_with_dropout() is not None:
+        return _CHOSEN["attention_kernel"](q, k, v, padding_mask, scale, dropout=dropout)
     if _CHOSEN["attention_kernel"] is not None:
         return _CHOSEN["attention_kernel"](q, k, v, padding_mask, scale)
     if len(padding_mask.shape) == 3:  # packed rows: [b, s, s] already ([b, r, s] for queries at rows)
@@ -406,7 +419,8 @@ class TransformerBlock(keras.layers.Layer):
         q = ops.reshape(q, (b, ops.shape(q)[1], n, d))  # [b, s, n, d] ([b, r, n, d] at rows)
         k, v = (ops.reshape(t, (b, s, n, d)) for t in (k, v))  # [b, s, n, d]
         if _fused_attention_applies(self.attention_dropout.rate, training):
-            context = _fused_attention(q, k, v, padding_mask, self.scale)  # [b, s, n, d]
+            rate = self.attention_dropout.rate if training else 0.0
+            context = _fused_attention(q, k, v, padding_mask, self.scale, rate)  # [b, s, n, d]
         else:
             scores = ops.einsum("bqnd,bknd->bnqk", q * ops.cast(self.scale, q.dtype), k)  # [b, n, s, s]
             # Softmax in float32 so fp16/bf16 scores do not overflow.
