@@ -96,16 +96,29 @@ def matmul_peak(dtype: str, n: int = 8192, repeats: int = 10) -> float:
 # attention_mask=broadcast), or attention_mask=lengths: the padding mask handed to cuDNN's fused kernel as
 # per-row key lengths (its padding-mask type; right-padded batches only); anything else is a ModelConfig
 # override.
+def _as_lengths(q, k, padding_mask):
+    """cuDNN's form of a right-padded batch: (q [b, t, n, d] with t even, query lengths [b], key lengths [b],
+    the query rows to keep). cuDNN's training kernel refuses an odd query count (JAX checks it); the
+    Pretrainer's last block has 1 + p queries (at [CLS] and the masked positions, every one of them real),
+    21 at seq 128, so one padding query is added there and its output dropped."""
+    import jax.numpy as jnp
+
+    if len(padding_mask.shape) != 2:
+        raise ValueError("cuDNN's lengths form takes a [b, s] padding mask, not packed rows")
+    rows = q.shape[1]
+    keys = padding_mask.astype("int32").sum(1)  # [b]
+    queries = keys if rows == k.shape[1] else jnp.full_like(keys, rows)
+    if rows % 2:
+        q = jnp.pad(q, ((0, 0), (0, 1), (0, 0), (0, 0)))
+    return q, queries, keys, rows
+
+
 def _lengths_kernel(q, k, v, padding_mask, scale):
     import jax
 
-    import jax.numpy as jnp
-
-    lengths = padding_mask.astype("int32").sum(1)  # [b]
-    # the Pretrainer's last block has 1 + p queries (at [CLS] and the masked positions), every one of them real
-    queries = lengths if q.shape[1] == k.shape[1] else jnp.full_like(lengths, q.shape[1])
+    q, queries, keys, rows = _as_lengths(q, k, padding_mask)
     return jax.nn.dot_product_attention(q, k, v, scale=scale, implementation="cudnn", query_seq_lengths=queries,
-                                        key_value_seq_lengths=lengths)
+                                        key_value_seq_lengths=keys)[:, :rows]
 
 
 # attention_kernel=cudnn_dropout: cuDNN's fused attention with the attention dropout inside the kernel, so BERT's
@@ -120,15 +133,11 @@ _SEEDS = iter(range(1, 1 << 30))
 def _cudnn_dropout_kernel(q, k, v, padding_mask, scale, dropout=0.0):
     """q, k, v [b, s, n, d] ([b, r, n, d] queries at the last block's rows), padding_mask [b, s] right-padded
     -> [b, s, n, d]: the padding as per-row key lengths (cuDNN's padding-mask type), dropout in the kernel."""
-    import jax.numpy as jnp
     from jax._src.cudnn.fused_attention_stablehlo import MaskType, dot_product_attention
 
-    if len(padding_mask.shape) != 2:
-        raise ValueError("attention_kernel=cudnn_dropout takes a [b, s] padding mask, not packed rows")
-    lengths = padding_mask.astype("int32").sum(1)  # [b]
-    queries = lengths if q.shape[1] == k.shape[1] else jnp.full_like(lengths, q.shape[1])
-    return dot_product_attention(q, k, v, q_seqlen=queries, kv_seqlen=lengths, scale=scale,
-                                 mask_type=MaskType.PADDING, seed=next(_SEEDS), dropout_rate=float(dropout))
+    q, queries, keys, rows = _as_lengths(q, k, padding_mask)
+    return dot_product_attention(q, k, v, q_seqlen=queries, kv_seqlen=keys, scale=scale, mask_type=MaskType.PADDING,
+                                 seed=next(_SEEDS), dropout_rate=float(dropout))[:, :rows]
 
 
 _cudnn_dropout_kernel.with_dropout = True  # kbert.models.layers calls it in training with attention dropout too
@@ -154,6 +163,41 @@ def _switch_implementation(overrides):
     if "attention_kernel" in choices:
         raise ValueError(f"attention_kernel={choices['attention_kernel']}: choose from {sorted(KERNELS)}")
     set_implementation(attention_kernel=kernels[0] if kernels else None, **choices)
+
+
+def cuda_attention_calls(model: str = "bert-base", seq: int = 128, batch: int = 8, vocab: int = 32000,
+                         overrides=("attention_kernel=cudnn_dropout",), precision: str = "mixed_bfloat16") -> dict:
+    """The training step lowered for CUDA on any host (no GPU, nothing compiled or run): the cuDNN attention
+    calls in XLA's input program, in order, each as (kind, seed, dropout rate, mask type), and the number of
+    softmaxes left outside them (`jnp.exp` over the keys: attention not fused). A pre-flight check of a
+    variant before device time: with `attention_kernel=cudnn_dropout` every layer's forward call has its
+    backward call, with the same seed and BERT's rate, each layer its own seed. JAX checks cuDNN's version
+    when it traces the call; where there is no GPU the check is told a cuDNN 9.10 for the trace alone."""
+    import contextlib
+
+    import jax
+    import jax._src.cudnn.fused_attention_stablehlo as cudnn_attention
+
+    from kbert.train.probe import CompiledStep, build_trainer
+
+    config = _config(model, vocab, overrides)
+    _switch_implementation(overrides)
+    with contextlib.ExitStack() as stack:
+        if jax.devices()[0].platform != "gpu":
+            version = cudnn_attention.check_cudnn_version
+            cudnn_attention.check_cudnn_version = lambda *a, **k: 91000
+            stack.callback(setattr, cudnn_attention, "check_cudnn_version", version)
+        step = CompiledStep(build_trainer(config, "adamw", precision, abstract=True), config, seq)
+        text = step._jit.trace(step._state_spec, step._data_spec(batch)).lower(
+            lowering_platforms=("cuda",)).as_text()
+    calls = []
+    for target, config_text in re.findall(r'custom_call @(__cudnn\$fmha\w*)\(.*?backend_config = "(.*?)"', text):
+        config_text = re.sub(r"\\([0-9A-Fa-f]{2})", lambda m: chr(int(m.group(1), 16)), config_text)  # MLIR's \22
+        fields = json.loads(config_text)["cudnn_fmha_backend_config"]
+        calls.append({"kind": target.removeprefix("__cudnn$"), "seed": int(fields.get("seed", 0)),
+                      "dropout_rate": float(fields.get("dropout_rate", 0.0)), "mask_type": fields.get("mask_type")})
+    return {"model": model, "overrides": list(overrides), "layers": config.num_layers, "calls": calls,
+            "softmax_outside": text.count("stablehlo.exponential")}
 
 
 def _cudnn_dropout_check_kernel(q, k, v, mask, scale, dropout, step):

@@ -534,6 +534,35 @@ def test_the_gpu_dropout_check_tells_dropout_from_a_frozen_or_mismatched_mask():
         gpu._switch_implementation(["attention_kernel=cudnn_dropout", "attention_mask=lengths"])
 
 
+def test_the_gpu_attention_kernels_lower_for_cuda_on_this_cpu():
+    """Before device time: the training step with each of gpu.py's cuDNN kernels, lowered for CUDA here
+    (traced, not compiled), calls cuDNN's attention in every layer, forward and backward, with no attention
+    softmax left outside it. The cuDNN dropout kernel gives each layer its own seed, the same for a layer's
+    forward and backward, at BERT's rate; the lengths kernel has no dropout. The Pretrainer's last block has
+    21 queries at seq 128, which cuDNN's training kernel refuses as an odd count: both kernels pad it to 22."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    script = (
+        f"import json, sys\nsys.path.insert(0, {here!r})\nfrom test_train_jax import gpu_script\ngpu = gpu_script()\n"
+        "rows = {v: gpu.cuda_attention_calls('bert-tiny', 128, 4, 1000, overrides=v.split(',') if v else [])\n"
+        "        for v in ('attention_kernel=cudnn_dropout', 'dropout=0.0,attention_dropout=0.0,attention_mask=lengths',"
+        " '')}\nprint(json.dumps(rows))\n")
+    rows, _ = run_on_jax(script, env={"PYTHONPATH": os.path.dirname(here)})
+    explicit = rows[""]
+    assert explicit["calls"] == [] and explicit["layers"] == 2
+    dropping = rows["attention_kernel=cudnn_dropout"]["calls"]
+    forward = [c for c in dropping if c["kind"] == "fmhaSoftmaxDropout"]
+    backward = [c for c in dropping if c["kind"] == "fmhaSoftmaxDropoutBackward"]
+    assert len(forward) == len(backward) == 2 and len(dropping) == 4, dropping
+    assert len({c["seed"] for c in forward}) == 2 and {c["seed"] for c in forward} == {c["seed"] for c in backward}
+    assert {(c["dropout_rate"], c["mask_type"]) for c in dropping} == {(0.1, "PADDING")}
+    lengths = rows["dropout=0.0,attention_dropout=0.0,attention_mask=lengths"]["calls"]
+    assert sorted(c["kind"] for c in lengths) == ["fmhaSoftmax"] * 2 + ["fmhaSoftmaxBackward"] * 2, lengths
+    assert {c["dropout_rate"] for c in lengths} == {0.0}
+    for fused in ("attention_kernel=cudnn_dropout", "dropout=0.0,attention_dropout=0.0,attention_mask=lengths"):
+        # each layer's attention softmax (an exp over its keys) is inside cuDNN's kernel now
+        assert explicit["softmax_outside"] - rows[fused]["softmax_outside"] == 2, rows
+
+
 def test_the_gpu_script_model_overrides_parse_values_and_name_a_bad_one():
     """`gpu.py --set field=value` (repeated or comma-joined): JSON numbers and booleans, strings as they are,
     implementation switches left to `set_implementation`; a malformed item is named, not a JSON traceback."""
