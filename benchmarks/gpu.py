@@ -97,28 +97,23 @@ def matmul_peak(dtype: str, n: int = 8192, repeats: int = 10) -> float:
 # per-row key lengths (its padding-mask type; right-padded batches only); anything else is a ModelConfig
 # override.
 def _as_lengths(q, k, padding_mask):
-    """cuDNN's form of a right-padded batch: (q [b, t, n, d] with t even, query lengths [b], key lengths [b],
-    the query rows to keep). cuDNN's training kernel refuses an odd query count (JAX checks it); the
-    Pretrainer's last block has 1 + p queries (at [CLS] and the masked positions, every one of them real),
-    21 at seq 128, so one padding query is added there and its output dropped."""
+    """cuDNN's form of a right-padded batch: (query lengths [b], key lengths [b]). The Pretrainer's last block
+    has 1 + p queries (at [CLS] and the masked positions, every one of them real; kbert.models.layers makes
+    the count even, as cuDNN's training kernel wants)."""
     import jax.numpy as jnp
 
     if len(padding_mask.shape) != 2:
         raise ValueError("cuDNN's lengths form takes a [b, s] padding mask, not packed rows")
-    rows = q.shape[1]
     keys = padding_mask.astype("int32").sum(1)  # [b]
-    queries = keys if rows == k.shape[1] else jnp.full_like(keys, rows)
-    if rows % 2:
-        q = jnp.pad(q, ((0, 0), (0, 1), (0, 0), (0, 0)))
-    return q, queries, keys, rows
+    return (keys if q.shape[1] == k.shape[1] else jnp.full_like(keys, q.shape[1])), keys
 
 
 def _lengths_kernel(q, k, v, padding_mask, scale):
     import jax
 
-    q, queries, keys, rows = _as_lengths(q, k, padding_mask)
+    queries, keys = _as_lengths(q, k, padding_mask)
     return jax.nn.dot_product_attention(q, k, v, scale=scale, implementation="cudnn", query_seq_lengths=queries,
-                                        key_value_seq_lengths=keys)[:, :rows]
+                                        key_value_seq_lengths=keys)
 
 
 # attention_kernel=cudnn_dropout: cuDNN's fused attention with the attention dropout inside the kernel, so BERT's
@@ -135,9 +130,9 @@ def _cudnn_dropout_kernel(q, k, v, padding_mask, scale, dropout=0.0):
     -> [b, s, n, d]: the padding as per-row key lengths (cuDNN's padding-mask type), dropout in the kernel."""
     from jax._src.cudnn.fused_attention_stablehlo import MaskType, dot_product_attention
 
-    q, queries, keys, rows = _as_lengths(q, k, padding_mask)
+    queries, keys = _as_lengths(q, k, padding_mask)
     return dot_product_attention(q, k, v, q_seqlen=queries, kv_seqlen=keys, scale=scale, mask_type=MaskType.PADDING,
-                                 seed=next(_SEEDS), dropout_rate=float(dropout))[:, :rows]
+                                 seed=next(_SEEDS), dropout_rate=float(dropout))
 
 
 _cudnn_dropout_kernel.with_dropout = True  # kbert.models.layers calls it in training with attention dropout too
@@ -171,8 +166,9 @@ def cuda_attention_calls(model: str = "bert-base", seq: int = 128, batch: int = 
     calls in XLA's input program, in order, each as (kind, seed, dropout rate, mask type), and the number of
     softmaxes left outside them (`jnp.exp` over the keys: attention not fused). A pre-flight check of a
     variant before device time: with `attention_kernel=cudnn_dropout` every layer's forward call has its
-    backward call, with the same seed and BERT's rate, each layer its own seed. JAX checks cuDNN's version
-    when it traces the call; where there is no GPU the check is told a cuDNN 9.10 for the trace alone."""
+    backward call, with the same seed and BERT's rate, each layer its own seed. JAX checks cuDNN's version and
+    the GPU's compute capability when it traces the call; where there is no GPU they are told a cuDNN 9.10 on
+    a Hopper GPU for the trace alone, so Keras' own choice (`ops.dot_product_attention`) is cuDNN too."""
     import contextlib
 
     import jax
@@ -184,9 +180,9 @@ def cuda_attention_calls(model: str = "bert-base", seq: int = 128, batch: int = 
     _switch_implementation(overrides)
     with contextlib.ExitStack() as stack:
         if jax.devices()[0].platform != "gpu":
-            version = cudnn_attention.check_cudnn_version
-            cudnn_attention.check_cudnn_version = lambda *a, **k: 91000
-            stack.callback(setattr, cudnn_attention, "check_cudnn_version", version)
+            for name, value in (("check_cudnn_version", 91000), ("check_compute_capability", True)):
+                stack.callback(setattr, cudnn_attention, name, getattr(cudnn_attention, name))
+                setattr(cudnn_attention, name, lambda *a, value=value, **k: value)
         step = CompiledStep(build_trainer(config, "adamw", precision, abstract=True), config, seq)
         text = step._jit.trace(step._state_spec, step._data_spec(batch)).lower(
             lowering_platforms=("cuda",)).as_text()

@@ -538,15 +538,18 @@ def test_the_gpu_attention_kernels_lower_for_cuda_on_this_cpu():
     """Before device time: the training step with each of gpu.py's cuDNN kernels, lowered for CUDA here
     (traced, not compiled), calls cuDNN's attention in every layer, forward and backward, with no attention
     softmax left outside it. The cuDNN dropout kernel gives each layer its own seed, the same for a layer's
-    forward and backward, at BERT's rate; the lengths kernel has no dropout. The Pretrainer's last block has
-    21 queries at seq 128, which cuDNN's training kernel refuses as an odd count: both kernels pad it to 22."""
+    forward and backward, at BERT's rate; the lengths kernel has no dropout. kbert's own fused path (Keras'
+    `ops.dot_product_attention`, attention dropout 0) reaches cuDNN in every layer too: the Pretrainer's last
+    block has 21 queries at seq 128, an odd count cuDNN's training kernel refuses (Keras then logs an error and
+    runs XLA's attention), so kbert pads it to 22."""
     here = os.path.dirname(os.path.abspath(__file__))
     script = (
         f"import json, sys\nsys.path.insert(0, {here!r})\nfrom test_train_jax import gpu_script\ngpu = gpu_script()\n"
         "rows = {v: gpu.cuda_attention_calls('bert-tiny', 128, 4, 1000, overrides=v.split(',') if v else [])\n"
         "        for v in ('attention_kernel=cudnn_dropout', 'dropout=0.0,attention_dropout=0.0,attention_mask=lengths',"
-        " '')}\nprint(json.dumps(rows))\n")
-    rows, _ = run_on_jax(script, env={"PYTHONPATH": os.path.dirname(here)})
+        " 'attention_dropout=0.0', '')}\nprint(json.dumps(rows))\n")
+    rows, proc = run_on_jax(script, env={"PYTHONPATH": os.path.dirname(here)})
+    assert "Failed to apply cudnn" not in proc.stderr, proc.stderr[-2000:]
     explicit = rows[""]
     assert explicit["calls"] == [] and explicit["layers"] == 2
     dropping = rows["attention_kernel=cudnn_dropout"]["calls"]
@@ -558,7 +561,10 @@ def test_the_gpu_attention_kernels_lower_for_cuda_on_this_cpu():
     lengths = rows["dropout=0.0,attention_dropout=0.0,attention_mask=lengths"]["calls"]
     assert sorted(c["kind"] for c in lengths) == ["fmhaSoftmax"] * 2 + ["fmhaSoftmaxBackward"] * 2, lengths
     assert {c["dropout_rate"] for c in lengths} == {0.0}
-    for fused in ("attention_kernel=cudnn_dropout", "dropout=0.0,attention_dropout=0.0,attention_mask=lengths"):
+    keras_path = rows["attention_dropout=0.0"]["calls"]
+    assert sorted(c["kind"] for c in keras_path) == ["fmhaScaleBiasSoftmax"] * 2 + ["fmhaScaleBiasSoftmaxBackward"] * 2
+    for fused in ("attention_kernel=cudnn_dropout", "dropout=0.0,attention_dropout=0.0,attention_mask=lengths",
+                  "attention_dropout=0.0"):
         # each layer's attention softmax (an exp over its keys) is inside cuDNN's kernel now
         assert explicit["softmax_outside"] - rows[fused]["softmax_outside"] == 2, rows
 

@@ -296,7 +296,18 @@ def _fused_attention(q, k, v, padding_mask, scale, dropout=0.0):
     The mask goes in as [b, 1, s, s]: cuDNN's fused kernel takes a mask only as a bias of the full
     [query, key] shape and refuses [b, 1, 1, s] (Keras then falls back to XLA's unfused attention).
     `dropout` (the attention dropout rate, 0.0 outside training) reaches only a kernel that applies it.
+
+    Queries at rows ([b, r, n, d], the Pretrainer's last block: 1 + p of them, 21 at seq 128) go in as an
+    even count: JAX refuses cuDNN's training kernel for an odd query count with a mask, and Keras then logs
+    the refusal as an error and runs XLA's attention. The extra query is zeros, attends like the last one, and
+    its output is dropped (queries do not interact, so the others' outputs and gradients are unchanged).
     """
+    rows = ops.shape(q)[1]
+    if rows % 2 and rows != ops.shape(k)[1]:
+        q = ops.pad(q, ((0, 0), (0, 1), (0, 0), (0, 0)))  # [b, r + 1, n, d]
+        if len(padding_mask.shape) == 3:  # packed rows: each query's own [s] mask row; the extra one copies
+            padding_mask = ops.concatenate([padding_mask, padding_mask[:, -1:]], axis=1)  # [b, r + 1, s]
+        return _fused_attention(q, k, v, padding_mask, scale, dropout)[:, :rows]
     if _kernel_with_dropout() is not None:
         return _CHOSEN["attention_kernel"](q, k, v, padding_mask, scale, dropout=dropout)
     if _CHOSEN["attention_kernel"] is not None:
