@@ -121,7 +121,9 @@ def _lengths_kernel(q, k, v, padding_mask, scale):
 # JAX's cuDNN binding underneath it does, and XLA's cuDNN runtime advances the kernel's random offset on every
 # execution (one counter per call site, forward and backward in step). Every call site starts that counter at 0,
 # so each gets its own seed here, or all the layers of a step would drop the same entries. `dropout_check`
-# below verifies on the device that this is dropout before a step time of it means anything.
+# below verifies on the device that this is dropout before a step time of it means anything. Two things to settle
+# before it could be kbert's default: the counters restart with the process (a resumed run replays the first
+# steps' masks on new batches), and with data parallelism every device draws the same masks for its own rows.
 _SEEDS = iter(range(1, 1 << 30))
 
 
