@@ -776,10 +776,32 @@ def _children(args, extras, clock: _Clock, needs: float, env=None) -> list:
         return list(pool.map(lambda extra: _child(args, extra, clock, needs, env), extras))
 
 
-# Memory points, most telling first, run two at a time: their peaks together stay well inside an 80 GB GPU
-# (bf16 128x256 ~16 GB with fp32 128x256 ~33 GB; bf16 512x64 ~25 GB with bf16 128x32 ~3.4 GB).
-MEMORY_POINTS = ((("mixed_bfloat16", 128, 256), ("float32", 128, 256)),
-                 (("mixed_bfloat16", 512, 64), ("mixed_bfloat16", 128, 32)))
+# Memory points (precision, seq, batch), most telling first.
+MEMORY_POINTS = (("mixed_bfloat16", 128, 256), ("float32", 128, 256), ("mixed_bfloat16", 512, 64),
+                 ("mixed_bfloat16", 128, 32))
+
+
+def memory_rounds(model: str, vocab: int, device_bytes: int, points=MEMORY_POINTS, share: float = 0.8,
+                  per_process: int = 2 << 30) -> list:
+    """The memory points in rounds of processes run at once (each point's time is nearly all XLA compilation
+    on the host's many cores): a round takes points in order while their planned peaks, plus `per_process`
+    for each one's CUDA context and workspaces, stay within `share` of the device's memory. An H200 (141 GB)
+    holds all four BERT-Base points (about 74 GB planned) in one round, an 80 GB H100 two rounds of two; with
+    the device's memory unknown, two at a time."""
+    from kbert.train.memory import estimate_memory
+
+    if not device_bytes:
+        return [list(points[i:i + 2]) for i in range(0, len(points), 2)]
+    config = _config(model, vocab)
+    rounds, used = [], None
+    for precision, seq, batch in points:
+        need = estimate_memory(config, batch, seq, optimizer="adamw", precision=precision)["total"] + per_process
+        if used is None or used + need > share * device_bytes:
+            rounds.append([])
+            used = 0
+        rounds[-1].append((precision, seq, batch))
+        used += need
+    return rounds
 
 
 # XLA's GPU options that may fuse the step's memory-bound passes (the elementwise and reduction kernels of the
@@ -824,13 +846,13 @@ def run_all(args) -> dict:
     out["hf"] = None if "hf" in skip else _child(args, ["hf", *step_args, "--hf-modes", args.hf_modes], clock, 120)
     _save(args, out)
     out["memory"] = []
-    for pair in () if "memory" in skip else MEMORY_POINTS:
+    total = _device_bytes()
+    for points in () if "memory" in skip else memory_rounds(m, args.vocab, total):
         out["memory"] += _children(args, [["memory", "--model", m, "--seq", str(seq), "--batch", str(batch),
-                                           "--precision", p] for p, seq, batch in pair], clock, 60)
+                                           "--precision", p] for p, seq, batch in points], clock, 60)
         _save(args, out)
     from kbert.train.memory import parse_memory
 
-    total = _device_bytes()
     env = {"XLA_PYTHON_CLIENT_MEM_FRACTION": f"{min(0.95, parse_memory(args.cap) / total):.4f}"} if total else {}
     out["capped"] = []
     for precision in () if "capped" in skip else args.cap_precisions.split(","):

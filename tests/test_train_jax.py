@@ -569,6 +569,20 @@ def test_the_gpu_attention_kernels_lower_for_cuda_on_this_cpu():
         assert explicit["softmax_outside"] - rows[fused]["softmax_outside"] == 2, rows
 
 
+def test_the_gpu_memory_points_run_as_many_at_once_as_the_device_holds():
+    """`gpu.py all`'s memory stage: points in rounds of concurrent processes whose planned peaks fit the device
+    with room to spare (one round of four on a 141 GB H200, which saves a round of compilations inside the
+    8-minute run; two of two on an 80 GB H100, as before), every point once and in order."""
+    gpu = gpu_script()
+    h200, h100 = 143_771 << 20, 81_559 << 20  # nvidia-smi's memory.total
+    points = list(gpu.MEMORY_POINTS)
+    assert gpu.memory_rounds("bert-base", 32000, h200) == [points]
+    assert gpu.memory_rounds("bert-base", 32000, h100) == [points[:2], points[2:]]
+    assert gpu.memory_rounds("bert-base", 32000, 0) == [points[:2], points[2:]]  # memory unknown: two at a time
+    small = gpu.memory_rounds("bert-base", 32000, 24 << 30)
+    assert [p for r in small for p in r] == points and max(map(len, small)) < 4
+
+
 def test_the_gpu_script_model_overrides_parse_values_and_name_a_bad_one():
     """`gpu.py --set field=value` (repeated or comma-joined): JSON numbers and booleans, strings as they are,
     implementation switches left to `set_implementation`; a malformed item is named, not a JSON traceback."""
