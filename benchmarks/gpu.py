@@ -931,6 +931,9 @@ def report(out: dict):
     print("|---|---|---:|---:|---:|---:|---:|---:|---|")
     for r in runs:
         if "tokens_per_s" not in r:
+            if r.get("error"):  # a variant that did not run keeps its row, with the reason
+                print(f"| {r.get('impl', '?')} | {' '.join(r.get('overrides') or []) or 'BERT defaults'} | | | | | | "
+                      f"| did not run: {r['error']} |")
             continue
         key = tuple(r.get("overrides") or [])
         mfu = _mfu(r, peak_bf16)
