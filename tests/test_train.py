@@ -1114,3 +1114,16 @@ def test_read_scalars_reads_both_backends_logs_and_a_resumed_runs_last_values(tm
     assert kbert.read_scalars(str(plain)) == {"loss": {5: 3.5, 10: 3.0}}
     with pytest.raises(FileNotFoundError, match="OUTPUT_DIR/logs"):
         kbert.read_scalars(str(tmp_path / "missing"))
+
+
+def test_mfu_uses_the_data_sheet_peak_of_the_device_named_and_none_for_an_unknown_one():
+    """The progress bar's MFU: JAX's device kinds matched by the longest name in the table (an H100 PCIe is not
+    an SXM H100), the model FLOPs per second over the peak of all devices, and no guess for a device not listed."""
+    from kbert.train.flops import mfu, peak_flops
+
+    assert peak_flops("NVIDIA H100 80GB HBM3") == 989e12 and peak_flops("NVIDIA H100 PCIe") == 756e12
+    assert peak_flops("NVIDIA H200") == 989e12 and peak_flops("NVIDIA GH200 480GB") == 989e12
+    assert peak_flops("NVIDIA B200") == 2250e12 and peak_flops("TPU v5 lite") == 197e12
+    assert peak_flops("cpu") is None and peak_flops("") is None and peak_flops(None) is None
+    assert mfu(4.945e14, 1.0, 2, "NVIDIA H100 80GB HBM3") == 0.25
+    assert mfu(1e12, 1.0, 1, "cpu") is None and mfu(1e12, 1.0, 0, "NVIDIA H200") is None

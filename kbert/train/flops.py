@@ -14,7 +14,8 @@ from typing import Optional
 
 # dense bf16 FLOP/s per device, matched against the device kind's lower-cased name (longest match first)
 PEAK_BF16 = {
-    "h200": 989e12, "h100": 989e12, "gh200": 989e12, "a100": 312e12, "a800": 312e12, "l40s": 362e12,
+    "b200": 2250e12, "gb200": 2500e12, "h200": 989e12, "h100": 989e12, "h100 pcie": 756e12, "h100 nvl": 835e12,
+    "gh200": 989e12, "a100": 312e12, "a800": 312e12, "l40s": 362e12,
     "l4": 121e12, "a10g": 125e12, "a10": 125e12, "rtx 4090": 165e12, "rtx 3090": 71e12, "v100": 125e12,
     "t4": 65e12, "tpu v6": 918e12, "tpu v5p": 459e12, "tpu v5 lite": 197e12, "tpu v5e": 197e12,
     "tpu v4": 275e12, "tpu v3": 123e12, "tpu v2": 45e12,
