@@ -13,6 +13,8 @@ batches that stay on the device, so the figure is the model's step and not an in
   `--variants` runs several `ModelConfig` overrides in one process (`default`, `attention_dropout=0.0`, ...)
   and says whether XLA's program holds cuDNN's fused attention; `attention_kernel=cudnn_dropout` runs BERT's
   attention dropout inside cuDNN's kernel, after `dropout-check` (below) says whether that is dropout;
+- `preflight` (any host, no GPU): the training step of each `--variants` set lowered for CUDA, and the cuDNN
+  attention calls in it (`cuda_attention_calls`), to see which variants reach cuDNN before device time;
 - `dropout-check`: cuDNN's attention dropout against its definition on one layer's shape: kept entries are the
   softmax / (1 - rate), about `rate` of them dropped, the backward pass uses the forward's mask, and the mask
   changes between steps and between layers;
@@ -1073,7 +1075,7 @@ def _process_seconds(row) -> str:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("what", choices=("all", "peak", "throughput", "hf", "profile", "memory", "probe", "capped",
-                                         "attention", "dropout-check", "pretrain", "records"))
+                                         "attention", "dropout-check", "preflight", "pretrain", "records"))
     parser.add_argument("--records", help="pretrain/all: the dir `records` wrote (records/ and tok/ inside)")
     parser.add_argument("--steps-pretrain", type=int, default=300, help="pretrain: steps, resumed at half")
     parser.add_argument("--shared", default="../shared/data", help="records: the shared Korean data")
@@ -1150,6 +1152,19 @@ def main(argv=None):
                          args.set or variants[0])
     elif args.what == "attention":
         result = attention(args.batch, args.seq)
+    elif args.what == "preflight":  # any host, no GPU needed: which variants reach cuDNN's attention
+        result = []
+        for overrides in variants:
+            try:
+                found = cuda_attention_calls(args.model, args.seq, args.batch, args.vocab, overrides, args.precision)
+            except Exception as e:  # noqa: BLE001 - a variant that does not trace is its row
+                found = {"overrides": overrides, "error": _error_text(e)}
+            result.append(found)
+            if not args.json:
+                kinds = sorted({c["kind"] for c in found.get("calls", [])})
+                print(f"{' '.join(overrides) or 'BERT defaults'}: " + (found["error"] if "error" in found else
+                      f"{len(found['calls'])} cuDNN attention calls {kinds} for {found['layers']} layers, "
+                      f"seeds {sorted({c['seed'] for c in found['calls']})}"))
     elif args.what == "dropout-check":
         try:
             result = dropout_check()
