@@ -180,9 +180,20 @@ def cuda_attention_calls(model: str = "bert-base", seq: int = 128, batch: int = 
 
     from kbert.train.probe import CompiledStep, build_trainer
 
+    import logging
+
+    class Fallbacks(logging.Handler):  # Keras logs (through absl) each time JAX refuses cuDNN and XLA runs instead
+        def emit(self, record):
+            if "Failed to apply" in record.getMessage():
+                fallbacks.append(record.getMessage() + (f" {record.exc_info[1]}" if record.exc_info else ""))
+
+    fallbacks = []
     config = _config(model, vocab, overrides)
     _switch_implementation(overrides)
     with contextlib.ExitStack() as stack:
+        handler = Fallbacks()
+        logging.getLogger("absl").addHandler(handler)
+        stack.callback(logging.getLogger("absl").removeHandler, handler)
         if jax.devices()[0].platform != "gpu":
             for name, value in (("check_cudnn_version", 91000), ("check_compute_capability", True)):
                 stack.callback(setattr, cudnn_attention, name, getattr(cudnn_attention, name))
@@ -197,7 +208,7 @@ def cuda_attention_calls(model: str = "bert-base", seq: int = 128, batch: int = 
         calls.append({"kind": target.removeprefix("__cudnn$"), "seed": int(fields.get("seed", 0)),
                       "dropout_rate": float(fields.get("dropout_rate", 0.0)), "mask_type": fields.get("mask_type")})
     return {"model": model, "overrides": list(overrides), "layers": config.num_layers, "calls": calls,
-            "softmax_outside": text.count("stablehlo.exponential")}
+            "softmax_outside": text.count("stablehlo.exponential"), "fallbacks": fallbacks}
 
 
 def _cudnn_dropout_check_kernel(q, k, v, mask, scale, dropout, step):
@@ -1164,7 +1175,9 @@ def main(argv=None):
                 kinds = sorted({c["kind"] for c in found.get("calls", [])})
                 print(f"{' '.join(overrides) or 'BERT defaults'}: " + (found["error"] if "error" in found else
                       f"{len(found['calls'])} cuDNN attention calls {kinds} for {found['layers']} layers, "
-                      f"seeds {sorted({c['seed'] for c in found['calls']})}"))
+                      f"seeds {sorted({c['seed'] for c in found['calls']})}"
+                      + (f"; Keras fell back to XLA {len(found['fallbacks'])} times: {found['fallbacks'][0]}"
+                         if found.get("fallbacks") else "")))
     elif args.what == "dropout-check":
         try:
             result = dropout_check()
