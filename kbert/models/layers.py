@@ -299,8 +299,9 @@ def _fused_attention(q, k, v, padding_mask, scale, dropout=0.0):
 
     Queries at rows ([b, r, n, d], the Pretrainer's last block: 1 + p of them, 21 at seq 128) go in as an
     even count: JAX refuses cuDNN's training kernel for an odd query count with a mask, and Keras then logs
-    the refusal as an error and runs XLA's attention. The extra query is zeros, attends like the last one, and
-    its output is dropped (queries do not interact, so the others' outputs and gradients are unchanged).
+    the refusal as an error and runs XLA's attention. The extra query is zeros, masked as the last one, and its
+    output is dropped (queries do not interact, and the dropped output sends no gradient back to the keys and
+    values, so the others' outputs and every gradient are unchanged).
     """
     rows = ops.shape(q)[1]
     if rows % 2 and rows != ops.shape(k)[1]:
