@@ -174,13 +174,12 @@ def cuda_attention_calls(model: str = "bert-base", seq: int = 128, batch: int = 
     the GPU's compute capability when it traces the call; where there is no GPU they are told a cuDNN 9.10 on
     a Hopper GPU for the trace alone, so Keras' own choice (`ops.dot_product_attention`) is cuDNN too."""
     import contextlib
+    import logging
 
     import jax
     import jax._src.cudnn.fused_attention_stablehlo as cudnn_attention
 
     from kbert.train.probe import CompiledStep, build_trainer
-
-    import logging
 
     class Fallbacks(logging.Handler):  # Keras logs (through absl) each time JAX refuses cuDNN and XLA runs instead
         def emit(self, record):
@@ -222,7 +221,7 @@ def dropout_check(batch: int = 4, seq: int = 64, heads: int = 12, rate: float = 
 
     One program calls `kernel(q, k, v, mask, scale, dropout, step)` at two call sites on one BERT layer's shape
     with head size = `seq` and V the identity ([b, s, n, d], v[:, j, :, j] = 1), so each output is the dropped
-    and rescaled probability matrix A [b, s, n, s] itself, and takes the first site's backward pass. Then:
+    and rescaled probability matrix A [b, s, n, s] itself, and takes both sites' backward passes. Then:
     - A's kept entries equal softmax(q k^T scale) / (1 - rate) (`kept_max_rel_error`), and the share dropped is
       near `rate` (`dropped_share`);
     - the backward pass used the forward's mask: dV = A^T dO with A from the same execution (`backward_rel_error`;
