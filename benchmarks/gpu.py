@@ -198,8 +198,7 @@ def cuda_attention_calls(model: str = "bert-base", seq: int = 128, batch: int = 
                 stack.callback(setattr, cudnn_attention, name, getattr(cudnn_attention, name))
                 setattr(cudnn_attention, name, lambda *a, value=value, **k: value)
         step = CompiledStep(build_trainer(config, "adamw", precision, abstract=True), config, seq)
-        text = step._jit.trace(step._state_spec, step._data_spec(batch)).lower(
-            lowering_platforms=("cuda",)).as_text()
+        text = step.lower(batch, platform="cuda").as_text()
     calls = []
     for target, config_text in re.findall(r'custom_call @(__cudnn\$fmha\w*)\(.*?backend_config = "(.*?)"', text):
         config_text = re.sub(r"\\([0-9A-Fa-f]{2})", lambda m: chr(int(m.group(1), 16)), config_text)  # MLIR's \22

@@ -77,9 +77,9 @@ class Embedder:
         # JAX compiles every shape (it has no graph to run one on meanwhile), so every batch takes the bucketed
         # path that jit_compile=True takes on TensorFlow, compiled in the foreground the first time it is met
         self._bucketed = backend() == "jax"
-        self._distribution = data_parallel(strategy)
-        if self._distribution is not None:  # the weights onto every device of the mesh
-            replicate(self._distribution, backbone.variables)
+        self.distribution = data_parallel(strategy)  # the devices (Keras DataParallel), None for one
+        if self.distribution is not None:  # the weights onto every device of the mesh
+            replicate(self.distribution, backbone.variables)
         self.jit_compile = True if self._bucketed else jit_compile
         self._fns = {}
         self._compiled = set()  # (layers, rows, width) shapes XLA has compiled
@@ -137,7 +137,7 @@ class Embedder:
 
             self._fns[key] = compiled(run, self.backbone.variables, signature({"token_ids": 2, "segment_ids": 2,
                                                                                 "padding_mask": 2}),
-                                      distribution=self._distribution)
+                                      distribution=self.distribution)
         rows, width = ids.shape
         if self._bucketed:  # JAX compiles each shape: round it up; the extra rows and columns are padding
             limit = self.backbone.config.max_position
@@ -236,7 +236,7 @@ class Embedder:
 
             # TensorFlow: one trace, XLA compiles each concrete shape; JAX: one compile per shape
             self._fns[key] = compiled(run, self.backbone.variables, signature(2, 2), jit_compile=True,
-                                      distribution=self._distribution)
+                                      distribution=self.distribution)
         return self._fns[key]
 
     def _run_xla(self, key, texts, lengths, rows, pooling):

@@ -107,7 +107,7 @@ class TaskModel:
                 assign_weights(emb.backbone.pooler, classifier["pooler"], model_dir)
         model = cls(network, emb.tokenizer, meta, jit_compile=jit_compile)
         model.embedder = emb  # the same backbone, for sentence vectors (`kbert serve` uses both)
-        model._distribution = emb._distribution
+        model._distribution = emb.distribution
         if model._distribution is not None:  # the head onto the devices that hold the backbone
             replicate(model._distribution, network.variables)
         return model

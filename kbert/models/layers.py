@@ -309,10 +309,10 @@ def _fused_attention(q, k, v, padding_mask, scale, dropout=0.0):
         if len(padding_mask.shape) == 3:  # packed rows: each query's own [s] mask row; the extra one copies
             padding_mask = ops.concatenate([padding_mask, padding_mask[:, -1:]], axis=1)  # [b, r + 1, s]
         return _fused_attention(q, k, v, padding_mask, scale, dropout)[:, :rows]
-    if _kernel_with_dropout() is not None:
-        return _CHOSEN["attention_kernel"](q, k, v, padding_mask, scale, dropout=dropout)
-    if _CHOSEN["attention_kernel"] is not None:
-        return _CHOSEN["attention_kernel"](q, k, v, padding_mask, scale)
+    kernel = _CHOSEN["attention_kernel"]
+    if kernel is not None:
+        return kernel(q, k, v, padding_mask, scale, dropout=dropout) if _kernel_with_dropout() else kernel(
+            q, k, v, padding_mask, scale)
     if len(padding_mask.shape) == 3:  # packed rows: [b, s, s] already ([b, r, s] for queries at rows)
         return ops.dot_product_attention(q, k, v, mask=ops.cast(padding_mask, "bool")[:, None], scale=scale)
     keep = ops.cast(padding_mask, "bool")[:, None, None, :]  # [b, 1, 1, s]

@@ -240,9 +240,12 @@ class CompiledStep:
         _no_silent_recomputation()
         self._compiled.update(compile_concurrently(((b, self.lower(b)) for b in todo), workers))
 
-    def lower(self, batch: int):
-        """The step traced and lowered at `batch` (JAX `Lowered`; shapes only, nothing on the device)."""
-        return self._jit.lower(self._state_spec, self._data_spec(batch))
+    def lower(self, batch: int, platform: Optional[str] = None):
+        """The step traced and lowered at `batch` (JAX `Lowered`; shapes only, nothing on the device), for
+        `platform` ("cuda", "tpu", ...) instead of this host's devices when given (nothing runs there either)."""
+        if platform is None:
+            return self._jit.lower(self._state_spec, self._data_spec(batch))
+        return self._jit.trace(self._state_spec, self._data_spec(batch)).lower(lowering_platforms=(platform,))
 
     @property
     def compiled_batches(self) -> List[int]:
