@@ -602,6 +602,25 @@ def test_simcse_hard_negatives_and_matryoshka_train_a_bi_encoder(base, tmp_path)
     with pytest.raises(ValueError, match="`matryoshka_dims` must be positive integers"):
         kbert.finetune(base, "sentence-embedding", triplets, text_column="a", pair_column="p", label_column=None,
                        matryoshka_dims=[0], **bad)
+    with pytest.raises(ValueError, match=r"`matryoshka_dims` \[16, 4096\] go beyond .* 64 dimensions"):
+        kbert.finetune(base, "sentence-embedding", triplets, text_column="a", pair_column="p", label_column=None,
+                       matryoshka_dims=[4096, 16], **bad)
+    # in-batch negatives from a batch of one: the loss would be 0 and nothing would learn, silently
+    with pytest.raises(ValueError, match=r"in-batch negatives \(SimCSE\) need `batch_size` >= 2"):
+        kbert.finetune(base, "sentence-embedding", rows, objective="simcse", text_column="sentence1",
+                       batch_size=1, **bad)
+    with pytest.raises(ValueError, match=r"need at least 2 training rows.* has 1"):
+        kbert.finetune(base, "sentence-embedding", triplets[:1], text_column="a", pair_column="p",
+                       label_column=None, **bad)
+    with pytest.raises(ValueError, match=r"`datasets\[1\]`: in-batch negatives .* has 1"):
+        kbert.finetune(base, "sentence-embedding", None, datasets=[
+            {"data": rows, "text_column": "sentence1", "objective": "simcse"},
+            {"data": triplets[:1], "text_column": "a", "pair_column": "p"}], **bad)
+    with pytest.raises(ValueError, match="`datasets` is empty"):
+        kbert.finetune(base, "sentence-embedding", None, datasets=[], **bad)
+    # a hard negative is a candidate of its own: one row, or a batch of one, still learns
+    kbert.finetune(base, "sentence-embedding", triplets[:1], text_column="a", pair_column="p", label_column=None,
+                   negative_column="n", batch_size=1, **bad)
 
 
 def test_multi_dataset_batches_keep_to_one_dataset_in_the_stated_proportion():

@@ -104,6 +104,8 @@ class FinetuneConfig:
 
     def validate(self) -> None:
         """Refuses bad settings by name before anything is loaded."""
+        if self.datasets is not None and not self.datasets:
+            raise ValueError("`datasets` is empty: give one mapping per dataset, or leave it out and give `train`")
         for name in ("model", "task", "train"):
             if getattr(self, name) is None and not (name == "train" and self.datasets):
                 raise ValueError(f"`{name}` is required (a config key, or the --{name} flag)")
@@ -320,6 +322,7 @@ def _run(c: FinetuneConfig, task, before_training, distribution) -> dict:
     task.check()
     keras.utils.set_random_seed(c.seed)
     backbone, tokenizer, max_length, backbone_dropout, st, start_meta = _load(c)
+    task.check_model(backbone)
     own = st or start_meta or {}  # the starting model's prompts, kept unless `model_prompts` replaces them
     model_prompts, default_prompt = check_prompts(
         own.get("prompts") if c.model_prompts is None else c.model_prompts,

@@ -109,6 +109,9 @@ class FinetuneTask:
         if not c.label_column:
             raise ValueError(f"task={self.name!r} needs `label_column`")
 
+    def check_model(self, backbone) -> None:
+        """Refuses settings the loaded backbone cannot serve (called once it is loaded, before any data)."""
+
     def label_set(self, rows: List[dict], progress: bool) -> Optional[List[str]]:
         return None
 
@@ -370,6 +373,9 @@ class SentenceEmbeddingTask(FinetuneTask):
         dims = c.matryoshka_dims or []
         if any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in dims):
             raise ValueError(f"`matryoshka_dims` must be positive integers. Received: {c.matryoshka_dims!r}")
+        if self.in_batch_only and c.batch_size < 2:  # a batch of one has no negative: its loss is 0, nothing learns
+            raise ValueError(f"in-batch negatives ({self.objective_name}) need `batch_size` >= 2, the other rows of "
+                             f"a batch being each row's negatives. Received: batch_size={c.batch_size!r}")
         prompts = getattr(c, "prompts", None)
         if not (prompts is None or isinstance(prompts, str) or (isinstance(prompts, dict) and all(
                 isinstance(k, str) and isinstance(v, str) for k, v in prompts.items()))):
@@ -380,6 +386,22 @@ class SentenceEmbeddingTask(FinetuneTask):
         if unknown:
             raise ValueError(f"`prompts` names column {unknown[0]!r}, which is not a text column of this data "
                              f"({[x for x in (c.text_column, c.pair_column, c.negative_column) if x]})")
+
+    @property
+    def in_batch_only(self) -> bool:
+        """Whether every negative comes from the batch's other rows (SimCSE, or pairs without hard negatives)."""
+        c = self.config
+        return c.objective == "simcse" or not (c.label_column or c.negative_column)
+
+    @property
+    def objective_name(self) -> str:
+        return "SimCSE" if self.config.objective == "simcse" else "(anchor, positive) pairs"
+
+    def check_model(self, backbone):
+        width, dims = backbone.config.hidden_size, self.config.matryoshka_dims or []
+        if any(d > width for d in dims):
+            raise ValueError(f"`matryoshka_dims` {sorted(dims)} go beyond the model's vectors, which have "
+                             f"{width} dimensions")
 
     @property
     def columns(self):
@@ -412,6 +434,9 @@ class SentenceEmbeddingTask(FinetuneTask):
         return Examples(a, None, scores, pair_token_ids=ids(c.pair_column), negative_token_ids=negatives)
 
     def fit(self, train):
+        if self.in_batch_only and len(train) < 2:
+            raise ValueError(f"in-batch negatives ({self.objective_name}) need at least 2 training rows, each "
+                             f"the others' negative; the training data has {len(train)}")
         self.score_max = 1.0
         if train.labels is not None:
             self.score_max = float(np.max(np.abs(train.labels))) or 1.0
@@ -555,9 +580,19 @@ class MultiDatasetEmbeddingTask(SentenceEmbeddingTask):
         dev = dataclasses.replace(self.config, objective=None, negative_column=None, datasets=None)
         return SentenceEmbeddingTask(dev).encode(rows, tokenizer, max_length, split)
 
+    def check_model(self, backbone):
+        for i, (part, _) in enumerate(self.parts):
+            try:
+                part.check_model(backbone)
+            except ValueError as e:
+                raise ValueError(f"`datasets[{i}]`: {e}") from None
+
     def fit(self, train):
-        for (part, _), examples in zip(self.parts, train.parts):
-            part.fit(examples)
+        for i, ((part, _), examples) in enumerate(zip(self.parts, train.parts)):
+            try:
+                part.fit(examples)
+            except ValueError as e:
+                raise ValueError(f"`datasets[{i}]`: {e}") from None
 
     def _repeats(self, k: int) -> int:
         return max(1, int(round(self.parts[k][1])))
