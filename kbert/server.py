@@ -8,7 +8,9 @@ Routes (JSON in and out; errors are `{"error": {"message", "type", "code"}}` wit
     POST /v1/embeddings   OpenAI-compatible: {"input": str | [str], "model"?: str} and kbert's own
                           "pooling", "normalize", "prompt_name" (one of the model's prompts, E5's "query" /
                           "passage"; default: its default prompt), OpenAI's "dimensions" (the first n of each
-                          vector, renormalized) -> {"object": "list", "data": [{"object": "embedding",
+                          vector, renormalized) and "encoding_format" ("float", or "base64": each vector's
+                          little-endian float32 bytes, under half the size of the
+                          floats as JSON; what OpenAI's Python client asks for unless told otherwise) -> {"object": "list", "data": [{"object": "embedding",
                           "index": i, "embedding": [...]}], "model", "usage": {"prompt_tokens", "total_tokens"}}
     POST /v1/similarity   {"source_sentence": str, "sentences": [str]} -> {"similarities": [cosine, ...]}
     POST /v1/classify     task dirs (`kbert finetune` output, a Hugging Face classifier): {"input": str | [str],
@@ -50,6 +52,7 @@ a hand-written server.
 from __future__ import annotations
 
 import asyncio
+import base64
 import gc
 import json
 import threading
@@ -376,12 +379,17 @@ def build_app(model: str, max_batch_tokens: int = 8192, max_wait_ms: float = 5.0
             if not isinstance(data["prompt_name"], str):
                 raise HTTPError(400, "`prompt_name` must be a string")
             options["prompt_name"] = data["prompt_name"]
+        encoding = data.get("encoding_format") or "float"
+        if encoding not in ("float", "base64"):
+            raise HTTPError(400, f"`encoding_format` must be 'float' or 'base64'. Received: {encoding!r}")
         if "pooling" in options:  # refuse a bad pooling before it waits in the queue
             engine.embedder.resolve_pooling(options["pooling"], None)
         engine.embedder.prompt_text(options.get("prompt_name"))  # and an unknown prompt name
         vectors = await engine.run("embed", texts, options, timeout=timeout_s, ticket=ticket)
         engine.metrics.texts.labels("/v1/embeddings").inc(len(texts))
         tokens = sum(engine.cost(t) for t in texts)
+        if encoding == "base64":  # OpenAI's form (its Python client asks for it): little-endian float32 bytes
+            vectors = [base64.b64encode(np.asarray(v, "<f4").tobytes()).decode("ascii") for v in vectors]
         return {"object": "list", "model": data.get("model") or name,
                 "data": [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(vectors)],
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}

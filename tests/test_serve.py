@@ -3,6 +3,7 @@ codes, the full queue and the deadline, classification from a task dir, /health 
 draining the requests in flight."""
 
 import asyncio
+import base64
 import json
 import os
 import signal
@@ -139,7 +140,8 @@ def test_concurrent_requests_are_batched_and_each_gets_its_own_rows(dirs):
 def test_embeddings_take_a_prompt_by_name_and_openais_dimensions(dirs, tmp_path):
     """A sentence-transformers dir with E5-style prompts: "prompt_name" picks one (the vectors of
     Embedder.encode_query), an unknown name or a non-string is a 400 naming it; "dimensions" gives the first
-    n dimensions renormalized (Embedder.encode's truncate_dim)."""
+    n dimensions renormalized (Embedder.encode's truncate_dim); "encoding_format": "base64" the same floats
+    as bytes, and an unknown format is a 400."""
     from kbert.server import build_app
 
     model_dir, _ = dirs
@@ -164,6 +166,17 @@ def test_embeddings_take_a_prompt_by_name_and_openais_dimensions(dirs, tmp_path)
         for bad, message in ((0, "`truncate_dim` must be an integer in [1, 32]"), ("8", "`dimensions` must be")):
             response = client.post("/v1/embeddings", json={"input": "a", "dimensions": bad})
             assert response.status_code == 400 and message in response.json()["error"]["message"]
+        # OpenAI's `encoding_format`: "base64" is each vector's float32 bytes, decoded as OpenAI's client does
+        packed = client.post("/v1/embeddings", json={"input": TEXTS[:3], "encoding_format": "base64"}).json()
+        assert all(isinstance(d["embedding"], str) for d in packed["data"])
+        np.testing.assert_array_equal(
+            np.array([np.frombuffer(base64.b64decode(d["embedding"]), dtype="float32") for d in packed["data"]]),
+            np.array([d["embedding"] for d in plain["data"]], np.float32))
+        floats = client.post("/v1/embeddings", json={"input": TEXTS[:3], "encoding_format": "float"}).json()
+        assert floats["data"] == plain["data"]
+        response = client.post("/v1/embeddings", json={"input": "a", "encoding_format": "hex"})
+        assert response.status_code == 400 and "`encoding_format` must be 'float' or 'base64'" in \
+            response.json()["error"]["message"]
 
 
 def test_bad_input_gets_its_status_and_a_json_message(dirs):
