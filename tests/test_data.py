@@ -381,6 +381,15 @@ def test_records_equal_raw_text_and_resume_after_interrupt(tok, tmp_path, monkey
     other = kbert.Tokenizer.train(corpus("kolaw"), vocab_size=1000, progress=False)
     with pytest.raises(ValueError, match="another tokenizer"):
         pretraining_dataset(out, other)
+    # a source with no examples is an error naming why (not a records dir of nothing that fails in training);
+    # lines that are not UTF-8 get the conversion hint
+    (tmp_path / "empty.txt").write_text("  \n\n")
+    (tmp_path / "cp949.txt").write_bytes("대한민국 헌법\n".encode("cp949"))
+    with pytest.raises(ValueError, match="gives no pretraining examples.*empty.txt: no text"):
+        records.prepare(str(tmp_path / "empty.txt"), tok, str(tmp_path / "e"), workers=0, progress=False)
+    with pytest.raises(ValueError, match="1 lines were not UTF-8 text .*iconv -f cp949"):
+        records.prepare(str(tmp_path / "cp949.txt"), tok, str(tmp_path / "c"), workers=0, progress=False)
+    assert not records.read_manifest(str(tmp_path / "c"))["complete"]
 
 
 def test_input_context_sharding(tok, tmp_path):

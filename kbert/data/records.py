@@ -187,8 +187,13 @@ def prepare(source, tokenizer, out_dir: str, objective: str = "mlm+nsp", max_len
         bar.update(1)
         bar.set_postfix(examples=sum(s["examples"] for s in shards.values()))
     bar.close()
-    manifest["complete"] = True
     manifest["examples"] = sum(s["examples"] for s in shards.values())
+    if not manifest["examples"]:  # left incomplete: a records dir of nothing would fail later, in training
+        hint = (f"; {report.binary_dropped:,} lines were not UTF-8 text (a CP949/EUC-KR file must be converted "
+                f"first, e.g. `iconv -f cp949 -t utf-8 IN > OUT`)" if report.binary_dropped else "")
+        raise ValueError(f"{corpus!r} gives no pretraining examples for objective={objective!r} (NSP/SOP need "
+                         f"documents with at least two tokens): {report}{hint}")
+    manifest["complete"] = True
     manifest["report"] = report.to_dict()
     manifest["resumed_shards"] = resumed
     _write_json(manifest_path, manifest)
