@@ -266,13 +266,21 @@ def _pretrain(args):
         return _SIGNAL_EXIT.get(summary["stopped_by"], 1)
 
 
+def _seq_lens(text: str) -> list:
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--seq-lens must be whole numbers separated by commas, e.g. 128,512. Received: {text!r}") \
+            from None
+
+
 def _plan(args):
     from kbert.train.memory import parse_memory, plan_batch_size
 
     if args.probe or args.exact:
         return _measure(args)
     args.memory = args.memory or "12GB"
-    seq_lens = [int(x) for x in args.seq_lens.split(",")]
+    seq_lens = _seq_lens(args.seq_lens)
     rows = plan_batch_size(args.model, args.memory, seq_lens, target_batch=args.target_batch, replicas=args.replicas,
                            optimizer=args.optimizer, precision=args.precision, recompute=args.recompute,
                            compiler=args.compiler)
@@ -312,7 +320,7 @@ def _measure(args):
     if args.exact and keras.backend.backend() != "jax":
         raise ValueError("--exact reads the memory analysis of the step XLA compiles on Keras' JAX backend; "
                          "run it as `KERAS_BACKEND=jax kbert plan --exact ...` (pip install jax)")
-    seq_lens = [int(x) for x in args.seq_lens.split(",")]
+    seq_lens = _seq_lens(args.seq_lens)
     rows = probe_table(args.model, seq_lens, optimizer=args.optimizer, precision=args.precision,
                        memory=args.memory, verbose=True, exact=args.exact or keras.backend.backend() == "jax",
                        probe=args.probe)

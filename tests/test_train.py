@@ -325,6 +325,15 @@ def test_bad_configs_name_the_key(tok_dir, tmp_path):
                  progress=False)
     with pytest.raises(ValueError, match="optimizer.name"):
         pretrain(_config(tok_dir, str(tmp_path / "e"), 2, optimizer={"name": "sgd"}), progress=False)
+    # a file that does not parse is named with the parser's line, not a traceback
+    (tmp_path / "bad.yaml").write_text("trainer:\n  steps: [\n")
+    (tmp_path / "bad.json").write_text('{"trainer": {"steps": 3,}}')
+    with pytest.raises(ValueError, match=r"bad.yaml: not valid YAML: .* at line 3, column 1"):
+        PretrainConfig.load(str(tmp_path / "bad.yaml"))
+    with pytest.raises(ValueError, match=r"bad.json: not valid JSON: .*\(line 1, column 25\)"):
+        PretrainConfig.load(str(tmp_path / "bad.json"))
+    with pytest.raises(ValueError, match=r"Override 'trainer.steps=\[': its value is not valid YAML"):
+        PretrainConfig.load(None, ["trainer.steps=["])
     cfg = PretrainConfig.load(None, ["optimizer.learning_rate=3e-4", "trainer.batch_size=auto", "model=bert-mini"])
     assert cfg.optimizer.learning_rate == 3e-4 and cfg.trainer.batch_size == "auto" and cfg.model == "bert-mini"
 
@@ -525,6 +534,10 @@ def test_planner_mixed_precision_accumulation_and_errors():
     assert row["micro_batch"] <= row["max_batch"]
     with pytest.raises(ValueError, match="beyond the model's position"):
         plan_batch_size("bert-base", "12GB", [1024])
+    for seq in (0, 1, 128.0, True):  # a table row at seq 0 (batch 39,002) was printed before
+        with pytest.raises(ValueError, match="seq_len must be an integer of at least 2 tokens"):
+            plan_batch_size("bert-base", "12GB", [seq])
+    assert plan_batch_size("bert-base", "12GB", [np.int64(128)])[0]["max_batch"] == row["max_batch"]
     with pytest.raises(ValueError, match="memory"):
         plan_batch_size("bert-base", "twelve", [128])
 

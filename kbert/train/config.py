@@ -130,7 +130,10 @@ def load_mapping(path: Optional[str] = None, overrides: Optional[List[str]] = No
         key, raw = item.split("=", 1)
         import yaml
 
-        value = yaml.safe_load(raw) if raw.strip() else None
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else None
+        except yaml.YAMLError as e:
+            raise ValueError(f"Override {item!r}: its value is not valid YAML ({_yaml_problem(e)})") from None
         node = values
         parts = key.strip().split(".")
         for p in parts[:-1]:
@@ -143,10 +146,23 @@ def load_mapping(path: Optional[str] = None, overrides: Optional[List[str]] = No
 
 def _parse(text: str, path: str):
     if path.endswith(".json"):
-        return json.loads(text)
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not valid JSON: {e.msg} (line {e.lineno}, column {e.colno})") from None
     import yaml
 
-    return yaml.safe_load(text)
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ValueError(f"{path}: not valid YAML: {_yaml_problem(e)}") from None
+
+
+def _yaml_problem(error) -> str:
+    """PyYAML's error in one line: what it expected and where (1-based line and column)."""
+    mark = getattr(error, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    return f"{getattr(error, 'problem', None) or error}{where}"
 
 
 def _coerce(field, value, key: str):

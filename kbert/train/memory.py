@@ -50,6 +50,7 @@ Never fitted per row. `kbert plan --probe` confirms the answer with real steps o
 
 from __future__ import annotations
 
+import numbers
 import re
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
@@ -140,6 +141,15 @@ def estimate_memory(config, batch: int, seq_len: int, optimizer: str = "adamw", 
             "activations": activations, "embeddings": embeddings, "mlm_head": mlm, "micro_batch": micro}
 
 
+def check_seq_len(config, seq) -> None:
+    """Refuses a sequence length the model cannot train at: under 2 tokens ([CLS] and [SEP]), or beyond its
+    position embeddings (a gather past the table's end is clamped on JAX: a silent wrong model, not an error)."""
+    if isinstance(seq, bool) or not isinstance(seq, numbers.Integral) or seq < 2:
+        raise ValueError(f"seq_len must be an integer of at least 2 tokens. Received: {seq!r}")
+    if seq > config.max_position:
+        raise ValueError(f"seq_len {seq} is beyond the model's position embeddings ({config.max_position})")
+
+
 def max_batch_size(config, memory, seq_len: int, **kwargs) -> int:
     """The largest batch whose estimate fits in `memory` (bytes or '12GB'); 0 when none does."""
     budget = parse_memory(memory)
@@ -171,8 +181,7 @@ def plan_batch_size(config, memory, seq_lens: Sequence[int] = (128,), target_bat
     budget = parse_memory(memory) * (1.0 - margin)
     rows = []
     for seq in seq_lens:
-        if seq > config.max_position:
-            raise ValueError(f"seq_len {seq} is beyond the model's position embeddings ({config.max_position})")
+        check_seq_len(config, seq)
         kw = dict(optimizer=optimizer, precision=precision, recompute=recompute, compiler=compiler)
         best = max_batch_size(config, budget, seq, **kw)
         row = {"seq_len": seq, "max_batch": best, "memory_at_max": estimate_memory(config, max(best, 1), seq, **kw)["total"]}

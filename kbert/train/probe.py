@@ -497,8 +497,9 @@ def exact_batch_size(config, seq_len: int, memory=None, optimizer: str = "adamw"
     Example:
         >>> exact_batch_size(ModelConfig.preset("bert-base"), 128, "12GB", precision="mixed_bfloat16")
     """
-    from kbert.train.memory import estimate_memory, max_batch_size, parse_memory
+    from kbert.train.memory import check_seq_len, estimate_memory, max_batch_size, parse_memory
 
+    check_seq_len(config, seq_len)
     budget = parse_memory(memory) if memory else device_memory()
     if not budget:
         raise ValueError("`memory` is required where the device does not report its memory (CPU): name the "
@@ -669,7 +670,7 @@ def probe_table(model: str, seq_lens, optimizer: str = "adamw", precision: str =
     `exact_shallow` has that prediction and its seconds."""
 
     from kbert.models.config import ModelConfig
-    from kbert.train.memory import estimate_memory, max_batch_size, parse_memory
+    from kbert.train.memory import check_seq_len, estimate_memory, max_batch_size, parse_memory
 
     from kbert.train import faults
 
@@ -679,6 +680,8 @@ def probe_table(model: str, seq_lens, optimizer: str = "adamw", precision: str =
                          "step for a device you name)")
     exact = exact and _backend() == "jax"
     config = ModelConfig.preset(model) if isinstance(model, str) else model
+    for seq in seq_lens:
+        check_seq_len(config, seq)
     total = parse_memory(memory) if memory else device_memory()
     began = time.perf_counter()
     trainer = build_trainer(config, optimizer, precision, abstract=True)  # with values on TensorFlow
