@@ -376,6 +376,15 @@ def test_finetune_bad_input(base, tmp_path):
         kbert.finetune(base, "classification", str(tmp_path / "missing.tsv"), progress=False)
     with pytest.raises(FileNotFoundError, match="not a fine-tuned model dir"):
         kbert.TaskModel.load(base)
+    # settings that would train wrongly or not at all, without an error, are refused before anything loads
+    for kw, match in ((dict(warmup=2), r"`warmup` must be a fraction of the steps, in \[0, 1\]"),
+                      (dict(weight_decay=-0.01), "`weight_decay` must be 0 or more"),
+                      (dict(dropout=1.0), r"`dropout` must be a rate in \[0, 1\)"),
+                      (dict(patience=0), "`patience` must be None or a positive integer"),
+                      (dict(eval_every=0), "`eval_every` must be None or a positive integer"),
+                      (dict(max_steps=-3), "`max_steps` must be None or a positive integer")):
+        with pytest.raises(ValueError, match=match):
+            kbert.finetune("no-such-model", "classification", str(train), progress=False, **kw)
 
 
 @pytest.mark.slow

@@ -325,6 +325,17 @@ def test_bad_configs_name_the_key(tok_dir, tmp_path):
                  progress=False)
     with pytest.raises(ValueError, match="optimizer.name"):
         pretrain(_config(tok_dir, str(tmp_path / "e"), 2, optimizer={"name": "sgd"}), progress=False)
+    # settings that would train wrongly without an error (a negative rate climbs the loss) are refused first
+    for optimizer, match in (({"learning_rate": -1e-4}, "`optimizer.learning_rate` must be a positive number"),
+                             ({"weight_decay": -0.1}, "`optimizer.weight_decay` must be 0 or more"),
+                             ({"beta_2": 1.0}, r"`optimizer.beta_2` must be in \[0, 1\)"),
+                             ({"clip_norm": 0}, "`optimizer.clip_norm` must be None"),
+                             ({"warmup_steps": -1}, "`optimizer.warmup_steps` must be an integer, 0 or more"),
+                             ({"end_learning_rate": 1.0}, r"`optimizer.end_learning_rate` must be in \[0, learning")):
+        with pytest.raises(ValueError, match=match):
+            pretrain(_config(tok_dir, str(tmp_path / "f"), 2, optimizer=optimizer), progress=False)
+    with pytest.raises(ValueError, match=r"`data.mask_rate` must be in \(0, 1\)"):
+        pretrain(_config(tok_dir, str(tmp_path / "g"), 2, data={"mask_rate": 1.5}), progress=False)
     # a file that does not parse is named with the parser's line, not a traceback
     (tmp_path / "bad.yaml").write_text("trainer:\n  steps: [\n")
     (tmp_path / "bad.json").write_text('{"trainer": {"steps": 3,}}')

@@ -125,7 +125,13 @@ class FinetuneConfig:
                              f"Received: task={self.task!r}")
         if self.strategy not in STRATEGIES:
             raise ValueError(f"`strategy` must be one of {STRATEGIES}. Received: strategy={self.strategy!r}")
-        for name in ("checkpoint_every", "stop_after", "mini_batch_size"):
+        for name, ok, rule in (("warmup", lambda v: 0 <= v <= 1, "a fraction of the steps, in [0, 1]"),
+                               ("weight_decay", lambda v: v >= 0, "0 or more"),
+                               ("dropout", lambda v: 0 <= v < 1, "a rate in [0, 1)")):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
+                raise ValueError(f"`{name}` must be {rule}. Received: {name}={value!r}")
+        for name in ("checkpoint_every", "stop_after", "mini_batch_size", "patience", "eval_every", "max_steps"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"`{name}` must be None or a positive integer. Received: {name}={value!r}")

@@ -165,6 +165,8 @@ def _validate(config: PretrainConfig):
         raise ValueError("`data.tokenizer` is missing: a tokenizer dir (`kbert tokenizer train`), vocab.txt or .model")
     if d.objective not in OBJECTIVES:
         raise ValueError(f"`data.objective` must be one of {OBJECTIVES}. Received: {d.objective!r}")
+    if isinstance(d.mask_rate, bool) or not isinstance(d.mask_rate, (int, float)) or not 0 < d.mask_rate < 1:
+        raise ValueError(f"`data.mask_rate` must be in (0, 1). Received: {d.mask_rate!r}")
     e = config.electra
     if not 0.0 < e.generator_size <= 1.0 or not e.rtd_weight > 0:
         raise ValueError(f"`electra.generator_size` must be in (0, 1] and `electra.rtd_weight` positive. "
@@ -178,6 +180,9 @@ def _validate(config: PretrainConfig):
                          f"{d.source!r}: point `data.source` at the raw corpus, or use embedding_init: random")
     if not isinstance(t.steps, int) or t.steps < 1:
         raise ValueError(f"`trainer.steps` must be a positive integer. Received: {t.steps!r}")
+    from kbert.train.optimizers import check_optimizer
+
+    check_optimizer(config.optimizer)
     if os.path.exists(config.output_dir) and not os.path.isdir(config.output_dir):
         raise ValueError(f"`output_dir` {config.output_dir!r} is a file; name a directory (new or a run to resume)")
     for key in ("log_every", "checkpoint_every", "keep_checkpoints", "accumulation"):

@@ -45,12 +45,35 @@ class WarmupDecay(keras.optimizers.schedules.LearningRateSchedule):
                 "end": self.end, "power": self.power, "accumulation": self.accumulation}
 
 
-def make_optimizer(config, total_steps: int, accumulation: int = 1, precision: str = "float32"):
-    """A Keras optimizer from an `OptimizerConfig`."""
+def check_optimizer(config) -> None:
+    """Refuses an `OptimizerConfig` that would train wrongly without an error: a learning rate of 0 or below
+    (nothing learns, or the loss climbs), negative decay, betas outside [0, 1), and the like."""
     if config.name not in OPTIMIZERS:
         raise ValueError(f"`optimizer.name` must be one of {OPTIMIZERS}. Received: {config.name!r}")
     if config.decay not in DECAYS:
         raise ValueError(f"`optimizer.decay` must be one of {DECAYS}. Received: {config.decay!r}")
+
+    def number(key, ok, rule):
+        value = getattr(config, key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
+            raise ValueError(f"`optimizer.{key}` must be {rule}. Received: {value!r}")
+
+    number("learning_rate", lambda v: v > 0, "a positive number")
+    number("end_learning_rate", lambda v: 0 <= v <= config.learning_rate, "in [0, learning_rate]")
+    number("weight_decay", lambda v: v >= 0, "0 or more")
+    number("beta_1", lambda v: 0 <= v < 1, "in [0, 1)")
+    number("beta_2", lambda v: 0 <= v < 1, "in [0, 1)")
+    number("epsilon", lambda v: v > 0, "a positive number")
+    number("power", lambda v: v > 0, "a positive number")
+    if config.clip_norm is not None:
+        number("clip_norm", lambda v: v > 0, "None (no clipping) or a positive number")
+    if isinstance(config.warmup_steps, bool) or not isinstance(config.warmup_steps, int) or config.warmup_steps < 0:
+        raise ValueError(f"`optimizer.warmup_steps` must be an integer, 0 or more. Received: {config.warmup_steps!r}")
+
+
+def make_optimizer(config, total_steps: int, accumulation: int = 1, precision: str = "float32"):
+    """A Keras optimizer from an `OptimizerConfig`."""
+    check_optimizer(config)
     if not isinstance(accumulation, int) or accumulation < 1:
         raise ValueError(f"`trainer.accumulation` must be a positive integer. Received: {accumulation!r}")
     power = 1.0 if config.decay == "linear" else config.power
