@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
+import weakref
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
@@ -53,11 +55,33 @@ def _exit_with_parent():
     threading.Thread(target=watch, name="kbert-exit-with-parent", daemon=True).start()
 
 
-def _init(initializer, initargs):
+def _init(initializer, initargs_file):
     _STATE["in_worker"] = True  # a module global: no setenv in a process that may have been forked
     _exit_with_parent()
     if initializer is not None:
-        initializer(*initargs)
+        with open(initargs_file, "rb") as f:
+            initializer(*pickle.load(f))
+
+
+def _initargs_file(initargs) -> str:
+    """`initargs` pickled into a file of their own, whose path is all a spawned process is sent.
+
+    "spawn" writes each process's start-up data into a pipe, and the parent holds the pipe's read end too until
+    that write is done. A child that dies before reading it all (an unguarded script re-run in the child stops
+    it there) then leaves the parent blocked in the write for ever once the data passes the pipe's 64 KB: a
+    tokenizer of a real vocabulary is several times that. A path is a few bytes, so the parent always gets
+    to see the child die, and `result` reports it."""
+    import tempfile
+
+    fd, path = tempfile.mkstemp(prefix="kbert-worker-init-", suffix=".pkl")
+    with os.fdopen(fd, "wb") as f:
+        pickle.dump(tuple(initargs), f, protocol=pickle.HIGHEST_PROTOCOL)
+    return path
+
+
+def _remove(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(path)
 
 
 def refuse_in_spawn_bootstrap(what: str = "kbert") -> None:
@@ -109,8 +133,11 @@ def start(workers: int, initializer=None, initargs=(), context: str = "spawn") -
     refuse_in_spawn_bootstrap("kbert.workers.start")
     if context == "spawn":
         _main_not_rerun()
+    initargs_file = _initargs_file(initargs) if initializer is not None else None
     ex = ProcessPoolExecutor(workers, mp_context=mp.get_context(context), initializer=_init,
-                             initargs=(initializer, initargs))
+                             initargs=(initializer, initargs_file))
+    if initargs_file is not None:  # removed at `stop`, or with the executor
+        ex._kbert_initargs = weakref.finalize(ex, _remove, initargs_file)
 
     def spawn():  # an executor spawns a process per submitted task until it has `workers`
         try:
@@ -157,3 +184,6 @@ def stop(ex: ProcessPoolExecutor) -> None:
     for p in list((getattr(ex, "_processes", None) or {}).values()):  # no public way before Python 3.14
         if p.is_alive():
             p.terminate()
+    initargs = getattr(ex, "_kbert_initargs", None)
+    if initargs is not None:  # no process starts after shutdown, and those started are stopped
+        initargs()

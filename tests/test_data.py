@@ -458,6 +458,35 @@ def test_dead_workers_raise_instead_of_hanging(tmp_path):
     assert int(run.stdout.split()[0]) > 0
 
 
+def test_an_unguarded_script_with_large_worker_state_fails_instead_of_hanging(tmp_path):
+    """Spawn writes a child's start-up data into a pipe whose read end the parent holds too until the write
+    ends; a child that dies before reading it all (an unguarded script re-run there) left the parent blocked
+    for ever once that data passed the pipe's 64 KB, as a tokenizer of a real vocabulary does. The workers'
+    state now travels in a file, so the parent sees the child die and says how to fix the script; the file
+    is gone afterwards."""
+    import subprocess
+    import sys
+
+    code = ("from kbert import workers\n"
+            "ex = workers.start(2, len, (b'x' * 1_000_000,))\n"
+            "print(workers.result(workers.submit(ex, abs, -3)))\n"
+            "workers.stop(ex)\n")
+    (tmp_path / "unguarded.py").write_text(code, encoding="utf-8")
+    (tmp_path / "guarded.py").write_text("from kbert import workers\nif __name__ == '__main__':\n" + "".join(
+        "    " + line + "\n" for line in code.splitlines()[1:]), encoding="utf-8")
+    (tmp_path / "tmp").mkdir()
+    root = os.path.dirname(os.path.dirname(os.path.abspath(kbert.__file__)))  # the kbert under test
+    env = dict(os.environ, TMPDIR=str(tmp_path / "tmp"),
+               PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    run = subprocess.run([sys.executable, "unguarded.py"], capture_output=True, text=True, timeout=120,
+                         cwd=str(tmp_path), env=env)
+    assert run.returncode != 0 and "WorkerError" in run.stderr and 'if __name__ == "__main__":' in run.stderr
+    run = subprocess.run([sys.executable, "guarded.py"], capture_output=True, text=True, timeout=120,
+                         cwd=str(tmp_path), env=env)
+    assert run.returncode == 0 and run.stdout.split() == ["3"], run.stderr[-2000:]
+    assert os.listdir(tmp_path / "tmp") == []
+
+
 def test_workers_start_from_a_script_read_on_standard_input(tmp_path):
     """`python - <<EOF` (`__file__ == "<stdin>"`): spawn would re-run "<stdin>" in each worker, which died with
     FileNotFoundError; the workers now start without re-running `__main__`. Then a pool broken by a dead

@@ -29,6 +29,7 @@ from kbert.data.corpus import Corpus, CorpusReport
 from kbert.data.examples import ExampleBuilder, example_blocks
 from kbert.data.pairs import check_objective
 from kbert.utils import progress_bar, renamed_keyword
+from kbert.workers import refuse_in_spawn_bootstrap
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
@@ -146,6 +147,8 @@ def prepare(source, tokenizer, out_dir: str, objective: str = "mlm+nsp", max_len
     TFRecords in `out_dir`, on all cores. Re-running on the same directory resumes: finished shards are
     kept. Returns the manifest (with the cleaning report). (`max_seq_len` is the deprecated name of
     `max_length`.)"""
+    # a worker re-running an unguarded script would get here first: it must not touch the parent's shards
+    refuse_in_spawn_bootstrap("kbert.data.records.prepare")
     max_length = renamed_keyword("max_seq_len", max_seq_len, "max_length", max_length, 128)
     check_objective(objective)
     corpus = source if isinstance(source, Corpus) else Corpus(source)
