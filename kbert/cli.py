@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 
@@ -854,6 +855,28 @@ def _quiet_tensorflow_start() -> None:
         os.close(devnull)
 
 
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM (a scheduler's preemption, `kill`), raised like Ctrl-C where no training loop catches it first."""
+
+
+# what a stopped command keeps, for the commands whose work resumes (pretrain and finetune say it themselves)
+_RESUMES = {"data": "the finished shards are kept: rerun the same command to resume"}
+
+
+def _terminate_as_interrupt():
+    """SIGTERM raises `_Terminated` in the main thread (the previous handler returned), so a command it stops
+    says so and exits 143 instead of dying silently; pretrain's and finetune's own handlers take over while
+    they train."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def raise_terminated(signum, frame):
+        raise _Terminated()
+    return signal.signal(signal.SIGTERM, raise_terminated)
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -867,16 +890,22 @@ def main(argv=None) -> int:
     if not args.command:
         parser.print_help()
         return 0
+    previous = _terminate_as_interrupt()
     try:
         status = args.func(args)
-    except KeyboardInterrupt:
-        sys.stderr.write("kbert: interrupted\n")
-        return 130
+    except KeyboardInterrupt as e:
+        by = "SIGTERM" if isinstance(e, _Terminated) else "SIGINT"
+        resume = _RESUMES.get(args.command, "")
+        sys.stderr.write(f"kbert: stopped by {by}{'; ' + resume if resume else ''}\n")
+        return _SIGNAL_EXIT[by]
     except (ValueError, TypeError, FileNotFoundError, ImportError, OSError, ArithmeticError, MemoryError) as e:
         if os.environ.get("KBERT_DEBUG"):
             raise
         sys.stderr.write(f"kbert {args.command}: error: {str(e).splitlines()[0]}\n")
         return 1
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     return status if isinstance(status, int) and not isinstance(status, bool) else 0
 
 

@@ -199,3 +199,41 @@ def test_convert_keeps_a_cross_encoders_head_both_ways(tmp_path):
                                atol=2e-5)
     np.testing.assert_allclose(CrossEncoder(str(tmp_path / "ce"), device="cpu").predict(list(zip(queries, docs))),
                                expected, atol=2e-5)
+
+
+def test_data_prepare_stopped_by_sigterm_says_so_exits_143_and_resumes(tmp_path):
+    """A scheduler's SIGTERM during `kbert data prepare` (which has no training loop to catch it) stops it with
+    a line that says the finished shards are kept and exit code 143; the same command then resumes."""
+    import json
+    import signal
+    import time
+
+    from kbert.data.corpus import corpus
+    from test_text import TRAIN_FILES
+
+    assert run("tokenizer", "train", "--input", *TRAIN_FILES, "--vocab-size", "1500",
+               "--out", str(tmp_path / "tok")).returncode == 0
+    law = [line for doc in corpus("kolaw") for line in doc]
+    # 300 documents (rotations of the constitution's lines: duplicates would be dropped): a few seconds of work,
+    # about 100 shards a second here, so the signal comes mid-run
+    docs = ("\n".join(law[i:] + law[:i]) for i in range(300))
+    (tmp_path / "corpus.txt").write_text("\n\n".join(docs), encoding="utf-8")
+    args = [sys.executable, "-m", "kbert.cli", "data", "prepare", "--corpus", str(tmp_path / "corpus.txt"),
+            "--tokenizer", str(tmp_path / "tok"), "--out", str(tmp_path / "rec"), "--docs-per-shard", "1",
+            "--workers", "0"]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    manifest = tmp_path / "rec" / "manifest.json"
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:  # stop it once it has written a shard
+        if manifest.exists() and json.loads(manifest.read_text() or "{}").get("shards"):
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err[-2000:]
+    assert "kbert: stopped by SIGTERM; the finished shards are kept: rerun the same command to resume" in err
+    kept = len(json.loads(manifest.read_text())["shards"])
+    assert 0 < kept < 300 and not json.loads(manifest.read_text())["complete"]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"in 300 shards to {tmp_path / 'rec'} ({kept} shards kept from an earlier run)" in done.stdout
