@@ -361,6 +361,7 @@ def test_records_equal_raw_text_and_resume_after_interrupt(tok, tmp_path, monkey
     kept = {k: os.path.getmtime(os.path.join(out, v["file"])) for k, v in partial["shards"].items()}
     m2 = records.prepare(["kolaw", "kobill"], tok, out, docs_per_shard=4, workers=0, progress=False, **kwargs)
     assert m2["complete"] and m2["resumed_shards"] == 2
+    assert m2["report"] == m["report"]  # the kept shards' sentences and characters are counted too
     assert all(os.path.getmtime(os.path.join(out, partial["shards"][k]["file"])) == t for k, t in kept.items())
     # the same examples as the uninterrupted run (bytes may differ: protobuf map order is per process)
     assert {k: v["examples"] for k, v in m2["shards"].items()} == {k: v["examples"] for k, v in m["shards"].items()}

@@ -54,8 +54,8 @@ class ExampleBuilder:
         tok = self.tokenizer
         block = build_examples(token_docs, self.objective, self.max_length, tok.cls_id, tok.sep_id, tok.pad_id,
                                short_seq_prob=self.short_seq_prob, seed=seed)
-        if self.shard_writer is not None:
-            return self.shard_writer(index, block), report
+        if self.shard_writer is not None:  # the block's own counts go into its shard's manifest entry
+            return dict(self.shard_writer(index, block), report=report.to_dict()), report
         return block, report
 
 

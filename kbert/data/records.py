@@ -115,8 +115,11 @@ class ShardWriter:
         with open(tmp, "wb") as f:
             f.write(shard["data"])
         os.replace(tmp, path)
-        return {"file": shard_name(index), "examples": shard["examples"], "bytes": os.path.getsize(path),
-                "tokens": shard["tokens"]}
+        entry = {"file": shard_name(index), "examples": shard["examples"], "bytes": os.path.getsize(path),
+                 "tokens": shard["tokens"]}
+        if "report" in shard:  # what cleaning its documents counted: a resumed run adds it back
+            entry["report"] = shard["report"]
+        return entry
 
 
 def _write_json(path: str, obj):
@@ -180,7 +183,7 @@ def prepare(source, tokenizer, out_dir: str, objective: str = "mlm+nsp", max_len
     builder = ExampleBuilder(corpus, tokenizer, objective, max_length, short_seq_prob, shard_writer=writer)
     report = CorpusReport()
     bar = progress_bar(desc="prepare", unit="shard", enabled=progress)
-    resumed = len(shards)
+    resumed, kept = len(shards), sorted(shards)
     bar.update(resumed)
     for index, shard in example_blocks(builder, seed, 0, workers, docs_per_shard, report,
                                        keep=lambda i: i not in shards):
@@ -190,6 +193,9 @@ def prepare(source, tokenizer, out_dir: str, objective: str = "mlm+nsp", max_len
         bar.update(1)
         bar.set_postfix(examples=sum(s["examples"] for s in shards.values()))
     bar.close()
+    for index in kept:  # reading counted every document; cleaning and splitting, only the shards built now
+        if "report" in shards[index]:
+            report.add(CorpusReport(**shards[index]["report"]))
     manifest["examples"] = sum(s["examples"] for s in shards.values())
     if not manifest["examples"]:  # left incomplete: a records dir of nothing would fail later, in training
         hint = (f"; {report.binary_dropped:,} lines were not UTF-8 text (a CP949/EUC-KR file must be converted "
