@@ -512,12 +512,11 @@ def _export(args):
 def _mine_negatives(args):
     from kbert.data.rows import write_rows
     from kbert.embed.mining import mine_hard_negatives
-    from kbert.utils import open_text
+    from kbert.utils import read_utf8_text
 
     corpus = None
     if args.corpus:
-        with open_text(args.corpus) as f:
-            corpus = [line.rstrip("\n") for line in f if line.strip()]
+        corpus = [line for line in read_utf8_text(args.corpus).splitlines() if line.strip()]
     relative = None if args.relative_margin < 0 else args.relative_margin
     rows = mine_hard_negatives(args.model, args.pairs, corpus, anchor_column=args.anchor_column,
                                positive_column=args.positive_column, negative_column=args.negative_column,

@@ -648,3 +648,24 @@ def test_numpy_record_reader_gives_the_tf_data_batches_bit_for_bit(tok, tmp_path
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.split() == ["(4,", "64)", "False"]
+
+
+def test_labelled_rows_are_strict_utf8_and_name_a_cp949_file(tmp_path):
+    """Rows for fine-tuning: a CP949 CSV (Korean Excel's default) was read with U+FFFD in every Hangul cell and
+    trained on silently; now it is an error naming the line and the fix. Excel's "CSV UTF-8" (a byte-order
+    mark), CRLF line ends and gzip read as plain UTF-8."""
+    import gzip
+
+    from kbert.data.rows import read_rows
+
+    text = "text,label\n좋은 영화였다,pos\n별로였다,neg\n"
+    (tmp_path / "excel.csv").write_bytes(text.encode("cp949"))
+    (tmp_path / "mixed.tsv").write_bytes("text\tlabel\n좋다\t1\n".encode() + "싫다\t0\n".encode("cp949"))
+    (tmp_path / "bom.csv").write_bytes(text.replace("\n", "\r\n").encode("utf-8-sig"))
+    (tmp_path / "rows.jsonl.gz").write_bytes(gzip.compress('{"text": "좋은 영화였다", "label": "pos"}\n'.encode()))
+    with pytest.raises(ValueError, match=r"excel.csv: line 2 is not UTF-8 text; it reads as Korean in CP949.*iconv"):
+        read_rows(str(tmp_path / "excel.csv"), ["text", "label"])
+    with pytest.raises(ValueError, match=r"mixed.tsv: line 3 is not UTF-8 text"):
+        read_rows(str(tmp_path / "mixed.tsv"), ["text", "label"])
+    assert read_rows(str(tmp_path / "bom.csv"), ["text", "label"])[0] == {"text": "좋은 영화였다", "label": "pos"}
+    assert read_rows(str(tmp_path / "rows.jsonl.gz"), ["text"]) == [{"text": "좋은 영화였다", "label": "pos"}]

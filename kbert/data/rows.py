@@ -10,7 +10,7 @@ import json
 import os
 from typing import List, Sequence
 
-from kbert.utils import open_text
+from kbert.utils import read_utf8_text
 
 
 def read_rows(source, columns: Sequence[str]) -> List[dict]:
@@ -24,21 +24,19 @@ def read_rows(source, columns: Sequence[str]) -> List[dict]:
             raise FileNotFoundError(f"Data file not found: {source!r}")
         base = source[:-3] if source.endswith(".gz") else source
         name = source
-        with open_text(source) as f:
-            if base.endswith((".jsonl", ".json")):
-                rows = []
-                for n, line in enumerate(f, 1):
-                    if line.strip():
-                        try:
-                            rows.append(json.loads(line))
-                        except json.JSONDecodeError as e:
-                            raise ValueError(f"{source}:{n} is not valid JSON: {e}") from None
-            else:
-                text = f.read().lstrip("\ufeff")
-                if base.endswith(".csv"):
-                    rows = list(csv.DictReader(text.splitlines()))
-                else:
-                    rows = list(csv.DictReader(text.splitlines(), delimiter="\t", quoting=csv.QUOTE_NONE))
+        text = read_utf8_text(source)
+        if base.endswith((".jsonl", ".json")):
+            rows = []
+            for n, line in enumerate(text.splitlines(), 1):
+                if line.strip():
+                    try:
+                        rows.append(json.loads(line))
+                    except json.JSONDecodeError as e:
+                        raise ValueError(f"{source}:{n} is not valid JSON: {e}") from None
+        elif base.endswith(".csv"):
+            rows = list(csv.DictReader(text.splitlines()))
+        else:
+            rows = list(csv.DictReader(text.splitlines(), delimiter="\t", quoting=csv.QUOTE_NONE))
     if not rows:
         raise ValueError(f"{name} holds no examples")
     missing = [c for c in columns if c is not None and c not in rows[0]]

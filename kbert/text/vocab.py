@@ -79,27 +79,13 @@ def _is_hangul_syllable(ch: str) -> bool:
     return "\uac00" <= ch <= "\ud7a3"
 
 
-def _undecodable_hint(raw: bytes) -> str:
-    """What an undecodable line probably is: Korean legacy text (CP949 / EUC-KR) or binary data."""
-    controls = sum(1 for b in raw if b < 9 or 13 < b < 32)
-    try:
-        text = raw.decode("cp949")
-    except UnicodeDecodeError:
-        text = None
-    if text is None or b"\x00" in raw or controls > max(2, len(raw) // 10):
-        return "it is not text in any Korean encoding kbert knows (binary data?): train on text files"
-    if any("\uac00" <= c <= "\ud7a3" for c in text):
-        return "it reads as Korean in CP949/EUC-KR: convert the file first, e.g. `iconv -f cp949 -t utf-8 IN > OUT`"
-    return "convert the file to UTF-8 first (e.g. `iconv -f ENCODING -t utf-8 IN > OUT`)"
-
-
 def _file_lines(path: str):
     """A training file's lines as UTF-8 text. Lines that are not UTF-8 or look binary (NUL bytes) are dropped
     and counted, with a warning that names the file, the first such line and the likely encoding; a file
     that is mostly such lines is an error (its vocabulary would be U+FFFD and byte garbage)."""
     import warnings
 
-    from kbert.utils import open_binary
+    from kbert.utils import open_binary, undecodable_hint
 
     total = bad = 0
     first = None
@@ -118,7 +104,7 @@ def _file_lines(path: str):
     if bad:
         where = f"{path} line {first[0]}"
         message = (f"{bad:,} of {total:,} lines of {path} are not UTF-8 text (first: {where}); "
-                   f"{_undecodable_hint(first[1])}")
+                   f"{undecodable_hint(first[1])}")
         if bad * 2 > total:
             raise ValueError(message)
         warnings.warn(message + "; those lines were left out", stacklevel=4)
