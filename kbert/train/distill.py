@@ -631,11 +631,9 @@ def text_rows(data, column: str) -> List[dict]:
             return [{column: x} for x in data if x.strip()]
         return read_rows(list(data), [column])
     if isinstance(data, str) and os.path.isfile(data) and data.endswith((".txt", ".txt.gz")):
-        import gzip
+        from kbert.utils import read_utf8_text
 
-        opener = gzip.open if data.endswith(".gz") else open
-        with opener(data, "rt", encoding="utf-8") as f:
-            return [{column: line.strip()} for line in f if line.strip()]
+        return [{column: line.strip()} for line in read_utf8_text(data).splitlines() if line.strip()]
     return read_rows(data, [column])
 
 
