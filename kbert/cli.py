@@ -374,9 +374,8 @@ def _embed(args):
                          f"--ranges for every chunk (or --format npy: ranges from all the vectors written)")
     # int8/uint8 without --ranges: float vectors first, quantized once all are known (one set of ranges)
     chunk_precision = "float32" if scalar and ranges is None else args.precision
-    source = open(args.input, encoding="utf-8") if args.input else sys.stdin
     chunks = []
-    lines = (line.rstrip("\n") for line in source)
+    lines = _utf8_lines(args.input)
     while True:  # streaming: a chunk of lines at a time
         chunk = list(itertools.islice(lines, args.chunk))
         if not chunk:
@@ -507,6 +506,20 @@ def _export(args):
     with open(os.path.join(path, "assets.extra", "kbert.json"), encoding="utf-8") as f:
         signature = json.load(f)["signature"]
     print(f"SavedModel ({signature}) written to {path}; checked against the Python API")
+
+
+def _utf8_lines(path):
+    """The lines of `path` (or of stdin), one at a time, without their line ends; a line that is not UTF-8 is
+    an error naming it and the likely fix (a CP949 file), not a codec's byte offset."""
+    from kbert.utils import open_binary, undecodable_hint
+
+    source = open_binary(path) if path else sys.stdin.buffer
+    for n, raw in enumerate(source, 1):
+        try:
+            yield raw.decode("utf-8-sig" if n == 1 else "utf-8").rstrip("\r\n")
+        except UnicodeDecodeError:
+            hint = undecodable_hint(raw.rstrip(b"\r\n"))
+            raise ValueError(f"{path or 'standard input'}: line {n} is not UTF-8 text; {hint}") from None
 
 
 def _mine_negatives(args):

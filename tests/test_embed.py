@@ -289,6 +289,13 @@ def test_embed_command(emb, tmp_path, capsys):
     assert main(["embed", "--model", model_dir, "--input", str(src), "--truncate-dim", "8"]) == 0
     rows = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
     np.testing.assert_allclose(rows[1]["vector"], emb.encode("학교에서 공부했다", truncate_dim=8), atol=1e-5)
+    # Windows line ends are not part of the text; a CP949 line is named, with the fix
+    (tmp_path / "crlf.txt").write_bytes("학교에서 공부했다\r\n".encode("utf-8-sig"))
+    assert main(["embed", "--model", model_dir, "--input", str(tmp_path / "crlf.txt")]) == 0
+    assert [json.loads(x)["text"] for x in capsys.readouterr().out.splitlines()] == ["학교에서 공부했다"]
+    (tmp_path / "cp949.txt").write_bytes("좋다\n".encode() + "학교에서 공부했다\n".encode("cp949"))
+    assert main(["embed", "--model", model_dir, "--input", str(tmp_path / "cp949.txt")]) == 1
+    assert "cp949.txt: line 2 is not UTF-8 text; it reads as Korean in CP949" in capsys.readouterr().err
 
 
 @pytest.mark.slow
