@@ -669,3 +669,16 @@ def test_labelled_rows_are_strict_utf8_and_name_a_cp949_file(tmp_path):
         read_rows(str(tmp_path / "mixed.tsv"), ["text", "label"])
     assert read_rows(str(tmp_path / "bom.csv"), ["text", "label"])[0] == {"text": "좋은 영화였다", "label": "pos"}
     assert read_rows(str(tmp_path / "rows.jsonl.gz"), ["text"]) == [{"text": "좋은 영화였다", "label": "pos"}]
+    # a .json file may be one array of objects (pretty-printed or not); an Excel workbook or a row that is
+    # not an object is named
+    rows = [{"text": "좋다", "label": "1"}, {"text": "싫다", "label": "0"}]
+    (tmp_path / "array.json").write_text(json.dumps(rows, ensure_ascii=False, indent=2), encoding="utf-8")
+    assert read_rows(str(tmp_path / "array.json"), ["text", "label"]) == rows
+    (tmp_path / "book.xlsx").write_bytes(b"PK\x03\x04")
+    with pytest.raises(ValueError, match="book.xlsx is an Excel workbook; save it as CSV UTF-8"):
+        read_rows(str(tmp_path / "book.xlsx"), ["text"])
+    (tmp_path / "lists.jsonl").write_text("[1, 2]\n", encoding="utf-8")
+    with pytest.raises(ValueError, match="lists.jsonl: row 1 is list, not a mapping of column to value"):
+        read_rows(str(tmp_path / "lists.jsonl"), ["text"])
+    with pytest.raises(ValueError, match="the given rows: row 1 is str"):
+        read_rows(["좋다", "싫다"], ["text"])

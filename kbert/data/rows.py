@@ -1,4 +1,5 @@
-"""Labelled rows for fine-tuning: TSV / CSV / JSONL files (gzip allowed) or lists of dicts, and their cells.
+"""Labelled rows for fine-tuning: TSV / CSV / JSONL files (UTF-8, gzip allowed; a .json file may be one
+array) or lists of dicts, and their cells.
 
 Every reader names the file, row and column of a bad value, so a mislabelled row is found without a debugger.
 """
@@ -15,7 +16,8 @@ from kbert.utils import read_utf8_text
 
 def read_rows(source, columns: Sequence[str]) -> List[dict]:
     """Rows of a TSV/CSV/JSONL file (or a list of dicts), checked to have every column in `columns` (None
-    entries are skipped). A TSV has a header row and no quoting."""
+    entries are skipped). A TSV has a header row and no quoting; a .json file is JSON lines or one array of
+    objects."""
     if isinstance(source, (list, tuple)):
         rows = list(source)
         name = "the given rows"
@@ -24,8 +26,16 @@ def read_rows(source, columns: Sequence[str]) -> List[dict]:
             raise FileNotFoundError(f"Data file not found: {source!r}")
         base = source[:-3] if source.endswith(".gz") else source
         name = source
+        if base.lower().endswith((".xlsx", ".xls")):
+            raise ValueError(f"{source} is an Excel workbook; save it as CSV UTF-8 (Excel: Save As > CSV UTF-8) "
+                             f"and pass the .csv")
         text = read_utf8_text(source)
-        if base.endswith((".jsonl", ".json")):
+        if base.endswith(".json") and text.lstrip().startswith("["):  # one JSON array of rows
+            try:
+                rows = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{source} is not valid JSON: {e}") from None
+        elif base.endswith((".jsonl", ".json")):
             rows = []
             for n, line in enumerate(text.splitlines(), 1):
                 if line.strip():
@@ -39,6 +49,9 @@ def read_rows(source, columns: Sequence[str]) -> List[dict]:
             rows = list(csv.DictReader(text.splitlines(), delimiter="\t", quoting=csv.QUOTE_NONE))
     if not rows:
         raise ValueError(f"{name} holds no examples")
+    bad = next((i for i, r in enumerate(rows) if not isinstance(r, dict)), None)
+    if bad is not None:
+        raise ValueError(f"{name}: row {bad + 1} is {type(rows[bad]).__name__}, not a mapping of column to value")
     missing = [c for c in columns if c is not None and c not in rows[0]]
     if missing:
         raise ValueError(f"{name} has no column {missing[0]!r}; its columns are {sorted(rows[0])}")

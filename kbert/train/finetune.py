@@ -156,7 +156,8 @@ def finetune(model: str, task: str, train, dev=None, out_dir: str = "finetuned",
     Args:
         model: a model dir (`kbert.load_model` formats) with its tokenizer.
         task: one of `kbert.train.finetune_tasks.TASKS` (see that module's docstring).
-        train, dev: TSV / CSV / JSONL paths or lists of dicts. Without `dev`, the last model is saved.
+        train, dev: TSV / CSV / JSONL paths (UTF-8; a .json file may be one array) or lists of dicts. Without
+            `dev`, the last model is saved.
         text_column, pair_column, label_column: column names (`pair_column` for pair tasks and bi-encoders;
             `label_column=None` for a bi-encoder trained on (anchor, positive) pairs).
         labels: class names in order (default: the sorted labels of `train`).
