@@ -326,7 +326,7 @@ def test_bad_configs_name_the_key(tok_dir, tmp_path):
     with pytest.raises(ValueError, match="optimizer.name"):
         pretrain(_config(tok_dir, str(tmp_path / "e"), 2, optimizer={"name": "sgd"}), progress=False)
     # settings that would train wrongly without an error (a negative rate climbs the loss) are refused first
-    for optimizer, match in (({"learning_rate": -1e-4}, "`optimizer.learning_rate` must be a positive number"),
+    for optimizer, match in (({"learning_rate": -1e-4}, "`optimizer.learning_rate` must be 0 or more"),
                              ({"weight_decay": -0.1}, "`optimizer.weight_decay` must be 0 or more"),
                              ({"beta_2": 1.0}, r"`optimizer.beta_2` must be in \[0, 1\)"),
                              ({"clip_norm": 0}, "`optimizer.clip_norm` must be None"),

@@ -46,8 +46,9 @@ class WarmupDecay(keras.optimizers.schedules.LearningRateSchedule):
 
 
 def check_optimizer(config) -> None:
-    """Refuses an `OptimizerConfig` that would train wrongly without an error: a learning rate of 0 or below
-    (nothing learns, or the loss climbs), negative decay, betas outside [0, 1), and the like."""
+    """Refuses an `OptimizerConfig` that would train wrongly without an error: a negative learning rate (the
+    loss climbs), negative decay, betas outside [0, 1), and the like. (A rate of 0 is allowed: it keeps the
+    initial weights, which tests and ablations use.)"""
     if config.name not in OPTIMIZERS:
         raise ValueError(f"`optimizer.name` must be one of {OPTIMIZERS}. Received: {config.name!r}")
     if config.decay not in DECAYS:
@@ -58,7 +59,7 @@ def check_optimizer(config) -> None:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
             raise ValueError(f"`optimizer.{key}` must be {rule}. Received: {value!r}")
 
-    number("learning_rate", lambda v: v > 0, "a positive number")
+    number("learning_rate", lambda v: v >= 0, "0 or more")
     number("end_learning_rate", lambda v: 0 <= v <= config.learning_rate, "in [0, learning_rate]")
     number("weight_decay", lambda v: v >= 0, "0 or more")
     number("beta_1", lambda v: 0 <= v < 1, "in [0, 1)")
