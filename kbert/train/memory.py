@@ -143,7 +143,8 @@ def estimate_memory(config, batch: int, seq_len: int, optimizer: str = "adamw", 
 
 def check_seq_len(config, seq) -> None:
     """Refuses a sequence length the model cannot train at: under 2 tokens ([CLS] and [SEP]), or beyond its
-    position embeddings (a gather past the table's end is clamped on JAX: a silent wrong model, not an error)."""
+    position embeddings (on JAX a lookup past the table's end gives NaN, not an error, so `--exact` would
+    measure a program that cannot train)."""
     if isinstance(seq, bool) or not isinstance(seq, numbers.Integral) or seq < 2:
         raise ValueError(f"seq_len must be an integer of at least 2 tokens. Received: {seq!r}")
     if seq > config.max_position:
