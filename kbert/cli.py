@@ -902,7 +902,8 @@ def main(argv=None) -> int:
     if not args.command:
         parser.print_help()
         return 0
-    previous = _terminate_as_interrupt()
+    # `serve` drains on SIGTERM itself: uvicorn restores the handler it found, then re-raises the signal
+    previous = _terminate_as_interrupt() if args.command != "serve" else None
     try:
         status = args.func(args)
     except KeyboardInterrupt as e:
