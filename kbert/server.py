@@ -9,9 +9,10 @@ Routes (JSON in and out; errors are `{"error": {"message", "type", "code"}}` wit
                           "pooling", "normalize", "prompt_name" (one of the model's prompts, E5's "query" /
                           "passage"; default: its default prompt), OpenAI's "dimensions" (the first n of each
                           vector, renormalized) and "encoding_format" ("float", or "base64": each vector's
-                          little-endian float32 bytes, under half the size of the
-                          floats as JSON; what OpenAI's Python client asks for unless told otherwise) -> {"object": "list", "data": [{"object": "embedding",
-                          "index": i, "embedding": [...]}], "model", "usage": {"prompt_tokens", "total_tokens"}}
+                          little-endian float32 bytes, under half the size of the floats as JSON; what OpenAI's
+                          Python client asks for unless told otherwise) -> {"object": "list", "data":
+                          [{"object": "embedding", "index": i, "embedding": [...]}], "model", "usage":
+                          {"prompt_tokens", "total_tokens"}}
     POST /v1/similarity   {"source_sentence": str, "sentences": [str]} -> {"similarities": [cosine, ...]}
     POST /v1/classify     task dirs (`kbert finetune` output, a Hugging Face classifier): {"input": str | [str],
                           "pairs"?: [str]} -> {"data": [{"index", "label", "probabilities": {label: p}}]}
