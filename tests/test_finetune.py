@@ -561,6 +561,51 @@ def test_in_batch_loss_with_temperature_and_hard_negatives_against_a_hand_comput
     assert float(in_batch_loss(a, np.concatenate([b, a]), 0.05)) > float(in_batch_loss(a, b, 0.05))
 
 
+def test_in_batch_loss_leaves_a_repeated_text_out_of_the_rows_it_is_no_negative_of():
+    """With the texts' identities, row i's denominator leaves out a candidate that is row i's positive again,
+    its anchor again, or the positive of another row with the same anchor text (false negatives), and keeps
+    everything else, its own positive and hard negative included; a hand computation over the kept columns.
+    The identities come from the encoded texts, and a batch carries them in the loss's order."""
+    from kbert.train.finetune import FinetuneConfig
+    from kbert.train.finetune_tasks import Examples, in_batch_loss, task_for, text_identities
+
+    rng = np.random.default_rng(1)
+    unit = lambda x: x / np.linalg.norm(x, axis=1, keepdims=True)  # noqa: E731
+    a, b, neg = (unit(rng.normal(size=(4, 8))).astype("float32") for _ in range(3))
+    # rows (anchor, positive, negative): 0 (A, P, N0); 1 (B, P, N1): row 0's positive; 2 (A, Q, N2): row 0's
+    # anchor; 3 (C, R, A): its hard negative is the text A
+    a[2], b[1], neg[3] = a[0], b[0], a[0]
+    ids = np.array([0, 1, 0, 2] + [3, 3, 4, 5] + [6, 7, 8, 0], "int32")
+    candidates = np.concatenate([b, neg])
+    logits = (a @ candidates.T / 0.05).astype("float64")
+    dropped = {0: {1, 2, 7}, 1: {0}, 2: {0, 7}, 3: set()}
+    hand = np.mean([np.log(sum(np.exp(row[j]) for j in range(8) if j not in dropped[i])) - row[i]
+                    for i, row in enumerate(logits)])
+    assert float(in_batch_loss(a, candidates, 0.05, text_ids=ids)) == pytest.approx(hand, rel=1e-4)
+    assert float(in_batch_loss(a, candidates, 0.05)) > hand  # unmasked, the repeats count as negatives
+    # SimCSE: the anchors are their own positives; a line twice in the batch is no negative of itself
+    lines = unit(rng.normal(size=(3, 8))).astype("float32")
+    lines[2] = lines[0]
+    second = unit(lines + 0.5 * rng.normal(size=(3, 8))).astype("float32")  # the second dropout pass
+    twice = np.array([0, 1, 0, 0, 1, 0], "int32")
+    logits = (lines @ second.T / 0.05).astype("float64")
+    keep = {0: [0, 1], 1: [0, 1, 2], 2: [1, 2]}
+    hand = np.mean([np.log(np.exp(row[keep[i]]).sum()) - row[i] for i, row in enumerate(logits)])
+    assert float(in_batch_loss(lines, second, 0.05, text_ids=twice)) == pytest.approx(hand, rel=1e-4)
+
+    # identities: equal exactly where the encoded texts are (one numbering across the columns)
+    assert text_identities([[[5, 6], [7], [5, 6]], [[7], [7], [5]]]).tolist() == [[0, 1], [1, 1], [0, 2]]
+    task = task_for(FinetuneConfig(model="m", task="sentence-embedding", text_column="q", pair_column="p",
+                                   label_column=None, negative_column="n"))
+    ex = Examples([[1, 2], [3], [1, 2]], None, None, pair_token_ids=[[4], [4], [5]],
+                  negative_token_ids=[[6], [7], [1, 2]], text_ids=text_identities([[[1, 2], [3], [1, 2]],
+                                                                                   [[4], [4], [5]],
+                                                                                   [[6], [7], [1, 2]]]))
+    feats, y, n, _ = task.training_batch(ex, np.array([2, 0, 1]), 0)
+    assert n == 3 and feats["token_ids"].shape[0] == 9
+    assert y.tolist() == [0, 0, 3, 5, 1, 1, 0, 2, 4]  # anchors, positives, negatives of rows 2, 0, 1
+
+
 @pytest.mark.slow
 def test_simcse_hard_negatives_and_matryoshka_train_a_bi_encoder(base, tmp_path):
     """objective='simcse' trains on single texts (two dropout passes of a text differ, and are its positive),
@@ -625,6 +670,10 @@ def test_simcse_hard_negatives_and_matryoshka_train_a_bi_encoder(base, tmp_path)
         kbert.finetune(base, "sentence-embedding", None, datasets=[
             {"data": rows, "text_column": "sentence1", "objective": "simcse"},
             {"data": triplets[:1], "text_column": "a", "pair_column": "p"}], **bad)
+    with pytest.raises(ValueError, match=r"at least 2 different texts to tell apart; every training row's "
+                                         r"positive is the same text"):
+        kbert.finetune(base, "sentence-embedding", [{"a": t, "p": "같은 문장"} for t in texts[:8]],
+                       text_column="a", pair_column="p", label_column=None, **bad)
     with pytest.raises(ValueError, match="`datasets` is empty"):
         kbert.finetune(base, "sentence-embedding", None, datasets=[], **bad)
     # a hard negative is a candidate of its own: one row, or a batch of one, still learns

@@ -204,6 +204,10 @@ def finetune(model: str, task: str, train, dev=None, out_dir: str = "finetuned",
         negative_column: for sentence-embedding with unscored (anchor, positive) pairs: a hard negative per
             row, scored against every anchor besides the batch's positives (NLI contradictions, non-paraphrases).
         temperature: in-batch and SimCSE losses divide cosines by it (0.05, SimCSE's and Sentence-BERT's scale 20).
+            In those losses a candidate that is not a negative of a row (the same text as its positive or its
+            anchor, or the positive of another row with the same anchor) is left out of that row's softmax,
+            so repeated texts in a batch are never false negatives (sentence-transformers' "no_duplicates"
+            batch sampler, without skipping rows).
         matryoshka_dims: for sentence-embedding, e.g. [64, 128]: the loss also trains the vectors cut to those
             widths (renormalized), so they can be truncated and still rank well.
         datasets: for sentence-embedding, several training sets in one run, each a mapping with `data` (a file

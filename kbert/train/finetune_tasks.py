@@ -37,12 +37,14 @@ IGNORE = -1  # tag label of tokens that are not the first piece of a word
 class Examples:
     """One encoded split: token ids (and segment ids) per example, labels (an array, or per-token lists for
     tagging, or None for unscored pairs), and for bi-encoders the second text's token ids and hard
-    negatives' token ids."""
+    negatives' token ids; for in-batch training sets `text_ids` `[n, k]`, one integer per text of each row
+    (anchor, positive, hard negative; SimCSE: the text alone), equal where the encoded texts are equal."""
     token_ids: List[List[int]]
     segment_ids: Optional[List[List[int]]]
     labels: object
     pair_token_ids: Optional[List[List[int]]] = None
     negative_token_ids: Optional[List[List[int]]] = None
+    text_ids: Optional[np.ndarray] = None
 
     def __len__(self):
         return len(self.token_ids)
@@ -426,30 +428,46 @@ class SentenceEmbeddingTask(FinetuneTask):
 
         a = ids(c.text_column)
         if c.objective == "simcse" and split == "train":
-            return Examples(a, None, None)
+            return Examples(a, None, None, text_ids=text_identities([a]))
         scores = None
         if c.label_column:
             scores = np.array([cells.number(r.get(c.label_column), split, i) for i, r in enumerate(rows)], np.float32)
         negatives = ids(c.negative_column) if c.negative_column and split == "train" else None
-        return Examples(a, None, scores, pair_token_ids=ids(c.pair_column), negative_token_ids=negatives)
+        b = ids(c.pair_column)
+        text_ids = None
+        if split == "train" and scores is None:
+            text_ids = text_identities([a, b] + ([negatives] if negatives is not None else []))
+        return Examples(a, None, scores, pair_token_ids=b, negative_token_ids=negatives, text_ids=text_ids)
 
     def fit(self, train):
         if self.in_batch_only and len(train) < 2:
             raise ValueError(f"in-batch negatives ({self.objective_name}) need at least 2 training rows, each "
                              f"the others' negative; the training data has {len(train)}")
+        if self.in_batch_only and train.text_ids is not None and len(np.unique(train.text_ids[:, -1])) < 2:
+            # one candidate text throughout: it is every row's positive, so no row ever has a negative
+            raise ValueError(f"in-batch negatives ({self.objective_name}) need at least 2 different texts to "
+                             f"tell apart; every training row's " + ("text" if self.config.objective == "simcse"
+                                                                     else "positive") + " is the same text")
         self.score_max = 1.0
         if train.labels is not None:
             self.score_max = float(np.max(np.abs(train.labels))) or 1.0
 
     def batch(self, examples, index, pad_id):
         """The texts of the batch in one `[k b, s]` batch: anchors, then positives (SimCSE: the anchors
-        again), then hard negatives; `[b]` scores or None."""
+        again), then hard negatives; y: `[b]` scores, or for in-batch negatives the `[k b]` identities of
+        those texts in the same order (`in_batch_loss`'s `text_ids`; None without them)."""
         rows = [examples.token_ids[i] for i in index]
         rows += [(examples.pair_token_ids or examples.token_ids)[i] for i in index]
         if examples.negative_token_ids is not None:
             rows += [examples.negative_token_ids[i] for i in index]
         ids = pad(rows, pad_id)
-        y = None if examples.labels is None else np.asarray(examples.labels[index])
+        if examples.labels is not None:
+            y = np.asarray(examples.labels[index])
+        elif examples.text_ids is not None:
+            t = examples.text_ids[np.asarray(index)]
+            y = np.concatenate([t[:, 0], t[:, min(1, t.shape[1] - 1)]] + ([t[:, 2]] if t.shape[1] > 2 else []))
+        else:
+            y = None
         return features(ids, np.zeros_like(ids), pad_id), y
 
     def loss(self, network, feats, y, n, key: int = 0):
@@ -473,8 +491,10 @@ class SentenceEmbeddingTask(FinetuneTask):
 
         v = v / keras.ops.maximum(keras.ops.norm(v, axis=-1, keepdims=True), 1e-12)
         a, others = v[:n], v[n:]  # others: positives [b, h] then hard negatives [b, h]
-        if y is None:  # in-batch negatives (SimCSE too): a[i] should pick others[i] among all of them
-            return in_batch_loss(a, others, self.config.temperature)
+        if self.config.objective == "simcse" or not self.config.label_column:
+            # in-batch negatives (SimCSE too): a[i] should pick others[i] among all of them; y: the texts'
+            # identities (or None), so a repeat of row i's texts elsewhere in the batch is no negative of it
+            return in_batch_loss(a, others, self.config.temperature, text_ids=y)
         cos = keras.ops.sum(a * others, axis=-1)
         if self.config.similarity_loss == "cosine":
             return keras.ops.mean(keras.ops.square(cos - y / self.score_max))
@@ -492,14 +512,42 @@ class SentenceEmbeddingTask(FinetuneTask):
         return "spearman" if (dev is not None and dev.labels is not None) else "recall@1"
 
 
-def in_batch_loss(anchors, candidates, temperature: float = 0.05):
+def text_identities(columns: List[List[List[int]]]) -> np.ndarray:
+    """`[n, k]` int32: one integer per encoded text of `k` columns of `n` rows, equal exactly where the token
+    ids are (the same text, as the network sees it: after prompts and truncation)."""
+    index: Dict[tuple, int] = {}
+    return np.array([[index.setdefault(tuple(x), len(index)) for x in row] for row in zip(*columns)],
+                    np.int32).reshape(len(columns[0]), len(columns))
+
+
+def in_batch_loss(anchors, candidates, temperature: float = 0.05, text_ids=None):
     """Multiple-negatives ranking loss (SimCSE's, Sentence-BERT's MultipleNegativesRankingLoss): unit anchors
     [b, h] against unit candidates [c, h] (the b positives first, then any hard negatives): cross-entropy
-    of row i of `anchors @ candidates.T / temperature` [b, c] with target i."""
+    of row i of `anchors @ candidates.T / temperature` [b, c] with target i.
+
+    `text_ids` [b + c] (optional): the identities of the anchors' then the candidates' texts (`Examples.
+    text_ids`). A candidate j != i is then left out of row i's denominator when it is not a negative of
+    anchor i: the same text as row i's positive or as the anchor itself, or the positive of another row with
+    the same anchor text. Why: a text repeated in a batch (a question with two paraphrases, a passage that
+    answers two questions, a line twice in SimCSE's text) would otherwise be pushed away from itself, a
+    false negative. sentence-transformers avoids it with a batch sampler that skips rows
+    (`batch_sampler="no_duplicates"`); with the identities known before encoding, the loss can mask exactly
+    and every row still trains."""
     import keras
 
     logits = keras.ops.matmul(anchors, keras.ops.transpose(candidates)) / temperature
-    target = keras.ops.arange(keras.ops.shape(anchors)[0])
+    b = keras.ops.shape(anchors)[0]
+    if text_ids is not None:
+        anchor_ids, candidate_ids = text_ids[:b], text_ids[b:]
+        same = keras.ops.logical_or(candidate_ids[None, :] == candidate_ids[:b][:, None],
+                                    candidate_ids[None, :] == anchor_ids[:, None])
+        same_anchor = anchor_ids[None, :] == anchor_ids[:, None]  # [b, b]: over the positives' columns only
+        same = keras.ops.logical_or(same, keras.ops.concatenate(
+            [same_anchor, keras.ops.zeros_like(same[:, b:])], axis=1))
+        own = keras.ops.arange(keras.ops.shape(candidates)[0])[None, :] == keras.ops.arange(b)[:, None]
+        drop = keras.ops.logical_and(same, keras.ops.logical_not(own))
+        logits = logits - keras.ops.cast(drop, logits.dtype) * 1e4  # exp(-1e4) is 0 in every float dtype
+    target = keras.ops.arange(b)
     return keras.ops.mean(keras.losses.sparse_categorical_crossentropy(target, logits, from_logits=True))
 
 
