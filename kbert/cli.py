@@ -424,7 +424,8 @@ def _finetune(args):
              "max_length": "max_length", "patience": "patience", "eval_every": "eval_every",
              "max_steps": "max_steps", "seed": "seed", "checkpoint_every": "checkpoint_every",
              "objective": "objective", "negative_column": "negative_column", "temperature": "temperature",
-             "mini_batch_size": "mini_batch_size", "strategy": "strategy"}
+             "mini_batch_size": "mini_batch_size", "guide": "guide", "guide_margin": "guide_margin",
+             "strategy": "strategy"}
     values.update({key: getattr(args, dest) for dest, key in flags.items() if getattr(args, dest) is not None})
     if args.layers is not None:
         values["layers"] = parse_layers(args.layers)
@@ -728,6 +729,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mini-batch-size", type=int,
                    help="sentence-embedding: texts through the network at a time (gradient caching: a large "
                         "contrastive batch in the memory of this many)")
+    p.add_argument("--guide", help="sentence-embedding with in-batch negatives: a model dir whose vectors leave "
+                                   "out of each row's negatives what it scores above the row's positive (GISTEmbed)")
+    p.add_argument("--guide-margin", type=float, help="with --guide: the cosine margin (default 0)")
     p.add_argument("--strategy", choices=("auto", "cpu", "mirrored", "tpu"),
                    help="devices: auto (every local one, default), cpu, mirrored (the GPUs), tpu; several train "
                         "data-parallel with --batch-size as the whole batch (Keras' JAX backend; TensorFlow: one)")

@@ -604,6 +604,71 @@ def test_in_batch_loss_leaves_a_repeated_text_out_of_the_rows_it_is_no_negative_
     feats, y, n, _ = task.training_batch(ex, np.array([2, 0, 1]), 0)
     assert n == 3 and feats["token_ids"].shape[0] == 9
     assert y.tolist() == [0, 0, 3, 5, 1, 1, 0, 2, 4]  # anchors, positives, negatives of rows 2, 0, 1
+    # with a guide model's vectors of the distinct texts, the batch carries them in the same order
+    ex.guide = np.arange(6 * 2, dtype="float32").reshape(6, 2)
+    _, y, _, _ = task.training_batch(ex, np.array([2, 0, 1]), 0)
+    assert y["text_ids"].tolist() == [0, 0, 3, 5, 1, 1, 0, 2, 4]
+    np.testing.assert_array_equal(y["guide"], ex.guide[[0, 0, 3, 5, 1, 1, 0, 2, 4]])
+
+
+def test_a_guide_model_leaves_what_it_ranks_above_the_positive_out_of_the_negatives():
+    """GISTEmbed: candidate j of row i leaves row i's denominator when the guide's cosine (anchor i, j)
+    exceeds its cosine (anchor i, positive i) less the margin; the row's own positive always stays; a
+    hand computation over the kept columns, for margins 0 and 0.2."""
+    from kbert.train.finetune_tasks import in_batch_loss
+
+    rng = np.random.default_rng(2)
+    unit = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)  # noqa: E731
+    a, b, neg = (unit(rng.normal(size=(4, 8))).astype("float32") for _ in range(3))
+    candidates = np.concatenate([b, neg])
+    g = unit(rng.normal(size=(12, 5))).astype("float32")  # the guide's vectors: anchors, positives, negatives
+    g_sim = g[:4] @ g[4:].T
+    g_pos = np.sum(g[:4] * g[4:8], axis=1)
+    logits = (a @ candidates.T / 0.05).astype("float64")
+    for margin in (0.0, 0.2):
+        keep = [[j for j in range(8) if j == i or not g_sim[i, j] > g_pos[i] - margin] for i in range(4)]
+        hand = np.mean([np.log(np.exp(row[keep[i]]).sum()) - row[i] for i, row in enumerate(logits)])
+        got = float(in_batch_loss(a, candidates, 0.05, guide=g, guide_margin=margin))
+        assert got == pytest.approx(hand, rel=1e-4)
+    assert sum(len(k) for k in keep) < 4 * 8  # the guide did leave some out
+    # a guide that agrees with the positive above everything leaves every negative in
+    same = np.concatenate([a, a, -a])
+    assert float(in_batch_loss(a, candidates, 0.05, guide=same)) == pytest.approx(
+        float(in_batch_loss(a, candidates, 0.05)), rel=1e-5)
+
+
+def test_finetune_with_a_guide_model_filters_in_batch_negatives(base, tmp_path):
+    """`guide=`: the guide's vectors of every distinct training text are computed before training; a margin
+    under which it leaves nothing out trains exactly as without it, a wide one leaves most negatives out
+    (a lower loss); bad uses are refused by name."""
+    texts = [r["text"] for r in movie_review_sentiment(REVIEWS, "train", limit=96)]
+    pairs = [{"a": t, "p": t[: max(1, len(t) // 2)]} for t in texts]
+    run = dict(text_column="a", pair_column="p", label_column=None, max_steps=2, batch_size=16, max_length=32,
+               eval_every=1, progress=False)
+
+    def losses(name, **kw):
+        summary = kbert.finetune(base, "sentence-embedding", pairs, out_dir=str(tmp_path / name), **run, **kw)
+        return [h["train_loss"] for h in summary["history"]]
+    plain = losses("plain")
+    assert losses("none-left-out", guide=base, guide_margin=-1.99) == pytest.approx(plain, rel=1e-5)
+    wide = losses("wide", guide=base, guide_margin=1.5)
+    assert wide[0] < plain[0]
+    # gradient caching carries the guide's vectors to the loss as the whole batch does (no dropout: equal)
+    whole = losses("whole", guide=base, guide_margin=0.1, backbone_dropout=0.0)
+    assert losses("cached", guide=base, guide_margin=0.1, backbone_dropout=0.0, mini_batch_size=8) == \
+        pytest.approx(whole, rel=1e-4)
+    bad = dict(out_dir=str(tmp_path / "bad"), progress=False, max_steps=1)
+    with pytest.raises(ValueError, match="no training set here has them"):
+        kbert.finetune(base, "sentence-embedding", os.path.join(KORSTS, "sts-dev.tsv"), text_column="sentence1",
+                       pair_column="sentence2", label_column="score", guide=base, **bad)
+    with pytest.raises(ValueError, match="`guide` must be a model dir"):
+        kbert.finetune(base, "sentence-embedding", pairs, text_column="a", pair_column="p", label_column=None,
+                       guide=str(tmp_path / "nowhere"), **bad)
+    with pytest.raises(ValueError, match="goes with task='sentence-embedding'"):
+        kbert.finetune(base, "classification", pairs, text_column="a", label_column="p", guide=base, **bad)
+    with pytest.raises(ValueError, match=r"`guide_margin` must be a number in \(-2, 2\)"):
+        kbert.finetune(base, "sentence-embedding", pairs, text_column="a", pair_column="p", label_column=None,
+                       guide=base, guide_margin=3, **bad)
 
 
 @pytest.mark.slow

@@ -83,6 +83,8 @@ class FinetuneConfig:
     mini_batch_size: Optional[int] = None  # sentence-embedding: rows per forward pass (gradient caching)
     prompts: Any = None  # sentence-embedding: a text put before every text, or {column: text}
     model_prompts: Optional[dict] = None  # sentence-embedding: the output's prompts for inference {name: text}
+    guide: Optional[str] = None  # sentence-embedding: a model dir whose vectors filter in-batch false negatives
+    guide_margin: float = 0.0  # ... those it scores above the anchor's positive less this
     strategy: str = "auto"  # devices: auto | cpu | mirrored | tpu (several: Keras' JAX backend only)
 
     @classmethod
@@ -131,6 +133,17 @@ class FinetuneConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
                 raise ValueError(f"`{name}` must be {rule}. Received: {name}={value!r}")
+        if self.guide is not None:
+            if self.task != "sentence-embedding" or not isinstance(self.guide, str):
+                raise ValueError(f"`guide` (a model dir whose vectors filter in-batch negatives) goes with "
+                                 f"task='sentence-embedding'. Received: guide={self.guide!r}, task={self.task!r}")
+            if not os.path.isdir(self.guide):
+                raise ValueError(f"`guide` must be a model dir (a kbert, sentence-transformers or Hugging Face "
+                                 f"dir); {self.guide!r} is not a directory")
+        margin = self.guide_margin
+        if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not -2 < margin < 2:
+            raise ValueError(f"`guide_margin` must be a number in (-2, 2) (a cosine difference). "
+                             f"Received: guide_margin={margin!r}")
         for name in ("checkpoint_every", "stop_after", "mini_batch_size", "patience", "eval_every", "max_steps"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -150,7 +163,8 @@ def finetune(model: str, task: str, train, dev=None, out_dir: str = "finetuned",
              objective: Optional[str] = None, negative_column: Optional[str] = None, temperature: float = 0.05,
              matryoshka_dims: Optional[Sequence[int]] = None, datasets: Optional[Sequence[dict]] = None,
              mix: str = "proportional", mini_batch_size: Optional[int] = None, prompts=None,
-             model_prompts: Optional[dict] = None, strategy: str = "auto") -> dict:
+             model_prompts: Optional[dict] = None, guide: Optional[str] = None, guide_margin: float = 0.0,
+             strategy: str = "auto") -> dict:
     """Fine-tunes the model dir `model` on `train`; returns a summary with the dev history.
 
     Args:
@@ -226,6 +240,15 @@ def finetune(model: str, task: str, train, dev=None, out_dir: str = "finetuned",
         model_prompts: for sentence-embedding, the prompts the output keeps for inference ({"query": "query: ",
             "document": "passage: "}: `Embedder.encode_query` / `encode_document`, `search`, a
             sentence-transformers export). Default: the starting model's own (a sentence-transformers dir's).
+        guide: for sentence-embedding with in-batch negatives (pairs, hard negatives, SimCSE; in `datasets`,
+            each such dataset): a model dir (a sentence-embedding task dir, a sentence-transformers dir, any
+            kbert-loadable checkpoint: mean pooling) whose unit vectors of every distinct training text are
+            computed once before training (then the guide leaves memory). A candidate the guide scores closer
+            to an anchor than the anchor's own positive, less `guide_margin`, is then no negative of it
+            (GISTEmbed; sentence-transformers' GISTEmbedLoss): paraphrases that are other rows' positives stop
+            being pushed away. None: only exact repeats are left out.
+        guide_margin: the cosine margin above (0: anything the guide ranks above the positive; more leaves
+            out more, a negative value only what the guide ranks clearly above it).
         strategy: the devices, by `kbert pretrain --strategy`'s names: "auto" (every local device), "cpu",
             "mirrored" (the GPUs), "tpu". On Keras' JAX backend several devices train data-parallel: the
             weights replicated, each batch split along its rows, and XLA all-reduces the gradients.
@@ -324,6 +347,24 @@ def run(config: FinetuneConfig, task=None, before_training=None) -> dict:
         return _run(config, task, before_training, distribution)
 
 
+def _guide_vectors(c: FinetuneConfig, train_ex, max_length: int) -> None:
+    """Sets `guide` `[distinct texts, h_g]` on every in-batch training set: the guide model's unit vectors of
+    its distinct texts (on the guide's own tokenizer), computed once, then the guide's weights dropped."""
+    from kbert.train.teacher import Teacher
+
+    parts = [ex for ex in (getattr(train_ex, "parts", None) or [train_ex]) if ex.texts is not None]
+    if not parts:
+        raise ValueError("`guide` filters in-batch negatives, and no training set here has them (scored pairs "
+                         "only): leave `guide` out, or train (anchor, positive) pairs or SimCSE")
+    guide = Teacher(c.guide, "embedding", dtype=c.dtype, progress=c.progress)
+    length = min(max_length, guide.config.max_position)
+    for ex in parts:
+        ex.guide = guide.vectors(ex.texts, length)
+    if c.progress:
+        print(f"guide {c.guide}: vectors of {sum(len(ex.texts) for ex in parts)} distinct training texts", flush=True)
+    guide.release()
+
+
 def _run(c: FinetuneConfig, task, before_training, distribution) -> dict:
     import keras
 
@@ -350,6 +391,8 @@ def _run(c: FinetuneConfig, task, before_training, distribution) -> dict:
     train_ex = task.encode(train_rows, tokenizer, max_length, "train")
     dev_ex = task.encode(dev_rows, tokenizer, max_length, "dev") if dev_rows else None
     task.fit(train_ex)
+    if c.guide is not None:
+        _guide_vectors(c, train_ex, max_length)
     if before_training is not None:
         before_training()
 

@@ -38,13 +38,17 @@ class Examples:
     """One encoded split: token ids (and segment ids) per example, labels (an array, or per-token lists for
     tagging, or None for unscored pairs), and for bi-encoders the second text's token ids and hard
     negatives' token ids; for in-batch training sets `text_ids` `[n, k]`, one integer per text of each row
-    (anchor, positive, hard negative; SimCSE: the text alone), equal where the encoded texts are equal."""
+    (anchor, positive, hard negative; SimCSE: the text alone), equal where the encoded texts are equal,
+    `texts` the distinct texts in the order of those integers, and with a guide model its unit vectors of
+    them, `guide` `[distinct texts, h_g]`."""
     token_ids: List[List[int]]
     segment_ids: Optional[List[List[int]]]
     labels: object
     pair_token_ids: Optional[List[List[int]]] = None
     negative_token_ids: Optional[List[List[int]]] = None
     text_ids: Optional[np.ndarray] = None
+    texts: Optional[List[str]] = None
+    guide: Optional[np.ndarray] = None
 
     def __len__(self):
         return len(self.token_ids)
@@ -419,25 +423,37 @@ class SentenceEmbeddingTask(FinetuneTask):
 
         prompts = getattr(c, "prompts", None)
 
+        raw = {}
+
         def ids(column):
             texts = [cells.text_cell(r, column, f"{split} row {i + 1}") for i, r in enumerate(rows)]
             prompt = prompts if isinstance(prompts, str) else (prompts or {}).get(column, "")
             if prompt:  # sentence-transformers' training prompts: before the text, inside its max_length
                 texts = [prompt + t for t in texts]
+            raw[column] = texts
             return [e.ids for e in tokenizer.encode_batch(texts, max_length=max_length)]
+
+        def in_batch(columns, encoded):  # text_ids, and the distinct texts in their order
+            text_ids = text_identities(encoded)
+            texts = [None] * (int(text_ids.max()) + 1 if text_ids.size else 0)
+            for k, column in enumerate(columns):
+                for i, t in zip(text_ids[:, k], raw[column]):
+                    texts[i] = t if texts[i] is None else texts[i]
+            return dict(text_ids=text_ids, texts=texts)
 
         a = ids(c.text_column)
         if c.objective == "simcse" and split == "train":
-            return Examples(a, None, None, text_ids=text_identities([a]))
+            return Examples(a, None, None, **in_batch([c.text_column], [a]))
         scores = None
         if c.label_column:
             scores = np.array([cells.number(r.get(c.label_column), split, i) for i, r in enumerate(rows)], np.float32)
         negatives = ids(c.negative_column) if c.negative_column and split == "train" else None
         b = ids(c.pair_column)
-        text_ids = None
+        extra = {}
         if split == "train" and scores is None:
-            text_ids = text_identities([a, b] + ([negatives] if negatives is not None else []))
-        return Examples(a, None, scores, pair_token_ids=b, negative_token_ids=negatives, text_ids=text_ids)
+            columns = [c.text_column, c.pair_column] + ([c.negative_column] if negatives is not None else [])
+            extra = in_batch(columns, [a, b] + ([negatives] if negatives is not None else []))
+        return Examples(a, None, scores, pair_token_ids=b, negative_token_ids=negatives, **extra)
 
     def fit(self, train):
         if self.in_batch_only and len(train) < 2:
@@ -455,7 +471,8 @@ class SentenceEmbeddingTask(FinetuneTask):
     def batch(self, examples, index, pad_id):
         """The texts of the batch in one `[k b, s]` batch: anchors, then positives (SimCSE: the anchors
         again), then hard negatives; y: `[b]` scores, or for in-batch negatives the `[k b]` identities of
-        those texts in the same order (`in_batch_loss`'s `text_ids`; None without them)."""
+        those texts in the same order (`in_batch_loss`'s `text_ids`; None without them), with a guide model
+        {"text_ids": those, "guide": its `[k b, h_g]` unit vectors of the same texts}."""
         rows = [examples.token_ids[i] for i in index]
         rows += [(examples.pair_token_ids or examples.token_ids)[i] for i in index]
         if examples.negative_token_ids is not None:
@@ -466,6 +483,8 @@ class SentenceEmbeddingTask(FinetuneTask):
         elif examples.text_ids is not None:
             t = examples.text_ids[np.asarray(index)]
             y = np.concatenate([t[:, 0], t[:, min(1, t.shape[1] - 1)]] + ([t[:, 2]] if t.shape[1] > 2 else []))
+            if examples.guide is not None:
+                y = {"text_ids": y, "guide": examples.guide[y]}
         else:
             y = None
         return features(ids, np.zeros_like(ids), pad_id), y
@@ -493,8 +512,11 @@ class SentenceEmbeddingTask(FinetuneTask):
         a, others = v[:n], v[n:]  # others: positives [b, h] then hard negatives [b, h]
         if self.config.objective == "simcse" or not self.config.label_column:
             # in-batch negatives (SimCSE too): a[i] should pick others[i] among all of them; y: the texts'
-            # identities (or None), so a repeat of row i's texts elsewhere in the batch is no negative of it
-            return in_batch_loss(a, others, self.config.temperature, text_ids=y)
+            # identities (or None), so a repeat of row i's texts elsewhere in the batch is no negative of it,
+            # and with a guide model its vectors of them
+            guide = y.get("guide") if isinstance(y, dict) else None
+            return in_batch_loss(a, others, self.config.temperature, y["text_ids"] if isinstance(y, dict) else y,
+                                 guide, getattr(self.config, "guide_margin", 0.0))
         cos = keras.ops.sum(a * others, axis=-1)
         if self.config.similarity_loss == "cosine":
             return keras.ops.mean(keras.ops.square(cos - y / self.score_max))
@@ -520,7 +542,8 @@ def text_identities(columns: List[List[List[int]]]) -> np.ndarray:
                     np.int32).reshape(len(columns[0]), len(columns))
 
 
-def in_batch_loss(anchors, candidates, temperature: float = 0.05, text_ids=None):
+def in_batch_loss(anchors, candidates, temperature: float = 0.05, text_ids=None, guide=None,
+                  guide_margin: float = 0.0):
     """Multiple-negatives ranking loss (SimCSE's, Sentence-BERT's MultipleNegativesRankingLoss): unit anchors
     [b, h] against unit candidates [c, h] (the b positives first, then any hard negatives): cross-entropy
     of row i of `anchors @ candidates.T / temperature` [b, c] with target i.
@@ -532,7 +555,13 @@ def in_batch_loss(anchors, candidates, temperature: float = 0.05, text_ids=None)
     answers two questions, a line twice in SimCSE's text) would otherwise be pushed away from itself, a
     false negative. sentence-transformers avoids it with a batch sampler that skips rows
     (`batch_sampler="no_duplicates"`); with the identities known before encoding, the loss can mask exactly
-    and every row still trains."""
+    and every row still trains.
+
+    `guide` [b + c, h_g] (optional): a guide model's unit vectors of the same texts in the same order
+    (GISTEmbed, Solatorio 2024; sentence-transformers' GISTEmbedLoss). A candidate j != i that the guide
+    scores closer to anchor i than i's own positive, less `guide_margin`, is left out of row i's denominator
+    too: a paraphrase of the anchor that is another row's positive is a likely false negative the
+    identities cannot see."""
     import keras
 
     logits = keras.ops.matmul(anchors, keras.ops.transpose(candidates)) / temperature
@@ -547,6 +576,14 @@ def in_batch_loss(anchors, candidates, temperature: float = 0.05, text_ids=None)
         own = keras.ops.arange(keras.ops.shape(candidates)[0])[None, :] == keras.ops.arange(b)[:, None]
         drop = keras.ops.logical_and(same, keras.ops.logical_not(own))
         logits = logits - keras.ops.cast(drop, logits.dtype) * 1e4  # exp(-1e4) is 0 in every float dtype
+    if guide is not None:
+        guide = keras.ops.cast(guide, "float32")
+        g_anchor, g_candidates = guide[:b], guide[b:]
+        g_sim = keras.ops.matmul(g_anchor, keras.ops.transpose(g_candidates))  # [b, c]
+        g_positive = keras.ops.sum(g_anchor * g_candidates[:b], axis=-1)  # [b]: each anchor's own positive
+        own = keras.ops.arange(keras.ops.shape(candidates)[0])[None, :] == keras.ops.arange(b)[:, None]
+        drop = keras.ops.logical_and(g_sim > g_positive[:, None] - guide_margin, keras.ops.logical_not(own))
+        logits = logits - keras.ops.cast(drop, logits.dtype) * 1e4
     target = keras.ops.arange(b)
     return keras.ops.mean(keras.losses.sparse_categorical_crossentropy(target, logits, from_logits=True))
 
