@@ -566,24 +566,25 @@ def in_batch_loss(anchors, candidates, temperature: float = 0.05, text_ids=None,
 
     logits = keras.ops.matmul(anchors, keras.ops.transpose(candidates)) / temperature
     b = keras.ops.shape(anchors)[0]
+    drop = None  # [b, c]: candidates that are no negative of the row
     if text_ids is not None:
         anchor_ids, candidate_ids = text_ids[:b], text_ids[b:]
-        same = keras.ops.logical_or(candidate_ids[None, :] == candidate_ids[:b][:, None],
+        drop = keras.ops.logical_or(candidate_ids[None, :] == candidate_ids[:b][:, None],
                                     candidate_ids[None, :] == anchor_ids[:, None])
         same_anchor = anchor_ids[None, :] == anchor_ids[:, None]  # [b, b]: over the positives' columns only
-        same = keras.ops.logical_or(same, keras.ops.concatenate(
-            [same_anchor, keras.ops.zeros_like(same[:, b:])], axis=1))
-        own = keras.ops.arange(keras.ops.shape(candidates)[0])[None, :] == keras.ops.arange(b)[:, None]
-        drop = keras.ops.logical_and(same, keras.ops.logical_not(own))
-        logits = logits - keras.ops.cast(drop, logits.dtype) * 1e4  # exp(-1e4) is 0 in every float dtype
+        drop = keras.ops.logical_or(drop, keras.ops.concatenate(
+            [same_anchor, keras.ops.zeros_like(drop[:, b:])], axis=1))
     if guide is not None:
         guide = keras.ops.cast(guide, "float32")
         g_anchor, g_candidates = guide[:b], guide[b:]
         g_sim = keras.ops.matmul(g_anchor, keras.ops.transpose(g_candidates))  # [b, c]
         g_positive = keras.ops.sum(g_anchor * g_candidates[:b], axis=-1)  # [b]: each anchor's own positive
+        closer = g_sim > g_positive[:, None] - guide_margin
+        drop = closer if drop is None else keras.ops.logical_or(drop, closer)
+    if drop is not None:
         own = keras.ops.arange(keras.ops.shape(candidates)[0])[None, :] == keras.ops.arange(b)[:, None]
-        drop = keras.ops.logical_and(g_sim > g_positive[:, None] - guide_margin, keras.ops.logical_not(own))
-        logits = logits - keras.ops.cast(drop, logits.dtype) * 1e4
+        drop = keras.ops.logical_and(drop, keras.ops.logical_not(own))
+        logits = logits - keras.ops.cast(drop, logits.dtype) * 1e4  # exp(-1e4) is 0 in every float dtype
     target = keras.ops.arange(b)
     return keras.ops.mean(keras.losses.sparse_categorical_crossentropy(target, logits, from_logits=True))
 
