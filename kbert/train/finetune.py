@@ -133,13 +133,10 @@ class FinetuneConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
                 raise ValueError(f"`{name}` must be {rule}. Received: {name}={value!r}")
-        if self.guide is not None:
-            if self.task != "sentence-embedding" or not isinstance(self.guide, str):
-                raise ValueError(f"`guide` (a model dir whose vectors filter in-batch negatives) goes with "
-                                 f"task='sentence-embedding'. Received: guide={self.guide!r}, task={self.task!r}")
-            if not os.path.isdir(self.guide):
-                raise ValueError(f"`guide` must be a model dir (a kbert, sentence-transformers or Hugging Face "
-                                 f"dir); {self.guide!r} is not a directory")
+        if self.guide is not None and (self.task != "sentence-embedding"
+                                       or not isinstance(self.guide, (str, os.PathLike))):
+            raise ValueError(f"`guide` (a model dir whose vectors filter in-batch negatives) goes with "
+                             f"task='sentence-embedding'. Received: guide={self.guide!r}, task={self.task!r}")
         margin = self.guide_margin
         if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not -2 < margin < 2:
             raise ValueError(f"`guide_margin` must be a number in (-2, 2) (a cosine difference). "
@@ -241,8 +238,8 @@ def finetune(model: str, task: str, train, dev=None, out_dir: str = "finetuned",
             "document": "passage: "}: `Embedder.encode_query` / `encode_document`, `search`, a
             sentence-transformers export). Default: the starting model's own (a sentence-transformers dir's).
         guide: for sentence-embedding with in-batch negatives (pairs, hard negatives, SimCSE; in `datasets`,
-            each such dataset): a model dir (a sentence-embedding task dir, a sentence-transformers dir, any
-            kbert-loadable checkpoint: mean pooling) whose unit vectors of every distinct training text are
+            each such dataset): a model dir or Hub name (a sentence-embedding task dir, a sentence-transformers
+            dir, any kbert-loadable checkpoint: mean pooling) whose unit vectors of every distinct training text are
             computed once before training (then the guide leaves memory). A candidate the guide scores closer
             to an anchor than the anchor's own positive, less `guide_margin`, is then no negative of it
             (GISTEmbed; sentence-transformers' GISTEmbedLoss): paraphrases that are other rows' positives stop
@@ -347,7 +344,20 @@ def run(config: FinetuneConfig, task=None, before_training=None) -> dict:
         return _run(config, task, before_training, distribution)
 
 
-def _guide_vectors(c: FinetuneConfig, train_ex, max_length: int) -> None:
+def _guide_dir(c: FinetuneConfig) -> Optional[str]:
+    """The guide's model dir (a Hub name: its snapshot; a run dir: its model), checked before any loading."""
+    from kbert.models.convert import model_dir_of, resolve_hub_name
+
+    if c.guide is None:
+        return None
+    path = model_dir_of(resolve_hub_name(os.fspath(c.guide)))
+    if not os.path.isdir(path):
+        raise ValueError(f"`guide` must be a model dir (kbert, sentence-transformers or Hugging Face) or a Hub "
+                         f"name in the local cache; {os.fspath(c.guide)!r} is neither")
+    return path
+
+
+def _guide_vectors(c: FinetuneConfig, guide_dir: str, train_ex, max_length: int) -> None:
     """Sets `guide` `[distinct texts, h_g]` on every in-batch training set: the guide model's unit vectors of
     its distinct texts (on the guide's own tokenizer), computed once, then the guide's weights dropped."""
     from kbert.train.teacher import Teacher
@@ -356,7 +366,7 @@ def _guide_vectors(c: FinetuneConfig, train_ex, max_length: int) -> None:
     if not parts:
         raise ValueError("`guide` filters in-batch negatives, and no training set here has them (scored pairs "
                          "only): leave `guide` out, or train (anchor, positive) pairs or SimCSE")
-    guide = Teacher(c.guide, "embedding", dtype=c.dtype, progress=c.progress)
+    guide = Teacher(guide_dir, "embedding", dtype=c.dtype, progress=c.progress)
     length = min(max_length, guide.config.max_position)
     for ex in parts:
         ex.guide = guide.vectors(ex.texts, length)
@@ -372,6 +382,7 @@ def _run(c: FinetuneConfig, task, before_training, distribution) -> dict:
 
     task = task or task_for(c)
     task.check()
+    guide_dir = _guide_dir(c)
     keras.utils.set_random_seed(c.seed)
     backbone, tokenizer, max_length, backbone_dropout, st, start_meta = _load(c)
     task.check_model(backbone)
@@ -391,8 +402,8 @@ def _run(c: FinetuneConfig, task, before_training, distribution) -> dict:
     train_ex = task.encode(train_rows, tokenizer, max_length, "train")
     dev_ex = task.encode(dev_rows, tokenizer, max_length, "dev") if dev_rows else None
     task.fit(train_ex)
-    if c.guide is not None:
-        _guide_vectors(c, train_ex, max_length)
+    if guide_dir is not None:
+        _guide_vectors(c, guide_dir, train_ex, max_length)
     if before_training is not None:
         before_training()
 
