@@ -129,6 +129,8 @@ def test_teacher_scoring_shows_a_bar_on_large_sets_only(teacher, capfd, monkeypa
     np.testing.assert_allclose(loud, quiet, rtol=1e-5, atol=1e-6)
     Teacher(teacher[1], "embedding", progress=True).vectors(texts, 16)
     assert "teacher vectors" in capfd.readouterr().err
+    Teacher(teacher[1], "embedding", progress=True, role="guide").vectors(texts, 16)  # fine-tuning's guide=
+    assert "guide vectors" in capfd.readouterr().err
 
 
 @pytest.mark.slow

@@ -366,7 +366,7 @@ def _guide_vectors(c: FinetuneConfig, guide_dir: str, train_ex, max_length: int)
     if not parts:
         raise ValueError("`guide` filters in-batch negatives, and no training set here has them (scored pairs "
                          "only): leave `guide` out, or train (anchor, positive) pairs or SimCSE")
-    guide = Teacher(guide_dir, "embedding", dtype=c.dtype, progress=c.progress)
+    guide = Teacher(guide_dir, "embedding", dtype=c.dtype, progress=c.progress, role="guide")
     length = min(max_length, guide.config.max_position)
     for ex in parts:
         ex.guide = guide.vectors(ex.texts, length)

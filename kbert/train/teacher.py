@@ -27,7 +27,8 @@ class Teacher:
     # set (hundreds of thousands of texts) before the student's first step, else a long silent wait
     BAR_FROM = 2048
 
-    def __init__(self, model_dir: str, mode: str, dtype: Optional[str] = None, progress: bool = False):
+    def __init__(self, model_dir: str, mode: str, dtype: Optional[str] = None, progress: bool = False,
+                 role: str = "teacher"):
         from kbert.models.convert import load_model
         from kbert.models.st_dir import read_sentence_transformers
         from kbert.models.tasks import TaskNetwork, load_task_head
@@ -37,7 +38,7 @@ class Teacher:
         # a sentence-transformers teacher (BGE-M3, KURE, ...): its transformer's folder, pooling and layers
         st = None if self.meta else read_sentence_transformers(model_dir)
         weights_dir = st["model_dir"] if st else model_dir
-        self.progress = progress
+        self.progress, self.role = progress, role  # the role names the progress bars ("guide vectors")
         self.tokenizer = Tokenizer.from_model_dir(weights_dir)
         self._fn = None
         backbone = load_model(weights_dir, output_hidden_states=True, dtype=dtype)
@@ -91,7 +92,7 @@ class Teacher:
         """The task head's outputs `[n, k]` (logits, or `[n, 1]` values) for encoded examples, in order."""
         out = [None] * len(token_ids)
         order = np.argsort([len(x) for x in token_ids], kind="stable")  # little padding per batch
-        bar = self.bar(len(order), "teacher outputs")
+        bar = self.bar(len(order), f"{self.role} outputs")
         for start in range(0, len(order), batch_size):
             index = order[start:start + batch_size]
             ids = pad([token_ids[i] for i in index], self.tokenizer.pad_id)
@@ -107,7 +108,7 @@ class Teacher:
         ids = [e.ids for e in self.tokenizer.encode_batch(list(texts), max_length=max_length)]
         order = np.argsort([len(x) for x in ids], kind="stable")
         out = np.zeros((len(ids), self.hidden_size), np.float32)
-        bar = self.bar(len(order), "teacher vectors")
+        bar = self.bar(len(order), f"{self.role} vectors")
         for start in range(0, len(order), 4096):
             index = order[start:start + 4096]
             out[index] = unit_vectors_in_batches(self.call, [ids[i] for i in index], self.tokenizer.pad_id,
