@@ -650,6 +650,13 @@ def test_finetune_with_a_guide_model_filters_in_batch_negatives(base, tmp_path):
         summary = kbert.finetune(base, "sentence-embedding", pairs, out_dir=str(tmp_path / name), **run, **kw)
         return [h["train_loss"] for h in summary["history"]]
     plain = losses("plain")
+    # a margin under which nothing is closer leaves nothing out; a wide one nearly everything
+    from kbert.train.finetune import guide_left_out
+    from kbert.train.finetune_tasks import Examples
+
+    ex = Examples([[1]] * 4, None, None, text_ids=np.array([[0, 1], [2, 3], [4, 5], [6, 7]]),
+                  guide=np.eye(8, dtype="float32")[[0, 0, 2, 2, 4, 4, 6, 6]])  # each anchor = its positive
+    assert guide_left_out(ex, 4, 0.0) == 0.0 and guide_left_out(ex, 4, 1.5) == 1.0
     assert losses("none-left-out", guide=base, guide_margin=-1.99) == pytest.approx(plain, rel=1e-5)
     wide = losses("wide", guide=base, guide_margin=1.5)
     assert wide[0] < plain[0]

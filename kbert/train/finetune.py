@@ -370,9 +370,30 @@ def _guide_vectors(c: FinetuneConfig, guide_dir: str, train_ex, max_length: int)
     length = min(max_length, guide.config.max_position)
     for ex in parts:
         ex.guide = guide.vectors(ex.texts, length)
-    if c.progress:
-        print(f"guide {c.guide}: vectors of {sum(len(ex.texts) for ex in parts)} distinct training texts", flush=True)
     guide.release()
+    if c.progress:  # what share of the negatives the margin leaves out: the figure to tune `guide_margin` by
+        shares = ", ".join(f"{guide_left_out(ex, c.batch_size, c.guide_margin):.1%}" for ex in parts)
+        print(f"guide {c.guide}: vectors of {sum(len(ex.texts) for ex in parts)} distinct training texts; at "
+              f"margin {c.guide_margin:g} it leaves out {shares} of the in-batch negatives "
+              f"({'per dataset, ' if len(parts) > 1 else ''}random batches of {c.batch_size})", flush=True)
+
+
+def guide_left_out(examples, batch_size: int, margin: float, batches: int = 20, seed: int = 0) -> float:
+    """The share of in-batch negatives (candidates other than a row's own positive) that a guide's vectors
+    (`examples.guide`) leave out at `margin`, over `batches` random batches: the numpy twin of
+    `in_batch_loss`'s guide filter, for reporting only."""
+    rng = np.random.default_rng(seed)
+    t, g = examples.text_ids, examples.guide
+    left = total = 0
+    for _ in range(batches):
+        rows = t[rng.choice(len(t), size=min(batch_size, len(t)), replace=False)]
+        b = len(rows)
+        candidates = np.concatenate([rows[:, min(1, rows.shape[1] - 1)]] + ([rows[:, 2]] if rows.shape[1] > 2 else []))
+        sim = g[rows[:, 0]] @ g[candidates].T  # [b, c]
+        drop = sim > np.diagonal(sim)[:, None] - margin
+        drop[np.arange(b), np.arange(b)] = False
+        left, total = left + int(drop.sum()), total + drop.size - b
+    return left / max(total, 1)
 
 
 def _run(c: FinetuneConfig, task, before_training, distribution) -> dict:
