@@ -37,7 +37,7 @@ from kbert.compiled import training_step
 from kbert.models.st_dir import check_prompts
 from kbert.models.tasks import default_pooling
 from kbert.train.checkpoints import CHECKPOINT_DIR, FinetuneCheckpoint, data_fingerprint
-from kbert.train.finetune_tasks import SIMILARITY_LOSSES, task_for
+from kbert.train.finetune_tasks import SIMILARITY_LOSSES, batch_text_ids, task_for
 
 
 @dataclasses.dataclass
@@ -388,7 +388,7 @@ def guide_left_out(examples, batch_size: int, margin: float, batches: int = 20, 
     for _ in range(batches):
         rows = t[rng.choice(len(t), size=min(batch_size, len(t)), replace=False)]
         b = len(rows)
-        candidates = np.concatenate([rows[:, min(1, rows.shape[1] - 1)]] + ([rows[:, 2]] if rows.shape[1] > 2 else []))
+        candidates = batch_text_ids(rows)[b:]
         sim = g[rows[:, 0]] @ g[candidates].T  # [b, c]
         drop = sim > np.diagonal(sim)[:, None] - margin
         drop[np.arange(b), np.arange(b)] = False

@@ -481,8 +481,7 @@ class SentenceEmbeddingTask(FinetuneTask):
         if examples.labels is not None:
             y = np.asarray(examples.labels[index])
         elif examples.text_ids is not None:
-            t = examples.text_ids[np.asarray(index)]
-            y = np.concatenate([t[:, 0], t[:, min(1, t.shape[1] - 1)]] + ([t[:, 2]] if t.shape[1] > 2 else []))
+            y = batch_text_ids(examples.text_ids[np.asarray(index)])
             if examples.guide is not None:
                 y = {"text_ids": y, "guide": examples.guide[y]}
         else:
@@ -540,6 +539,13 @@ def text_identities(columns: List[List[List[int]]]) -> np.ndarray:
     index: Dict[tuple, int] = {}
     return np.array([[index.setdefault(tuple(x), len(index)) for x in row] for row in zip(*columns)],
                     np.int32).reshape(len(columns[0]), len(columns))
+
+
+def batch_text_ids(rows: np.ndarray) -> np.ndarray:
+    """`[b, k]` rows of `Examples.text_ids` -> the `[k b]` identities in a batch's order: anchors, then
+    positives (a one-column SimCSE row is its own positive), then hard negatives when there are any."""
+    k = rows.shape[1]
+    return np.concatenate([rows[:, 0], rows[:, min(1, k - 1)]] + ([rows[:, 2]] if k > 2 else []))
 
 
 def in_batch_loss(anchors, candidates, temperature: float = 0.05, text_ids=None, guide=None,
