@@ -404,7 +404,7 @@ def read_jsonl(path):
 
 
 EMBEDDING_ROWS = ("bi-encoder", "simcse", "simcse-multi", "simcse-pairs-sts", "simcse-pairs-silver",
-                  "simcse-weak-pairs-sts", "simcse-weak-mined-sts", "simcse-weak-gist-sts")
+                  "simcse-weak-pairs-sts", "simcse-weak-mined-sts", "simcse-weak-gist-sts", "simcse-weak-sym-sts")
 # the Augmented SBERT row is a closed probe (benchmarks/README.md: at this backbone the cross-encoder is far
 # below the bi-encoder, so its labels cannot teach it), and so is the mined-negatives row (better retrieval
 # after its pairs stage, no better STS after the KorSTS stage); `--rows all` reruns them
@@ -445,24 +445,28 @@ def embedding_stages(args, out, model_dir, sets):
          "text_column": "anchor", "pair_column": "positive"},
         {"data": sets["sts_fit"], "text_column": "sentence1", "pair_column": "sentence2", "label_column": "score"}]
 
-    def pairs_then_sts(start, seed, sts, mined=False, guided=False):
+    def pairs_then_sts(start, seed, sts, mined=False, guided=False, symmetric=False):
         """The sequential form (sentence-transformers' Korean multitask recipe) from the model START-seedN:
         the contrastive sets (NLI triplets, question pairs) as START[-mined]-pairs-seedN, then, with `sts`, the
         KorSTS regression alone, as the bi-encoder is trained, as START[-mined]-pairs-sts-seedN (its result
         returned). `mined`: each question pair also gets a hard negative that START-seedN ranks nearest its
         first question among every training-side question (`kbert.mine_hard_negatives`, its defaults).
         `guided`: START-seedN is also the guide that filters the in-batch negatives (`kbert.finetune(guide=)`,
-        GISTEmbed, margin 0), as START-gist-pairs-seedN."""
-        start_dir, data, guide = os.path.join(out, f"{start}-seed{seed}"), multi_data[:2], {}
+        GISTEmbed, margin 0), as START-gist-pairs-seedN. `symmetric`: the in-batch losses both ways
+        (`kbert.finetune(symmetric=True)`), as START-sym-pairs-seedN."""
+        start_dir, data, extra = os.path.join(out, f"{start}-seed{seed}"), multi_data[:2], {}
         if mined:
             data = [data[0], dict(data[1], data=mined_question_pairs(out, start, seed, sets, small),
                                   negative_column="negative")]
             start = f"{start}-mined"
         if guided:
-            guide = dict(guide=start_dir, guide_margin=0.0)
+            extra = dict(guide=start_dir, guide_margin=0.0)
             start = f"{start}-gist"
+        if symmetric:
+            extra["symmetric"] = True
+            start = f"{start}-sym"
         tuned(f"{start}-pairs-seed{seed}", start_dir, None, datasets=data, mix="proportional",
-              epochs=1 if small else 2, batch_size=32, learning_rate=1e-4, seed=seed, **guide)
+              epochs=1 if small else 2, batch_size=32, learning_rate=1e-4, seed=seed, **extra)
         if not sts:
             return None
         return tuned(f"{start}-pairs-sts-seed{seed}", os.path.join(out, f"{start}-pairs-seed{seed}"),
@@ -488,7 +492,7 @@ def embedding_stages(args, out, model_dir, sets):
                 f"emb-simcse-multi-seed{seed}", os.path.join(out, f"emb-simcse-seed{seed}"), None,
                 datasets=multi_data, mix="proportional", backbone_dropout=args.multi_dropout,
                 epochs=1 if small else args.multi_epochs, batch_size=32, learning_rate=args.multi_lr, seed=seed))
-        if {"simcse-weak-pairs-sts", "simcse-weak-mined-sts", "simcse-weak-gist-sts"} & set(runs):
+        if {k for k in runs if k.startswith("simcse-weak-")}:
             # the sequential recipe with a stage of weakly supervised pairs (court decisions, statutes) first
             weak = weak_pairs(args.shared, seed)[:400 if small else None]
             tuned(f"emb-weak-seed{seed}", os.path.join(out, f"emb-simcse-seed{seed}"), None,
@@ -500,6 +504,8 @@ def embedding_stages(args, out, model_dir, sets):
                 runs["simcse-weak-mined-sts"].append(pairs_then_sts("emb-weak", seed, sts=True, mined=True))
             if "simcse-weak-gist-sts" in runs:
                 runs["simcse-weak-gist-sts"].append(pairs_then_sts("emb-weak", seed, sts=True, guided=True))
+            if "simcse-weak-sym-sts" in runs:
+                runs["simcse-weak-sym-sts"].append(pairs_then_sts("emb-weak", seed, sts=True, symmetric=True))
         if not {"simcse-pairs-sts", "simcse-pairs-silver"} & set(runs):
             continue
         sts = pairs_then_sts("emb-simcse", seed, sts="simcse-pairs-sts" in runs)
@@ -741,7 +747,8 @@ def print_embedding_table(tfidf, runs, sets):
               "simcse-weak-pairs-sts": "SimCSE, then weak pairs (court decisions, statutes), then the same two stages",
               "simcse-weak-mined-sts": "the same, each question pair with a negative mined by the weak-pair model",
               "simcse-weak-gist-sts": "the same, the pairs stage's in-batch negatives filtered by the weak-pair "
-                                      "model (GISTEmbed)"}
+                                      "model (GISTEmbed)",
+              "simcse-weak-sym-sts": "the same, the pairs stage's in-batch losses both ways (symmetric)"}
     means = {}
     for key, results in runs.items():
         means[key] = {c: float(np.mean([r[c] for r in results])) for c in cols}

@@ -432,7 +432,7 @@ def _finetune(args):
     if args.matryoshka_dims:
         values["matryoshka_dims"] = [int(x) for x in args.matryoshka_dims.split(",")]
     for flag, key, value in (("no_label", "label_column", None), ("no_group_by_length", "group_by_length", False),
-                             ("no_resume", "resume", False)):
+                             ("no_resume", "resume", False), ("symmetric", "symmetric", True)):
         if getattr(args, flag):
             values[key] = value
     config = FinetuneConfig.load(None, args.set, base=values)
@@ -732,6 +732,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--guide", help="sentence-embedding with in-batch negatives: a model dir whose vectors leave "
                                    "out of each row's negatives what it scores above the row's positive (GISTEmbed)")
     p.add_argument("--guide-margin", type=float, help="with --guide: the cosine margin (default 0)")
+    p.add_argument("--symmetric", action="store_true",
+                   help="sentence-embedding with in-batch negatives: also rank each positive's anchor among the "
+                        "batch's anchors (MultipleNegativesSymmetricRankingLoss)")
     p.add_argument("--strategy", choices=("auto", "cpu", "mirrored", "tpu"),
                    help="devices: auto (every local one, default), cpu, mirrored (the GPUs), tpu; several train "
                         "data-parallel with --batch-size as the whole batch (Keras' JAX backend; TensorFlow: one)")

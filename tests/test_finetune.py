@@ -637,10 +637,62 @@ def test_a_guide_model_leaves_what_it_ranks_above_the_positive_out_of_the_negati
         float(in_batch_loss(a, candidates, 0.05)), rel=1e-5)
 
 
-def test_finetune_with_a_guide_model_filters_in_batch_negatives(base, tmp_path):
+def test_the_symmetric_in_batch_loss_is_the_mean_of_both_directions_with_the_same_masking():
+    """symmetric=True: the loss is the mean of the usual direction (anchor i picks positive i among the
+    positives and hard negatives) and the reverse (positive i picks anchor i among the anchors only); the
+    reverse leaves out an anchor of the same text as anchor i, or whose positive is positive i's text; a
+    hand computation of both. A scored set refuses it; in `datasets`, the run's flag reaches only the
+    in-batch sets."""
+    from kbert.train.finetune import FinetuneConfig
+    from kbert.train.finetune_tasks import Examples, task_for, text_identities
+
+    rng = np.random.default_rng(3)
+    unit = lambda x: x / np.linalg.norm(x, axis=1, keepdims=True)  # noqa: E731
+    a, p, neg = (unit(rng.normal(size=(4, 8))).astype("float32") for _ in range(3))
+    # rows (anchor, positive, negative): 0 (A, P, N0); 1 (B, P, N1); 2 (A, Q, N2); 3 (C, R, N3)
+    a[2], p[1] = a[0], p[0]
+    ex = Examples([[1], [2], [1], [3]], None, None, pair_token_ids=[[4], [4], [5], [6]],
+                  negative_token_ids=[[7], [8], [9], [10]],
+                  text_ids=text_identities([[[1], [2], [1], [3]], [[4], [4], [5], [6]], [[7], [8], [9], [10]]]))
+
+    def task(symmetric):
+        return task_for(FinetuneConfig(model="m", task="sentence-embedding", text_column="q", pair_column="p",
+                                       label_column=None, negative_column="n", symmetric=symmetric))
+    _, y, n, _ = task(True).training_batch(ex, np.arange(4), 0)
+    v = np.concatenate([a, p, neg])
+
+    def hand(logits, dropped):
+        return np.mean([np.log(sum(np.exp(row[j]) for j in range(len(row)) if j not in dropped[i])) - row[i]
+                        for i, row in enumerate(logits.astype("float64"))])
+    forward = hand(a @ np.concatenate([p, neg]).T / 0.05, {0: {1, 2}, 1: {0}, 2: {0}, 3: set()})
+    backward = hand(p @ a.T / 0.05, {0: {1, 2}, 1: {0}, 2: {0}, 3: set()})
+    assert float(task(False).embedding_loss(v, y, n)) == pytest.approx(forward, rel=1e-4)
+    assert float(task(True).embedding_loss(v, y, n)) == pytest.approx((forward + backward) / 2, rel=1e-4)
+    assert abs(forward - backward) > 1e-3  # the two directions are different numbers
+
+    with pytest.raises(ValueError, match="`symmetric` is a form of the in-batch loss"):
+        task_for(FinetuneConfig(model="m", task="sentence-embedding", text_column="a", pair_column="b",
+                                label_column="score", symmetric=True)).check()
+    with pytest.raises(ValueError, match="`symmetric` must be True or False"):
+        task_for(FinetuneConfig(model="m", task="sentence-embedding", text_column="a", pair_column="b",
+                                label_column=None, symmetric="yes")).check()
+    with pytest.raises(ValueError, match="goes with task='sentence-embedding'"):
+        FinetuneConfig(model="m", task="classification", train="t.tsv", symmetric=True).validate()
+    mixed = task_for(FinetuneConfig(model="m", task="sentence-embedding", symmetric=True, datasets=[
+        {"data": [], "text_column": "a", "pair_column": "b", "label_column": "score"},
+        {"data": [], "text_column": "q", "pair_column": "p"}]))
+    mixed.check()
+    assert [part.config.symmetric for part, _ in mixed.parts] == [False, True]
+    with pytest.raises(ValueError, match=r"`datasets\[0\]`: `symmetric` is a form"):
+        task_for(FinetuneConfig(model="m", task="sentence-embedding", datasets=[
+            {"data": [], "text_column": "a", "pair_column": "b", "label_column": "score", "symmetric": True}])).check()
+
+
+def test_finetune_with_a_guide_model_filters_in_batch_negatives(base, tmp_path, capsys):
     """`guide=`: the guide's vectors of every distinct training text are computed before training; a margin
     under which it leaves nothing out trains exactly as without it, a wide one leaves most negatives out
-    (a lower loss); bad uses are refused by name."""
+    (a lower loss); bad uses are refused by name. symmetric=True trains too (its loss is checked by hand
+    above), and --symmetric on scored pairs is refused."""
     texts = [r["text"] for r in movie_review_sentiment(REVIEWS, "train", limit=96)]
     pairs = [{"a": t, "p": t[: max(1, len(t) // 2)]} for t in texts]
     run = dict(text_column="a", pair_column="p", label_column=None, max_steps=2, batch_size=16, max_length=32,
@@ -650,6 +702,8 @@ def test_finetune_with_a_guide_model_filters_in_batch_negatives(base, tmp_path):
         summary = kbert.finetune(base, "sentence-embedding", pairs, out_dir=str(tmp_path / name), **run, **kw)
         return [h["train_loss"] for h in summary["history"]]
     plain = losses("plain")
+    both = losses("symmetric", symmetric=True)  # both directions: trains, and is another loss
+    assert all(np.isfinite(both)) and both[0] != pytest.approx(plain[0], rel=1e-4)
     # a margin under which nothing is closer leaves nothing out; a wide one nearly everything
     from kbert.train.finetune import guide_left_out
     from kbert.train.finetune_tasks import Examples
@@ -676,6 +730,12 @@ def test_finetune_with_a_guide_model_filters_in_batch_negatives(base, tmp_path):
     with pytest.raises(ValueError, match=r"`guide_margin` must be a number in \(-2, 2\)"):
         kbert.finetune(base, "sentence-embedding", pairs, text_column="a", pair_column="p", label_column=None,
                        guide=base, guide_margin=3, **bad)
+    from kbert.cli import main
+
+    assert main(["finetune", "--model", base, "--task", "sentence-embedding", "--train",
+                 os.path.join(KORSTS, "sts-dev.tsv"), "--out", str(tmp_path / "cli"), "--text-column", "sentence1",
+                 "--pair-column", "sentence2", "--label-column", "score", "--symmetric", "--max-steps", "1"]) == 1
+    assert "`symmetric` is a form of the in-batch loss" in capsys.readouterr().err
 
 
 @pytest.mark.slow

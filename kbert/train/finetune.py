@@ -85,6 +85,7 @@ class FinetuneConfig:
     model_prompts: Optional[dict] = None  # sentence-embedding: the output's prompts for inference {name: text}
     guide: Optional[str] = None  # sentence-embedding: a model dir whose vectors filter in-batch false negatives
     guide_margin: float = 0.0  # ... those it scores above the anchor's positive less this
+    symmetric: bool = False  # sentence-embedding in-batch losses: also rank each positive's anchor among the anchors
     strategy: str = "auto"  # devices: auto | cpu | mirrored | tpu (several: Keras' JAX backend only)
 
     @classmethod
@@ -141,6 +142,9 @@ class FinetuneConfig:
         if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not -2 < margin < 2:
             raise ValueError(f"`guide_margin` must be a number in (-2, 2) (a cosine difference). "
                              f"Received: guide_margin={margin!r}")
+        if not isinstance(self.symmetric, bool) or (self.symmetric and self.task != "sentence-embedding"):
+            raise ValueError(f"`symmetric` (True or False) goes with task='sentence-embedding'. "
+                             f"Received: symmetric={self.symmetric!r}, task={self.task!r}")
         for name in ("checkpoint_every", "stop_after", "mini_batch_size", "patience", "eval_every", "max_steps"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -161,7 +165,7 @@ def finetune(model: str, task: str, train, dev=None, out_dir: str = "finetuned",
              matryoshka_dims: Optional[Sequence[int]] = None, datasets: Optional[Sequence[dict]] = None,
              mix: str = "proportional", mini_batch_size: Optional[int] = None, prompts=None,
              model_prompts: Optional[dict] = None, guide: Optional[str] = None, guide_margin: float = 0.0,
-             strategy: str = "auto") -> dict:
+             symmetric: bool = False, strategy: str = "auto") -> dict:
     """Fine-tunes the model dir `model` on `train`; returns a summary with the dev history.
 
     Args:
@@ -246,6 +250,12 @@ def finetune(model: str, task: str, train, dev=None, out_dir: str = "finetuned",
             being pushed away. None: only exact repeats are left out.
         guide_margin: the cosine margin above (0: anything the guide ranks above the positive; more leaves
             out more, a negative value only what the guide ranks clearly above it).
+        symmetric: for sentence-embedding with in-batch negatives (in `datasets`, a key of each): the loss is
+            the mean of the usual direction (each anchor picks its positive among the batch's positives and
+            hard negatives) and the reverse (each positive picks its anchor among the batch's anchors), as
+            sentence-transformers' MultipleNegativesSymmetricRankingLoss and GTE's bidirectional loss. The
+            reverse direction leaves out the same non-negatives (repeats, and the guide's when there is one).
+            For pairs that are the same kind of text both ways (paraphrases); False: one direction.
         strategy: the devices, by `kbert pretrain --strategy`'s names: "auto" (every local device), "cpu",
             "mirrored" (the GPUs), "tpu". On Keras' JAX backend several devices train data-parallel: the
             weights replicated, each batch split along its rows, and XLA all-reduces the gradients.

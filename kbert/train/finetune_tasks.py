@@ -376,6 +376,12 @@ class SentenceEmbeddingTask(FinetuneTask):
                              "label_column=None and no objective")
         if not (isinstance(c.temperature, (int, float)) and c.temperature > 0):
             raise ValueError(f"`temperature` must be a positive number. Received: temperature={c.temperature!r}")
+        symmetric = getattr(c, "symmetric", False)
+        if not isinstance(symmetric, bool):
+            raise ValueError(f"`symmetric` must be True or False. Received: symmetric={symmetric!r}")
+        if symmetric and c.objective != "simcse" and c.label_column:
+            raise ValueError("`symmetric` is a form of the in-batch loss, and scored pairs (`label_column`) train "
+                             "by cosine / CoSENT: leave it out, or train (anchor, positive) pairs or SimCSE")
         dims = c.matryoshka_dims or []
         if any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in dims):
             raise ValueError(f"`matryoshka_dims` must be positive integers. Received: {c.matryoshka_dims!r}")
@@ -514,8 +520,19 @@ class SentenceEmbeddingTask(FinetuneTask):
             # identities (or None), so a repeat of row i's texts elsewhere in the batch is no negative of it,
             # and with a guide model its vectors of them
             guide = y.get("guide") if isinstance(y, dict) else None
-            return in_batch_loss(a, others, self.config.temperature, y["text_ids"] if isinstance(y, dict) else y,
-                                 guide, getattr(self.config, "guide_margin", 0.0))
+            ids = y["text_ids"] if isinstance(y, dict) else y
+            margin = getattr(self.config, "guide_margin", 0.0)
+            forward = in_batch_loss(a, others, self.config.temperature, ids, guide, margin)
+            if not getattr(self.config, "symmetric", False):
+                return forward
+            # the reverse: positive i picks anchor i among the b anchors; the same call with the roles swapped
+            # masks exactly the reverse's non-negatives (an anchor of the same text as anchor i, or whose
+            # positive is positive i's text; the guide's, scored from the positive's side)
+            def swap(t):
+                return None if t is None else keras.ops.concatenate([t[n:2 * n], t[:n]], axis=0)
+
+            backward = in_batch_loss(others[:n], a, self.config.temperature, swap(ids), swap(guide), margin)
+            return (forward + backward) / 2
         cos = keras.ops.sum(a * others, axis=-1)
         if self.config.similarity_loss == "cosine":
             return keras.ops.mean(keras.ops.square(cos - y / self.score_max))
@@ -605,7 +622,7 @@ class MultiExamples:
 
 
 DATASET_KEYS = ("data", "text_column", "pair_column", "label_column", "negative_column", "objective",
-                "similarity_loss", "weight", "prompts")
+                "similarity_loss", "weight", "prompts", "symmetric")
 MIXES = ("proportional", "round_robin")
 
 
@@ -629,6 +646,8 @@ class MultiDatasetEmbeddingTask(SentenceEmbeddingTask):
                 raise ValueError(f"`datasets[{i}]` has unknown key {unknown[0]!r}; keys are {DATASET_KEYS}")
             fields = {k: v for k, v in spec.items() if k not in ("data", "weight")}
             fields.setdefault("label_column", None)
+            if "symmetric" not in spec and fields["label_column"] and fields.get("objective", config.objective) != "simcse":
+                fields["symmetric"] = False  # the run's `symmetric` is for its in-batch sets, not the scored ones
             shared = getattr(config, "prompts", None)
             if "prompts" not in spec and isinstance(shared, dict):  # the run's {column: prompt}: this data's columns
                 own = {fields.get(k, getattr(config, k)) for k in ("text_column", "pair_column", "negative_column")}
