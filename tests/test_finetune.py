@@ -301,9 +301,12 @@ def test_interrupted_finetuning_resumes_to_the_same_result(base, tmp_path):
     assert (part["steps"], part["stopped_by"]) == (cut, "stop_after")
     assert part["checkpoint"].endswith(f"ckpt-{cut}.safetensors")
     assert len(part["history"]) == cut // 10 and os.path.isdir(os.path.join(out, "checkpoints"))
+    assert not os.path.exists(os.path.join(out, "README.md"))  # a stopped run has no card yet
     rest = kbert.finetune(base, "classification", train, dev, out_dir=out, **args)
     assert (rest["steps"], rest["stopped_by"], rest["checkpoint"]) == (2 * per_epoch, "steps", None)
     assert not os.path.exists(os.path.join(out, "checkpoints"))  # finished: only the model dir is left
+    with open(os.path.join(out, "README.md"), encoding="utf-8") as f:  # and its card, of the whole run
+        assert f"{2 * per_epoch} steps. Dev accuracy" in f.read()
     assert [h["step"] for h in rest["history"]] == [h["step"] for h in full["history"]]
     for key in ("train_loss", "dev_accuracy"):
         np.testing.assert_allclose([h[key] for h in rest["history"]], [h[key] for h in full["history"]],
@@ -736,6 +739,56 @@ def test_finetune_with_a_guide_model_filters_in_batch_negatives(base, tmp_path, 
                  os.path.join(KORSTS, "sts-dev.tsv"), "--out", str(tmp_path / "cli"), "--text-column", "sentence1",
                  "--pair-column", "sentence2", "--label-column", "score", "--symmetric", "--max-steps", "1"]) == 1
     assert "`symmetric` is a form of the in-batch loss" in capsys.readouterr().err
+
+
+def test_a_finished_run_writes_a_model_card_and_the_sentence_transformers_export_carries_it(base, tmp_path):
+    """README.md, as transformers' Trainer and sentence-transformers write one: the Hub's YAML block, the model,
+    how to load it, and the training section rendered from the run (data, each dataset's loss, settings, the dev
+    figures as the summary has them). A README.md the user wrote is never replaced; the sentence-transformers
+    export carries the training section under its own YAML block."""
+    import re
+
+    from kbert.models.card import training_section
+
+    texts = [r["text"] for r in movie_review_sentiment(REVIEWS, "train", limit=64)]
+    pairs = [{"a": t, "p": t[: max(1, len(t) // 2)]} for t in texts]
+    with open(os.path.join(KORSTS, "sts-dev.tsv"), encoding="utf-8") as f:
+        head, *lines = [line.rstrip("\n").split("\t") for line in f][:41]
+    dev = [dict(zip(head, cells)) for cells in lines]
+    out = str(tmp_path / "emb")
+    summary = kbert.finetune(base, "sentence-embedding", None, dev, out_dir=out, text_column="sentence1",
+                             pair_column="sentence2", label_column="score", max_steps=3, eval_every=1,
+                             batch_size=16, max_length=32, progress=False, datasets=[
+                                 {"data": pairs, "text_column": "a", "pair_column": "p", "label_column": None,
+                                  "symmetric": True},
+                                 {"data": os.path.join(KORSTS, "sts-dev.tsv"), "text_column": "sentence1",
+                                  "pair_column": "sentence2", "label_column": "score"}])
+    with open(os.path.join(out, "README.md"), encoding="utf-8") as f:
+        card = f.read()
+    front = card.split("---\n")[1]
+    assert "library_name: kbert" in front and "pipeline_tag: sentence-similarity" in front and "- ko" in front
+    assert "kbert.Embedder.load(" in card and "| architecture | BERT, 2 layers, 64 wide, 2 heads |" in card
+    assert "| 1 | rows given in Python | 64 | 1 | in-batch negatives (MultipleNegativesRankingLoss, temperature " \
+           "0.05), both directions (symmetric) |" in card
+    assert "| 2 | `sts-dev.tsv` | 1,500 | 1 | cosine regression onto score" in card
+    assert f"**{summary['best']:.4f}** at step {summary['best_step']}" in card
+    assert f"{summary['baseline']['spearman']:.4f} before training" in card
+    rows = re.findall(r"^\| (\d+) \| [\d.]+ \| [\d.]+ \|", card, flags=re.M)
+    assert [int(r) for r in rows] == [h["step"] for h in summary["history"]] == [1, 2, 3]
+    # the sentence-transformers export: its own YAML block, the same training section
+    st = kbert.export_sentence_transformers(out, str(tmp_path / "emb-st"))
+    with open(os.path.join(st, "README.md"), encoding="utf-8") as f:
+        st_card = f.read()
+    assert "library_name: sentence-transformers" in st_card and "SentenceTransformer(" in st_card
+    assert training_section(st) == training_section(out) is not None
+    # a README.md the user wrote stays
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "README.md").write_text("# my model\n", encoding="utf-8")
+    kbert.finetune(base, "classification", [{"text": t, "label": i % 2} for i, t in enumerate(texts)],
+                   out_dir=str(mine), max_steps=1, max_length=32, progress=False)
+    assert (mine / "README.md").read_text(encoding="utf-8") == "# my model\n"
+    assert os.path.isfile(mine / "kbert_task.json")
 
 
 @pytest.mark.slow

@@ -15,6 +15,8 @@ bi-encoders average all of them; `first_last_avg` the first and the last) is its
 weight 1 on each layer read and 0 on the others (the config asks transformers for every hidden state), then
 Pooling (mean, cls or max) and Normalize.
 
+A model card (README.md, `kbert.models.card`) goes with it, carrying the training section of the source dir's.
+
 The other way is `kbert.models.st_dir.read_sentence_transformers`, which `Embedder.load` and fine-tuning use.
 """
 
@@ -82,7 +84,35 @@ def export_sentence_transformers(model, directory: str, max_length=None) -> str:
     _write(os.path.join(directory, "config_sentence_transformers.json"),
            {"similarity_fn_name": "cosine", "prompts": _prompts(embedder),
             "default_prompt_name": embedder.default_prompt_name})
+    _card(embedder, directory, model if isinstance(model, (str, os.PathLike)) else None, pooling, weights)
     return directory
+
+
+def _card(embedder, directory: str, source, pooling: str, weights) -> None:
+    """The sentence-transformers form of the model card, with the training section of the source dir's card."""
+    from kbert.models.card import model_card, training_section, write_model_card
+    from kbert.models.tasks import read_task_meta
+
+    name = os.path.basename(os.path.abspath(directory))
+    layers = [i for i, w in enumerate(weights) if w]
+    prompts = _prompts(embedder)
+    details = [("vector width", embedder.backbone.config.hidden_size),
+               ("max length", f"{int(embedder.max_length)} tokens"),
+               ("pooling", pooling if layers == [len(weights) - 1] else f"{pooling} over the mean of hidden states "
+                                                                          f"{layers} (0: the embeddings)"),
+               ("similarity", "cosine (the vectors are unit length)"),
+               ("prompts", ", ".join(f"{k}: `{v}`" for k, v in prompts.items() if v) or None)]
+    usage = (f'from sentence_transformers import SentenceTransformer\n\nmodel = SentenceTransformer("{name}")\n'
+             f'vectors = model.encode(["한국어 문장을 벡터로 바꿉니다.", "문장 임베딩 모델입니다."])\n'
+             f'print(model.similarity(vectors, vectors))\n\n'
+             f'# or with kbert: kbert.Embedder.load("{name}").encode([...])')
+    source_dir = os.fspath(source) if source is not None and os.path.isdir(os.fspath(source)) else None
+    training = training_section(source_dir) if source_dir else None
+    base = (read_task_meta(source_dir) or {}).get("base_model") if source_dir else source  # a Hub name: its own
+    text = model_card(name, embedder.backbone.config, "sentence-embedding", library="sentence-transformers",
+                      base_model=base, details=details, usage=usage,
+                      training=training, tags=["sentence-transformers", "feature-extraction", "sentence-similarity"])
+    write_model_card(directory, text)
 
 
 def _prompts(embedder) -> dict:

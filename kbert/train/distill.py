@@ -199,6 +199,13 @@ class SoftTargets:
         self.dev_teacher = None
         self.extra_meta = {"distilled_from": os.path.abspath(teacher.dir), "distill_mode": "task"}
 
+    @property
+    def loss_description(self) -> str:  # the model card's loss line
+        soft = ("squared error to the teacher's output" if self.name == "regression"
+                else f"the teacher's soft targets at temperature {self.temperature:g}")
+        gold = f", mixed with the gold labels at alpha {self.alpha:g}" if self.alpha else ""
+        return f"distillation from `{self.teacher.dir}`: {soft}{gold}"
+
     def check(self):
         if self.config.pair_column is None and self.name == "pair-classification":
             raise ValueError("the teacher is a pair-classification model: `pair_column` is needed")
@@ -278,6 +285,11 @@ class EmbeddingDistillTask(SentenceEmbeddingTask):
         self.teacher, self.teacher_length = teacher, max_length
         self.dev_teacher = None
         self.extra_meta = {"distilled_from": os.path.abspath(teacher.dir), "distill_mode": "embedding"}
+
+    @property
+    def loss_description(self) -> str:
+        return (f"distillation from `{self.teacher.dir}`: the batch's cosine matrix onto the teacher's (and the "
+                f"unit vectors onto its, when the widths agree)")
 
     def check(self):
         pass
@@ -414,6 +426,12 @@ class GeneralDistillTask(FinetuneTask):
     def setup(self, teacher: Teacher, temperature: float, seed: int, tokenizer):
         self.teacher, self.temperature, self.seed, self.tokenizer = teacher, float(temperature), seed, tokenizer
         self.student = self._predict = None
+
+    @property
+    def loss_description(self) -> str:
+        return (f"distillation from `{self.teacher.dir}`: KL of the masked-LM distributions at temperature "
+                f"{self.temperature:g}, last-layer attention relations (MiniLM), and hidden-state cosine when the "
+                f"widths agree (DistilBERT)")
 
     def check(self):
         pass

@@ -37,6 +37,7 @@ from kbert.compiled import training_step
 from kbert.models.st_dir import check_prompts
 from kbert.models.tasks import default_pooling
 from kbert.train.checkpoints import CHECKPOINT_DIR, FinetuneCheckpoint, data_fingerprint
+from kbert.train.finetune_card import write_finetune_card
 from kbert.train.finetune_tasks import SIMILARITY_LOSSES, batch_text_ids, task_for
 
 
@@ -173,6 +174,9 @@ def finetune(model: str, task: str, train, dev=None, out_dir: str = "finetuned",
         task: one of `kbert.train.finetune_tasks.TASKS` (see that module's docstring).
         train, dev: TSV / CSV / JSONL paths (UTF-8; a .json file may be one array) or lists of dicts. Without
             `dev`, the last model is saved.
+        out_dir: the model dir written: the best model, and when the run ends a model card (README.md, the
+            Hugging Face Hub's form: what the model is, how to load it, the data, loss, settings and dev figures
+            of the run; a README.md not written by kbert is left as it is).
         text_column, pair_column, label_column: column names (`pair_column` for pair tasks and bi-encoders;
             `label_column=None` for a bi-encoder trained on (anchor, positive) pairs).
         labels: class names in order (default: the sorted labels of `train`).
@@ -567,11 +571,14 @@ def _run(c: FinetuneConfig, task, before_training, distribution) -> dict:
             skip = 0
     bar.close()
     finished = stopped in ("steps", "early_stopping")
+    summary = {"task": task.name, "model_dir": c.out_dir, "steps": step, "stopped_by": stopped, "history": history,
+               "baseline": baseline, "best_step": best_step, "metric": key if dev_ex is not None else None,
+               "best": best, "labels": task.labels, "seconds": time.time() - start_time,
+               "checkpoint": None if finished else saver.path}
     if finished:
         saver.remove()  # the best model is in out_dir
+        write_finetune_card(c, task, backbone.config, meta, train_ex, dev_ex,
+                            dict(summary, max_length=max_length, backbone_dropout=backbone_dropout))
     elif c.progress:
         print(f"fine-tuning stopped at step {step} ({stopped}); the same call resumes from {saver.path}", flush=True)
-    return {"task": task.name, "model_dir": c.out_dir, "steps": step, "stopped_by": stopped, "history": history,
-            "baseline": baseline, "best_step": best_step, "metric": key if dev_ex is not None else None,
-            "best": best, "labels": task.labels, "seconds": time.time() - start_time,
-            "checkpoint": None if finished else saver.path}
+    return summary
