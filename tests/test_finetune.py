@@ -773,6 +773,7 @@ def test_a_finished_run_writes_a_model_card_and_the_sentence_transformers_export
     assert "| 2 | `sts-dev.tsv` | 1,500 | 1 | cosine regression onto score" in card
     assert f"**{summary['best']:.4f}** at step {summary['best_step']}" in card
     assert f"{summary['baseline']['spearman']:.4f} before training" in card
+    assert "fine-tuned from `" + os.path.basename(base) + "`" in card and str(tmp_path) not in card
     rows = re.findall(r"^\| (\d+) \| [\d.]+ \| [\d.]+ \|", card, flags=re.M)
     assert [int(r) for r in rows] == [h["step"] for h in summary["history"]] == [1, 2, 3]
     # the sentence-transformers export: its own YAML block, the same training section

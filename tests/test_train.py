@@ -91,6 +91,13 @@ def test_the_steady_rate_leaves_out_checkpoint_saves(tok_dir, tmp_path, monkeypa
     steady_seconds = 4 / (summary["steady_tokens_per_second"] / tokens_per_step)  # steps 2..5
     assert steady_seconds < 2.0, steady_seconds  # four saves after the first step: 4 s if they counted
     assert summary["tokens_per_second"] < summary["steady_tokens_per_second"]
+    # the model dir's card says what was pretrained, on what, and where it ended
+    with open(os.path.join(summary["model_dir"], "README.md"), encoding="utf-8") as f:
+        card = f.read()
+    assert "library_name: kbert" in card and "- text: `kolaw`, `kobill`" in card
+    assert "masked language modelling + next-sentence prediction" in card and "| tokens seen | 5,120 |" in card
+    assert f"loss {summary['loss']:.4f}, mlm accuracy {summary['mlm_accuracy']:.4f}" in card
+    assert tmp_path.as_posix() not in card  # no path of this machine
 
 
 @pytest.mark.slow

@@ -38,6 +38,13 @@ def is_hub_name(name) -> bool:
             and all(part.strip() for part in name.split("/")))
 
 
+def shown_name(name) -> str:
+    """How a card names a model: a Hub id as it is, a path by its last part (a card is for others to read, and
+    this machine's paths mean nothing to them)."""
+    text = os.fspath(name)
+    return f"`{text if is_hub_name(text) else os.path.basename(text.rstrip('/')) or text}`"
+
+
 def training_section(directory: str) -> Optional[str]:
     """The training section (markers included) of the kbert-written card in `directory`, or None."""
     path = os.path.join(directory, CARD_FILE)
@@ -77,7 +84,7 @@ def model_card(name: str, config, task: Optional[str], library: str = "kbert", b
     front.append("---")
     body = [MARKER + "; edit it freely: kbert replaces only a card that still has this line. -->", "",
             f"# {name}", ""]
-    start = f" fine-tuned from `{base_model}`" if base_model else ""
+    start = f" fine-tuned from {shown_name(base_model)}" if base_model else ""
     body += [f"This is {WHAT.get(task, 'a Korean BERT-family model')}{start}, trained with kbert.", ""]
     rows = []
     if config is not None:

@@ -48,6 +48,7 @@ from kbert.data import rows as cells
 from kbert.data.features import bucketed_features, features, pad, unit_vectors_in_batches
 from kbert.data.rows import read_rows
 from kbert.compiled import backend, compiled
+from kbert.models.card import shown_name
 from kbert.models.tasks import read_task_meta
 from kbert.train.finetune_tasks import (ClassificationTask, Examples, FinetuneTask, PairClassificationTask,
                                         RegressionTask, SentenceEmbeddingTask)
@@ -204,7 +205,7 @@ class SoftTargets:
         soft = ("squared error to the teacher's output" if self.name == "regression"
                 else f"the teacher's soft targets at temperature {self.temperature:g}")
         gold = f", mixed with the gold labels at alpha {self.alpha:g}" if self.alpha else ""
-        return f"distillation from `{self.teacher.dir}`: {soft}{gold}"
+        return f"distillation from {shown_name(self.teacher.dir)}: {soft}{gold}"
 
     def check(self):
         if self.config.pair_column is None and self.name == "pair-classification":
@@ -288,8 +289,8 @@ class EmbeddingDistillTask(SentenceEmbeddingTask):
 
     @property
     def loss_description(self) -> str:
-        return (f"distillation from `{self.teacher.dir}`: the batch's cosine matrix onto the teacher's (and the "
-                f"unit vectors onto its, when the widths agree)")
+        return (f"distillation from {shown_name(self.teacher.dir)}: the batch's cosine matrix onto the teacher's "
+                f"(and the unit vectors onto its, when the widths agree)")
 
     def check(self):
         pass
@@ -429,9 +430,9 @@ class GeneralDistillTask(FinetuneTask):
 
     @property
     def loss_description(self) -> str:
-        return (f"distillation from `{self.teacher.dir}`: KL of the masked-LM distributions at temperature "
-                f"{self.temperature:g}, last-layer attention relations (MiniLM), and hidden-state cosine when the "
-                f"widths agree (DistilBERT)")
+        return (f"distillation from {shown_name(self.teacher.dir)}: KL of the masked-LM distributions at "
+                f"temperature {self.temperature:g}, last-layer attention relations (MiniLM), and hidden-state "
+                f"cosine when the widths agree (DistilBERT)")
 
     def check(self):
         pass

@@ -37,7 +37,7 @@ from kbert.compiled import training_step
 from kbert.models.st_dir import check_prompts
 from kbert.models.tasks import default_pooling
 from kbert.train.checkpoints import CHECKPOINT_DIR, FinetuneCheckpoint, data_fingerprint
-from kbert.train.finetune_card import write_finetune_card
+from kbert.train.cards import write_finetune_card
 from kbert.train.finetune_tasks import SIMILARITY_LOSSES, batch_text_ids, task_for
 
 

@@ -1,8 +1,10 @@
-"""The model card `kbert.finetune` writes into its output dir when a run ends (`kbert.models.card`).
+"""The model cards `kbert.finetune` (and distillation) and `kbert.pretrain` write when a run ends
+(`kbert.models.card` renders them).
 
-Its training section is rendered from the run's own settings and results (the config, the rows read, the dev
-history), so it cannot drift from what ran: the data and each dataset's loss, the settings a rerun needs, and
-the dev figures before training and at every evaluation.
+The training section is rendered from the run's own settings and results (the config, the rows read, the dev
+history, the pretraining summary), so it cannot drift from what ran: the data and each dataset's loss or the
+pretraining objective, the settings a rerun needs, and the figures (dev scores at every evaluation; the final
+masked-LM loss and accuracy).
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from kbert.models.card import TRAINING_END, TRAINING_START, model_card, table, write_model_card
+from kbert.models.card import TRAINING_END, TRAINING_START, model_card, shown_name, table, write_model_card
 
 
 def data_name(data) -> str:
@@ -36,7 +38,7 @@ def loss_text(c, task_name: str) -> str:
     if getattr(c, "symmetric", False):
         text += ", both directions (symmetric)"
     if getattr(c, "guide", None):
-        text += f", negatives filtered by the guide `{c.guide}` (GISTEmbed, margin {c.guide_margin:g})"
+        text += f", negatives filtered by the guide {shown_name(c.guide)} (GISTEmbed, margin {c.guide_margin:g})"
     return text
 
 
@@ -105,6 +107,14 @@ def write_finetune_card(c, task, config, meta: dict, train_ex, dev_ex, summary: 
     return write_model_card(c.out_dir, text)
 
 
+def _base(path) -> str:
+    """A path's last part in backticks (a corpus name as it is): the card does not publish this machine's paths."""
+    if path is None:
+        return "the model's own"
+    text = os.fspath(path) if isinstance(path, (str, os.PathLike)) else str(path)
+    return f"`{os.path.basename(text.rstrip('/')) or text}`"
+
+
 def _pooling(meta: dict) -> Optional[str]:
     pooling, layers = meta.get("pooling"), meta.get("layers")
     if pooling is None:
@@ -118,3 +128,42 @@ def _cell(value, column: str = "") -> str:
     if isinstance(value, float) and column != "epoch":
         return f"{value:.4f}"
     return "" if value is None else str(value)
+
+
+OBJECTIVES = {"mlm": "masked language modelling", "mlm+nsp": "masked language modelling + next-sentence prediction",
+              "mlm+sop": "masked language modelling + sentence-order prediction (ALBERT)",
+              "electra": "ELECTRA replaced-token detection (the discriminator is the model kept)"}
+
+
+def write_pretrain_card(config, model_config, summary: dict, directory: str, continued_from=None) -> Optional[str]:
+    """Writes the card of a finished `kbert.pretrain` run's model dir (`directory`, the run's `model/`)."""
+    d, o, t, rt = config.data, config.optimizer, config.trainer, config.runtime
+    name = os.path.basename(os.path.abspath(config.output_dir))
+    source = d.source if isinstance(d.source, (list, tuple)) else [d.source]
+    data = ", ".join(_base(s) for s in source)
+    masking = (f"{d.mask_rate:.0%} of tokens" + (", whole words" if d.whole_word else "")
+               + (f", spans up to {d.ngram} words" if d.ngram > 1 else ""))
+    lines = [TRAINING_START, "", "### Data and objective", "",
+             f"- text: {data}", f"- tokenizer: {_base(d.tokenizer)}, {model_config.vocab_size:,} tokens",
+             f"- objective: {OBJECTIVES.get(d.objective, d.objective)}; masking {masking}",
+             f"- sequences of {d.max_length} tokens", ""]
+    batch = summary.get("global_batch") if isinstance(summary.get("global_batch"), int) else t.batch_size
+    tokens = t.steps * batch * d.max_length if isinstance(batch, int) else None
+    settings = [("steps", f"{t.steps:,}"), ("batch (all devices)", summary.get("global_batch", t.batch_size)),
+                ("tokens seen", f"{tokens:,}" if tokens else None), ("optimizer", o.name), ("learning rate", o.learning_rate),
+                ("warm-up steps", o.warmup_steps), ("decay", o.decay), ("weight decay", o.weight_decay),
+                ("precision", summary.get("precision")), ("Keras backend", summary.get("backend")),
+                ("devices", f"{summary.get('replicas')} x {summary.get('device')}"), ("seed", rt.seed)]
+    lines += ["### Settings", "", table(("", ""), [(k, v) for k, v in settings if v is not None]), "",
+              "### Results", ""]
+    metrics = [(k, summary.get(k)) for k in ("loss", "mlm_accuracy", "rtd_accuracy") if summary.get(k) is not None]
+    lines.append(f"At the end (the mean of the last {summary.get('mean_of_steps')} steps): "
+                 + ", ".join(f"{k.replace('_', ' ')} {v:.4f}" for k, v in metrics) + ".")
+    usage = (f'import kbert\n\nmodel = kbert.load_model("{name}/model")  # the encoder\n'
+             f'# fine-tune it: kbert.finetune("{name}/model", "classification", "train.tsv", "dev.tsv")\n'
+             f'# as a transformers dir: kbert.export_transformers("{name}/model", "{name}-hf")')
+    start = f"continued from {shown_name(continued_from)}" if continued_from else "from scratch"
+    text = model_card(name, model_config, None, base_model=continued_from, usage=usage,
+                      details=[("pretrained", f"{start}, {OBJECTIVES.get(d.objective, d.objective)}")],
+                      training="\n".join(lines + ["", TRAINING_END]), tags=["fill-mask"])
+    return write_model_card(directory, text)
