@@ -449,8 +449,9 @@ def _report_training(summary: dict, summary_name: str, history_file: str):
         if summary["best"] is not None else ("no dev set: the last model" if summary["history"] else "no model yet")
     if summary["checkpoint"]:
         best += "; stopped with a checkpoint, the same command resumes it"
+    card = " (its model card: README.md)" if summary.get("model_card") else ""
     print(f"{summary_name}: {summary['steps']} steps ({summary['stopped_by']}), {best}; "
-          f"model dir: {summary['model_dir']}")
+          f"model dir: {summary['model_dir']}{card}")
     with open(os.path.join(summary["model_dir"], history_file), "w", encoding="utf-8") as f:
         json.dump(summary, f, indent=2, ensure_ascii=False)
     if summary["stopped_by"] in _SIGNAL_EXIT:

@@ -577,8 +577,9 @@ def _run(c: FinetuneConfig, task, before_training, distribution) -> dict:
                "checkpoint": None if finished else saver.path}
     if finished:
         saver.remove()  # the best model is in out_dir
-        write_finetune_card(c, task, backbone.config, meta, train_ex, dev_ex,
-                            dict(summary, max_length=max_length, backbone_dropout=backbone_dropout))
+        summary["model_card"] = write_finetune_card(c, task, backbone.config, meta, train_ex, dev_ex,
+                                                    dict(summary, max_length=max_length,
+                                                         backbone_dropout=backbone_dropout))
     elif c.progress:
         print(f"fine-tuning stopped at step {step} ({stopped}); the same call resumes from {saver.path}", flush=True)
     return summary
