@@ -161,8 +161,9 @@ def test_task_mode_student_learns_its_teacher(tok, teacher, tmp_path):
         meta = json.load(f)
     assert meta["distill_mode"] == "task" and meta["distilled_from"] == os.path.abspath(teacher[1])
     assert kbert.load_model(out).config.num_layers == 1
-    with open(os.path.join(out, "README.md"), encoding="utf-8") as f:  # the card names the distillation loss
-        assert "- loss: distillation from `" in f.read()
+    with open(os.path.join(out, "README.md"), encoding="utf-8") as f:  # the card names the teacher and the loss
+        card = f.read()
+    assert f"distilled from `{os.path.basename(teacher[1])}`" in card and "- loss: distillation from `" in card
 
 
 @pytest.mark.slow

@@ -66,13 +66,14 @@ def table(header: Sequence[str], rows: List[Sequence]) -> str:
 
 def model_card(name: str, config, task: Optional[str], library: str = "kbert", base_model=None,
                details: Sequence[tuple] = (), usage: str = "", training: Optional[str] = None,
-               tags: Sequence[str] = ()) -> str:
+               tags: Sequence[str] = (), origin: str = "fine-tuned from") -> str:
     """The card's text.
 
     name: the model's title; config: its `ModelConfig` (or None); task: one of the fine-tuning tasks (or None);
     library: "kbert" or "sentence-transformers" (which loader the Hub shows); base_model: where it started (a
-    Hub id is put in the YAML block, any other name only in the text); details: (field, value) rows of the model
-    table; usage: a code block's text; training: the training section (`training_section`'s form)."""
+    Hub id is put in the YAML block, any other name only in the text, after `origin`); details: (field, value)
+    rows of the model table; usage: a code block's text; training: the training section (`training_section`'s
+    form)."""
     import keras
 
     front = ["---", "language:", "- ko", f"library_name: {library}"]
@@ -84,7 +85,7 @@ def model_card(name: str, config, task: Optional[str], library: str = "kbert", b
     front.append("---")
     body = [MARKER + "; edit it freely: kbert replaces only a card that still has this line. -->", "",
             f"# {name}", ""]
-    start = f" fine-tuned from {shown_name(base_model)}" if base_model else ""
+    start = f" {origin} {shown_name(base_model)}" if base_model else ""
     body += [f"This is {WHAT.get(task, 'a Korean BERT-family model')}{start}, trained with kbert.", ""]
     rows = []
     if config is not None:

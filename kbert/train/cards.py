@@ -85,7 +85,10 @@ def training_text(c, task, train_ex, dev_ex, summary: dict) -> str:
 
 
 def write_finetune_card(c, task, config, meta: dict, train_ex, dev_ex, summary: dict) -> Optional[str]:
-    """Writes the card of a finished run into `c.out_dir`; returns its path (None: a user's card was kept)."""
+    """Writes the card of a finished run into `c.out_dir`; returns its path (None: a user's card was kept, or
+    no model was written)."""
+    if not os.path.isdir(c.out_dir):
+        return None
     task_name = task.name
     name = os.path.basename(os.path.abspath(c.out_dir))
     prompts = meta.get("prompts")
@@ -101,9 +104,11 @@ def write_finetune_card(c, task, config, meta: dict, train_ex, dev_ex, summary: 
     else:
         usage = f'import kbert\n\nmodel = kbert.TaskModel.load("{name}")\nprint(model.predict(["정말 재밌어요"]))'
     tags = ["feature-extraction", "sentence-similarity"] if task_name == "sentence-embedding" else []
-    text = model_card(name, config, task_name, base_model=c.model if isinstance(c.model, str) else None,
-                      details=details, usage=usage, training=training_text(c, task, train_ex, dev_ex, summary),
-                      tags=tags)
+    teacher = meta.get("distilled_from")  # a distilled student: its teacher is where it comes from
+    base = teacher or (c.model if isinstance(c.model, (str, os.PathLike)) else None)
+    text = model_card(name, config, task_name, base_model=base, details=details, usage=usage,
+                      training=training_text(c, task, train_ex, dev_ex, summary), tags=tags,
+                      origin="distilled from" if teacher else "fine-tuned from")
     return write_model_card(c.out_dir, text)
 
 
@@ -150,7 +155,8 @@ def write_pretrain_card(config, model_config, summary: dict, directory: str, con
     batch = summary.get("global_batch") if isinstance(summary.get("global_batch"), int) else t.batch_size
     tokens = t.steps * batch * d.max_length if isinstance(batch, int) else None
     settings = [("steps", f"{t.steps:,}"), ("batch (all devices)", summary.get("global_batch", t.batch_size)),
-                ("tokens seen", f"{tokens:,}" if tokens else None), ("optimizer", o.name), ("learning rate", o.learning_rate),
+                ("tokens seen", f"{tokens:,}" if tokens else None), ("optimizer", o.name),
+                ("learning rate", o.learning_rate),
                 ("warm-up steps", o.warmup_steps), ("decay", o.decay), ("weight decay", o.weight_decay),
                 ("precision", summary.get("precision")), ("Keras backend", summary.get("backend")),
                 ("devices", f"{summary.get('replicas')} x {summary.get('device')}"), ("seed", rt.seed)]
@@ -164,6 +170,7 @@ def write_pretrain_card(config, model_config, summary: dict, directory: str, con
              f'# as a transformers dir: kbert.export_transformers("{name}/model", "{name}-hf")')
     start = f"continued from {shown_name(continued_from)}" if continued_from else "from scratch"
     text = model_card(name, model_config, None, base_model=continued_from, usage=usage,
+                      origin="pretrained further from",
                       details=[("pretrained", f"{start}, {OBJECTIVES.get(d.objective, d.objective)}")],
                       training="\n".join(lines + ["", TRAINING_END]), tags=["fill-mask"])
     return write_model_card(directory, text)
