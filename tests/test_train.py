@@ -370,6 +370,8 @@ def test_continued_pretraining_starts_from_the_named_model(tok_dir, tmp_path, ca
     del cfg["data"]["tokenizer"]  # the model's own
     more = pretrain(cfg, progress=False)
     assert "continuing from" in capsys.readouterr().err
+    with open(os.path.join(more["model_dir"], "README.md"), encoding="utf-8") as f:  # its card says so
+        assert "pretrained further from `first`" in f.read()
     after = kbert.load_model(more["model_dir"], with_heads=True)
     before, now = variables_by_path(source), variables_by_path(after)
     assert set(before) == set(now) and any("mlm_head" in p for p in now)
