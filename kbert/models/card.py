@@ -60,7 +60,8 @@ def training_section(directory: str) -> Optional[str]:
 
 def table(header: Sequence[str], rows: List[Sequence]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    lines += ["| " + " | ".join(str(cell).replace("|", "\\|") for cell in row) + " |" for row in rows]
+    lines += ["| " + " | ".join(" ".join(str(cell).split("\n")).replace("|", "\\|") for cell in row) + " |"
+              for row in rows]  # one line a row: a cell's newlines would end the table
     return "\n".join(lines)
 
 
