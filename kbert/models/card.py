@@ -1,13 +1,13 @@
-"""Model cards: the README.md a fine-tuned model dir (and its sentence-transformers export) carries.
+"""Model cards: the README.md a trained model dir (and its sentence-transformers export) carries.
 
 The Hugging Face Hub shows a model's README.md as its page, and reads the YAML block at its top for search
 (`language`, `library_name`, `pipeline_tag`, `base_model`, `tags`). transformers' Trainer and
 sentence-transformers write one when they save a trained model, so a model trained there can be uploaded as it
 is and says what it is; a kbert model dir gets the same: what the model is, how to load it, and how it was
 trained (data, loss, settings, the dev figures by evaluation). The card is rendered from values the caller
-passes (no model is loaded here); `kbert.finetune` writes one when a run ends, and
-`kbert.export_sentence_transformers` writes the sentence-transformers form, carrying the training section of
-the source dir's card.
+passes (no model is loaded here); `kbert.finetune`, `kbert.distill` and `kbert.pretrain` write one when a run
+ends (`kbert.train.cards`), and `kbert.export_sentence_transformers` writes the sentence-transformers form,
+carrying the training section of the source dir's card.
 
 A README.md that kbert did not write (it lacks `MARKER`) is never replaced: it is the user's.
 """
