@@ -81,21 +81,20 @@ def export_sentence_transformers(model, directory: str, max_length=None) -> str:
            [{"idx": i, "name": str(i), **m} for i, m in enumerate(modules)])
     _write(os.path.join(directory, "sentence_bert_config.json"),
            {"max_seq_length": int(embedder.max_length), "do_lower_case": False})
+    prompts = _prompts(embedder)
     _write(os.path.join(directory, "config_sentence_transformers.json"),
-           {"similarity_fn_name": "cosine", "prompts": _prompts(embedder),
-            "default_prompt_name": embedder.default_prompt_name})
-    _card(embedder, directory, model if isinstance(model, (str, os.PathLike)) else None, pooling, weights)
+           {"similarity_fn_name": "cosine", "prompts": prompts, "default_prompt_name": embedder.default_prompt_name})
+    _card(embedder, directory, model if isinstance(model, (str, os.PathLike)) else None, pooling, weights, prompts)
     return directory
 
 
-def _card(embedder, directory: str, source, pooling: str, weights) -> None:
+def _card(embedder, directory: str, source, pooling: str, weights, prompts: dict) -> None:
     """The sentence-transformers form of the model card, with the training section of the source dir's card."""
     from kbert.models.card import model_card, training_section, write_model_card
     from kbert.models.tasks import read_task_meta
 
     name = os.path.basename(os.path.abspath(directory))
     layers = [i for i, w in enumerate(weights) if w]
-    prompts = _prompts(embedder)
     details = [("vector width", embedder.backbone.config.hidden_size),
                ("max length", f"{int(embedder.max_length)} tokens"),
                ("pooling", pooling if layers == [len(weights) - 1] else f"{pooling} over the mean of hidden states "

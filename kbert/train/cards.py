@@ -16,7 +16,7 @@ from kbert.models.card import TRAINING_END, TRAINING_START, model_card, shown_na
 
 
 def data_name(data) -> str:
-    return f"`{os.path.basename(os.fspath(data))}`" if isinstance(data, (str, os.PathLike)) else "rows given in Python"
+    return shown_name(data) if isinstance(data, (str, os.PathLike)) else "rows given in Python"
 
 
 def loss_text(c, task_name: str) -> str:
@@ -112,14 +112,6 @@ def write_finetune_card(c, task, config, meta: dict, train_ex, dev_ex, summary: 
     return write_model_card(c.out_dir, text)
 
 
-def _base(path) -> str:
-    """A path's last part in backticks (a corpus name as it is): the card does not publish this machine's paths."""
-    if path is None:
-        return "the model's own"
-    text = os.fspath(path) if isinstance(path, (str, os.PathLike)) else str(path)
-    return f"`{os.path.basename(text.rstrip('/')) or text}`"
-
-
 def _pooling(meta: dict) -> Optional[str]:
     pooling, layers = meta.get("pooling"), meta.get("layers")
     if pooling is None:
@@ -145,16 +137,16 @@ def write_pretrain_card(config, model_config, summary: dict, directory: str, con
     d, o, t, rt = config.data, config.optimizer, config.trainer, config.runtime
     name = os.path.basename(os.path.abspath(config.output_dir))
     source = d.source if isinstance(d.source, (list, tuple)) else [d.source]
-    data = ", ".join(_base(s) for s in source)
+    data = ", ".join(shown_name(s if isinstance(s, (str, os.PathLike)) else str(s)) for s in source)
+    tokenizer = shown_name(d.tokenizer) if d.tokenizer else "the model's own"
     masking = (f"{d.mask_rate:.0%} of tokens" + (", whole words" if d.whole_word else "")
                + (f", spans up to {d.ngram} words" if d.ngram > 1 else ""))
     lines = [TRAINING_START, "", "### Data and objective", "",
-             f"- text: {data}", f"- tokenizer: {_base(d.tokenizer)}, {model_config.vocab_size:,} tokens",
+             f"- text: {data}", f"- tokenizer: {tokenizer}, {model_config.vocab_size:,} tokens",
              f"- objective: {OBJECTIVES.get(d.objective, d.objective)}; masking {masking}",
              f"- sequences of {d.max_length} tokens", ""]
-    batch = summary.get("global_batch") if isinstance(summary.get("global_batch"), int) else t.batch_size
-    tokens = t.steps * batch * d.max_length if isinstance(batch, int) else None
-    settings = [("steps", f"{t.steps:,}"), ("batch (all devices)", summary.get("global_batch", t.batch_size)),
+    tokens = t.steps * t.batch_size * d.max_length if isinstance(t.batch_size, int) else None
+    settings = [("steps", f"{t.steps:,}"), ("batch (all devices)", t.batch_size),
                 ("tokens seen", f"{tokens:,}" if tokens else None), ("optimizer", o.name),
                 ("learning rate", o.learning_rate),
                 ("warm-up steps", o.warmup_steps), ("decay", o.decay), ("weight decay", o.weight_decay),

@@ -21,6 +21,7 @@ import sys
 import time
 from typing import Dict, Optional, Union
 
+from kbert.train.cards import write_pretrain_card
 from kbert.train.config import DataConfig, PretrainConfig
 
 
@@ -515,8 +516,6 @@ def pretrain(config: Union[PretrainConfig, dict, str], overrides=None, resume: b
     if current >= t.steps and backend.writer:  # 6. the final model dir
         kept = model.backbone if d.objective == "electra" else model  # ELECTRA keeps the discriminator
         summary["model_dir"] = save_model(kept, os.path.join(out, "model"), tokenizer=tokenizer)
-        from kbert.train.cards import write_pretrain_card
-
         start = config.model.get("from") if isinstance(config.model, dict) else config.model
         write_pretrain_card(config, model_config, summary, summary["model_dir"],
                             continued_from=str(start) if source is not None else None)
