@@ -54,6 +54,7 @@ _EXPORTS = {
     "quantized_search": "kbert.embed.quantize",
     "evaluate_retrieval": "kbert.embed.evaluation",
     "evaluate_sts": "kbert.embed.evaluation",
+    "evaluate_pair_classification": "kbert.embed.evaluation",
     "finetune": "kbert.train.finetune",
     "distill": "kbert.train.distill",
     "TaskModel": "kbert.embed.task_model",

@@ -75,3 +75,61 @@ def test_sts_figures_equal_sentence_transformers_embedding_similarity_evaluator(
     assert ours["pearson"] == pytest.approx(theirs["pearson_cosine"], abs=1e-5)
     with pytest.raises(ValueError, match="differ in length"):
         kbert.evaluate_sts(st_dir, s1, s2[:3], scores)
+
+
+def test_pair_classification_figures_equal_sentence_transformers_binary_classification_evaluator(st_dir):
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.evaluation import BinaryClassificationEvaluator
+
+    lines = [line.strip() for line in read_corpus(["kolaw"]).texts() if len(line.strip()) > 10][:60]
+    # a third of the pairs a text with its own start (similar), the rest two unrelated lines
+    s1 = lines[:30]
+    s2 = [line[:len(line) // 2] if i % 3 == 0 else lines[30 + i] for i, line in enumerate(s1)]
+    labels = [1 if i % 3 == 0 else 0 for i in range(30)]
+    labels[1] = 1  # one positive the vectors should miss
+    model = SentenceTransformer(st_dir, device="cpu")
+    theirs = BinaryClassificationEvaluator(s1, s2, labels, write_csv=False,
+                                           similarity_fn_names=["cosine", "dot", "euclidean", "manhattan"])
+    theirs = theirs.compute_metrics(model)
+    for similarity in ("cosine", "dot", "euclidean", "manhattan"):
+        ours = kbert.evaluate_pair_classification(st_dir, s1, s2, labels, similarity=similarity)
+        assert ours["pairs"] == 30
+        assert set(ours) - {"pairs"} == set(theirs[similarity]), similarity
+        for name, value in theirs[similarity].items():
+            # float32 vectors on both sides: thresholds agree to 1e-5, the counted figures exactly
+            assert ours[name] == pytest.approx(float(value), abs=1e-5), (similarity, name)
+    cosine = kbert.evaluate_pair_classification(st_dir, s1, s2, labels)
+    assert 0 < cosine["ap"] <= 1 and 0 < cosine["f1"] <= 1 and -1 <= cosine["f1_threshold"] <= 1
+
+    # bools as labels; a mislabelled or one-sided set is refused by name
+    flags = [bool(v) for v in labels]
+    assert kbert.evaluate_pair_classification(st_dir, s1, s2, flags)["ap"] == pytest.approx(cosine["ap"])
+    with pytest.raises(ValueError, match="1 or 0.*2"):
+        kbert.evaluate_pair_classification(st_dir, s1, s2, [2] + labels[1:])
+    with pytest.raises(ValueError, match="both kinds"):
+        kbert.evaluate_pair_classification(st_dir, s1, s2, [0] * 30)
+    with pytest.raises(ValueError, match="differ in length"):
+        kbert.evaluate_pair_classification(st_dir, s1, s2[:4], labels)
+    with pytest.raises(ValueError, match="similarity"):
+        kbert.evaluate_pair_classification(st_dir, s1, s2, labels, similarity="jaccard")
+
+
+def test_pair_classification_ties_and_average_precision_against_scikit_learn():
+    """The thresholds on tied scores, and AP / MCC on random scores, against scikit-learn's definitions."""
+    from sklearn.metrics import average_precision_score, matthews_corrcoef
+
+    from kbert.embed.evaluation import pair_classification_figures
+
+    rng = np.random.default_rng(0)
+    for trial in range(20):
+        scores = np.round(rng.normal(size=50), 1 if trial % 2 else 4).astype(np.float32)  # ties on odd trials
+        labels = (rng.random(50) < 0.4).astype(np.int64)
+        labels[:2] = [0, 1]
+        out = pair_classification_figures(scores, labels)
+        assert out["ap"] == pytest.approx(average_precision_score(labels, scores), abs=1e-9)
+        predicted = scores >= np.float32(out["f1_threshold"])
+        assert out["mcc"] == pytest.approx(matthews_corrcoef(labels, predicted), abs=1e-9)
+        # the accuracy threshold reproduces the accuracy; no other cut does better
+        assert np.mean((scores >= np.float32(out["accuracy_threshold"])) == labels) == pytest.approx(out["accuracy"])
+        cuts = np.concatenate([np.unique(scores), [np.inf]])
+        assert max(np.mean((scores >= c) == labels) for c in cuts) == pytest.approx(out["accuracy"])

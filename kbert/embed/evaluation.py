@@ -4,13 +4,19 @@ AutoRAG, MTEB's Korean tasks report nDCG@10):
 
     evaluate_retrieval(model, queries, corpus, relevant_docs)   # InformationRetrievalEvaluator's metrics
     evaluate_sts(model, sentences1, sentences2, scores)         # EmbeddingSimilarityEvaluator's cosine figures
+    evaluate_pair_classification(model, sentences1, sentences2, labels)  # BinaryClassificationEvaluator's
 
 Retrieval runs `Embedder.search` (so the model's query / document prompts, hybrid `lexical` search and a
 cross-encoder `reranker` are measured as they are used) and scores the ranked hits with the formulas of
 sentence-transformers' InformationRetrievalEvaluator: binary relevance; accuracy@k (a relevant document in the
 first k), precision@k, recall@k, MRR@k, nDCG@k (ideal DCG over min(relevant, k) documents) and MAP@k (divided by
-min(k, relevant)); queries without a relevant document are left out, as there. Tests compare every figure
-with sentence-transformers' on the same model.
+min(k, relevant)); queries without a relevant document are left out, as there.
+
+Pair classification (paraphrase or not, duplicate question or not: the Korean question-pair set, PAWS-X) reads a
+similarity as a yes/no score with the thresholds sentence-transformers' BinaryClassificationEvaluator picks:
+the best accuracy, the best F1 (with its precision and recall), average precision over every threshold and
+Matthews' correlation at the F1 threshold. Written here in NumPy rather than through scikit-learn's metrics, so
+evaluating needs no optional dependency. Tests compare every figure with sentence-transformers' on the same model.
 """
 
 from __future__ import annotations
@@ -137,3 +143,123 @@ def evaluate_sts(model, sentences1: Sequence[str], sentences2: Sequence[str], sc
     b = emb.encode(sentences2, **options)
     cosine = np.sum(np.asarray(a, np.float64) * np.asarray(b, np.float64), axis=1)
     return {"pearson": float(pearson(cosine, gold)), "spearman": float(spearman(cosine, gold)), "pairs": len(gold)}
+
+
+PAIR_SIMILARITIES = ("cosine", "dot", "euclidean", "manhattan")
+
+
+def evaluate_pair_classification(model, sentences1: Sequence[str], sentences2: Sequence[str], labels,
+                                 similarity: str = "cosine", batch_size: int = 64,
+                                 **encode_options) -> Dict[str, float]:
+    """How well a similarity of each pair's vectors tells the pairs labelled 1 (paraphrases, duplicates) from
+    those labelled 0, by sentence-transformers' BinaryClassificationEvaluator's figures.
+
+    Args:
+        sentences1, sentences2: the pairs' texts.
+        labels: 1 / 0 (or True / False) per pair, both present.
+        similarity: "cosine" (default), "dot", or the distances "euclidean" and "manhattan" (a smaller distance
+            is the more similar pair; their thresholds are distances). The last three read the vectors as
+            `encode` returns them: unit length unless `normalize=False` is among the encode options.
+        batch_size, encode options (`prompt_name`, `pooling`, `truncate_dim`, `normalize`, ...): as
+            `Embedder.encode`.
+
+    Returns: {"accuracy", "accuracy_threshold", "f1", "f1_threshold", "precision", "recall", "ap", "mcc",
+        "pairs"}: the best accuracy over every threshold and that threshold (a pair is predicted 1 when its
+        similarity is at least it, or its distance at most it); the best F1, its threshold and the precision and
+        recall there; the average precision of ranking the pairs by similarity; Matthews' correlation of the
+        predictions at the F1 threshold.
+    """
+    if similarity not in PAIR_SIMILARITIES:
+        raise ValueError(f"`similarity` must be one of {PAIR_SIMILARITIES}. Received: similarity={similarity!r}")
+    sentences1, sentences2 = text_list(sentences1), text_list(sentences2)
+    gold = _binary_labels(labels)
+    if not (len(sentences1) == len(sentences2) == len(gold)):
+        raise ValueError(f"`sentences1`, `sentences2` and `labels` differ in length: {len(sentences1)}, "
+                         f"{len(sentences2)}, {len(gold)}")
+    emb = _embedder(model)
+    options = dict(batch_size=batch_size, **encode_options)
+    a = np.asarray(emb.encode(sentences1, **options), np.float32)
+    b = np.asarray(emb.encode(sentences2, **options), np.float32)
+    scores = pair_scores(a, b, similarity)
+    # a distance ranks the other way: classify its negation, then give the thresholds back as distances
+    sign = 1.0 if similarity in ("cosine", "dot") else -1.0
+    out = pair_classification_figures(sign * scores, gold)
+    out["accuracy_threshold"] *= sign
+    out["f1_threshold"] *= sign
+    out["pairs"] = len(gold)
+    return out
+
+
+def pair_scores(a: np.ndarray, b: np.ndarray, similarity: str) -> np.ndarray:
+    """Row-wise `similarity` of two `[pairs, dim]` float32 arrays (a distance for euclidean / manhattan)."""
+    if similarity == "cosine":
+        a = a / np.maximum(np.linalg.norm(a, axis=1, keepdims=True), 1e-12)
+        b = b / np.maximum(np.linalg.norm(b, axis=1, keepdims=True), 1e-12)
+        return np.sum(a * b, axis=1)
+    if similarity == "dot":
+        return np.sum(a * b, axis=1)
+    if similarity == "euclidean":
+        return np.sqrt(np.sum((a - b) ** 2, axis=1))
+    return np.sum(np.abs(a - b), axis=1)
+
+
+def _binary_labels(labels) -> np.ndarray:
+    values = np.asarray(list(labels))
+    if values.dtype == bool:
+        values = values.astype(np.int64)
+    if values.size == 0 or not np.all(np.isin(values, (0, 1))):
+        bad = sorted({repr(v) for v in values.tolist() if v not in (0, 1)})[:5]
+        raise ValueError(f"`labels` must be 1 or 0 for each pair (True / False allowed)"
+                         + (f". Received: {', '.join(bad)}" if bad else ": none given"))
+    values = values.astype(np.int64)
+    if values.min() == values.max():
+        raise ValueError(f"`labels` are all {int(values[0])}: pair classification needs pairs of both kinds")
+    return values
+
+
+def pair_classification_figures(scores: np.ndarray, labels: np.ndarray) -> Dict[str, float]:
+    """Accuracy, F1, precision, recall, AP and MCC of classifying pairs by `scores` (higher: label 1), at the
+    thresholds BinaryClassificationEvaluator picks: each candidate threshold is the midpoint between two
+    neighbouring distinct scores (a pair is 1 when its score is at least it); before any pair, one just above
+    the highest score (every pair 0)."""
+    scores = np.asarray(scores, np.float32)
+    order = np.argsort(-scores, kind="stable")
+    ranked, gold = scores[order], labels[order]
+    n, positives = len(gold), int(gold.sum())
+    # the candidate cuts: after the last pair of each group of equal scores
+    ends = np.nonzero(np.append(ranked[1:] != ranked[:-1], True))[0]
+    taken = ends + 1
+    true_pos = np.cumsum(gold)[ends]
+    true_neg = (n - positives) - (taken - true_pos)
+    below = np.append(ranked[ends[:-1] + 1], ranked[-1])  # the next group's score (the last: its own)
+    midpoint = ((ranked[ends] + below) / np.float32(2)).astype(np.float32)
+    # a rounded midpoint must not reach the next group's score
+    midpoint = np.where(midpoint == below, ranked[ends], midpoint)
+    midpoint[-1] = ranked[-1]
+
+    accuracy = (true_pos + true_neg) / n
+    best_accuracy, accuracy_threshold = (n - positives) / n, float(np.nextafter(ranked[0], np.float32(np.inf)))
+    if accuracy.max() > best_accuracy:  # the first of the best, as a strict `>` scan finds it
+        i = int(np.argmax(accuracy))
+        best_accuracy, accuracy_threshold = float(accuracy[i]), float(midpoint[i])
+
+    precision = true_pos / taken
+    recall = true_pos / positives
+    with np.errstate(invalid="ignore", divide="ignore"):
+        f1 = np.where(true_pos > 0, 2 * precision * recall / (precision + recall), 0.0)
+    i = int(np.argmax(f1))
+    f1_threshold = float(midpoint[i])
+
+    # average precision: each cut's precision weighted by the recall it adds (scikit-learn's definition)
+    ap = float(np.sum(np.diff(np.concatenate([[0.0], recall])) * precision))
+
+    predicted = scores >= np.float32(f1_threshold)
+    tp = float(np.sum(predicted & (labels == 1)))
+    fp = float(np.sum(predicted & (labels == 0)))
+    fn = float(np.sum(~predicted & (labels == 1)))
+    tn = float(n - tp - fp - fn)
+    denominator = np.sqrt((tp + fp) * (tp + fn) * (tn + fp) * (tn + fn))
+    mcc = float((tp * tn - fp * fn) / denominator) if denominator > 0 else 0.0
+    return {"accuracy": float(best_accuracy), "accuracy_threshold": accuracy_threshold, "f1": float(f1[i]),
+            "f1_threshold": f1_threshold, "precision": float(precision[i]), "recall": float(recall[i]),
+            "ap": ap, "mcc": mcc}
