@@ -49,6 +49,8 @@ _EXPORTS = {
     "Embedder": "kbert.embed.embedder",
     "export_sentence_transformers": "kbert.embed.st_format",
     "mine_hard_negatives": "kbert.embed.mining",
+    "paraphrase_mining": "kbert.embed.mining",
+    "community_detection": "kbert.embed.mining",
     "quantize_embeddings": "kbert.embed.quantize",
     "quantization_ranges": "kbert.embed.quantize",
     "quantized_search": "kbert.embed.quantize",

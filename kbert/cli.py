@@ -547,10 +547,65 @@ def _mine_negatives(args):
           f"--pair-column {args.positive_column} --negative-column {args.negative_column}")
 
 
+def _numbered_lines(path):
+    """(1-based line numbers, texts) of the non-blank lines of `path` (or stdin)."""
+    numbered = [(n, line) for n, line in enumerate(_utf8_lines(path), 1) if line.strip()]
+    if not numbered:
+        raise ValueError(f"{path or 'standard input'} holds no text")
+    return [n for n, _ in numbered], [line for _, line in numbered]
+
+
+def _write_json_lines(records, out):
+    import json
+
+    f = open(out, "w", encoding="utf-8") if out else sys.stdout
+    try:
+        for record in records:
+            f.write(json.dumps(record, ensure_ascii=False) + "\n")
+    finally:
+        if out:
+            f.close()
+
+
+def _paraphrases(args):
+    from kbert.embed.mining import paraphrase_mining
+
+    numbers, texts = _numbered_lines(args.input)
+    pairs = paraphrase_mining(args.model, texts, top_k=args.top_k, max_pairs=args.max_pairs,
+                              threshold=args.threshold, lexical=args.lexical, batch_size=args.batch_size)
+    _write_json_lines(({"score": round(score, 6), "line1": numbers[i], "line2": numbers[j], "text1": texts[i],
+                        "text2": texts[j]} for score, i, j in pairs), args.out)
+    print(f"{len(pairs)} pairs of {len(texts)} lines" + (f" written to {args.out}" if args.out else ""),
+          file=sys.stderr)
+
+
+def _cluster(args):
+    from kbert.embed.mining import community_detection
+
+    numbers, texts = _numbered_lines(args.input)
+    groups = community_detection(args.model, texts, threshold=args.threshold, min_size=args.min_size,
+                                 lexical=args.lexical, batch_size=args.batch_size)
+    _write_json_lines(({"size": len(g), "lines": [numbers[i] for i in g], "texts": [texts[i] for i in g]}
+                       for g in groups), args.out)
+    grouped = sum(len(g) for g in groups)
+    print(f"{len(groups)} groups holding {grouped} of {len(texts)} lines (threshold {args.threshold}, at least "
+          f"{args.min_size} a group)" + (f"; written to {args.out}" if args.out else ""), file=sys.stderr)
+
+
 def _quickstart(args):
     from kbert.quickstart import main_args
 
     main_args(args)
+
+
+def _add_self_mining_arguments(p):
+    p.add_argument("--model", help="model dir or Hub name whose vectors score the lines (not needed with --lexical 1)")
+    p.add_argument("--input", help="text file, one text a line (default: stdin); blank lines are skipped, and the "
+                                   "output names lines by their number in the file")
+    p.add_argument("--out", help="JSON lines file to write (default: stdout)")
+    p.add_argument("--lexical", type=float, default=0.0,
+                   help="mix in character n-gram TF-IDF cosine with this weight (1: TF-IDF alone, no model)")
+    p.add_argument("--batch-size", type=int, default=64, help="texts encoded at a time (default 64)")
 
 
 def _add_corpus_arguments(p):
@@ -763,6 +818,23 @@ def build_parser() -> argparse.ArgumentParser:
                    help="mix in character n-gram TF-IDF cosine with this weight (1: TF-IDF alone, no model)")
     p.add_argument("--seed", type=int, default=0, help="for --sampling random")
     p.set_defaults(func=_mine_negatives)
+
+    p = sub.add_parser("paraphrases", help="the most similar pairs of lines of a file (near-duplicates, "
+                                           "paraphrases), best first, as JSON lines")
+    _add_self_mining_arguments(p)
+    p.add_argument("--top-k", type=int, default=100, help="partners considered per line (default 100)")
+    p.add_argument("--max-pairs", type=int, default=500_000, help="the most pairs written (default 500000)")
+    p.add_argument("--threshold", type=float, help="only pairs scored at least this")
+    p.set_defaults(func=_paraphrases)
+
+    p = sub.add_parser("cluster", help="groups of similar lines around a central one (sentence-transformers' "
+                                       "community detection), largest first, as JSON lines")
+    _add_self_mining_arguments(p)
+    p.add_argument("--threshold", type=float, default=0.75,
+                   help="the least score of a member with its group's first line (default 0.75)")
+    p.add_argument("--min-size", type=int, default=10, help="the fewest lines a group may have (default 10; 2 "
+                                                            "finds every pair of near-duplicates)")
+    p.set_defaults(func=_cluster)
 
     p = sub.add_parser("distill", help="knowledge distillation: a small student learns a pretrained, fine-tuned or "
                                        "sentence-embedding teacher (general / task / embedding modes)")

@@ -1205,3 +1205,98 @@ def test_encode_and_search_take_quantized_vectors(emb, tmp_path, capsys):
     assert np.abs(np.array([r["vector"] for r in rows]) - np.load(out)).max() <= 1  # float rounding at edges
     assert main(["embed", "--model", model_dir, "--input", str(src), "--precision", "int8"]) == 1
     assert "needs the same --ranges" in capsys.readouterr().err
+
+
+def _clustered_vectors(seed=0, groups=20, width=32):
+    rng = np.random.default_rng(seed)
+    centres = rng.normal(size=(groups, width))
+    v = np.concatenate([c + 0.35 * rng.normal(size=(rng.integers(1, 40), width)) for c in centres])
+    return v[rng.permutation(len(v))].astype(np.float32)
+
+
+def test_paraphrase_mining_and_community_detection_equal_sentence_transformers_on_the_same_vectors():
+    import torch
+    from sentence_transformers.util import community_detection, paraphrase_mining_embeddings
+
+    v = _clustered_vectors()  # 435 vectors around 20 centres
+    for top_k, max_pairs in [(5, 100), (100, 500_000), (3, 50)]:
+        ours = kbert.paraphrase_mining(None, v, top_k=top_k, max_pairs=max_pairs, progress=False)
+        theirs = paraphrase_mining_embeddings(torch.tensor(v), top_k=top_k, max_pairs=max_pairs)
+        assert len(ours) == len(theirs) == min(max_pairs, len(theirs))
+        # the same pairs with the same scores (float32 products in another order: 1e-6); best first
+        scored = {(i, j): score for score, i, j in theirs}
+        assert {(i, j) for _, i, j in ours} == set(scored)
+        assert all(abs(score - scored[i, j]) < 1e-6 and i < j for score, i, j in ours)
+        assert all(a[0] >= b[0] for a, b in zip(ours, ours[1:]))
+        # chunks of any size give the same answer (the products' last bit may differ with the chunk's shape)
+        chunked = kbert.paraphrase_mining(None, v, top_k=top_k, max_pairs=max_pairs, chunk=37, progress=False)
+        assert [p[1:] for p in chunked] == [p[1:] for p in ours]
+        assert np.allclose([p[0] for p in chunked], [p[0] for p in ours], atol=1e-6)
+    every = kbert.paraphrase_mining(None, v, top_k=100, progress=False)
+    above = kbert.paraphrase_mining(None, v, top_k=100, threshold=0.8, progress=False)
+    assert above == [p for p in every if p[0] >= 0.8] and 0 < len(above) < len(every)
+    def centres_and_members(groups):  # members scored alike to the last bit may come in either order
+        return [(int(g[0]), {int(i) for i in g}) for g in groups]
+
+    for threshold, min_size in [(0.75, 10), (0.8, 2), (0.6, 5)]:
+        ours = kbert.community_detection(None, v, threshold=threshold, min_size=min_size, progress=False)
+        theirs = community_detection(torch.tensor(v), threshold=threshold, min_community_size=min_size)
+        assert centres_and_members(ours) == centres_and_members(theirs)
+        scores = v[ours[0][0]] @ v[ours[0]].T / np.linalg.norm(v[ours[0]], axis=1) / np.linalg.norm(v[ours[0][0]])
+        assert np.all(np.diff(scores[1:]) <= 1e-6) and np.all(scores >= threshold - 1e-6)  # best first
+        assert centres_and_members(kbert.community_detection(None, v, threshold=threshold, min_size=min_size,
+                                                             chunk=29, progress=False)) == centres_and_members(ours)
+    groups = kbert.community_detection(None, v, threshold=0.6, min_size=5, progress=False)
+    members = [i for g in groups for i in g]
+    assert len(members) == len(set(members))  # no item in two groups
+    assert kbert.community_detection(None, v[:3], min_size=4, progress=False) == []
+    assert kbert.paraphrase_mining(None, v[:1], progress=False) == []
+
+
+def test_paraphrase_mining_and_groups_of_texts_by_a_model_or_by_characters(emb, tmp_path, capsys):
+    from kbert.cli import main
+
+    texts = ["배송이 너무 느려요", "택배가 안 와요", "배송이 너무 느려요!!", "화면이 밝고 선명해요", "배송이 너무 느려요"]
+    pairs = kbert.paraphrase_mining(emb, texts, progress=False)
+    assert pairs[0][1:] == (0, 4) and pairs[0][0] == pytest.approx(1.0, abs=1e-5)  # the exact repeat first
+    assert len(pairs) == 10  # every pair of 5 once
+    vectors = emb.encode(texts)
+    assert [p[1:] for p in kbert.paraphrase_mining(None, vectors, progress=False)] == [p[1:] for p in pairs]
+    # characters alone need no model; the hybrid score is the search's
+    lexical = kbert.paraphrase_mining(None, texts, lexical=1.0, progress=False)
+    assert [p[1:] for p in lexical[:3]] == [(0, 4), (0, 2), (2, 4)]
+    hybrid = {(i, j): s for s, i, j in kbert.paraphrase_mining(emb, texts, lexical=0.4, progress=False)}
+    hits = emb.search(texts, texts, top_k=5, lexical=0.4)
+    assert hybrid[1, 3] == pytest.approx(dict(hits[1])[3], abs=1e-5)
+    groups = kbert.community_detection(None, texts, threshold=0.5, min_size=2, lexical=1.0, progress=False)
+    assert groups == [[0, 4, 2]] or groups == [[0, 2, 4]]
+    for bad, match in [(dict(top_k=0), "`top_k`"), (dict(max_pairs=0), "`max_pairs`"), (dict(lexical=2), "`lexical`"),
+                       (dict(threshold="high"), "`threshold`"), (dict(chunk=0), "`chunk`")]:
+        with pytest.raises(ValueError, match=match):
+            kbert.paraphrase_mining(emb, texts, progress=False, **bad)
+    with pytest.raises(ValueError, match="lexical=1"):
+        kbert.paraphrase_mining(None, texts, progress=False)
+    with pytest.raises(ValueError, match="not vectors"):
+        kbert.community_detection(None, vectors, lexical=0.5, progress=False)
+    with pytest.raises(ValueError, match="`min_size`"):
+        kbert.community_detection(emb, texts, min_size=0, progress=False)
+
+    # the commands: lines of a file (blank ones skipped, named by their line number), JSON lines out
+    src = tmp_path / "reviews.txt"
+    src.write_text("\n".join(texts[:2]) + "\n\n" + "\n".join(texts[2:]) + "\n", encoding="utf-8")
+    out = tmp_path / "groups.jsonl"
+    assert main(["cluster", "--input", str(src), "--lexical", "1", "--threshold", "0.5", "--min-size", "2",
+                 "--out", str(out)]) == 0
+    assert "1 groups holding 3 of 5 lines" in capsys.readouterr().err
+    (group,) = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
+    assert group["size"] == 3 and sorted(group["lines"]) == [1, 4, 6] and group["texts"][0] == texts[0]
+    model_dir = str(tmp_path / "model")
+    kbert.save_model(emb.backbone, model_dir, tokenizer=emb.tokenizer)
+    assert main(["paraphrases", "--model", model_dir, "--input", str(src), "--top-k", "2"]) == 0
+    captured = capsys.readouterr()
+    rows = [json.loads(line) for line in captured.out.splitlines()]
+    assert {rows[0]["line1"], rows[0]["line2"]} == {1, 6} and rows[0]["text1"] == rows[0]["text2"]
+    assert [r["score"] for r in rows] == sorted((r["score"] for r in rows), reverse=True)
+    assert "pairs of 5 lines" in captured.err
+    assert main(["cluster", "--input", str(src)]) == 1  # no model, not lexical
+    assert "lexical=1" in capsys.readouterr().err

@@ -13,14 +13,24 @@ model to push a paraphrase away), and dropping such candidates was the best of t
 The scores are `Embedder`'s cosines, or with `lexical=w` the same hybrid score as `Embedder.search`
 (character n-gram TF-IDF fitted on the corpus): a lexical miner finds the negatives that share words with
 the anchor, which a small model misses. Scoring runs in chunks of anchors, so memory is `[chunk, corpus]`.
+
+The same scoring mines a collection against itself, with sentence-transformers' two functions for it (same names,
+settings and results, so a recipe carries over; tests compare them on the same vectors):
+
+    kbert.paraphrase_mining(model, texts)      # [(score, i, j), ...]: the best-scored pairs of distinct texts
+    kbert.community_detection(model, texts)    # [[centre, member, ...], ...]: groups around a central text
+
+For Korean user text (reviews, comments, questions) that is near-duplicate removal and topic grouping; with
+`lexical` the score is the hybrid one, which catches the re-posts that share most of their characters.
 """
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from kbert.data.features import text_list
 from kbert.data.rows import read_rows, text_cell
 from kbert.utils import progress_bar
 
@@ -244,3 +254,193 @@ def _scorer(embedder, anchors, positives, corpus, lexical, progress):
             sparse_positive = np.asarray(qa.multiply(qp).sum(axis=1), np.float32).ravel()
         return (1 - lexical) * dense + lexical * sparse, (1 - lexical) * positive + lexical * sparse_positive
     return scores_of
+
+
+def _check_count(value, name):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"`{name}` must be a positive integer. Received: {name}={value!r}")
+
+
+def _self_scorer(model, texts, lexical, progress, encode_options):
+    """(a function of row indices -> their scores against every item `[c, n]`, n) for a collection scored
+    against itself: cosines of `model`'s vectors of `texts` (or of `texts` given as vectors), or the hybrid
+    score with `lexical`."""
+    if isinstance(lexical, bool) or not isinstance(lexical, (int, float)) or not 0 <= lexical <= 1:
+        raise ValueError(f"`lexical` must be a number in [0, 1]. Received: lexical={lexical!r}")
+    if isinstance(texts, np.ndarray):
+        if lexical:
+            raise ValueError("`lexical` scores character n-grams: pass the texts, not vectors")
+        vectors = _unit(np.atleast_2d(texts))
+    else:
+        texts = text_list(texts)
+        if lexical >= 1 or not texts:  # TF-IDF alone (no model: the dense part is 0), or nothing to encode
+            vectors = np.zeros((len(texts), 1), np.float32)
+        elif model is None:
+            raise ValueError("`model` is None: give a model dir (or an Embedder), pass vectors instead of texts, "
+                             "or score by character n-grams alone with lexical=1")
+        else:
+            from kbert.embed.embedder import Embedder  # here: vectors given need no model (nor TensorFlow)
+
+            embedder = model if isinstance(model, Embedder) else Embedder.load(model)
+            vectors = _unit(embedder.encode(texts, progress=progress, **encode_options))
+    n = len(texts)
+    sparse = None
+    if lexical and n:
+        from kbert.embed.lexical import char_tfidf
+
+        vectorizer = char_tfidf(texts)
+        sparse = vectorizer.transform(texts) if vectorizer is not None else None
+
+    def scores_of(idx):
+        scores = vectors[idx] @ vectors.T
+        if not lexical:
+            return scores
+        if sparse is None:  # no n-gram in the texts: the lexical part is 0 everywhere
+            return (1 - lexical) * scores
+        return (1 - lexical) * scores + lexical * np.asarray((sparse[idx] @ sparse.T).todense(), np.float32)
+
+    return scores_of, n
+
+
+def _row_top_k(scores: np.ndarray, k: int):
+    """(rows, columns, values) of the `k` highest entries of each row of `scores` `[c, n]` (k <= n), in no order
+    within a row (among equal values at the k-th place, any).
+
+    A row-wise `np.argpartition` over the whole `[c, n]` block costs several times the matrix product that
+    made it. Instead: cut each row into k blocks; the least of the k block maxima is at most the row's k-th
+    highest value (each block holds one value at least that high), so only the entries at or above it can
+    be among the k best, and those few per row are partitioned."""
+    c, n = scores.shape
+    width = -(-n // k)
+    padded = np.full((c, k * width), -np.inf, np.float32)
+    padded[:, :n] = scores
+    bound = padded.reshape(c, k, width).max(axis=2).min(axis=1)  # [c]: <= each row's k-th highest
+    rows, cols = np.nonzero(scores >= bound[:, None])  # row by row, so each row's candidates are contiguous
+    rank = np.arange(len(rows)) - np.searchsorted(rows, np.arange(c))[rows]  # place within its row
+    values = np.full((c, int(rank.max()) + 1), -np.inf, np.float32)  # [c, most candidates of a row]
+    columns = np.zeros(values.shape, np.int64)
+    values[rows, rank], columns[rows, rank] = scores[rows, cols], cols
+    best = np.argpartition(-values, k - 1, axis=1)[:, :k] if values.shape[1] > k else np.arange(k)[None].repeat(c, 0)
+    return (np.repeat(np.arange(c), k), np.take_along_axis(columns, best, 1).ravel(),
+            np.take_along_axis(values, best, 1).ravel())
+
+
+def _best_pairs(scores: np.ndarray, keys: np.ndarray, most: int):
+    """Each pair key once (with its higher score: the two directions of a pair may differ in the last bit),
+    then the `most` best-scored, in no order."""
+    order = np.lexsort((-scores, keys))
+    keys, scores = keys[order], scores[order]
+    first = np.append(True, keys[1:] != keys[:-1])
+    keys, scores = keys[first], scores[first]
+    if len(keys) > most:
+        best = np.argpartition(-scores, most - 1)[:most]
+        keys, scores = keys[best], scores[best]
+    return scores, keys
+
+
+def paraphrase_mining(model, texts, top_k: int = 100, max_pairs: int = 500_000, threshold: Optional[float] = None,
+                      lexical: float = 0.0, chunk: int = 1024, progress: bool = True,
+                      **encode_options) -> List[Tuple[float, int, int]]:
+    """The most similar pairs of distinct items of one collection, best first: `[(score, i, j), ...]` with
+    `i < j` indices into `texts` (sentence-transformers' `paraphrase_mining`).
+
+    Each item is compared with every other, and its `top_k` best partners are candidates; of those the
+    `max_pairs` best-scored pairs are kept (each pair once). Near-duplicates of a large collection: raise
+    `top_k` for items with many copies, set `threshold` for every pair above a score.
+
+    Args:
+        model: an `Embedder`, a model dir or Hub name; None when `texts` are vectors or with `lexical=1`.
+        texts: the texts, or their vectors (`[n, dim]`, e.g. from `Embedder.encode`).
+        top_k: partners kept per item.
+        max_pairs: the most pairs returned.
+        threshold: keep only pairs scored at least this (None: no bound).
+        lexical: 0 (default): the vectors' cosine; w in (0, 1]: `(1 - w)` x cosine + `w` x the cosine of
+            character 1-3-gram TF-IDF fitted on the texts, as `Embedder.search` (1: TF-IDF alone, no model).
+        chunk: items scored at a time (memory `[chunk, n]` floats; fewer when that would pass 64M scores).
+        encode options (`batch_size`, `prompt_name`, `pooling`, `truncate_dim`, ...): as `Embedder.encode`.
+    """
+    _check_count(top_k, "top_k")
+    _check_count(max_pairs, "max_pairs")
+    _check_count(chunk, "chunk")
+    if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, (int, float))):
+        raise ValueError(f"`threshold` must be None or a number. Received: threshold={threshold!r}")
+    scores_of, n = _self_scorer(model, texts, lexical, progress, encode_options)
+    if n < 2:
+        return []
+    k = min(top_k, n - 1)
+    chunk = max(1, min(chunk, _MAX_SCORES // n))
+    scores_kept, keys_kept, pending = [np.zeros(0, np.float32)], [np.zeros(0, np.int64)], 0
+    floor = -np.inf  # once max_pairs pairs are kept, the least of them: a pair below it cannot enter
+    bar = progress_bar(total=n, desc="mining paraphrases", unit="text", enabled=progress)
+    for start in range(0, n, chunk):
+        idx = np.arange(start, min(start + chunk, n))
+        scores = np.asarray(scores_of(idx), np.float32)
+        scores[np.arange(len(idx)), idx] = -np.inf  # an item is not its own partner
+        first, second, values = _row_top_k(scores, k)
+        first = idx[first]
+        keep = (values >= floor) & (np.isfinite(values) if threshold is None else values >= threshold)
+        # a pair as one key (the lower index first), so both directions of it meet
+        keys_kept.append(np.minimum(first, second)[keep].astype(np.int64) * n + np.maximum(first, second)[keep])
+        scores_kept.append(values[keep])
+        pending += int(keep.sum())
+        if pending > max(max_pairs, 1 << 20):
+            kept_scores, kept_keys = _best_pairs(np.concatenate(scores_kept), np.concatenate(keys_kept), max_pairs)
+            scores_kept, keys_kept, pending = [kept_scores], [kept_keys], 0
+            floor = kept_scores.min() if len(kept_scores) == max_pairs else -np.inf
+        bar.update(len(idx))
+    bar.close()
+    kept_scores, kept_keys = _best_pairs(np.concatenate(scores_kept), np.concatenate(keys_kept), max_pairs)
+    order = np.lexsort((kept_keys, -kept_scores))  # best first, ties by (i, j)
+    return [(float(kept_scores[o]), int(kept_keys[o] // n), int(kept_keys[o] % n)) for o in order]
+
+
+def community_detection(model, texts, threshold: float = 0.75, min_size: int = 10, lexical: float = 0.0,
+                        chunk: int = 1024, progress: bool = True, **encode_options) -> List[List[int]]:
+    """Groups of items around a central one (sentence-transformers' `community_detection`, the "fast
+    clustering" of its examples): `[[centre, member, ...], ...]`, indices into `texts`, largest group first,
+    each group's members after its centre by decreasing score.
+
+    An item is a candidate centre when at least `min_size` items (itself included) score at least
+    `threshold` with it; its group is those items. Candidates are taken largest group first, each keeping the
+    members no earlier group took, and a group left with fewer than `min_size` is dropped, so the groups do not
+    overlap and items in none are left out. Unlike k-means the number of groups is not given: the threshold
+    decides (0.75 is the sentence-transformers default for its models; a small model's cosines run higher,
+    so pick it on a labelled sample: `kbert.evaluate_pair_classification`'s accuracy threshold is one).
+
+    Args:
+        model, texts, lexical, chunk, encode options: as `paraphrase_mining`.
+        threshold: the least score of a member with its centre.
+        min_size: the fewest items a group may have (2: every pair of near-duplicates).
+    """
+    _check_count(min_size, "min_size")
+    _check_count(chunk, "chunk")
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)):
+        raise ValueError(f"`threshold` must be a number. Received: threshold={threshold!r}")
+    scores_of, n = _self_scorer(model, texts, lexical, progress, encode_options)
+    if n < min_size:
+        return []
+    chunk = max(1, min(chunk, _MAX_SCORES // n))
+    candidates = []
+    bar = progress_bar(total=n, desc="finding groups", unit="text", enabled=progress)
+    for start in range(0, n, chunk):
+        idx = np.arange(start, min(start + chunk, n))
+        scores = np.asarray(scores_of(idx), np.float32)
+        # a centre needs min_size items (itself included) at or above the threshold
+        for r in np.flatnonzero(np.count_nonzero(scores >= threshold, axis=1) >= min_size):
+            row = scores[r]
+            members = np.flatnonzero(row >= threshold)
+            candidates.append((int(idx[r]), members[np.argsort(-row[members], kind="stable")]))
+        bar.update(len(idx))
+    bar.close()
+    candidates.sort(key=lambda c: len(c[1]), reverse=True)  # stable: equal sizes keep index order
+    taken = np.zeros(n, bool)
+    groups = []
+    for centre, members in candidates:
+        if taken[centre]:
+            continue
+        free = members[~taken[members]]
+        if len(free) >= min_size:
+            group = [centre] + [int(m) for m in free if m != centre]
+            groups.append(group)
+            taken[group] = True
+    return sorted(groups, key=len, reverse=True)
