@@ -753,8 +753,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pair-column", help="second text (pair tasks, sentence-embedding)")
     p.add_argument("--label-column", help="label, score, or space-separated tags (default: label)")
     p.add_argument("--no-label", action="store_true", help="sentence-embedding from (anchor, positive) pairs")
-    p.add_argument("--similarity-loss", choices=("cosine", "cosent"),
-                   help="sentence-embedding with scores: cosine regression (default) or CoSENT's ranking loss")
+    p.add_argument("--similarity-loss", choices=("cosine", "cosent", "contrastive"),
+                   help="sentence-embedding with scores: cosine regression (default) or CoSENT's ranking loss; "
+                        "with 1 / 0 labels (paraphrase or not) also contrastive (OnlineContrastiveLoss)")
     p.add_argument("--pooling", choices=("pooler", "mean", "cls", "max", "first_last_avg"),
                    help="the vector a head reads or a bi-encoder outputs (default: pooler for heads, "
                         "mean for sentence-embedding)")

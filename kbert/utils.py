@@ -162,8 +162,9 @@ def in_background(items, depth: int = 2):
         yield item
 
 
-# Correlations of scores (fine-tuning's dev metrics in kbert.train.metrics, sentence-vector figures in
-# kbert.embed.evaluation): written out, as scikit-learn and scipy are not dependencies of kbert.
+# Correlations of scores and pair classification figures (fine-tuning's dev metrics in kbert.train.metrics,
+# sentence-vector figures in kbert.embed.evaluation): written out, as scikit-learn and scipy are not
+# dependencies of kbert.
 def rank(x):
     """Ranks from 1 (a float array) with ties sharing their average rank (as scipy.stats.rankdata)."""
     import numpy as np  # here: this module is imported by the command line's start-up, which numpy would slow
@@ -188,3 +189,54 @@ def spearman(a, b) -> float:
     import numpy as np
 
     return pearson(rank(np.asarray(a, np.float64)), rank(np.asarray(b, np.float64)))
+
+
+def pair_classification_figures(scores, labels) -> dict:
+    """Accuracy, F1, precision, recall, AP and MCC of classifying pairs by `scores` (higher: label 1; `labels`
+    1 / 0, both present), at the thresholds sentence-transformers' BinaryClassificationEvaluator picks: each
+    candidate threshold is the midpoint between two neighbouring distinct scores (a pair is 1 when its score
+    is at least it); before any pair, one just above the highest score (every pair 0). AP is scikit-learn's
+    average precision (each cut's precision weighted by the recall it adds)."""
+    import numpy as np
+
+    scores, labels = np.asarray(scores, np.float32), np.asarray(labels, np.int64)
+    order = np.argsort(-scores, kind="stable")
+    ranked, gold = scores[order], labels[order]
+    n, positives = len(gold), int(gold.sum())
+    # the candidate cuts: after the last pair of each group of equal scores
+    ends = np.nonzero(np.append(ranked[1:] != ranked[:-1], True))[0]
+    taken = ends + 1
+    true_pos = np.cumsum(gold)[ends]
+    true_neg = (n - positives) - (taken - true_pos)
+    below = np.append(ranked[ends[:-1] + 1], ranked[-1])  # the next group's score (the last: its own)
+    midpoint = ((ranked[ends] + below) / np.float32(2)).astype(np.float32)
+    # a rounded midpoint must not reach the next group's score
+    midpoint = np.where(midpoint == below, ranked[ends], midpoint)
+    midpoint[-1] = ranked[-1]
+
+    accuracy = (true_pos + true_neg) / n
+    best_accuracy, accuracy_threshold = (n - positives) / n, float(np.nextafter(ranked[0], np.float32(np.inf)))
+    if accuracy.max() > best_accuracy:  # the first of the best, as a strict `>` scan finds it
+        i = int(np.argmax(accuracy))
+        best_accuracy, accuracy_threshold = float(accuracy[i]), float(midpoint[i])
+
+    precision = true_pos / taken
+    recall = true_pos / positives
+    with np.errstate(invalid="ignore", divide="ignore"):
+        f1 = np.where(true_pos > 0, 2 * precision * recall / (precision + recall), 0.0)
+    i = int(np.argmax(f1))
+    f1_threshold = float(midpoint[i])
+
+    # average precision: each cut's precision weighted by the recall it adds (scikit-learn's definition)
+    ap = float(np.sum(np.diff(np.concatenate([[0.0], recall])) * precision))
+
+    predicted = scores >= np.float32(f1_threshold)
+    tp = float(np.sum(predicted & (labels == 1)))
+    fp = float(np.sum(predicted & (labels == 0)))
+    fn = float(np.sum(~predicted & (labels == 1)))
+    tn = float(n - tp - fp - fn)
+    denominator = np.sqrt((tp + fp) * (tp + fn) * (tn + fp) * (tn + fn))
+    mcc = float((tp * tn - fp * fn) / denominator) if denominator > 0 else 0.0
+    return {"accuracy": float(best_accuracy), "accuracy_threshold": accuracy_threshold, "f1": float(f1[i]),
+            "f1_threshold": f1_threshold, "precision": float(precision[i]), "recall": float(recall[i]),
+            "ap": ap, "mcc": mcc}

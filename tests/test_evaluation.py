@@ -118,7 +118,7 @@ def test_pair_classification_ties_and_average_precision_against_scikit_learn():
     """The thresholds on tied scores, and AP / MCC on random scores, against scikit-learn's definitions."""
     from sklearn.metrics import average_precision_score, matthews_corrcoef
 
-    from kbert.embed.evaluation import pair_classification_figures
+    from kbert.utils import pair_classification_figures
 
     rng = np.random.default_rng(0)
     for trial in range(20):

@@ -18,7 +18,7 @@ import pytest
 
 import kbert
 from kbert.data.recipes import movie_review_sentiment
-from kbert.train.finetune_tasks import Examples, cosent_loss, epoch_batches
+from kbert.train.finetune_tasks import Examples, cosent_loss, epoch_batches, online_contrastive_loss
 from kbert.train.metrics import pearson, rank, spearman
 from helpers import SHARED, needs_shared
 
@@ -111,6 +111,42 @@ def test_cosent_loss_against_a_double_loop_and_in_training(base, tmp_path):
     assert summary["best"] > summary["baseline"]["spearman"] + 0.05, (summary["baseline"], summary["history"])
     with pytest.raises(ValueError, match="`similarity_loss` must be one of"):
         kbert.finetune(base, "sentence-embedding", [], similarity_loss="mse", progress=False)
+
+
+def test_online_contrastive_loss_equals_sentence_transformers_and_trains_on_paraphrase_labels(base, tmp_path):
+    import torch
+    from sentence_transformers.sentence_transformer.losses import OnlineContrastiveLoss
+
+    rng = np.random.default_rng(0)
+    reference = OnlineContrastiveLoss(torch.nn.Identity())  # the model is not called: vectors are given
+    for labels in ([1, 0, 1, 1, 0, 0, 1, 0, 1, 0, 0, 1], [1] * 12, [0] * 12, [1] + [0] * 11):
+        a, b = rng.normal(size=(12, 16)).astype(np.float32), rng.normal(size=(12, 16)).astype(np.float32)
+        b[:4] = a[:4] + 0.3 * b[:4]  # some close pairs, so the hard sets are neither empty nor everything
+        expected = float(reference.compute_loss_from_embeddings([torch.tensor(a), torch.tensor(b)],
+                                                                torch.tensor(labels)))
+        cos = np.sum(a * b, 1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
+        assert float(online_contrastive_loss(cos.astype(np.float32), np.array(labels))) == \
+            pytest.approx(expected, rel=1e-5, abs=1e-6), labels
+
+    # question pairs labelled paraphrase (1) or not (0): the dev set is scored by average precision
+    def rows(name):
+        with open(os.path.join(SHARED, "question-pair", name), encoding="utf-8-sig") as f:
+            header, *lines = [line.rstrip("\n").split("\t") for line in f]
+        # this copy's `is_duplicate` is 0 for a paraphrase
+        return [{"q1": r[0], "q2": r[1], "paraphrase": 1 - int(r[2])} for r in lines]
+
+    summary = kbert.finetune(base, "sentence-embedding", rows("train.txt"), rows("validation.txt"),
+                             out_dir=str(tmp_path / "contrastive"), text_column="q1", pair_column="q2",
+                             label_column="paraphrase", epochs=1, learning_rate=5e-4, max_length=48, progress=False,
+                             similarity_loss="contrastive")
+    assert summary["metric"] == "ap" and {"ap", "f1", "accuracy", "spearman"} <= set(summary["baseline"])
+    assert summary["best"] > summary["baseline"]["ap"] + 0.02, (summary["baseline"], summary["history"])
+    card = open(tmp_path / "contrastive" / "README.md", encoding="utf-8").read()
+    assert "OnlineContrastiveLoss" in card
+    with pytest.raises(ValueError, match="labelled 1 .*or 0.*holds \\[2.0"):
+        kbert.finetune(base, "sentence-embedding", [{"a": "가", "b": "나", "y": 2}, {"a": "다", "b": "라", "y": 0}],
+                       text_column="a", pair_column="b", label_column="y", similarity_loss="contrastive",
+                       out_dir=str(tmp_path / "bad"), progress=False)
 
 
 @pytest.mark.slow

@@ -26,7 +26,7 @@ from typing import Dict, Iterable, Sequence
 import numpy as np
 
 from kbert.data.features import text_list
-from kbert.utils import pearson, spearman
+from kbert.utils import pair_classification_figures, pearson, spearman
 
 
 def _embedder(model):
@@ -215,51 +215,3 @@ def _binary_labels(labels) -> np.ndarray:
     if values.min() == values.max():
         raise ValueError(f"`labels` are all {int(values[0])}: pair classification needs pairs of both kinds")
     return values
-
-
-def pair_classification_figures(scores: np.ndarray, labels: np.ndarray) -> Dict[str, float]:
-    """Accuracy, F1, precision, recall, AP and MCC of classifying pairs by `scores` (higher: label 1), at the
-    thresholds BinaryClassificationEvaluator picks: each candidate threshold is the midpoint between two
-    neighbouring distinct scores (a pair is 1 when its score is at least it); before any pair, one just above
-    the highest score (every pair 0)."""
-    scores = np.asarray(scores, np.float32)
-    order = np.argsort(-scores, kind="stable")
-    ranked, gold = scores[order], labels[order]
-    n, positives = len(gold), int(gold.sum())
-    # the candidate cuts: after the last pair of each group of equal scores
-    ends = np.nonzero(np.append(ranked[1:] != ranked[:-1], True))[0]
-    taken = ends + 1
-    true_pos = np.cumsum(gold)[ends]
-    true_neg = (n - positives) - (taken - true_pos)
-    below = np.append(ranked[ends[:-1] + 1], ranked[-1])  # the next group's score (the last: its own)
-    midpoint = ((ranked[ends] + below) / np.float32(2)).astype(np.float32)
-    # a rounded midpoint must not reach the next group's score
-    midpoint = np.where(midpoint == below, ranked[ends], midpoint)
-    midpoint[-1] = ranked[-1]
-
-    accuracy = (true_pos + true_neg) / n
-    best_accuracy, accuracy_threshold = (n - positives) / n, float(np.nextafter(ranked[0], np.float32(np.inf)))
-    if accuracy.max() > best_accuracy:  # the first of the best, as a strict `>` scan finds it
-        i = int(np.argmax(accuracy))
-        best_accuracy, accuracy_threshold = float(accuracy[i]), float(midpoint[i])
-
-    precision = true_pos / taken
-    recall = true_pos / positives
-    with np.errstate(invalid="ignore", divide="ignore"):
-        f1 = np.where(true_pos > 0, 2 * precision * recall / (precision + recall), 0.0)
-    i = int(np.argmax(f1))
-    f1_threshold = float(midpoint[i])
-
-    # average precision: each cut's precision weighted by the recall it adds (scikit-learn's definition)
-    ap = float(np.sum(np.diff(np.concatenate([[0.0], recall])) * precision))
-
-    predicted = scores >= np.float32(f1_threshold)
-    tp = float(np.sum(predicted & (labels == 1)))
-    fp = float(np.sum(predicted & (labels == 0)))
-    fn = float(np.sum(~predicted & (labels == 1)))
-    tn = float(n - tp - fp - fn)
-    denominator = np.sqrt((tp + fp) * (tp + fn) * (tn + fp) * (tn + fn))
-    mcc = float((tp * tn - fp * fn) / denominator) if denominator > 0 else 0.0
-    return {"accuracy": float(best_accuracy), "accuracy_threshold": accuracy_threshold, "f1": float(f1[i]),
-            "f1_threshold": f1_threshold, "precision": float(precision[i]), "recall": float(recall[i]),
-            "ap": ap, "mcc": mcc}

@@ -29,8 +29,10 @@ def loss_text(c, task_name: str) -> str:
         text = f"SimCSE: each text twice through dropout is its own positive, in-batch negatives (temperature " \
                f"{c.temperature:g})"
     elif c.label_column:
-        return ("CoSENT (a ranking loss over the batch's scored pairs)" if c.similarity_loss == "cosent"
-                else "cosine regression onto score / the largest score (CosineSimilarityLoss)")
+        return {"cosent": "CoSENT (a ranking loss over the batch's scored pairs)",
+                "contrastive": "OnlineContrastiveLoss (pairs labelled 1 / 0; the batch's hard pairs and non-pairs, "
+                               "cosine distance, margin 0.5)"}.get(
+            c.similarity_loss, "cosine regression onto score / the largest score (CosineSimilarityLoss)")
     else:
         text = f"in-batch negatives (MultipleNegativesRankingLoss, temperature {c.temperature:g})"
         if c.negative_column:

@@ -196,9 +196,14 @@ def finetune(model: str, task: str, train, dev=None, out_dir: str = "finetuned",
             64 batches; the batch order is shuffled), so batches carry little padding and short texts train
             faster. False: plain shuffled batches.
         similarity_loss: for a sentence-embedding task with scores: "cosine" (default: regression of the
-            cosine onto score / max score, Sentence-BERT's CosineSimilarityLoss) or "cosent" (CoSENT: a
+            cosine onto score / max score, Sentence-BERT's CosineSimilarityLoss), "cosent" (CoSENT: a
             ranking loss over the pairs of each batch, every pair scored higher should have the higher cosine;
-            the two are compared in benchmarks/README.md).
+            the two are compared in benchmarks/README.md), or for pairs labelled 1 (paraphrase, duplicate) / 0
+            (not) "contrastive" (sentence-transformers' OnlineContrastiveLoss, its recipe for duplicate
+            questions: of each batch, the pairs farther apart than the closest non-pair are pulled together and
+            the non-pairs closer than the farthest pair pushed to a cosine distance of at least 0.5). A dev set
+            labelled 1 / 0 is scored by the average precision of its pairs ranked by cosine ("ap"; F1, accuracy
+            and the F1 threshold beside it, as BinaryClassificationEvaluator), whatever the loss.
         pooling, layers: how token vectors become the one vector a sentence-embedding task outputs or a
             classification / pair-classification / regression head reads: one of "mean", "cls", "max",
             "first_last_avg" over `layers` as in `Embedder.encode` (`layers="all"` averages every layer, the

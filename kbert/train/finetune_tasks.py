@@ -27,9 +27,10 @@ import numpy as np
 from kbert.data import rows as cells
 from kbert.data.rows import read_rows
 from kbert.data.features import features, first_pieces, pad, segment_ids, unit_vectors_in_batches
-from kbert.train.metrics import macro_f1, pearson, spearman
+from kbert.train.metrics import macro_f1, pair_classification_figures, pearson, spearman
 
-SIMILARITY_LOSSES = ("cosent", "cosine")
+SIMILARITY_LOSSES = ("cosent", "cosine", "contrastive")
+CONTRASTIVE_MARGIN = 0.5  # sentence-transformers' OnlineContrastiveLoss default: a non-pair's cosine distance
 IGNORE = -1  # tag label of tokens that are not the first piece of a word
 
 
@@ -88,6 +89,36 @@ def cosent_loss(cos, scores, scale: float = 20.0):
     logits = scale * (cos[None, :] - cos[:, None]) - (1.0 - ranked) * 1e4
     logits = keras.ops.concatenate([keras.ops.zeros((1,), cos.dtype), keras.ops.reshape(logits, (-1,))], 0)
     return keras.ops.logsumexp(logits)
+
+
+def online_contrastive_loss(cos, labels, margin: float = CONTRASTIVE_MARGIN):
+    """sentence-transformers' OnlineContrastiveLoss on the pairs' cosine distance d = 1 - cos, labels 1 (a pair)
+    / 0 (not): the sum of d^2 over the hard pairs (those farther apart than the closest non-pair of the batch)
+    and of max(0, margin - d)^2 over the hard non-pairs (those closer than the farthest pair). With no non-pair
+    in the batch the pairs above their mean distance count, with no pair the non-pairs below theirs. Written
+    with masks, not boolean indexing, so the batch keeps its static shape on every backend."""
+    import keras
+
+    d = 1.0 - cos
+    labels = keras.ops.cast(labels, d.dtype)
+    pos, neg = keras.ops.cast(labels == 1, d.dtype), keras.ops.cast(labels == 0, d.dtype)
+    n_pos, n_neg = keras.ops.sum(pos), keras.ops.sum(neg)
+    farthest_pair = keras.ops.max(keras.ops.where(pos > 0, d, -1e4))
+    closest_non_pair = keras.ops.min(keras.ops.where(neg > 0, d, 1e4))
+    non_pair_cut = keras.ops.where(n_pos > 0, farthest_pair, keras.ops.sum(neg * d) / keras.ops.maximum(n_neg, 1.0))
+    pair_cut = keras.ops.where(n_neg > 0, closest_non_pair, keras.ops.sum(pos * d) / keras.ops.maximum(n_pos, 1.0))
+    hard_pairs = pos * keras.ops.cast(d > pair_cut, d.dtype)
+    hard_non_pairs = neg * keras.ops.cast(d < non_pair_cut, d.dtype)
+    return (keras.ops.sum(hard_pairs * keras.ops.square(d))
+            + keras.ops.sum(hard_non_pairs * keras.ops.square(keras.ops.relu(margin - d))))
+
+
+def binary(labels) -> bool:
+    """Whether `labels` are 1 / 0 with both present (pairs and non-pairs: dev figures of pair classification)."""
+    if labels is None or len(labels) < 2:
+        return False
+    values = np.unique(np.asarray(labels))
+    return len(values) == 2 and set(values.tolist()) == {0.0, 1.0}
 
 
 class FinetuneTask:
@@ -473,6 +504,12 @@ class SentenceEmbeddingTask(FinetuneTask):
         self.score_max = 1.0
         if train.labels is not None:
             self.score_max = float(np.max(np.abs(train.labels))) or 1.0
+        if self.config.similarity_loss == "contrastive" and self.config.objective != "simcse" \
+                and self.config.label_column and not set(np.unique(train.labels).tolist()) <= {0.0, 1.0}:
+            odd = sorted(set(np.unique(train.labels).tolist()) - {0.0, 1.0})[:3]
+            raise ValueError(f"similarity_loss='contrastive' trains on pairs labelled 1 (similar) or 0 (not); "
+                             f"column {self.config.label_column!r} holds {odd}. Scores train with 'cosine' or "
+                             f"'cosent'")
 
     def batch(self, examples, index, pad_id):
         """The texts of the batch in one `[k b, s]` batch: anchors, then positives (SimCSE: the anchors
@@ -536,6 +573,8 @@ class SentenceEmbeddingTask(FinetuneTask):
         cos = keras.ops.sum(a * others, axis=-1)
         if self.config.similarity_loss == "cosine":
             return keras.ops.mean(keras.ops.square(cos - y / self.score_max))
+        if self.config.similarity_loss == "contrastive":
+            return online_contrastive_loss(cos, y)
         return cosent_loss(cos, y)
 
     def evaluate(self, infer, examples, batch_size, pad_id):
@@ -543,11 +582,19 @@ class SentenceEmbeddingTask(FinetuneTask):
         b = unit_vectors_in_batches(infer, examples.pair_token_ids, pad_id, batch_size)
         if examples.labels is not None:
             cos = np.sum(a * b, axis=1)
-            return {"spearman": spearman(cos, examples.labels), "pearson": pearson(cos, examples.labels)}
+            out = {"spearman": spearman(cos, examples.labels), "pearson": pearson(cos, examples.labels)}
+            if binary(examples.labels):  # pairs and non-pairs: BinaryClassificationEvaluator's figures too
+                figures = pair_classification_figures(cos, examples.labels)
+                out.update({name: figures[name] for name in ("ap", "f1", "accuracy", "f1_threshold")})
+            return out
         return {"recall@1": float(np.mean(np.argmax(a @ b.T, axis=1) == np.arange(len(a))))}
 
     def dev_metric(self, dev):
-        return "spearman" if (dev is not None and dev.labels is not None) else "recall@1"
+        if dev is None or dev.labels is None:
+            return "recall@1"
+        # 1 / 0 labels: the average precision of ranking the pairs by cosine (sentence-transformers'
+        # BinaryClassificationEvaluator's primary figure); a correlation with two values says less
+        return "ap" if binary(dev.labels) else "spearman"
 
 
 def text_identities(columns: List[List[List[int]]]) -> np.ndarray:

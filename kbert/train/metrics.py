@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kbert.utils import pearson, rank, spearman  # noqa: F401  (here for fine-tuning and its users; kbert.embed too)
+from kbert.utils import pair_classification_figures, pearson, rank, spearman  # noqa: F401  (for fine-tuning)
 
 
 def accuracy(y, p) -> float:
