@@ -633,7 +633,8 @@ def test_sentence_transformers_dir_gives_the_same_vectors_and_reads_back(emb, tm
 
 
 def test_sentence_transformers_dirs_kbert_cannot_match_are_refused_by_name(emb, tmp_path):
-    """A Dense projection or learned layer weights would give other vectors than the dir's own model: refused,
+    """A Dense layer with an activation kbert does not apply, or learned layer weights, would give other vectors
+    than the dir's own model: refused,
     not read with a default pooling. `kbert convert --to sentence-transformers` writes the dir from the CLI."""
     import json
     import os
@@ -649,9 +650,13 @@ def test_sentence_transformers_dirs_kbert_cannot_match_are_refused_by_name(emb, 
                            "sentence-transformers"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and "mean pooling" in proc.stdout, proc.stderr[-2000:]
     modules = json.load(open(os.path.join(out, "modules.json"), encoding="utf-8"))
-    dense = modules + [{"idx": 3, "name": "3", "path": "3_Dense", "type": "sentence_transformers.models.Dense"}]
+    dense = modules[:2] + [{"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"}]
+    os.makedirs(os.path.join(out, "2_Dense"))
+    json.dump({"in_features": 32, "out_features": 8, "bias": True,
+               "activation_function": "torch.nn.modules.activation.ReLU"},
+              open(os.path.join(out, "2_Dense", "config.json"), "w", encoding="utf-8"))
     json.dump(dense, open(os.path.join(out, "modules.json"), "w", encoding="utf-8"))
-    with pytest.raises(ValueError, match="Dense.*no kbert equivalent"):
+    with pytest.raises(ValueError, match="Dense module's activation .*ReLU.* no kbert equivalent"):
         kbert.Embedder.load(out)
     learned = modules[:1] + [{"idx": 1, "name": "1", "path": "w", "type": "sentence_transformers.models.WeightedLayerPooling"}]
     os.makedirs(os.path.join(out, "w"))
@@ -691,6 +696,81 @@ def test_a_sentence_transformers_dir_written_by_sentence_transformers_on_roberta
         assert emb.pooling == mode and emb.max_length == 48
         texts = KOREAN_SENTENCES[:4] + ["대한민국 헌법 " * 30]
         np.testing.assert_allclose(emb.encode(texts), st.encode(texts), atol=2e-5)
+
+
+def test_a_sentence_transformers_dir_with_a_dense_layer_gives_its_vectors_everywhere(tmp_path):
+    """LaBSE's layout ([CLS] pooling, a tanh Dense layer, Normalize) and a dimension-reducing identity Dense,
+    written by sentence-transformers: `Embedder.load` applies the layers (its vectors equal the dir's own),
+    `export_sentence_transformers` writes them back, the SavedModel export carries them (its self-check
+    compares it with `encode`), and fine-tuning refuses the dir by name."""
+    import os
+
+    import torch
+    import transformers
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Dense, Normalize, Pooling, Transformer
+
+    from helpers import KOREAN_SENTENCES
+
+    tok = kbert.Tokenizer.train(corpus(["kolaw", "kobill"]), vocab_size=600, algorithm="wordpiece", progress=False)
+    hf_dir = str(tmp_path / "bert")
+    tok.export_transformers(hf_dir)
+    config = transformers.BertConfig(vocab_size=tok.vocab_size, hidden_size=32, num_hidden_layers=2,
+                                     num_attention_heads=2, intermediate_size=64, max_position_embeddings=64)
+    torch.manual_seed(0)
+    transformers.BertModel(config).save_pretrained(hf_dir)
+    texts = KOREAN_SENTENCES[:4] + ["대한민국 헌법 " * 30]
+    for name, pooling, layers in [("labse", "cls", [Dense(32, 32)]),  # tanh: the Dense default
+                                  ("reduce", "mean", [Dense(32, 24, activation_function=torch.nn.Identity()),
+                                                      Dense(24, 12)])]:
+        st = SentenceTransformer(modules=[Transformer(hf_dir, max_seq_length=48), Pooling(32, pooling_mode=pooling),
+                                          *layers, Normalize()], device="cpu")
+        out = str(tmp_path / name)
+        st.save(out)
+        emb = kbert.Embedder.load(out)
+        assert emb.dimension == layers[-1].out_features and len(emb.dense) == len(layers)
+        np.testing.assert_allclose(emb.encode(texts), st.encode(texts), atol=2e-5)
+        assert emb.encode(texts, truncate_dim=8).shape == (len(texts), 8)
+        with pytest.raises(ValueError, match=f"integer in \\[1, {emb.dimension}\\]"):
+            emb.encode(texts, truncate_dim=emb.dimension + 1)
+        again = str(tmp_path / f"{name}-again")
+        kbert.export_sentence_transformers(emb, again)
+        np.testing.assert_allclose(SentenceTransformer(again, device="cpu").encode(texts), st.encode(texts), atol=2e-5)
+        assert "Dense 32 -> " in open(os.path.join(again, "README.md"), encoding="utf-8").read()
+    kbert.export(out, str(tmp_path / "serving"))  # raises unless the SavedModel equals encode to 1e-5
+    with pytest.raises(ValueError, match="Dense module projects"):
+        kbert.finetune(out, "sentence-embedding", [{"a": "가", "b": "나"}] * 4, text_column="a", pair_column="b",
+                       label_column=None, out_dir=str(tmp_path / "ft"), progress=False)
+
+
+def test_whitening_fitted_on_texts_centres_and_decorrelates_and_travels_with_the_model(emb, tmp_path):
+    """`Embedder.fit_whitening`: on the texts it was fitted on, the vectors (before normalization) have mean 0
+    and identity covariance, `dim` keeps the axes of most variance, and the projection goes out as a
+    sentence-transformers Dense layer that gives the same vectors there and back."""
+    from sentence_transformers import SentenceTransformer
+
+    lines = [line.strip() for line in corpus(["kolaw", "kobill"]).texts() if len(line.strip()) > 5][:300]
+    white = kbert.Embedder(emb.backbone, emb.tokenizer)
+    assert white.fit_whitening(lines) is white
+    # a random model's layer norm leaves every vector's entries summing to 0: 31 axes vary, and only they are kept
+    assert white.dimension == 31
+    raw = white.encode(lines, normalize=False).astype(np.float64)
+    np.testing.assert_allclose(raw.mean(axis=0), 0, atol=1e-3)
+    np.testing.assert_allclose(np.cov(raw, rowvar=False), np.eye(31), atol=2e-3)
+    small = kbert.Embedder(emb.backbone, emb.tokenizer).fit_whitening(lines, dim=8)
+    assert small.encode(lines[:3]).shape == (3, 8)
+    np.testing.assert_allclose(small.encode(lines[:5], normalize=False), raw[:5, :8], atol=1e-3)  # its first axes
+    out = str(tmp_path / "whitened")
+    kbert.export_sentence_transformers(small, out)
+    np.testing.assert_allclose(SentenceTransformer(out, device="cpu").encode(lines[:20]), small.encode(lines[:20]),
+                               atol=2e-5)
+    np.testing.assert_allclose(kbert.Embedder.load(out).encode(lines[:20]), small.encode(lines[:20]), atol=1e-6)
+    with pytest.raises(ValueError, match="`dim` must be an integer in \\[1, 31\\].*vary along"):
+        kbert.Embedder(emb.backbone, emb.tokenizer).fit_whitening(lines, dim=32)
+    with pytest.raises(ValueError, match="at least 2 texts"):
+        kbert.Embedder(emb.backbone, emb.tokenizer).fit_whitening(lines[:1])
+    with pytest.raises(ValueError, match="\\[1, 9\\].*more texts than dimensions"):  # 10 texts: 9 axes at most
+        kbert.Embedder(emb.backbone, emb.tokenizer).fit_whitening(lines[:10], dim=16)
 
 
 @pytest.mark.parametrize("lowercase", [False, True])

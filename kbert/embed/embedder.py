@@ -51,7 +51,7 @@ class Embedder:
     def __init__(self, backbone, tokenizer, max_length: Optional[int] = None, pooling: str = "mean",
                  layers: Union[int, List[int]] = -1, jit_compile: Union[bool, str] = False,
                  prompts: Optional[dict] = None, default_prompt_name: Optional[str] = None,
-                 strategy: str = "auto"):
+                 strategy: str = "auto", dense: Optional[list] = None):
         """jit_compile: False (one traced graph for every shape), True (sentence vectors through XLA, a
         bucketed shape compiled the first time it is met), or "background" (as True, but a batch whose shape
         is not compiled yet runs on the graph while a background thread compiles it: for servers).
@@ -63,7 +63,10 @@ class Embedder:
         strategy: the devices, by `kbert pretrain --strategy`'s names: "auto" (every local device), "cpu",
             "mirrored" (the GPUs), "tpu". On Keras' JAX backend several devices each hold the weights and take
             a share of every batch's rows (a batch too small to share runs whole on each); the vectors are
-            the one device's. On TensorFlow: one device, "auto" only."""
+            the one device's. On TensorFlow: one device, "auto" only.
+        dense: projections of the pooled vector, applied in order before `normalize` (a sentence-transformers
+            dir's Dense modules, as `Embedder.load` reads them; `fit_whitening` adds one): each {"weight": [in,
+            out], "bias": [out], "activation": "identity" or "tanh"}. Word vectors are not projected."""
         if not getattr(backbone, "output_hidden_states", False):
             raise ValueError("Embedder needs a backbone built with output_hidden_states=True; use Embedder.load(dir)")
         if not (isinstance(jit_compile, bool) or jit_compile == "background"):
@@ -74,6 +77,7 @@ class Embedder:
         self.pooling, self.layers = pooling, layers
         self.max_length = backbone.config.check_length(max_length or backbone.config.max_position)
         self.prompts, self.default_prompt_name = check_prompts(prompts, default_prompt_name)
+        self.dense = check_dense(dense or [], backbone.config.hidden_size)
         # JAX compiles every shape (it has no graph to run one on meanwhile), so every batch takes the bucketed
         # path that jit_compile=True takes on TensorFlow, compiled in the foreground the first time it is met
         self._bucketed = backend() == "jax"
@@ -104,7 +108,7 @@ class Embedder:
         model_dir = model_dir_of(resolve_hub_name(model_dir))  # a hub name: its snapshot; a run dir: its model
         task = read_task_meta(model_dir)
         # a sentence-transformers dir: its own pooling, layers and length (and its transformer's folder)
-        st = None if task else read_sentence_transformers(model_dir)
+        st = None if task else read_sentence_transformers(model_dir, projections=True)
         weights_dir = st["model_dir"] if st else model_dir
         backbone = load_model(weights_dir, output_hidden_states=True, dtype=dtype)
         if max_length is None and task:  # a fine-tuned dir: the length it was tuned at
@@ -121,7 +125,53 @@ class Embedder:
             pooling, layers = st["pooling"], st["layers"]
         own = st or (task if task and task.get("task") == "sentence-embedding" else None) or {}
         return cls(backbone, tokenizer, max_length, pooling, layers, jit_compile=jit_compile,
-                   prompts=own.get("prompts"), default_prompt_name=own.get("default_prompt_name"), strategy=strategy)
+                   prompts=own.get("prompts"), default_prompt_name=own.get("default_prompt_name"), strategy=strategy,
+                   dense=(st or {}).get("dense"))
+
+    @property
+    def dimension(self) -> int:
+        """The width of `encode`'s vectors: the last projection's, else the model's hidden size."""
+        return int(self.dense[-1]["weight"].shape[1]) if self.dense else int(self.backbone.config.hidden_size)
+
+    def project(self, vectors: np.ndarray) -> np.ndarray:
+        """Pooled vectors `[n, hidden]` through the projections (`dense`), float32."""
+        for layer in self.dense:
+            vectors = vectors @ layer["weight"] + layer["bias"]
+            if layer["activation"] == "tanh":
+                vectors = np.tanh(vectors)
+        return np.asarray(vectors, np.float32)
+
+    def fit_whitening(self, texts: Sequence[str], dim: Optional[int] = None, **encode_options) -> "Embedder":
+        """Adds a whitening projection fitted on `texts` (BERT-whitening, Su et al. 2021): vectors are centred on
+        the texts' mean and rotated onto the principal axes of their covariance, each scaled to unit variance,
+        keeping the `dim` axes of most variance (default: every axis the texts' vectors vary along). Returns self.
+
+        Why: the vectors of a pretrained model that was never trained for similarity (KLUE-BERT, KcBERT, a
+        `kbert pretrain` model) crowd into a narrow cone where every pair's cosine is high; whitening spreads
+        them out with no labels, only a sample of the text they will embed (a few thousand texts), and a `dim`
+        below the width also makes them smaller. A model already fine-tuned for similarity gains little or loses
+        (benchmarks/README.md), so check it on a labelled sample (`kbert.evaluate_sts`). `encode`, `search`
+        and `kbert.export_sentence_transformers` (a Dense module) then apply it.
+
+        encode options: as `encode` (pooling, prompt, ...); the vectors are taken before normalization.
+        """
+        vectors = np.asarray(self.encode(text_list(texts), normalize=False, **encode_options), np.float64)
+        if len(vectors) < 2:
+            raise ValueError("whitening needs at least 2 texts to estimate a covariance")
+        mean = vectors.mean(axis=0)
+        u, s, _ = np.linalg.svd(np.cov(vectors - mean, rowvar=False))
+        # the axes the texts vary along: a layer norm's output, for one, lies in a hyperplane (no variance
+        # across it), and scaling such an axis to unit variance would only magnify rounding noise
+        varying = int(np.sum(s > s[0] * 1e-9)) if s[0] > 0 else 0
+        dim = varying if dim is None else dim
+        if isinstance(dim, bool) or not isinstance(dim, int) or not 1 <= dim <= varying:
+            raise ValueError(f"`dim` must be an integer in [1, {varying}], the number of axes these texts' "
+                             f"vectors vary along (at most one fewer than the texts: fit on more texts than "
+                             f"dimensions). Received: dim={dim!r}")
+        weight = u[:, :dim] / np.sqrt(s[:dim])  # [width, dim]: rotate, then unit variance per axis
+        self.dense.append({"weight": weight.astype(np.float32), "bias": (-mean @ weight).astype(np.float32),
+                           "activation": "identity"})
+        return self
 
     # ----------------------------------------------------------------- running the model
     def _run(self, ids: np.ndarray, mask: np.ndarray, pooling: Optional[str] = None, layers=-1):
@@ -417,6 +467,8 @@ class Embedder:
                 out[first + index] = vectors
         bar.close()
         self._warn_truncated(truncated, len(texts), max_length)
+        if self.dense:
+            out = self.project(out)
         if width < out.shape[1]:
             out = np.ascontiguousarray(out[:, :width])  # its own buffer, not a view of the full vectors
         if normalize:
@@ -428,8 +480,8 @@ class Embedder:
         return out[0] if single else out
 
     def check_truncate_dim(self, truncate_dim: Optional[int]) -> int:
-        """The width `encode` returns for `truncate_dim` (None: the model's); anything but 1..hidden raises."""
-        hidden = self.backbone.config.hidden_size
+        """The width `encode` returns for `truncate_dim` (None: the model's); anything but 1..width raises."""
+        hidden = self.dimension
         if truncate_dim is None:
             return hidden
         if isinstance(truncate_dim, bool) or not isinstance(truncate_dim, (int, np.integer)) or \
@@ -674,6 +726,24 @@ class Embedder:
         if isinstance(items, np.ndarray):
             return np.atleast_2d(items)
         return np.atleast_2d(self._encode_as(role, items, options))
+
+
+def check_dense(dense: list, width: int) -> list:
+    """`dense` (projection layers, see `Embedder`) validated against the model's `width`: each layer's input is
+    the previous one's output."""
+    out = []
+    for i, layer in enumerate(dense):
+        weight = np.asarray(layer["weight"], np.float32)
+        bias = np.asarray(layer.get("bias", np.zeros(weight.shape[-1])), np.float32)
+        if weight.ndim != 2 or weight.shape[0] != width or bias.shape != (weight.shape[1],):
+            raise ValueError(f"projection {i} maps {list(weight.shape)} with a bias of {list(bias.shape)}; its input "
+                             f"must be the {width} dimensions before it")
+        if layer.get("activation", "identity") not in ("identity", "tanh"):
+            raise ValueError(f"projection {i}: activation must be 'identity' or 'tanh'. Received: "
+                             f"{layer.get('activation')!r}")
+        out.append({"weight": weight, "bias": bias, "activation": layer.get("activation", "identity")})
+        width = weight.shape[1]
+    return out
 
 
 def _length_sorted(id_lists, batch_size: int):

@@ -74,7 +74,8 @@ def _graph_inputs(tokenizer, texts, pairs, max_length: int):
             "padding_mask": mask.to_tensor(0)}
 
 
-def _module(backbone, tokenizer, signature, max_length, pooling, layers, normalize, head=None, task=None, prefix=""):
+def _module(backbone, tokenizer, signature, max_length, pooling, layers, normalize, head=None, task=None, prefix="",
+            dense=()):
     import tensorflow as tf
 
     from kbert.models.pooling import pool
@@ -98,7 +99,13 @@ def _module(backbone, tokenizer, signature, max_length, pooling, layers, normali
                 texts = tf.strings.join([tf.constant(prefix), texts])
             x = module._features(texts)
             out = module.backbone(x, training=False)
-            return {"embeddings": pool(out["hidden_states"], x["padding_mask"], pooling, layers, normalize)}
+            vectors = pool(out["hidden_states"], x["padding_mask"], pooling, layers, normalize and not dense)
+            for layer in dense:  # the Embedder's projections (a sentence-transformers Dense, a whitening)
+                vectors = tf.matmul(vectors, tf.constant(layer["weight"])) + tf.constant(layer["bias"])
+                vectors = tf.tanh(vectors) if layer["activation"] == "tanh" else vectors
+            if dense and normalize:
+                vectors = vectors / tf.maximum(tf.norm(vectors, axis=-1, keepdims=True), 1e-12)
+            return {"embeddings": vectors}
     elif task == "pair-classification" or (task == "regression" and head["pairs"]):
         @tf.function(input_signature=[spec, tf.TensorSpec([None], tf.string, name="text_pairs")])
         def serve(texts, text_pairs):
@@ -175,7 +182,8 @@ def export(model_dir: str, out_dir: str, signature: Optional[str] = None, poolin
         pooling, layers = emb.resolve_pooling(pooling, layers)
         _check_tokenizer(tokenizer)
         prefix = emb.prompt_text(prompt_name, prompt)
-        module = _module(backbone, tokenizer, signature, emb.max_length, pooling, layers, normalize, prefix=prefix)
+        module = _module(backbone, tokenizer, signature, emb.max_length, pooling, layers, normalize, prefix=prefix,
+                         dense=emb.dense)
         limit = emb.max_length
     else:
         from kbert.embed.task_model import TaskModel

@@ -13,7 +13,8 @@ compare its vectors with `Embedder.encode`.
 Every kbert pooling maps onto sentence-transformers' own modules: averaging several layers (the quality recipe's
 bi-encoders average all of them; `first_last_avg` the first and the last) is its WeightedLayerPooling with
 weight 1 on each layer read and 0 on the others (the config asks transformers for every hidden state), then
-Pooling (mean, cls or max) and Normalize.
+Pooling (mean, cls or max) and Normalize. The Embedder's projections (a Dense module it was loaded with, a
+whitening from `Embedder.fit_whitening`) go out as Dense modules between Pooling and Normalize.
 
 A model card (README.md, `kbert.models.card`) goes with it, carrying the training section of the source dir's.
 
@@ -37,6 +38,7 @@ def export_sentence_transformers(model, directory: str, max_length=None) -> str:
     from kbert.embed.embedder import Embedder
     from kbert.models.convert import export_transformers
     from kbert.models.io import TOKENIZER_DIR
+    from kbert.models.st_dir import DENSE_ACTIVATIONS
 
     embedder = model if isinstance(model, Embedder) else Embedder.load(model, max_length=max_length)
     config = embedder.backbone.config
@@ -69,14 +71,26 @@ def export_sentence_transformers(model, directory: str, max_length=None) -> str:
             hf_config = json.load(f)
         _write(hf_config_path, {**hf_config, "output_hidden_states": True})
     n = len(modules)
-    modules += [{"path": f"{n}_Pooling", "type": "sentence_transformers.models.Pooling"},
-                {"path": f"{n + 1}_Normalize", "type": "sentence_transformers.models.Normalize"}]
+    modules.append({"path": f"{n}_Pooling", "type": "sentence_transformers.models.Pooling"})
     os.makedirs(os.path.join(directory, f"{n}_Pooling"), exist_ok=True)
-    os.makedirs(os.path.join(directory, f"{n + 1}_Normalize"), exist_ok=True)
     # `pooling_mode` as one string: sentence-transformers 3-5 read it beside `word_embedding_dimension`, and 6
     # (which renamed the dimension `embedding_dimension`) still reads the old name
     _write(os.path.join(directory, f"{n}_Pooling", "config.json"), {
         "word_embedding_dimension": config.hidden_size, "pooling_mode": pooling, "include_prompt": True})
+    for layer in embedder.dense:  # sentence-transformers' Dense: torch's Linear ([out, in]), then the activation
+        n = len(modules)
+        folder = os.path.join(directory, f"{n}_Dense")
+        os.makedirs(folder, exist_ok=True)
+        modules.append({"path": f"{n}_Dense", "type": "sentence_transformers.models.Dense"})
+        activation = {v: k for k, v in DENSE_ACTIVATIONS.items()}[layer["activation"]]
+        _write(os.path.join(folder, "config.json"), {
+            "in_features": int(layer["weight"].shape[0]), "out_features": int(layer["weight"].shape[1]),
+            "bias": True, "activation_function": activation})
+        save_file({"linear.weight": np.ascontiguousarray(layer["weight"].T), "linear.bias": layer["bias"]},
+                  os.path.join(folder, "model.safetensors"))
+    n = len(modules)
+    modules.append({"path": f"{n}_Normalize", "type": "sentence_transformers.models.Normalize"})
+    os.makedirs(os.path.join(directory, f"{n}_Normalize"), exist_ok=True)
     _write(os.path.join(directory, "modules.json"),
            [{"idx": i, "name": str(i), **m} for i, m in enumerate(modules)])
     _write(os.path.join(directory, "sentence_bert_config.json"),
@@ -95,10 +109,13 @@ def _card(embedder, directory: str, source, pooling: str, weights, prompts: dict
 
     name = os.path.basename(os.path.abspath(directory))
     layers = [i for i, w in enumerate(weights) if w]
-    details = [("vector width", embedder.backbone.config.hidden_size),
+    details = [("vector width", embedder.dimension),
                ("max length", f"{int(embedder.max_length)} tokens"),
                ("pooling", pooling if layers == [len(weights) - 1] else f"{pooling} over the mean of hidden states "
                                                                           f"{layers} (0: the embeddings)"),
+               ("projection", " then ".join(f"Dense {layer['weight'].shape[0]} -> {layer['weight'].shape[1]}"
+                                            f"{', tanh' if layer['activation'] == 'tanh' else ''}"
+                                            for layer in embedder.dense) or None),
                ("similarity", "cosine (the vectors are unit length)"),
                ("prompts", ", ".join(f"{k}: `{v}`" for k, v in prompts.items() if v) or None)]
     usage = (f'from sentence_transformers import SentenceTransformer\n\nmodel = SentenceTransformer("{name}")\n'

@@ -1,8 +1,10 @@
 """What a sentence-transformers directory says about its model: where the transformer's weights are, its pooling,
 the layers it averages and its length, for `Embedder.load` and fine-tuning (Korean sentence models on the Hub
 are published this way). Without it a model trained with [CLS] pooling would be read with kbert's default mean
-pooling and give other vectors, silently. Modules kbert does not compute (a Dense projection, weighted-mean or
-last-token pooling, learned layer weights, ...) are refused by name. Both layouts are read: the boolean
+pooling and give other vectors, silently. A Dense module after the pooling (LaBSE's tanh layer, a whitening
+or dimension-reducing projection) is read as its weights, for `Embedder` to apply; fine-tuning and distillation
+refuse it, as they train or read the backbone's pooled vectors. Modules kbert does not compute (weighted-mean or
+last-token pooling, learned layer weights, a Dense layer with another activation ...) are refused by name. Both layouts are read: the boolean
 `pooling_mode_*` keys and `sentence_bert_config.json` length of sentence-transformers < 6, and the
 `pooling_mode` key and tokenizer `model_max_length` of 6. (Writing one: `kbert.embed.st_format`.)
 """
@@ -14,12 +16,17 @@ import os
 
 _POOLING_MODES = {"pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "mean",
                   "pooling_mode_max_tokens": "max"}
+# Dense activations kbert computes (sentence-transformers writes the torch class's full name)
+DENSE_ACTIVATIONS = {"torch.nn.modules.linear.Identity": "identity", "torch.nn.modules.activation.Tanh": "tanh"}
 
 
-def read_sentence_transformers(directory: str):
+def read_sentence_transformers(directory: str, projections: bool = False):
     """For a sentence-transformers dir (`modules.json`): {"model_dir", "pooling", "layers", "max_length",
-    "prompts", "default_prompt_name"} that make `Embedder` give `SentenceTransformer(directory).encode`'s
-    vectors; None for any other dir. A module or mode kbert does not compute raises ValueError naming it."""
+    "prompts", "default_prompt_name", "dense"} that make `Embedder` give `SentenceTransformer(directory).encode`'s
+    vectors; None for any other dir. "dense": the Dense modules after the pooling, in order, each
+    {"weight": [in, out] float32, "bias": [out], "activation": "identity" or "tanh"}; with `projections` False
+    (fine-tuning, distillation) a Dense module raises ValueError. A module or mode kbert does not compute raises
+    ValueError naming it."""
     import numpy as np
 
     path = os.path.join(directory, "modules.json")
@@ -27,7 +34,8 @@ def read_sentence_transformers(directory: str):
         return None
     with open(path, encoding="utf-8") as f:
         modules = json.load(f)
-    found = {"model_dir": directory, "pooling": "mean", "layers": -1, "max_length": None, **_prompts(directory)}
+    found = {"model_dir": directory, "pooling": "mean", "layers": -1, "max_length": None, "dense": [],
+             **_prompts(directory)}
     for module in modules:
         kind = module.get("type", "").rsplit(".", 1)[-1]
         folder = os.path.join(directory, module.get("path", ""))
@@ -70,12 +78,49 @@ def read_sentence_transformers(directory: str):
                                  f"averages layers with equal (whole-number) weights only")
             start = int(config.get("layer_start", 0))
             found["layers"] = [start + i for i, c in enumerate(np.round(counts).astype(int)) for _ in range(c)]
+        elif kind == "Dense":
+            if not projections:
+                raise ValueError(f"{directory}: its Dense module projects the pooled vectors; kbert.Embedder applies "
+                                 f"it, but fine-tuning and distillation train or read the backbone's own pooled "
+                                 f"vectors: start from a sentence-transformers dir without a Dense module")
+            found["dense"].append(read_dense(directory, folder))
         elif kind == "Normalize":
             continue  # Embedder.encode returns unit vectors by default
         else:
             raise ValueError(f"{directory}: its module {module.get('type')!r} has no kbert equivalent; kbert reads "
-                             f"sentence-transformers dirs of Transformer, WeightedLayerPooling, Pooling and Normalize")
+                             f"sentence-transformers dirs of Transformer, WeightedLayerPooling, Pooling, Dense and Normalize")
     return found
+
+
+def read_dense(directory: str, folder: str) -> dict:
+    """One Dense module: {"weight": [in, out] float32, "bias": [out] float32, "activation": name}."""
+    import numpy as np
+
+    with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
+        config = json.load(f)
+    activation = config.get("activation_function", "torch.nn.modules.activation.Tanh")  # the class's default
+    if activation not in DENSE_ACTIVATIONS:
+        raise ValueError(f"{directory}: its Dense module's activation {activation!r} has no kbert equivalent; kbert "
+                         f"applies {sorted(DENSE_ACTIVATIONS)}")
+    if config.get("use_residual") or config.get("module_input_name", "sentence_embedding") != "sentence_embedding":
+        raise ValueError(f"{directory}: its Dense module (residual, or on another input than the sentence vector) "
+                         f"has no kbert equivalent; kbert applies a plain Dense layer to the pooled vector")
+    path = os.path.join(folder, "model.safetensors")
+    if os.path.isfile(path):
+        from safetensors.numpy import load_file
+
+        state = load_file(path)
+    else:
+        from kbert.models.torch_files import load_torch_state
+
+        state = load_torch_state(os.path.join(folder, "pytorch_model.bin"))
+    weight = np.asarray(state["linear.weight"], np.float32).T  # torch's Linear keeps [out, in]
+    if weight.shape != (config["in_features"], config["out_features"]):
+        raise ValueError(f"{directory}: its Dense weights are {list(weight.shape[::-1])}, its config says "
+                         f"{config['out_features']} x {config['in_features']}")
+    bias = state.get("linear.bias") if config.get("bias", True) else None
+    bias = np.zeros(weight.shape[1], np.float32) if bias is None else np.asarray(bias, np.float32)
+    return {"weight": weight, "bias": bias, "activation": DENSE_ACTIVATIONS[activation]}
 
 
 def _prompts(directory: str) -> dict:
