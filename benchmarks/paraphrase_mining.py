@@ -16,12 +16,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 import numpy as np
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.append(os.path.dirname(os.path.abspath(__file__)))
 
 
 def clustered(n: int, dim: int, seed: int) -> np.ndarray:
@@ -34,15 +34,6 @@ def clustered(n: int, dim: int, seed: int) -> np.ndarray:
     v = np.concatenate(parts)[:n]
     v = v[rng.permutation(n)]
     return (v / np.linalg.norm(v, axis=1, keepdims=True)).astype(np.float32)
-
-
-def best_time(fn, repeats: int):
-    times, out = [], None
-    for _ in range(repeats):
-        start = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - start)
-    return min(times), out
 
 
 def main(argv=None):
@@ -58,14 +49,15 @@ def main(argv=None):
     from sentence_transformers.util import paraphrase_mining_embeddings as st_pairs
 
     import kbert
+    from quantize import best_of
 
     v = clustered(args.n, args.dim, args.seed)
     tv = torch.tensor(v)
     print(f"{args.n} vectors of width {args.dim}; torch threads {torch.get_num_threads()}")
     print(f"{'function':<44} {'kbert s':>8} {'ST s':>8} {'ST / kbert':>10}  check")
 
-    ours_s, ours = best_time(lambda: kbert.paraphrase_mining(None, v, progress=False), args.repeats)
-    theirs_s, theirs = best_time(lambda: st_pairs(tv), args.repeats)
+    ours_s, ours = best_of(args.repeats, lambda: kbert.paraphrase_mining(None, v, progress=False))
+    theirs_s, theirs = best_of(args.repeats, lambda: st_pairs(tv))
     scored = {(i, j): s for s, i, j in theirs}
     same = ({(i, j) for _, i, j in ours} == set(scored)
             and all(abs(s - scored[i, j]) < 1e-6 for s, i, j in ours))
@@ -73,10 +65,10 @@ def main(argv=None):
           f"{theirs_s / ours_s:>10.2f}  {len(ours)} pairs, {'same' if same else 'DIFFERENT'}")
 
     for threshold, size in [(0.75, 10), (0.8, 2)]:
-        ours_s, ours = best_time(lambda: kbert.community_detection(None, v, threshold=threshold, min_size=size,
-                                                                   progress=False), args.repeats)
-        theirs_s, theirs = best_time(lambda: st_groups(tv, threshold=threshold, min_community_size=size),
-                                     args.repeats)
+        ours_s, ours = best_of(args.repeats, lambda: kbert.community_detection(
+            None, v, threshold=threshold, min_size=size, progress=False))
+        theirs_s, theirs = best_of(args.repeats, lambda: st_groups(tv, threshold=threshold,
+                                                                   min_community_size=size))
         # the same centres in the same order, each with the same members (members whose scores differ in
         # the last bit may come in the other order)
         same = [(g[0], set(g)) for g in ours] == [(int(g[0]), {int(i) for i in g}) for g in theirs]
