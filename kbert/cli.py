@@ -592,6 +592,48 @@ def _cluster(args):
           f"{args.min_size} a group)" + (f"; written to {args.out}" if args.out else ""), file=sys.stderr)
 
 
+def _evaluate(args):
+    import json
+
+    from kbert.data.rows import number, read_rows, text_cell
+    from kbert.embed import evaluation
+    from kbert.embed.embedder import Embedder
+
+    label = None if args.task == "retrieval" else args.label_column
+    if args.lexical and args.task != "retrieval":
+        raise ValueError("--lexical mixes TF-IDF into retrieval scores; it goes with --task retrieval")
+    rows = read_rows(args.data, [args.text_column, args.pair_column, label])
+    if not rows:
+        raise ValueError(f"{args.data} holds no rows")
+    first = [text_cell(r, args.text_column, f"row {i + 1}") for i, r in enumerate(rows)]
+    second = [text_cell(r, args.pair_column, f"row {i + 1}") for i, r in enumerate(rows)]
+    emb = Embedder.load(args.model, max_length=args.max_length)
+    options = {"batch_size": args.batch_size, **({"prompt_name": args.prompt_name} if args.prompt_name else {})}
+    if args.task == "sts":
+        figures = evaluation.evaluate_sts(emb, first, second, [number(r.get(label), "data", i)
+                                                               for i, r in enumerate(rows)], **options)
+    elif args.task == "pair-classification":
+        def similar(value):  # numbers compare as numbers ("1" is 1.0), other labels as text
+            try:
+                return float(value) == float(args.positive_label)
+            except (TypeError, ValueError):
+                return str(value).strip() == args.positive_label
+
+        figures = evaluation.evaluate_pair_classification(emb, first, second,
+                                                          [int(similar(r.get(label))) for r in rows], **options)
+    else:  # each row's first text is a query whose relevant document is its second text, among all of them
+        corpus = list(dict.fromkeys(second))
+        if args.corpus:
+            corpus = list(dict.fromkeys(corpus + [line for line in _utf8_lines(args.corpus) if line.strip()]))
+        where = {text: j for j, text in enumerate(corpus)}
+        options.pop("prompt_name", None)  # queries and documents each get the model's own prompt
+        figures = evaluation.evaluate_retrieval(emb, first, corpus, [{where[t]} for t in second],
+                                                lexical=args.lexical, **options)
+        figures["corpus"] = len(corpus)
+    print(json.dumps({"model": args.model, "data": args.data, "task": args.task, "rows": len(rows), **figures},
+                     ensure_ascii=False, indent=2))
+
+
 def _quickstart(args):
     from kbert.quickstart import main_args
 
@@ -836,6 +878,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-size", type=int, default=10, help="the fewest lines a group may have (default 10; 2 "
                                                             "finds every pair of near-duplicates)")
     p.set_defaults(func=_cluster)
+
+    p = sub.add_parser("evaluate", help="how good a model's sentence vectors are on a labelled file: STS "
+                                        "correlations, paraphrase classification or retrieval figures (JSON)")
+    p.add_argument("--model", required=True, help="model dir or Hub name (kbert.Embedder.load)")
+    p.add_argument("--data", required=True, help="TSV (header), CSV or JSONL file of text pairs")
+    p.add_argument("--task", choices=("sts", "pair-classification", "retrieval"), default="sts",
+                   help="sts: scored pairs, Spearman/Pearson of the cosines (default); pair-classification: pairs "
+                        "labelled similar or not, accuracy/F1/AP; retrieval: each first text a query whose "
+                        "relevant document is its second text, among all second texts (nDCG@10, MRR@10, ...)")
+    p.add_argument("--text-column", default="sentence1")
+    p.add_argument("--pair-column", default="sentence2")
+    p.add_argument("--label-column", default="score", help="the score (sts) or label (pair-classification)")
+    p.add_argument("--positive-label", default="1",
+                   help="pair-classification: the label value of a similar pair (default 1); every other is not")
+    p.add_argument("--corpus", help="retrieval: more candidate documents, one a line")
+    p.add_argument("--lexical", type=float, default=0.0, help="retrieval: hybrid score with this TF-IDF weight")
+    p.add_argument("--prompt-name", help="sts / pair-classification: the model's prompt for both texts")
+    p.add_argument("--max-length", type=int)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.set_defaults(func=_evaluate)
 
     p = sub.add_parser("distill", help="knowledge distillation: a small student learns a pretrained, fine-tuned or "
                                        "sentence-embedding teacher (general / task / embedding modes)")

@@ -133,3 +133,35 @@ def test_pair_classification_ties_and_average_precision_against_scikit_learn():
         assert np.mean((scores >= np.float32(out["accuracy_threshold"])) == labels) == pytest.approx(out["accuracy"])
         cuts = np.concatenate([np.unique(scores), [np.inf]])
         assert max(np.mean((scores >= c) == labels) for c in cuts) == pytest.approx(out["accuracy"])
+
+
+def test_the_evaluate_command_prints_the_figures_of_each_task(st_dir, tmp_path, capsys):
+    """`kbert evaluate`: the same figures as the Python functions, from a labelled file."""
+    import json
+
+    from kbert.cli import main
+
+    lines = [line.strip() for line in read_corpus(["kolaw"]).texts() if len(line.strip()) > 10][:40]
+    s1, s2 = lines[:20], [line[:len(line) // 2] if i % 2 else lines[20 + i] for i, line in enumerate(lines[:20])]
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps({"a": a, "b": b, "score": i % 6, "same": "예" if i % 2 else "아니오"},
+                                       ensure_ascii=False) + "\n" for i, (a, b) in enumerate(zip(s1, s2))),
+                    encoding="utf-8")
+    common = ["evaluate", "--model", st_dir, "--data", str(path), "--text-column", "a", "--pair-column", "b"]
+
+    def run(*extra):
+        assert main(common + list(extra)) == 0
+        return json.loads(capsys.readouterr().out)
+
+    sts = run("--label-column", "score")
+    assert sts["task"] == "sts" and sts["rows"] == 20
+    assert sts["spearman"] == pytest.approx(kbert.evaluate_sts(st_dir, s1, s2, [i % 6 for i in range(20)])["spearman"])
+    pairs = run("--task", "pair-classification", "--label-column", "same", "--positive-label", "예")
+    assert pairs["ap"] == pytest.approx(kbert.evaluate_pair_classification(
+        st_dir, s1, s2, [i % 2 for i in range(20)])["ap"])
+    found = run("--task", "retrieval")
+    assert found["corpus"] == 20 and found["queries"] == 20
+    assert found["ndcg@10"] == pytest.approx(kbert.evaluate_retrieval(
+        st_dir, s1, s2, [{i} for i in range(20)])["ndcg@10"])
+    assert main(common + ["--lexical", "0.5"]) == 1  # lexical goes with retrieval only
+    assert "--task retrieval" in capsys.readouterr().err
