@@ -331,3 +331,14 @@ def test_a_sentence_transformers_teacher_gives_its_own_vectors(teacher, tmp_path
     vectors = Teacher(st_dir, "embedding").vectors(texts, 32)
     np.testing.assert_allclose(vectors, kbert.Embedder.load(st_dir).encode(texts), atol=1e-5)
     assert not np.allclose(vectors, loaded.encode(texts, pooling="mean"), atol=1e-3)
+    # with a Dense layer (LaBSE's tanh projection, here to 16 dimensions) the teacher's vectors are projected too
+    rng = np.random.default_rng(0)
+    hidden = loaded.backbone.config.hidden_size
+    dense = [{"weight": rng.normal(size=(hidden, 16)).astype(np.float32) / np.sqrt(hidden),
+              "bias": rng.normal(size=16).astype(np.float32) * 0.1, "activation": "tanh"}]
+    projected = kbert.export_sentence_transformers(
+        kbert.Embedder(loaded.backbone, loaded.tokenizer, pooling="cls", dense=dense), str(tmp_path / "st-dense"))
+    teacher_dense = Teacher(projected, "embedding")
+    assert teacher_dense.hidden_size == 16
+    np.testing.assert_allclose(teacher_dense.vectors(texts, 32), kbert.Embedder.load(projected).encode(texts),
+                               atol=1e-5)

@@ -135,11 +135,9 @@ class Embedder:
 
     def project(self, vectors: np.ndarray) -> np.ndarray:
         """Pooled vectors `[n, hidden]` through the projections (`dense`), float32."""
-        for layer in self.dense:
-            vectors = vectors @ layer["weight"] + layer["bias"]
-            if layer["activation"] == "tanh":
-                vectors = np.tanh(vectors)
-        return np.asarray(vectors, np.float32)
+        from kbert.models.st_dir import apply_dense
+
+        return apply_dense(vectors, self.dense)
 
     def fit_whitening(self, texts: Sequence[str], dim: Optional[int] = None, **encode_options) -> "Embedder":
         """Adds a whitening projection fitted on `texts` (BERT-whitening, Su et al. 2021): vectors are centred on

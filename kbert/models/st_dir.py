@@ -2,8 +2,8 @@
 the layers it averages and its length, for `Embedder.load` and fine-tuning (Korean sentence models on the Hub
 are published this way). Without it a model trained with [CLS] pooling would be read with kbert's default mean
 pooling and give other vectors, silently. A Dense module after the pooling (LaBSE's tanh layer, a whitening
-or dimension-reducing projection) is read as its weights, for `Embedder` to apply; fine-tuning and distillation
-refuse it, as they train or read the backbone's pooled vectors. Modules kbert does not compute (weighted-mean or
+or dimension-reducing projection) is read as its weights, for `Embedder` and an embedding teacher to apply;
+fine-tuning refuses it, as it trains the backbone's own pooled vectors. Modules kbert does not compute (weighted-mean or
 last-token pooling, learned layer weights, a Dense layer with another activation ...) are refused by name. Both layouts are read: the boolean
 `pooling_mode_*` keys and `sentence_bert_config.json` length of sentence-transformers < 6, and the
 `pooling_mode` key and tokenizer `model_max_length` of 6. (Writing one: `kbert.embed.st_format`.)
@@ -24,8 +24,8 @@ def read_sentence_transformers(directory: str, projections: bool = False):
     """For a sentence-transformers dir (`modules.json`): {"model_dir", "pooling", "layers", "max_length",
     "prompts", "default_prompt_name", "dense"} that make `Embedder` give `SentenceTransformer(directory).encode`'s
     vectors; None for any other dir. "dense": the Dense modules after the pooling, in order, each
-    {"weight": [in, out] float32, "bias": [out], "activation": "identity" or "tanh"}; with `projections` False
-    (fine-tuning, distillation) a Dense module raises ValueError. A module or mode kbert does not compute raises
+    {"weight": [in, out] float32, "bias": [out], "activation": "identity" or "tanh"} (`apply_dense`); with
+    `projections` False (fine-tuning, task distillation) a Dense module raises ValueError. A module or mode kbert does not compute raises
     ValueError naming it."""
     import numpy as np
 
@@ -80,9 +80,10 @@ def read_sentence_transformers(directory: str, projections: bool = False):
             found["layers"] = [start + i for i, c in enumerate(np.round(counts).astype(int)) for _ in range(c)]
         elif kind == "Dense":
             if not projections:
-                raise ValueError(f"{directory}: its Dense module projects the pooled vectors; kbert.Embedder applies "
-                                 f"it, but fine-tuning and distillation train or read the backbone's own pooled "
-                                 f"vectors: start from a sentence-transformers dir without a Dense module")
+                raise ValueError(f"{directory}: its Dense module projects the pooled vectors; kbert.Embedder and an "
+                                 f"embedding-mode teacher or guide apply it, but fine-tuning and task distillation "
+                                 f"train or read the backbone's own pooled vectors: start from a sentence-transformers "
+                                 f"dir without a Dense module")
             found["dense"].append(read_dense(directory, folder))
         elif kind == "Normalize":
             continue  # Embedder.encode returns unit vectors by default
@@ -90,6 +91,18 @@ def read_sentence_transformers(directory: str, projections: bool = False):
             raise ValueError(f"{directory}: its module {module.get('type')!r} has no kbert equivalent; kbert reads "
                              f"sentence-transformers dirs of Transformer, WeightedLayerPooling, Pooling, Dense and Normalize")
     return found
+
+
+def apply_dense(vectors, dense: list):
+    """Pooled vectors `[n, h]` through Dense layers as `read_dense` gives them, in order; float32."""
+    import numpy as np
+
+    vectors = np.asarray(vectors, np.float32)
+    for layer in dense:
+        vectors = vectors @ layer["weight"] + layer["bias"]
+        if layer["activation"] == "tanh":
+            vectors = np.tanh(vectors)
+    return np.asarray(vectors, np.float32)
 
 
 def read_dense(directory: str, folder: str) -> dict:

@@ -16,6 +16,7 @@ import numpy as np
 
 from kbert.compiled import backend, compiled, signature
 from kbert.data.features import bucketed, build_network, features, pad, unit_vectors_in_batches
+from kbert.models.st_dir import apply_dense
 from kbert.models.tasks import read_task_meta
 from kbert.utils import progress_bar
 
@@ -36,13 +37,15 @@ class Teacher:
 
         self.dir, self.meta = model_dir, read_task_meta(model_dir) or {}
         # a sentence-transformers teacher (BGE-M3, KURE, ...): its transformer's folder, pooling and layers
-        st = None if self.meta else read_sentence_transformers(model_dir)
+        # (its Dense layers too, as sentence vectors: LaBSE's tanh layer)
+        st = None if self.meta else read_sentence_transformers(model_dir, projections=mode == "embedding")
+        self.dense = (st or {}).get("dense") or []
         weights_dir = st["model_dir"] if st else model_dir
         self.progress, self.role = progress, role  # the role names the progress bars ("guide vectors")
         self.tokenizer = Tokenizer.from_model_dir(weights_dir)
         self._fn = None
         backbone = load_model(weights_dir, output_hidden_states=True, dtype=dtype)
-        self.hidden_size = backbone.config.hidden_size
+        self.hidden_size = int(self.dense[-1]["weight"].shape[1]) if self.dense else backbone.config.hidden_size
         self.config = backbone.config
         if mode == "general":
             self.heads = True
@@ -88,6 +91,10 @@ class Teacher:
             ids, segments = bucketed(ids, self.tokenizer.pad_id, limit, rows=True), bucketed(segments, 0, limit, rows=True)
         return np.asarray(self._fn(features(ids, segments, self.tokenizer.pad_id)), np.float32)[:rows]
 
+    def sentence_vectors(self, ids, segments):
+        """Pooled vectors of a batch, through the dir's Dense layers when it has them."""
+        return apply_dense(self.call(ids, segments), self.dense) if self.dense else self.call(ids, segments)
+
     def outputs(self, token_ids: List[List[int]], segment_ids: List[List[int]], batch_size: int = 64):
         """The task head's outputs `[n, k]` (logits, or `[n, 1]` values) for encoded examples, in order."""
         out = [None] * len(token_ids)
@@ -104,15 +111,16 @@ class Teacher:
         return np.stack(out).astype(np.float32) if out else np.zeros((0, 1), np.float32)
 
     def vectors(self, texts: Sequence[str], max_length: int, batch_size: int = 64) -> np.ndarray:
-        """Unit sentence vectors `[n, h_t]` of raw texts, tokenized by the teacher's own tokenizer."""
+        """Unit sentence vectors `[n, h_t]` of raw texts, tokenized by the teacher's own tokenizer (h_t: its last
+        Dense layer's width, if it has one)."""
         ids = [e.ids for e in self.tokenizer.encode_batch(list(texts), max_length=max_length)]
         order = np.argsort([len(x) for x in ids], kind="stable")
         out = np.zeros((len(ids), self.hidden_size), np.float32)
         bar = self.bar(len(order), f"{self.role} vectors")
         for start in range(0, len(order), 4096):
             index = order[start:start + 4096]
-            out[index] = unit_vectors_in_batches(self.call, [ids[i] for i in index], self.tokenizer.pad_id,
-                                                 batch_size)
+            out[index] = unit_vectors_in_batches(self.sentence_vectors, [ids[i] for i in index],
+                                                 self.tokenizer.pad_id, batch_size)
             bar.update(len(index))
         bar.close()
         return out
