@@ -214,9 +214,10 @@ def test_data_prepare_stopped_by_sigterm_says_so_exits_143_and_resumes(tmp_path)
     assert run("tokenizer", "train", "--input", *TRAIN_FILES, "--vocab-size", "1500",
                "--out", str(tmp_path / "tok")).returncode == 0
     law = [line for doc in corpus("kolaw") for line in doc]
-    # 300 documents (rotations of the constitution's lines: duplicates would be dropped): a few seconds of work,
-    # about 100 shards a second here, so the signal comes mid-run
-    docs = ("\n".join(law[i:] + law[:i]) for i in range(300))
+    # 1,000 documents (numbered rotations of the constitution's lines: duplicates would be dropped): about 100
+    # shards a second here, so about 10 s of work; the signal comes mid-run even when a loaded machine (CI's
+    # other worker) delays the polling below by seconds (with 300, one CI run saw the job finish first)
+    docs = ("\n".join([f"문서 {i}"] + law[i % len(law):] + law[:i % len(law)]) for i in range(1000))
     (tmp_path / "corpus.txt").write_text("\n\n".join(docs), encoding="utf-8")
     args = [sys.executable, "-m", "kbert.cli", "data", "prepare", "--corpus", str(tmp_path / "corpus.txt"),
             "--tokenizer", str(tmp_path / "tok"), "--out", str(tmp_path / "rec"), "--docs-per-shard", "1",
@@ -233,7 +234,7 @@ def test_data_prepare_stopped_by_sigterm_says_so_exits_143_and_resumes(tmp_path)
     assert proc.returncode == 143, err[-2000:]
     assert "kbert: stopped by SIGTERM; the finished shards are kept: rerun the same command to resume" in err
     kept = len(json.loads(manifest.read_text())["shards"])
-    assert 0 < kept < 300 and not json.loads(manifest.read_text())["complete"]
+    assert 0 < kept < 1000 and not json.loads(manifest.read_text())["complete"]
     done = subprocess.run(args, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert f"in 300 shards to {tmp_path / 'rec'} ({kept} shards kept from an earlier run)" in done.stdout
+    assert f"in 1000 shards to {tmp_path / 'rec'} ({kept} shards kept from an earlier run)" in done.stdout

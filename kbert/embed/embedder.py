@@ -416,7 +416,8 @@ class Embedder:
                progress: Optional[bool] = None, prompt_name: Optional[str] = None,
                prompt: Optional[str] = None, truncate_dim: Optional[int] = None, precision: str = "float32",
                ranges=None, calibration_embeddings=None) -> np.ndarray:
-        """Sentence vectors `[n, hidden]` (a single string gives `[hidden]`), float32, in input order.
+        """Sentence vectors `[n, dimension]` (a single string gives `[dimension]`; `dimension` is the hidden size, or
+        the last projection's width: `dense`), float32, in input order.
 
         pooling: "mean" (over real tokens, [CLS]/[SEP] included, as sentence-transformers), "cls" (the [CLS]
             vector; poor for similarity before fine-tuning), "max", or "first_last_avg" (mean pooling of the
