@@ -608,6 +608,7 @@ def _evaluate(args):
     first = [text_cell(r, args.text_column, f"row {i + 1}") for i, r in enumerate(rows)]
     second = [text_cell(r, args.pair_column, f"row {i + 1}") for i, r in enumerate(rows)]
     emb = Embedder.load(args.model, max_length=args.max_length)
+    # both texts of a pair with the named prompt; retrieval gives queries and documents the model's own
     options = {"batch_size": args.batch_size, **({"prompt_name": args.prompt_name} if args.prompt_name else {})}
     if args.task == "sts":
         figures = evaluation.evaluate_sts(emb, first, second, [number(r.get(label), "data", i)
@@ -626,9 +627,8 @@ def _evaluate(args):
         if args.corpus:
             corpus = list(dict.fromkeys(corpus + [line for line in _utf8_lines(args.corpus) if line.strip()]))
         where = {text: j for j, text in enumerate(corpus)}
-        options.pop("prompt_name", None)  # queries and documents each get the model's own prompt
         figures = evaluation.evaluate_retrieval(emb, first, corpus, [{where[t]} for t in second],
-                                                lexical=args.lexical, **options)
+                                                lexical=args.lexical, batch_size=args.batch_size)
         figures["corpus"] = len(corpus)
     print(json.dumps({"model": args.model, "data": args.data, "task": args.task, "rows": len(rows), **figures},
                      ensure_ascii=False, indent=2))

@@ -211,8 +211,7 @@ def pair_classification_figures(scores, labels) -> dict:
     below = np.append(ranked[ends[:-1] + 1], ranked[-1])  # the next group's score (the last: its own)
     midpoint = ((ranked[ends] + below) / np.float32(2)).astype(np.float32)
     # a rounded midpoint must not reach the next group's score
-    midpoint = np.where(midpoint == below, ranked[ends], midpoint)
-    midpoint[-1] = ranked[-1]
+    midpoint = np.where(midpoint == below, ranked[ends], midpoint)  # (the last cut: its own score either way)
 
     accuracy = (true_pos + true_neg) / n
     best_accuracy, accuracy_threshold = (n - positives) / n, float(np.nextafter(ranked[0], np.float32(np.inf)))

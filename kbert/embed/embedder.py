@@ -131,7 +131,9 @@ class Embedder:
     @property
     def dimension(self) -> int:
         """The width of `encode`'s vectors: the last projection's, else the model's hidden size."""
-        return int(self.dense[-1]["weight"].shape[1]) if self.dense else int(self.backbone.config.hidden_size)
+        from kbert.models.st_dir import dense_width
+
+        return dense_width(self.dense, self.backbone.config.hidden_size)
 
     def project(self, vectors: np.ndarray) -> np.ndarray:
         """Pooled vectors `[n, hidden]` through the projections (`dense`), float32."""

@@ -3,8 +3,9 @@ the layers it averages and its length, for `Embedder.load` and fine-tuning (Kore
 are published this way). Without it a model trained with [CLS] pooling would be read with kbert's default mean
 pooling and give other vectors, silently. A Dense module after the pooling (LaBSE's tanh layer, a whitening
 or dimension-reducing projection) is read as its weights, for `Embedder` and an embedding teacher to apply;
-fine-tuning refuses it, as it trains the backbone's own pooled vectors. Modules kbert does not compute (weighted-mean or
-last-token pooling, learned layer weights, a Dense layer with another activation ...) are refused by name. Both layouts are read: the boolean
+fine-tuning refuses it, as it trains the backbone's own pooled vectors. Modules kbert does not compute
+(weighted-mean or last-token pooling, learned layer weights, a Dense layer with another activation ...) are
+refused by name. Both layouts are read: the boolean
 `pooling_mode_*` keys and `sentence_bert_config.json` length of sentence-transformers < 6, and the
 `pooling_mode` key and tokenizer `model_max_length` of 6. (Writing one: `kbert.embed.st_format`.)
 """
@@ -25,8 +26,8 @@ def read_sentence_transformers(directory: str, projections: bool = False):
     "prompts", "default_prompt_name", "dense"} that make `Embedder` give `SentenceTransformer(directory).encode`'s
     vectors; None for any other dir. "dense": the Dense modules after the pooling, in order, each
     {"weight": [in, out] float32, "bias": [out], "activation": "identity" or "tanh"} (`apply_dense`); with
-    `projections` False (fine-tuning, task distillation) a Dense module raises ValueError. A module or mode kbert does not compute raises
-    ValueError naming it."""
+    `projections` False (fine-tuning, task distillation) a Dense module raises ValueError. A module or mode kbert
+    does not compute raises ValueError naming it."""
     import numpy as np
 
     path = os.path.join(directory, "modules.json")
@@ -61,18 +62,9 @@ def read_sentence_transformers(directory: str, projections: bool = False):
                                  f"(include_prompt false); kbert pools every token, as sentence-transformers does "
                                  f"by default")
         elif kind == "WeightedLayerPooling":
-            from safetensors.numpy import load_file
-
             with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
                 config = json.load(f)
-            weights_path = os.path.join(folder, "model.safetensors")
-            if os.path.isfile(weights_path):
-                weights = load_file(weights_path)["layer_weights"]
-            else:
-                from kbert.models.torch_files import load_torch_state
-
-                weights = load_torch_state(os.path.join(folder, "pytorch_model.bin"))["layer_weights"]
-            counts = np.asarray(weights, np.float64)
+            counts = np.asarray(module_weights(folder)["layer_weights"], np.float64)
             if np.any(counts < 0) or np.any(np.abs(counts - np.round(counts)) > 1e-6) or counts.sum() == 0:
                 raise ValueError(f"{directory}: WeightedLayerPooling with learned weights {counts.tolist()}; kbert "
                                  f"averages layers with equal (whole-number) weights only")
@@ -89,8 +81,27 @@ def read_sentence_transformers(directory: str, projections: bool = False):
             continue  # Embedder.encode returns unit vectors by default
         else:
             raise ValueError(f"{directory}: its module {module.get('type')!r} has no kbert equivalent; kbert reads "
-                             f"sentence-transformers dirs of Transformer, WeightedLayerPooling, Pooling, Dense and Normalize")
+                             f"sentence-transformers dirs of Transformer, WeightedLayerPooling, Pooling, Dense and "
+                             f"Normalize")
     return found
+
+
+def module_weights(folder: str) -> dict:
+    """A sentence-transformers module's tensors: its model.safetensors, else its pytorch_model.bin (read
+    without torch)."""
+    path = os.path.join(folder, "model.safetensors")
+    if os.path.isfile(path):
+        from safetensors.numpy import load_file
+
+        return load_file(path)
+    from kbert.models.torch_files import load_torch_state
+
+    return load_torch_state(os.path.join(folder, "pytorch_model.bin"))
+
+
+def dense_width(dense: list, width: int) -> int:
+    """The width of vectors of `width` after the Dense layers `dense` (their last one's output)."""
+    return int(dense[-1]["weight"].shape[1]) if dense else int(width)
 
 
 def apply_dense(vectors, dense: list):
@@ -118,15 +129,7 @@ def read_dense(directory: str, folder: str) -> dict:
     if config.get("use_residual") or config.get("module_input_name", "sentence_embedding") != "sentence_embedding":
         raise ValueError(f"{directory}: its Dense module (residual, or on another input than the sentence vector) "
                          f"has no kbert equivalent; kbert applies a plain Dense layer to the pooled vector")
-    path = os.path.join(folder, "model.safetensors")
-    if os.path.isfile(path):
-        from safetensors.numpy import load_file
-
-        state = load_file(path)
-    else:
-        from kbert.models.torch_files import load_torch_state
-
-        state = load_torch_state(os.path.join(folder, "pytorch_model.bin"))
+    state = module_weights(folder)
     weight = np.asarray(state["linear.weight"], np.float32).T  # torch's Linear keeps [out, in]
     if weight.shape != (config["in_features"], config["out_features"]):
         raise ValueError(f"{directory}: its Dense weights are {list(weight.shape[::-1])}, its config says "

@@ -504,9 +504,8 @@ class SentenceEmbeddingTask(FinetuneTask):
         self.score_max = 1.0
         if train.labels is not None:
             self.score_max = float(np.max(np.abs(train.labels))) or 1.0
-        if self.config.similarity_loss == "contrastive" and self.config.objective != "simcse" \
-                and self.config.label_column and not set(np.unique(train.labels).tolist()) <= {0.0, 1.0}:
-            odd = sorted(set(np.unique(train.labels).tolist()) - {0.0, 1.0})[:3]
+        odd = sorted(set(np.unique(train.labels).tolist()) - {0.0, 1.0})[:3] if train.labels is not None else []
+        if self.config.similarity_loss == "contrastive" and self.config.objective != "simcse" and odd:
             raise ValueError(f"similarity_loss='contrastive' trains on pairs labelled 1 (similar) or 0 (not); "
                              f"column {self.config.label_column!r} holds {odd}. Scores train with 'cosine' or "
                              f"'cosent'")

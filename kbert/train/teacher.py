@@ -16,7 +16,7 @@ import numpy as np
 
 from kbert.compiled import backend, compiled, signature
 from kbert.data.features import bucketed, build_network, features, pad, unit_vectors_in_batches
-from kbert.models.st_dir import apply_dense
+from kbert.models.st_dir import apply_dense, dense_width
 from kbert.models.tasks import read_task_meta
 from kbert.utils import progress_bar
 
@@ -45,7 +45,7 @@ class Teacher:
         self.tokenizer = Tokenizer.from_model_dir(weights_dir)
         self._fn = None
         backbone = load_model(weights_dir, output_hidden_states=True, dtype=dtype)
-        self.hidden_size = int(self.dense[-1]["weight"].shape[1]) if self.dense else backbone.config.hidden_size
+        self.hidden_size = dense_width(self.dense, backbone.config.hidden_size)
         self.config = backbone.config
         if mode == "general":
             self.heads = True
