@@ -59,6 +59,9 @@ setup(
             "transformers>=4.40,<6",
             # kbert.export_sentence_transformers is checked by loading its dirs with sentence-transformers.
             "sentence-transformers>=3",
+            # kbert.distill_static is checked against Model2Vec's own distillation and loading (the base package;
+            # its [distill] extra pins transformers, and the tests need only its torch inference helpers).
+            "model2vec>=0.7",
             # The JAX backend tests run the same model code and the pretraining loop under KERAS_BACKEND=jax.
             "jax>=0.4.30",
             "faiss-cpu>=1.8",

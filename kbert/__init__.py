@@ -47,6 +47,8 @@ _EXPORTS = {
     "PretrainConfig": "kbert.train.config",
     "plan_batch_size": "kbert.train.memory",
     "Embedder": "kbert.embed.embedder",
+    "StaticEmbedder": "kbert.embed.embedder",
+    "distill_static": "kbert.embed.static",
     "export_sentence_transformers": "kbert.embed.st_format",
     "mine_hard_negatives": "kbert.embed.mining",
     "paraphrase_mining": "kbert.embed.mining",

@@ -487,6 +487,18 @@ def _distill(args):
     return _report_training(summary, f"distill ({summary['mode']})", "distill_history.json")
 
 
+def _distill_static(args):
+    from kbert.embed.st_format import export_sentence_transformers
+    from kbert.embed.static import distill_static
+
+    static = distill_static(args.model, dim=None if args.no_pca else args.dim,
+                            sif_coefficient=None if args.no_sif else args.sif_coefficient,
+                            batch_size=args.batch_size, max_length=args.max_length, progress=True)
+    export_sentence_transformers(static, args.out, dtype=args.dtype)
+    print(f"static model ({static.vectors.shape[0]} tokens x {static.dimension}) written to {args.out}; load it with "
+          f"kbert.Embedder.load, model2vec or sentence-transformers")
+
+
 def _serve(args):
     from kbert.server import serve
 
@@ -928,6 +940,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-every", type=int, help="steps between checkpoints (default 1000)")
     p.add_argument("--no-resume", action="store_true", help="start over instead of resuming OUT/checkpoints")
     p.set_defaults(func=_distill)
+
+    p = sub.add_parser("distill-static", help="a static embedding model (Model2Vec's recipe: a table of token "
+                                              "vectors, hundreds of times faster on CPU) distilled from a model")
+    p.add_argument("--model", required=True, help="a model dir or Hub name (a bi-encoder distils best)")
+    p.add_argument("--out", required=True, help="output dir (Model2Vec and sentence-transformers layout)")
+    p.add_argument("--dim", type=int, default=256, help="the vectors' width after PCA (default 256)")
+    p.add_argument("--no-pca", action="store_true", help="keep the model's width, unrotated")
+    p.add_argument("--sif-coefficient", type=float, default=1e-4,
+                   help="SIF weighting of frequent tokens, a / (a + p) (default 1e-4)")
+    p.add_argument("--no-sif", action="store_true", help="no frequency weighting")
+    p.add_argument("--max-length", type=int, default=512, help="tokens of a text kept (default 512)")
+    p.add_argument("--dtype", choices=("float32", "float16"), default="float32", help="the table's (default float32)")
+    p.add_argument("--batch-size", type=int, default=256, help="tokens run through the model at a time")
+    p.set_defaults(func=_distill_static)
 
     p = sub.add_parser("serve", help="an HTTP server for embeddings (OpenAI-compatible), similarity, "
                                      "classification and reranking (Cohere's form), with dynamic batching")

@@ -95,7 +95,7 @@ class Engine:
                          else Embedder.load(self.model_dir))
         # XLA for sentence vectors, a new batch shape compiled off the request path (kbert.embed.embedder)
         self.embedder.jit_compile = "background" if jit_compile else False
-        self.max_length = self.embedder.max_length
+        self.max_length = self.embedder.max_length or float("inf")  # a static model may keep every token
         self.max_batch_tokens, self.max_wait = int(max_batch_tokens), float(max_wait_ms) / 1000.0
         self.max_queue, self.batch_size = int(max_queue), int(batch_size)
         self._jobs: "list[_Job]" = []

@@ -1380,3 +1380,114 @@ def test_paraphrase_mining_and_groups_of_texts_by_a_model_or_by_characters(emb, 
     assert "pairs of 5 lines" in captured.err
     assert main(["cluster", "--input", str(src)]) == 1  # no model, not lexical
     assert "lexical=1" in capsys.readouterr().err
+
+
+def test_distill_static_equals_model2vec_recipe_on_the_same_model(emb, tmp_path):
+    """`kbert.distill_static` builds Model2Vec's table: each token's `[CLS] t [SEP]` vector through the model (here
+    against the model2vec package's own `create_embeddings` on the transformers export of the same weights, CPU
+    torch), then its PCA and Zipf/SIF weights."""
+    import transformers
+    from model2vec.distill.inference import apply_pca, compute_weights, create_embeddings
+
+    hf = str(tmp_path / "hf")
+    kbert.export_transformers(emb.backbone, hf)
+    tok = emb.tokenizer
+    ids = [[tok.cls_id, i, tok.sep_id] for i in range(tok.vocab_size)]
+    reference = create_embeddings(transformers.AutoModel.from_pretrained(hf), ids, device="cpu",
+                                  pad_token_id=tok.pad_id, pooling="mean").astype(np.float64)
+    np.testing.assert_allclose(emb.token_vectors(), reference, atol=1e-5)
+    for dim, sif in ((16, 1e-4), (64, 1e-3), (None, None)):  # cut, rotated only (64 > 32 wide), as it is
+        static = kbert.distill_static(emb, dim=dim, sif_coefficient=sif)
+        expected = apply_pca(reference, dim) * compute_weights(len(reference), sif)[:, None]
+        assert isinstance(static, kbert.StaticEmbedder) and static.dimension == expected.shape[1]
+        np.testing.assert_allclose(static.vectors, expected, atol=1e-5)
+    with pytest.raises(ValueError, match="`dim` must be a positive integer"):
+        kbert.distill_static(emb, dim=0)
+    with pytest.raises(ValueError, match="`sif_coefficient` must be in \\(0, 1\\)"):
+        kbert.distill_static(emb, sif_coefficient=1.5)
+    with pytest.raises(ValueError, match="already a static model"):
+        kbert.distill_static(static)
+
+
+@pytest.mark.parametrize("algorithm", ["unigram", "wordpiece"])
+def test_static_model_encodes_as_model2vec_and_sentence_transformers_do(algorithm, tmp_path):
+    """A distilled static model written by `export_sentence_transformers` loads in model2vec and in
+    sentence-transformers (and back in kbert as a StaticEmbedder) with the same vectors on Korean text: its
+    tokenizer.json gives kbert's ids; unknown tokens are left out, an empty text is the zero vector, and
+    `max_length` keeps a text's first tokens."""
+    from model2vec import StaticModel
+    from sentence_transformers import SentenceTransformer
+
+    tok = kbert.Tokenizer.train(corpus(["kolaw"]), vocab_size=800, algorithm=algorithm, progress=False)
+    cfg = kbert.ModelConfig.preset("bert-tiny", vocab_size=tok.vocab_size, hidden_size=32, num_heads=2,
+                                   intermediate_size=64, max_position=64)
+    keras.utils.set_random_seed(0)
+    static = kbert.distill_static(kbert.Embedder(kbert.BertBackbone(cfg, output_hidden_states=True), tok), dim=24)
+    lines = [line.strip() for line in corpus(["kobill"]).texts() if line.strip()][:300]
+    assert [tok.fast_tokenizer().encode(t, add_special_tokens=False).ids for t in lines] == tok.ids_batch(lines)
+    texts = lines + ["", "   ", "🙂", "ㅋㅋㅋ 정말 좋아요!!"]
+    ours = static.encode(texts)
+    assert ours.shape == (len(texts), 24) and np.isfinite(ours).all()
+    assert np.allclose(ours[-4], 0) and np.allclose(ours[-3], 0)  # no token: the zero vector
+    ids = tok.ids_batch(texts[:5])
+    rows = [[i for i in x if i != tok.unk_id] for x in ids]
+    by_hand = np.stack([static.vectors[r].mean(axis=0) for r in rows])
+    np.testing.assert_allclose(ours[:5], by_hand / np.linalg.norm(by_hand, axis=1, keepdims=True), atol=1e-6)
+    out = str(tmp_path / "static")
+    kbert.export_sentence_transformers(static, out)
+    back = kbert.Embedder.load(out)
+    assert isinstance(back, kbert.StaticEmbedder)
+    np.testing.assert_allclose(back.encode(texts), ours, atol=1e-6)
+    np.testing.assert_allclose(StaticModel.from_pretrained(out).encode(texts), ours, atol=1e-5)
+    # sentence-transformers averages the unknown token's row too (model2vec and kbert leave it out)
+    known = [i for i, x in enumerate(tok.ids_batch(texts)) if tok.unk_id not in x and x]
+    assert len(known) > 100
+    np.testing.assert_allclose(SentenceTransformer(out, device="cpu").encode([texts[i] for i in known]), ours[known],
+                               atol=1e-5)
+    half = str(tmp_path / "half")
+    kbert.export_sentence_transformers(static, half, dtype="float16")
+    np.testing.assert_allclose(kbert.Embedder.load(half).encode(texts[:50]), ours[:50], atol=5e-3)
+    long = " ".join(lines)
+    with pytest.warns(UserWarning, match="1 of 1 texts are longer than 5 tokens"):
+        first = static.encode(long, max_length=5)
+    head = static.vectors[[i for i in tok.ids_batch([long])[0][:5] if i != tok.unk_id]].mean(axis=0)
+    np.testing.assert_allclose(first, head / np.linalg.norm(head), atol=1e-6)
+
+
+def test_static_model_searches_whitens_serves_and_refuses_what_it_cannot_do(emb, tmp_path):
+    """The rest of Embedder's surface on a static model: search, prompts, Matryoshka-style truncation and
+    whitening (folded into the table when written); pooling choices, word vectors, fine-tuning and a SavedModel
+    are refused by name. (Serving: test_serve.)"""
+    static = kbert.distill_static(emb, dim=16)
+    corpus_texts = TEXTS[:2] + ["국회의원은 법률안을 제출할 수 있다."]
+    hits, = static.search(["민주공화국"], corpus_texts, top_k=2)
+    assert len(hits) == 2 and hits[0][0] == 0 and hits[0][1] >= hits[1][1]  # the text holding the word, first
+    assert static.encode(TEXTS, truncate_dim=8).shape == (len(TEXTS), 8)
+    np.testing.assert_allclose(static.encode("법률", prompt="질문: "), static.encode("질문: 법률"), atol=1e-6)
+    lines = [line.strip() for line in corpus(["kolaw", "kobill"]).texts() if len(line.strip()) > 5][:300]
+    white = kbert.distill_static(emb, dim=16).fit_whitening(lines, dim=8)
+    raw = white.encode(lines, normalize=False).astype(np.float64)
+    np.testing.assert_allclose(np.cov(raw, rowvar=False), np.eye(8), atol=2e-3)
+    out = str(tmp_path / "white")
+    kbert.export_sentence_transformers(white, out)
+    np.testing.assert_allclose(kbert.Embedder.load(out).encode(lines[:20]), white.encode(lines[:20]), atol=1e-5)
+    with pytest.raises(ValueError, match="pooling 'mean' only"):
+        static.encode("x", pooling="cls")
+    with pytest.raises(ValueError, match="no word vectors in context"):
+        static.encode_words("학교에서 공부했다")
+    with pytest.raises(ValueError, match="has no transformer to fine-tune"):
+        kbert.finetune(out, "sentence-embedding", [{"text": "법률"}] * 4, objective="simcse", out_dir=str(tmp_path / "f"))
+    with pytest.raises(ValueError, match="no network to export as a SavedModel"):
+        kbert.export(out, str(tmp_path / "saved"))
+
+
+def test_distill_static_command(emb, tmp_path, capsys):
+    from kbert.cli import main
+
+    model_dir = str(tmp_path / "m")
+    kbert.save_model(emb.backbone, model_dir, tokenizer=emb.tokenizer)
+    out = str(tmp_path / "static")
+    assert main(["distill-static", "--model", model_dir, "--out", out, "--dim", "12", "--dtype", "float16"]) == 0
+    assert "written to" in capsys.readouterr().out
+    np.testing.assert_allclose(kbert.Embedder.load(out).encode(TEXTS[:2]),
+                               kbert.distill_static(model_dir, dim=12).encode(TEXTS[:2]), atol=5e-3)

@@ -312,3 +312,20 @@ def test_sigterm_drains_the_requests_in_flight(dirs):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_a_static_model_serves_its_vectors(dirs, tmp_path):
+    """A distilled static model (`kbert distill-static`: a table of token vectors, no network) behind
+    `kbert serve`: /v1/embeddings gives its `encode`'s vectors, Matryoshka-style `dimensions` included."""
+    from kbert.server import build_app
+
+    model_dir, _ = dirs
+    out = kbert.export_sentence_transformers(kbert.distill_static(model_dir, dim=16), str(tmp_path / "static"))
+    emb = kbert.Embedder.load(out)
+    with Running(build_app(out)) as srv, httpx.Client(base_url=srv.url, timeout=60) as client:
+        r = client.post("/v1/embeddings", json={"input": TEXTS[:3]}).json()
+        np.testing.assert_allclose(np.array([d["embedding"] for d in r["data"]], np.float32), emb.encode(TEXTS[:3]),
+                                   atol=1e-5)
+        r = client.post("/v1/embeddings", json={"input": TEXTS[:3], "dimensions": 8}).json()
+        np.testing.assert_allclose(np.array([d["embedding"] for d in r["data"]], np.float32),
+                                   emb.encode(TEXTS[:3], truncate_dim=8), atol=1e-5)

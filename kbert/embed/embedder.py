@@ -94,7 +94,8 @@ class Embedder:
              jit_compile: Union[bool, str] = False, strategy: str = "auto") -> "Embedder":
         """An Embedder for a model dir (kbert, Hugging Face with its vocab, or a `kbert pretrain` run dir: its
         `model/`), or a Hugging Face Hub name ("klue/bert-base", fetched and cached by `huggingface_hub`;
-        HF_HUB_OFFLINE=1 reads the cache only).
+        HF_HUB_OFFLINE=1 reads the cache only). A Model2Vec dir, or a sentence-transformers dir whose first
+        module is a StaticEmbedding, gives a `StaticEmbedder` (`dtype`, `jit_compile` and `strategy` do not apply).
 
         Example:
             >>> emb = kbert.Embedder.load("klue/bert-base")
@@ -109,6 +110,14 @@ class Embedder:
         task = read_task_meta(model_dir)
         # a sentence-transformers dir: its own pooling, layers and length (and its transformer's folder)
         st = None if task else read_sentence_transformers(model_dir, projections=True)
+        if st and st.get("static"):  # a Model2Vec / StaticEmbedding model: a table of token vectors
+            from kbert.models.st_dir import read_static
+
+            table = read_static(st["static"])
+            return StaticEmbedder(table["vectors"], Tokenizer.from_model_dir(st["static"]),
+                                  max_length or table["max_length"], table["weights"], table["mapping"],
+                                  prompts=st["prompts"], default_prompt_name=st["default_prompt_name"],
+                                  dense=st["dense"])
         weights_dir = st["model_dir"] if st else model_dir
         backbone = load_model(weights_dir, output_hidden_states=True, dtype=dtype)
         if max_length is None and task:  # a fine-tuned dir: the length it was tuned at
@@ -172,6 +181,26 @@ class Embedder:
         self.dense.append({"weight": weight.astype(np.float32), "bias": (-mean @ weight).astype(np.float32),
                            "activation": "identity"})
         return self
+
+    def token_vectors(self, ids: Optional[Sequence[int]] = None, batch_size: int = 256,
+                      progress: Optional[bool] = None) -> np.ndarray:
+        """Each token's vector out of context, `[len(ids), dimension]` float32 (default: every token of the
+        vocabulary, in id order): `[CLS] token [SEP]` through the model, pooled as `encode` pools (the model's
+        own pooling and layers) and projected, not normalized. What `kbert.distill_static` builds its table from
+        (Model2Vec's "output embeddings")."""
+        vocab = self.tokenizer.vocab_size
+        ids = np.arange(vocab) if ids is None else np.asarray(ids, np.int64).reshape(-1)
+        if len(ids) and (ids.min() < 0 or ids.max() >= vocab):
+            raise ValueError(f"token ids must be in [0, {vocab}) for this vocabulary")
+        pooling, layers = self.resolve_pooling()
+        id_lists = [[self.tokenizer.cls_id, int(i), self.tokenizer.sep_id] for i in ids]
+        out = np.zeros((len(ids), self.backbone.config.hidden_size), np.float32)
+        show = progress if progress is not None else len(ids) >= 20 * batch_size
+        bar = progress_bar(total=len(ids), desc="token vectors", unit=" tokens", enabled=show)
+        for index, vectors in self._pooled_batches(id_lists, batch_size, bar, pooling, layers):
+            out[index] = vectors
+        bar.close()
+        return self.project(out) if self.dense else out
 
     # ----------------------------------------------------------------- running the model
     def _run(self, ids: np.ndarray, mask: np.ndarray, pooling: Optional[str] = None, layers=-1):
@@ -377,13 +406,13 @@ class Embedder:
             return self.max_length
         return self.backbone.config.check_length(max_length)
 
-    def _warn_truncated(self, truncated, total, max_length):
+    def _warn_truncated(self, truncated, total, max_length, stacklevel=3):
         if truncated:
             limit = self.backbone.config.max_position
             hint = (f"pass max_length= up to {limit} to keep more" if max_length < limit else
                     f"{limit} is the model's limit: split long texts to keep the rest")
             warnings.warn(f"{truncated} of {total} texts are longer than {max_length} tokens and were "
-                          f"truncated ({hint})", stacklevel=3)
+                          f"truncated ({hint})", stacklevel=stacklevel)
 
     def _encode_texts(self, texts, max_length):
         """Full encodings (tokens and offsets) for word vectors; truncated with one counting warning."""
@@ -452,22 +481,10 @@ class Embedder:
         texts = text_list(texts)
         if prefix:
             texts = [prefix + t for t in texts]
-        max_length = self._max_length(max_length)
-        out = np.zeros((len(texts), self.backbone.config.hidden_size), np.float32)
         show = progress if progress is not None else len(texts) >= 10 * batch_size
         bar = progress_bar(total=len(texts), desc="encode", unit=" texts", enabled=show)
-        truncated = 0
-        # Chunks bound the memory of token lists for very large inputs; each chunk is length-sorted.
-        for first in range(0, len(texts), ENCODE_CHUNK):
-            chunk = self.tokenizer.ids_batch(texts[first:first + ENCODE_CHUNK])
-            id_lists = []
-            for ids in chunk:
-                truncated += len(ids) > max_length - 2
-                id_lists.append([self.tokenizer.cls_id] + ids[:max_length - 2] + [self.tokenizer.sep_id])
-            for index, vectors in self._pooled_batches(id_lists, batch_size, bar, pooling, layers):
-                out[first + index] = vectors
+        out = self._pooled_texts(texts, pooling, layers, batch_size, self._max_length(max_length), bar)
         bar.close()
-        self._warn_truncated(truncated, len(texts), max_length)
         if self.dense:
             out = self.project(out)
         if width < out.shape[1]:
@@ -479,6 +496,22 @@ class Embedder:
 
             out = quantize_embeddings(out, precision, ranges, calibration_embeddings)
         return out[0] if single else out
+
+    def _pooled_texts(self, texts, pooling, layers, batch_size, max_length, bar) -> np.ndarray:
+        """Pooled vectors `[n, hidden]` of `texts` (prompts already in), before projections and normalization."""
+        out = np.zeros((len(texts), self.backbone.config.hidden_size), np.float32)
+        truncated = 0
+        # Chunks bound the memory of token lists for very large inputs; each chunk is length-sorted.
+        for first in range(0, len(texts), ENCODE_CHUNK):
+            chunk = self.tokenizer.ids_batch(texts[first:first + ENCODE_CHUNK])
+            id_lists = []
+            for ids in chunk:
+                truncated += len(ids) > max_length - 2
+                id_lists.append([self.tokenizer.cls_id] + ids[:max_length - 2] + [self.tokenizer.sep_id])
+            for index, vectors in self._pooled_batches(id_lists, batch_size, bar, pooling, layers):
+                out[first + index] = vectors
+        self._warn_truncated(truncated, len(texts), max_length, stacklevel=4)  # the caller of `encode`
+        return out
 
     def check_truncate_dim(self, truncate_dim: Optional[int]) -> int:
         """The width `encode` returns for `truncate_dim` (None: the model's); anything but 1..width raises."""
@@ -727,6 +760,105 @@ class Embedder:
         if isinstance(items, np.ndarray):
             return np.atleast_2d(items)
         return np.atleast_2d(self._encode_as(role, items, options))
+
+
+class StaticEmbedder(Embedder):
+    """Sentence vectors without a transformer: the mean of per-token vectors read from a table, as Model2Vec
+    (Tulkens and van Dongen, 2024) and sentence-transformers' StaticEmbedding compute them. A table distilled from
+    a model (`kbert.distill_static`) encodes hundreds of times faster than the model on a CPU, for a loss of
+    quality; `Embedder.load` returns one for a Model2Vec dir or a sentence-transformers dir with a
+    StaticEmbedding module, and `kbert.export_sentence_transformers` writes one as both.
+
+    encode, search, similarity, whitening and serving work as for `Embedder`; the texts' tokens are looked up
+    without [CLS] / [SEP] and without the unknown token (as Model2Vec; sentence-transformers' StaticEmbedding
+    averages the unknown token's row too, so texts with unknown characters differ there), the first `max_length`
+    of them kept, and a text with none left gets the zero vector. There are no layers or poolings to choose, and no word vectors.
+    """
+
+    def __init__(self, vectors, tokenizer, max_length: Optional[int] = 512, weights=None, mapping=None,
+                 prompts: Optional[dict] = None, default_prompt_name: Optional[str] = None,
+                 dense: Optional[list] = None):
+        """vectors: `[rows, dim]`, one row per token id (or per `mapping[id]`); weights: None, or `[vocab]`
+        factors each token's row is scaled by before averaging (Model2Vec's quantized vocabularies);
+        max_length: the tokens of a text kept (None: all)."""
+        vectors = np.asarray(vectors, np.float32)
+        vocab = tokenizer.vocab_size
+        if vectors.ndim != 2 or vectors.shape[1] < 1:
+            raise ValueError(f"`vectors` must be a [rows, dim] table. Received shape {list(vectors.shape)}")
+        self.mapping = None if mapping is None else np.asarray(mapping, np.int64)
+        if self.mapping is None and len(vectors) != vocab:
+            raise ValueError(f"the table has {len(vectors)} rows for a vocabulary of {vocab} tokens; they must match")
+        if self.mapping is not None and (self.mapping.shape != (vocab,) or self.mapping.min(initial=0) < 0 or
+                                         self.mapping.max(initial=0) >= len(vectors)):
+            raise ValueError(f"`mapping` must give each of the {vocab} token ids a row of the {len(vectors)}-row table")
+        self.weights = None if weights is None else np.asarray(weights, np.float32)
+        if self.weights is not None and self.weights.shape != (vocab,):
+            raise ValueError(f"`weights` must hold one factor per token ({vocab}). Received shape "
+                             f"{list(self.weights.shape)}")
+        self.vectors, self.tokenizer, self.backbone = vectors, tokenizer, None
+        self.max_length = self._max_length(max_length, none_is_unlimited=True)
+        self.pooling, self.layers = "mean", -1
+        self.prompts, self.default_prompt_name = check_prompts(prompts, default_prompt_name)
+        self.dense = check_dense(dense or [], vectors.shape[1])
+        self.distribution, self.jit_compile, self._bucketed = None, False, False
+        self._fns, self._compiled, self._compiling = {}, set(), None
+
+    @property
+    def dimension(self) -> int:
+        from kbert.models.st_dir import dense_width
+
+        return dense_width(self.dense, self.vectors.shape[1])
+
+    def resolve_pooling(self, pooling: Optional[str] = None, layers=None):
+        if pooling not in (None, "mean") or layers not in (None, -1):
+            raise ValueError(f"a static model averages its token vectors: pooling 'mean' only, no layers. "
+                             f"Received: pooling={pooling!r}, layers={layers!r}")
+        return "mean", -1
+
+    def _max_length(self, max_length, none_is_unlimited: bool = False):
+        if max_length is None:
+            return None if none_is_unlimited else self.max_length
+        if isinstance(max_length, bool) or not isinstance(max_length, (int, np.integer)) or max_length < 1:
+            raise ValueError(f"`max_length` must be a positive number of tokens. Received: max_length={max_length!r}")
+        return int(max_length)
+
+    def _pooled_texts(self, texts, pooling, layers, batch_size, max_length, bar) -> np.ndarray:
+        out = np.zeros((len(texts), self.vectors.shape[1]), np.float32)
+        truncated, unk = 0, self.tokenizer.unk_id
+        # a chunk's token rows are gathered at once ([tokens, dim]); 1,024 texts keep that to a few MB
+        for first in range(0, len(texts), 1024):
+            chunk = self.tokenizer.ids_batch(texts[first:first + 1024])
+            if max_length is not None:
+                truncated += sum(len(ids) > max_length for ids in chunk)
+                chunk = [ids[:max_length] for ids in chunk]
+            counts = np.array([len(ids) for ids in chunk], np.int64)
+            flat = np.fromiter((i for ids in chunk for i in ids), np.int64, int(counts.sum()))
+            text_of = np.repeat(np.arange(len(chunk)), counts)
+            keep = flat != unk
+            flat, text_of = flat[keep], text_of[keep]
+            rows = self.vectors[flat if self.mapping is None else self.mapping[flat]]
+            if self.weights is not None:
+                rows = rows * self.weights[flat][:, None]
+            sums = np.zeros((len(chunk), rows.shape[1]), np.float64)
+            if len(flat):
+                _segment_sums(sums, text_of, rows)
+            n = np.bincount(text_of, minlength=len(chunk))
+            out[first:first + len(chunk)] = sums / np.maximum(n, 1)[:, None]
+            bar.update(len(chunk))
+        if truncated:
+            warnings.warn(f"{truncated} of {len(texts)} texts are longer than {max_length} tokens and were truncated "
+                          f"(pass max_length= to keep more)", stacklevel=4)
+        return out
+
+    def encode_words(self, *args, **kwargs):
+        raise ValueError("a static model has no context, so no word vectors in context: use a transformer model "
+                         "(Embedder.load) for encode_words")
+
+
+def _segment_sums(sums, segments, rows):
+    """Adds each of `rows` into `sums[segments[i]]` (`segments` ascending): one `np.add.reduceat` pass."""
+    starts = np.flatnonzero(np.r_[True, segments[1:] != segments[:-1]])
+    sums[segments[starts]] += np.add.reduceat(rows.astype(np.float64), starts, axis=0)
 
 
 def check_dense(dense: list, width: int) -> list:

@@ -178,6 +178,10 @@ def export(model_dir: str, out_dir: str, signature: Optional[str] = None, poolin
         shutil.rmtree(target)
     if signature == "embed":
         emb = Embedder.load(model_dir, max_length=max_length)
+        if emb.backbone is None:  # a StaticEmbedder
+            raise ValueError(f"{model_dir}: a static model (a table of token vectors) has no network to export as a "
+                             f"SavedModel; serve it with `kbert serve`, or load the dir with model2vec or "
+                             f"sentence-transformers")
         tokenizer, backbone = emb.tokenizer, emb.backbone
         pooling, layers = emb.resolve_pooling(pooling, layers)
         _check_tokenizer(tokenizer)

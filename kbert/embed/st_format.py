@@ -27,20 +27,27 @@ import json
 import os
 
 
-def export_sentence_transformers(model, directory: str, max_length=None) -> str:
+def export_sentence_transformers(model, directory: str, max_length=None, dtype: str = "float32") -> str:
     """Writes `model` (a model dir, a Hub name, or a `kbert.Embedder`) as a sentence-transformers dir whose
     `SentenceTransformer(directory).encode(texts)` gives `Embedder.encode(texts)` (unit vectors, cosine
     similarity), with the model's own pooling, layers and prompts. A tokenizer transformers cannot read exactly (a
-    morpheme-aware one, ...) raises ValueError naming the reason, before anything is written."""
+    morpheme-aware one, ...) raises ValueError naming the reason, before anything is written.
+
+    A `kbert.StaticEmbedder` (`kbert.distill_static`) is written in Model2Vec's layout, which is also a
+    sentence-transformers dir (StaticEmbedding, Normalize): `model2vec.StaticModel.from_pretrained(directory)`
+    and `SentenceTransformer(directory)` both load it. dtype: its table's ("float32", or "float16": half the
+    size). Its projections (a whitening) are folded into the table, which is exact for identity layers."""
     import numpy as np
     from safetensors.numpy import save_file
 
-    from kbert.embed.embedder import Embedder
+    from kbert.embed.embedder import Embedder, StaticEmbedder
     from kbert.models.convert import export_transformers
     from kbert.models.io import TOKENIZER_DIR
     from kbert.models.st_dir import DENSE_ACTIVATIONS
 
     embedder = model if isinstance(model, Embedder) else Embedder.load(model, max_length=max_length)
+    if isinstance(embedder, StaticEmbedder):
+        return _export_static(embedder, directory, dtype)
     config = embedder.backbone.config
     num_hidden = config.num_layers + 1  # the embedding output, then each layer
     weights = np.zeros(num_hidden, np.float32)  # how often each hidden state enters kbert's layer average
@@ -99,6 +106,47 @@ def export_sentence_transformers(model, directory: str, max_length=None) -> str:
     _write(os.path.join(directory, "config_sentence_transformers.json"),
            {"similarity_fn_name": "cosine", "prompts": prompts, "default_prompt_name": embedder.default_prompt_name})
     _card(embedder, directory, model if isinstance(model, (str, os.PathLike)) else None, pooling, weights, prompts)
+    return directory
+
+
+def _export_static(embedder, directory: str, dtype: str) -> str:
+    """Model2Vec's files: the table (`embeddings`, and `weights` / `mapping` when it has them), the vocabulary
+    as a Hugging Face tokenizer.json, config.json, and the sentence-transformers modules; kbert's own tokenizer
+    goes in `tokenizer/`, so kbert reads back its exact ids (a morpheme-aware vocabulary too)."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from kbert.models.io import TOKENIZER_DIR
+
+    if dtype not in ("float32", "float16"):
+        raise ValueError(f"`dtype` must be 'float32' or 'float16'. Received: dtype={dtype!r}")
+    table = embedder.vectors.astype(np.float64)
+    for layer in embedder.dense:  # the mean of rows x W + b is the mean of rows, x W + b: exact for identity layers
+        if layer["activation"] != "identity" or embedder.weights is not None:
+            raise ValueError("a static model's projection folds into its table only when it is linear (identity "
+                             "activation) and the rows are not weighted; this one cannot be written")
+        table = table @ layer["weight"] + layer["bias"]
+    fast = embedder.tokenizer.fast_tokenizer()  # first: its ValueError before anything is written
+    os.makedirs(directory, exist_ok=True)
+    tensors = {"embeddings": np.ascontiguousarray(table.astype(dtype))}
+    if embedder.weights is not None:
+        tensors["weights"] = embedder.weights
+    if embedder.mapping is not None:
+        tensors["mapping"] = embedder.mapping
+    save_file(tensors, os.path.join(directory, "model.safetensors"))
+    fast.no_truncation()
+    fast.save(os.path.join(directory, "tokenizer.json"))
+    embedder.tokenizer.save(os.path.join(directory, TOKENIZER_DIR))
+    _write(os.path.join(directory, "config.json"), {
+        "model_type": "model2vec", "architectures": ["StaticModel"], "hidden_dim": int(table.shape[1]),
+        "normalize": True, "max_length": embedder.max_length, "embedding_dtype": dtype})
+    os.makedirs(os.path.join(directory, "1_Normalize"), exist_ok=True)
+    _write(os.path.join(directory, "modules.json"), [
+        {"idx": 0, "name": "0", "path": ".", "type": "sentence_transformers.models.StaticEmbedding"},
+        {"idx": 1, "name": "1", "path": "1_Normalize", "type": "sentence_transformers.models.Normalize"}])
+    prompts = _prompts(embedder)
+    _write(os.path.join(directory, "config_sentence_transformers.json"),
+           {"similarity_fn_name": "cosine", "prompts": prompts, "default_prompt_name": embedder.default_prompt_name})
     return directory
 
 

@@ -5,7 +5,8 @@ pooling and give other vectors, silently. A Dense module after the pooling (LaBS
 or dimension-reducing projection) is read as its weights, for `Embedder` and an embedding teacher to apply;
 fine-tuning refuses it, as it trains the backbone's own pooled vectors. Modules kbert does not compute
 (weighted-mean or last-token pooling, learned layer weights, a Dense layer with another activation ...) are
-refused by name. Both layouts are read: the boolean
+refused by name. A StaticEmbedding module (Model2Vec's and sentence-transformers' static models: a table of
+token vectors, averaged) is read by `read_static`. Both layouts are read: the boolean
 `pooling_mode_*` keys and `sentence_bert_config.json` length of sentence-transformers < 6, and the
 `pooling_mode` key and tokenizer `model_max_length` of 6. (Writing one: `kbert.embed.st_format`.)
 """
@@ -77,12 +78,17 @@ def read_sentence_transformers(directory: str, projections: bool = False):
                                  f"train or read the backbone's own pooled vectors: start from a sentence-transformers "
                                  f"dir without a Dense module")
             found["dense"].append(read_dense(directory, folder))
+        elif kind == "StaticEmbedding":  # Model2Vec and sentence-transformers' static models (StaticEmbedder)
+            if not projections:
+                raise ValueError(f"{directory}: a static model (StaticEmbedding: a table of token vectors) has no "
+                                 f"transformer to fine-tune or to teach with; kbert.Embedder.load encodes with it")
+            found["static"] = folder
         elif kind == "Normalize":
             continue  # Embedder.encode returns unit vectors by default
         else:
             raise ValueError(f"{directory}: its module {module.get('type')!r} has no kbert equivalent; kbert reads "
-                             f"sentence-transformers dirs of Transformer, WeightedLayerPooling, Pooling, Dense and "
-                             f"Normalize")
+                             f"sentence-transformers dirs of Transformer, WeightedLayerPooling, Pooling, Dense, "
+                             f"StaticEmbedding and Normalize")
     return found
 
 
@@ -97,6 +103,30 @@ def module_weights(folder: str) -> dict:
     from kbert.models.torch_files import load_torch_state
 
     return load_torch_state(os.path.join(folder, "pytorch_model.bin"))
+
+
+def read_static(folder: str) -> dict:
+    """A static model's tables (a StaticEmbedding module's folder, or a Model2Vec dir): {"vectors": [rows, dim]
+    float32, "weights": [vocab] or None, "mapping": [vocab] token id -> row or None, "normalize", "max_length"}.
+    Model2Vec names the table "embeddings" and keeps its settings in config.json; sentence-transformers names it
+    "embedding.weight"."""
+    import numpy as np
+
+    tensors = module_weights(folder)
+    table = tensors.get("embeddings", tensors.get("embedding.weight"))
+    if table is None:
+        raise ValueError(f"{folder}: a static model's weights hold no 'embeddings' or 'embedding.weight' table "
+                         f"(found {sorted(tensors)})")
+    config = {}
+    if os.path.isfile(os.path.join(folder, "config.json")):
+        with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
+            config = json.load(f)
+    weights, mapping = tensors.get("weights"), tensors.get("mapping")
+    return {"vectors": np.asarray(table, np.float32),
+            "weights": None if weights is None else np.asarray(weights, np.float32),
+            "mapping": None if mapping is None else np.asarray(mapping, np.int64),
+            "normalize": bool(config.get("normalize", True)),
+            "max_length": config.get("max_length", config.get("seq_length", 512))}
 
 
 def dense_width(dense: list, width: int) -> int:

@@ -711,12 +711,36 @@ class Tokenizer:
             json.dump(config, f, indent=2, ensure_ascii=False)
         return directory
 
+    def fast_tokenizer(self):
+        """This vocabulary as a Hugging Face `tokenizers.Tokenizer` (what a `tokenizer.json` holds) giving kbert's
+        ids: the unigram one of `export_transformers`, or for WordPiece BERT's normalizer (no accent stripping),
+        pre-tokenizer and `[CLS] a [SEP] b [SEP]`. Model2Vec and sentence-transformers' static models read their
+        vocabulary this way. Raises ValueError where `export_transformers` does."""
+        if self.morphemes or self.kind == "sentencepiece":
+            if self.morphemes or is_fairseq_layout(self._spm_proto):
+                raise ValueError("a morpheme-aware or fairseq-numbered vocabulary has no exact tokenizer.json "
+                                 "(export_transformers says why)")
+            return self._unigram_fast()
+        from tokenizers import Tokenizer as FastTokenizer, decoders, models, normalizers, pre_tokenizers, processors
+
+        names = self._special_token_names()
+        fast = FastTokenizer(models.WordPiece({t: i for i, t in enumerate(self.vocab)}, unk_token=names["unk_token"]))
+        fast.normalizer = normalizers.BertNormalizer(clean_text=True, handle_chinese_chars=True, strip_accents=False,
+                                                     lowercase=self.lowercase)
+        fast.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+        cls, sep = names["cls_token"], names["sep_token"]
+        fast.post_processor = processors.TemplateProcessing(
+            single=f"{cls} $A {sep}", pair=f"{cls} $A {sep} $B:1 {sep}:1",
+            special_tokens=[(cls, self.cls_id), (sep, self.sep_id)])
+        fast.decoder = decoders.WordPiece()
+        return fast
+
     def _special_token_names(self) -> dict:
         return {"unk_token": self.vocab[self.unk_id], "sep_token": self.vocab[self.sep_id],
                 "pad_token": self.vocab[self.pad_id], "cls_token": self.vocab[self.cls_id],
                 "mask_token": self.vocab[self.mask_id]}
 
-    def _export_unigram(self, directory: str) -> str:
+    def _unigram_fast(self):
         try:
             import tokenizers  # noqa: F401
         except ImportError:
@@ -758,6 +782,10 @@ class Tokenizer:
         fast.post_processor = processors.TemplateProcessing(
             single=f"{cls} $A {sep}", pair=f"{cls} $A {sep} $B:1 {sep}:1",
             special_tokens=[(cls, self.cls_id), (sep, self.sep_id)])
+        return fast
+
+    def _export_unigram(self, directory: str) -> str:
+        fast = self._unigram_fast()
         os.makedirs(directory, exist_ok=True)
         fast.save(os.path.join(directory, "tokenizer.json"))
         config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 512,
