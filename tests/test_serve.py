@@ -299,10 +299,24 @@ def test_sigterm_drains_the_requests_in_flight(dirs):
             r = httpx.post(url + "/v1/embeddings", json={"input": [f"{t} {i}" for t in TEXTS] * 40}, timeout=120)
             results.append(r.status_code)
 
+        def accepted():  # texts the server has queued or batched so far, from its /metrics
+            values = {}
+            for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+                if line.startswith(("kbert_queue_texts ", "kbert_batch_texts_sum ")):
+                    name, value = line.split()
+                    values[name] = float(value)
+            return sum(values.values())
+
         threads = [threading.Thread(target=call, args=(i,)) for i in range(6)]
         for t in threads:
             t.start()
-        time.sleep(0.3)  # the requests are in: queued or running
+        # the signal goes when every request is in (queued or running), not after a fixed pause: on a loaded
+        # machine the clients may need more than a moment to connect, and a connection the server has not yet
+        # accepted when it stops listening is refused, which is not what this test is about
+        deadline = time.time() + 120
+        while accepted() < 6 * len(TEXTS) * 40:
+            assert time.time() < deadline, f"the server took {accepted()} texts of {6 * len(TEXTS) * 40}"
+            time.sleep(0.05)
         proc.send_signal(signal.SIGTERM)
         for t in threads:
             t.join(timeout=120)
