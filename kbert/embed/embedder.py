@@ -26,6 +26,7 @@ in a background thread, so no request waits for a compilation.
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from typing import List, Optional, Sequence, Union
 
@@ -823,27 +824,28 @@ class StaticEmbedder(Embedder):
         return int(max_length)
 
     def _pooled_texts(self, texts, pooling, layers, batch_size, max_length, bar) -> np.ndarray:
+        from scipy.sparse import csr_matrix
+
         out = np.zeros((len(texts), self.vectors.shape[1]), np.float32)
         truncated, unk = 0, self.tokenizer.unk_id
-        # a chunk's token rows are gathered at once ([tokens, dim]); 1,024 texts keep that to a few MB
-        for first in range(0, len(texts), 1024):
-            chunk = self.tokenizer.ids_batch(texts[first:first + 1024])
+        for first in range(0, len(texts), ENCODE_CHUNK):
+            chunk = self.tokenizer.ids_batch(texts[first:first + ENCODE_CHUNK])
             if max_length is not None:
                 truncated += sum(len(ids) > max_length for ids in chunk)
                 chunk = [ids[:max_length] for ids in chunk]
             counts = np.array([len(ids) for ids in chunk], np.int64)
-            flat = np.fromiter((i for ids in chunk for i in ids), np.int64, int(counts.sum()))
+            flat = np.fromiter(itertools.chain.from_iterable(chunk), np.int64, int(counts.sum()))
             text_of = np.repeat(np.arange(len(chunk)), counts)
             keep = flat != unk
             flat, text_of = flat[keep], text_of[keep]
-            rows = self.vectors[flat if self.mapping is None else self.mapping[flat]]
+            # the means as one sparse product: [texts, rows] of 1/n (times a token's weight) @ the table, which
+            # reads each row once per text instead of gathering a [tokens, dim] copy and reducing it
+            share = (1.0 / np.maximum(np.bincount(text_of, minlength=len(chunk)), 1))[text_of]
             if self.weights is not None:
-                rows = rows * self.weights[flat][:, None]
-            sums = np.zeros((len(chunk), rows.shape[1]), np.float64)
-            if len(flat):
-                _segment_sums(sums, text_of, rows)
-            n = np.bincount(text_of, minlength=len(chunk))
-            out[first:first + len(chunk)] = sums / np.maximum(n, 1)[:, None]
+                share = share * self.weights[flat]
+            rows = flat if self.mapping is None else self.mapping[flat]
+            means = csr_matrix((share.astype(np.float32), (text_of, rows)), shape=(len(chunk), len(self.vectors)))
+            out[first:first + len(chunk)] = means @ self.vectors
             bar.update(len(chunk))
         if truncated:
             warnings.warn(f"{truncated} of {len(texts)} texts are longer than {max_length} tokens and were truncated "
@@ -853,12 +855,6 @@ class StaticEmbedder(Embedder):
     def encode_words(self, *args, **kwargs):
         raise ValueError("a static model has no context, so no word vectors in context: use a transformer model "
                          "(Embedder.load) for encode_words")
-
-
-def _segment_sums(sums, segments, rows):
-    """Adds each of `rows` into `sums[segments[i]]` (`segments` ascending): one `np.add.reduceat` pass."""
-    starts = np.flatnonzero(np.r_[True, segments[1:] != segments[:-1]])
-    sums[segments[starts]] += np.add.reduceat(rows.astype(np.float64), starts, axis=0)
 
 
 def check_dense(dense: list, width: int) -> list:
