@@ -246,6 +246,14 @@ def score_embeddings(encode, sets):
             "sts_dev": sts_spearman(encode, sets["sts_dev"]), "qp_dev": retrieval_recall(encode, sets["qp_dev"])}
 
 
+def print_scores(rows):
+    """`(label, score_embeddings(...))` rows as one markdown table: the selection split first, dev reported only."""
+    print(f"\n| vectors | KorSTS selection | question-pair selection recall@1 | KorSTS dev (reported only) | "
+          f"question-pair dev recall@1 |\n|---|---:|---:|---:|---:|")
+    for label, s in rows:
+        print(f"| {label} | {s['sts_select']:.4f} | {s['qp_select']:.4f} | {s['sts_dev']:.4f} | {s['qp_dev']:.4f} |")
+
+
 def tfidf_encoder(sets):
     """TF-IDF character 1-3-grams fitted on the training-side sentences (unit rows, so a dot is a cosine)."""
     vec = char_tfidf()

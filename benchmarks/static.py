@@ -58,7 +58,7 @@ def main(argv=None):
     sets = quality.embedding_sets(args.shared, os.devnull, 0, 0, False)
     sentences = sorted({r[c] for key in ("sts_fit", "sts_select", "sts_dev") for r in sets[key]
                         for c in ("sentence1", "sentence2")}
-                       | {q for key in ("qp_fit", "qp_select") for r in sets[key] for q in (r["question1"], r["question2"])})
+                       | {r[c] for key in ("qp_fit", "qp_select") for r in sets[key] for c in ("question1", "question2")})
     work = tempfile.mkdtemp(prefix="kbert-static-")
     if args.model:
         emb = kbert.Embedder.load(args.model, max_length=args.max_length)
@@ -120,10 +120,7 @@ def main(argv=None):
     rows += statics
     best = max(statics, key=lambda s: s[1]["sts_select"])
     rows.append((f"static: the selection split's pick ({best[0].split(', ')[1]})", best[1]))
-    print(f"\n| vectors | KorSTS selection | question-pair selection recall@1 | KorSTS dev (reported only) | "
-          f"question-pair dev recall@1 |\n|---|---:|---:|---:|---:|")
-    for label, s in rows:
-        print(f"| {label} | {s['sts_select']:.4f} | {s['qp_select']:.4f} | {s['sts_dev']:.4f} | {s['qp_dev']:.4f} |")
+    quality.print_scores(rows)
 
 
 if __name__ == "__main__":

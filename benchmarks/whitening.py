@@ -59,10 +59,7 @@ def main(argv=None):
         best = max(settings, key=lambda s: s[1]["sts_select"])
         rows += settings
         rows.append((f"{name}: the selection split's pick ({best[0].split(', ', 1)[1]})", best[1]))
-    print(f"\n| vectors | KorSTS selection | question-pair selection recall@1 | KorSTS dev (reported only) | "
-          f"question-pair dev recall@1 |\n|---|---:|---:|---:|---:|")
-    for label, s in rows:
-        print(f"| {label} | {s['sts_select']:.4f} | {s['qp_select']:.4f} | {s['sts_dev']:.4f} | {s['qp_dev']:.4f} |")
+    quality.print_scores(rows)
 
 
 if __name__ == "__main__":

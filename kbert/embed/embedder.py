@@ -773,7 +773,8 @@ class StaticEmbedder(Embedder):
     encode, search, similarity, whitening and serving work as for `Embedder`; the texts' tokens are looked up
     without [CLS] / [SEP] and without the unknown token (as Model2Vec; sentence-transformers' StaticEmbedding
     averages the unknown token's row too, so texts with unknown characters differ there), the first `max_length`
-    of them kept, and a text with none left gets the zero vector. There are no layers or poolings to choose, and no word vectors.
+    of them kept, and a text with none left gets the zero vector. There are no layers or poolings to choose, and no
+    word vectors.
     """
 
     def __init__(self, vectors, tokenizer, max_length: Optional[int] = 512, weights=None, mapping=None,
