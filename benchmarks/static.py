@@ -58,7 +58,8 @@ def main(argv=None):
     sets = quality.embedding_sets(args.shared, os.devnull, 0, 0, False)
     sentences = sorted({r[c] for key in ("sts_fit", "sts_select", "sts_dev") for r in sets[key]
                         for c in ("sentence1", "sentence2")}
-                       | {r[c] for key in ("qp_fit", "qp_select") for r in sets[key] for c in ("question1", "question2")})
+                       | {r[c] for key in ("qp_fit", "qp_select") for r in sets[key]
+                          for c in ("question1", "question2")})
     work = tempfile.mkdtemp(prefix="kbert-static-")
     if args.model:
         emb = kbert.Embedder.load(args.model, max_length=args.max_length)
