@@ -952,7 +952,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-sif", action="store_true", help="no frequency weighting")
     p.add_argument("--max-length", type=int, default=512, help="tokens of a text kept (default 512)")
     p.add_argument("--dtype", choices=("float32", "float16"), default="float32", help="the table's (default float32)")
-    p.add_argument("--batch-size", type=int, default=256, help="tokens run through the model at a time")
+    p.add_argument("--batch-size", type=int, default=1024, help="tokens run through the model at a time")
     p.set_defaults(func=_distill_static)
 
     p = sub.add_parser("serve", help="an HTTP server for embeddings (OpenAI-compatible), similarity, "

@@ -183,7 +183,7 @@ class Embedder:
                            "activation": "identity"})
         return self
 
-    def token_vectors(self, ids: Optional[Sequence[int]] = None, batch_size: int = 256,
+    def token_vectors(self, ids: Optional[Sequence[int]] = None, batch_size: int = 1024,
                       progress: Optional[bool] = None) -> np.ndarray:
         """Each token's vector out of context, `[len(ids), dimension]` float32 (default: every token of the
         vocabulary, in id order): `[CLS] token [SEP]` through the model, pooled as `encode` pools (the model's
@@ -196,7 +196,7 @@ class Embedder:
         pooling, layers = self.resolve_pooling()
         id_lists = [[self.tokenizer.cls_id, int(i), self.tokenizer.sep_id] for i in ids]
         out = np.zeros((len(ids), self.backbone.config.hidden_size), np.float32)
-        show = progress if progress is not None else len(ids) >= 20 * batch_size
+        show = progress if progress is not None else len(ids) >= 5000
         bar = progress_bar(total=len(ids), desc="token vectors", unit=" tokens", enabled=show)
         for index, vectors in self._pooled_batches(id_lists, batch_size, bar, pooling, layers):
             out[index] = vectors

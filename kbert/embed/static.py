@@ -31,7 +31,7 @@ from kbert.embed.embedder import Embedder, StaticEmbedder
 
 
 def distill_static(model, dim: Optional[int] = 256, sif_coefficient: Optional[float] = 1e-4,
-                   batch_size: int = 256, max_length: Optional[int] = 512,
+                   batch_size: int = 1024, max_length: Optional[int] = 512,
                    progress: Optional[bool] = None) -> StaticEmbedder:
     """A `StaticEmbedder` distilled from `model` (a model dir, a Hub name, or a `kbert.Embedder`).
 
