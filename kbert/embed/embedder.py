@@ -798,7 +798,7 @@ class StaticEmbedder(Embedder):
             raise ValueError(f"`weights` must hold one factor per token ({vocab}). Received shape "
                              f"{list(self.weights.shape)}")
         self.vectors, self.tokenizer, self.backbone = vectors, tokenizer, None
-        self.max_length = self._max_length(max_length, none_is_unlimited=True)
+        self.max_length = None if max_length is None else self._max_length(max_length)  # None: every token
         self.pooling, self.layers = "mean", -1
         self.prompts, self.default_prompt_name = check_prompts(prompts, default_prompt_name)
         self.dense = check_dense(dense or [], vectors.shape[1])
@@ -817,9 +817,9 @@ class StaticEmbedder(Embedder):
                              f"Received: pooling={pooling!r}, layers={layers!r}")
         return "mean", -1
 
-    def _max_length(self, max_length, none_is_unlimited: bool = False):
+    def _max_length(self, max_length):
         if max_length is None:
-            return None if none_is_unlimited else self.max_length
+            return self.max_length
         if isinstance(max_length, bool) or not isinstance(max_length, (int, np.integer)) or max_length < 1:
             raise ValueError(f"`max_length` must be a positive number of tokens. Received: max_length={max_length!r}")
         return int(max_length)
@@ -848,10 +848,13 @@ class StaticEmbedder(Embedder):
             means = csr_matrix((share.astype(np.float32), (text_of, rows)), shape=(len(chunk), len(self.vectors)))
             out[first:first + len(chunk)] = means @ self.vectors
             bar.update(len(chunk))
-        if truncated:
-            warnings.warn(f"{truncated} of {len(texts)} texts are longer than {max_length} tokens and were truncated "
-                          f"(pass max_length= to keep more)", stacklevel=4)
+        self._warn_truncated(truncated, len(texts), max_length, stacklevel=4)  # the caller of `encode`
         return out
+
+    def _warn_truncated(self, truncated, total, max_length, stacklevel=3):
+        if truncated:  # a table has no position limit, only the length asked for
+            warnings.warn(f"{truncated} of {total} texts are longer than {max_length} tokens and were truncated "
+                          f"(pass max_length= to keep more)", stacklevel=stacklevel)
 
     def encode_words(self, *args, **kwargs):
         raise ValueError("a static model has no context, so no word vectors in context: use a transformer model "

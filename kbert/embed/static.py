@@ -64,7 +64,7 @@ def principal_components(table: np.ndarray, dim: int) -> np.ndarray:
     if dim >= rows:
         return table
     centred = table - table.mean(axis=0)
-    values, vectors = np.linalg.eigh(centred.T @ centred / max(rows - 1, 1))
+    _, vectors = np.linalg.eigh(centred.T @ centred / max(rows - 1, 1))
     axes = vectors[:, ::-1][:, :min(dim, width)]  # [width, dim], largest variance first
     scores = centred @ axes
     far = np.argmax(np.abs(scores), axis=0)

@@ -107,7 +107,7 @@ def module_weights(folder: str) -> dict:
 
 def read_static(folder: str) -> dict:
     """A static model's tables (a StaticEmbedding module's folder, or a Model2Vec dir): {"vectors": [rows, dim]
-    float32, "weights": [vocab] or None, "mapping": [vocab] token id -> row or None, "normalize", "max_length"}.
+    float32, "weights": [vocab] or None, "mapping": [vocab] token id -> row or None, "max_length"}.
     Model2Vec names the table "embeddings" and keeps its settings in config.json; sentence-transformers names it
     "embedding.weight"."""
     import numpy as np
@@ -125,7 +125,6 @@ def read_static(folder: str) -> dict:
     return {"vectors": np.asarray(table, np.float32),
             "weights": None if weights is None else np.asarray(weights, np.float32),
             "mapping": None if mapping is None else np.asarray(mapping, np.int64),
-            "normalize": bool(config.get("normalize", True)),
             "max_length": config.get("max_length", config.get("seq_length", 512))}
 
 
