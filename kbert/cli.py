@@ -97,10 +97,22 @@ def _convert(args):
     from kbert.embed.task_model import task_meta
 
     meta = task_meta(source) if not args.with_heads else None
-    if meta and meta.get("task") in ("classification", "pair-classification", "regression") and args.to == "kbert":
-        model = kbert.TaskModel.load(source)  # a Hugging Face classifier keeps its head as a kbert task dir
+    heads = ("classification", "pair-classification", "regression", "question-answering")
+    if meta and meta.get("task") in heads and args.to == "kbert":
+        model = kbert.TaskModel.load(source)  # a Hugging Face classifier or reader keeps its head as a kbert task dir
         model.save(args.out)
         print(f"wrote kbert {model.task} dir {args.out} with its head and tokenizer")
+        return
+    if meta and meta.get("task") == "question-answering":
+        if args.to != "transformers":
+            raise SystemExit("a question-answering model converts to kbert or transformers, not to "
+                             "sentence-transformers (it gives spans, not sentence vectors)")
+        model = kbert.TaskModel.load(source)
+        kbert.export_transformers(model, args.out)
+        model.tokenizer.save(os.path.join(args.out, TOKENIZER_DIR))
+        print(f"wrote question-answering model {args.out} ({model.network.backbone.config.architecture} "
+              f"ForQuestionAnswering): AutoModelForQuestionAnswering.from_pretrained({args.out!r}) gives the same "
+              f"start and end logits")
         return
     if meta and meta.get("task") in ("classification", "pair-classification", "regression"):
         # a classifier / cross-encoder: transformers' sequence-classification layout, which sentence-transformers'
@@ -425,7 +437,8 @@ def _finetune(args):
              "max_steps": "max_steps", "seed": "seed", "checkpoint_every": "checkpoint_every",
              "objective": "objective", "negative_column": "negative_column", "temperature": "temperature",
              "mini_batch_size": "mini_batch_size", "guide": "guide", "guide_margin": "guide_margin",
-             "strategy": "strategy"}
+             "strategy": "strategy", "doc_stride": "doc_stride", "max_query_length": "max_query_length",
+             "max_answer_length": "max_answer_length"}
     values.update({key: getattr(args, dest) for dest, key in flags.items() if getattr(args, dest) is not None})
     if args.layers is not None:
         values["layers"] = parse_layers(args.layers)
@@ -799,13 +812,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a setting, e.g. epochs=5")
     p.add_argument("--model", help="pretrained model dir with its tokenizer (required, here or in --config)")
     p.add_argument("--task", choices=("classification", "pair-classification", "regression", "tagging",
-                                      "sentence-embedding"), help="required, here or in --config")
-    p.add_argument("--train", help="TSV (header), CSV or JSONL file (required, here or in --config)")
+                                      "sentence-embedding", "question-answering"), help="required, here or in --config")
+    p.add_argument("--train", help="TSV (header), CSV or JSONL file, or for question-answering a SQuAD-format .json "
+                                   "(KorQuAD's) (required, here or in --config)")
     p.add_argument("--dev", help="dev file for metrics, early stopping and the best checkpoint")
     p.add_argument("--out", help="output model dir (default: finetuned)")
-    p.add_argument("--text-column", help="default: text")
-    p.add_argument("--pair-column", help="second text (pair tasks, sentence-embedding)")
-    p.add_argument("--label-column", help="label, score, or space-separated tags (default: label)")
+    p.add_argument("--text-column", help="default: text (question-answering: question)")
+    p.add_argument("--pair-column", help="second text (pair tasks, sentence-embedding; question-answering: the "
+                                         "context, default context)")
+    p.add_argument("--label-column", help="label, score, or space-separated tags (default: label; "
+                                          "question-answering: answers)")
     p.add_argument("--no-label", action="store_true", help="sentence-embedding from (anchor, positive) pairs")
     p.add_argument("--similarity-loss", choices=("cosine", "cosent", "contrastive"),
                    help="sentence-embedding with scores: cosine regression (default) or CoSENT's ranking loss; "
@@ -821,7 +837,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--epochs", type=float, help="default: 3")
     p.add_argument("--batch-size", type=int, help="default: 32")
     p.add_argument("--learning-rate", "--lr", type=float, help="default: 5e-5")
-    p.add_argument("--max-length", type=int, help="tokens per input (default 128, or the model's limit if lower)")
+    p.add_argument("--max-length", type=int, help="tokens per input (default 128, question-answering 384, or the "
+                                                  "model's limit if lower)")
+    p.add_argument("--doc-stride", type=int, help="question-answering: context tokens shared by neighbouring "
+                                                  "windows of a long context (default 128)")
+    p.add_argument("--max-query-length", type=int, help="question-answering: question tokens kept (default 64)")
+    p.add_argument("--max-answer-length", type=int, help="question-answering: longest answer decoded, in tokens "
+                                                         "(default 30)")
     p.add_argument("--patience", type=int, help="evaluations without improvement before stopping (default: 2)")
     p.add_argument("--eval-every", type=int, help="steps between dev evaluations (default: each epoch)")
     p.add_argument("--max-steps", type=int)

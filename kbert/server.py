@@ -17,6 +17,11 @@ Routes (JSON in and out; errors are `{"error": {"message", "type", "code"}}` wit
     POST /v1/classify     task dirs (`kbert finetune` output, a Hugging Face classifier): {"input": str | [str],
                           "pairs"?: [str]} -> {"data": [{"index", "label", "probabilities": {label: p}}]}
                           (regression: "value")
+    POST /v1/answer       question-answering models (a `kbert finetune` reader, a Hugging Face
+                          *ForQuestionAnswering dir: KorQuAD readers): {"question": str | [str], "context": str |
+                          [str] (one per question, or one for all), "top_k"?: int, "max_answer_length"?: int,
+                          "handle_impossible_answer"?: bool} -> {"data": [{"index", "answer", "score", "start",
+                          "end"}]} (`TaskModel.answer`'s fields; with top_k > 1 each item's "answers" lists them)
     POST /v1/rerank       cross-encoders (a reranker such as BGE-reranker-v2-m3, a kbert pair regression),
                           the request and answer of Cohere's rerank API, which Jina, vLLM and Infinity serve
                           too: {"query": str, "documents": [str | {"text": str}], "top_n"?: int,
@@ -62,7 +67,7 @@ from typing import List
 
 import numpy as np
 
-ROUTES = ("/v1/embeddings", "/v1/similarity", "/v1/classify", "/v1/rerank")
+ROUTES = ("/v1/embeddings", "/v1/similarity", "/v1/classify", "/v1/answer", "/v1/rerank")
 
 
 class HTTPError(Exception):
@@ -121,7 +126,9 @@ class Engine:
         reports ready."""
         self.embedder.encode(["준비"], batch_size=1)
         self.embedder.wait_compiled()
-        if self.task_model is not None:
+        if self.task_model is not None and self.task_model.task == "question-answering":
+            self.task_model.answer("준비", "준비")
+        elif self.task_model is not None:
             self.task_model.predict(["준비"])
         # The loaded model and libraries are about half a million long-lived Python objects; a full garbage
         # collection walks them all (a few hundred ms on a busy small CPU, every request in flight waits).
@@ -158,7 +165,10 @@ class Engine:
                   ticket=None):
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        job = _Job(kind, texts, pairs, options, future, loop, sum(self.cost(t) for t in texts))
+        cost = sum(self.cost(t) for t in texts)
+        if kind == "answer":  # a question's context is most of its work: every window of it runs
+            cost += sum(len(p) + 2 for p in pairs)
+        job = _Job(kind, texts, pairs, options, future, loop, cost)
         with self._cond:
             if self._queued + len(texts) > self.max_queue:
                 raise HTTPError(429, f"the server is busy: {self._queued} texts are waiting (at most "
@@ -236,6 +246,9 @@ class Engine:
             return self.embedder.encode(texts, pooling=options.get("pooling"), normalize=options.get("normalize", True),
                                         prompt_name=options.get("prompt_name"), truncate_dim=options.get("truncate_dim"),
                                         batch_size=self.batch_size, progress=False)
+        if kind == "answer":
+            contexts = [p for j in group for p in j.pairs]
+            return self.task_model.answer(texts, contexts, batch_size=self.batch_size, **options)
         pairs = None
         if any(j.pairs is not None for j in group):
             pairs = [p for j in group for p in (j.pairs if j.pairs is not None else [""] * len(j.texts))]
@@ -425,6 +438,32 @@ def build_app(model: str, max_batch_tokens: int = 8192, max_wait_ms: float = 5.0
                             "probabilities": {label: float(p) for label, p in zip(model.labels, probs)}})
         return {"task": model.task, "data": out}
 
+    async def answer(data, ticket=None):
+        model = engine.task_model
+        if model is None or model.task != "question-answering":
+            raise HTTPError(404, f"{name} is not a question-answering model: /v1/answer needs one (`kbert finetune "
+                                 f"--task question-answering`, or a Hugging Face *ForQuestionAnswering dir)",
+                            "not_found")
+        questions = _texts(data.get("question"), "question", max_texts, max_chars)
+        contexts = _texts(data.get("context"), "context", max_texts, max_chars)
+        if len(contexts) == 1 and len(questions) > 1:
+            contexts = contexts * len(questions)
+        if len(contexts) != len(questions):
+            raise HTTPError(400, f"`context` has {len(contexts)} texts for {len(questions)} questions (give one "
+                                 f"per question, or one for all)")
+        options = {}
+        for key, kind in (("top_k", int), ("max_answer_length", int), ("handle_impossible_answer", bool)):
+            if key in data:
+                value = data[key]
+                if not isinstance(value, kind) or (kind is int and (isinstance(value, bool) or value < 1)):
+                    raise HTTPError(400, f"`{key}` must be {'a positive integer' if kind is int else 'true or false'}")
+                options[key] = value
+        found = await engine.run("answer", questions, options, pairs=contexts, timeout=timeout_s, ticket=ticket)
+        engine.metrics.texts.labels("/v1/answer").inc(len(questions))
+        if options.get("top_k", 1) > 1:
+            return {"task": model.task, "data": [{"index": i, "answers": a} for i, a in enumerate(found)]}
+        return {"task": model.task, "data": [{"index": i, **a} for i, a in enumerate(found)]}
+
     async def rerank(data, ticket=None):
         model = engine.task_model
         try:
@@ -482,6 +521,7 @@ def build_app(model: str, max_batch_tokens: int = 8192, max_wait_ms: float = 5.0
     routes = [Route("/v1/embeddings", handler("/v1/embeddings", embeddings), methods=["POST"]),
               Route("/v1/similarity", handler("/v1/similarity", similarity), methods=["POST"]),
               Route("/v1/classify", handler("/v1/classify", classify), methods=["POST"]),
+              Route("/v1/answer", handler("/v1/answer", answer), methods=["POST"]),
               Route("/v1/rerank", handler("/v1/rerank", rerank), methods=["POST"]),
               Route("/health", health), Route("/metrics", metrics)]
     app = Starlette(routes=routes, lifespan=lifespan)

@@ -274,6 +274,46 @@ def test_rerank_serves_a_hugging_face_reranker_in_cohere_s_form(dirs, tmp_path):
     assert missing.status_code == 404 and "cross-encoder" in missing.json()["error"]["message"]
 
 
+def test_answer_serves_a_question_answering_model(dirs, tmp_path):
+    """/v1/answer on a reader (a question-answering head on the small BERT, contexts over several windows):
+    the spans and scores of TaskModel.answer for one or many questions, one context for all, top_k; the
+    start / end index the original context; a model without that head answers 404, bad fields 400, and
+    /v1/classify on the reader says to use /v1/answer's call."""
+    from kbert.data.features import build_network
+    from kbert.embed.task_model import TaskModel
+    from kbert.models.tasks import TaskNetwork
+    from kbert.server import build_app
+
+    emb = kbert.Embedder.load(dirs[0])
+    network = TaskNetwork(emb.backbone, "question-answering", 2, 0.0)
+    build_network(network, emb.tokenizer)
+    meta = {"task": "question-answering", "labels": None, "max_length": 24, "doc_stride": 6, "max_query_length": 8,
+            "max_answer_length": 5, "impossible": False}
+    reader = TaskModel(network, emb.tokenizer, meta).save(str(tmp_path / "reader"))
+    context = " ".join(TEXTS)
+    questions = ["국회는 무엇을 하는가", "대통령은 누구인가"]
+    expected = kbert.TaskModel.load(reader).answer(questions, context)
+    with Running(build_app(reader)) as srv:
+        body = httpx.post(srv.url + "/v1/answer", json={"question": questions, "context": context}, timeout=60).json()
+        assert body["task"] == "question-answering"
+        assert [{k: d[k] for k in ("answer", "start", "end")} for d in body["data"]] == [
+            {k: e[k] for k in ("answer", "start", "end")} for e in expected]
+        np.testing.assert_allclose([d["score"] for d in body["data"]], [e["score"] for e in expected], rtol=1e-5)
+        assert all(context[d["start"]:d["end"]] == d["answer"] for d in body["data"])
+        top = httpx.post(srv.url + "/v1/answer", json={"question": questions[0], "context": [context], "top_k": 3},
+                         timeout=60).json()
+        assert len(top["data"]) == 1 and len(top["data"][0]["answers"]) == 3
+        bad = httpx.post(srv.url + "/v1/answer", json={"question": questions, "context": [context] * 3}, timeout=60)
+        assert bad.status_code == 400 and "one per question" in bad.json()["error"]["message"]
+        bad = httpx.post(srv.url + "/v1/answer", json={"question": "q", "context": context, "top_k": 0}, timeout=60)
+        assert bad.status_code == 400 and "top_k" in bad.json()["error"]["message"]
+        wrong = httpx.post(srv.url + "/v1/classify", json={"input": "질문"}, timeout=60)
+        assert wrong.status_code == 400 and "answer(question, context)" in wrong.json()["error"]["message"]
+    with Running(build_app(dirs[1])) as srv:
+        missing = httpx.post(srv.url + "/v1/answer", json={"question": "q", "context": context}, timeout=60)
+    assert missing.status_code == 404 and "question-answering" in missing.json()["error"]["message"]
+
+
 @pytest.mark.slow
 def test_sigterm_drains_the_requests_in_flight(dirs):
     model_dir, _ = dirs

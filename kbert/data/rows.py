@@ -16,8 +16,8 @@ from kbert.utils import read_utf8_text
 
 def read_rows(source, columns: Sequence[str]) -> List[dict]:
     """Rows of a TSV/CSV/JSONL file (or a list of dicts), checked to have every column in `columns` (None
-    entries are skipped). A TSV has a header row and no quoting; a .json file is JSON lines or one array of
-    objects."""
+    entries are skipped). A TSV has a header row and no quoting; a .json file is JSON lines, one array of
+    objects, or a SQuAD-format document (KorQuAD's; one row per question, `kbert.data.qa.squad_rows`)."""
     if isinstance(source, (list, tuple)):
         rows = list(source)
         name = "the given rows"
@@ -35,6 +35,8 @@ def read_rows(source, columns: Sequence[str]) -> List[dict]:
                 rows = json.loads(text)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{source} is not valid JSON: {e}") from None
+        elif base.endswith(".json") and text.lstrip().startswith("{") and (squad := _squad(text)) is not None:
+            rows = squad  # SQuAD / KorQuAD layout: one row per question
         elif base.endswith((".jsonl", ".json")):
             rows = []
             for n, line in enumerate(text.splitlines(), 1):
@@ -56,6 +58,17 @@ def read_rows(source, columns: Sequence[str]) -> List[dict]:
     if missing:
         raise ValueError(f"{name} has no column {missing[0]!r}; its columns are {sorted(rows[0])}")
     return rows
+
+
+def _squad(text: str):
+    """The rows of a SQuAD-format JSON document (`kbert.data.qa.squad_rows`), or None for other JSON."""
+    from kbert.data.qa import is_squad, squad_rows
+
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    return squad_rows(obj) if is_squad(obj) else None
 
 
 def write_rows(rows: Sequence[dict], path: str) -> None:

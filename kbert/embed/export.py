@@ -165,6 +165,11 @@ def export(model_dir: str, out_dir: str, signature: Optional[str] = None, poolin
     from kbert.embed.task_model import task_meta
 
     meta = task_meta(model_dir)  # a `kbert finetune` dir's, or a Hugging Face classifier's (cross-encoders)
+    if signature is None and meta is not None and meta.get("task") == "question-answering":
+        raise ValueError(f"{model_dir}: a question-answering model's span decoding (windows over long contexts, the "
+                         f"best span) runs in Python, so it has no SavedModel signature: answer with "
+                         f"`kbert.TaskModel.answer` or `kbert serve`, or write it for transformers with "
+                         f"`kbert convert --to transformers` (signature='embed' exports its backbone's vectors)")
     if signature is None:
         signature = "classify" if meta is not None and meta.get("task") in CLASSIFY_TASKS else "embed"
     if signature not in SIGNATURES:

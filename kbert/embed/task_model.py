@@ -28,14 +28,15 @@ _ACTIVATIONS = ("identity", "sigmoid", "tanh")
 
 def _resolve(model_dir: str):
     """(local dir, task meta or None, the Hugging Face classifier's head or None) of a task dir, a Hugging Face
-    *ForSequenceClassification dir, a Hub name of either, or a `kbert pretrain` run dir."""
-    from kbert.models.convert import model_dir_of, read_classifier, resolve_hub_name
+    *ForSequenceClassification or *ForQuestionAnswering dir, a Hub name of either, or a `kbert pretrain` run
+    dir."""
+    from kbert.models.convert import model_dir_of, read_classifier, read_qa_head, resolve_hub_name
 
     model_dir = model_dir_of(resolve_hub_name(model_dir))
     meta = read_task_meta(model_dir)
     if meta is not None or not os.path.isdir(model_dir):
         return model_dir, meta, None
-    classifier = read_classifier(model_dir)
+    classifier = read_classifier(model_dir) or read_qa_head(model_dir)
     return model_dir, (classifier or {}).get("meta"), classifier
 
 
@@ -78,7 +79,9 @@ class TaskModel:
     def load(cls, model_dir: str, dtype: Optional[str] = None, jit_compile: bool = False,
              strategy: str = "auto") -> "TaskModel":
         """A `kbert finetune` output dir, or a Hugging Face `*ForSequenceClassification` dir or Hub name (BERT,
-        ALBERT, RoBERTa, XLM-RoBERTa: KLUE classifiers, cross-encoders and rerankers). `strategy`: the devices,
+        ALBERT, RoBERTa, XLM-RoBERTa: KLUE classifiers, cross-encoders and rerankers) or
+        `*ForQuestionAnswering` one (BERT, ALBERT, ELECTRA, RoBERTa, XLM-RoBERTa: KorQuAD and KLUE-MRC
+        readers; see `answer`). `strategy`: the devices,
         as `Embedder.load`'s (several on Keras' JAX backend: each holds the weights and takes a share of every
         batch's rows)."""
         from kbert.embed.embedder import Embedder
@@ -87,12 +90,12 @@ class TaskModel:
         if meta is None:
             raise FileNotFoundError(f"{model_dir!r} is not a fine-tuned model dir: {TASK_FILE} is missing "
                                     "(`kbert finetune` writes it), and it is not a Hugging Face "
-                                    "*ForSequenceClassification dir either")
+                                    "*ForSequenceClassification or *ForQuestionAnswering dir either")
         emb = Embedder.load(model_dir, dtype=dtype, strategy=strategy)
         if classifier is not None:
             meta["max_length"] = min(meta.get("max_length") or emb.max_length, emb.max_length)
         labels = meta.get("labels") or []
-        num = 1 if meta["task"] == "regression" else len(labels)
+        num = {"regression": 1, "question-answering": 2}.get(meta["task"], len(labels))
         layers = meta.get("layers")
         network = TaskNetwork(emb.backbone, meta["task"], num, 0.0, meta.get("target") or (0.0, 1.0),
                               meta.get("pooling"), -1 if layers is None else layers)
@@ -184,6 +187,9 @@ class TaskModel:
         if activation is not None and activation not in _ACTIVATIONS:
             raise ValueError(f"`activation` must be one of {_ACTIVATIONS}. Received: activation={activation!r}")
         activation = activation or self.activation
+        if self.task == "question-answering":
+            raise ValueError("a question-answering model answers questions from contexts: use "
+                             "answer(question, context)")
         single = isinstance(texts, (str, bytes))
         texts = text_list(texts)
         if pairs is not None:
@@ -222,6 +228,72 @@ class TaskModel:
         if self.task == "regression" and activation != "identity":
             out = (1.0 / (1.0 + np.exp(-out)) if activation == "sigmoid" else np.tanh(out)).astype(np.float32)
         return out[0] if single else out
+
+    def answer(self, question, context, top_k: int = 1, max_answer_length: Optional[int] = None,
+               doc_stride: Optional[int] = None, max_question_length: Optional[int] = None,
+               handle_impossible_answer: Optional[bool] = None, batch_size: int = 64):
+        """The answer to `question` in `context`, as a span of the context (a question-answering model: a
+        `kbert.finetune(..., "question-answering")` dir, or a Hugging Face `*ForQuestionAnswering` one).
+
+        Returns `{"score", "start", "end", "answer"}` as transformers' question-answering pipeline did:
+        `context[start:end] == answer`, `score` the product of the start and end probabilities (a softmax over
+        the context's tokens and [CLS]); a list of the `top_k` best when `top_k > 1`; for lists of questions
+        and contexts (one context each, or one for all), a list of those. A context longer than the model's
+        `max_length` is read in windows sharing `doc_stride` tokens, and the best span over them wins.
+
+        max_answer_length: the longest answer in tokens; doc_stride, max_question_length: as in fine-tuning
+            (defaults: the model's own settings, else 30, 128 and 64). handle_impossible_answer: let the empty
+            answer (`{"answer": "", "start": 0, "end": 0}`) win when [CLS] outscores every span (default: when
+            the model was trained with unanswerable questions).
+        """
+        from kbert.data import qa
+
+        if self.task != "question-answering":
+            raise ValueError(f"answer() needs a question-answering model; this is a {self.task} model (use "
+                             "predict)")
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
+            raise ValueError(f"`top_k` must be a positive integer. Received: top_k={top_k!r}")
+        single = isinstance(question, (str, bytes))
+        questions = text_list(question)
+        contexts = text_list(context)
+        if len(contexts) == 1 and len(questions) > 1:
+            contexts = contexts * len(questions)
+        if len(contexts) != len(questions):
+            raise ValueError(f"one context per question, or one for all: {len(questions)} questions, "
+                             f"{len(contexts)} contexts")
+        meta = self.meta
+        max_answer_length = max_answer_length or meta.get("max_answer_length") or 30
+        doc_stride = doc_stride or meta.get("doc_stride") or 128
+        max_question_length = max_question_length or meta.get("max_query_length") or 64
+        if handle_impossible_answer is None:
+            handle_impossible_answer = bool(meta.get("impossible"))
+        contexts = [c.decode("utf-8", errors="replace") if isinstance(c, bytes) else c for c in contexts]
+        encodings = self.tokenizer.encode_batch(contexts, add_special_tokens=False)
+        windows, owner = [], []
+        for i, (q, enc) in enumerate(zip(questions, encodings)):
+            for w in qa.windows(self.tokenizer, q, enc, self.max_length, doc_stride, max_question_length):
+                windows.append(w)
+                owner.append(i)
+        logits = [None] * len(windows)
+        order = np.argsort([len(w.ids) for w in windows], kind="stable")  # little padding per batch
+        for start in range(0, len(windows), batch_size):
+            index = order[start:start + batch_size]
+            out = self._call(pad([windows[i].ids for i in index], self.tokenizer.pad_id),
+                             pad([windows[i].segments for i in index], 0))  # [b, s, 2]
+            for i, row in zip(index, out):
+                logits[i] = row
+        per_question = [[] for _ in questions]
+        for i, w, row in zip(owner, windows, logits):
+            per_question[i].append((row[:, 0], row[:, 1], w))
+        results = []
+        for i, (context_text, enc) in enumerate(zip(contexts, encodings)):
+            normalized, starts, ends = qa.aligned_normalize(context_text, self.tokenizer.normalize)
+            found = qa.answers(per_question[i], context_text, normalized, starts, ends, top_k, max_answer_length,
+                               handle_impossible_answer)
+            if not found:  # no span fits (an empty context): the empty answer, scored 0
+                found = [{"score": 0.0, "start": 0, "end": 0, "answer": ""}]
+            results.append(found[0] if top_k == 1 else found)
+        return results[0] if single else results
 
     def scores(self, rows) -> np.ndarray:
         """One score per pair from `predict`'s rows: a regression's values; a two-label pair classifier's

@@ -24,11 +24,12 @@ TRAINING_START, TRAINING_END = "<!-- kbert:training -->", "<!-- kbert:/training 
 
 PIPELINE_TAGS = {"sentence-embedding": "sentence-similarity", "classification": "text-classification",
                  "pair-classification": "text-classification", "regression": "text-classification",
-                 "tagging": "token-classification"}
+                 "tagging": "token-classification", "question-answering": "question-answering"}
 WHAT = {"sentence-embedding": "a sentence-embedding model (a bi-encoder: one unit vector per text, compared by cosine)",
         "classification": "a text classifier", "pair-classification": "a sentence-pair classifier",
         "regression": "a text regressor (one number per text or pair)",
-        "tagging": "a token tagger (one tag per whitespace word)"}
+        "tagging": "a token tagger (one tag per whitespace word)",
+        "question-answering": "an extractive question-answering model (the answer is a span of the context)"}
 
 
 def is_hub_name(name) -> bool:

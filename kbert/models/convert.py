@@ -266,7 +266,8 @@ def _read_json(path: str) -> dict:
 
 
 def _read_hf_dir(directory: str) -> Tuple[ModelConfig, Dict[str, np.ndarray], bool]:
-    """(config, tensors, whether its pooler may be missing: an ELECTRA discriminator, a RoBERTa MLM checkpoint)."""
+    """(config, tensors, whether its pooler may be missing: an ELECTRA discriminator, a RoBERTa MLM checkpoint,
+    a question-answering or token-classification model)."""
     hf_config = _read_json(os.path.join(directory, "config.json"))
     config = config_from_hf(hf_config, source=directory)
     st = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
@@ -286,7 +287,10 @@ def _read_hf_dir(directory: str) -> Tuple[ModelConfig, Dict[str, np.ndarray], bo
     tensors = _normalize_hf_names(tensors)
     if hf_config.get("model_type") in _ROBERTA_TYPES:
         tensors = _roberta_as_bert(tensors, hf_config.get("pad_token_id", 1))
-    return config, tensors, hf_config.get("model_type") in ("electra",) + _ROBERTA_TYPES
+    # transformers builds its question-answering and token-classification models without the pooler
+    poolerless = any(a.endswith(("ForQuestionAnswering", "ForTokenClassification"))
+                     for a in hf_config.get("architectures") or [])
+    return config, tensors, poolerless or hf_config.get("model_type") in ("electra",) + _ROBERTA_TYPES
 
 
 # sentence-transformers' CrossEncoder names its activation in config_sentence_transformers.json (v5+), config.json
@@ -380,6 +384,36 @@ def read_classifier(directory: str) -> Optional[dict]:
     if length:
         meta["max_length"] = length
     return {"meta": meta, "pooler": pooler, "head": {"kernel": kernel, "bias": bias}}
+
+
+def read_qa_head(directory: str) -> Optional[dict]:
+    """A Hugging Face `*ForQuestionAnswering` dir's head (BERT, ALBERT, ELECTRA, RoBERTa, XLM-RoBERTa: KorQuAD
+    and KLUE-MRC models) in `read_classifier`'s terms: `qa_outputs`, a linear layer on every token of the last
+    layer giving each token an answer-start and an answer-end logit. None for any other dir."""
+    path = os.path.join(directory, "config.json")
+    if not os.path.isfile(path):
+        return None
+    hf = _read_json(path)
+    architectures = [a for a in hf.get("architectures") or [] if a.endswith("ForQuestionAnswering")]
+    if not architectures:
+        return None
+    if hf.get("model_type") not in ("bert", "albert", "electra") + _ROBERTA_TYPES:
+        raise ValueError(f"{directory}: {architectures[0]} is not supported; kbert reads the question-answering "
+                         "heads of BERT, ALBERT, ELECTRA, RoBERTa and XLM-RoBERTa")
+    tensors = _tensors_named(directory, lambda n: n.startswith("qa_outputs."))
+    missing = [n for n in ("qa_outputs.weight", "qa_outputs.bias") if n not in tensors]
+    if missing or tensors["qa_outputs.weight"].shape[0] != 2:
+        raise ValueError(f"{directory}: config.json names {architectures[0]} but the weights have no two-output "
+                         f"qa_outputs layer ({missing or tensors['qa_outputs.weight'].shape})")
+    meta = {"task": "question-answering", "labels": None, "pooling": None, "layers": None,
+            "source": architectures[0]}
+    from kbert.models.st_dir import configured_max_length
+
+    length = configured_max_length(directory, directory)
+    if length:
+        meta["max_length"] = length
+    return {"meta": meta, "pooler": {},
+            "head": {"kernel": tensors["qa_outputs.weight"].T, "bias": tensors["qa_outputs.bias"]}}
 
 
 _TF1_BERT_RULES = [
@@ -569,6 +603,7 @@ def export_transformers(model, directory: str, tokenizer=None) -> str:
     Hugging Face dir (`config.json` + `model.safetensors`) that `transformers.AutoModel.from_pretrained(directory)`
     loads.
 
+    A question-answering `TaskModel` is written as `BertForQuestionAnswering` / `AlbertForQuestionAnswering`.
     A `Pretrainer` is written as `BertForPreTraining` / `AlbertForPreTraining` with its heads. A `TaskModel`
     whose head reads the pooler (classification, pair-classification, regression: a cross-encoder) is written
     as `BertForSequenceClassification` / `AlbertForSequenceClassification`, a regression's target scaling
@@ -619,15 +654,16 @@ _TORCH_ACTIVATIONS = {"identity": "torch.nn.modules.linear.Identity", "sigmoid":
 
 def _export_classifier(task_model, directory: str, tokenizer) -> str:
     """`export_transformers` of a `TaskModel`: the backbone under `bert.` / `albert.`, its pooler, and the head
-    as `classifier` (transformers' sequence-classification layout, which reads the pooled [CLS])."""
+    as `classifier` (transformers' sequence-classification layout, which reads the pooled [CLS]); a
+    question-answering head as `qa_outputs` (on every token; transformers' model has no pooler)."""
     import keras
-    from safetensors.numpy import save_file
 
     network, meta = task_model.network, task_model.meta
-    if network.task not in ("classification", "pair-classification", "regression"):
-        raise ValueError(f"A {network.task} model has no transformers sequence-classification equivalent; export "
-                         "its backbone (`export_transformers(model.network.backbone, ...)`)")
-    if network.pooling != "pooler":
+    qa = network.task == "question-answering"
+    if network.task not in ("classification", "pair-classification", "regression", "question-answering"):
+        raise ValueError(f"A {network.task} model has no transformers sequence-classification or question-answering "
+                         "equivalent; export its backbone (`export_transformers(model.network.backbone, ...)`)")
+    if not qa and network.pooling != "pooler":
         raise ValueError(f"This model's head reads {network.pooling!r} pooling; transformers' sequence "
                          "classifiers read BERT's pooler over [CLS] (fine-tune with pooling='pooler' to export)")
     backbone = network.backbone
@@ -640,9 +676,15 @@ def _export_classifier(task_model, directory: str, tokenizer) -> str:
     if network.task == "regression":  # TaskNetwork returns head * std + mean: folded into the weights
         mean, std = network.target
         kernel, bias = kernel * std, bias * std + mean
+    hf_config = config_to_hf(config, with_heads=False)
+    if qa:  # transformers' qa_outputs: [2, h], start then end
+        hf = {k: v for k, v in hf.items() if not k.startswith(prefix + "pooler.")}
+        hf["qa_outputs.weight"], hf["qa_outputs.bias"] = np.ascontiguousarray(kernel.T), bias
+        hf_config["architectures"] = ["BertForQuestionAnswering" if config.architecture == "bert"
+                                      else "AlbertForQuestionAnswering"]
+        return _write_hf_task(task_model, directory, tokenizer, hf, hf_config, {})
     hf["classifier.weight"], hf["classifier.bias"] = np.ascontiguousarray(kernel.T), bias
     labels = list(meta.get("labels") or []) if network.task != "regression" else ["score"]
-    hf_config = config_to_hf(config, with_heads=False)
     hf_config["architectures"] = ["BertForSequenceClassification" if config.architecture == "bert"
                                   else "AlbertForSequenceClassification"]
     hf_config.update(id2label={str(i): str(label) for i, label in enumerate(labels)},
@@ -654,6 +696,17 @@ def _export_classifier(task_model, directory: str, tokenizer) -> str:
     activation = _TORCH_ACTIVATIONS[getattr(task_model, "activation", "identity")] if network.task == "regression" \
         else _TORCH_ACTIVATIONS["identity"]
     hf_config["sentence_transformers"] = {"activation_fn": activation}
+    st_config = {"model_type": "CrossEncoder", "activation_fn": activation, "prompts": {}, "default_prompt_name": None}
+    return _write_hf_task(task_model, directory, tokenizer, hf, hf_config,
+                          {"config_sentence_transformers.json": st_config})
+
+
+def _write_hf_task(task_model, directory: str, tokenizer, hf: dict, hf_config: dict, extra: dict) -> str:
+    """Writes a task model's transformers dir: the tokenizer (truncating where the model was tuned), the
+    weights, config.json and the `extra` JSON files {name: object}."""
+    from safetensors.numpy import save_file
+
+    config = task_model.network.backbone.config
     os.makedirs(directory, exist_ok=True)
     if tokenizer is not None:
         try:
@@ -663,12 +716,10 @@ def _export_classifier(task_model, directory: str, tokenizer) -> str:
         except ValueError as e:
             import warnings
 
-            warnings.warn(f"The tokenizer was not written in transformers' format: {e}", stacklevel=3)
+            warnings.warn(f"The tokenizer was not written in transformers' format: {e}", stacklevel=4)
     save_file({k: np.ascontiguousarray(v, dtype=np.float32) for k, v in hf.items()},
               os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
-    for name, obj in (("config.json", hf_config),
-                      ("config_sentence_transformers.json", {"model_type": "CrossEncoder", "activation_fn": activation,
-                                                             "prompts": {}, "default_prompt_name": None})):
+    for name, obj in {"config.json": hf_config, **extra}.items():
         with open(os.path.join(directory, name), "w", encoding="utf-8") as f:
             json.dump(obj, f, indent=2, ensure_ascii=False)
     return directory

@@ -18,7 +18,8 @@ import numpy as np
 from kbert.models.backbone import INPUT_NAMES
 from kbert.models.pooling import pool
 
-TASKS = ("classification", "pair-classification", "regression", "tagging", "sentence-embedding")
+TASKS = ("classification", "pair-classification", "regression", "tagging", "sentence-embedding", "question-answering")
+TOKEN_TASKS = ("tagging", "question-answering")  # heads on every token of the last layer
 TASK_FILE = "kbert_task.json"
 HEAD_FILE = "kbert_task.safetensors"
 
@@ -37,7 +38,7 @@ def read_task_meta(model_dir: str) -> Optional[dict]:
 
 def default_pooling(task: str) -> Optional[str]:
     """What a task pools when `pooling` is not given (and what task dirs written before the option mean)."""
-    return {"sentence-embedding": "mean", "tagging": None}.get(task, "pooler")
+    return {"sentence-embedding": "mean", "tagging": None, "question-answering": None}.get(task, "pooler")
 
 
 @keras.saving.register_keras_serializable(package="kbert")
@@ -48,6 +49,8 @@ class TaskNetwork(keras.Model):
     - regression: `head * std + mean` of the training targets (`target=(mean, std)`), so the head learns a
       standardized value whatever the label scale (a 1-10 rating needs no large bias to be learned);
     - tagging: logits `[b, s, num_labels]` from every token of the last layer;
+    - question-answering: `[b, s, 2]`, each token's answer-start and answer-end logit (transformers'
+      `qa_outputs`);
     - sentence-embedding: the pooled vector `[b, h]` itself (no head).
 
     `pooling` is what the head (or a bi-encoder's output) reads: "pooler" (BERT's tanh layer over [CLS]) or
@@ -56,7 +59,7 @@ class TaskNetwork(keras.Model):
     Args:
         backbone: a kbert backbone built with `output_hidden_states=True` where `pooling` needs them.
         task: one of `TASKS`.
-        num_labels: classes (1 for regression, 0 for sentence-embedding).
+        num_labels: classes (1 for regression, 0 for sentence-embedding, 2 for question-answering).
         dropout: dropout on the head's input.
         target: (mean, std) of regression targets.
         pooling, layers: see above; default `default_pooling(task)` and the last layer.
@@ -82,7 +85,7 @@ class TaskNetwork(keras.Model):
         out = self.backbone(features, training=training)
         if self.task == "sentence-embedding":
             return pool(out["hidden_states"], features["padding_mask"], self.pooling, self.pooled_layers)
-        if self.task == "tagging":
+        if self.task in TOKEN_TASKS:
             x = out["sequence_output"]  # [b, s, h]
         elif self.pooling == "pooler":
             x = out["pooled_output"]  # [b, h]

@@ -24,7 +24,9 @@ def loss_text(c, task_name: str) -> str:
     if task_name != "sentence-embedding":
         return {"classification": "cross-entropy", "pair-classification": "cross-entropy",
                 "regression": "mean squared error on the standardized target",
-                "tagging": "cross-entropy on each word's first piece"}.get(task_name, task_name)
+                "tagging": "cross-entropy on each word's first piece",
+                "question-answering": "cross-entropy of the answer's start and end token (mean of the two)"
+                }.get(task_name, task_name)
     if c.objective == "simcse":
         text = f"SimCSE: each text twice through dropout is its own positive, in-batch negatives (temperature " \
                f"{c.temperature:g})"
@@ -103,6 +105,10 @@ def write_finetune_card(c, task, config, meta: dict, train_ex, dev_ex, summary: 
                  f'vectors = embedder.encode(["한국어 문장을 벡터로 바꿉니다.", "문장 임베딩 모델입니다."])  # unit vectors\n'
                  f'print(vectors @ vectors.T)  # cosine similarities\n\n'
                  f'# for sentence-transformers: kbert.export_sentence_transformers("{name}", "{name}-st")')
+    elif task_name == "question-answering":
+        usage = (f'import kbert\n\nmodel = kbert.TaskModel.load("{name}")\n'
+                 f'print(model.answer("대한민국의 수도는?", "대한민국의 수도는 서울이다."))  # {{"answer", "score", '
+                 f'"start", "end"}}')
     else:
         usage = f'import kbert\n\nmodel = kbert.TaskModel.load("{name}")\nprint(model.predict(["정말 재밌어요"]))'
     tags = ["feature-extraction", "sentence-similarity"] if task_name == "sentence-embedding" else []

@@ -88,6 +88,9 @@ class FinetuneConfig:
     guide_margin: float = 0.0  # ... those it scores above the anchor's positive less this
     symmetric: bool = False  # sentence-embedding in-batch losses: also rank each positive's anchor among the anchors
     strategy: str = "auto"  # devices: auto | cpu | mirrored | tpu (several: Keras' JAX backend only)
+    doc_stride: int = 128  # question-answering: context tokens shared by neighbouring windows
+    max_query_length: int = 64  # question-answering: question tokens kept
+    max_answer_length: int = 30  # question-answering: the longest answer decoded, in tokens
 
     @classmethod
     def from_dict(cls, values: dict) -> "FinetuneConfig":
@@ -146,6 +149,10 @@ class FinetuneConfig:
         if not isinstance(self.symmetric, bool) or (self.symmetric and self.task != "sentence-embedding"):
             raise ValueError(f"`symmetric` (True or False) goes with task='sentence-embedding'. "
                              f"Received: symmetric={self.symmetric!r}, task={self.task!r}")
+        for name in ("doc_stride", "max_query_length", "max_answer_length"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"`{name}` must be a positive integer. Received: {name}={value!r}")
         for name in ("checkpoint_every", "stop_after", "mini_batch_size", "patience", "eval_every", "max_steps"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -166,7 +173,8 @@ def finetune(model: str, task: str, train, dev=None, out_dir: str = "finetuned",
              matryoshka_dims: Optional[Sequence[int]] = None, datasets: Optional[Sequence[dict]] = None,
              mix: str = "proportional", mini_batch_size: Optional[int] = None, prompts=None,
              model_prompts: Optional[dict] = None, guide: Optional[str] = None, guide_margin: float = 0.0,
-             symmetric: bool = False, strategy: str = "auto") -> dict:
+             symmetric: bool = False, strategy: str = "auto", doc_stride: int = 128, max_query_length: int = 64,
+             max_answer_length: int = 30) -> dict:
     """Fine-tunes the model dir `model` on `train`; returns a summary with the dev history.
 
     Args:
@@ -273,6 +281,12 @@ def finetune(model: str, task: str, train, dev=None, out_dir: str = "finetuned",
             sentence-transformers calls gathering across devices). A batch whose rows do not divide among the
             devices (an epoch's last) runs on each of them whole. On TensorFlow fine-tuning runs on one device:
             "auto" only.
+        doc_stride, max_query_length, max_answer_length: for question-answering (SQuAD, KorQuAD, KLUE-MRC
+            rows: `question`, `context`, `answers` as `{"text": [...], "answer_start": [...]}`, the default
+            columns; a SQuAD-format .json file is read as such): a context longer than `max_length` (default
+            384 for this task) is cut into windows sharing `doc_stride` tokens, the question keeps its first
+            `max_query_length` tokens, and dev answers are decoded up to `max_answer_length` tokens. Dev
+            figures: KorQuAD's exact match and character F1 ("f1" picks the best checkpoint).
 
     Example:
         >>> kbert.finetune("my-model", "classification", "train.tsv", "dev.tsv", out_dir="sentiment",
@@ -320,8 +334,10 @@ def _load(config: FinetuneConfig):
     backbone = load_model(weights_dir, output_hidden_states=True, dtype=config.dtype)
     tokenizer = Tokenizer.from_model_dir(weights_dir)  # sentence-transformers keep it beside the weights
     check_vocabulary(backbone.config, tokenizer.vocab_size)
-    # 128 tokens by default, or the model's limit when it has fewer positions; beyond them is an error
-    max_length = (min(128, backbone.config.max_position) if config.max_length is None
+    # 128 tokens by default (question answering: 384, SQuAD's windows), or the model's limit when it has fewer
+    # positions; beyond them is an error
+    default_length = 384 if config.task == "question-answering" else 128
+    max_length = (min(default_length, backbone.config.max_position) if config.max_length is None
                   else backbone.config.check_length(config.max_length))
     rate = config.backbone_dropout
     if (rate is None and config.task == "sentence-embedding" and config.label_column and not config.objective
@@ -433,7 +449,7 @@ def _run(c: FinetuneConfig, task, before_training, distribution) -> dict:
     pooling, layers = c.pooling, c.layers
     if st and task.name == "sentence-embedding" and pooling is None and layers == -1:
         pooling, layers = st["pooling"], st["layers"]  # a sentence-transformers model goes on with its own pooling
-    if task.name != "tagging":
+    if not task.token_head:
         pooling, layers = _check_head_pooling(task.name, pooling or default_pooling(task.name), layers,
                                               backbone.config.num_layers + 1)
     train_rows = task.read_train()
@@ -489,7 +505,7 @@ def _run(c: FinetuneConfig, task, before_training, distribution) -> dict:
     base_model = os.path.abspath(c.model) if isinstance(c.model, str) else None
     meta = {"task": task.name, "labels": task.labels, "max_length": max_length, "text_column": c.text_column,
             "pair_column": c.pair_column, "label_column": c.label_column, "pooling": pooling,
-            "layers": None if task.name == "tagging" else layers, "base_model": base_model,
+            "layers": None if task.token_head else layers, "base_model": base_model,
             "target": list(task.target) if task.name == "regression" else None, **getattr(task, "extra_meta", {})}
     if task.name == "sentence-embedding" and model_prompts:
         meta.update(prompts=model_prompts, default_prompt_name=default_prompt)

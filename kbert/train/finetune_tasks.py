@@ -8,6 +8,8 @@ knows none of it, and a new task is one class added to `TASKS`.
     pair-classification   two texts (`[CLS] a [SEP] b [SEP]`) -> one of N labels (NLI, paraphrase)
     regression            one text or a pair -> a number (MSE on standardized targets)
     tagging               whitespace words -> one tag each (head on each word's first subword)
+    question-answering    (question, context) -> the answer's span in the context (start / end logits per
+                          token; long contexts in overlapping windows)
     sentence-embedding    a bi-encoder: both texts through the same backbone, pooled; pairs with a score
                           (cosine regression onto score / max score, or CoSENT's ranking loss) or, without
                           a score column, (anchor, positive) pairs with in-batch negatives
@@ -131,6 +133,7 @@ class FinetuneTask:
     trains_pooler = True  # whether BERT's [CLS] pooler feeds this task's head
     label_pad = None  # labels per token ([b, s], padded with this where a batch is widened), or None: per row
     needs_pair = False
+    token_head = False  # a head on every token (no pooling or layers to choose)
 
     def __init__(self, config):
         self.config = config
@@ -325,6 +328,7 @@ class RegressionTask(FinetuneTask):
 class TaggingTask(FinetuneTask):
     name = "tagging"
     trains_pooler = False
+    token_head = True
     label_pad = IGNORE
 
     def check(self):
@@ -374,6 +378,130 @@ class TaggingTask(FinetuneTask):
         p = np.concatenate([np.argmax(o[:len(l)], axis=-1) for o, l in zip(outputs, examples.labels)])
         keep = y >= 0
         return {"accuracy": float(np.mean(p[keep] == y[keep])), "macro_f1": macro_f1(y[keep], p[keep], len(self.labels))}
+
+
+@dataclasses.dataclass
+class QAExamples(Examples):
+    """Question-answering examples: one row per window of a (question, context) pair (`token_ids`,
+    `segment_ids`, `labels` `[n, 2]`: its answer's start and end token, 0 for [CLS]); `windows` (their token
+    spans, `kbert.data.qa.Window`) and `example_of` (the question each belongs to) for decoding, and per
+    question `questions`: (id, context, normalized context, its character map, gold answer texts)."""
+    windows: Optional[list] = None
+    example_of: Optional[np.ndarray] = None
+    questions: Optional[list] = None
+
+
+class QuestionAnsweringTask(FinetuneTask):
+    """Extractive question answering (SQuAD, KorQuAD, KLUE-MRC): the answer is a span of the context. The head
+    gives each token a start and an end logit; the loss is the mean of the cross-entropies of the gold start
+    and end over the input's tokens (BERT's SQuAD recipe). A context longer than `max_length` is cut into
+    windows sharing `doc_stride` tokens; a window without the whole answer, or an unanswerable question, points
+    at [CLS]. Dev: KorQuAD's exact match and character F1 of the best span over each question's windows.
+
+    Columns: `text_column` the question, `pair_column` the context, `label_column` the answers (defaults
+    "question", "context", "answers": SQuAD's, as `datasets` and `kbert.data.qa.squad_rows` give them)."""
+    name = "question-answering"
+    metric = "f1"
+    trains_pooler = False
+    token_head = True
+
+    def __init__(self, config):
+        super().__init__(config)
+        c = config  # SQuAD's column names unless others were given
+        if c.text_column == "text":
+            c.text_column = "question"
+        if c.pair_column is None:
+            c.pair_column = "context"
+        if c.label_column == "label":
+            c.label_column = "answers"
+        self.impossible = False  # whether training holds unanswerable questions (SQuAD 2.0, KorQuAD 2.0 style)
+
+    def check(self):
+        super().check()
+        c = self.config
+        if c.pooling is not None or c.layers != -1:
+            raise ValueError(f"`pooling` and `layers` do not apply to task='question-answering' (its head reads "
+                             f"every token of the last layer). Received: pooling={c.pooling!r}, layers={c.layers!r}")
+
+    @property
+    def num_outputs(self) -> int:
+        return 2
+
+    @property
+    def extra_meta(self) -> dict:
+        c = self.config
+        return {"doc_stride": c.doc_stride, "max_query_length": c.max_query_length,
+                "max_answer_length": c.max_answer_length, "impossible": self.impossible}
+
+    def encode(self, rows, tokenizer, max_length, split):
+        from kbert.data import qa
+
+        c = self.config
+        questions = [cells.text_cell(r, c.text_column, f"{split} row {i + 1}") for i, r in enumerate(rows)]
+        contexts = [cells.text_cell(r, c.pair_column, f"{split} row {i + 1}") for i, r in enumerate(rows)]
+        encodings = tokenizer.encode_batch(contexts, add_special_tokens=False)
+        ids, segs, labels, windows, example_of, meta = [], [], [], [], [], []
+        skipped = 0
+        for i, (row, question, context, enc) in enumerate(zip(rows, questions, contexts, encodings)):
+            where = f"{split} row {i + 1}"
+            gold = qa.answer_list(row.get(c.label_column), context, where)
+            normalized, starts, ends = qa.aligned_normalize(context, tokenizer.normalize)
+            if normalized != enc.normalized:
+                raise ValueError(f"{where}: the context's alignment does not match the tokenizer's normalization")
+            span = None
+            if gold:  # the first answer is the training target (SQuAD's train sets have one)
+                text, at = gold[0]
+                span = _normalized_span(starts, ends, at, at + len(text))
+                if span is None:
+                    skipped += 1
+            self.impossible = self.impossible or (split == "train" and not gold)
+            for w in qa.windows(tokenizer, question, enc, max_length, c.doc_stride, c.max_query_length):
+                ids.append(w.ids)
+                segs.append(w.segments)
+                labels.append(qa.token_targets(w, span))
+                windows.append(w)
+                example_of.append(i)
+            meta.append((str(row.get("id", i)), context, normalized, starts, ends, [t for t, _ in gold]))
+        if skipped and c.progress:
+            import sys
+
+            print(f"{split}: {skipped} answers fall in text the tokenizer's normalization removes; those questions "
+                  f"train on [CLS] (no answer)", file=sys.stderr, flush=True)
+        return QAExamples(ids, segs, np.asarray(labels, np.int32).reshape(-1, 2), windows=windows,
+                          example_of=np.asarray(example_of, np.int64), questions=meta)
+
+    def loss(self, network, feats, y, n, key: int = 0):
+        import keras
+
+        logits = network(feats, training=True)  # [b, s, 2]
+        # padding cannot be an answer: its logits leave the softmax
+        logits = logits - (1.0 - keras.ops.cast(feats["padding_mask"], logits.dtype))[:, :, None] * 1e4
+        ce = [keras.losses.sparse_categorical_crossentropy(y[:, k], logits[:, :, k], from_logits=True)
+              for k in (0, 1)]
+        return keras.ops.mean((ce[0] + ce[1]) / 2.0)
+
+    def scores(self, outputs, examples):
+        from kbert.data import qa
+
+        c = self.config
+        by_question = collections.defaultdict(list)
+        for out, w, i in zip(outputs, examples.windows, examples.example_of):
+            by_question[int(i)].append((out[:, 0], out[:, 1], w))
+        predictions, truths = {}, {}
+        for i, (qid, context, normalized, starts, ends, gold) in enumerate(examples.questions):
+            best = qa.answers(by_question[i], context, normalized, starts, ends, 1, c.max_answer_length,
+                              handle_impossible=self.impossible)
+            predictions[i], truths[i] = (best[0]["answer"] if best else ""), gold
+        return qa.qa_scores(predictions, truths)
+
+
+def _normalized_span(starts: List[int], ends: List[int], a: int, b: int):
+    """The normalized-text span of the original characters [a, b), or None when normalization removed them."""
+    first = next((i for i, e in enumerate(ends) if e > a), None)
+    last = next((i for i in range(len(starts) - 1, -1, -1) if starts[i] < b), None)
+    if first is None or last is None or last < first:
+        return None
+    return first, last + 1
 
 
 class SentenceEmbeddingTask(FinetuneTask):
@@ -778,7 +906,7 @@ class MultiDatasetEmbeddingTask(SentenceEmbeddingTask):
 
 
 TASKS: Dict[str, type] = {t.name: t for t in (ClassificationTask, PairClassificationTask, RegressionTask,
-                                               TaggingTask, SentenceEmbeddingTask)}
+                                               TaggingTask, SentenceEmbeddingTask, QuestionAnsweringTask)}
 
 
 def register_task(task: type) -> type:
