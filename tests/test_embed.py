@@ -350,7 +350,8 @@ def _review_texts(n):
 def test_unigram_tokenizer_exports_to_transformers_with_the_same_ids(tmp_path, lowercase):
     """kbert's default vocabulary (SentencePiece unigram) goes out as a tokenizer.json that AutoTokenizer reads:
     the same ids on Korean sentences, odd whitespace and control characters, emoji (byte fallback), a user
-    symbol, pairs with segment ids; decoding gives the normalized text. The only differences allowed are
+    symbol, pairs with segment ids; decoding gives the normalized text; the tokenizer.json alone loads back into
+    kbert with the original's ids. The only differences allowed with transformers are
     segmentations of equal score (`...` + `..` vs `..` + `...`), which `tokenizers` orders as sentencepiece
     < 0.2.2 did: at most 0.2% of 3,000 movie reviews."""
     import transformers
@@ -374,6 +375,19 @@ def test_unigram_tokenizer_exports_to_transformers_with_the_same_ids(tmp_path, l
     if reviews:
         same = sum(hf(t)["input_ids"] == tok.encode(t).ids for t in reviews)
         assert same >= 0.998 * len(reviews), f"{len(reviews) - same} of {len(reviews)} reviews differ"
+    # ... and the tokenizer.json alone reads back into kbert as the tokenizer it came from (byte fallback,
+    # lowercasing and kbert's normalization included), in Python and in the graph
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    (alone / "tokenizer.json").write_bytes((tmp_path / "tokenizer.json").read_bytes())
+    back = kbert.Tokenizer.load(str(alone))
+    assert back.lowercase == lowercase
+    for text in texts + reviews[:500]:
+        assert back.encode(text).ids == tok.encode(text).ids, text
+    import tensorflow as tf
+
+    graph = back.tf_tokenize(tf.constant(texts)).to_list()
+    assert graph == [tok.encode(t).ids for t in texts]
     bpe = kbert.Tokenizer.train(corpus(["kolaw"]), vocab_size=800, algorithm="bpe", progress=False)
     with pytest.raises(ValueError, match="only unigram"):
         bpe.export_transformers(str(tmp_path / "bpe"))

@@ -13,7 +13,9 @@ pieces keep their relative order, so the segmentation is unchanged.
 Some repos ship only a `tokenizer.json` (Hugging Face `tokenizers`, the Unigram model): `unigram_from_json`
 builds the SentencePiece proto from its pieces and scores and its precompiled normalization map, which is
 the map the `.model` carried before it was converted, so SentencePiece normalizes and segments as the
-`tokenizers` pipeline does.
+`tokenizers` pipeline does; byte fallback's `<0x..>` pieces become SentencePiece's byte pieces. A tokenizer.json
+kbert itself wrote (`Tokenizer.fast_tokenizer`, recognized by its normalizer: `json_normalization`) reads back
+as the kbert tokenizer it came from.
 
 Out again (`export_fairseq`, for `kbert.export_transformers` / `export_sentence_transformers` of a model
 fine-tuned from one of these): the `.model` in SentencePiece's own numbering, as XLM-RoBERTa ships it, and
@@ -26,6 +28,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
 
 # tokenizer classes / model types whose SentencePiece ids are fairseq's (transformers' XLMRobertaTokenizer)
 _FAIRSEQ_CLASSES = ("XLMRobertaTokenizer", "XLMRobertaTokenizerFast")
@@ -103,19 +106,24 @@ def unigram_from_json(path: str, spec=None) -> bytes:
     from sentencepiece import sentencepiece_model_pb2 as pb
 
     spec, model = read_tokenizer_json(path, "Unigram", spec)
-    if model.get("byte_fallback"):
-        raise ValueError(f"{path}: byte fallback is not supported for a tokenizer.json Unigram model")
-    charsmap = _precompiled_charsmap(spec.get("normalizer"), path)
-    _check_metaspace(spec.get("pre_tokenizer"), path)
+    kbert_own = json_normalization(spec) is not None  # kbert normalizes before SentencePiece sees the text
+    charsmap = b"" if kbert_own else _precompiled_charsmap(spec.get("normalizer"), path)
+    _check_metaspace(spec.get("pre_tokenizer"), path, prepend="never" if kbert_own else "always")
     special = {t["content"] for t in spec.get("added_tokens", []) if t.get("special")}
     Type = pb.ModelProto.SentencePiece.Type
     out = pb.ModelProto()
     unk_id = model.get("unk_id")
     if unk_id is None:
         raise ValueError(f"{path}: its Unigram model has no unk_id")
+    byte_fallback = bool(model.get("byte_fallback"))
     for i, (piece, score) in enumerate(model["vocab"]):
         kind = Type.UNKNOWN if i == unk_id else Type.CONTROL if piece in special else Type.NORMAL
+        if byte_fallback and _BYTE_PIECE.fullmatch(piece):
+            kind = Type.BYTE  # SentencePiece spells a character it has no piece for as these
         out.pieces.add(piece=piece, score=float(score) if kind == Type.NORMAL else 0.0, type=kind)
+    if byte_fallback and sum(p.type == Type.BYTE for p in out.pieces) != 256:
+        raise ValueError(f"{path}: its Unigram model has byte fallback but not the 256 byte pieces <0x00>...<0xFF>")
+    out.trainer_spec.byte_fallback = byte_fallback
     out.trainer_spec.model_type = pb.TrainerSpec.UNIGRAM
     out.trainer_spec.vocab_size = len(out.pieces)
     out.trainer_spec.unk_id = unk_id
@@ -129,9 +137,38 @@ def unigram_from_json(path: str, spec=None) -> bytes:
     norm.name = "hf_precompiled" if charsmap else "identity"
     norm.precompiled_charsmap = charsmap
     norm.add_dummy_prefix = True
-    norm.remove_extra_whitespaces = True
+    norm.remove_extra_whitespaces = not kbert_own  # kbert's normalizer has collapsed them already
     norm.escape_whitespaces = True
     return out.SerializeToString()
+
+
+_BYTE_PIECE = re.compile(r"<0x[0-9A-F]{2}>")
+
+
+def json_normalization(spec: dict):
+    """kbert's normalization settings (`{"lowercase": bool}`) when a parsed tokenizer.json normalizes as kbert
+    writes it (`Tokenizer.fast_tokenizer`: kbert's NFC normalizer, then SentencePiece's `▁` prepended and for
+    spaces), else None. Such a file reads back as the kbert tokenizer it came from: kbert's own normalization,
+    then the unigram model on the normalized text as given."""
+    normalizer = spec.get("normalizer")
+    if not normalizer or normalizer.get("type") != "Sequence":
+        return None
+    for lowercase in (False, True):
+        if normalizer == _kbert_normalizer_json(lowercase):
+            return {"lowercase": lowercase}
+    return None
+
+
+def _kbert_normalizer_json(lowercase: bool) -> dict:
+    """The normalizer `Tokenizer.fast_tokenizer` writes, as tokenizer.json holds it."""
+    from tokenizers import Tokenizer, models, normalizers
+
+    from kbert.text.normalize import tokenizers_normalizer
+
+    fast = Tokenizer(models.Unigram())
+    fast.normalizer = normalizers.Sequence([tokenizers_normalizer(lowercase=lowercase), normalizers.Prepend("\u2581"),
+                                            normalizers.Replace(" ", "\u2581")])
+    return json.loads(fast.to_str())["normalizer"]
 
 
 def _precompiled_charsmap(normalizer, path: str) -> bytes:
@@ -159,7 +196,9 @@ def _collapses_spaces(part) -> bool:
     return part.get("content") == " " and (pattern.get("Regex") == " {2,}" or pattern.get("String") == "  ")
 
 
-def _check_metaspace(pre, path: str) -> None:
+def _check_metaspace(pre, path: str, prepend: str = "always") -> None:
+    """Refuses a pre-tokenizer other than SentencePiece's Metaspace with `prepend` as its prepend scheme
+    ("never" for kbert's own files, whose normalizer prepends the `▁`)."""
     steps = pre.get("pretokenizers", [pre]) if pre and pre.get("type") == "Sequence" else [pre]
     for step in steps:
         if step is None:
@@ -167,9 +206,10 @@ def _check_metaspace(pre, path: str) -> None:
         if step.get("type") == "WhitespaceSplit":
             continue
         if step.get("type") != "Metaspace" or step.get("replacement", "\u2581") != "\u2581" or \
-                step.get("prepend_scheme", "always") != "always" or not step.get("add_prefix_space", True):
+                step.get("prepend_scheme", "always") != prepend or \
+                (prepend == "always" and not step.get("add_prefix_space", True)):
             raise ValueError(f"{path}: its pre-tokenizer {step} is not SentencePiece's (Metaspace '\u2581', a "
-                             f"space prepended always)")
+                             f"space prepended {prepend})")
 
 
 def is_fairseq_layout(proto: bytes) -> bool:

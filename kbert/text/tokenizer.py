@@ -30,7 +30,7 @@ import numpy as np
 
 from kbert.text.fast_unigram import add_specials, fast_unigram_ids, fast_unigram_parts, is_unigram, specials_as_bos_eos
 from kbert.text.hf_sentencepiece import (export_fairseq, fairseq_layout, is_fairseq_dir, is_fairseq_layout,
-                                         read_tokenizer_json, unigram_from_json)
+                                         json_normalization, read_tokenizer_json, unigram_from_json)
 from kbert.text.normalize import normalize, tf_normalize
 from kbert.text.vocab import ALGORITHMS, JOINER, SPECIAL_TOKENS, train_vocabulary  # noqa: F401 (re-exported)
 from kbert.text.wordpiece import WordPieceIds
@@ -832,7 +832,9 @@ class Tokenizer:
             if meta is not None:  # a Hugging Face tokenizer.json alone
                 hf_path = os.path.join(path, CONFIG_FILE)
                 if (meta.get("model") or {}).get("type") == "Unigram":  # SentencePiece's, converted by transformers
-                    return cls._from_sentencepiece(unigram_from_json(hf_path, meta), overrides)
+                    # (or kbert's own export: its normalization settings come back too)
+                    return cls._from_sentencepiece(unigram_from_json(hf_path, meta),
+                                                   {**(json_normalization(meta) or {}), **overrides})
                 vocab, lowercase = _hf_wordpiece(hf_path, meta)
                 return cls("wordpiece", vocab, **{"lowercase": lowercase, **overrides})
             raise FileNotFoundError(f"{path!r} holds no tokenizer: expected {CONFIG_FILE} (kbert, or a Hugging Face "
