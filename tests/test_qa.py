@@ -136,27 +136,35 @@ def _reference_answers(hf, tok, question, context, max_length, stride, top_k, lo
         for a, b, score in zip(starts, ends, scores):
             if a == 0 or score <= 0:  # the zero-scored fillers from [CLS] (see the decoding test)
                 continue
-            span = (int(offsets[a][0]), int(offsets[b][1]))
-            found[span] = max(found.get(span, 0.0), float(score))
+            span = qa.strip_span(context, int(offsets[a][0]), int(offsets[b][1]))  # a lone `▁` covers a space
+            if span is not None:
+                found[span] = max(found.get(span, 0.0), float(score))
     ranked = sorted(found.items(), key=lambda x: -x[1])[:top_k]
     return [{"score": s, "start": a, "end": b, "answer": context[a:b]} for (a, b), s in ranked], enc
 
 
-@pytest.mark.parametrize("architecture", ["bert", "electra"])
+@pytest.mark.parametrize("architecture", ["bert", "electra", "unigram"])
 def test_a_hugging_face_reader_answers_as_transformers_and_exports_back(tmp_path, architecture):
-    """A `BertForQuestionAnswering` / `ElectraForQuestionAnswering` dir (KorQuAD readers' layouts) loads as a
-    TaskModel: its logits equal transformers', its windows over a long context equal the fast tokenizer's
-    overflowing windows (stride = shared tokens), and `answer` gives the spans, character offsets into the
-    original context and scores that transformers' decoding gives over those windows. A kbert reader exports
-    as `BertForQuestionAnswering` with the same logits."""
+    """A `BertForQuestionAnswering` / `ElectraForQuestionAnswering` dir (KorQuAD readers' layouts; WordPiece, or
+    a unigram tokenizer.json with lone `▁` pieces) loads as a TaskModel: its logits equal transformers', its
+    windows over a long context equal the fast tokenizer's overflowing windows (stride = shared tokens), and
+    `answer` gives the spans, character offsets into the original context and scores that transformers'
+    decoding gives over those windows. A kbert reader exports as `BertForQuestionAnswering` with the same
+    logits."""
     import torch
     import transformers
 
     from helpers import tiny_hf_config
+    from kbert.data.corpus import corpus
 
-    out, size = _vocab_dir(tmp_path, [QUESTION, CONTEXT, "국회는 무엇을 하는가"])
+    if architecture == "unigram":  # kbert's own vocabulary as transformers reads it (a tokenizer.json alone)
+        out = tmp_path / "qa"
+        kbert.Tokenizer.train(corpus(["kolaw"]), vocab_size=800, progress=False).export_transformers(str(out))
+        size = 800
+    else:
+        out, size = _vocab_dir(tmp_path, [QUESTION, CONTEXT, "국회는 무엇을 하는가"])
     torch.manual_seed(0)
-    if architecture == "bert":
+    if architecture in ("bert", "unigram"):
         hf = transformers.BertForQuestionAnswering(tiny_hf_config("bert", vocab_size=size, max_position_embeddings=128))
     else:
         hf = transformers.ElectraForQuestionAnswering(transformers.ElectraConfig(
@@ -167,7 +175,8 @@ def test_a_hugging_face_reader_answers_as_transformers_and_exports_back(tmp_path
         for p in hf.parameters():
             p.add_(torch.randn_like(p) * 0.3)
     hf.eval().save_pretrained(out)
-    tok = transformers.BertTokenizerFast(str(out / "vocab.txt"), do_lower_case=False, strip_accents=False)
+    tok = (transformers.AutoTokenizer.from_pretrained(str(out)) if architecture == "unigram" else
+           transformers.BertTokenizerFast(str(out / "vocab.txt"), do_lower_case=False, strip_accents=False))
     model = kbert.TaskModel.load(str(out))
     assert model.task == "question-answering"
     with pytest.raises(ValueError, match="use answer"):

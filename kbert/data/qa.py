@@ -190,7 +190,8 @@ def best_spans(start_logits: np.ndarray, end_logits: np.ndarray, window: Window,
     the null answer's score. Scores are transformers' question-answering probabilities: a softmax of the start
     and of the end logits over the context tokens and [CLS], a span's score the product of its start's and its
     end's, for spans of at most `max_answer_length` tokens; the null answer is [CLS] as start and end."""
-    keep = np.array([t == 0 or (s is not None and s[1] > s[0]) for t, s in enumerate(window.spans)])
+    # every context token, even one with no characters of its own (a lone `▁`), as transformers keeps them
+    keep = np.array([t == 0 or s is not None for t, s in enumerate(window.spans)])
     n = len(window.spans)
     start = _softmax(np.where(keep, np.asarray(start_logits[:n], np.float64), -10000.0))
     end = _softmax(np.where(keep, np.asarray(end_logits[:n], np.float64), -10000.0))
@@ -214,7 +215,7 @@ def answers(windows_logits: Sequence[Tuple[np.ndarray, np.ndarray, Window]], con
             handle_impossible: bool = False) -> List[dict]:
     """The `top_k` answers of one question over all its windows, best first, each `{"score", "start", "end",
     "answer"}` with `start` / `end` into the original `context` (as transformers' question-answering pipeline
-    returns them). With `handle_impossible`, the null answer (`{"answer": "", "start": 0, "end": 0}`) competes
+    returns them, less any whitespace at the ends: a span may start or end with a token that is only a space). With `handle_impossible`, the null answer (`{"answer": "", "start": 0, "end": 0}`) competes
     with its lowest score over the windows."""
     found, null = {}, None
     for start_logits, end_logits, window in windows_logits:
@@ -224,14 +225,24 @@ def answers(windows_logits: Sequence[Tuple[np.ndarray, np.ndarray, Window]], con
             s, e = window.spans[a][0], window.spans[b][1]
             if s >= e:
                 continue
-            char = (starts[s], ends[e - 1])
-            if char not in found or found[char] < score:  # overlapping windows find the same span
+            char = strip_span(context, starts[s], ends[e - 1])
+            if char is not None and (char not in found or found[char] < score):  # windows overlap: seen twice
                 found[char] = score
     out = [{"score": score, "start": a, "end": b, "answer": context[a:b]} for (a, b), score in found.items()]
     if handle_impossible and null is not None:
         out.append({"score": null, "start": 0, "end": 0, "answer": ""})
     out.sort(key=lambda x: -x["score"])
     return out[:top_k]
+
+
+def strip_span(text: str, a: int, b: int):
+    """(a, b) without whitespace at either end (a lone `▁` token at a span's edge covers a space), or None when
+    nothing is left."""
+    while a < b and text[a].isspace():
+        a += 1
+    while b > a and text[b - 1].isspace():
+        b -= 1
+    return (a, b) if a < b else None
 
 
 # ---------------------------------------------------------------------------------------------- evaluation

@@ -236,7 +236,7 @@ class TaskModel:
         `kbert.finetune(..., "question-answering")` dir, or a Hugging Face `*ForQuestionAnswering` one).
 
         Returns `{"score", "start", "end", "answer"}` as transformers' question-answering pipeline did:
-        `context[start:end] == answer`, `score` the product of the start and end probabilities (a softmax over
+        `context[start:end] == answer` (no whitespace at either end), `score` the product of the start and end probabilities (a softmax over
         the context's tokens and [CLS]); a list of the `top_k` best when `top_k > 1`; for lists of questions
         and contexts (one context each, or one for all), a list of those. A context longer than the model's
         `max_length` is read in windows sharing `doc_stride` tokens, and the best span over them wins.
