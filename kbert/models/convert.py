@@ -322,6 +322,15 @@ def _tensors_named(directory: str, wanted) -> Dict[str, np.ndarray]:
     return out
 
 
+def _architectures(directory: str, suffix: str):
+    """(config.json, its architectures ending in `suffix`) of a Hugging Face dir; ({}, []) without one."""
+    path = os.path.join(directory, "config.json")
+    if not os.path.isfile(path):
+        return {}, []
+    hf = _read_json(path)
+    return hf, [a for a in hf.get("architectures") or [] if a.endswith(suffix)]
+
+
 def read_classifier(directory: str) -> Optional[dict]:
     """A Hugging Face `*ForSequenceClassification` dir's head, in kbert's terms: a cross-encoder (reranker such
     as BGE-reranker-v2-m3, a KLUE NLI model) as a `TaskNetwork` with "pooler" pooling. None for any other dir.
@@ -337,11 +346,7 @@ def read_classifier(directory: str) -> Optional[dict]:
     classification pipeline apply (sigmoid unless the config names another); more are a "classification"
     over `id2label` (probabilities, as kbert's own classifiers give).
     """
-    path = os.path.join(directory, "config.json")
-    if not os.path.isfile(path):
-        return None
-    hf = _read_json(path)
-    architectures = [a for a in hf.get("architectures") or [] if a.endswith("ForSequenceClassification")]
+    hf, architectures = _architectures(directory, "ForSequenceClassification")
     if not architectures:
         return None
     model_type = hf.get("model_type")
@@ -390,11 +395,7 @@ def read_qa_head(directory: str) -> Optional[dict]:
     """A Hugging Face `*ForQuestionAnswering` dir's head (BERT, ALBERT, ELECTRA, RoBERTa, XLM-RoBERTa: KorQuAD
     and KLUE-MRC models) in `read_classifier`'s terms: `qa_outputs`, a linear layer on every token of the last
     layer giving each token an answer-start and an answer-end logit. None for any other dir."""
-    path = os.path.join(directory, "config.json")
-    if not os.path.isfile(path):
-        return None
-    hf = _read_json(path)
-    architectures = [a for a in hf.get("architectures") or [] if a.endswith("ForQuestionAnswering")]
+    hf, architectures = _architectures(directory, "ForQuestionAnswering")
     if not architectures:
         return None
     if hf.get("model_type") not in ("bert", "albert", "electra") + _ROBERTA_TYPES:

@@ -148,6 +148,9 @@ class FinetuneTask:
             raise ValueError(f"task={self.name!r} needs `pair_column` (the second text)")
         if not c.label_column:
             raise ValueError(f"task={self.name!r} needs `label_column`")
+        if self.token_head and (c.pooling is not None or c.layers != -1):
+            raise ValueError(f"`pooling` and `layers` do not apply to task={self.name!r} (its head reads every token "
+                             f"of the last layer). Received: pooling={c.pooling!r}, layers={c.layers!r}")
 
     def check_model(self, backbone) -> None:
         """Refuses settings the loaded backbone cannot serve (called once it is loaded, before any data)."""
@@ -331,13 +334,6 @@ class TaggingTask(FinetuneTask):
     token_head = True
     label_pad = IGNORE
 
-    def check(self):
-        super().check()
-        c = self.config
-        if c.pooling is not None or c.layers != -1:
-            raise ValueError(f"`pooling` and `layers` do not apply to task='tagging' (its head reads every token "
-                             f"of the last layer). Received: pooling={c.pooling!r}, layers={c.layers!r}")
-
     def label_set(self, rows, progress):
         c = self.config
         labels = c.labels or sorted({t for i, r in enumerate(rows) for t in cells.tags(r[c.label_column], "train", i)})
@@ -415,13 +411,6 @@ class QuestionAnsweringTask(FinetuneTask):
         if c.label_column == "label":
             c.label_column = "answers"
         self.impossible = False  # whether training holds unanswerable questions (SQuAD 2.0, KorQuAD 2.0 style)
-
-    def check(self):
-        super().check()
-        c = self.config
-        if c.pooling is not None or c.layers != -1:
-            raise ValueError(f"`pooling` and `layers` do not apply to task='question-answering' (its head reads "
-                             f"every token of the last layer). Received: pooling={c.pooling!r}, layers={c.layers!r}")
 
     @property
     def num_outputs(self) -> int:
