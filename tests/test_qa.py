@@ -222,3 +222,49 @@ def test_a_hugging_face_reader_answers_as_transformers_and_exports_back(tmp_path
         a, b = again(**batch), hf(**batch)
     np.testing.assert_allclose(a.start_logits.numpy(), b.start_logits.numpy(), atol=2e-5)
     np.testing.assert_allclose(a.end_logits.numpy(), b.end_logits.numpy(), atol=2e-5)
+
+
+@pytest.mark.parametrize("architecture", ["xlm-roberta", "albert"])
+def test_xlm_roberta_and_albert_readers_give_transformers_logits(tmp_path, architecture):
+    """An XLMRobertaForQuestionAnswering dir (`<s> q </s></s> c </s>`, positions re-based) and an
+    AlbertForQuestionAnswering one load as readers with transformers' start and end logits on transformers'
+    own pair encoding; an ALBERT reader exports back as AlbertForQuestionAnswering."""
+    import torch
+    import transformers
+
+    from helpers import tiny_hf_config, xlmr_dir
+
+    if architecture == "xlm-roberta":
+        out = xlmr_dir(tmp_path, model_class="XLMRobertaForQuestionAnswering")
+        tok = transformers.AutoTokenizer.from_pretrained(out)
+    else:
+        out, size = _vocab_dir(tmp_path, [QUESTION, CONTEXT])
+        torch.manual_seed(0)
+        transformers.AlbertForQuestionAnswering(tiny_hf_config("albert", vocab_size=size)).save_pretrained(out)
+        tok = transformers.BertTokenizerFast(str(out / "vocab.txt"), do_lower_case=False, strip_accents=False)
+        out = str(out)
+    hf = transformers.AutoModelForQuestionAnswering.from_pretrained(out).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    hf.save_pretrained(out)
+    model = kbert.TaskModel.load(out)
+    assert model.task == "question-answering" and model.max_length <= 64
+    context = CONTEXT[:50]
+    enc = tok(QUESTION, context, return_tensors="np")
+    assert model.tokenizer.encode(QUESTION, pair=context).ids == enc["input_ids"][0].tolist()
+    window = qa.windows(model.tokenizer, QUESTION, model.tokenizer.encode(context, add_special_tokens=False), 64)
+    assert [w.ids for w in window] == [enc["input_ids"][0].tolist()]
+    logits = np.asarray(model.network(features(enc["input_ids"], np.array([window[0].segments]),
+                                               model.tokenizer.pad_id)))
+    with torch.no_grad():
+        ref = hf(**{k: torch.from_numpy(v) for k, v in enc.items()})
+    np.testing.assert_allclose(logits[0, :, 0], ref.start_logits.numpy()[0], atol=2e-5)
+    np.testing.assert_allclose(logits[0, :, 1], ref.end_logits.numpy()[0], atol=2e-5)
+    if architecture == "albert":
+        kbert.export_transformers(model, str(tmp_path / "exported"))
+        again = transformers.AutoModelForQuestionAnswering.from_pretrained(str(tmp_path / "exported")).eval()
+        assert type(again).__name__ == "AlbertForQuestionAnswering"
+        with torch.no_grad():
+            back = again(**{k: torch.from_numpy(v) for k, v in enc.items()})
+        np.testing.assert_allclose(back.start_logits.numpy(), ref.start_logits.numpy(), atol=2e-5)
