@@ -131,6 +131,16 @@ def aligned_normalize(text: str, normalize: Callable[[str], str]):
     return joined, starts, ends
 
 
+def normalized_span(starts: List[int], ends: List[int], a: int, b: int) -> Optional[Tuple[int, int]]:
+    """The normalized-text span of the original characters [a, b) (`aligned_normalize`'s `starts` / `ends`), or
+    None when normalization removed them."""
+    first = next((i for i, e in enumerate(ends) if e > a), None)
+    last = next((i for i in range(len(starts) - 1, -1, -1) if starts[i] < b), None)
+    if first is None or last is None or last < first:
+        return None
+    return first, last + 1
+
+
 @dataclasses.dataclass
 class Window:
     """One model input of a (question, context) pair: token ids, segment ids, and for each token its
@@ -210,13 +220,14 @@ def best_spans(start_logits: np.ndarray, end_logits: np.ndarray, window: Window,
     return [(float(flat[i]), int(i // n), int(i % n)) for i in order], null
 
 
-def answers(windows_logits: Sequence[Tuple[np.ndarray, np.ndarray, Window]], context: str, normalized: str,
-            starts: List[int], ends: List[int], top_k: int = 1, max_answer_length: int = 30,
+def answers(windows_logits: Sequence[Tuple[np.ndarray, np.ndarray, Window]], context: str, starts: List[int],
+            ends: List[int], top_k: int = 1, max_answer_length: int = 30,
             handle_impossible: bool = False) -> List[dict]:
     """The `top_k` answers of one question over all its windows, best first, each `{"score", "start", "end",
-    "answer"}` with `start` / `end` into the original `context` (as transformers' question-answering pipeline
-    returns them, less any whitespace at the ends: a span may start or end with a token that is only a space). With `handle_impossible`, the null answer (`{"answer": "", "start": 0, "end": 0}`) competes
-    with its lowest score over the windows."""
+    "answer"}` with `start` / `end` into the original `context` through `aligned_normalize`'s `starts` / `ends`
+    (as transformers' question-answering pipeline returns them, less any whitespace at the ends: a span may
+    start or end with a token that is only a space). With `handle_impossible`, the null answer (`{"answer": "",
+    "start": 0, "end": 0}`) competes with its lowest score over the windows."""
     found, null = {}, None
     for start_logits, end_logits, window in windows_logits:
         spans, window_null = best_spans(start_logits, end_logits, window, top_k, max_answer_length)

@@ -236,10 +236,11 @@ class TaskModel:
         `kbert.finetune(..., "question-answering")` dir, or a Hugging Face `*ForQuestionAnswering` one).
 
         Returns `{"score", "start", "end", "answer"}` as transformers' question-answering pipeline did:
-        `context[start:end] == answer` (no whitespace at either end), `score` the product of the start and end probabilities (a softmax over
-        the context's tokens and [CLS]); a list of the `top_k` best when `top_k > 1`; for lists of questions
-        and contexts (one context each, or one for all), a list of those. A context longer than the model's
-        `max_length` is read in windows sharing `doc_stride` tokens, and the best span over them wins.
+        `context[start:end] == answer` (no whitespace at either end), `score` the product of the start and end
+        probabilities (a softmax over the context's tokens and [CLS]); a list of the `top_k` best when
+        `top_k > 1`; for lists of questions and contexts (one context each, or one for all), a list of those. A
+        context longer than the model's `max_length` is read in windows sharing `doc_stride` tokens, and the
+        best span over them wins.
 
         max_answer_length: the longest answer in tokens; doc_stride, max_question_length: as in fine-tuning
             (defaults: the model's own settings, else 30, 128 and 64). handle_impossible_answer: let the empty
@@ -268,9 +269,12 @@ class TaskModel:
         if handle_impossible_answer is None:
             handle_impossible_answer = bool(meta.get("impossible"))
         contexts = [c.decode("utf-8", errors="replace") if isinstance(c, bytes) else c for c in contexts]
-        encodings = self.tokenizer.encode_batch(contexts, add_special_tokens=False)
+        # each distinct context encoded and aligned once (one context for many questions is the common case)
+        distinct = list(dict.fromkeys(contexts))
+        encoded = dict(zip(distinct, self.tokenizer.encode_batch(distinct, add_special_tokens=False)))
+        aligned = {c: qa.aligned_normalize(c, self.tokenizer.normalize)[1:] for c in distinct}
         windows, owner = [], []
-        for i, (q, enc) in enumerate(zip(questions, encodings)):
+        for i, (q, enc) in enumerate(zip(questions, (encoded[c] for c in contexts))):
             for w in qa.windows(self.tokenizer, q, enc, self.max_length, doc_stride, max_question_length):
                 windows.append(w)
                 owner.append(i)
@@ -286,9 +290,8 @@ class TaskModel:
         for i, w, row in zip(owner, windows, logits):
             per_question[i].append((row[:, 0], row[:, 1], w))
         results = []
-        for i, (context_text, enc) in enumerate(zip(contexts, encodings)):
-            normalized, starts, ends = qa.aligned_normalize(context_text, self.tokenizer.normalize)
-            found = qa.answers(per_question[i], context_text, normalized, starts, ends, top_k, max_answer_length,
+        for i, context_text in enumerate(contexts):
+            found = qa.answers(per_question[i], context_text, *aligned[context_text], top_k, max_answer_length,
                                handle_impossible_answer)
             if not found:  # no span fits (an empty context): the empty answer, scored 0
                 found = [{"score": 0.0, "start": 0, "end": 0, "answer": ""}]

@@ -38,7 +38,7 @@ def read_task_meta(model_dir: str) -> Optional[dict]:
 
 def default_pooling(task: str) -> Optional[str]:
     """What a task pools when `pooling` is not given (and what task dirs written before the option mean)."""
-    return {"sentence-embedding": "mean", "tagging": None, "question-answering": None}.get(task, "pooler")
+    return None if task in TOKEN_TASKS else "mean" if task == "sentence-embedding" else "pooler"
 
 
 @keras.saving.register_keras_serializable(package="kbert")

@@ -133,7 +133,6 @@ class FinetuneTask:
     trains_pooler = True  # whether BERT's [CLS] pooler feeds this task's head
     label_pad = None  # labels per token ([b, s], padded with this where a batch is widened), or None: per row
     needs_pair = False
-    token_head = False  # a head on every token (no pooling or layers to choose)
 
     def __init__(self, config):
         self.config = config
@@ -151,6 +150,13 @@ class FinetuneTask:
         if self.token_head and (c.pooling is not None or c.layers != -1):
             raise ValueError(f"`pooling` and `layers` do not apply to task={self.name!r} (its head reads every token "
                              f"of the last layer). Received: pooling={c.pooling!r}, layers={c.layers!r}")
+
+    @property
+    def token_head(self) -> bool:
+        """Whether the head reads every token (no pooling or layers to choose): `kbert.models.tasks.TOKEN_TASKS`."""
+        from kbert.models.tasks import TOKEN_TASKS
+
+        return self.name in TOKEN_TASKS
 
     def check_model(self, backbone) -> None:
         """Refuses settings the loaded backbone cannot serve (called once it is loaded, before any data)."""
@@ -331,7 +337,6 @@ class RegressionTask(FinetuneTask):
 class TaggingTask(FinetuneTask):
     name = "tagging"
     trains_pooler = False
-    token_head = True
     label_pad = IGNORE
 
     def label_set(self, rows, progress):
@@ -381,7 +386,7 @@ class QAExamples(Examples):
     """Question-answering examples: one row per window of a (question, context) pair (`token_ids`,
     `segment_ids`, `labels` `[n, 2]`: its answer's start and end token, 0 for [CLS]); `windows` (their token
     spans, `kbert.data.qa.Window`) and `example_of` (the question each belongs to) for decoding, and per
-    question `questions`: (id, context, normalized context, its character map, gold answer texts)."""
+    question `questions`: (id, context, its character map `starts` / `ends`, gold answer texts)."""
     windows: Optional[list] = None
     example_of: Optional[np.ndarray] = None
     questions: Optional[list] = None
@@ -399,7 +404,6 @@ class QuestionAnsweringTask(FinetuneTask):
     name = "question-answering"
     metric = "f1"
     trains_pooler = False
-    token_head = True
 
     def __init__(self, config):
         super().__init__(config)
@@ -440,7 +444,7 @@ class QuestionAnsweringTask(FinetuneTask):
             span = None
             if gold:  # the first answer is the training target (SQuAD's train sets have one)
                 text, at = gold[0]
-                span = _normalized_span(starts, ends, at, at + len(text))
+                span = qa.normalized_span(starts, ends, at, at + len(text))
                 if span is None:
                     skipped += 1
             self.impossible = self.impossible or (split == "train" and not gold)
@@ -450,7 +454,7 @@ class QuestionAnsweringTask(FinetuneTask):
                 labels.append(qa.token_targets(w, span))
                 windows.append(w)
                 example_of.append(i)
-            meta.append((str(row.get("id", i)), context, normalized, starts, ends, [t for t, _ in gold]))
+            meta.append((str(row.get("id", i)), context, starts, ends, [t for t, _ in gold]))
         if skipped and c.progress:
             import sys
 
@@ -477,20 +481,11 @@ class QuestionAnsweringTask(FinetuneTask):
         for out, w, i in zip(outputs, examples.windows, examples.example_of):
             by_question[int(i)].append((out[:, 0], out[:, 1], w))
         predictions, truths = {}, {}
-        for i, (qid, context, normalized, starts, ends, gold) in enumerate(examples.questions):
-            best = qa.answers(by_question[i], context, normalized, starts, ends, 1, c.max_answer_length,
+        for i, (qid, context, starts, ends, gold) in enumerate(examples.questions):
+            best = qa.answers(by_question[i], context, starts, ends, 1, c.max_answer_length,
                               handle_impossible=self.impossible)
             predictions[i], truths[i] = (best[0]["answer"] if best else ""), gold
         return qa.qa_scores(predictions, truths)
-
-
-def _normalized_span(starts: List[int], ends: List[int], a: int, b: int):
-    """The normalized-text span of the original characters [a, b), or None when normalization removed them."""
-    first = next((i for i, e in enumerate(ends) if e > a), None)
-    last = next((i for i in range(len(starts) - 1, -1, -1) if starts[i] < b), None)
-    if first is None or last is None or last < first:
-        return None
-    return first, last + 1
 
 
 class SentenceEmbeddingTask(FinetuneTask):
