@@ -599,6 +599,22 @@ assert seen == [], seen
 dropping(inputs, training=False)
 assert seen == ["plain", 0.0] * n, seen
 layers.set_implementation()
+# Inference on one CPU device runs attention a few batch rows at a time, in a loop (5 rows: a padded last
+# step): the same outputs as the whole batch at once. (Each check traces a new function: jax caches traces.)
+five = {k: np.concatenate([v, v[:1]]) for k, v in inputs.items()}
+def encode(x):
+    return plain.stateless_call([v.value for v in plain.trainable_variables],
+                                [v.value for v in plain.non_trainable_variables], x)[0]["sequence_output"]
+assert "scan" not in str(jax.make_jaxpr(encode)(five))  # a tiny batch's scores: the whole batch at once
+layers.ATTENTION_STEPS_FROM_BYTES, before = 0, layers.ATTENTION_STEPS_FROM_BYTES  # as long texts' scores
+assert layers.ATTENTION_ROWS_PER_STEP < 5 and "scan" in str(jax.make_jaxpr(lambda x: encode(x))(five))
+stepped = np.asarray(encode(five))
+layers.ATTENTION_STEPS_FROM_BYTES = before
+with layers.implementation(attention="explicit"):
+    assert "scan" not in str(jax.make_jaxpr(lambda x: encode(x))(five))
+    whole = np.asarray(encode(five))
+keep5 = five["padding_mask"].astype(bool)
+np.testing.assert_allclose(stepped[keep5], whole[keep5], atol=1e-5)
 # A training step runs on JAX too.
 keras.config.set_dtype_policy("mixed_bfloat16")
 bf = kbert.Pretrainer(kbert.build_backbone(model.config))

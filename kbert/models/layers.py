@@ -24,7 +24,9 @@ _MASK_BIAS = -1e9
 # both in one process.
 IMPLEMENTATIONS = {
     "dropout_masks": ("auto", "generator"),  # auto: the counter hash on JAX; generator: the backend's RNG
-    "attention": ("auto", "explicit"),  # auto: fused where it applies; explicit: einsum-softmax-einsum
+    # auto: fused where it applies, and on one CPU device outside training a few batch rows at a time;
+    # explicit: einsum-softmax-einsum over the whole batch; fused: `ops.dot_product_attention` wherever it applies
+    "attention": ("auto", "explicit", "fused"),
     # how the fused kernel gets the padding mask: [b, 1, s, s] (cuDNN takes it) or [b, 1, 1, s] (cuDNN
     # refuses it, XLA's attention runs)
     "attention_mask": ("square", "broadcast"),
@@ -284,6 +286,79 @@ def _fused_attention_applies(attention_dropout: float, training) -> bool:
     return attention_dropout == 0.0 or not training or _kernel_with_dropout() is not None
 
 
+# Batch rows per loop step of CPU inference's attention (`_attention_in_steps`): the fastest, or within a few
+# percent of it, at every shape benchmarks/attention.py times (bert-mini and bert-small, seq 128 to 512).
+ATTENTION_ROWS_PER_STEP = 2
+# Below this many bytes of float32 scores for the whole batch (about an L2 cache: [32, 4, 64, 64] is 2 MiB)
+# the loop's per-step cost outweighs what it saves, and the batch runs at once.
+ATTENTION_STEPS_FROM_BYTES = 2 ** 21
+
+
+def _attention_in_steps_applies(training) -> bool:
+    """Whether a block's attention runs `_attention_in_steps`: on Keras' JAX backend with one CPU device, outside
+    training, with no chosen kernel. XLA's CPU attention (fused call or einsums) writes the whole batch's
+    float32 scores ([b, n, q, k]: 75 MB at [32, 4, 384, 384]) to memory and reads them back for each of the
+    softmax's passes and the second matmul; a couple of rows' scores stay in the cores' caches. Training keeps
+    the one-batch form: its backward pass saves every step's probabilities anyway, and there the loop gains
+    little. Several devices (a data-parallel mesh of host CPUs) keep it too: the loop would walk the sharded
+    batch axis."""
+    if keras.backend.backend() != "jax" or training or _CHOSEN["attention"] != "auto":
+        return False
+    if _CHOSEN["attention_kernel"] is not None:
+        return False
+    devices = keras.distribution.list_devices()
+    return len(devices) == 1 and devices[0].startswith("cpu")
+
+
+def _softmax_attention(q, k, v, bias, scale, dropout=None):
+    """q [b, r, n, d], k, v [b, s, n, d], additive float32 bias [b, 1, 1 or r, s] -> [b, r, n, d]: the explicit
+    einsum-softmax-einsum, the softmax in float32 so fp16/bf16 scores do not overflow. `dropout`: a layer
+    applied to the probabilities (training)."""
+    scores = ops.einsum("bqnd,bknd->bnqk", q * ops.cast(scale, q.dtype), k)  # [b, n, r, s]
+    probs = ops.cast(ops.softmax(ops.cast(scores, "float32") + bias, axis=-1), q.dtype)
+    if dropout is not None:
+        probs = dropout(probs)
+    return ops.einsum("bnqk,bknd->bqnd", probs, v)  # [b, r, n, d]
+
+
+def _attention_rows(q, k, v, bias, scale):
+    """A loop step of `_attention_in_steps`: q [c, r, n, d], k, v [c, s, n, d], bias [c, 1, 1 or r, s] ->
+    [c, r, n, d]. Heads-major inside the step, and the softmax's division comes after the second matmul, on
+    [c, n, r, d] rather than the [c, n, r, s] probabilities (flash attention's order; the same result within
+    float32 rounding): both measured faster on a CPU than `_softmax_attention`'s form."""
+    qt, kt, vt = (ops.transpose(t, (0, 2, 1, 3)) for t in (q, k, v))  # [c, n, r or s, d]
+    scores = ops.cast(ops.einsum("bnqd,bnkd->bnqk", qt * ops.cast(scale, q.dtype), kt), "float32") + bias
+    weights = ops.exp(scores - ops.max(scores, axis=-1, keepdims=True))  # [c, n, r, s], float32
+    context = ops.einsum("bnqk,bnkd->bnqd", ops.cast(weights, q.dtype), vt)  # [c, n, r, d]
+    context = ops.cast(context, "float32") / ops.sum(weights, axis=-1, keepdims=True)
+    return ops.transpose(ops.cast(context, q.dtype), (0, 2, 1, 3))  # [c, r, n, d]
+
+
+def _attention_in_steps(q, k, v, padding_mask, scale):
+    """Inference attention `ATTENTION_ROWS_PER_STEP` batch rows at a time, in an `ops.scan` (see
+    `_attention_in_steps_applies` for why). q [b, r, n, d], k, v [b, s, n, d], padding_mask [b, s] (or [b, r, s]
+    for packed rows) -> [b, r, n, d]. A batch that does not divide is padded with rows of zeros, whose
+    outputs are dropped (rows do not interact). A batch whose scores fit `ATTENTION_STEPS_FROM_BYTES` runs
+    at once."""
+    bias = attention_bias(padding_mask)  # [b, 1, 1, s] or [b, 1, r, s]
+    b, c = q.shape[0], ATTENTION_ROWS_PER_STEP
+    if not isinstance(b, int) or b <= c:  # a symbolic batch (Keras building the model), or too few rows
+        return _attention_rows(q, k, v, bias, scale)
+    if b * q.shape[2] * q.shape[1] * k.shape[1] * 4 < ATTENTION_STEPS_FROM_BYTES:  # short texts: at once
+        return _softmax_attention(q, k, v, bias, scale)
+    steps = -(-b // c)
+
+    def in_steps(t):  # [b, ...] -> [steps, c, ...]
+        t = ops.pad(t, [(0, steps * c - b)] + [(0, 0)] * (len(t.shape) - 1))
+        return ops.reshape(t, (steps, c) + tuple(t.shape[1:]))
+
+    def step(carry, xs):
+        return carry, _attention_rows(*xs, scale)
+
+    _, out = ops.scan(step, 0, tuple(in_steps(t) for t in (q, k, v, bias)))  # [steps, c, r, n, d]
+    return ops.reshape(out, (steps * c,) + tuple(out.shape[2:]))[:b]
+
+
 def _kernel_with_dropout():
     """The chosen attention kernel when it applies attention dropout itself (`set_implementation`)."""
     kernel = _CHOSEN["attention_kernel"]
@@ -430,15 +505,14 @@ class TransformerBlock(keras.layers.Layer):
                 padding_mask = gather_positions(padding_mask, rows)  # [b, r, s]
         q = ops.reshape(q, (b, ops.shape(q)[1], n, d))  # [b, s, n, d] ([b, r, n, d] at rows)
         k, v = (ops.reshape(t, (b, s, n, d)) for t in (k, v))  # [b, s, n, d]
-        if _fused_attention_applies(self.attention_dropout.rate, training):
+        if _attention_in_steps_applies(training):
+            context = _attention_in_steps(q, k, v, padding_mask, self.scale)  # [b, s, n, d]
+        elif _fused_attention_applies(self.attention_dropout.rate, training):
             rate = self.attention_dropout.rate if training else 0.0
             context = _fused_attention(q, k, v, padding_mask, self.scale, rate)  # [b, s, n, d]
         else:
-            scores = ops.einsum("bqnd,bknd->bnqk", q * ops.cast(self.scale, q.dtype), k)  # [b, n, s, s]
-            # Softmax in float32 so fp16/bf16 scores do not overflow.
-            probs = ops.softmax(ops.cast(scores, "float32") + attention_bias(padding_mask), axis=-1)
-            probs = self.attention_dropout(ops.cast(probs, x.dtype), training=training)
-            context = ops.einsum("bnqk,bknd->bqnd", probs, v)  # [b, s, n, d]
+            context = _softmax_attention(q, k, v, attention_bias(padding_mask), self.scale,
+                                         lambda p: self.attention_dropout(p, training=training))  # [b, s, n, d]
         context = ops.reshape(context, (b, ops.shape(q)[1], n * d))  # [b, s, h] ([b, r, h] at rows)
         return self.hidden_dropout(self.attention_output(context), training=training)
 
