@@ -62,6 +62,8 @@ setup(
             # kbert.distill_static is checked against Model2Vec's own distillation and loading (the base package;
             # its [distill] extra pins transformers, and the tests need only its torch inference helpers).
             "model2vec>=0.7",
+            # kbert.keywords is checked against KeyBERT's own extraction on the same candidates and vectors.
+            "keybert>=0.8",
             # The JAX backend tests run the same model code and the pretraining loop under KERAS_BACKEND=jax.
             "jax>=0.4.30",
             "faiss-cpu>=1.8",

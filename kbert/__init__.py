@@ -53,6 +53,8 @@ _EXPORTS = {
     "mine_hard_negatives": "kbert.embed.mining",
     "paraphrase_mining": "kbert.embed.mining",
     "community_detection": "kbert.embed.mining",
+    "keywords": "kbert.embed.keywords",
+    "keyphrase_candidates": "kbert.embed.keywords",
     "quantize_embeddings": "kbert.embed.quantize",
     "quantization_ranges": "kbert.embed.quantize",
     "quantized_search": "kbert.embed.quantize",

@@ -617,6 +617,18 @@ def _cluster(args):
           f"{args.min_size} a group)" + (f"; written to {args.out}" if args.out else ""), file=sys.stderr)
 
 
+def _keywords(args):
+    from kbert.embed.keywords import keywords
+
+    numbers, texts = _numbered_lines(args.input)
+    found = keywords(args.model, texts, top_n=args.top_n, ngram_range=tuple(args.ngram_range),
+                     analyzer=args.analyzer, stop_words=args.stop_words, diversity=args.diversity,
+                     nr_candidates=args.nr_candidates, batch_size=args.batch_size, progress=True)
+    _write_json_lines(({"line": n, "keywords": [{"phrase": p, "score": round(s, 6)} for p, s in kw]}
+                       for n, kw in zip(numbers, found)), args.out)
+    print(f"keywords of {len(texts)} documents" + (f" written to {args.out}" if args.out else ""), file=sys.stderr)
+
+
 def _evaluate(args):
     import json
 
@@ -912,6 +924,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-size", type=int, default=10, help="the fewest lines a group may have (default 10; 2 "
                                                             "finds every pair of near-duplicates)")
     p.set_defaults(func=_cluster)
+
+    p = sub.add_parser("keywords", help="the keyphrases of each line (KeyBERT's method over Korean noun phrases: "
+                                        "the noun runs whose vectors are nearest the line's), as JSON lines")
+    p.add_argument("--model", required=True, help="model dir or Hub name whose vectors score the phrases")
+    p.add_argument("--input", help="text file, one document a line (default: stdin); blank lines are skipped, and "
+                                   "the output names lines by their number in the file")
+    p.add_argument("--out", help="JSON lines file to write (default: stdout)")
+    p.add_argument("--top-n", type=int, default=5, help="keyphrases a document (default 5)")
+    p.add_argument("--ngram-range", type=int, nargs=2, default=[1, 2], metavar=("MIN", "MAX"),
+                   help="nouns a phrase (default 1 2)")
+    p.add_argument("--analyzer", default="mecab", help="morpheme analyzer: mecab (default), kiwi, okt, komoran, "
+                                                       "hannanum, kkma")
+    p.add_argument("--stop-words", nargs="+", help="nouns never in a phrase")
+    p.add_argument("--diversity", type=float, help="maximal marginal relevance with this weight on variety (0-1)")
+    p.add_argument("--nr-candidates", type=int, help="max sum distance over this many nearest candidates")
+    p.add_argument("--batch-size", type=int, default=64, help="texts encoded at a time (default 64)")
+    p.set_defaults(func=_keywords)
 
     p = sub.add_parser("evaluate", help="how good a model's sentence vectors are on a labelled file: STS "
                                         "correlations, paraphrase classification or retrieval figures (JSON)")
