@@ -371,6 +371,8 @@ def _embed(args):
         raise ValueError("--format npy needs --out FILE.npy")
     if args.words and (args.prompt_name or args.prompt):
         raise ValueError("--prompt-name / --prompt go with sentence vectors, not --words")
+    if args.words and args.long_texts != "truncate":
+        raise ValueError("--long-texts mean averages sentence vectors of windows; not with --words")
     emb.prompt_text(args.prompt_name, args.prompt)  # an unknown prompt name fails before any text is read
     width = emb.check_truncate_dim(args.truncate_dim)
     scalar = args.precision in ("int8", "uint8")
@@ -400,7 +402,7 @@ def _embed(args):
             continue
         vectors = emb.encode(chunk, pooling=args.pooling, progress=False, prompt_name=args.prompt_name,
                              prompt=args.prompt, truncate_dim=args.truncate_dim, precision=chunk_precision,
-                             ranges=ranges)
+                             ranges=ranges, long_texts=args.long_texts)
         if args.format == "npy":
             chunks.append(vectors)
         else:
@@ -800,6 +802,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", help="a text put before every text instead of a named prompt")
     p.add_argument("--truncate-dim", type=int, help="keep the first N dimensions of each vector (a Matryoshka "
                                                     "model's short vectors), renormalized")
+    p.add_argument("--long-texts", choices=("truncate", "mean"), default="truncate",
+                   help="a line over --max-length tokens: its first tokens (default), or the mean of its "
+                        "consecutive windows' vectors")
     p.add_argument("--words", action="store_true", help="word vectors instead of sentence vectors")
     p.add_argument("--unit", choices=("eojeol", "morpheme", "subword"), default="eojeol", help="with --words")
     p.add_argument("--format", choices=("jsonl", "npy"), default="jsonl")

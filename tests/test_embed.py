@@ -1466,6 +1466,9 @@ def test_static_model_encodes_as_model2vec_and_sentence_transformers_do(algorith
         first = static.encode(long, max_length=5)
     head = static.vectors[[i for i in tok.ids_batch([long])[0][:5] if i != tok.unk_id]].mean(axis=0)
     np.testing.assert_allclose(first, head / np.linalg.norm(head), atol=1e-6)
+    # long_texts="mean": windows weighted by their tokens average to every token's mean (a table has no context)
+    every = static.encode(long, max_length=10 ** 6)
+    np.testing.assert_allclose(static.encode(long, max_length=5, long_texts="mean"), every, atol=1e-6)
 
 
 def test_static_model_searches_whitens_serves_and_refuses_what_it_cannot_do(emb, tmp_path):
@@ -1505,3 +1508,52 @@ def test_distill_static_command(emb, tmp_path, capsys):
     assert "written to" in capsys.readouterr().out
     np.testing.assert_allclose(kbert.Embedder.load(out).encode(TEXTS[:2]),
                                kbert.distill_static(model_dir, dim=12).encode(TEXTS[:2]), atol=5e-3)
+
+
+def test_long_texts_mean_averages_window_vectors_as_transformers_computes_them(emb, tmp_path):
+    """`encode(long_texts="mean")`: a text over max_length is read in consecutive windows ([CLS] + the prompt's
+    tokens + the next stretch + [SEP]) whose mean-pooled vectors are averaged, weighted by the text tokens each
+    holds; checked window by window with transformers' BertModel on the exported weights (CPU torch)."""
+    import torch
+    import transformers
+
+    hf = str(tmp_path / "hf")
+    kbert.export_transformers(emb.backbone, hf)
+    model = transformers.BertModel.from_pretrained(hf, add_pooling_layer=False).eval()
+    tok = emb.tokenizer
+    long_text = " ".join(line.strip() for line in corpus(["kolaw"]).texts() if line.strip())[:600]
+    texts = ["짧은 문장", long_text, "국회는 법률을 제정한다."]
+    ids = tok.ids_batch([long_text])[0]
+    limit = 32
+    assert len(ids) > 3 * (limit - 2)  # several windows, the last one short
+
+    def reference(ids, head=()):
+        room = limit - 2 - len(head)
+        vectors, weights = [], []
+        for start in range(0, len(ids), room):
+            piece = [tok.cls_id, *head, *ids[start:start + room], tok.sep_id]
+            with torch.no_grad():
+                hidden = model(input_ids=torch.tensor([piece])).last_hidden_state[0].numpy()
+            vectors.append(hidden.mean(axis=0))
+            weights.append(len(ids[start:start + room]))
+        v = np.average(vectors, axis=0, weights=weights)
+        return v / np.linalg.norm(v)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing is cut, so no truncation warning
+        got = emb.encode(texts, max_length=limit, long_texts="mean", batch_size=4)
+    np.testing.assert_allclose(got[1], reference(ids), atol=1e-5)
+    with pytest.warns(UserWarning, match="1 of 3 texts are longer than 32 tokens"):
+        short = emb.encode(texts, max_length=limit)  # texts that fit: the same vectors either way
+    np.testing.assert_allclose(got[[0, 2]], short[[0, 2]], atol=1e-6)
+    assert not np.allclose(got[1], short[1], atol=1e-3)  # truncation read only the first window
+    # a prompt starts every window
+    prompt_ids = tok.ids_batch(["질문: "])[0]
+    with_prompt = emb.encode(long_text, max_length=limit, long_texts="mean", prompt="질문: ")
+    full = tok.ids_batch(["질문: " + long_text])[0]
+    assert full[:len(prompt_ids)] == prompt_ids
+    np.testing.assert_allclose(with_prompt, reference(full[len(prompt_ids):], prompt_ids), atol=1e-5)
+    with pytest.raises(ValueError, match="`long_texts` must be one of"):
+        emb.encode("x", long_texts="split")
+    with pytest.raises(ValueError, match="no room for text"):
+        emb.encode(long_text, max_length=4, long_texts="mean", prompt="아주 긴 질문 앞머리: ")

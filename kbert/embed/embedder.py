@@ -40,6 +40,9 @@ from kbert.models.pooling import (PACKED_POOLINGS, POOLINGS, check_pooling, laye
                                   pool_packed)
 
 ENCODE_CHUNK = 8192  # texts tokenized at a time by `encode`
+# What `encode` does with a text longer than max_length: cut it there (sentence-transformers' behaviour, with a
+# warning), or average the vectors of its consecutive windows.
+LONG_TEXTS = ("truncate", "mean")
 PACK_WIDTH = 64  # XLA: a batch holding this many tokens packs into rows of at least this width
 JIT_MODES = (False, True, "background")
 UNITS = ("eojeol", "morpheme", "subword")
@@ -447,7 +450,7 @@ class Embedder:
                normalize: bool = True, batch_size: int = 64, max_length: Optional[int] = None,
                progress: Optional[bool] = None, prompt_name: Optional[str] = None,
                prompt: Optional[str] = None, truncate_dim: Optional[int] = None, precision: str = "float32",
-               ranges=None, calibration_embeddings=None) -> np.ndarray:
+               ranges=None, calibration_embeddings=None, long_texts: str = "truncate") -> np.ndarray:
         """Sentence vectors `[n, dimension]` (a single string gives `[dimension]`; `dimension` is the hidden size, or
         the last projection's width: `dense`), float32, in input order.
 
@@ -469,6 +472,12 @@ class Embedder:
             256 buckets: `ranges` [2, dim], or `calibration_embeddings` to take them from; default: from these
             vectors, so keep `kbert.quantization_ranges` of a corpus sample for later texts and queries),
             "binary" / "ubinary" (sign bits, 8 to a byte). `search` takes such a corpus as it is.
+        long_texts: what a text longer than `max_length` tokens gets: "truncate" (default; its first tokens,
+            with one warning counting such texts, as sentence-transformers), or "mean": the text is cut into
+            consecutive windows that fill `max_length` ([CLS], the prompt's tokens, the next stretch of the
+            text, [SEP]; no overlap, so each token is read once) and its vector is the average of theirs, each
+            weighted by the text tokens it holds. For statutes, decisions and articles where the first few
+            hundred tokens are not the whole document. Texts that fit are encoded as with "truncate".
         """
         from kbert.embed.quantize import check_precision
 
@@ -478,13 +487,17 @@ class Embedder:
         width = self.check_truncate_dim(truncate_dim)
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"`batch_size` must be a positive integer. Received: batch_size={batch_size!r}")
+        if long_texts not in LONG_TEXTS:
+            raise ValueError(f"`long_texts` must be one of {LONG_TEXTS}. Received: long_texts={long_texts!r}")
         single = isinstance(texts, (str, bytes))
         texts = text_list(texts)
+        prompt_tokens = len(self.tokenizer.ids_batch([prefix])[0]) if prefix and long_texts != "truncate" else 0
         if prefix:
             texts = [prefix + t for t in texts]
         show = progress if progress is not None else len(texts) >= 10 * batch_size
         bar = progress_bar(total=len(texts), desc="encode", unit=" texts", enabled=show)
-        out = self._pooled_texts(texts, pooling, layers, batch_size, self._max_length(max_length), bar)
+        out = self._pooled_texts(texts, pooling, layers, batch_size, self._max_length(max_length), bar,
+                                 long_texts, prompt_tokens)
         bar.close()
         if self.dense:
             out = self.project(out)
@@ -498,19 +511,49 @@ class Embedder:
             out = quantize_embeddings(out, precision, ranges, calibration_embeddings)
         return out[0] if single else out
 
-    def _pooled_texts(self, texts, pooling, layers, batch_size, max_length, bar) -> np.ndarray:
-        """Pooled vectors `[n, hidden]` of `texts` (prompts already in), before projections and normalization."""
+    def _pooled_texts(self, texts, pooling, layers, batch_size, max_length, bar, long_texts="truncate",
+                      prompt_tokens: int = 0) -> np.ndarray:
+        """Pooled vectors `[n, hidden]` of `texts` (prompts already in, `prompt_tokens` tokens of each), before
+        projections and normalization. A text over `max_length` tokens is cut there, or with
+        `long_texts="mean"` encoded in consecutive windows that fill `max_length` (each starting with the
+        prompt's tokens), whose pooled vectors are averaged, weighted by the text tokens each holds."""
         out = np.zeros((len(texts), self.backbone.config.hidden_size), np.float32)
-        truncated = 0
+        truncated, room = 0, max_length - 2  # [CLS] and [SEP] take two
+        cls, sep = self.tokenizer.cls_id, self.tokenizer.sep_id
         # Chunks bound the memory of token lists for very large inputs; each chunk is length-sorted.
         for first in range(0, len(texts), ENCODE_CHUNK):
             chunk = self.tokenizer.ids_batch(texts[first:first + ENCODE_CHUNK])
-            id_lists = []
-            for ids in chunk:
-                truncated += len(ids) > max_length - 2
-                id_lists.append([self.tokenizer.cls_id] + ids[:max_length - 2] + [self.tokenizer.sep_id])
-            for index, vectors in self._pooled_batches(id_lists, batch_size, bar, pooling, layers):
-                out[first + index] = vectors
+            id_lists, owner, weight = [], [], []
+            for j, ids in enumerate(chunk):
+                if len(ids) <= room or long_texts == "truncate":
+                    truncated += len(ids) > room
+                    id_lists.append([cls] + ids[:room] + [sep])
+                    owner.append(j)
+                    weight.append(1.0)
+                    continue
+                head, rest = ids[:prompt_tokens], ids[prompt_tokens:]
+                step = room - len(head)
+                if step < 1:
+                    raise ValueError(f"the prompt takes {len(head)} of the {room} tokens a window holds: no room "
+                                     f"for text; raise max_length or shorten the prompt")
+                for start in range(0, len(rest), step):
+                    piece = rest[start:start + step]
+                    id_lists.append([cls] + head + piece + [sep])
+                    owner.append(j)
+                    weight.append(float(len(piece)))
+            if len(id_lists) == len(chunk):
+                for index, vectors in self._pooled_batches(id_lists, batch_size, bar, pooling, layers):
+                    out[first + index] = vectors
+                continue
+            pooled = np.zeros((len(id_lists), out.shape[1]), np.float32)  # one row a window
+            for index, vectors in self._pooled_batches(id_lists, batch_size, None, pooling, layers):
+                pooled[index] = vectors
+            owner, weight = np.asarray(owner), np.asarray(weight, np.float32)
+            sums = np.zeros((len(chunk), out.shape[1]), np.float32)
+            np.add.at(sums, owner, pooled * weight[:, None])
+            out[first:first + len(chunk)] = sums / np.bincount(owner, weight, minlength=len(chunk))[:, None]
+            if bar is not None:
+                bar.update(len(chunk))
         self._warn_truncated(truncated, len(texts), max_length, stacklevel=4)  # the caller of `encode`
         return out
 
@@ -824,8 +867,14 @@ class StaticEmbedder(Embedder):
             raise ValueError(f"`max_length` must be a positive number of tokens. Received: max_length={max_length!r}")
         return int(max_length)
 
-    def _pooled_texts(self, texts, pooling, layers, batch_size, max_length, bar) -> np.ndarray:
+    def _pooled_texts(self, texts, pooling, layers, batch_size, max_length, bar, long_texts="truncate",
+                      prompt_tokens: int = 0) -> np.ndarray:
+        """Mean token vectors of `texts`; `max_length` cuts them unless `long_texts="mean"` (the average of
+        windows weighted by their tokens is the mean over every token: a table has no context)."""
         from scipy.sparse import csr_matrix
+
+        if long_texts == "mean":
+            max_length = None
 
         out = np.zeros((len(texts), self.vectors.shape[1]), np.float32)
         truncated, unk = 0, self.tokenizer.unk_id
