@@ -625,7 +625,8 @@ def _keywords(args):
     numbers, texts = _numbered_lines(args.input)
     found = keywords(args.model, texts, top_n=args.top_n, ngram_range=tuple(args.ngram_range),
                      analyzer=args.analyzer, stop_words=args.stop_words, diversity=args.diversity,
-                     nr_candidates=args.nr_candidates, batch_size=args.batch_size, progress=True)
+                     nr_candidates=args.nr_candidates, batch_size=args.batch_size, long_texts=args.long_texts,
+                     progress=True)
     _write_json_lines(({"line": n, "keywords": [{"phrase": p, "score": round(s, 6)} for p, s in kw]}
                        for n, kw in zip(numbers, found)), args.out)
     print(f"keywords of {len(texts)} documents" + (f" written to {args.out}" if args.out else ""), file=sys.stderr)
@@ -944,6 +945,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop-words", nargs="+", help="nouns never in a phrase")
     p.add_argument("--diversity", type=float, help="maximal marginal relevance with this weight on variety (0-1)")
     p.add_argument("--nr-candidates", type=int, help="max sum distance over this many nearest candidates")
+    p.add_argument("--long-texts", choices=("truncate", "mean"), default="truncate",
+                   help="a document over the model's max_length: its first tokens (default, as KeyBERT), or the "
+                        "mean of its windows' vectors")
     p.add_argument("--batch-size", type=int, default=64, help="texts encoded at a time (default 64)")
     p.set_defaults(func=_keywords)
 

@@ -154,9 +154,13 @@ def test_keywords_command_writes_a_line_per_document(emb, model_dir, tmp_path, c
     path = tmp_path / "docs.txt"
     path.write_text("\n".join(docs[:2]) + "\n\n" + docs[2] + "\n", encoding="utf-8")
     main(["keywords", "--model", model_dir, "--input", str(path), "--top-n", "4", "--diversity", "0.5",
-          "--out", str(tmp_path / "out.jsonl")])
+          "--long-texts", "mean", "--out", str(tmp_path / "out.jsonl")])
     rows = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text(encoding="utf-8").splitlines()]
     assert [r["line"] for r in rows] == [1, 2, 4]
-    want = kbert.keywords(emb, docs, top_n=4, diversity=0.5)
+    want = kbert.keywords(emb, docs, top_n=4, diversity=0.5, long_texts="mean", max_length=64)
+    with pytest.warns(UserWarning, match="truncated"):
+        cut = kbert.keywords(emb, docs, top_n=4, diversity=0.5, max_length=64)
+    assert want != cut  # with long_texts="mean" the whole paragraphs were read
+    want = kbert.keywords(emb, docs, top_n=4, diversity=0.5, long_texts="mean")
     assert [[k["phrase"] for k in r["keywords"]] for r in rows] == [[p for p, _ in w] for w in want]
     assert "3 documents" in capsys.readouterr().err

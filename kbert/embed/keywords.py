@@ -164,7 +164,8 @@ def keywords(model, docs: Union[str, Sequence[str]], top_n: int = 5, ngram_range
     Args:
         model: an `Embedder`, or a model dir or Hub name to load one from.
         docs: a document or a list of them. A document longer than the model's `max_length` is encoded from
-            its first tokens (with the Embedder's warning), as KeyBERT does.
+            its first tokens (with the Embedder's warning), as KeyBERT does; `long_texts="mean"` reads all of
+            it (`Embedder.encode`).
         ngram_range, analyzer, tags, stop_words: the candidates (`keyphrase_candidates`).
         candidates: phrases to choose from instead; each document keeps those that occur in it.
         diversity: maximal marginal relevance with this weight on variety (0: by score alone; KeyBERT's
