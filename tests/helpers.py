@@ -55,6 +55,22 @@ def tiny_hf_pretraining_model(architecture="bert", seed=0, **overrides):
     return model
 
 
+def tiny_embedding_model(path: str, max_position: int = 64) -> str:
+    """Saves at `path` a random bert-tiny 32 wide (2 heads) with a 1,500-piece vocabulary learned on konlpy's
+    kolaw and kobill, the same weights every call; returns `path`."""
+    import keras
+
+    import kbert
+    from kbert.data.corpus import corpus
+
+    tok = kbert.Tokenizer.train(corpus(["kolaw", "kobill"]), vocab_size=1500, progress=False)
+    cfg = kbert.ModelConfig.preset("bert-tiny", vocab_size=tok.vocab_size, hidden_size=32, num_heads=2,
+                                   intermediate_size=64, max_position=max_position)
+    keras.utils.set_random_seed(0)  # the same random model whichever tests ran before in this worker
+    kbert.save_model(kbert.BertBackbone(cfg), path, tokenizer=tok)
+    return path
+
+
 def random_batch(vocab_size=99, lengths=(9, 5, 12, 1), seq_len=12, seed=0):
     """Padded batch of mixed lengths with two segments: dict of int32 arrays."""
     rng = np.random.default_rng(seed)

@@ -10,7 +10,7 @@ import pytest
 import kbert
 from kbert.data.corpus import corpus
 
-from helpers import xlmr_dir
+from helpers import tiny_embedding_model, xlmr_dir
 
 TEXTS = ["대한민국은 민주공화국이다.", "모든 국민은 법 앞에 평등하다.", "", "   ",
          "국회는 법률을 제정한다. 대통령은 국가를 대표한다. " * 3, "학교에서 공부했다"]
@@ -18,13 +18,7 @@ TEXTS = ["대한민국은 민주공화국이다.", "모든 국민은 법 앞에 
 
 @pytest.fixture(scope="module")
 def emb(tmp_path_factory):
-    tok = kbert.Tokenizer.train(corpus(["kolaw", "kobill"]), vocab_size=1500, progress=False)
-    cfg = kbert.ModelConfig.preset("bert-tiny", vocab_size=tok.vocab_size, hidden_size=32, num_heads=2,
-                                   intermediate_size=64, max_position=64)
-    path = str(tmp_path_factory.mktemp("model"))
-    keras.utils.set_random_seed(0)  # the same random model whichever tests ran before in this worker
-    kbert.save_model(kbert.BertBackbone(cfg), path, tokenizer=tok)
-    return kbert.Embedder.load(path)
+    return kbert.Embedder.load(tiny_embedding_model(str(tmp_path_factory.mktemp("model"))))
 
 
 def test_encode_order_pooling_and_normalization(emb):

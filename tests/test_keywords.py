@@ -2,13 +2,14 @@
 
 import json
 
-import keras
 import numpy as np
 import pytest
 
 import kbert
 from kbert.data.corpus import corpus
 from kbert.text.morphemes import align
+
+from helpers import tiny_embedding_model
 
 TEXT = "자연어 처리 기술이 빠르게 발전하면서 인공지능 서비스가 늘었다. 서울대학교 연구팀은 BERT 모델을 공개했다."
 
@@ -59,13 +60,7 @@ def test_candidates_from_real_analyzers_are_nouns_without_particles(name):
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    tok = kbert.Tokenizer.train(corpus(["kolaw", "kobill"]), vocab_size=1500, progress=False)
-    cfg = kbert.ModelConfig.preset("bert-tiny", vocab_size=tok.vocab_size, hidden_size=32, num_heads=2,
-                                   intermediate_size=64, max_position=512)
-    path = str(tmp_path_factory.mktemp("model"))
-    keras.utils.set_random_seed(0)
-    kbert.save_model(kbert.BertBackbone(cfg), path, tokenizer=tok)
-    return path
+    return tiny_embedding_model(str(tmp_path_factory.mktemp("model")), max_position=512)
 
 
 @pytest.fixture(scope="module")
