@@ -518,10 +518,12 @@ def _serve(args):
     from kbert.server import serve
 
     print(f"serving {args.model} on http://{args.host}:{args.port} (POST /v1/embeddings, /v1/similarity, "
-          f"/v1/classify; GET /health, /metrics); Ctrl-C or SIGTERM drains and stops", file=sys.stderr, flush=True)
+          f"/v1/keywords, /v1/classify, /v1/answer, /v1/rerank; GET /health, /metrics); Ctrl-C or SIGTERM drains "
+          f"and stops", file=sys.stderr, flush=True)
     serve(args.model, host=args.host, port=args.port, max_batch_tokens=args.max_batch_tokens,
           max_wait_ms=args.max_wait_ms, max_queue=args.max_queue, max_texts=args.max_texts,
-          max_chars=args.max_chars, timeout_s=args.timeout, jit_compile=args.jit_compile == "on")
+          max_chars=args.max_chars, timeout_s=args.timeout, jit_compile=args.jit_compile == "on",
+          keywords_analyzer=args.keywords_analyzer)
 
 
 def _export(args):
@@ -1030,6 +1032,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--jit-compile", choices=("on", "off"), default="on",
                    help="sentence vectors through XLA, each batch shape compiled in the background the first "
                         "time it is met (on), or the graph only (off)")
+    p.add_argument("--keywords-analyzer", default="mecab",
+                   help="morpheme analyzer of /v1/keywords: mecab (default), kiwi, okt, komoran, hannanum, kkma")
     p.set_defaults(func=_serve)
 
     p = sub.add_parser("export", help="a SavedModel that takes raw strings (TF Serving layout DIR/VERSION/)")

@@ -22,6 +22,11 @@ Routes (JSON in and out; errors are `{"error": {"message", "type", "code"}}` wit
                           [str] (one per question, or one for all), "top_k"?: int, "max_answer_length"?: int,
                           "handle_impossible_answer"?: bool} -> {"data": [{"index", "answer", "score", "start",
                           "end"}]} (`TaskModel.answer`'s fields; with top_k > 1 each item's "answers" lists them)
+    POST /v1/keywords     any model: the keyphrases of each document (`kbert.keywords`: KeyBERT's method over
+                          Korean noun runs, analyzed by the server's `keywords_analyzer`, mecab by default):
+                          {"input": str | [str], "top_n"?: int, "diversity"?: number (MMR), "nr_candidates"?:
+                          int (max sum), "ngram_range"?: [min, max], "stop_words"?: [str], "candidates"?: [str]}
+                          -> {"data": [{"index", "keywords": [{"phrase", "score"}], best first}]}
     POST /v1/rerank       cross-encoders (a reranker such as BGE-reranker-v2-m3, a kbert pair regression),
                           the request and answer of Cohere's rerank API, which Jina, vLLM and Infinity serve
                           too: {"query": str, "documents": [str | {"text": str}], "top_n"?: int,
@@ -67,7 +72,7 @@ from typing import List
 
 import numpy as np
 
-ROUTES = ("/v1/embeddings", "/v1/similarity", "/v1/classify", "/v1/answer", "/v1/rerank")
+ROUTES = ("/v1/embeddings", "/v1/similarity", "/v1/classify", "/v1/answer", "/v1/keywords", "/v1/rerank")
 
 
 class HTTPError(Exception):
@@ -88,7 +93,8 @@ class Engine:
     """The model and the batching worker: `await engine.run(kind, texts, options)` from request handlers."""
 
     def __init__(self, model_dir: str, max_batch_tokens: int = 8192, max_wait_ms: float = 5.0,
-                 max_queue: int = 4096, batch_size: int = 64, jit_compile: bool = True):
+                 max_queue: int = 4096, batch_size: int = 64, jit_compile: bool = True,
+                 keywords_analyzer: str = "mecab"):
         from kbert.embed.embedder import Embedder
         from kbert.embed.task_model import TaskModel, task_meta
 
@@ -114,6 +120,11 @@ class Engine:
         self.metrics.compiling.set_function(lambda: self.embedder.compiling)
         self.metrics.compiled.set_function(lambda: self.embedder.compiled_shapes)
         self._worker = threading.Thread(target=self._work, daemon=True, name="kbert-serve-batcher")
+        # /v1/keywords' morpheme analyzer: named now (an unknown name fails at start), loaded by its first request
+        # in the worker thread, so a server never asked for keywords never needs it installed
+        from kbert.text.morphemes import morphemes
+
+        self.analyzer = morphemes(keywords_analyzer)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, warm: bool = True) -> None:
@@ -249,6 +260,10 @@ class Engine:
         if kind == "answer":
             contexts = [p for j in group for p in j.pairs]
             return self.task_model.answer(texts, contexts, batch_size=self.batch_size, **options)
+        if kind == "keywords":
+            from kbert.embed.keywords import keywords
+
+            return keywords(self.embedder, texts, analyzer=self.analyzer, batch_size=self.batch_size, **options)
         pairs = None
         if any(j.pairs is not None for j in group):
             pairs = [p for j in group for p in (j.pairs if j.pairs is not None else [""] * len(j.texts))]
@@ -318,17 +333,19 @@ def _texts(value, field: str, max_texts: int, max_chars: int) -> List[str]:
 
 def build_app(model: str, max_batch_tokens: int = 8192, max_wait_ms: float = 5.0, max_queue: int = 4096,
               max_texts: int = 512, max_chars: int = 20000, timeout_s: float = 30.0, warm: bool = True,
-              jit_compile: bool = True):
+              jit_compile: bool = True, keywords_analyzer: str = "mecab"):
     """The Starlette app serving `model` (a kbert model dir, a fine-tuned task dir, or a Hugging Face dir);
     `app.state.engine` is its `Engine`. `warm=False` leaves /health at 503 until `engine.warm_up()`.
-    `jit_compile`: sentence vectors through XLA (`Embedder(jit_compile="background")`), else the graph."""
+    `jit_compile`: sentence vectors through XLA (`Embedder(jit_compile="background")`), else the graph.
+    `keywords_analyzer`: the `kbert.morphemes` analyzer of /v1/keywords."""
     import contextlib
 
     from starlette.applications import Starlette
     from starlette.responses import JSONResponse, Response
     from starlette.routing import Route
 
-    engine = Engine(model, max_batch_tokens, max_wait_ms, max_queue, jit_compile=jit_compile)
+    engine = Engine(model, max_batch_tokens, max_wait_ms, max_queue, jit_compile=jit_compile,
+                    keywords_analyzer=keywords_analyzer)
     name = str(model).rstrip("/").rsplit("/", 1)[-1]
 
     def error(e: HTTPError, route: str) -> JSONResponse:
@@ -464,6 +481,27 @@ def build_app(model: str, max_batch_tokens: int = 8192, max_wait_ms: float = 5.0
             return {"task": model.task, "data": [{"index": i, "answers": a} for i, a in enumerate(found)]}
         return {"task": model.task, "data": [{"index": i, **a} for i, a in enumerate(found)]}
 
+    async def keywords(data, ticket=None):
+        from kbert.embed.keywords import check_options
+
+        texts = _texts(data.get("input"), "input", max_texts, max_chars)
+        options = {}
+        for key in ("top_n", "diversity", "nr_candidates", "ngram_range", "stop_words", "candidates"):
+            if key in data:
+                options[key] = data[key]
+        for key in ("stop_words", "candidates"):
+            if key in options and not (isinstance(options[key], list)
+                                       and all(isinstance(w, str) for w in options[key])):
+                raise HTTPError(400, f"`{key}` must be a list of strings")
+        if "ngram_range" in options and isinstance(options["ngram_range"], list):
+            options["ngram_range"] = tuple(options["ngram_range"])
+        check_options(**{k: options[k] for k in ("top_n", "diversity", "nr_candidates", "ngram_range")
+                         if k in options})  # a bad setting: 400 before the request queues
+        found = await engine.run("keywords", texts, options, timeout=timeout_s, ticket=ticket)
+        engine.metrics.texts.labels("/v1/keywords").inc(len(texts))
+        return {"data": [{"index": i, "keywords": [{"phrase": p, "score": s} for p, s in kws]}
+                         for i, kws in enumerate(found)]}
+
     async def rerank(data, ticket=None):
         model = engine.task_model
         try:
@@ -522,6 +560,7 @@ def build_app(model: str, max_batch_tokens: int = 8192, max_wait_ms: float = 5.0
               Route("/v1/similarity", handler("/v1/similarity", similarity), methods=["POST"]),
               Route("/v1/classify", handler("/v1/classify", classify), methods=["POST"]),
               Route("/v1/answer", handler("/v1/answer", answer), methods=["POST"]),
+              Route("/v1/keywords", handler("/v1/keywords", keywords), methods=["POST"]),
               Route("/v1/rerank", handler("/v1/rerank", rerank), methods=["POST"]),
               Route("/health", health), Route("/metrics", metrics)]
     app = Starlette(routes=routes, lifespan=lifespan)

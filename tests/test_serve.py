@@ -314,6 +314,34 @@ def test_answer_serves_a_question_answering_model(dirs, tmp_path):
     assert missing.status_code == 404 and "question-answering" in missing.json()["error"]["message"]
 
 
+def test_keywords_serve_kbert_keywords_of_each_document(dirs):
+    """/v1/keywords: the keyphrases and scores of kbert.keywords with the server's analyzer, for one document
+    or several, with the request's settings; bad settings 400 before they queue; an unknown analyzer fails at
+    start."""
+    from kbert.server import build_app
+
+    docs = ["헌법재판소는 법률의 위헌 여부를 심판한다. 국회는 법률을 제정한다.",
+            "대통령은 국가의 원수이며 외국에 대하여 국가를 대표한다."]
+    emb = kbert.Embedder.load(dirs[0])
+    expected = kbert.keywords(emb, docs, top_n=3, diversity=0.3, analyzer="kiwi")
+    with Running(build_app(dirs[0], keywords_analyzer="kiwi")) as srv:
+        body = httpx.post(srv.url + "/v1/keywords", json={"input": docs, "top_n": 3, "diversity": 0.3},
+                          timeout=60).json()
+        assert [[k["phrase"] for k in d["keywords"]] for d in body["data"]] == [[p for p, _ in e] for e in expected]
+        np.testing.assert_allclose([k["score"] for d in body["data"] for k in d["keywords"]],
+                                   [s for e in expected for _, s in e], atol=1e-5)
+        one = httpx.post(srv.url + "/v1/keywords", json={"input": docs[0], "candidates": ["법률", "국회", "대통령"]},
+                         timeout=60).json()
+        assert len(one["data"]) == 1 and sorted(k["phrase"] for k in one["data"][0]["keywords"]) == ["국회", "법률"]
+        for bad, word in [({"top_n": 0}, "top_n"), ({"ngram_range": [2, 1]}, "ngram_range"),
+                          ({"diversity": 0.5, "nr_candidates": 10}, "choose one"),
+                          ({"stop_words": "법률"}, "stop_words")]:
+            r = httpx.post(srv.url + "/v1/keywords", json={"input": docs, **bad}, timeout=60)
+            assert r.status_code == 400 and word in r.json()["error"]["message"], (bad, r.text)
+    with pytest.raises(ValueError, match="Unknown morpheme backend"):
+        build_app(dirs[0], keywords_analyzer="nltk")
+
+
 @pytest.mark.slow
 def test_sigterm_drains_the_requests_in_flight(dirs):
     model_dir, _ = dirs

@@ -134,6 +134,12 @@ def _max_sum(doc_sim: np.ndarray, cand_sim: np.ndarray, top_n: int, nr_candidate
     return [int(pool[i]) for i in best]
 
 
+def check_options(top_n=5, diversity=None, nr_candidates=None, ngram_range=(1, 2)) -> None:
+    """ValueError naming the first bad setting of `keywords` (the server checks a request before it queues)."""
+    _ngram_range(ngram_range)
+    _check(top_n, diversity, nr_candidates)
+
+
 def _check(top_n, diversity, nr_candidates):
     if isinstance(top_n, bool) or not isinstance(top_n, int) or top_n < 1:
         raise ValueError(f"`top_n` must be a positive int. Received: top_n={top_n!r}")
