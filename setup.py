@@ -42,7 +42,8 @@ setup(
         "serve": ["starlette>=0.37", "uvicorn>=0.29", "httptools>=0.6", "uvloop>=0.19; sys_platform != 'win32'",
                   "prometheus-client>=0.20", "orjson>=3.9"],
         # benchmarks/embed.py compares against sentence-transformers on the same weights.
-        "bench": ["sentence-transformers>=3", "torch==2.13.0", "transformers>=4.40,<6", "scikit-learn>=1.4"],
+        "bench": ["sentence-transformers>=3", "torch==2.13.0", "transformers>=4.40,<6", "scikit-learn>=1.4",
+                  "keybert>=0.8"],
         # Opening and editing the tutorial notebooks (running them needs only [test]'s nbclient).
         "tutorials": ["jupyterlab>=4", "nbconvert>=7", "nbclient>=0.10", "ipykernel>=6", "matplotlib>=3.8"],
         "test": [
