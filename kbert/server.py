@@ -8,11 +8,12 @@ Routes (JSON in and out; errors are `{"error": {"message", "type", "code"}}` wit
     POST /v1/embeddings   OpenAI-compatible: {"input": str | [str], "model"?: str} and kbert's own
                           "pooling", "normalize", "prompt_name" (one of the model's prompts, E5's "query" /
                           "passage"; default: its default prompt), OpenAI's "dimensions" (the first n of each
-                          vector, renormalized) and "encoding_format" ("float", or "base64": each vector's
-                          little-endian float32 bytes, under half the size of the floats as JSON; what OpenAI's
-                          Python client asks for unless told otherwise) -> {"object": "list", "data":
-                          [{"object": "embedding", "index": i, "embedding": [...]}], "model", "usage":
-                          {"prompt_tokens", "total_tokens"}}
+                          vector, renormalized), "long_texts" ("mean": a text over the model's max_length is
+                          the mean of its windows' vectors, `Embedder.encode`) and "encoding_format" ("float",
+                          or "base64": each vector's little-endian float32 bytes, under half the size of the
+                          floats as JSON; what OpenAI's Python client asks for unless told otherwise) ->
+                          {"object": "list", "data": [{"object": "embedding", "index": i, "embedding": [...]}],
+                          "model", "usage": {"prompt_tokens", "total_tokens"}}
     POST /v1/similarity   {"source_sentence": str, "sentences": [str]} -> {"similarities": [cosine, ...]}
     POST /v1/classify     task dirs (`kbert finetune` output, a Hugging Face classifier): {"input": str | [str],
                           "pairs"?: [str]} -> {"data": [{"index", "label", "probabilities": {label: p}}]}
@@ -177,6 +178,8 @@ class Engine:
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         cost = sum(self.cost(t) for t in texts)
+        if options.get("long_texts") == "mean":  # every window of a long text runs
+            cost = sum(len(t) + 2 for t in texts)
         if kind == "answer":  # a question's context is most of its work: every window of it runs
             cost += sum(len(p) + 2 for p in pairs)
         job = _Job(kind, texts, pairs, options, future, loop, cost)
@@ -256,7 +259,8 @@ class Engine:
         if kind == "embed":
             return self.embedder.encode(texts, pooling=options.get("pooling"), normalize=options.get("normalize", True),
                                         prompt_name=options.get("prompt_name"), truncate_dim=options.get("truncate_dim"),
-                                        batch_size=self.batch_size, progress=False)
+                                        long_texts=options.get("long_texts", "truncate"), batch_size=self.batch_size,
+                                        progress=False)
         if kind == "answer":
             contexts = [p for j in group for p in j.pairs]
             return self.task_model.answer(texts, contexts, batch_size=self.batch_size, **options)
@@ -410,6 +414,10 @@ def build_app(model: str, max_batch_tokens: int = 8192, max_wait_ms: float = 5.0
             if not isinstance(data["prompt_name"], str):
                 raise HTTPError(400, "`prompt_name` must be a string")
             options["prompt_name"] = data["prompt_name"]
+        if "long_texts" in data:
+            if data["long_texts"] not in ("truncate", "mean"):
+                raise HTTPError(400, f"`long_texts` must be 'truncate' or 'mean'. Received: {data['long_texts']!r}")
+            options["long_texts"] = data["long_texts"]
         encoding = data.get("encoding_format") or "float"
         if encoding not in ("float", "base64"):
             raise HTTPError(400, f"`encoding_format` must be 'float' or 'base64'. Received: {encoding!r}")

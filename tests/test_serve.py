@@ -141,7 +141,7 @@ def test_embeddings_take_a_prompt_by_name_and_openais_dimensions(dirs, tmp_path)
     """A sentence-transformers dir with E5-style prompts: "prompt_name" picks one (the vectors of
     Embedder.encode_query), an unknown name or a non-string is a 400 naming it; "dimensions" gives the first
     n dimensions renormalized (Embedder.encode's truncate_dim); "encoding_format": "base64" the same floats
-    as bytes, and an unknown format is a 400."""
+    as bytes, and an unknown format is a 400; "long_texts": "mean" reads a long text whole."""
     from kbert.server import build_app
 
     model_dir, _ = dirs
@@ -177,6 +177,14 @@ def test_embeddings_take_a_prompt_by_name_and_openais_dimensions(dirs, tmp_path)
         response = client.post("/v1/embeddings", json={"input": "a", "encoding_format": "hex"})
         assert response.status_code == 400 and "`encoding_format` must be 'float' or 'base64'" in \
             response.json()["error"]["message"]
+        # "long_texts": "mean" reads a text past max_length in windows, as Embedder.encode
+        long = " ".join(TEXTS) * 8
+        assert len(emb.tokenizer.ids_batch([long])[0]) > 2 * emb.max_length
+        whole = client.post("/v1/embeddings", json={"input": [long, TEXTS[0]], "long_texts": "mean"}).json()
+        np.testing.assert_allclose([d["embedding"] for d in whole["data"]],
+                                   emb.encode([long, TEXTS[0]], long_texts="mean"), atol=1e-5)
+        response = client.post("/v1/embeddings", json={"input": "a", "long_texts": "split"})
+        assert response.status_code == 400 and "`long_texts` must be" in response.json()["error"]["message"]
 
 
 def test_bad_input_gets_its_status_and_a_json_message(dirs):
