@@ -1,7 +1,7 @@
 """Keywords and keyphrases of Korean documents by KeyBERT's method: the document's noun phrases whose sentence
 vectors are nearest the document's own.
 
-    kbert.keywords(model, doc)                         # [("자연어 처리", 0.71), ("언어 모델", 0.66), ...]
+    kbert.keywords(model, doc)                         # [("자연어 처리", score), ("언어 모델", score), ...]
     kbert.keywords(model, docs, top_n=10, diversity=0.5)   # one list per document; MMR for variety
     kbert.keyphrase_candidates(doc, analyzer="kiwi")   # the candidates alone
 
