@@ -64,6 +64,7 @@ _EXPORTS = {
     "finetune": "kbert.train.finetune",
     "distill": "kbert.train.distill",
     "TaskModel": "kbert.embed.task_model",
+    "MaskedLM": "kbert.embed.masked_lm",
     "export": "kbert.embed.export",
     "serve": "kbert.server",
 }

@@ -634,6 +634,33 @@ def _keywords(args):
     print(f"keywords of {len(texts)} documents" + (f" written to {args.out}" if args.out else ""), file=sys.stderr)
 
 
+def _fill_mask(args):
+    import math
+
+    from kbert.embed.masked_lm import MaskedLM
+
+    numbers, texts = _numbered_lines(args.input)
+    lm = MaskedLM.load(args.model, max_length=args.max_length)
+    if args.pseudo_likelihood:
+        scores = lm.pseudo_log_likelihood(texts, batch_size=args.batch_size)
+        tokens = [min(len(ids), lm.max_length - 2) for ids in lm.tokenizer.ids_batch(texts)]
+        _write_json_lines(({"line": n, "text": t, "pseudo_log_likelihood": round(float(s), 6), "tokens": k}
+                           for n, t, s, k in zip(numbers, texts, scores, tokens)), args.out)
+        total = sum(tokens)
+        figure = f"; pseudo-perplexity {math.exp(-float(scores.sum()) / total):.3f}" if total else ""
+        print(f"{len(texts)} lines, {total} tokens{figure}" + (f", written to {args.out}" if args.out else ""),
+              file=sys.stderr)
+        return
+    found = lm.fill_mask(texts, top_k=args.top_k, targets=args.targets, batch_size=args.batch_size)
+
+    def rounded(p):
+        return [rounded(x) for x in p] if isinstance(p, list) else dict(p, score=round(p["score"], 6))
+
+    _write_json_lines(({"line": n, "text": t, "predictions": rounded(p)} for n, t, p in zip(numbers, texts, found)),
+                      args.out)
+    print(f"masks of {len(texts)} lines filled" + (f", written to {args.out}" if args.out else ""), file=sys.stderr)
+
+
 def _evaluate(args):
     import json
 
@@ -952,6 +979,24 @@ def build_parser() -> argparse.ArgumentParser:
                         "mean of its windows' vectors")
     p.add_argument("--batch-size", type=int, default=64, help="texts encoded at a time (default 64)")
     p.set_defaults(func=_keywords)
+
+    p = sub.add_parser("fill-mask", help="the likeliest tokens at each [MASK] of each line, from a pretrained model's "
+                                         "masked-LM head (transformers' fill-mask pipeline), or with "
+                                         "--pseudo-likelihood each line's pseudo-log-likelihood, as JSON lines")
+    p.add_argument("--model", required=True, help="model dir or Hub name saved with its masked-LM head (a `kbert "
+                                                  "pretrain` output, a BertForPreTraining / *ForMaskedLM dir)")
+    p.add_argument("--input", help="text file, one text a line (default: stdin); blank lines are skipped, and the "
+                                   "output names lines by their number in the file")
+    p.add_argument("--out", help="JSON lines file to write (default: stdout)")
+    p.add_argument("--top-k", type=int, default=5, help="tokens a mask (default 5)")
+    p.add_argument("--targets", nargs="+", help="tokens to choose among instead of the whole vocabulary")
+    p.add_argument("--pseudo-likelihood", action="store_true",
+                   help="score whole lines instead (no masks): the sum over each line's tokens of log P(token | "
+                        "the rest), one pass a token; the pseudo-perplexity of all lines goes to stderr")
+    p.add_argument("--max-length", type=int, help="tokens a row, [CLS] and [SEP] included (default: the model's "
+                                                  "positions); a longer line is read around its masks")
+    p.add_argument("--batch-size", type=int, default=32, help="rows a forward pass (default 32)")
+    p.set_defaults(func=_fill_mask)
 
     p = sub.add_parser("evaluate", help="how good a model's sentence vectors are on a labelled file: STS "
                                         "correlations, paraphrase classification or retrieval figures (JSON)")

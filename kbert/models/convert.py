@@ -27,8 +27,8 @@ import numpy as np
 
 from kbert.models.backbone import Backbone, Pretrainer, build_backbone
 from kbert.models.config import ModelConfig
-from kbert.models.io import (assign_weights, build_pretrainer, is_kbert_dir, load_kbert_dir, read_safetensors,
-                             variables_by_path)
+from kbert.models.io import (assign_weights, build_pretrainer, check_masked_lm_head, is_kbert_dir, load_kbert_dir,
+                             read_safetensors, variables_by_path)
 
 _HF_ACT = {"gelu": "gelu", "gelu_python": "gelu", "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh",
            "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu", "tanh": "tanh"}
@@ -559,7 +559,7 @@ def model_dir_of(directory: str) -> str:
 
 # ------------------------------------------------------------------------------------ public API
 def load_model(directory: str, with_heads: bool = False, output_hidden_states: bool = False,
-               dtype: Optional[str] = None):
+               dtype: Optional[str] = None, require_heads: bool = False):
     """Loads a kbert model dir, a Hugging Face BERT/ALBERT/(XLM-)RoBERTa/ELECTRA dir or a Google TF1 checkpoint dir.
 
     RoBERTa (KLUE-RoBERTa) loads as a BERT backbone: the same network once its position table starts at the
@@ -573,7 +573,8 @@ def load_model(directory: str, with_heads: bool = False, output_hidden_states: b
         directory: the model directory (or a `kbert pretrain` output dir: its `model/`), or a Hugging Face
             Hub name such as "klue/bert-base" (downloaded and cached by `huggingface_hub`).
         with_heads: return a `kbert.Pretrainer` (masked-LM + NSP/SOP heads) instead of the backbone.
-            Heads missing from the checkpoint are initialized fresh.
+            Heads missing from the checkpoint are initialized fresh, unless `require_heads`: then a checkpoint
+            without a masked-LM head is a ValueError (predicting masked tokens needs the trained head).
         output_hidden_states: the backbone also returns every layer's output.
         dtype: dtype policy name, e.g. `"mixed_bfloat16"`; default: the global policy.
 
@@ -584,17 +585,19 @@ def load_model(directory: str, with_heads: bool = False, output_hidden_states: b
     directory = model_dir_of(resolve_hub_name(directory))  # a hub name: its snapshot; a run dir: its model
     fmt = detect_format(directory)
     if fmt == "kbert":
-        return load_kbert_dir(directory, with_heads=with_heads, output_hidden_states=output_hidden_states,
-                              dtype=dtype)
+        return load_kbert_dir(directory, with_heads=with_heads or require_heads,
+                              output_hidden_states=output_hidden_states, dtype=dtype, require_heads=require_heads)
     config, tensors, electra = _read_hf_dir(directory) if fmt == "hf" else _read_tf1_dir(directory)
     no_pooler = ("pooler/",) if electra else ()  # ELECTRA has none, a RoBERTa MLM checkpoint none: a fresh one
     backbone = build_backbone(config, output_hidden_states=output_hidden_states, dtype=dtype)
-    if not with_heads:
+    if not (with_heads or require_heads):
         assign_weights(backbone, hf_to_kbert(tensors, config), directory, allow_missing=no_pooler)
         return backbone
     pair = "sop" if config.architecture == "albert" else "nsp"
-    model = build_pretrainer(Pretrainer(backbone, pair_objective=pair))
     mapped = hf_to_kbert(tensors, config, pair_objective=pair, heads=True)
+    if require_heads:
+        check_masked_lm_head(mapped, directory)
+    model = build_pretrainer(Pretrainer(backbone, pair_objective=pair))
     assign_weights(model, mapped, directory, allow_missing=("pretrainer/",) + no_pooler)
     return model
 

@@ -119,8 +119,9 @@ def assign_weights(model: keras.Model, tensors: Dict[str, np.ndarray], source: s
 
 
 def load_kbert_dir(directory: str, with_heads: bool = False, output_hidden_states: bool = False,
-                   dtype: Optional[str] = None):
-    """Loads a kbert model dir as a backbone, or as a `Pretrainer` with `with_heads=True`."""
+                   dtype: Optional[str] = None, require_heads: bool = False):
+    """Loads a kbert model dir as a backbone, or as a `Pretrainer` with `with_heads=True` (`require_heads`: a
+    dir without its masked-LM head is a ValueError instead of getting fresh heads)."""
     meta, tensors = read_kbert_dir(directory)
     if "model" not in meta:
         raise ValueError(f"{os.path.join(directory, CONFIG_FILE)} has no 'model' section")
@@ -131,6 +132,8 @@ def load_kbert_dir(directory: str, with_heads: bool = False, output_hidden_state
     if not with_heads:
         assign_weights(backbone, tensors, source, ignore_prefixes=("pretrainer/",))
         return backbone
+    if require_heads:
+        check_masked_lm_head(tensors, directory)
     pair = heads.get("pair_objective") if heads.get("pretraining") else "default"
     model = Pretrainer(backbone, pair_objective=pair)
     build_pretrainer(model)
@@ -138,6 +141,16 @@ def load_kbert_dir(directory: str, with_heads: bool = False, output_hidden_state
     assign_weights(model, tensors, source,
                    allow_missing=() if heads.get("pretraining") else ("pretrainer/",))
     return model
+
+
+def check_masked_lm_head(tensors: Dict[str, np.ndarray], source: str) -> None:
+    """A ValueError naming `source` unless `tensors` (by kbert path) hold a masked-LM head: predicting masked
+    tokens with a freshly initialized head would give confident nonsense."""
+    if not any(path.startswith("pretrainer/mlm_head/") for path in tensors):
+        raise ValueError(f"{source} holds no masked-LM head, only an encoder (a sentence-transformers or "
+                         "fine-tuned model, ELECTRA's discriminator, or a backbone saved alone), so it cannot "
+                         "predict masked tokens. Use a checkpoint saved with its pretraining head: `kbert "
+                         "pretrain`'s model, or a Hugging Face BertForPreTraining / BertForMaskedLM dir.")
 
 
 def build_pretrainer(model: Pretrainer) -> Pretrainer:
