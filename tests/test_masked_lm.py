@@ -96,6 +96,36 @@ def test_fill_mask_of_a_sentencepiece_roberta_matches_the_pipeline(tmp_path):
             np.testing.assert_allclose([p["score"] for p in g], [p["score"] for p in e], rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("architecture", ["bert", "albert"])
+def test_a_masked_lm_only_model_goes_to_transformers_and_back(tmp_path, architecture):
+    """A Pretrainer without a pair head (objective "mlm") is written as transformers' *ForMaskedLM, which has no
+    pooler, and such a dir (what transformers saves for a masked-LM model) loads back."""
+    import transformers
+
+    import kbert
+
+    path, _, tok = _hf_dir(tmp_path)
+    tokenizer = kbert.Tokenizer.load(path)
+    config = kbert.ModelConfig.preset("bert-tiny" if architecture == "bert" else "albert-base", num_layers=2,
+                                      hidden_size=32, num_heads=2, intermediate_size=48, max_position=64,
+                                      vocab_size=tokenizer.vocab_size, **({} if architecture == "bert" else
+                                                                         {"embedding_size": 16}))
+    pretrainer = kbert.Pretrainer(kbert.build_backbone(config), pair_objective=None)
+    lm = kbert.MaskedLM(pretrainer, tokenizer)
+    text = "서울은 한국의 [MASK]이다."
+    ours = lm.fill_mask(text)
+    out = kbert.export_transformers(pretrainer, str(tmp_path / "exported"), tokenizer=tokenizer)
+    hf, info = transformers.AutoModelForMaskedLM.from_pretrained(out, output_loading_info=True)
+    assert type(hf).__name__ == ("BertForMaskedLM" if architecture == "bert" else "AlbertForMaskedLM")
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    theirs = transformers.pipeline("fill-mask", model=hf.eval(), tokenizer=tok)(text)
+    assert [p["token"] for p in ours] == [p["token"] for p in theirs]
+    np.testing.assert_allclose([p["score"] for p in ours], [p["score"] for p in theirs], rtol=1e-4, atol=1e-6)
+    again = kbert.MaskedLM.load(out)  # the masked-LM dir back: its encoder, a fresh pooler, the trained head
+    assert again.fill_mask(text) == ours
+    assert type(kbert.load_model(out)).__name__ == type(pretrainer.backbone).__name__
+
+
 def test_pseudo_log_likelihood_against_a_hand_loop(tmp_path):
     import torch
 

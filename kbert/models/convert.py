@@ -97,13 +97,15 @@ def _check_exportable(config: ModelConfig) -> None:
                          "`kbert.save_model` instead.")
 
 
-def config_to_hf(config: ModelConfig, with_heads: bool) -> dict:
+def config_to_hf(config: ModelConfig, with_heads: bool, masked_lm: bool = False) -> dict:
+    """transformers' config.json of `config`: a *ForPreTraining model `with_heads`, *ForMaskedLM with `masked_lm`,
+    else the encoder (*Model)."""
     _check_exportable(config)
     arch = config.architecture
+    name = "Bert" if arch == "bert" else "Albert"
     out = {
         "model_type": arch,
-        "architectures": [("BertForPreTraining" if arch == "bert" else "AlbertForPreTraining") if with_heads
-                          else ("BertModel" if arch == "bert" else "AlbertModel")],
+        "architectures": [name + ("ForMaskedLM" if masked_lm else "ForPreTraining" if with_heads else "Model")],
         "vocab_size": config.vocab_size,
         "hidden_size": config.hidden_size,
         "num_hidden_layers": config.num_layers,
@@ -267,7 +269,7 @@ def _read_json(path: str) -> dict:
 
 def _read_hf_dir(directory: str) -> Tuple[ModelConfig, Dict[str, np.ndarray], bool]:
     """(config, tensors, whether its pooler may be missing: an ELECTRA discriminator, a RoBERTa MLM checkpoint,
-    a question-answering or token-classification model)."""
+    a masked-LM, question-answering or token-classification model)."""
     hf_config = _read_json(os.path.join(directory, "config.json"))
     config = config_from_hf(hf_config, source=directory)
     st = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
@@ -287,8 +289,8 @@ def _read_hf_dir(directory: str) -> Tuple[ModelConfig, Dict[str, np.ndarray], bo
     tensors = _normalize_hf_names(tensors)
     if hf_config.get("model_type") in _ROBERTA_TYPES:
         tensors = _roberta_as_bert(tensors, hf_config.get("pad_token_id", 1))
-    # transformers builds its question-answering and token-classification models without the pooler
-    poolerless = any(a.endswith(("ForQuestionAnswering", "ForTokenClassification"))
+    # transformers builds its masked-LM, question-answering and token-classification models without the pooler
+    poolerless = any(a.endswith(("ForMaskedLM", "ForQuestionAnswering", "ForTokenClassification"))
                      for a in hf_config.get("architectures") or [])
     return config, tensors, poolerless or hf_config.get("model_type") in ("electra",) + _ROBERTA_TYPES
 
@@ -626,13 +628,23 @@ def export_transformers(model, directory: str, tokenizer=None) -> str:
     else:
         raise TypeError(f"export_transformers expects a kbert backbone or Pretrainer. Received: {type(model).__name__}")
     _check_exportable(config)  # before any tensor is converted
-    if heads and pair != ("nsp" if config.architecture == "bert" else "sop"):
-        heads = False  # transformers' pretraining classes need the matching pair head; export the encoder
+    # transformers' pretraining classes hold the masked-LM head with the matching pair head (NSP for BERT, SOP for
+    # ALBERT); without it, the masked-LM class holds the head alone
+    masked_lm = heads and pair != ("nsp" if config.architecture == "bert" else "sop")
+    if masked_lm and pair is not None:
+        import warnings
+
+        warnings.warn(f"transformers' {config.architecture} pretraining class has no {pair} head: the model is "
+                      "written as a masked-LM model without it", stacklevel=2)
+    if masked_lm:
+        pair = None
     import keras
     from safetensors.numpy import save_file
 
     tensors = {p: keras.ops.convert_to_numpy(v) for p, v in variables_by_path(model).items()}
     hf = kbert_to_hf(tensors, config, pair_objective=pair, heads=heads)
+    if masked_lm:  # transformers' masked-LM models are built without the pooler
+        hf = {k: v for k, v in hf.items() if not k.startswith("pooler.")}
     if heads:
         prefix = "bert." if config.architecture == "bert" else "albert."
         head_names = {n for n, _, _ in _head_pairs(config, pair)}
@@ -640,7 +652,7 @@ def export_transformers(model, directory: str, tokenizer=None) -> str:
     os.makedirs(directory, exist_ok=True)
     save_file(hf, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(directory, "config.json"), "w", encoding="utf-8") as f:
-        json.dump(config_to_hf(config, with_heads=heads), f, indent=2)
+        json.dump(config_to_hf(config, with_heads=heads, masked_lm=masked_lm), f, indent=2)
     if tokenizer is not None:
         try:
             tokenizer.export_transformers(directory)
