@@ -126,6 +126,33 @@ def test_a_masked_lm_only_model_goes_to_transformers_and_back(tmp_path, architec
     assert type(kbert.load_model(out)).__name__ == type(pretrainer.backbone).__name__
 
 
+def test_an_electra_generator_fills_masks_as_transformers_does(tmp_path):
+    """KoELECTRA's generators (ElectraForMaskedLM): a narrower embedding projected up, and the generator's head."""
+    import torch
+    import transformers
+
+    import kbert
+
+    path, _, tok = _hf_dir(tmp_path)
+    config = transformers.ElectraConfig(vocab_size=tok.vocab_size, embedding_size=16, hidden_size=32,
+                                        num_hidden_layers=2, num_attention_heads=2, intermediate_size=48,
+                                        max_position_embeddings=64)
+    torch.manual_seed(0)
+    hf = transformers.ElectraForMaskedLM(config).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    out = tmp_path / "generator"
+    hf.save_pretrained(out)
+    (out / "vocab.txt").write_bytes((tmp_path / "bert" / "vocab.txt").read_bytes())
+    pipe = transformers.pipeline("fill-mask", model=hf, tokenizer=tok)
+    lm = kbert.MaskedLM.load(str(out))
+    for text in ("서울은 한국의 [MASK]이다.", "나는 [MASK]늘 학교에 간다."):
+        got, expected = lm.fill_mask(text), pipe(text)
+        assert [p["token"] for p in got] == [p["token"] for p in expected]
+        np.testing.assert_allclose([p["score"] for p in got], [p["score"] for p in expected], rtol=1e-4, atol=1e-6)
+
+
 def test_pseudo_log_likelihood_against_a_hand_loop(tmp_path):
     import torch
 

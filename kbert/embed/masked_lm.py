@@ -64,7 +64,8 @@ class MaskedLM:
     def load(cls, model_dir: str, max_length: Optional[int] = None, dtype: Optional[str] = None,
              jit_compile: bool = False) -> "MaskedLM":
         """A model dir saved with its masked-LM head (a `kbert pretrain` output or run dir, a Hugging Face
-        BertForPreTraining / BertForMaskedLM / AlbertForMaskedLM / RobertaForMaskedLM dir, a TF1 checkpoint) or a
+        BertForPreTraining / BertForMaskedLM / AlbertForMaskedLM / RobertaForMaskedLM dir, an ELECTRA generator
+        such as KoELECTRA's `*-generator`, a TF1 checkpoint) or a
         Hugging Face Hub name ("klue/bert-base"). A dir without the head (an encoder, a fine-tuned model) is a
         ValueError that says so."""
         from kbert.models.convert import check_vocabulary, load_model, model_dir_of, resolve_hub_name

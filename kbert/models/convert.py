@@ -227,6 +227,32 @@ _ROBERTA_HEAD = {"lm_head.dense.": "cls.predictions.transform.dense.",
                  "lm_head.layer_norm.": "cls.predictions.transform.LayerNorm.", "lm_head.bias": "cls.predictions.bias"}
 
 
+# ELECTRA's generator (KoELECTRA's *-generator checkpoints, ElectraForMaskedLM) is a masked LM with BERT's head:
+# dense to the embedding width, GELU, LayerNorm, then the tied token table and a bias
+_ELECTRA_GENERATOR_HEAD = {"generator_predictions.dense.": "cls.predictions.transform.dense.",
+                           "generator_predictions.LayerNorm.": "cls.predictions.transform.LayerNorm.",
+                           "generator_lm_head.bias": "cls.predictions.bias"}
+
+
+def _electra_generator_head(tensors: Dict[str, np.ndarray], source: str) -> Dict[str, np.ndarray]:
+    """An ELECTRA generator's head under BERT's names; its decoder must be the token table (tied, as transformers
+    and google-research/electra train it), which kbert's head reads."""
+    decoder = tensors.get("generator_lm_head.weight")
+    table = tensors.get("embeddings.word_embeddings.weight")
+    if decoder is not None and table is not None and (decoder.shape != table.shape or not np.allclose(decoder, table)):
+        raise ValueError(f"{source}: the generator's output layer is not tied to its token embeddings, and kbert's "
+                         "masked-LM head reads the token table; this checkpoint cannot load with its head")
+    out = {}
+    for name, value in tensors.items():
+        if name == "generator_lm_head.weight":
+            continue
+        for old, new in _ELECTRA_GENERATOR_HEAD.items():
+            if name.startswith(old):
+                name = new + name[len(old):]
+        out[name] = value
+    return out
+
+
 def _roberta_as_bert(tensors: Dict[str, np.ndarray], pad_token_id: int) -> Dict[str, np.ndarray]:
     """RoBERTa is BERT with positions counted from pad_token_id + 1 (token i of a row has position i + 2 for
     KLUE-RoBERTa's pad id 1) and its masked-LM head named `lm_head`: the position table loses the rows
@@ -289,6 +315,8 @@ def _read_hf_dir(directory: str) -> Tuple[ModelConfig, Dict[str, np.ndarray], bo
     tensors = _normalize_hf_names(tensors)
     if hf_config.get("model_type") in _ROBERTA_TYPES:
         tensors = _roberta_as_bert(tensors, hf_config.get("pad_token_id", 1))
+    if hf_config.get("model_type") == "electra" and any(n.startswith("generator_") for n in tensors):
+        tensors = _electra_generator_head(tensors, directory)
     # transformers builds its masked-LM, question-answering and token-classification models without the pooler
     poolerless = any(a.endswith(("ForMaskedLM", "ForQuestionAnswering", "ForTokenClassification"))
                      for a in hf_config.get("architectures") or [])
@@ -569,7 +597,8 @@ def load_model(directory: str, with_heads: bool = False, output_hidden_states: b
     missing pooler starts fresh.
 
     ELECTRA (KoELECTRA) loads its discriminator as a BERT backbone; its pooler, which ELECTRA does not
-    have, is freshly initialized (see the module docstring), and `with_heads` gives fresh MLM/NSP heads.
+    have, is freshly initialized (see the module docstring), and `with_heads` gives fresh MLM/NSP heads. A
+    generator (ElectraForMaskedLM, KoELECTRA's `*-generator`) loads the same way, with its masked-LM head.
 
     Args:
         directory: the model directory (or a `kbert pretrain` output dir: its `model/`), or a Hugging Face
