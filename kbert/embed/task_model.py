@@ -28,15 +28,16 @@ _ACTIVATIONS = ("identity", "sigmoid", "tanh")
 
 def _resolve(model_dir: str):
     """(local dir, task meta or None, the Hugging Face classifier's head or None) of a task dir, a Hugging Face
-    *ForSequenceClassification or *ForQuestionAnswering dir, a Hub name of either, or a `kbert pretrain` run
-    dir."""
-    from kbert.models.convert import model_dir_of, read_classifier, read_qa_head, resolve_hub_name
+    *ForSequenceClassification, *ForQuestionAnswering or *ForTokenClassification dir, a Hub name of one, or a
+    `kbert pretrain` run dir."""
+    from kbert.models.convert import (model_dir_of, read_classifier, read_qa_head, read_token_classifier,
+                                      resolve_hub_name)
 
     model_dir = model_dir_of(resolve_hub_name(model_dir))
     meta = read_task_meta(model_dir)
     if meta is not None or not os.path.isdir(model_dir):
         return model_dir, meta, None
-    classifier = read_classifier(model_dir) or read_qa_head(model_dir)
+    classifier = read_classifier(model_dir) or read_qa_head(model_dir) or read_token_classifier(model_dir)
     return model_dir, (classifier or {}).get("meta"), classifier
 
 
@@ -81,7 +82,8 @@ class TaskModel:
         """A `kbert finetune` output dir, or a Hugging Face `*ForSequenceClassification` dir or Hub name (BERT,
         ALBERT, RoBERTa, XLM-RoBERTa: KLUE classifiers, cross-encoders and rerankers) or
         `*ForQuestionAnswering` one (BERT, ALBERT, ELECTRA, RoBERTa, XLM-RoBERTa: KorQuAD and KLUE-MRC
-        readers; see `answer`). `strategy`: the devices,
+        readers; see `answer`) or `*ForTokenClassification` one (the same five: named-entity taggers; see
+        `entities`). `strategy`: the devices,
         as `Embedder.load`'s (several on Keras' JAX backend: each holds the weights and takes a share of every
         batch's rows)."""
         from kbert.embed.embedder import Embedder
@@ -90,7 +92,8 @@ class TaskModel:
         if meta is None:
             raise FileNotFoundError(f"{model_dir!r} is not a fine-tuned model dir: {TASK_FILE} is missing "
                                     "(`kbert finetune` writes it), and it is not a Hugging Face "
-                                    "*ForSequenceClassification or *ForQuestionAnswering dir either")
+                                    "*ForSequenceClassification, *ForQuestionAnswering or *ForTokenClassification "
+                                    "dir either")
         emb = Embedder.load(model_dir, dtype=dtype, strategy=strategy)
         if classifier is not None:
             meta["max_length"] = min(meta.get("max_length") or emb.max_length, emb.max_length)
@@ -228,6 +231,77 @@ class TaskModel:
         if self.task == "regression" and activation != "identity":
             out = (1.0 / (1.0 + np.exp(-out)) if activation == "sigmoid" else np.tanh(out)).astype(np.float32)
         return out[0] if single else out
+
+    def entities(self, texts, aggregation: Optional[str] = None, ignore_labels=("O",), batch_size: int = 64):
+        """Entity spans of a tagging model (a named-entity tagger): for each text a list of `{"entity_group",
+        "score", "word", "start", "end"}`, `text[start:end] == word`, as transformers' token-classification
+        pipeline gives them (`kbert.embed.entities`); with aggregation "none", one `{"entity", "score", "index",
+        "word", "start", "end"}` per token instead.
+
+        Args:
+            aggregation: how tokens become entities: "simple" (token by token: an entity may end inside a word,
+                before its particle; the default for Hugging Face token classifiers, trained on every token),
+                "first" / "average" / "max" (word by word, a word's label from its first token, the mean of its
+                tokens' scores, or its most confident token; "first" is the default for `kbert finetune` taggers,
+                trained on each word's first piece), or "none".
+            ignore_labels: labels that are not entities.
+
+        A text longer than `max_length` tokens is tagged on its first `max_length`, with a warning.
+
+        Example:
+            >>> ner = kbert.TaskModel.load("my-klue-ner-model")
+            >>> ner.entities("이순신은 조선 중기의 무신이다.")
+            [{"entity_group": "PS", "score": ..., "word": "이순신", "start": 0, "end": 3}, ...]
+        """
+        import warnings
+
+        from kbert.data import qa
+        from kbert.embed.entities import aggregate, check_aggregation
+
+        if self.task != "tagging":
+            raise ValueError(f"entities needs a tagging model; this one is {self.task!r} (use predict)")
+        aggregation = aggregation or self.meta.get("aggregation", "first")
+        check_aggregation(aggregation)
+        single = isinstance(texts, (str, bytes))
+        texts = [t.decode("utf-8") if isinstance(t, bytes) else t for t in text_list(texts)]
+        ignore = [ignore_labels] if isinstance(ignore_labels, str) else list(ignore_labels or ())
+        tok = self.tokenizer
+        encodings = tok.encode_batch(texts, max_length=self.max_length)
+        special = set(tok.special_ids.values())
+        logits = [None] * len(texts)
+        order = np.argsort([len(e.ids) for e in encodings], kind="stable")
+        for start in range(0, len(texts), batch_size):
+            index = order[start:start + batch_size]
+            ids = [encodings[i].ids for i in index]
+            out = self._call(pad(ids, tok.pad_id), pad([[0] * len(x) for x in ids], 0))  # [b, s, labels]
+            for i, row in zip(index, out):
+                logits[i] = row[:len(encodings[i].ids)]
+        found = []
+        for text, enc, z in zip(texts, encodings, logits):
+            normalized, starts, ends = qa.aligned_normalize(text, tok.normalize)
+            if normalized != enc.normalized:  # a tokenizer normalizing beyond kbert's rules: spans of its text
+                starts, ends = list(range(len(enc.normalized))), list(range(1, len(enc.normalized) + 1))
+            z = z - z.max(axis=-1, keepdims=True)
+            probs = np.exp(z) / np.exp(z).sum(axis=-1, keepdims=True)
+            tokens = []
+            for t, (i, (a, b)) in enumerate(zip(enc.ids, enc.offsets)):
+                if i in special and i != tok.unk_id or t == 0:
+                    continue
+                if b <= a:  # a SentencePiece "▁" alone: the pipeline places it on the character after it
+                    if a >= len(starts):
+                        continue
+                    b = a + 1
+                begin, end = starts[a], ends[b - 1]
+                if tok.kind == "wordpiece":
+                    subword = enc.tokens[t].startswith("##") and i != tok.unk_id
+                else:  # as the pipeline decides for tokenizers without a continuation marker: no space before it
+                    subword = begin > 0 and " " not in text[begin - 1:begin + 1] and i != tok.unk_id
+                tokens.append({"index": t, "scores": probs[t], "start": begin, "end": end, "subword": subword})
+            if tokens and tokens[-1]["end"] < len(text.rstrip()) and len(enc.ids) >= self.max_length:
+                warnings.warn(f"a text of more than max_length={self.max_length} tokens is tagged on its first "
+                              f"{self.max_length} ({text[:30]!r}...)", stacklevel=2)
+            found.append(aggregate(tokens, self.labels, text, aggregation, ignore))
+        return found[0] if single else found
 
     def answer(self, question, context, top_k: int = 1, max_answer_length: Optional[int] = None,
                doc_stride: Optional[int] = None, max_question_length: Optional[int] = None,

@@ -447,6 +447,37 @@ def read_qa_head(directory: str) -> Optional[dict]:
             "head": {"kernel": tensors["qa_outputs.weight"].T, "bias": tensors["qa_outputs.bias"]}}
 
 
+def read_token_classifier(directory: str) -> Optional[dict]:
+    """A Hugging Face `*ForTokenClassification` dir's head (BERT, ALBERT, ELECTRA, RoBERTa, XLM-RoBERTa: Korean
+    named-entity and part-of-speech taggers) in `read_classifier`'s terms: `classifier`, a linear layer on every
+    token of the last layer giving each token a logit per label (`id2label`), as a "tagging" task. None for any
+    other dir."""
+    hf, architectures = _architectures(directory, "ForTokenClassification")
+    if not architectures:
+        return None
+    if hf.get("model_type") not in ("bert", "albert", "electra") + _ROBERTA_TYPES:
+        raise ValueError(f"{directory}: {architectures[0]} is not supported; kbert reads the token-classification "
+                         "heads of BERT, ALBERT, ELECTRA, RoBERTa and XLM-RoBERTa")
+    tensors = _tensors_named(directory, lambda n: n.startswith("classifier."))
+    missing = [n for n in ("classifier.weight", "classifier.bias") if n not in tensors]
+    if missing or tensors["classifier.weight"].ndim != 2:
+        raise ValueError(f"{directory}: config.json names {architectures[0]} but the weights have no linear "
+                         f"classifier layer ({missing or tensors['classifier.weight'].shape})")
+    num = int(tensors["classifier.weight"].shape[0])
+    id2label = hf.get("id2label") or {}
+    labels = [str(id2label.get(str(i), id2label.get(i, i))) for i in range(num)]
+    # trained on every token (transformers' token-classification recipe), so entities group token by token
+    meta = {"task": "tagging", "labels": labels, "pooling": None, "layers": None, "source": architectures[0],
+            "aggregation": "simple"}
+    from kbert.models.st_dir import configured_max_length
+
+    length = configured_max_length(directory, directory)
+    if length:
+        meta["max_length"] = length
+    return {"meta": meta, "pooler": {},
+            "head": {"kernel": tensors["classifier.weight"].T, "bias": tensors["classifier.bias"]}}
+
+
 _TF1_BERT_RULES = [
     (r"^(bert|electra)/", ""),
     (r"^embeddings/word_embeddings$", "embeddings.word_embeddings.weight"),

@@ -1,0 +1,126 @@
+"""TaskModel.entities: named-entity spans from a tagger, against transformers' token-classification pipeline on
+the same weights (every aggregation strategy, WordPiece and SentencePiece), in the text as given."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+
+from helpers import tiny_hf_config, xlmr_dir
+
+LABELS = ["O", "B-PS", "I-PS", "B-LC", "I-LC", "B-OG", "I-OG"]
+TEXTS = ["이순신은 조선 중기의 무신이다.", "서울특별시  강남구에서 삼성전자가 회의를 열었다!", "국회는 법률을 만든다 😀 서울",
+         "모든 국민은 (법률이) 정하는 바에 의하여,국방의 의무를 진다."]
+STRATEGIES = ["none", "simple", "first", "average", "max"]
+
+
+def _noisy(model, scale):
+    import torch
+
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * scale)
+        # labels that vary from token to token: a wide classifier without a favourite label
+        model.classifier.weight.copy_(torch.randn_like(model.classifier.weight) * 3.0)
+        model.classifier.bias.zero_()
+    return model.eval()
+
+
+def _same_as_pipeline(model, pipe, texts):
+    """Every strategy: the same entities (type, span, score) as the pipeline; `word` is the text's own span."""
+    kinds = set()
+    for strategy in STRATEGIES:
+        ours = model.entities(texts, aggregation=strategy)
+        for text, got in zip(texts, ours):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the pipeline's "fallback heuristic" notice for SentencePiece
+                expected = pipe(text, aggregation_strategy=strategy)
+            key = "entity" if strategy == "none" else "entity_group"
+            assert [(e[key], e["start"], e["end"]) for e in got] == [(e[key], e["start"], e["end"]) for e in expected]
+            np.testing.assert_allclose([e["score"] for e in got], [float(e["score"]) for e in expected], rtol=1e-4,
+                                       atol=1e-6)
+            if strategy == "none":
+                assert [e["index"] for e in got] == [e["index"] for e in expected]
+            assert all(e["word"] == text[e["start"]:e["end"]] for e in got)
+            kinds.update(e[key] for e in got)
+    return kinds
+
+
+def test_entities_of_a_wordpiece_tagger_match_the_pipeline(tmp_path):
+    import transformers
+
+    import kbert
+
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    chars = sorted({c for t in TEXTS for c in t if not c.isspace() and c != "😀"})
+    vocab += chars + [f"##{c}" for c in chars]
+    out = tmp_path / "ner"
+    config = tiny_hf_config(vocab_size=len(vocab), num_labels=len(LABELS), id2label=dict(enumerate(LABELS)),
+                            label2id={label: i for i, label in enumerate(LABELS)})
+    hf = _noisy(transformers.BertForTokenClassification(config), 0.1)
+    hf.save_pretrained(out)
+    (out / "vocab.txt").write_text("\n".join(vocab) + "\n", encoding="utf-8")
+    tok = transformers.BertTokenizerFast(str(out / "vocab.txt"), do_lower_case=False, strip_accents=False)
+    pipe = transformers.pipeline("token-classification", model=hf, tokenizer=tok)
+
+    model = kbert.TaskModel.load(str(out))
+    assert model.task == "tagging" and model.labels == LABELS
+    kinds = _same_as_pipeline(model, pipe, TEXTS)
+    assert len(kinds) >= 4  # the noise gives entities of several types, so grouping is exercised
+    assert model.entities(TEXTS[1]) == model.entities(TEXTS, aggregation="simple")[1]  # simple: the HF default
+    everything = model.entities(TEXTS[0], aggregation="none", ignore_labels=())
+    assert len(everything) == len(tok(TEXTS[0], add_special_tokens=False)["input_ids"])
+    # predict's (word, tag) pairs are each whitespace word's first token's label
+    tags = model.predict([TEXTS[0]])[0]
+    assert [w for w, _ in tags] == TEXTS[0].split()
+
+
+def test_entities_of_a_sentencepiece_tagger_match_the_pipeline(tmp_path):
+    """XLM-RoBERTa: pieces without a continuation marker (the pipeline's word rule: no space before a
+    piece), a lone "▁" piece, and spans through kbert's whitespace normalization (two spaces in a row)."""
+    import transformers
+
+    import kbert
+
+    labels = LABELS[:5]
+    path = xlmr_dir(tmp_path, model_class="XLMRobertaForTokenClassification", num_labels=len(labels),
+                    id2label=dict(enumerate(labels)), label2id={label: i for i, label in enumerate(labels)})
+    hf = _noisy(transformers.AutoModelForTokenClassification.from_pretrained(path), 0.1)
+    hf.save_pretrained(path)
+    pipe = transformers.pipeline("token-classification", model=hf,
+                                 tokenizer=transformers.AutoTokenizer.from_pretrained(path))
+    model = kbert.TaskModel.load(path)
+    assert len(_same_as_pipeline(model, pipe, TEXTS)) >= 3
+
+
+def test_entities_rules_and_errors(tmp_path):
+    import transformers
+
+    import kbert
+    from kbert.embed.entities import aggregate
+
+    # labels without B-/I- continue their type; B- always starts a new entity
+    text = "서울 부산 대구"
+    scores = [np.array([0.1, 0.9, 0.0]), np.array([0.2, 0.0, 0.8]), np.array([0.1, 0.85, 0.05])]
+    tokens = [{"index": i + 1, "scores": s, "start": a, "end": b, "subword": False}
+              for i, (s, (a, b)) in enumerate(zip(scores, [(0, 2), (3, 5), (6, 8)]))]
+    got = aggregate(tokens, ["O", "LC", "B-LC"], text, "simple")
+    assert [(e["entity_group"], e["word"], e["start"], e["end"]) for e in got] == [("LC", "서울", 0, 2),
+                                                                                 ("LC", "부산 대구", 3, 8)]
+    assert [e["score"] for e in got] == pytest.approx([0.9, np.mean([0.8, 0.85])])
+    merged = aggregate(tokens, ["O", "LC", "I-LC"], text, "simple")
+    assert [(e["word"], e["entity_group"]) for e in merged] == [("서울 부산 대구", "LC")]
+    assert aggregate(tokens, ["LC", "O", "O"], text, "first") == []  # all "O": nothing
+    with pytest.raises(ValueError, match="aggregation"):
+        aggregate(tokens, ["O", "LC", "I-LC"], text, "mean")
+
+    path = tmp_path / "cls"  # a model of another task refuses
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + sorted({c for t in TEXTS for c in t if not c.isspace()})
+    config = tiny_hf_config(vocab_size=len(vocab), num_labels=2)
+    transformers.BertForSequenceClassification(config).save_pretrained(path)
+    (path / "vocab.txt").write_text("\n".join(vocab) + "\n", encoding="utf-8")
+    with pytest.raises(ValueError, match="needs a tagging model"):
+        kbert.TaskModel.load(str(path)).entities(TEXTS[0])
