@@ -124,3 +124,46 @@ def test_entities_rules_and_errors(tmp_path):
     (path / "vocab.txt").write_text("\n".join(vocab) + "\n", encoding="utf-8")
     with pytest.raises(ValueError, match="needs a tagging model"):
         kbert.TaskModel.load(str(path)).entities(TEXTS[0])
+
+
+def test_entity_spans_become_bio_labels_token_by_token(tmp_path):
+    """The training side of span-labelled tagging: spans read from a cell, tokens placed in the text as given
+    (two spaces in a row), and each token's BIO tag: an entity ends before the particle written onto it."""
+    import kbert
+    from kbert.data.entities import bio_labels, token_spans
+    from kbert.data.rows import entity_spans
+
+    text = "삼성전자가  서울에서 회의를 열었다."
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    chars = sorted({c for c in text if not c.isspace()})
+    (tmp_path / "vocab.txt").write_text("\n".join(vocab + chars + [f"##{c}" for c in chars]) + "\n", encoding="utf-8")
+    tok = kbert.Tokenizer.load(str(tmp_path / "vocab.txt"))
+    enc = tok.encode(text)
+    spans = token_spans(tok, text, enc)
+    assert spans[0] is None and spans[-1] is None  # [CLS], [SEP]
+    assert [text[a:b] for a, b in spans[1:-1]] == [c for c in text if not c.isspace()]  # one character a token
+    entities = entity_spans('[[7, 9, "LC"], {"start": 0, "end": 4, "label": "OG"}]', "train", 0)
+    assert entities == [(0, 4, "OG"), (7, 9, "LC")]
+    tags = bio_labels(spans, entities)
+    assert tags == [None, "B-OG", "I-OG", "I-OG", "I-OG", "O", "B-LC", "I-LC"] + ["O"] * 9 + [None]
+    # a token that holds the start of an entity begins it, even when the token starts earlier
+    assert bio_labels([(0, 2), (2, 5), (5, 6)], [(3, 5, "PS")]) == ["O", "B-PS", "O"]
+
+    assert entity_spans(["B-PS", "O"], "train", 0) is None and entity_spans("B-PS O", "train", 0) is None  # word tags
+    assert entity_spans([], "train", 0) == [] and entity_spans("[]", "train", 0) == []
+    with pytest.raises(ValueError, match="overlap"):
+        entity_spans([[0, 4, "OG"], [2, 6, "LC"]], "train", 3)
+    with pytest.raises(ValueError, match="train row 2: entity"):
+        entity_spans([[4, 2, "OG"]], "train", 1)
+
+
+def test_entity_figures_count_whole_entities():
+    from kbert.train.metrics import entity_figures, entity_runs
+
+    assert entity_runs(["B-PS", "I-PS", "O", "I-LC", "I-LC", "B-LC", "I-OG", "PS", "PS"]) == {
+        (0, 2, "PS"), (3, 5, "LC"), (5, 6, "LC"), (6, 7, "OG"), (7, 9, "PS")}
+    gold = [["B-PS", "I-PS", "O", "B-LC"], ["O", "B-OG", "I-OG", "O"]]
+    predicted = [["B-PS", "I-PS", "O", "B-OG"], ["O", "B-OG", "O", "O"]]  # 1 right of 3 found, of 3 wanted
+    figures = entity_figures(gold, predicted)
+    assert figures == pytest.approx({"entity_precision": 1 / 3, "entity_recall": 1 / 3, "entity_f1": 1 / 3})
+    assert entity_figures([["O"]], [["O"]])["entity_f1"] == 0.0

@@ -285,6 +285,50 @@ def test_regression_pair_classification_and_tagging(base, tmp_path):
     assert [w for w, _ in tagged] == ["학교에서", "친구를", "만났다"] and all(t in ("J", "O") for _, t in tagged)
 
 
+def test_tagging_with_entity_spans_learns_where_an_entity_ends_inside_a_word(base, tmp_path):
+    """Entities given as character spans: a word's stem before its object or topic particle (책을 -> 책), which no
+    word-level tag can mark; every token trains on its BIO tag, dev is scored by entity F1, and the saved model's
+    `entities` reads spans back token by token."""
+    with open(os.path.join(KORSTS, "sts-train.tsv"), encoding="utf-8") as f:
+        header, *rows = [line.rstrip("\n").split("\t") for line in f]
+    rows_out = []
+    for r in rows[:1500]:
+        text = dict(zip(header, r))["sentence1"]
+        spans, at = [], 0
+        for word in text.split(" "):
+            if len(word) > 1 and word[-1] in "을를은는":
+                spans.append([at, at + len(word) - 1, "N"])
+            at += len(word) + 1
+        rows_out.append({"text": text, "label": spans})
+    out = str(tmp_path / "spans")
+    summary = kbert.finetune(base, "tagging", rows_out[:1200], rows_out[1200:], out_dir=out, epochs=3,
+                             learning_rate=2e-3, max_length=64, progress=False)
+    assert summary["metric"] == "entity_f1"
+    assert summary["best"] > summary["baseline"]["entity_f1"] + 0.3, (summary["baseline"], summary["history"])
+    model = kbert.TaskModel.load(out)
+    assert model.labels == ["O", "B-N", "I-N"] and model.meta["aggregation"] == "simple"
+    # the spans `entities` reads back score as the dev figure did (the same tokens, tags and grouping) against
+    # the gold entities as whole tokens (a piece joining a stem and its particle is all inside or all outside)
+    from kbert.data.entities import bio_labels, token_spans
+    from kbert.train.metrics import entity_runs
+
+    dev = rows_out[1200:]
+    found = model.entities([r["text"] for r in dev])
+    assert all(r["text"][e["start"]:e["end"]] == e["word"] for r, f in zip(dev, found) for e in f)
+    hits = n_gold = 0
+    for r, f in zip(dev, found):
+        spans = token_spans(model.tokenizer, r["text"], model.tokenizer.encode(r["text"], max_length=64))
+        kept = [x for x in spans if x is not None]
+        gold = {(kept[a][0], kept[b - 1][1]) for a, b, _ in entity_runs([t for t in bio_labels(spans, r["label"]) if t])}
+        hits += len(gold & {(e["start"], e["end"]) for e in f})
+        n_gold += len(gold)
+    # at least the dev figure: a lone "▁" piece reads as the character after it, so a run that differs from
+    # the gold run by that piece alone is the same span of the text
+    assert 2 * hits / (sum(map(len, found)) + n_gold) >= summary["best"] - 0.01
+    with pytest.raises(ValueError, match="mix entity spans and word tags"):
+        kbert.finetune(base, "tagging", [rows_out[0], {"text": "두 단어", "label": "O O"}], progress=False)
+
+
 @pytest.mark.slow
 def test_backbone_dropout_rebuilds_the_same_weights_without_noise(base, tmp_path):
     """`backbone_dropout` copies the weights into a backbone with the new rates: with 0.0 a training-mode call

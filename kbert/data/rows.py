@@ -9,7 +9,7 @@ from __future__ import annotations
 import csv
 import json
 import os
-from typing import List, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 from kbert.utils import read_utf8_text
 
@@ -122,6 +122,35 @@ def number(value, split: str, i: int) -> float:
         return float(value)
     except (TypeError, ValueError):
         raise ValueError(f"{split} row {i + 1}: label {value!r} is not a number") from None
+
+
+def entity_spans(value, split: str, i: int) -> Optional[List[Tuple[int, int, str]]]:
+    """A tagging row's entities as character spans of its text, sorted, or None when the cell holds one tag per
+    word instead. Spans are `[start, end, label]` lists or `{"start", "end", "label"}` dicts (Doccano's and Label
+    Studio's exports; spaCy's `entities` too), `text[start:end]` being the entity; a JSON string of such a list
+    (a TSV or CSV cell) reads the same; an empty list is a row without entities."""
+    if isinstance(value, str) and value.strip().startswith("["):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            return None  # a tag that happens to start with "[": word tags
+    if not isinstance(value, list) or any(isinstance(v, str) for v in value):
+        return None
+    out = []
+    for item in value:
+        if isinstance(item, dict):
+            item = [item.get("start"), item.get("end"), item.get("label", item.get("entity"))]
+        if not isinstance(item, (list, tuple)) or len(item) != 3 or not all(isinstance(x, int) for x in item[:2]) \
+                or not isinstance(item[2], str) or not 0 <= item[0] < item[1]:
+            raise ValueError(f"{split} row {i + 1}: entity {item!r} is not [start, end, label] with 0 <= start < end "
+                             "(character offsets into the text) and a label string")
+        out.append((item[0], item[1], item[2]))
+    out.sort()
+    for a, b in zip(out, out[1:]):
+        if b[0] < a[1]:
+            raise ValueError(f"{split} row {i + 1}: entities {list(a)} and {list(b)} overlap; a tagger gives each "
+                             "character one entity")
+    return out
 
 
 def tags(value, split: str, i: int) -> List[str]:

@@ -255,7 +255,7 @@ class TaskModel:
         """
         import warnings
 
-        from kbert.data import qa
+        from kbert.data.entities import token_spans
         from kbert.embed.entities import aggregate, check_aggregation
 
         if self.task != "tagging":
@@ -267,7 +267,6 @@ class TaskModel:
         ignore = [ignore_labels] if isinstance(ignore_labels, str) else list(ignore_labels or ())
         tok = self.tokenizer
         encodings = tok.encode_batch(texts, max_length=self.max_length)
-        special = set(tok.special_ids.values())
         logits = [None] * len(texts)
         order = np.argsort([len(e.ids) for e in encodings], kind="stable")
         for start in range(0, len(texts), batch_size):
@@ -278,20 +277,13 @@ class TaskModel:
                 logits[i] = row[:len(encodings[i].ids)]
         found = []
         for text, enc, z in zip(texts, encodings, logits):
-            normalized, starts, ends = qa.aligned_normalize(text, tok.normalize)
-            if normalized != enc.normalized:  # a tokenizer normalizing beyond kbert's rules: spans of its text
-                starts, ends = list(range(len(enc.normalized))), list(range(1, len(enc.normalized) + 1))
             z = z - z.max(axis=-1, keepdims=True)
             probs = np.exp(z) / np.exp(z).sum(axis=-1, keepdims=True)
             tokens = []
-            for t, (i, (a, b)) in enumerate(zip(enc.ids, enc.offsets)):
-                if i in special and i != tok.unk_id or t == 0:
+            for t, (i, span) in enumerate(zip(enc.ids, token_spans(tok, text, enc))):
+                if span is None:
                     continue
-                if b <= a:  # a SentencePiece "▁" alone: the pipeline places it on the character after it
-                    if a >= len(starts):
-                        continue
-                    b = a + 1
-                begin, end = starts[a], ends[b - 1]
+                begin, end = span
                 if tok.kind == "wordpiece":
                     subword = enc.tokens[t].startswith("##") and i != tok.unk_id
                 else:  # as the pipeline decides for tokenizers without a continuation marker: no space before it

@@ -29,7 +29,7 @@ import numpy as np
 from kbert.data import rows as cells
 from kbert.data.rows import read_rows
 from kbert.data.features import features, first_pieces, pad, segment_ids, unit_vectors_in_batches
-from kbert.train.metrics import macro_f1, pair_classification_figures, pearson, spearman
+from kbert.train.metrics import entity_figures, macro_f1, pair_classification_figures, pearson, spearman
 
 SIMILARITY_LOSSES = ("cosent", "cosine", "contrastive")
 CONTRASTIVE_MARGIN = 0.5  # sentence-transformers' OnlineContrastiveLoss default: a non-pair's cosine distance
@@ -335,14 +335,69 @@ class RegressionTask(FinetuneTask):
 
 
 class TaggingTask(FinetuneTask):
+    """One tag per whitespace word (the label cell a list or a space-separated string; trained on each word's
+    first piece), or entity spans: the label cell a list of `[start, end, label]` character spans of the text
+    (`kbert.data.rows.entity_spans`), every token trained on its BIO tag (`kbert.data.entities`), so an entity
+    may end inside a word, before its particle; dev figures then add entity-level precision, recall and F1, and
+    the best checkpoint is the one with the best entity F1."""
     name = "tagging"
     trains_pooler = False
     label_pad = IGNORE
 
+    def __init__(self, config):
+        super().__init__(config)
+        self.spans = False  # set by `label_set`: the rows label entity spans
+
+    @property
+    def metric(self) -> str:
+        return "entity_f1" if self.spans else "accuracy"
+
+    @property
+    def extra_meta(self) -> dict:
+        return {"aggregation": "simple"} if self.spans else {}
+
     def label_set(self, rows, progress):
         c = self.config
+        kinds = [cells.entity_spans(r[c.label_column], "train", i) for i, r in enumerate(rows)]
+        spans = [k is not None for k in kinds]
+        if any(spans) and not all(spans):
+            i = spans.index(not spans[0])
+            raise ValueError(f"train row {i + 1}: the rows mix entity spans and word tags; label every row one way")
+        self.spans = bool(spans) and all(spans)
+        if self.spans:
+            types = sorted({kind for k in kinds for _, _, kind in k})
+            if not types and not c.labels:
+                raise ValueError("tagging with entity spans: the training rows mark no entity")
+            return [str(x) for x in c.labels] if c.labels else ["O"] + [f"{p}-{t}" for t in types for p in "BI"]
         labels = c.labels or sorted({t for i, r in enumerate(rows) for t in cells.tags(r[c.label_column], "train", i)})
         return [str(x) for x in labels]
+
+    def encode(self, rows, tokenizer, max_length, split):
+        if not self.spans:
+            return super().encode(rows, tokenizer, max_length, split)
+        from kbert.data.entities import bio_labels, token_spans
+
+        c = self.config
+        if c.pair_column:
+            raise ValueError("tagging with entity spans reads one text a row; `pair_column` does not apply")
+        texts = [cells.text_cell(r, c.text_column, f"{split} row {i + 1}") for i, r in enumerate(rows)]
+        encodings = tokenizer.encode_batch(texts, max_length=max_length)
+        index = {label: k for k, label in enumerate(self.labels)}
+        labels = []
+        for i, (r, text, enc) in enumerate(zip(rows, texts, encodings)):
+            entities = cells.entity_spans(r.get(c.label_column), split, i)
+            if entities is None:
+                raise ValueError(f"{split} row {i + 1}: word tags where the training rows have entity spans")
+            for s, e, kind in entities:
+                if e > len(text):
+                    raise ValueError(f"{split} row {i + 1}: entity [{s}, {e}, {kind!r}] runs past its text of "
+                                     f"{len(text)} characters")
+                if f"B-{kind}" not in index:
+                    raise ValueError(f"{split} row {i + 1}: entity type {kind!r} not seen in training (labels: "
+                                     f"{self.labels})")
+            tags = bio_labels(token_spans(tokenizer, text, enc), entities)
+            labels.append([IGNORE if t is None else index[t] for t in tags])
+        return Examples([e.ids for e in encodings], [segment_ids(e.ids, tokenizer.sep_id) for e in encodings], labels)
 
     def targets(self, raw, encodings, split):
         return [self._word_labels(e, cells.tags(v, split, i), split, i)
@@ -378,7 +433,16 @@ class TaggingTask(FinetuneTask):
         y = np.concatenate([np.array(l) for l in examples.labels])
         p = np.concatenate([np.argmax(o[:len(l)], axis=-1) for o, l in zip(outputs, examples.labels)])
         keep = y >= 0
-        return {"accuracy": float(np.mean(p[keep] == y[keep])), "macro_f1": macro_f1(y[keep], p[keep], len(self.labels))}
+        out = {"accuracy": float(np.mean(p[keep] == y[keep])), "macro_f1": macro_f1(y[keep], p[keep], len(self.labels))}
+        if self.spans:  # whole entities, over each row's tokens (the lone special tokens left out)
+            gold, predicted = [], []
+            for o, l in zip(outputs, examples.labels):
+                l = np.array(l)
+                kept = l >= 0
+                gold.append([self.labels[k] for k in l[kept]])
+                predicted.append([self.labels[k] for k in np.argmax(o[:len(l)], axis=-1)[kept]])
+            out.update(entity_figures(gold, predicted))
+        return out
 
 
 @dataclasses.dataclass

@@ -1,11 +1,13 @@
-"""Evaluation metrics of fine-tuning, in numpy: correlations for scores and similarities, accuracy and macro-F1;
-and `read_scalars`, a run's training curves from its TensorBoard logs.
+"""Evaluation metrics of fine-tuning, in numpy: correlations for scores and similarities, accuracy and macro-F1,
+entity-level F1 of BIO tags; and `read_scalars`, a run's training curves from its TensorBoard logs.
 
 The metrics are small enough to write out (scikit-learn is not a dependency of kbert); `rank` matches
 `scipy.stats.rankdata`'s average ranks, which the tests check on ties.
 """
 
 from __future__ import annotations
+
+from typing import Dict, Sequence
 
 import numpy as np
 
@@ -26,6 +28,36 @@ def macro_f1(y, p, num_classes: int) -> float:
         if denom:
             scores.append(2 * tp / denom)
     return float(np.mean(scores)) if scores else 0.0
+
+
+def entity_runs(tags) -> set:
+    """The entities of one sequence of BIO tags, as {(first token, last token + 1, type)}: "B-" starts one, "I-"
+    (or a tag without a prefix) continues one of its type and starts one after another type, "O" is none (the
+    grouping of transformers' token-classification pipeline, which `TaskModel.entities` follows)."""
+    runs, current = set(), None
+    for t, tag in enumerate(list(tags) + ["O"]):
+        bi, kind = (tag[0], tag[2:]) if tag[:2] in ("B-", "I-") else ("I", tag)
+        if current is not None and (tag == "O" or bi == "B" or kind != current[2]):
+            runs.add((current[0], t, current[2]))
+            current = None
+        if tag != "O" and current is None:
+            current = (t, None, kind)
+    return runs
+
+
+def entity_figures(gold: Sequence[Sequence[str]], predicted: Sequence[Sequence[str]]) -> Dict[str, float]:
+    """Entity-level precision, recall and F1 over sequences of BIO tags: an entity counts when its span and type
+    are both exact (CoNLL's and seqeval's scoring)."""
+    hits = found = wanted = 0
+    for g, p in zip(gold, predicted):
+        g, p = entity_runs(g), entity_runs(p)
+        hits += len(g & p)
+        found += len(p)
+        wanted += len(g)
+    precision = hits / found if found else 0.0
+    recall = hits / wanted if wanted else 0.0
+    f1 = 2 * precision * recall / (precision + recall) if precision + recall else 0.0
+    return {"entity_precision": precision, "entity_recall": recall, "entity_f1": f1}
 
 
 def read_scalars(logdir: str) -> dict:
