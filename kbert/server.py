@@ -28,6 +28,10 @@ Routes (JSON in and out; errors are `{"error": {"message", "type", "code"}}` wit
                           {"input": str | [str], "top_n"?: int, "diversity"?: number (MMR), "nr_candidates"?:
                           int (max sum), "ngram_range"?: [min, max], "stop_words"?: [str], "candidates"?: [str]}
                           -> {"data": [{"index", "keywords": [{"phrase", "score"}], best first}]}
+    POST /v1/entities     taggers (a `kbert finetune --task tagging` dir, a Hugging Face *ForTokenClassification
+                          NER model): {"input": str | [str], "aggregation"?: "simple" | "first" | "average" |
+                          "max" | "none"} -> {"data": [{"index", "entities": [{"entity_group", "score", "word",
+                          "start", "end"}]}]} (`TaskModel.entities`: spans of each input as given)
     POST /v1/rerank       cross-encoders (a reranker such as BGE-reranker-v2-m3, a kbert pair regression),
                           the request and answer of Cohere's rerank API, which Jina, vLLM and Infinity serve
                           too: {"query": str, "documents": [str | {"text": str}], "top_n"?: int,
@@ -264,6 +268,8 @@ class Engine:
         if kind == "answer":
             contexts = [p for j in group for p in j.pairs]
             return self.task_model.answer(texts, contexts, batch_size=self.batch_size, **options)
+        if kind == "entities":
+            return self.task_model.entities(texts, batch_size=self.batch_size, **options)
         if kind == "keywords":
             from kbert.embed.keywords import keywords
 
@@ -510,6 +516,23 @@ def build_app(model: str, max_batch_tokens: int = 8192, max_wait_ms: float = 5.0
         return {"data": [{"index": i, "keywords": [{"phrase": p, "score": s} for p, s in kws]}
                          for i, kws in enumerate(found)]}
 
+    async def entities(data, ticket=None):
+        from kbert.embed.entities import AGGREGATIONS
+
+        model = engine.task_model
+        if model is None or model.task != "tagging":
+            raise HTTPError(404, f"{name} is not a tagging model: /v1/entities needs one (`kbert finetune --task "
+                                 f"tagging`, or a Hugging Face *ForTokenClassification dir)", "not_found")
+        texts = _texts(data.get("input"), "input", max_texts, max_chars)
+        options = {}
+        if "aggregation" in data:
+            if data["aggregation"] not in AGGREGATIONS:
+                raise HTTPError(400, f"`aggregation` must be one of {list(AGGREGATIONS)}")
+            options["aggregation"] = data["aggregation"]
+        found = await engine.run("entities", texts, options, timeout=timeout_s, ticket=ticket)
+        engine.metrics.texts.labels("/v1/entities").inc(len(texts))
+        return {"data": [{"index": i, "entities": e} for i, e in enumerate(found)]}
+
     async def rerank(data, ticket=None):
         model = engine.task_model
         try:
@@ -569,6 +592,7 @@ def build_app(model: str, max_batch_tokens: int = 8192, max_wait_ms: float = 5.0
               Route("/v1/classify", handler("/v1/classify", classify), methods=["POST"]),
               Route("/v1/answer", handler("/v1/answer", answer), methods=["POST"]),
               Route("/v1/keywords", handler("/v1/keywords", keywords), methods=["POST"]),
+              Route("/v1/entities", handler("/v1/entities", entities), methods=["POST"]),
               Route("/v1/rerank", handler("/v1/rerank", rerank), methods=["POST"]),
               Route("/health", health), Route("/metrics", metrics)]
     app = Starlette(routes=routes, lifespan=lifespan)

@@ -322,6 +322,42 @@ def test_answer_serves_a_question_answering_model(dirs, tmp_path):
     assert missing.status_code == 404 and "question-answering" in missing.json()["error"]["message"]
 
 
+def test_entities_serve_a_tagger(dirs, tmp_path):
+    """/v1/entities on a tagger trained on entity spans (an untrained head with B-/I- labels here): the spans of
+    TaskModel.entities for one text or many, each indexing the input as given; aggregation chosen per request;
+    a model of another task answers 404, a bad aggregation 400."""
+    from kbert.data.features import build_network
+    from kbert.embed.task_model import TaskModel
+    from kbert.models.tasks import TaskNetwork
+    from kbert.server import build_app
+
+    emb = kbert.Embedder.load(dirs[0])
+    labels = ["O", "B-LC", "I-LC", "B-OG", "I-OG"]
+    network = TaskNetwork(emb.backbone, "tagging", len(labels), 0.0)
+    build_network(network, emb.tokenizer)
+    meta = {"task": "tagging", "labels": labels, "max_length": 64, "aggregation": "simple"}
+    tagger = TaskModel(network, emb.tokenizer, meta).save(str(tmp_path / "tagger"))
+    expected = kbert.TaskModel.load(tagger).entities(TEXTS, ignore_labels=())
+    with Running(build_app(tagger)) as srv:
+        body = httpx.post(srv.url + "/v1/entities", json={"input": TEXTS}, timeout=60).json()
+        got = [d["entities"] for d in body["data"]]
+        assert [d["index"] for d in body["data"]] == list(range(len(TEXTS)))
+        keep = [[e for e in x if e["entity_group"] != "O"] for x in expected]
+        assert [[(e["entity_group"], e["start"], e["end"]) for e in x] for x in got] == [
+            [(e["entity_group"], e["start"], e["end"]) for e in x] for x in keep]
+        np.testing.assert_allclose([e["score"] for x in got for e in x], [e["score"] for x in keep for e in x],
+                                   rtol=1e-5)
+        assert all(t[e["start"]:e["end"]] == e["word"] for t, x in zip(TEXTS, got) for e in x)
+        tokens = httpx.post(srv.url + "/v1/entities", json={"input": TEXTS[0], "aggregation": "none"},
+                            timeout=60).json()["data"]
+        assert len(tokens) == 1 and all("index" in e and "entity" in e for e in tokens[0]["entities"])
+        bad = httpx.post(srv.url + "/v1/entities", json={"input": TEXTS[0], "aggregation": "mean"}, timeout=60)
+        assert bad.status_code == 400 and "aggregation" in bad.json()["error"]["message"]
+    with Running(build_app(dirs[1])) as srv:
+        missing = httpx.post(srv.url + "/v1/entities", json={"input": "서울"}, timeout=60)
+    assert missing.status_code == 404 and "tagging" in missing.json()["error"]["message"]
+
+
 def test_keywords_serve_kbert_keywords_of_each_document(dirs):
     """/v1/keywords: the keyphrases and scores of kbert.keywords with the server's analyzer, for one document
     or several, with the request's settings; bad settings 400 before they queue; an unknown analyzer fails at
