@@ -319,7 +319,8 @@ def test_tagging_with_entity_spans_learns_where_an_entity_ends_inside_a_word(bas
     for r, f in zip(dev, found):
         spans = token_spans(model.tokenizer, r["text"], model.tokenizer.encode(r["text"], max_length=64))
         kept = [x for x in spans if x is not None]
-        gold = {(kept[a][0], kept[b - 1][1]) for a, b, _ in entity_runs([t for t in bio_labels(spans, r["label"]) if t])}
+        tags = [t for t in bio_labels(spans, r["label"]) if t]
+        gold = {(kept[a][0], kept[b - 1][1]) for a, b, _ in entity_runs(tags)}
         hits += len(gold & {(e["start"], e["end"]) for e in f})
         n_gold += len(gold)
     # at least the dev figure: a lone "▁" piece reads as the character after it, so a run that differs from
