@@ -167,3 +167,34 @@ def test_entity_figures_count_whole_entities():
     figures = entity_figures(gold, predicted)
     assert figures == pytest.approx({"entity_precision": 1 / 3, "entity_recall": 1 / 3, "entity_f1": 1 / 3})
     assert entity_figures([["O"]], [["O"]])["entity_f1"] == 0.0
+
+
+def test_a_kbert_tagger_exports_as_a_token_classifier(tmp_path):
+    """export_transformers writes a tagging TaskModel as BertForTokenClassification: transformers' pipeline on
+    it finds TaskModel.entities' spans, and the dir loads back as the same tagger."""
+    import transformers
+
+    import kbert
+    from kbert.data.features import build_network
+    from kbert.models.tasks import TaskNetwork
+
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    chars = sorted({c for t in TEXTS for c in t if not c.isspace() and c != "😀"})
+    (tmp_path / "vocab.txt").write_text("\n".join(vocab + chars + [f"##{c}" for c in chars]) + "\n", encoding="utf-8")
+    tok = kbert.Tokenizer.load(str(tmp_path / "vocab.txt"))
+    config = kbert.ModelConfig.preset("bert-tiny", vocab_size=tok.vocab_size, hidden_size=32, num_heads=2,
+                                      intermediate_size=48, num_layers=2, max_position=64)
+    network = TaskNetwork(kbert.BertBackbone(config), "tagging", len(LABELS), 0.0)
+    build_network(network, tok)
+    network.head.kernel.assign(np.random.default_rng(0).normal(0, 3.0, network.head.kernel.shape))
+    model = kbert.TaskModel(network, tok, {"task": "tagging", "labels": LABELS, "max_length": 64,
+                                           "aggregation": "simple"})
+    out = kbert.export_transformers(model, str(tmp_path / "hf"))
+    hf, info = transformers.AutoModelForTokenClassification.from_pretrained(out, output_loading_info=True)
+    assert type(hf).__name__ == "BertForTokenClassification" and hf.config.id2label[1] == "B-PS"
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    pipe = transformers.pipeline("token-classification", model=hf.eval(),
+                                 tokenizer=transformers.AutoTokenizer.from_pretrained(out))
+    assert len(_same_as_pipeline(model, pipe, TEXTS[:3])) >= 3
+    again = kbert.TaskModel.load(out)
+    assert again.entities(TEXTS) == model.entities(TEXTS)

@@ -669,7 +669,9 @@ def export_transformers(model, directory: str, tokenizer=None) -> str:
     Hugging Face dir (`config.json` + `model.safetensors`) that `transformers.AutoModel.from_pretrained(directory)`
     loads.
 
-    A question-answering `TaskModel` is written as `BertForQuestionAnswering` / `AlbertForQuestionAnswering`.
+    A question-answering `TaskModel` is written as `BertForQuestionAnswering` / `AlbertForQuestionAnswering`, a
+    tagging one as `BertForTokenClassification` / `AlbertForTokenClassification` (its tags as `id2label`, so
+    transformers' token-classification pipeline gives `TaskModel.entities`' spans).
     A `Pretrainer` is written as `BertForPreTraining` / `AlbertForPreTraining` with its heads. A `TaskModel`
     whose head reads the pooler (classification, pair-classification, regression: a cross-encoder) is written
     as `BertForSequenceClassification` / `AlbertForSequenceClassification`, a regression's target scaling
@@ -736,10 +738,12 @@ def _export_classifier(task_model, directory: str, tokenizer) -> str:
 
     network, meta = task_model.network, task_model.meta
     qa = network.task == "question-answering"
-    if network.task not in ("classification", "pair-classification", "regression", "question-answering"):
-        raise ValueError(f"A {network.task} model has no transformers sequence-classification or question-answering "
-                         "equivalent; export its backbone (`export_transformers(model.network.backbone, ...)`)")
-    if not qa and network.pooling != "pooler":
+    token_head = network.task in ("question-answering", "tagging")  # a head on every token: no pooler
+    if network.task not in ("classification", "pair-classification", "regression", "question-answering", "tagging"):
+        raise ValueError(f"A {network.task} model has no transformers sequence-classification, question-answering or "
+                         "token-classification equivalent; export its backbone (`export_transformers(model.network."
+                         "backbone, ...)`)")
+    if not token_head and network.pooling != "pooler":
         raise ValueError(f"This model's head reads {network.pooling!r} pooling; transformers' sequence "
                          "classifiers read BERT's pooler over [CLS] (fine-tune with pooling='pooler' to export)")
     backbone = network.backbone
@@ -758,6 +762,15 @@ def _export_classifier(task_model, directory: str, tokenizer) -> str:
         hf["qa_outputs.weight"], hf["qa_outputs.bias"] = np.ascontiguousarray(kernel.T), bias
         hf_config["architectures"] = ["BertForQuestionAnswering" if config.architecture == "bert"
                                       else "AlbertForQuestionAnswering"]
+        return _write_hf_task(task_model, directory, tokenizer, hf, hf_config, {})
+    if network.task == "tagging":  # transformers' token classifier: `classifier` on every token, labels as id2label
+        hf = {k: v for k, v in hf.items() if not k.startswith(prefix + "pooler.")}
+        hf["classifier.weight"], hf["classifier.bias"] = np.ascontiguousarray(kernel.T), bias
+        labels = list(meta.get("labels") or [])
+        hf_config.update(architectures=["BertForTokenClassification" if config.architecture == "bert"
+                                        else "AlbertForTokenClassification"], classifier_dropout=None,
+                         id2label={str(i): str(label) for i, label in enumerate(labels)},
+                         label2id={str(label): i for i, label in enumerate(labels)})
         return _write_hf_task(task_model, directory, tokenizer, hf, hf_config, {})
     hf["classifier.weight"], hf["classifier.bias"] = np.ascontiguousarray(kernel.T), bias
     labels = list(meta.get("labels") or []) if network.task != "regression" else ["score"]
