@@ -29,6 +29,8 @@ import numpy as np
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from random_model import random_model  # noqa: E402  (benchmarks/random_model.py)
+
 SHARED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared", "data")
 
 
@@ -78,19 +80,6 @@ def span_f1(gold, found) -> float:
     hits = sum(len({(s, e) for s, e, _ in g} & {(x["start"], x["end"]) for x in f}) for g, f in zip(gold, found))
     n = sum(map(len, gold)) + sum(map(len, found))
     return 2 * hits / n if n else 0.0
-
-
-def random_model(out: str) -> str:
-    import keras
-
-    import kbert
-    from kbert.data.corpus import corpus
-
-    tok = kbert.Tokenizer.train(corpus(["kolaw", "kobill"]), vocab_size=4000, progress=False)
-    keras.utils.set_random_seed(0)
-    config = kbert.ModelConfig.preset("bert-mini", vocab_size=tok.vocab_size, max_position=512)
-    kbert.save_model(kbert.BertBackbone(config), out, tokenizer=tok)
-    return out
 
 
 def main():

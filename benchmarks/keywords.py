@@ -27,6 +27,8 @@ import time
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from random_model import random_model  # noqa: E402  (benchmarks/random_model.py)
+
 
 def paragraphs(path: str, n: int, min_chars: int = 150):
     out = []
@@ -37,19 +39,6 @@ def paragraphs(path: str, n: int, min_chars: int = 150):
                 out.append(line)
                 if len(out) == n:
                     break
-    return out
-
-
-def random_model(out: str) -> str:
-    import keras
-
-    import kbert
-    from kbert.data.corpus import corpus
-
-    tok = kbert.Tokenizer.train(corpus(["kolaw", "kobill"]), vocab_size=4000, progress=False)
-    keras.utils.set_random_seed(0)
-    config = kbert.ModelConfig.preset("bert-mini", vocab_size=tok.vocab_size, max_position=512)
-    kbert.save_model(kbert.BertBackbone(config), out, tokenizer=tok)
     return out
 
 

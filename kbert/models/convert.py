@@ -421,30 +421,48 @@ def read_classifier(directory: str) -> Optional[dict]:
     return {"meta": meta, "pooler": pooler, "head": {"kernel": kernel, "bias": bias}}
 
 
-def read_qa_head(directory: str) -> Optional[dict]:
-    """A Hugging Face `*ForQuestionAnswering` dir's head (BERT, ALBERT, ELECTRA, RoBERTa, XLM-RoBERTa: KorQuAD
-    and KLUE-MRC models) in `read_classifier`'s terms: `qa_outputs`, a linear layer on every token of the last
-    layer giving each token an answer-start and an answer-end logit. None for any other dir."""
-    hf, architectures = _architectures(directory, "ForQuestionAnswering")
+def _token_head(directory: str, suffix: str, layer: str, what: str):
+    """(config.json, architecture, weight [out, h], bias [out]) of a Hugging Face dir whose architecture ends in
+    `suffix` and whose head is the linear `layer` on every token, or None for any other dir; errors name `what`
+    the head is."""
+    hf, architectures = _architectures(directory, suffix)
     if not architectures:
         return None
     if hf.get("model_type") not in ("bert", "albert", "electra") + _ROBERTA_TYPES:
-        raise ValueError(f"{directory}: {architectures[0]} is not supported; kbert reads the question-answering "
-                         "heads of BERT, ALBERT, ELECTRA, RoBERTa and XLM-RoBERTa")
-    tensors = _tensors_named(directory, lambda n: n.startswith("qa_outputs."))
-    missing = [n for n in ("qa_outputs.weight", "qa_outputs.bias") if n not in tensors]
-    if missing or tensors["qa_outputs.weight"].shape[0] != 2:
-        raise ValueError(f"{directory}: config.json names {architectures[0]} but the weights have no two-output "
-                         f"qa_outputs layer ({missing or tensors['qa_outputs.weight'].shape})")
-    meta = {"task": "question-answering", "labels": None, "pooling": None, "layers": None,
-            "source": architectures[0]}
+        raise ValueError(f"{directory}: {architectures[0]} is not supported; kbert reads the {what} heads of BERT, "
+                         "ALBERT, ELECTRA, RoBERTa and XLM-RoBERTa")
+    tensors = _tensors_named(directory, lambda n: n.startswith(layer + "."))
+    missing = [n for n in (layer + ".weight", layer + ".bias") if n not in tensors]
+    if missing or tensors[layer + ".weight"].ndim != 2:
+        raise ValueError(f"{directory}: config.json names {architectures[0]} but the weights have no linear {layer} "
+                         f"layer ({missing or tensors[layer + '.weight'].shape})")
+    return hf, architectures[0], tensors[layer + ".weight"], tensors[layer + ".bias"]
+
+
+def _token_task(directory: str, meta: dict, weight: np.ndarray, bias: np.ndarray) -> dict:
+    """`read_classifier`'s answer for a head on every token: no pooler, the model's length where its tokenizer
+    truncates."""
     from kbert.models.st_dir import configured_max_length
 
     length = configured_max_length(directory, directory)
     if length:
         meta["max_length"] = length
-    return {"meta": meta, "pooler": {},
-            "head": {"kernel": tensors["qa_outputs.weight"].T, "bias": tensors["qa_outputs.bias"]}}
+    return {"meta": meta, "pooler": {}, "head": {"kernel": weight.T, "bias": bias}}
+
+
+def read_qa_head(directory: str) -> Optional[dict]:
+    """A Hugging Face `*ForQuestionAnswering` dir's head (BERT, ALBERT, ELECTRA, RoBERTa, XLM-RoBERTa: KorQuAD
+    and KLUE-MRC models) in `read_classifier`'s terms: `qa_outputs`, a linear layer on every token of the last
+    layer giving each token an answer-start and an answer-end logit. None for any other dir."""
+    found = _token_head(directory, "ForQuestionAnswering", "qa_outputs", "question-answering")
+    if found is None:
+        return None
+    hf, architecture, weight, bias = found
+    if weight.shape[0] != 2:
+        raise ValueError(f"{directory}: config.json names {architecture} but its qa_outputs layer has "
+                         f"{weight.shape[0]} outputs, not two (an answer's start and end)")
+    meta = {"task": "question-answering", "labels": None, "pooling": None, "layers": None, "source": architecture}
+    return _token_task(directory, meta, weight, bias)
 
 
 def read_token_classifier(directory: str) -> Optional[dict]:
@@ -452,30 +470,16 @@ def read_token_classifier(directory: str) -> Optional[dict]:
     named-entity and part-of-speech taggers) in `read_classifier`'s terms: `classifier`, a linear layer on every
     token of the last layer giving each token a logit per label (`id2label`), as a "tagging" task. None for any
     other dir."""
-    hf, architectures = _architectures(directory, "ForTokenClassification")
-    if not architectures:
+    found = _token_head(directory, "ForTokenClassification", "classifier", "token-classification")
+    if found is None:
         return None
-    if hf.get("model_type") not in ("bert", "albert", "electra") + _ROBERTA_TYPES:
-        raise ValueError(f"{directory}: {architectures[0]} is not supported; kbert reads the token-classification "
-                         "heads of BERT, ALBERT, ELECTRA, RoBERTa and XLM-RoBERTa")
-    tensors = _tensors_named(directory, lambda n: n.startswith("classifier."))
-    missing = [n for n in ("classifier.weight", "classifier.bias") if n not in tensors]
-    if missing or tensors["classifier.weight"].ndim != 2:
-        raise ValueError(f"{directory}: config.json names {architectures[0]} but the weights have no linear "
-                         f"classifier layer ({missing or tensors['classifier.weight'].shape})")
-    num = int(tensors["classifier.weight"].shape[0])
+    hf, architecture, weight, bias = found
     id2label = hf.get("id2label") or {}
-    labels = [str(id2label.get(str(i), id2label.get(i, i))) for i in range(num)]
+    labels = [str(id2label.get(str(i), id2label.get(i, i))) for i in range(int(weight.shape[0]))]
     # trained on every token (transformers' token-classification recipe), so entities group token by token
-    meta = {"task": "tagging", "labels": labels, "pooling": None, "layers": None, "source": architectures[0],
+    meta = {"task": "tagging", "labels": labels, "pooling": None, "layers": None, "source": architecture,
             "aggregation": "simple"}
-    from kbert.models.st_dir import configured_max_length
-
-    length = configured_max_length(directory, directory)
-    if length:
-        meta["max_length"] = length
-    return {"meta": meta, "pooler": {},
-            "head": {"kernel": tensors["classifier.weight"].T, "bias": tensors["classifier.bias"]}}
+    return _token_task(directory, meta, weight, bias)
 
 
 _TF1_BERT_RULES = [
