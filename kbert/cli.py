@@ -97,22 +97,25 @@ def _convert(args):
     from kbert.embed.task_model import task_meta
 
     meta = task_meta(source) if not args.with_heads else None
-    heads = ("classification", "pair-classification", "regression", "question-answering")
+    heads = ("classification", "pair-classification", "regression", "question-answering", "tagging")
     if meta and meta.get("task") in heads and args.to == "kbert":
         model = kbert.TaskModel.load(source)  # a Hugging Face classifier or reader keeps its head as a kbert task dir
         model.save(args.out)
         print(f"wrote kbert {model.task} dir {args.out} with its head and tokenizer")
         return
-    if meta and meta.get("task") == "question-answering":
+    if meta and meta.get("task") in ("question-answering", "tagging"):
+        task = meta["task"]
         if args.to != "transformers":
-            raise SystemExit("a question-answering model converts to kbert or transformers, not to "
-                             "sentence-transformers (it gives spans, not sentence vectors)")
+            raise SystemExit(f"a {task} model converts to kbert or transformers, not to sentence-transformers (it "
+                             f"gives {'spans' if task == 'question-answering' else 'tags'}, not sentence vectors)")
         model = kbert.TaskModel.load(source)
         kbert.export_transformers(model, args.out)
         model.tokenizer.save(os.path.join(args.out, TOKENIZER_DIR))
-        print(f"wrote question-answering model {args.out} ({model.network.backbone.config.architecture} "
-              f"ForQuestionAnswering): AutoModelForQuestionAnswering.from_pretrained({args.out!r}) gives the same "
-              f"start and end logits")
+        kind, what = (("ForQuestionAnswering", "start and end logits") if task == "question-answering" else
+                      ("ForTokenClassification", "tag logits (the token-classification pipeline: its entities)"))
+        arch = model.network.backbone.config.architecture.capitalize()
+        print(f"wrote {task} model {args.out} ({arch}{kind}): "
+              f"AutoModel{kind}.from_pretrained({args.out!r}) gives the same {what}")
         return
     if meta and meta.get("task") in ("classification", "pair-classification", "regression"):
         # a classifier / cross-encoder: transformers' sequence-classification layout, which sentence-transformers'

@@ -198,3 +198,12 @@ def test_a_kbert_tagger_exports_as_a_token_classifier(tmp_path):
     assert len(_same_as_pipeline(model, pipe, TEXTS[:3])) >= 3
     again = kbert.TaskModel.load(out)
     assert again.entities(TEXTS) == model.entities(TEXTS)
+
+    # `kbert convert`: the Hugging Face tagger to a kbert task dir and back to transformers
+    from kbert.cli import main
+
+    assert main(["convert", "--model", out, "--out", str(tmp_path / "kb"), "--to", "kbert"]) == 0
+    assert kbert.TaskModel.load(str(tmp_path / "kb")).entities(TEXTS) == model.entities(TEXTS)
+    assert main(["convert", "--model", str(tmp_path / "kb"), "--out", str(tmp_path / "hf2"), "--to",
+                 "transformers"]) == 0
+    assert transformers.AutoConfig.from_pretrained(str(tmp_path / "hf2")).architectures == ["BertForTokenClassification"]
