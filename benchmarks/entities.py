@@ -30,22 +30,19 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from random_model import random_model  # noqa: E402  (benchmarks/random_model.py)
+from treebank import conllu_sentences  # noqa: E402
 
 SHARED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared", "data")
 
 
 def treebank_rows(path: str):
     """(text, proper-noun spans, one tag per whitespace word) per sentence of a CoNLL-U file."""
-    out, words = [], []
-
-    def flush():
-        if not words:
-            return
+    out = []
+    for words in conllu_sentences(path):
         text, spans, tags = "", [], []
         for form, lemma, xpos, no_space in words:
-            parts, kinds = lemma.split("+"), xpos.split("+")
             stem = ""
-            for part, kind in zip(parts, kinds):
+            for part, kind in zip(lemma.split("+"), xpos.split("+")):
                 if kind != "NNP":
                     break
                 stem += part
@@ -61,18 +58,6 @@ def treebank_rows(path: str):
             tags.append("B-NNP" if at in starts else "O")
             at += len(word) + 1
         out.append((text, spans, tags))
-        words.clear()
-
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            line = line.rstrip("\n")
-            if not line:
-                flush()
-            elif not line.startswith("#"):
-                cols = line.split("\t")
-                if cols[0].isdigit():
-                    words.append((cols[1], cols[2], cols[4], "SpaceAfter=No" in cols[9]))
-    flush()
     return out
 
 

@@ -31,6 +31,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from random_model import random_model  # noqa: E402  (benchmarks/random_model.py)
+from treebank import conllu_sentences  # noqa: E402
 
 SHARED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared", "data")
 SWAPS = {"이": "가", "가": "이", "을": "를", "를": "을", "은": "는", "는": "은", "과": "와", "와": "과"}
@@ -52,31 +53,19 @@ def korsts_sentences(path: str, n: int):
 def particle_pairs(path: str, n: int, seed: int = 0):
     """(original, particle swapped) sentence pairs from a CoNLL-U file: one eligible word a sentence, at random."""
     rng = np.random.default_rng(seed)
-    pairs, words = [], []
-
-    def flush():
+    pairs = []
+    for words in conllu_sentences(path):
         spots = [i for i, (form, lemma, tag, _) in enumerate(words) if tag.split("+")[-1] in PARTICLE_TAGS
                  and lemma.split("+")[-1] in SWAPS and form.endswith(lemma.split("+")[-1]) and len(form) > 1]
-        if spots:
-            k = spots[rng.integers(len(spots))]
-            text = "".join(f + ("" if no_space else " ") for f, _, _, no_space in words).strip()
-            form = words[k][0]
-            swapped = form[:-1] + SWAPS[form[-1]]
-            wrong = "".join((swapped if i == k else f) + ("" if no_space else " ")
-                            for i, (f, _, _, no_space) in enumerate(words)).strip()
-            pairs.append((text, wrong))
-        words.clear()
-
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            line = line.rstrip("\n")
-            if not line:
-                flush()
-            elif not line.startswith("#"):
-                cols = line.split("\t")
-                if cols[0].isdigit():
-                    words.append((cols[1], cols[2], cols[4], "SpaceAfter=No" in cols[9]))
-    flush()
+        if not spots:
+            continue
+        k = spots[rng.integers(len(spots))]
+        form = words[k][0]
+        swapped = form[:-1] + SWAPS[form[-1]]
+        text = "".join(f + ("" if no_space else " ") for f, _, _, no_space in words).strip()
+        wrong = "".join((swapped if i == k else f) + ("" if no_space else " ")
+                        for i, (f, _, _, no_space) in enumerate(words)).strip()
+        pairs.append((text, wrong))
     return pairs[:n]
 
 
