@@ -165,6 +165,14 @@ def in_background(items, depth: int = 2):
 # Correlations of scores and pair classification figures (fine-tuning's dev metrics in kbert.train.metrics,
 # sentence-vector figures in kbert.embed.evaluation): written out, as scikit-learn and scipy are not
 # dependencies of kbert.
+def softmax(x, axis: int = -1):
+    """exp(x) normalized along `axis`, in x's dtype, shifted by its maximum so nothing overflows."""
+    import numpy as np
+
+    z = np.exp(x - np.max(x, axis=axis, keepdims=True))
+    return z / np.sum(z, axis=axis, keepdims=True)
+
+
 def rank(x):
     """Ranks from 1 (a float array) with ties sharing their average rank (as scipy.stats.rankdata)."""
     import numpy as np  # here: this module is imported by the command line's start-up, which numpy would slow

@@ -25,6 +25,11 @@ def text_list(texts) -> list:
     return texts
 
 
+def str_list(texts) -> List[str]:
+    """`text_list` with bytes decoded as UTF-8: the texts as `str`."""
+    return [t.decode("utf-8") if isinstance(t, bytes) else t for t in text_list(texts)]
+
+
 def pad(lists, pad_id: int, width: Optional[int] = None) -> np.ndarray:
     """Lists of ids -> int32 `[b, s]`, padded with `pad_id` to `width` (default: the longest) rounded up to
     a multiple of 8."""

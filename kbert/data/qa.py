@@ -32,6 +32,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from kbert.data.features import segment_ids
+from kbert.utils import softmax
 
 
 def is_squad(obj) -> bool:
@@ -189,11 +190,6 @@ def token_targets(window: Window, answer: Optional[Tuple[int, int]]) -> Tuple[in
     return first, last
 
 
-def _softmax(x: np.ndarray) -> np.ndarray:
-    z = np.exp(x - x.max())
-    return z / z.sum()
-
-
 def best_spans(start_logits: np.ndarray, end_logits: np.ndarray, window: Window, top_k: int = 1,
                max_answer_length: int = 30):
     """(spans, null): the window's `top_k` answer spans as (score, first token, last token), best first, and
@@ -203,8 +199,8 @@ def best_spans(start_logits: np.ndarray, end_logits: np.ndarray, window: Window,
     # every context token, even one with no characters of its own (a lone `▁`), as transformers keeps them
     keep = np.array([t == 0 or s is not None for t, s in enumerate(window.spans)])
     n = len(window.spans)
-    start = _softmax(np.where(keep, np.asarray(start_logits[:n], np.float64), -10000.0))
-    end = _softmax(np.where(keep, np.asarray(end_logits[:n], np.float64), -10000.0))
+    start = softmax(np.where(keep, np.asarray(start_logits[:n], np.float64), -10000.0))
+    end = softmax(np.where(keep, np.asarray(end_logits[:n], np.float64), -10000.0))
     null = float(start[0] * end[0])
     start[0] = end[0] = 0.0
     scores = np.tril(np.triu(np.outer(start, end)), max_answer_length - 1)

@@ -27,16 +27,12 @@ from typing import List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from kbert.data.features import text_list
+from kbert.data.features import str_list
 
 # Noun tags of the analyzers kbert wraps: Sejong tags (mecab, kiwi, komoran, kkma: common and proper nouns,
 # Latin-alphabet words, Chinese characters; kkma writes the last two OL and OH), okt's Noun and Alpha, and
 # hannanum's N. Bound nouns (NNB: 것, 수), numerals and pronouns are left out.
 NOUN_TAGS = frozenset({"NNG", "NNP", "SL", "SH", "OL", "OH", "Noun", "Alpha", "N"})
-
-
-def _texts(texts) -> List[str]:
-    return [t.decode("utf-8") if isinstance(t, bytes) else t for t in text_list(texts)]
 
 
 def _ngram_range(ngram_range) -> Tuple[int, int]:
@@ -91,7 +87,7 @@ def keyphrase_candidates(texts: Union[str, Sequence[str]], analyzer="mecab", ngr
     stop_words: nouns never in a phrase (a phrase does not run across them either).
     """
     single = isinstance(texts, str)
-    items = _texts([texts] if single else texts)
+    items = str_list([texts] if single else texts)
     span = _ngram_range(ngram_range)
     stops = frozenset(" ".join(w.split()) for w in (stop_words or ()))
     analyze = _analyzer(analyzer)
@@ -185,16 +181,16 @@ def keywords(model, docs: Union[str, Sequence[str]], top_n: int = 5, ngram_range
 
     _check(top_n, diversity, nr_candidates)
     single = isinstance(docs, str)
-    items = _texts([docs] if single else docs)
+    items = str_list([docs] if single else docs)
     if candidates is not None:
-        pool = [" ".join(c.split()) for c in _texts(candidates)]
+        pool = [" ".join(c.split()) for c in str_list(candidates)]
         per_doc = [[c for c in dict.fromkeys(pool) if c and c in " ".join(d.split())] for d in items]
     else:
         per_doc = keyphrase_candidates(items, analyzer, ngram_range, tags, stop_words)
     seeds = None
     if seed_keywords is not None:
         nested = not isinstance(seed_keywords, str) and all(not isinstance(s, str) for s in seed_keywords)
-        seeds = [_texts(s) for s in seed_keywords] if nested else [_texts(seed_keywords)] * len(items)
+        seeds = [str_list(s) for s in seed_keywords] if nested else [str_list(seed_keywords)] * len(items)
         if len(seeds) != len(items) or not all(seeds):
             raise ValueError("`seed_keywords` must be a non-empty list of words, or one such list per document "
                              f"({len(items)} documents, {len(seeds)} lists)")

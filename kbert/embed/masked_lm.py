@@ -28,7 +28,8 @@ from typing import List, Optional, Sequence, Union
 import numpy as np
 
 from kbert.compiled import backend, compiled, signature
-from kbert.data.features import bucket, bucketed, features, text_list
+from kbert.utils import softmax
+from kbert.data.features import bucket, bucketed, features, str_list
 
 # masked positions per row round up to these for XLA (one compile per bucket; padding positions read [CLS])
 _POSITION_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -95,28 +96,29 @@ class MaskedLM:
         if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1:
             raise ValueError(f"`top_k` must be an int >= 1. Received: top_k={top_k!r}")
         single = isinstance(texts, (str, bytes))
-        items = [t.decode("utf-8") if isinstance(t, bytes) else t for t in text_list(texts)]
+        items = str_list(texts)
         target_ids = None if targets is None else self._target_ids(targets)
         rows = [self._masked_row(t, i) for i, t in enumerate(items)]
         logits = self._logits_of([r[0] for r in rows], [r[1] for r in rows], batch_size)
         out = []
         for text, (ids, positions), z in zip(items, rows, logits):
-            probs = _softmax(z)  # [p, v]
+            parts = text.split(self.mask_token)
+            probs = softmax(z.astype(np.float64)).astype(np.float32)  # [p, v]
             if target_ids is not None:
                 probs = probs[:, target_ids]
             k = min(top_k, probs.shape[1])
             per_mask = []
             for m, p in enumerate(probs):
                 best = np.argsort(-p, kind="stable")[:k]
-                per_mask.append([self._proposal(text, m, float(p[j]),
+                per_mask.append([self._proposal(parts, m, float(p[j]),
                                                 int(j if target_ids is None else target_ids[j])) for j in best])
             out.append(per_mask[0] if len(per_mask) == 1 else per_mask)
         return out[0] if single else out
 
-    def _proposal(self, text: str, mask: int, score: float, token: int) -> dict:
+    def _proposal(self, parts: List[str], mask: int, score: float, token: int) -> dict:
+        """One prediction: `parts` is the text split at its masks, `mask` the one filled."""
         token_str = self.tokenizer.decode([token], skip_special_tokens=False)
         spelling = token_str[2:] if self.tokenizer.kind == "wordpiece" and token_str.startswith("##") else token_str
-        parts = text.split(self.mask_token)
         sequence = "".join(part + (spelling if k == mask else self.mask_token if k < len(parts) - 1 else "")
                            for k, part in enumerate(parts))
         return {"score": score, "token": token, "token_str": token_str, "sequence": sequence}
@@ -196,7 +198,7 @@ class MaskedLM:
     def _token_log_likelihoods(self, texts, batch_size: int):
         """(sum of log P(token | rest) per text, tokens per text): every token of every text masked in turn,
         each masked copy one row of the batches."""
-        items = [t.decode("utf-8") if isinstance(t, bytes) else t for t in text_list(texts)]
+        items = str_list(texts)
         for i, t in enumerate(items):
             if self.mask_token in t:
                 raise ValueError(f"text {i} holds the mask token {self.mask_token!r}; pseudo-log-likelihood scores "
@@ -254,9 +256,3 @@ class MaskedLM:
             for k, i in enumerate(index):
                 out[i] = logits[k, :len(positions[i])]
         return out
-
-
-def _softmax(z: np.ndarray) -> np.ndarray:
-    z = z.astype(np.float64) - z.max(axis=-1, keepdims=True)
-    e = np.exp(z)
-    return (e / e.sum(axis=-1, keepdims=True)).astype(np.float32)

@@ -16,9 +16,10 @@ import numpy as np
 
 from kbert.data.features import (PACK_WHEN, ROW_BUCKETS, WIDTH_BUCKETS, bucket, bucketed, build_network, features,
                                  first_pieces, pack_rows, pad)
-from kbert.data.features import segment_ids, text_list
+from kbert.data.features import segment_ids, str_list, text_list
 from kbert.data.features import unit_vectors_in_batches, word_spans
 from kbert.compiled import backend, compiled, replicate, signature
+from kbert.utils import softmax
 from kbert.models.io import assign_weights
 from kbert.models.tasks import TASK_FILE, TaskNetwork, load_task_head, read_task_meta, save_task_head
 
@@ -263,7 +264,7 @@ class TaskModel:
         aggregation = aggregation or self.meta.get("aggregation", "first")
         check_aggregation(aggregation)
         single = isinstance(texts, (str, bytes))
-        texts = [t.decode("utf-8") if isinstance(t, bytes) else t for t in text_list(texts)]
+        texts = str_list(texts)
         ignore = [ignore_labels] if isinstance(ignore_labels, str) else list(ignore_labels or ())
         tok = self.tokenizer
         encodings = tok.encode_batch(texts, max_length=self.max_length)
@@ -277,8 +278,7 @@ class TaskModel:
                 logits[i] = row[:len(encodings[i].ids)]
         found = []
         for text, enc, z in zip(texts, encodings, logits):
-            z = z - z.max(axis=-1, keepdims=True)
-            probs = np.exp(z) / np.exp(z).sum(axis=-1, keepdims=True)
+            probs = softmax(z)  # [s, labels]
             tokens = []
             for t, (i, span) in enumerate(zip(enc.ids, token_spans(tok, text, enc))):
                 if span is None:
