@@ -344,8 +344,10 @@ def _review_texts(n):
 def test_unigram_tokenizer_exports_to_transformers_with_the_same_ids(tmp_path, lowercase):
     """kbert's default vocabulary (SentencePiece unigram) goes out as a tokenizer.json that AutoTokenizer reads:
     the same ids on Korean sentences, odd whitespace and control characters, emoji (byte fallback), a user
-    symbol, pairs with segment ids; decoding gives the normalized text; the tokenizer.json alone loads back into
-    kbert with the original's ids. The only differences allowed with transformers are
+    symbol, literal `▁`, pairs with segment ids; decoding gives the normalized text; a word's first piece is
+    offset on the word, not the space before it (as XLM-RoBERTa's tokenizer.json, for pipelines' spans); the
+    tokenizer.json alone loads back into kbert with the original's ids, and so does the layout kbert wrote
+    before (`▁` put in by the normalizer). The only differences allowed with transformers are
     segmentations of equal score (`...` + `..` vs `..` + `...`), which `tokenizers` orders as sentencepiece
     < 0.2.2 did: at most 0.2% of 3,000 movie reviews."""
     import transformers
@@ -357,9 +359,15 @@ def test_unigram_tokenizer_exports_to_transformers_with_the_same_ids(tmp_path, l
     tok.export_transformers(str(tmp_path))
     hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
     texts = KOREAN_SENTENCES + ["  여러   공백\t탭 \u200b", "헌법 제1조 ①항 😀 Hello WORLD", "", "   ",
-                                "<url>로 가기: 주소<url>다음", "\u3000전각\u00a0공백 끝\u3000"]
+                                "<url>로 가기: 주소<url>다음", "\u3000전각\u00a0공백 끝\u3000", "▁", "a ▁b ▁", "x ▁▁y▁ z▁▁"]
     for text in texts:
         assert hf(text)["input_ids"] == tok.encode(text).ids, (text, hf.tokenize(text), tok.encode(text).tokens)
+    for text in KOREAN_SENTENCES:
+        enc, ours = hf(text, return_offsets_mapping=True), tok.encode(text)
+        pieces = [(t, o, tuple(r)) for t, o, r in zip(ours.tokens, ours.offsets, enc["offset_mapping"])
+                  if t != "\u2581" and not t.startswith("<0x")]  # a lone `▁`: kbert empty, transformers the next char
+        assert [o for _, o, _ in pieces] == [r for _, _, r in pieces], text
+        assert all(ours.normalized[s:e] == t.lstrip("\u2581") for t, (s, e), _ in pieces[1:-1]), text
     pair = hf("대한민국은 민주공화국이다.", "모든 권력은 국민으로부터 나온다.")
     expect = tok.encode("대한민국은 민주공화국이다.", "모든 권력은 국민으로부터 나온다.")
     assert pair["input_ids"] == expect.ids and sum(pair["token_type_ids"]) == len(expect.ids) - expect.ids.index(3) - 1
@@ -382,6 +390,20 @@ def test_unigram_tokenizer_exports_to_transformers_with_the_same_ids(tmp_path, l
 
     graph = back.tf_tokenize(tf.constant(texts)).to_list()
     assert graph == [tok.encode(t).ids for t in texts]
+    # a tokenizer.json in kbert's earlier layout: the `▁` prepended and for spaces by the normalizer
+    import tokenizers
+    from tokenizers import normalizers, pre_tokenizers
+
+    from kbert.text.normalize import tokenizers_normalizer
+
+    legacy = tokenizers.Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    legacy.normalizer = normalizers.Sequence([tokenizers_normalizer(lowercase=lowercase),
+                                              normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    legacy.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="never")
+    legacy.save(str(alone / "tokenizer.json"))
+    old = kbert.Tokenizer.load(str(alone))
+    assert old.lowercase == lowercase
+    assert [old.encode(t).ids for t in texts] == [tok.encode(t).ids for t in texts]
     bpe = kbert.Tokenizer.train(corpus(["kolaw"]), vocab_size=800, algorithm="bpe", progress=False)
     with pytest.raises(ValueError, match="only unigram"):
         bpe.export_transformers(str(tmp_path / "bpe"))

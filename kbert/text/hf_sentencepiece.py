@@ -108,7 +108,11 @@ def unigram_from_json(path: str, spec=None) -> bytes:
     spec, model = read_tokenizer_json(path, "Unigram", spec)
     kbert_own = json_normalization(spec) is not None  # kbert normalizes before SentencePiece sees the text
     charsmap = b"" if kbert_own else _precompiled_charsmap(spec.get("normalizer"), path)
-    _check_metaspace(spec.get("pre_tokenizer"), path, prepend="never" if kbert_own else "always")
+    pre = spec.get("pre_tokenizer")
+    if kbert_own and _splits_spaces(pre):  # unigram_json_normalizer's pairing: spaces dropped, `▁` prepended
+        _check_metaspace(pre["pretokenizers"][1], path, prepend="always")
+    else:
+        _check_metaspace(pre, path, prepend="never" if kbert_own else "always")
     special = {t["content"] for t in spec.get("added_tokens", []) if t.get("special")}
     Type = pb.ModelProto.SentencePiece.Type
     out = pb.ModelProto()
@@ -147,27 +151,49 @@ _BYTE_PIECE = re.compile(r"<0x[0-9A-F]{2}>")
 
 def json_normalization(spec: dict):
     """kbert's normalization settings (`{"lowercase": bool}`) when a parsed tokenizer.json normalizes as kbert
-    writes it (`Tokenizer.fast_tokenizer`: kbert's NFC normalizer, then SentencePiece's `▁` prepended and for
-    spaces), else None. Such a file reads back as the kbert tokenizer it came from: kbert's own normalization,
-    then the unigram model on the normalized text as given."""
+    writes it (`Tokenizer.fast_tokenizer`: `unigram_json_normalizer`, or before 2026-12 kbert's NFC normalizer
+    with SentencePiece's `▁` prepended and for spaces), else None. Such a file reads back as the kbert tokenizer
+    it came from: kbert's own normalization, then the unigram model on the normalized text as given."""
     normalizer = spec.get("normalizer")
     if not normalizer or normalizer.get("type") != "Sequence":
         return None
     for lowercase in (False, True):
-        if normalizer == _kbert_normalizer_json(lowercase):
+        if normalizer in (_normalizer_json(unigram_json_normalizer(lowercase=lowercase)),
+                          _normalizer_json(_prepended_normalizer(lowercase))):
             return {"lowercase": lowercase}
     return None
 
 
-def _kbert_normalizer_json(lowercase: bool) -> dict:
-    """The normalizer `Tokenizer.fast_tokenizer` writes, as tokenizer.json holds it."""
-    from tokenizers import Tokenizer, models, normalizers
+def unigram_json_normalizer(form: str = "NFC", repeat=None, lowercase: bool = False):
+    """The normalizer of the unigram tokenizer.json kbert writes: kbert's own normalization
+    (`kbert.text.normalize.tokenizers_normalizer`), then a literal `▁` that begins a word doubled. The
+    pre-tokenizer after it drops the spaces and prepends `▁` to each word unless it already starts with one;
+    the doubling gives such a word the extra `▁` SentencePiece's dummy prefix would."""
+    from tokenizers import Regex, normalizers
 
     from kbert.text.normalize import tokenizers_normalizer
 
+    return normalizers.Sequence([tokenizers_normalizer(form, repeat, lowercase),
+                                 normalizers.Replace(Regex("(?<![^ ])\u2581"), "\u2581\u2581")])
+
+
+def _prepended_normalizer(lowercase: bool):
+    """The normalizer of kbert's earlier unigram tokenizer.json (`▁` prepended and for spaces, a Metaspace
+    pre-tokenizer that only splits); its ids are the same, its word-initial offsets include the space before."""
+    from tokenizers import normalizers
+
+    from kbert.text.normalize import tokenizers_normalizer
+
+    return normalizers.Sequence([tokenizers_normalizer(lowercase=lowercase), normalizers.Prepend("\u2581"),
+                                 normalizers.Replace(" ", "\u2581")])
+
+
+def _normalizer_json(normalizer) -> dict:
+    """A `tokenizers` normalizer as a tokenizer.json holds it."""
+    from tokenizers import Tokenizer, models
+
     fast = Tokenizer(models.Unigram())
-    fast.normalizer = normalizers.Sequence([tokenizers_normalizer(lowercase=lowercase), normalizers.Prepend("\u2581"),
-                                            normalizers.Replace(" ", "\u2581")])
+    fast.normalizer = normalizer
     return json.loads(fast.to_str())["normalizer"]
 
 
@@ -196,9 +222,17 @@ def _collapses_spaces(part) -> bool:
     return part.get("content") == " " and (pattern.get("Regex") == " {2,}" or pattern.get("String") == "  ")
 
 
+def _splits_spaces(pre) -> bool:
+    """Whether a tokenizer.json pre-tokenizer is the one kbert writes after `unigram_json_normalizer`: the
+    spaces removed, then Metaspace."""
+    steps = (pre or {}).get("pretokenizers") or []
+    return (len(steps) == 2 and steps[0].get("type") == "Split" and steps[0].get("pattern") == {"String": " "}
+            and steps[0].get("behavior") == "Removed" and steps[1].get("type") == "Metaspace")
+
+
 def _check_metaspace(pre, path: str, prepend: str = "always") -> None:
     """Refuses a pre-tokenizer other than SentencePiece's Metaspace with `prepend` as its prepend scheme
-    ("never" for kbert's own files, whose normalizer prepends the `▁`)."""
+    ("never" for kbert's earlier files, whose normalizer prepends the `▁`)."""
     steps = pre.get("pretokenizers", [pre]) if pre and pre.get("type") == "Sequence" else [pre]
     for step in steps:
         if step is None:

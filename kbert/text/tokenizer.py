@@ -30,7 +30,8 @@ import numpy as np
 
 from kbert.text.fast_unigram import add_specials, fast_unigram_ids, fast_unigram_parts, is_unigram, specials_as_bos_eos
 from kbert.text.hf_sentencepiece import (export_fairseq, fairseq_layout, is_fairseq_dir, is_fairseq_layout,
-                                         json_normalization, read_tokenizer_json, unigram_from_json)
+                                         json_normalization, read_tokenizer_json, unigram_from_json,
+                                         unigram_json_normalizer)
 from kbert.text.normalize import normalize, tf_normalize
 from kbert.text.vocab import ALGORITHMS, JOINER, SPECIAL_TOKENS, train_vocabulary  # noqa: F401 (re-exported)
 from kbert.text.wordpiece import WordPieceIds
@@ -748,8 +749,6 @@ class Tokenizer:
                              "`tokenizers` (pip install tokenizers; transformers depends on it)") from None
         from sentencepiece import sentencepiece_model_pb2
 
-        from kbert.text.normalize import tokenizers_normalizer
-
         proto = sentencepiece_model_pb2.ModelProto()
         proto.ParseFromString(self._spm_proto)
         trainer = proto.trainer_spec
@@ -759,19 +758,21 @@ class Tokenizer:
         if not _sees_text_as_given(proto) or not trainer.split_by_whitespace:
             raise ValueError("this SentencePiece model normalizes or splits text itself (not a kbert-trained "
                              "vocabulary); load it in transformers with its own tokenizer class")
-        normalizer = tokenizers_normalizer(self.form, self.repeat, self.lowercase)
-        from tokenizers import AddedToken, Tokenizer as FastTokenizer, decoders, models, normalizers, pre_tokenizers
-        from tokenizers import processors
+        from tokenizers import AddedToken, Tokenizer as FastTokenizer, decoders, models, pre_tokenizers, processors
 
         types = sentencepiece_model_pb2.ModelProto.SentencePiece
         fast = FastTokenizer(models.Unigram([(p.piece, p.score) for p in proto.pieces], unk_id=self.unk_id,
                                             byte_fallback=trainer.byte_fallback))
-        # SentencePiece's dummy prefix and `▁` for spaces go into the normalizer, after kbert's normalization
-        # (the pre-tokenizer's own prepend looks at the original text's offsets, so a stripped leading space
-        # would lose the `▁`); the pre-tokenizer only splits before each `▁`
-        fast.normalizer = normalizers.Sequence([normalizer, normalizers.Prepend("\u2581"),
-                                                normalizers.Replace(" ", "\u2581")])
-        fast.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="never")
+        fast.normalizer = unigram_json_normalizer(self.form, self.repeat, self.lowercase)
+        # SentencePiece sees `▁` + the text with its (single) spaces as `▁` and splits before each `▁`. Here
+        # the spaces are dropped and each word gets a `▁` prepended, which `tokenizers` aligns with the word's
+        # first character: so a word's first piece (▁경) is offset on the word, not on the space before it, as
+        # in XLM-RoBERTa's tokenizer.json and what pipelines' entity and answer spans need. Metaspace prepends
+        # only to a word not already starting with `▁`; the normalizer doubles such a literal `▁` so the ids
+        # stay SentencePiece's.
+        fast.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(" ", "removed"),
+            pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always", split=True)])
         fast.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
                                           decoders.Strip(" ", 1, 0)])
         specials = [p.piece for p in proto.pieces if p.type in (types.CONTROL, types.UNKNOWN)]
