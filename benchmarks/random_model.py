@@ -1,4 +1,4 @@
-"""The stand-in model of benchmarks run without `--model`: a bert-mini with random weights over a 4,000-piece
+"""The stand-in model of benchmarks run without `--model`: a bert-mini with random weights over a 2,000-piece
 vocabulary learned on konlpy's statutes (kolaw, kobill), the same every run. Its figures measure speed and
 agreement with the reference only; a trained model gives results worth reading."""
 
@@ -12,7 +12,7 @@ def random_model(out: str, heads: bool = False) -> str:
     import kbert
     from kbert.data.corpus import corpus
 
-    tok = kbert.Tokenizer.train(corpus(["kolaw", "kobill"]), vocab_size=4000, progress=False)
+    tok = kbert.Tokenizer.train(corpus(["kolaw", "kobill"]), vocab_size=2000, progress=False)
     keras.utils.set_random_seed(0)
     config = kbert.ModelConfig.preset("bert-mini", vocab_size=tok.vocab_size, max_position=512)
     backbone = kbert.BertBackbone(config)

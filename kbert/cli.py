@@ -664,6 +664,21 @@ def _fill_mask(args):
     print(f"masks of {len(texts)} lines filled" + (f", written to {args.out}" if args.out else ""), file=sys.stderr)
 
 
+def _zero_shot(args):
+    from kbert.embed.task_model import TaskModel
+
+    numbers, texts = _numbered_lines(args.input)
+    model = TaskModel.load(args.model)
+    if args.max_length:
+        model.max_length = args.max_length
+    found = model.zero_shot(texts, args.labels, hypothesis_template=args.template, multi_label=args.multi_label,
+                            batch_size=args.batch_size)
+    _write_json_lines(({"line": n, "text": r["sequence"], "labels": r["labels"],
+                        "scores": [round(x, 6) for x in r["scores"]]} for n, r in zip(numbers, found)), args.out)
+    print(f"{len(texts)} lines classified among {len(found[0]['labels']) if found else 0} labels"
+          + (f", written to {args.out}" if args.out else ""), file=sys.stderr)
+
+
 def _evaluate(args):
     import json
 
@@ -733,6 +748,8 @@ def _add_corpus_arguments(p):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from kbert.embed.zero_shot import DEFAULT_TEMPLATE
+
     parser = _Parser(prog="kbert", description="Korean BERT/ALBERT pretraining and embedding toolkit.")
     parser.add_argument("--version", action="store_true", help="print the version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
@@ -1000,6 +1017,24 @@ def build_parser() -> argparse.ArgumentParser:
                                                   "positions); a longer line is read around its masks")
     p.add_argument("--batch-size", type=int, default=32, help="rows a forward pass (default 32)")
     p.set_defaults(func=_fill_mask)
+
+    p = sub.add_parser("zero-shot", help="classify each line among labels it was never trained on, with a natural-"
+                                         "language-inference model (transformers' zero-shot-classification "
+                                         "pipeline), as JSON lines: the labels from the likeliest down, with scores")
+    p.add_argument("--model", required=True, help="an NLI classifier dir or Hub name (KLUE-NLI or KorNLI fine-tunes, a "
+                                                  "`kbert finetune` pair classifier with an 'entailment' label)")
+    p.add_argument("--labels", required=True, help="the candidate labels, comma-separated (\"스포츠,정치,경제\")")
+    p.add_argument("--template", default=DEFAULT_TEMPLATE,
+                   help=f"the hypothesis each label is put into at {{}} (default {DEFAULT_TEMPLATE!r})")
+    p.add_argument("--multi-label", action="store_true",
+                   help="score each label on its own (several may hold) instead of one softmax over the labels")
+    p.add_argument("--input", help="text file, one text a line (default: stdin); blank lines are skipped, and the "
+                                   "output names lines by their number in the file")
+    p.add_argument("--out", help="JSON lines file to write (default: stdout)")
+    p.add_argument("--max-length", type=int, help="tokens a (text, hypothesis) pair (default: the model's); a longer "
+                                                  "text is cut, the hypothesis kept whole")
+    p.add_argument("--batch-size", type=int, default=64, help="pairs a forward pass (default 64)")
+    p.set_defaults(func=_zero_shot)
 
     p = sub.add_parser("evaluate", help="how good a model's sentence vectors are on a labelled file: STS "
                                         "correlations, paraphrase classification or retrieval figures (JSON)")

@@ -32,6 +32,10 @@ Routes (JSON in and out; errors are `{"error": {"message", "type", "code"}}` wit
                           NER model): {"input": str | [str], "aggregation"?: "simple" | "first" | "average" |
                           "max" | "none"} -> {"data": [{"index", "entities": [{"entity_group", "score", "word",
                           "start", "end"}]}]} (`TaskModel.entities`: spans of each input as given)
+    POST /v1/zero-shot    natural-language-inference classifiers (KLUE-NLI, KorNLI): {"input": str | [str],
+                          "candidate_labels": [str] | "a,b,c", "hypothesis_template"?: str with {}, "multi_label"?:
+                          bool} -> {"data": [{"index", "labels", "scores"}], likeliest first}
+                          (`TaskModel.zero_shot`, transformers' zero-shot-classification pipeline)
     POST /v1/rerank       cross-encoders (a reranker such as BGE-reranker-v2-m3, a kbert pair regression),
                           the request and answer of Cohere's rerank API, which Jina, vLLM and Infinity serve
                           too: {"query": str, "documents": [str | {"text": str}], "top_n"?: int,
@@ -76,9 +80,6 @@ import time
 from typing import List
 
 import numpy as np
-
-ROUTES = ("/v1/embeddings", "/v1/similarity", "/v1/classify", "/v1/answer", "/v1/keywords", "/v1/rerank")
-
 
 class HTTPError(Exception):
     def __init__(self, status: int, message: str, kind: str = "invalid_request_error", headers=None):
@@ -186,6 +187,8 @@ class Engine:
             cost = sum(len(t) + 2 for t in texts)
         if kind == "answer":  # a question's context is most of its work: every window of it runs
             cost += sum(len(p) + 2 for p in pairs)
+        if kind == "zero-shot":  # each text runs once beside each candidate label's hypothesis
+            cost *= len(options["candidate_labels"])
         job = _Job(kind, texts, pairs, options, future, loop, cost)
         with self._cond:
             if self._queued + len(texts) > self.max_queue:
@@ -270,6 +273,8 @@ class Engine:
             return self.task_model.answer(texts, contexts, batch_size=self.batch_size, **options)
         if kind == "entities":
             return self.task_model.entities(texts, batch_size=self.batch_size, **options)
+        if kind == "zero-shot":
+            return self.task_model.zero_shot(texts, batch_size=self.batch_size, **options)
         if kind == "keywords":
             from kbert.embed.keywords import keywords
 
@@ -533,6 +538,36 @@ def build_app(model: str, max_batch_tokens: int = 8192, max_wait_ms: float = 5.0
         engine.metrics.texts.labels("/v1/entities").inc(len(texts))
         return {"data": [{"index": i, "entities": e} for i, e in enumerate(found)]}
 
+    async def zero_shot(data, ticket=None):
+        from kbert.embed.zero_shot import candidate_list, hypotheses, nli_indices
+
+        model = engine.task_model
+        try:
+            if model is None or model.task not in ("classification", "pair-classification"):
+                raise ValueError("it is not a classifier")
+            nli_indices(model.labels)
+        except ValueError as e:
+            raise HTTPError(404, f"{name} is not a natural-language-inference model: /v1/zero-shot needs one (a "
+                                 f"classifier with an 'entailment' label, KLUE-NLI's or KorNLI's); {e}",
+                            "not_found") from None
+        texts = _texts(data.get("input"), "input", max_texts, max_chars)
+        options = {"multi_label": data.get("multi_label", False)}
+        if not isinstance(options["multi_label"], bool):
+            raise HTTPError(400, "`multi_label` must be true or false")
+        try:
+            labels = data.get("candidate_labels")
+            if not (isinstance(labels, str) or (isinstance(labels, list) and all(isinstance(x, str) for x in labels))):
+                raise ValueError("`candidate_labels` must be a string or a list of strings")
+            options["candidate_labels"] = candidate_list(labels)
+            if "hypothesis_template" in data:
+                options["hypothesis_template"] = data["hypothesis_template"]
+                hypotheses(options["candidate_labels"], data["hypothesis_template"])
+        except ValueError as e:
+            raise HTTPError(400, str(e)) from None
+        found = await engine.run("zero-shot", texts, options, timeout=timeout_s, ticket=ticket)
+        engine.metrics.texts.labels("/v1/zero-shot").inc(len(texts))
+        return {"data": [{"index": i, "labels": r["labels"], "scores": r["scores"]} for i, r in enumerate(found)]}
+
     async def rerank(data, ticket=None):
         model = engine.task_model
         try:
@@ -593,6 +628,7 @@ def build_app(model: str, max_batch_tokens: int = 8192, max_wait_ms: float = 5.0
               Route("/v1/answer", handler("/v1/answer", answer), methods=["POST"]),
               Route("/v1/keywords", handler("/v1/keywords", keywords), methods=["POST"]),
               Route("/v1/entities", handler("/v1/entities", entities), methods=["POST"]),
+              Route("/v1/zero-shot", handler("/v1/zero-shot", zero_shot), methods=["POST"]),
               Route("/v1/rerank", handler("/v1/rerank", rerank), methods=["POST"]),
               Route("/health", health), Route("/metrics", metrics)]
     app = Starlette(routes=routes, lifespan=lifespan)

@@ -19,6 +19,7 @@ from kbert.data.features import (PACK_WHEN, ROW_BUCKETS, WIDTH_BUCKETS, bucket, 
 from kbert.data.features import segment_ids, str_list, text_list
 from kbert.data.features import unit_vectors_in_batches, word_spans
 from kbert.compiled import backend, compiled, replicate, signature
+from kbert.embed.zero_shot import DEFAULT_TEMPLATE
 from kbert.utils import softmax
 from kbert.models.io import assign_weights
 from kbert.models.tasks import TASK_FILE, TaskNetwork, load_task_head, read_task_meta, save_task_head
@@ -203,35 +204,79 @@ class TaskModel:
             out = unit_vectors_in_batches(self._call, ids, self.tokenizer.pad_id, batch_size)
             return out[0] if single else out
         encodings = self.tokenizer.encode_batch(texts, pairs=pairs, max_length=self.max_length)
-        rows = [None] * len(encodings)
-        # batches of similar length (little padding), results put back in input order
-        order = np.argsort([len(e.ids) for e in encodings], kind="stable")
-        for start in range(0, len(encodings), batch_size):
-            index = order[start:start + batch_size]
-            chunk = [encodings[i] for i in index]
-            ids = [e.ids for e in chunk]
-            segs = [segment_ids(e.ids, self.tokenizer.sep_id) for e in chunk]
-            logits = self._call_packed(ids, segs) if self.task != "tagging" else None
-            if logits is None:
+        if self.task != "tagging":
+            logits = self._sequence_logits([e.ids for e in encodings], batch_size)
+            out = logits[:, 0] if self.task == "regression" else softmax(logits, axis=1).astype(np.float32)
+        else:
+            out = [None] * len(encodings)
+            # batches of similar length (little padding), results put back in input order
+            order = np.argsort([len(e.ids) for e in encodings], kind="stable")
+            for start in range(0, len(encodings), batch_size):
+                index = order[start:start + batch_size]
+                chunk = [encodings[i] for i in index]
+                ids = [e.ids for e in chunk]
+                segs = [segment_ids(x, self.tokenizer.sep_id) for x in ids]
                 logits = self._call(pad(ids, self.tokenizer.pad_id), pad(segs, 0))
-            if self.task == "tagging":
                 for i, e, row in zip(index, chunk, logits):
                     words = [e.normalized[s:t] for s, t in word_spans(e.normalized)]
-                    rows[i] = [(w, self.labels[int(np.argmax(row[p]))]) for w, p in zip(words, first_pieces(e))
-                               if p is not None]
-            elif self.task == "regression":
-                for i, value in zip(index, logits[:, 0]):
-                    rows[i] = value
-            else:
-                z = logits - logits.max(axis=1, keepdims=True)
-                p = np.exp(z)
-                for i, probs in zip(index, p / p.sum(axis=1, keepdims=True)):
-                    rows[i] = probs
-        out = rows if self.task == "tagging" else np.asarray(rows, np.float32).reshape(
-            (len(rows),) if self.task == "regression" else (len(rows), -1))
+                    out[i] = [(w, self.labels[int(np.argmax(row[p]))]) for w, p in zip(words, first_pieces(e))
+                              if p is not None]
         if self.task == "regression" and activation != "identity":
             out = (1.0 / (1.0 + np.exp(-out)) if activation == "sigmoid" else np.tanh(out)).astype(np.float32)
         return out[0] if single else out
+
+    def _sequence_logits(self, id_lists, batch_size: int) -> np.ndarray:
+        """Logits `[n, labels]` of token id lists (special tokens included), run in batches of similar length
+        (little padding, or packed rows) and put back in input order."""
+        out = np.zeros((len(id_lists), 1 if self.task == "regression" else len(self.labels or ())), np.float32)
+        order = np.argsort([len(x) for x in id_lists], kind="stable")
+        for start in range(0, len(id_lists), batch_size):
+            index = order[start:start + batch_size]
+            ids = [id_lists[i] for i in index]
+            segs = [segment_ids(x, self.tokenizer.sep_id) for x in ids]
+            logits = self._call_packed(ids, segs)
+            if logits is None:
+                logits = self._call(pad(ids, self.tokenizer.pad_id), pad(segs, 0))
+            out[index] = logits
+        return out
+
+    def zero_shot(self, texts, candidate_labels, hypothesis_template: str = DEFAULT_TEMPLATE,
+                  multi_label: bool = False, batch_size: int = 64):
+        """Zero-shot classification with a natural-language-inference model (a KLUE-NLI or KorNLI
+        cross-encoder, or a `kbert finetune --task pair-classification` model trained on NLI labels): for each
+        text `{"sequence", "labels", "scores"}`, the candidate labels from the likeliest down, as transformers'
+        zero-shot-classification pipeline gives them (`kbert.embed.zero_shot`).
+
+        Args:
+            candidate_labels: the classes, a list or one comma-separated string.
+            hypothesis_template: the sentence each label is put into (`{}`), read as what the text entails;
+                Korean by default, where the pipeline's default is English ("This example is {}."), so pass
+                the template to compare the two.
+            multi_label: score each label on its own (entailment against contradiction), so several can hold;
+                by default the scores are a softmax over the labels and sum to 1.
+
+        Example:
+            >>> nli = kbert.TaskModel.load("my-klue-nli-model")
+            >>> nli.zero_shot("손흥민이 시즌 10호 골을 넣었다.", ["스포츠", "정치", "경제"])
+            {"sequence": "손흥민이 ...", "labels": ["스포츠", "경제", "정치"], "scores": [0.93, 0.04, 0.03]}
+        """
+        from kbert.embed.zero_shot import candidate_list, hypotheses, label_scores, nli_indices, pair_ids, ranked
+
+        if self.task not in ("classification", "pair-classification"):
+            raise ValueError(f"zero_shot needs a natural-language-inference classifier; this model is {self.task!r}")
+        entail, contradiction = nli_indices(self.labels)
+        labels = candidate_list(candidate_labels)
+        single = isinstance(texts, (str, bytes))
+        texts = str_list(texts)
+        tok = self.tokenizer
+        text_ids = tok.ids_batch(texts)
+        label_ids = tok.ids_batch(hypotheses(labels, hypothesis_template))
+        limit = min(self.max_length, self.network.backbone.config.max_position)
+        rows = [pair_ids(tok, t, h, limit) for t in text_ids for h in label_ids]
+        logits = self._sequence_logits(rows, batch_size).reshape(len(texts), len(labels), len(self.labels))
+        scores = label_scores(logits, entail, contradiction, multi_label)
+        found = [ranked(text, labels, row) for text, row in zip(texts, scores)]
+        return found[0] if single else found
 
     def entities(self, texts, aggregation: Optional[str] = None, ignore_labels=("O",), batch_size: int = 64):
         """Entity spans of a tagging model (a named-entity tagger): for each text a list of `{"entity_group",
