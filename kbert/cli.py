@@ -443,7 +443,8 @@ def _finetune(args):
              "objective": "objective", "negative_column": "negative_column", "temperature": "temperature",
              "mini_batch_size": "mini_batch_size", "guide": "guide", "guide_margin": "guide_margin",
              "strategy": "strategy", "doc_stride": "doc_stride", "max_query_length": "max_query_length",
-             "max_answer_length": "max_answer_length"}
+             "max_answer_length": "max_answer_length", "lora_rank": "lora_rank", "lora_alpha": "lora_alpha",
+             "lora_targets": "lora_targets"}
     values.update({key: getattr(args, dest) for dest, key in flags.items() if getattr(args, dest) is not None})
     if args.layers is not None:
         values["layers"] = parse_layers(args.layers)
@@ -938,6 +939,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--strategy", choices=("auto", "cpu", "mirrored", "tpu"),
                    help="devices: auto (every local one, default), cpu, mirrored (the GPUs), tpu; several train "
                         "data-parallel with --batch-size as the whole batch (Keras' JAX backend; TensorFlow: one)")
+    p.add_argument("--lora-rank", type=int, help="LoRA: freeze the encoder and learn a rank-r update of each "
+                                                  "adapted projection (8 or 16; default: full fine-tuning); the "
+                                                  "model written has it merged")
+    p.add_argument("--lora-alpha", type=float, help="LoRA: the update's scale is alpha / rank (default alpha = rank)")
+    p.add_argument("--lora-targets", choices=("all", "attention"),
+                   help="LoRA: every linear projection of each block (default) or the attention ones only")
     p.set_defaults(func=_finetune)
 
     p = sub.add_parser("mine-negatives", help="hard negatives for (anchor, positive) pairs, nearest by a model "

@@ -125,6 +125,24 @@ def test_jax_finetuning_without_tensorflow_continues_a_run_as_tensorflow_does(da
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("task", ["classification", "sentence-embedding"])
+def test_lora_finetuning_on_jax_continues_a_run_as_tensorflow_does(data, task):
+    """LoRA's factors (Keras' Dense.enable_lora) train on JAX as on TensorFlow: one run from a TensorFlow
+    checkpoint (the factors' random start included) continued on each backend ends the same, and each writes
+    the update merged into the kernels."""
+    lora = dict(lora_rank=4, learning_rate=1e-2)
+    first = os.path.join(data["root"], f"tf-lora-{task}")
+    part = _finetune_here(data, task, first, stop_after=2, **lora)
+    assert (part["steps"], part["stopped"]) == (2, "stop_after")
+    copy = os.path.join(data["root"], f"jax-lora-{task}")
+    shutil.copytree(first, copy)
+    ref = _finetune_here(data, task, first, **lora)
+    jax = _on_jax(_finetune_script(data, task, copy, **lora))
+    assert ref["history"][-1]["train_loss"] < ref["history"][0]["train_loss"]
+    _same_run(jax, ref, task)
+
+
+@pytest.mark.slow
 def test_a_run_stopped_on_jax_resumes_on_jax_and_on_tensorflow_to_the_same_result(data):
     task = "classification"
     out = os.path.join(data["root"], "stopped-on-jax")

@@ -34,6 +34,20 @@ def variables_by_path(model: keras.Model) -> Dict[str, "keras.Variable"]:
     return out
 
 
+def lora_merged(backbone) -> dict:
+    """For a backbone fine-tuned with LoRA (`kbert.train.lora`): {each adapted kernel's path: the kernel with its
+    low-rank update added}, and each factor's path mapped to None, so that a saved model is a plain one."""
+    out = {}
+    for block in backbone.blocks:
+        for dense in (block.qkv, block.attention_output, block.intermediate, block.output_dense):
+            if getattr(dense, "lora_enabled", False):
+                kernel = next(v for v in dense.weights if v.path.endswith("/kernel"))
+                # Dense.kernel adds (alpha / r) A B (float32 factors); stored in the kernel's own dtype
+                out[kernel.path] = keras.ops.convert_to_numpy(keras.ops.cast(dense.kernel, kernel.dtype))
+                out[dense.lora_kernel_a.path] = out[dense.lora_kernel_b.path] = None
+    return out
+
+
 def save_model(model, directory: str, tokenizer=None) -> str:
     """Writes a backbone or a `Pretrainer` (with its heads) to `directory`; returns the directory.
 
@@ -52,8 +66,9 @@ def save_model(model, directory: str, tokenizer=None) -> str:
     os.makedirs(directory, exist_ok=True)
     from safetensors.numpy import save_file
 
-    tensors = {path: np.ascontiguousarray(keras.ops.convert_to_numpy(v)) for path, v in
-               variables_by_path(model).items()}
+    merged = lora_merged(backbone)
+    tensors = {path: np.ascontiguousarray(merged[path] if path in merged else keras.ops.convert_to_numpy(v))
+               for path, v in variables_by_path(model).items() if merged.get(path, True) is not None}
     meta = {"format_version": FORMAT_VERSION, "model": backbone.config.to_dict(),
             "heads": {"pretraining": has_heads, "pair_objective": pair_objective}}
     tmp = os.path.join(directory, WEIGHTS_FILE + ".tmp")

@@ -69,6 +69,10 @@ def training_text(c, task, train_ex, dev_ex, summary: dict) -> str:
                 ("dropout in the backbone", summary["backbone_dropout"]), ("seed", c.seed),
                 ("dtype", c.dtype or "float32"), ("rows per forward pass", c.mini_batch_size),
                 ("training prompts", c.prompts), ("max steps", c.max_steps)]
+    if getattr(c, "lora_rank", None):  # distillation's config has no LoRA
+        alpha = c.lora_alpha if c.lora_alpha is not None else c.lora_rank
+        settings.append(("LoRA (merged into the weights)", f"lora_rank {c.lora_rank}, lora_alpha {alpha:g}, "
+                                                           f"{c.lora_targets} projections"))
     lines += ["", "### Settings", "", table(("", ""), [(k, v) for k, v in settings if v is not None]), "",
               "### Results", ""]
     steps = f"{summary['steps']:,} steps" + (f" (early stopping: no better dev score in {c.patience} evaluations)"

@@ -58,10 +58,21 @@ class FinetuneCheckpoint:
     def restore(self) -> Optional[dict]:
         """The saved bookkeeping (with "step"), the variables restored; None when there is no checkpoint."""
         self.store.check_format()
+        latest = self.store.latest
+        try:  # settings first: other settings (LoRA, a head) can mean other variables, which would fail to load
+            early = self.store.read_meta(latest).get("state") if latest else None
+        except Exception:  # noqa: BLE001 - an unreadable newest file: `restore` falls back to an older one
+            early = None
+        if early:
+            self._check_settings(early)
         restored = self.store.restore(self.network, self.optimizer, lambda v, value: v.assign(value))
         if restored is None:
             return None
         saved = restored[1]
+        self._check_settings(saved)
+        return saved
+
+    def _check_settings(self, saved: dict) -> None:
         differ = sorted(k for k in set(saved["settings"]) | set(self.settings)
                         if saved["settings"].get(k) != self.settings.get(k))
         if differ:
@@ -69,7 +80,6 @@ class FinetuneCheckpoint:
             raise ValueError(f"{self.directory!r} holds an interrupted fine-tuning run (step {saved['step']}) with "
                              f"other settings ({shown}); rerun with its settings to resume it, pass resume=False "
                              f"(CLI: --no-resume) to start over, or choose another out_dir")
-        return saved
 
     def save(self, step: int, bookkeeping: dict) -> None:
         state = json.loads(json.dumps({"settings": self.settings, "step": step, **bookkeeping}, default=float))

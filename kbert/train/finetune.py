@@ -39,6 +39,7 @@ from kbert.models.tasks import default_pooling
 from kbert.train.checkpoints import CHECKPOINT_DIR, FinetuneCheckpoint, data_fingerprint
 from kbert.train.cards import write_finetune_card
 from kbert.train.finetune_tasks import SIMILARITY_LOSSES, batch_text_ids, task_for
+from kbert.train.lora import check_lora, enable_lora, is_factor, lora_trainable
 
 
 @dataclasses.dataclass
@@ -91,6 +92,9 @@ class FinetuneConfig:
     doc_stride: int = 128  # question-answering: context tokens shared by neighbouring windows
     max_query_length: int = 64  # question-answering: question tokens kept
     max_answer_length: int = 30  # question-answering: the longest answer decoded, in tokens
+    lora_rank: Optional[int] = None  # LoRA: the rank of each adapted projection's update (None: full fine-tuning)
+    lora_alpha: Optional[float] = None  # LoRA: the update is scaled by lora_alpha / lora_rank (default 1)
+    lora_targets: str = "all"  # LoRA: the projections adapted: all | attention (kbert.train.lora)
 
     @classmethod
     def from_dict(cls, values: dict) -> "FinetuneConfig":
@@ -153,6 +157,7 @@ class FinetuneConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"`{name}` must be a positive integer. Received: {name}={value!r}")
+        check_lora(self.lora_rank, self.lora_alpha, self.lora_targets)
         for name in ("checkpoint_every", "stop_after", "mini_batch_size", "patience", "eval_every", "max_steps"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -174,7 +179,8 @@ def finetune(model: str, task: str, train, dev=None, out_dir: str = "finetuned",
              mix: str = "proportional", mini_batch_size: Optional[int] = None, prompts=None,
              model_prompts: Optional[dict] = None, guide: Optional[str] = None, guide_margin: float = 0.0,
              symmetric: bool = False, strategy: str = "auto", doc_stride: int = 128, max_query_length: int = 64,
-             max_answer_length: int = 30) -> dict:
+             max_answer_length: int = 30, lora_rank: Optional[int] = None, lora_alpha: Optional[float] = None,
+             lora_targets: str = "all") -> dict:
     """Fine-tunes the model dir `model` on `train`; returns a summary with the dev history.
 
     Args:
@@ -287,6 +293,13 @@ def finetune(model: str, task: str, train, dev=None, out_dir: str = "finetuned",
             384 for this task) is cut into windows sharing `doc_stride` tokens, the question keeps its first
             `max_query_length` tokens, and dev answers are decoded up to `max_answer_length` tokens. Dev
             figures: KorQuAD's exact match and character F1 ("f1" picks the best checkpoint).
+        lora_rank, lora_alpha, lora_targets: LoRA (`kbert.train.lora`): the encoder stays frozen and each
+            adapted projection ("all": every linear one of each block; "attention": query/key/value and the
+            attention output) learns a rank-`lora_rank` update scaled by `lora_alpha / lora_rank` (default
+            alpha = rank); the task head (and the pooler where the head reads it) trains in full. The optimizer
+            holds state for a few percent of the weights, so large checkpoints fit small GPUs. LoRA usually
+            wants a larger `learning_rate` than full fine-tuning (1e-4 to 1e-3). The model dir written has
+            the update merged into each kernel: a plain model, loaded, exported and served as any other.
 
     Example:
         >>> kbert.finetune("my-model", "classification", "train.tsv", "dev.tsv", out_dir="sentiment",
@@ -470,8 +483,20 @@ def _run(c: FinetuneConfig, task, before_training, distribution) -> dict:
     if c.max_steps:
         total = min(total, int(c.max_steps))
     eval_every = int(c.eval_every or steps_per_epoch)
-    # The pooler feeds only the [CLS] heads: bi-encoders and taggers leave it untouched.
-    variables = [v for v in network.trainable_variables if task.trains_pooler or not v.path.startswith("pooler/")]
+    if c.lora_rank:  # after the network is built (the factors' shapes) and before a checkpoint is restored
+        enable_lora(backbone, c.lora_rank, c.lora_alpha, c.lora_targets)
+    # The pooler feeds only the [CLS] heads: bi-encoders, taggers and heads on other poolings leave it untouched
+    # (else JAX's zero gradients would still let weight decay shrink it).
+    reads_pooler = task.trains_pooler and pooling == "pooler"
+    variables = [v for v in network.trainable_variables if reads_pooler or not v.path.startswith("pooler/")]
+    if c.lora_rank:
+        variables = lora_trainable(variables, backbone)
+        if c.progress:
+            trained = sum(int(np.prod(v.shape)) for v in variables)
+            total_weights = sum(int(np.prod(v.shape)) for v in network.weights
+                                if "seed" not in v.path and not is_factor(v))
+            print(f"LoRA rank {c.lora_rank} on {c.lora_targets} projections: {trained:,} of {total_weights:,} "
+                  f"weights train ({100 * trained / total_weights:.2f}%)", flush=True)
     optimizer = _optimizer(c, total, variables)
 
     # one update: tf.function + GradientTape on TensorFlow, jax.jit of the stateless update on JAX; the batch's

@@ -113,6 +113,13 @@ class RunCheckpoints:
             meta = json.loads((f.metadata() or {})["kbert"])
             return {k: f.get_tensor(k) for k in f.keys()}, meta
 
+    def read_meta(self, path: str) -> dict:
+        """A checkpoint's metadata (step, variable paths, state) without reading its tensors."""
+        from safetensors import safe_open
+
+        with safe_open(path, framework="numpy") as f:
+            return json.loads((f.metadata() or {})["kbert"])
+
     def restore(self, model, optimizer, assign: Callable) -> Optional[Tuple[int, dict, str]]:
         """Loads the newest checkpoint that reads back whole into `model` and `optimizer` with
         `assign(variable, array)`; returns (step, state, path), or None when there is none."""

@@ -1,0 +1,111 @@
+"""LoRA fine-tuning (`kbert.finetune(..., lora_rank=...)`): only the low-rank factors and the head train, the
+encoder's own weights stay as they were, each adapted kernel moves by a matrix of rank at most r, the model dir
+written is a plain one with the update merged (it predicts what the run evaluated), an interrupted run resumes
+to the uninterrupted result, and bad settings are refused by name. The JAX side is in test_tasks_jax.py."""
+
+import csv
+import os
+
+import numpy as np
+import pytest
+
+import kbert
+from kbert.data.recipes import movie_review_sentiment
+from helpers import SHARED, needs_shared
+
+pytestmark = needs_shared
+ADAPTED = {"all": ("qkv", "attention_output", "intermediate", "output"), "attention": ("qkv", "attention_output")}
+SETTINGS = dict(epochs=3, learning_rate=1e-2, max_length=32, lora_rank=4, pooling="mean", batch_size=16,
+                progress=False)
+
+
+@pytest.fixture(scope="module")
+def domains(tmp_path_factory):
+    """A random bert-tiny (32 wide) and rows telling movie reviews from KorSTS news and caption sentences."""
+    reviews = [r["text"] for r in movie_review_sentiment(os.path.join(SHARED, "movie-reviews"), "train",
+                                                         limit=1200, seed=1)]
+    with open(os.path.join(SHARED, "korsts", "sts-train.tsv"), encoding="utf-8") as f:
+        news = [row[5] for row in list(csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE))[1:1201]]
+    tok = kbert.Tokenizer.train(reviews + news, vocab_size=1500, progress=False)
+    cfg = kbert.ModelConfig.preset("bert-tiny", vocab_size=tok.vocab_size, hidden_size=32, num_heads=2,
+                                   intermediate_size=64, max_position=64)
+    base = str(tmp_path_factory.mktemp("lora") / "base")
+    kbert.save_model(kbert.BertBackbone(cfg), base, tokenizer=tok)
+    rows = [{"text": t, "label": "review"} for t in reviews] + [{"text": t, "label": "news"} for t in news]
+    np.random.default_rng(0).shuffle(rows)
+    return base, rows[:1000], rows[1000:1300]
+
+
+def _weights(model_dir):
+    from safetensors.numpy import load_file
+
+    from kbert.models.io import WEIGHTS_FILE
+
+    return load_file(os.path.join(model_dir, WEIGHTS_FILE))
+
+
+def _adapted(path, targets="all"):
+    parts = path.split("/")
+    return parts[-1] == "kernel" and len(parts) >= 2 and parts[-2] in ADAPTED[targets] and "pooler" not in parts
+
+
+@pytest.mark.parametrize("targets", ["all", "attention"])
+def test_lora_trains_a_low_rank_update_and_writes_a_plain_model(domains, tmp_path, targets):
+    base, train, dev = domains
+    out = str(tmp_path / "lora")
+    summary = kbert.finetune(base, "classification", train, dev, out_dir=out, lora_targets=targets, **SETTINGS)
+    assert summary["baseline"]["accuracy"] < 0.6 and summary["best"] >= 0.75, summary["history"]
+    before, after = _weights(base), _weights(out)
+    assert set(after) == set(before)  # no factor in the dir: the update is merged into the kernels
+    moved = 0
+    for path, old in before.items():
+        new = after[path]
+        if _adapted(path, targets):
+            delta = new.astype(np.float64) - old
+            rank = np.linalg.matrix_rank(delta, tol=1e-6 * max(1.0, np.abs(delta).max()))
+            assert 1 <= rank <= 4, (path, rank)
+            moved += 1
+        else:  # embeddings, biases, LayerNorms, the other kernels and the unread pooler: frozen
+            np.testing.assert_array_equal(new, old, err_msg=path)
+    assert moved == 2 * len(ADAPTED[targets])  # two blocks
+    # the merged dir predicts what the run evaluated with the factors apart
+    model = kbert.TaskModel.load(out)
+    probs = model.predict([r["text"] for r in dev])
+    accuracy = np.mean([model.labels[i] == r["label"] for i, r in zip(np.argmax(probs, axis=1), dev)])
+    assert accuracy == pytest.approx(summary["best"], abs=1e-6)
+    with open(os.path.join(out, "README.md"), encoding="utf-8") as f:  # the card says how it was trained
+        assert "lora_rank" in f.read()
+
+
+def test_interrupted_lora_run_resumes_to_the_same_result(domains, tmp_path):
+    base, train, dev = domains
+    args = dict(SETTINGS, epochs=1, eval_every=10, checkpoint_every=3, patience=None, dropout=0.0)
+    train = train[:400]
+    full = kbert.finetune(base, "classification", train, dev, out_dir=str(tmp_path / "full"), **args)
+    out = str(tmp_path / "part")
+    part = kbert.finetune(base, "classification", train, dev, out_dir=out, stop_after=14, **args)
+    assert (part["steps"], part["stopped_by"]) == (14, "stop_after")
+    rest = kbert.finetune(base, "classification", train, dev, out_dir=out, **args)
+    assert rest["steps"] == full["steps"] and rest["checkpoint"] is None
+    for key in ("train_loss", "dev_accuracy"):
+        np.testing.assert_allclose([h[key] for h in rest["history"]], [h[key] for h in full["history"]],
+                                   rtol=1e-4, atol=1e-4)
+    for path, value in _weights(str(tmp_path / "full")).items():
+        np.testing.assert_allclose(_weights(out)[path], value, atol=1e-5, err_msg=path)
+    # a checkpoint of a LoRA run is not resumed without LoRA
+    kbert.finetune(base, "classification", train, dev, out_dir=str(tmp_path / "again"), stop_after=2, **args)
+    with pytest.raises(ValueError, match="lora_rank: 4 -> None"):
+        kbert.finetune(base, "classification", train, dev, out_dir=str(tmp_path / "again"),
+                       **dict(args, lora_rank=None))
+
+
+def test_lora_settings_are_checked(domains, tmp_path):
+    base, train, dev = domains
+    for bad, message in (({"lora_rank": 0}, "`lora_rank` must be None"),
+                         ({"lora_rank": 2.5}, "`lora_rank` must be None"),
+                         ({"lora_rank": 4, "lora_alpha": -1}, "`lora_alpha` must be"),
+                         ({"lora_rank": 4, "lora_targets": "mlp"}, "`lora_targets` must be one of"),
+                         ({"lora_rank": 64}, "lora_rank=64 is above the rank of the qkv projection")):
+        with pytest.raises(ValueError, match=message):
+            kbert.finetune(base, "classification", train[:50], out_dir=str(tmp_path / "bad"), max_length=32,
+                           progress=False, **bad)
