@@ -726,7 +726,18 @@ def export_transformers(model, directory: str, tokenizer=None) -> str:
             import warnings
 
             warnings.warn(f"The tokenizer was not written in transformers' format: {e}", stacklevel=2)
+    elif not any(os.path.exists(os.path.join(directory, f)) for f in _HF_TOKENIZER_FILES):
+        import warnings
+
+        warnings.warn(f"{directory} has no tokenizer: transformers 5 reads such a dir with an empty vocabulary "
+                      f"(every token [UNK]), so pass tokenizer=kbert.Tokenizer.from_model_dir(<the model dir>)",
+                      stacklevel=2)
     return directory
+
+
+# any of these in a transformers dir: its tokenizer is there
+_HF_TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "tokenizer_config.json", "sentencepiece.bpe.model",
+                       "spiece.model", "tokenizer.model")
 
 
 # torch's names of the output functions `TaskModel` applies, as sentence-transformers' CrossEncoder stores them

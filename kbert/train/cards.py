@@ -171,7 +171,8 @@ def write_pretrain_card(config, model_config, summary: dict, directory: str, con
                  + ", ".join(f"{k.replace('_', ' ')} {v:.4f}" for k, v in metrics) + ".")
     usage = (f'import kbert\n\nmodel = kbert.load_model("{name}/model")  # the encoder\n'
              f'# fine-tune it: kbert.finetune("{name}/model", "classification", "train.tsv", "dev.tsv")\n'
-             f'# as a transformers dir: kbert.export_transformers("{name}/model", "{name}-hf")')
+             f'# as a transformers dir, with its tokenizer (shell): '
+             f'kbert convert --model {name}/model --to transformers --out {name}-hf')
     start = f"continued from {shown_name(continued_from)}" if continued_from else "from scratch"
     text = model_card(name, model_config, None, base_model=continued_from, usage=usage,
                       origin="pretrained further from",
