@@ -5,6 +5,7 @@ the CPU; a GPU's plan differs in its temporaries (cuDNN, fusion), not in the arg
 and AdamW's two moments of every trained weight.
 
     KERAS_BACKEND=jax python benchmarks/lora_memory.py [--presets bert-base,bert-large] [--batch 32] [--seq 128]
+    KERAS_BACKEND=jax python benchmarks/lora_memory.py --presets bert-large --vocab-size 250002 --batch 8
 
 The same step as `kbert.finetune` (`kbert.compiled.training_step`, AdamW, only the trained variables in the
 optimizer): the classification head on the pooler, cross-entropy, dropout 0.1, float32 weights.
@@ -23,7 +24,7 @@ sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 
 
-def step_bytes(preset: str, batch: int, seq: int, rank) -> dict:
+def step_bytes(preset: str, batch: int, seq: int, rank, vocab_size: int = 32000) -> dict:
     """Sizes in bytes of one compiled fine-tuning step, and the weights trained."""
     import keras
 
@@ -34,7 +35,7 @@ def step_bytes(preset: str, batch: int, seq: int, rank) -> dict:
     from kbert.train.lora import enable_lora, lora_trainable
 
     keras.utils.set_random_seed(0)
-    config = kbert.ModelConfig.preset(preset, vocab_size=32000, max_position=512)
+    config = kbert.ModelConfig.preset(preset, vocab_size=vocab_size, max_position=514)
     backbone = kbert.BertBackbone(config, output_hidden_states=True)
     network = TaskNetwork(backbone, "classification", 2)
     ids = np.full((batch, seq), 5, np.int32)
@@ -68,6 +69,8 @@ def main():
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--rank", type=int, default=8)
+    parser.add_argument("--vocab-size", type=int, default=32000,
+                        help="32000 (KLUE-BERT's size); 250002 gives XLM-RoBERTa-large's 560M weights (BGE-M3, KURE)")
     args = parser.parse_args()
     import keras
 
@@ -77,8 +80,8 @@ def main():
     print(f"| model | fine-tuning | weights trained | arguments (weights, AdamW state, batch) | temporaries | "
           f"total | vs full |\n|---|---|---:|---:|---:|---:|---:|")
     for preset in args.presets.split(","):
-        full = step_bytes(preset, args.batch, args.seq, None)
-        lora = step_bytes(preset, args.batch, args.seq, args.rank)
+        full = step_bytes(preset, args.batch, args.seq, None, args.vocab_size)
+        lora = step_bytes(preset, args.batch, args.seq, args.rank, args.vocab_size)
         for name, r in (("full", full), (f"LoRA r={args.rank}", lora)):
             print(f"| {preset} ({r['weights'] / 1e6:.0f}M), batch {args.batch} x {args.seq} | {name} | "
                   f"{r['trained'] / 1e6:.2f}M | {r['arguments'] / gb:.2f} GB | {r['temporaries'] / gb:.2f} GB | "

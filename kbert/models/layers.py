@@ -444,6 +444,19 @@ class Embeddings(keras.layers.Layer):
         return x, projected
 
 
+def _project(dense, x):
+    """`dense(x)`; for a projection given LoRA factors by `Dense.enable_lora` (`kbert.train.lora`), x W + b +
+    (alpha / r) (x A) B. Keras' own Dense adds A B to W on every call, which keeps an [in, out] merged copy
+    and takes its full-size gradient per layer; through x A the update never forms, and the backward pass skips
+    the frozen W's gradient (for bert-large's 24 blocks about a third of the step's matmuls)."""
+    if not getattr(dense, "lora_enabled", False):
+        return dense(x)
+    kernel = next(v for v in dense.weights if v.path.endswith("/kernel"))  # W, frozen
+    y = ops.matmul(x, ops.cast(kernel, x.dtype)) + ops.cast(dense.bias, x.dtype)
+    low = ops.matmul(ops.matmul(x, ops.cast(dense.lora_kernel_a, x.dtype)), ops.cast(dense.lora_kernel_b, x.dtype))
+    return y + low * ops.cast(dense.lora_alpha / dense.lora_rank, x.dtype)
+
+
 class TransformerBlock(keras.layers.Layer):
     """Transformer encoder block: post-LayerNorm as in BERT, or pre-LayerNorm with `config.norm_first`.
 
@@ -496,7 +509,7 @@ class TransformerBlock(keras.layers.Layer):
         b, s = ops.shape(x)[0], ops.shape(x)[1]
         n, d = cfg.num_heads, cfg.head_size
         # split (not slicing): its gradient is a concat, where a strided slice's gradient pads and adds.
-        q, k, v = ops.split(self.qkv(x), 3, axis=-1)  # [b, s, h] each
+        q, k, v = ops.split(_project(self.qkv, x), 3, axis=-1)  # [b, s, h] each
         if rows is not None:
             # queries at `rows` only (the projection stays one fused [h, 3h] matmul over every token: the q
             # third of it at the other rows is the price of keeping one kernel)
@@ -514,10 +527,11 @@ class TransformerBlock(keras.layers.Layer):
             context = _softmax_attention(q, k, v, attention_bias(padding_mask), self.scale,
                                          lambda p: self.attention_dropout(p, training=training))  # [b, s, n, d]
         context = ops.reshape(context, (b, ops.shape(q)[1], n * d))  # [b, s, h] ([b, r, h] at rows)
-        return self.hidden_dropout(self.attention_output(context), training=training)
+        return self.hidden_dropout(_project(self.attention_output, context), training=training)
 
     def _feed_forward(self, x, training):
-        return self.hidden_dropout(self.output_dense(self.act(self.intermediate(x))), training=training)
+        hidden = self.act(_project(self.intermediate, x))
+        return self.hidden_dropout(_project(self.output_dense, hidden), training=training)
 
 
 class Pooler(keras.layers.Layer):

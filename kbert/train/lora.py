@@ -1,13 +1,15 @@
 """LoRA (Hu et al., 2021) for fine-tuning: the encoder's weights stay frozen and each adapted projection learns a
 rank-r update `W + (alpha / r) A B` instead, A `[in, r]`, B `[r, out]` (B starts at zero, so training starts from
 the pretrained model exactly). Only A, B and the task head (with the pooler, where the head reads it) train,
-which shrinks the optimizer's state and the gradients to a few percent of the model's: what lets a large
-checkpoint (BGE-M3 and KURE at 568M weights, BERT-Large) fine-tune on a 12 GB GPU.
+which takes AdamW's state and the weight gradients down to a few percent of the model's: what matters for a
+large checkpoint (BGE-M3 and KURE at 560M weights, BERT-Large) at a small batch on a small GPU.
 
-The factors are Keras' own (`keras.layers.Dense.enable_lora`): they live in the layer, whose `kernel` adds them
-on every call, so every kbert path (TensorFlow and JAX, XLA, data parallel, checkpoints and resume) runs them
-with nothing added. `kbert.save_model` writes the merged kernel, so a LoRA run's output is a plain model dir:
-`TaskModel.load`, `export_transformers` and serving read it as any other.
+The factors are Keras' own (`keras.layers.Dense.enable_lora`: created, tracked and saved in the layer), so every
+kbert path (TensorFlow and JAX, XLA, data parallel, checkpoints and resume) carries them with nothing added.
+The block computes x W + (alpha / r) (x A) B (`kbert.models.layers`), as PEFT does, rather than Keras' W + A B
+on every call, which would keep an [in, out] merged kernel and its gradient per layer. `kbert.save_model` writes
+the merged kernel, so a LoRA run's output is a plain model dir: `TaskModel.load`, `export_transformers` and
+serving read it as any other.
 
 targets: "all" adapts every linear projection of every block (query/key/value, attention output, the
 feed-forward's two), which Dettmers et al. (QLoRA, 2023) found needed to match full fine-tuning; "attention"
