@@ -122,8 +122,9 @@ def test_zero_shot_rules_and_errors(tmp_path):
 
     out, _, _ = _bert_nli_dir(tmp_path)
     model = kbert.TaskModel.load(str(out))
-    with pytest.raises(ValueError, match="hypothesis_template must hold"):
-        model.zero_shot(TEXTS[0], LABELS, hypothesis_template="이 글은 스포츠다.")
+    for template in ("이 글은 스포츠다.", "이 글은 {label}에 관한 것이다.", "{0}와 {1}", "이 글은 {에 관한"):
+        with pytest.raises(ValueError, match="hypothesis_template must hold"):
+            model.zero_shot(TEXTS[0], LABELS, hypothesis_template=template)
     with pytest.raises(ValueError, match="at least one candidate"):
         model.zero_shot(TEXTS[0], [])
     with pytest.raises(ValueError, match="repeat"):
@@ -168,3 +169,6 @@ def test_zero_shot_cli_and_server(tmp_path):
             assert got["labels"] == want["labels"]
             np.testing.assert_allclose(got["scores"], want["scores"], rtol=1e-5)
         assert client.post("/v1/zero-shot", json={"input": TEXTS[:1]}).status_code == 400  # no labels
+        bad = client.post("/v1/zero-shot", json={"input": TEXTS[:1], "candidate_labels": LABELS,
+                                                 "hypothesis_template": "{label}"})
+        assert bad.status_code == 400 and "hypothesis_template" in bad.json()["error"]["message"]

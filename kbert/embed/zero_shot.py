@@ -34,8 +34,12 @@ def candidate_list(candidate_labels) -> List[str]:
 def hypotheses(candidate_labels: Sequence[str], hypothesis_template: str) -> List[str]:
     """Each label put into the template; a template without `{}` raises ValueError (every hypothesis would be
     the same sentence)."""
-    if not isinstance(hypothesis_template, str) or hypothesis_template.format("\0") == hypothesis_template:
-        raise ValueError(f"hypothesis_template must hold `{{}}` where a label goes (e.g. {DEFAULT_TEMPLATE!r}). "
+    try:
+        ok = isinstance(hypothesis_template, str) and hypothesis_template.format("\0") != hypothesis_template
+    except (IndexError, KeyError, ValueError):  # "{label}", "{0} {1}", an unmatched brace
+        ok = False
+    if not ok:
+        raise ValueError(f"hypothesis_template must hold one `{{}}` where a label goes (e.g. {DEFAULT_TEMPLATE!r}). "
                          f"Received: {hypothesis_template!r}")
     return [hypothesis_template.format(label) for label in candidate_labels]
 
