@@ -109,3 +109,24 @@ def test_lora_settings_are_checked(domains, tmp_path):
         with pytest.raises(ValueError, match=message):
             kbert.finetune(base, "classification", train[:50], out_dir=str(tmp_path / "bad"), max_length=32,
                            progress=False, **bad)
+
+
+def test_lora_from_the_command_line(domains, tmp_path):
+    """`kbert finetune --lora-rank/--lora-alpha/--lora-targets` reach the run: its card names them."""
+    import json
+    import subprocess
+    import sys
+
+    base, train, dev = domains
+    rows = tmp_path / "train.jsonl"
+    rows.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in train[:64]), encoding="utf-8")
+    out = tmp_path / "cli"
+    run = subprocess.run([sys.executable, "-m", "kbert.cli", "finetune", "--model", base, "--task", "classification",
+                          "--train", str(rows), "--out", str(out), "--max-length", "32", "--epochs", "1",
+                          "--lora-rank", "2", "--lora-alpha", "4", "--lora-targets", "attention"],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "LoRA rank 2 on attention projections" in run.stdout + run.stderr
+    with open(out / "README.md", encoding="utf-8") as f:
+        assert "lora_rank 2, lora_alpha 4, attention projections" in f.read()
+    assert set(_weights(str(out))) == set(_weights(base))
