@@ -37,6 +37,10 @@ batches that stay on the device, so the figure is the model's step and not an in
   `--variants` as the throughput stage, each beside its no-flags row:
   which of XLA's GPU fusion options (cuBLASLt epilogues, Triton or cuDNN GEMM fusions) shorten the
   memory-bound passes the profile shows, before any of them is made kbert's default;
+- `lora` (a stage of `all`, last): fine-tuning a classifier with and without LoRA (`kbert.finetune(...,
+  lora_rank=8)`'s step, `benchmarks/lora_memory.py`): XLA's plan of the step for a model of XLM-RoBERTa-large's
+  size (560M weights: BGE-M3, KURE) at batch 8 and for `--model` at batch 32, and the step time of each at
+  batch 32 (`--lora-points` names other points);
 - `all`: each of the above in its own process (JAX's peak memory is per process), most important first,
   skipping what would not finish by `--budget` seconds (and the stages named in `--skip`), then one set of
   tables; also `--out/gpu.json`.
@@ -884,8 +888,33 @@ def run_all(args) -> dict:
                              "mixed_bfloat16", "--steps", steps, "--variants", args.variants], clock, 60, env)
         out["xla"] += rows if isinstance(rows, list) else [dict(rows, xla_flags=flags)]
         _save(args, out)
+    out["lora"] = None if "lora" in skip else _child(
+        args, ["lora", "--model", m, "--lora-points", args.lora_points, "--precision", "mixed_bfloat16"], clock, 120)
+    _save(args, out)
     report(out)
     return out
+
+
+def lora(points: str, seq: int, precision: str) -> list:
+    """LoRA against full fine-tuning (`benchmarks/lora_memory.py`'s step): XLA's plan at each `preset:vocab:batch`
+    point, and the last point's step time, each with and without rank-8 factors."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from lora_memory import step_bytes, step_seconds
+
+    parsed = [(p, int(v), int(b)) for p, v, b in (point.split(":") for point in points.split(","))]
+    rows = []
+    for preset, vocab, batch in parsed:
+        for rank in (None, 8):
+            row = {"preset": preset, "vocab": vocab, "batch": batch, "seq": seq, "precision": precision,
+                   "lora_rank": rank, "device": str(__import__("jax").devices()[0].device_kind)}
+            try:
+                row.update(step_bytes(preset, batch, seq, rank, vocab, precision))
+                if (preset, vocab, batch) == parsed[-1]:
+                    row["step_s"] = step_seconds(preset, batch, seq, rank, vocab, precision)
+            except Exception as e:  # noqa: BLE001 - one point's failure (out of memory) is its row
+                row["error"] = _error_text(e)
+            rows.append(row)
+    return rows
 
 
 def _rows(value):
@@ -903,6 +932,32 @@ def _model_key(row: dict) -> tuple:
 
 def _mfu(row: dict, peak_bf16) -> str:
     return f"{row['model_flops_per_s'] / peak_bf16 * 100:.1f}%" if peak_bf16 else "n/a"
+
+
+def report_lora(rows) -> None:
+    """The `lora` stage's table: each point's plan with and without LoRA, and the timed point's step."""
+    rows = [r for r in rows or [] if isinstance(r, dict)]
+    if not rows:
+        return
+    gb = 1024 ** 3
+    print(f"\nLoRA r=8 against full fine-tuning ({rows[0]['device']}, {rows[0]['precision']}, seq {rows[0]['seq']}; "
+          f"XLA's plan of the step, benchmarks/lora_memory.py):")
+    print("| model (weights) | batch | fine-tuning | weights trained | XLA plan: arguments | temporaries | total | "
+          "vs full | step s |\n|---|---:|---|---:|---:|---:|---:|---:|---:|")
+    full = {}
+    for r in rows:
+        key = (r["preset"], r["vocab"], r["batch"])
+        name = "full" if r["lora_rank"] is None else f"LoRA r={r['lora_rank']}"
+        if "error" in r:
+            print(f"| {r['preset']} (vocab {r['vocab']}) | {r['batch']} | {name} | {r['error'][:80]} | | | | | |")
+            continue
+        full.setdefault(key, r if r["lora_rank"] is None else None)
+        base = full.get(key)
+        ratio = f"{r['total'] / base['total']:.2f}x" if base else "n/a"
+        step = f"{r['step_s']:.4f}" if r.get("step_s") else ""
+        print(f"| {r['preset']} ({r['weights'] / 1e6:.0f}M) | {r['batch']} | {name} | {r['trained'] / 1e6:.2f}M | "
+              f"{r['arguments'] / gb:.2f} GB | {r['temporaries'] / gb:.2f} GB | {r['total'] / gb:.2f} GB | {ratio} | "
+              f"{step} |")
 
 
 def report(out: dict):
@@ -1025,6 +1080,7 @@ def report(out: dict):
             print(f"| {r['model']} | {r['precision']} | {r['cap']} | {r['seq_len']} | {r['plan_for_cap']} | "
                   f"{r.get('exact_batch')} | {probed} | {ratio} | {refit} | {(r.get('exact_bytes') or 0) / 1e9:.2f} | "
                   f"{compiled} | {tries} | {r.get('seconds', 0):.0f}{_process_seconds(r)} |")
+    report_lora(out.get("lora"))
 
 
 def _act_field(precision: str) -> str:
@@ -1084,7 +1140,8 @@ def _process_seconds(row) -> str:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("what", choices=("all", "peak", "throughput", "hf", "profile", "memory", "probe", "capped",
-                                         "attention", "dropout-check", "preflight", "pretrain", "records"))
+                                         "attention", "dropout-check", "preflight", "pretrain", "records",
+                                         "lora"))
     parser.add_argument("--records", help="pretrain/all: the dir `records` wrote (records/ and tok/ inside)")
     parser.add_argument("--steps-pretrain", type=int, default=300, help="pretrain: steps, resumed at half")
     parser.add_argument("--shared", default="../shared/data", help="records: the shared Korean data")
@@ -1117,6 +1174,9 @@ def main(argv=None):
     parser.add_argument("--peak-n", type=int, default=8192, help="matrix size of the peak measurement")
     parser.add_argument("--skip", default="", help="all: stages to leave out, ','-separated (throughput, hf, "
                         "memory, capped, profile), for a device run aimed at one question")
+    parser.add_argument("--lora-points", default="bert-large:250002:8,MODEL:VOCAB:32",
+                        help="lora: preset:vocab:batch points of the memory plans (MODEL, VOCAB: --model, --vocab); "
+                             "the last is also timed")
     parser.add_argument("--budget", type=float, default=480, help="all: seconds; later stages are skipped past it")
     parser.add_argument("--child-timeout", type=int, default=300)
     parser.add_argument("--out", default=None)
@@ -1127,9 +1187,10 @@ def main(argv=None):
     if args.what == "all":
         args.xla_sets = xla_variants(args.xla_variants)  # a malformed set fails here, before any device time
         args.skip_stages = [s for s in args.skip.split(",") if s]
-        unknown = set(args.skip_stages) - {"throughput", "hf", "memory", "capped", "profile"}
+        unknown = set(args.skip_stages) - {"throughput", "hf", "memory", "capped", "profile", "lora"}
         if unknown:
-            parser.error(f"--skip: unknown stage(s) {sorted(unknown)}; stages: throughput, hf, memory, capped, profile")
+            parser.error(f"--skip: unknown stage(s) {sorted(unknown)}; stages: throughput, hf, memory, capped, profile, "
+                         f"lora")
         run_all(args)
         return
     if args.what == "peak":
@@ -1188,6 +1249,9 @@ def main(argv=None):
                                 args.batch, args.steps_pretrain, args.precision, args.out or "/tmp")
     elif args.what == "memory":
         result = memory(args.model, args.seq, args.batch, args.precision, args.vocab)
+    elif args.what == "lora":
+        result = lora(args.lora_points.replace("MODEL", args.model).replace("VOCAB", str(args.vocab)), args.seq,
+                      args.precision)
     elif args.what == "capped":
         result = capped(args.model, [int(s) for s in args.seqs.split(",")], args.precision, args.vocab, args.cap,
                         {"auto": None, "on": True, "off": False}[args.shallow])

@@ -8,7 +8,8 @@ and AdamW's two moments of every trained weight.
     KERAS_BACKEND=jax python benchmarks/lora_memory.py --presets bert-large --vocab-size 250002 --batch 8
 
 The same step as `kbert.finetune` (`kbert.compiled.training_step`, AdamW, only the trained variables in the
-optimizer): the classification head on the pooler, cross-entropy, dropout 0.1, float32 weights.
+optimizer): the classification head on the pooler, cross-entropy, dropout 0.1, float32 weights (or
+`--precision`). `benchmarks/gpu.py lora` (a stage of `gpu.py all`) takes the same plans on a GPU and times the steps.
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 
 
-def step_bytes(preset: str, batch: int, seq: int, rank, vocab_size: int = 32000) -> dict:
-    """Sizes in bytes of one compiled fine-tuning step, and the weights trained."""
+def build_step(preset: str, batch: int, seq: int, rank, vocab_size: int = 32000, dtype=None):
+    """(the compiled-on-call training step, its arguments, weights in the model, weights trained) of a
+    classifier on `preset`, with LoRA of `rank` (None: full fine-tuning)."""
     import keras
 
     import kbert
@@ -36,7 +38,7 @@ def step_bytes(preset: str, batch: int, seq: int, rank, vocab_size: int = 32000)
 
     keras.utils.set_random_seed(0)
     config = kbert.ModelConfig.preset(preset, vocab_size=vocab_size, max_position=514)
-    backbone = kbert.BertBackbone(config, output_hidden_states=True)
+    backbone = kbert.BertBackbone(config, output_hidden_states=True, dtype=dtype)
     network = TaskNetwork(backbone, "classification", 2)
     ids = np.full((batch, seq), 5, np.int32)
     inputs = features(ids, np.zeros_like(ids), 0)
@@ -49,18 +51,38 @@ def step_bytes(preset: str, batch: int, seq: int, rank, vocab_size: int = 32000)
     optimizer.build(variables)
 
     def loss(feats, y):
-        logits = network(feats, training=True)
+        logits = keras.ops.cast(network(feats, training=True), "float32")
         return keras.ops.mean(keras.losses.sparse_categorical_crossentropy(y, logits, from_logits=True))
 
     step = training_step(loss, network, variables, optimizer)
-    analysis = step.lower(inputs, np.zeros((batch,), np.int32)).compile().memory_analysis()
+    weights = sum(int(np.prod(v.shape)) for v in network.weights if "seed" not in v.path)
+    trained = sum(int(np.prod(v.shape)) for v in variables)
+    return step, (inputs, np.zeros((batch,), np.int32)), weights, trained
+
+
+def step_bytes(preset: str, batch: int, seq: int, rank, vocab_size: int = 32000, dtype=None) -> dict:
+    """Sizes in bytes of one compiled fine-tuning step (nothing run), and the weights trained."""
+    step, args, weights, trained = build_step(preset, batch, seq, rank, vocab_size, dtype)
+    analysis = step.lower(*args).compile().memory_analysis()
     size = lambda name: int(getattr(analysis, name, 0) or 0)  # noqa: E731
     total = (size("argument_size_in_bytes") + size("output_size_in_bytes") + size("temp_size_in_bytes")
              - size("alias_size_in_bytes"))
-    weights = sum(int(np.prod(v.shape)) for v in network.weights if "seed" not in v.path)
-    trained = sum(int(np.prod(v.shape)) for v in variables)
     return {"arguments": size("argument_size_in_bytes"), "temporaries": size("temp_size_in_bytes"),
             "total": total, "weights": weights, "trained": trained}
+
+
+def step_seconds(preset: str, batch: int, seq: int, rank, vocab_size: int = 32000, dtype=None,
+                 steps: int = 10) -> float:
+    """Seconds a step, the mean of `steps` after two warm-up steps (the compile)."""
+    import time
+
+    step, args, _, _ = build_step(preset, batch, seq, rank, vocab_size, dtype)
+    for _ in range(2):
+        step(*args)
+    start = time.perf_counter()
+    for _ in range(steps):
+        step(*args)  # returns the loss as a float: each step waits for the device
+    return (time.perf_counter() - start) / steps
 
 
 def main():
@@ -69,6 +91,7 @@ def main():
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--rank", type=int, default=8)
+    parser.add_argument("--precision", default=None, help="a Keras dtype policy, e.g. mixed_bfloat16 (default float32)")
     parser.add_argument("--vocab-size", type=int, default=32000,
                         help="32000 (KLUE-BERT's size); 250002 gives XLM-RoBERTa-large's 560M weights (BGE-M3, KURE)")
     args = parser.parse_args()
@@ -80,8 +103,8 @@ def main():
     print(f"| model | fine-tuning | weights trained | arguments (weights, AdamW state, batch) | temporaries | "
           f"total | vs full |\n|---|---|---:|---:|---:|---:|---:|")
     for preset in args.presets.split(","):
-        full = step_bytes(preset, args.batch, args.seq, None, args.vocab_size)
-        lora = step_bytes(preset, args.batch, args.seq, args.rank, args.vocab_size)
+        full = step_bytes(preset, args.batch, args.seq, None, args.vocab_size, args.precision)
+        lora = step_bytes(preset, args.batch, args.seq, args.rank, args.vocab_size, args.precision)
         for name, r in (("full", full), (f"LoRA r={args.rank}", lora)):
             print(f"| {preset} ({r['weights'] / 1e6:.0f}M), batch {args.batch} x {args.seq} | {name} | "
                   f"{r['trained'] / 1e6:.2f}M | {r['arguments'] / gb:.2f} GB | {r['temporaries'] / gb:.2f} GB | "

@@ -130,3 +130,25 @@ def test_lora_from_the_command_line(domains, tmp_path):
     with open(out / "README.md", encoding="utf-8") as f:
         assert "lora_rank 2, lora_alpha 4, attention projections" in f.read()
     assert set(_weights(str(out))) == set(_weights(base))
+
+
+@pytest.mark.slow
+def test_the_gpu_script_lora_stage_runs_on_a_cpu():
+    """`benchmarks/gpu.py lora` (a stage of `gpu.py all`, ready for a GPU lease): XLA's plan of the fine-tuning
+    step with and without LoRA at each point, the last point timed; LoRA trains a few percent of the weights
+    and its arguments (weights, AdamW state) are a fraction of full fine-tuning's."""
+    import json
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "gpu.py")
+    run = subprocess.run([sys.executable, script, "lora", "--lora-points", "bert-tiny:1000:4,bert-tiny:1000:8",
+                          "--seq", "32", "--json"], capture_output=True, text=True, timeout=600,
+                         env=dict(os.environ, KERAS_BACKEND="jax", JAX_PLATFORMS="cpu"))
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = json.loads(run.stdout.strip().splitlines()[-1])
+    assert [(r["batch"], r["lora_rank"]) for r in rows] == [(4, None), (4, 8), (8, None), (8, 8)]
+    assert all("error" not in r for r in rows), rows
+    full, lora = rows[2], rows[3]
+    assert lora["trained"] < 0.1 * full["trained"] and lora["arguments"] < 0.6 * full["arguments"]
+    assert full["step_s"] > 0 and lora["step_s"] > 0 and "step_s" not in rows[0]
