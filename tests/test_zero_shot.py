@@ -114,6 +114,15 @@ def test_zero_shot_rules_and_errors(tmp_path):
     np.testing.assert_allclose(label_scores(logits, 0, 2, False), [e / e.sum()])
     np.testing.assert_allclose(label_scores(logits, 0, 2, True),
                                [[np.exp(2) / (np.exp(2) + np.exp(-1)), 0.5]])
+    # a particle written in both forms after {} takes the label's own: batchim or not, and ㄹ before (으)로
+    from kbert.embed.zero_shot import hypotheses
+
+    assert hypotheses(["스포츠", "법", "IT"], "이 글의 주제는 {}(이)다.") == [
+        "이 글의 주제는 스포츠다.", "이 글의 주제는 법이다.", "이 글의 주제는 IT(이)다."]
+    assert hypotheses(["정치", "경제학"], "{}은(는) 주제다") == ["정치는 주제다", "경제학은 주제다"]
+    assert hypotheses(["서울", "부산", "파리"], "{}(으)로 가자") == ["서울로 가자", "부산으로 가자", "파리로 가자"]
+    assert hypotheses(["음악", "영화"], "{}을(를) 다룬 {{글}}") == ["음악을 다룬 {글}", "영화를 다룬 {글}"]
+    assert hypotheses(["뉴스"], TEMPLATE) == [TEMPLATE.format("뉴스")]  # nothing to choose: format's own result
     assert nli_indices(NLI) == (0, 2)
     assert nli_indices(["Contradiction", "Entailment", "Neutral"]) == (1, 0)
     assert nli_indices(["ENTAILMENT", "neutral", "contra"]) == (0, 2)  # no "contradict": the pipeline's guess

@@ -251,7 +251,9 @@ class TaskModel:
             candidate_labels: the classes, a list or one comma-separated string.
             hypothesis_template: the sentence each label is put into (`{}`), read as what the text entails;
                 Korean by default, where the pipeline's default is English ("This example is {}."), so pass
-                the template to compare the two.
+                the template to compare the two. A particle written in both forms right after `{}` takes the
+                one each label needs: "이 글의 주제는 {}(이)다." gives 스포츠다 and 법이다 (also 은(는),
+                이(가), 을(를), 과(와), (으)로).
             multi_label: score each label on its own (entailment against contradiction), so several can hold;
                 by default the scores are a softmax over the labels and sum to 1.
 

@@ -31,9 +31,33 @@ def candidate_list(candidate_labels) -> List[str]:
     return labels
 
 
+# A particle written in both forms right after `{}` takes the one the label's last syllable asks for:
+# (after a final consonant, after a vowel)
+_PARTICLES = {"은(는)": ("은", "는"), "는(은)": ("은", "는"), "이(가)": ("이", "가"), "가(이)": ("이", "가"),
+              "을(를)": ("을", "를"), "를(을)": ("을", "를"), "과(와)": ("과", "와"), "와(과)": ("과", "와"),
+              "아(야)": ("아", "야"), "야(아)": ("아", "야"), "(이)": ("이", ""), "(으)": ("으", "")}
+_RIEUL = 8  # ㄹ's index among the final consonants: 로 follows it directly (서울로), as after a vowel
+
+
+def with_particle(label: str, rest: str) -> str:
+    """`rest` (the template after `{}`) with a particle written in both forms at its start (은(는), 이(가),
+    을(를), 과(와), 아(야), (이)다, (으)로) made the one `label` takes: 스포츠는, 정치는 / 경제가, 법이 /
+    서울로, 부산으로. A label not ending in a Hangul syllable (IT, 2024) keeps the written form."""
+    last = label[-1:] if label else ""
+    if not "\uac00" <= last <= "\ud7a3":
+        return rest
+    final = (ord(last) - 0xAC00) % 28  # 0: no final consonant
+    for form, (after_consonant, after_vowel) in _PARTICLES.items():
+        if rest.startswith(form):
+            consonant = final != 0 and not (form == "(으)" and final == _RIEUL)
+            return (after_consonant if consonant else after_vowel) + rest[len(form):]
+    return rest
+
+
 def hypotheses(candidate_labels: Sequence[str], hypothesis_template: str) -> List[str]:
-    """Each label put into the template; a template without `{}` raises ValueError (every hypothesis would be
-    the same sentence)."""
+    """Each label put into the template, with a particle written in both forms right after `{}` made the one
+    the label takes (`with_particle`: "이 글의 주제는 {}(이)다." gives 스포츠다 and 법이다); a template
+    without one `{}` raises ValueError (every hypothesis would be the same sentence)."""
     try:
         ok = isinstance(hypothesis_template, str) and hypothesis_template.format("\0") != hypothesis_template
     except (IndexError, KeyError, ValueError):  # "{label}", "{0} {1}", an unmatched brace
@@ -41,7 +65,11 @@ def hypotheses(candidate_labels: Sequence[str], hypothesis_template: str) -> Lis
     if not ok:
         raise ValueError(f"hypothesis_template must hold one `{{}}` where a label goes (e.g. {DEFAULT_TEMPLATE!r}). "
                          f"Received: {hypothesis_template!r}")
-    return [hypothesis_template.format(label) for label in candidate_labels]
+    head, rest = hypothesis_template.split("{}", 1) if "{}" in hypothesis_template else (None, None)
+    if head is None or "{" in rest.replace("{{", "") or "{" in head.replace("{{", ""):  # "{0}": format it as given
+        return [hypothesis_template.format(label) for label in candidate_labels]
+    unescape = lambda t: t.replace("{{", "{").replace("}}", "}")  # noqa: E731
+    return [unescape(head) + label + with_particle(label, unescape(rest)) for label in candidate_labels]
 
 
 def nli_indices(labels: Optional[Sequence[str]]):
