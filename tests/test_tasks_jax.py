@@ -143,6 +143,20 @@ def test_lora_finetuning_on_jax_continues_a_run_as_tensorflow_does(data, task):
 
 
 @pytest.mark.slow
+def test_lora_finetuning_over_two_devices_trains_the_one_device_model(data):
+    """LoRA's factors are created inside the devices' scope and replicated like every weight: strategy='auto'
+    on two host devices ends as the one-device run of the same seed."""
+    task, lora = "classification", dict(lora_rank=4, learning_rate=1e-2, epochs=1)
+    scripts = [_finetune_script(data, task, os.path.join(data["root"], f"lora-{s}"), strategy=s, **lora)
+               + f"runs[{s!r}] = out\n" for s in ("cpu", "auto")]
+    result, _ = run_on_jax(PRELUDE + f"TEXTS = {TEXTS!r}\n" + OUTPUTS + "runs = {}\n" + "".join(scripts)
+                           + "import jax\nprint(json.dumps(dict(runs=runs, devices=len(jax.devices()))))\n",
+                           env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
+    assert result["devices"] == 2
+    _same_run(result["runs"]["auto"], result["runs"]["cpu"], task, tol=1e-4)
+
+
+@pytest.mark.slow
 def test_a_run_stopped_on_jax_resumes_on_jax_and_on_tensorflow_to_the_same_result(data):
     task = "classification"
     out = os.path.join(data["root"], "stopped-on-jax")
