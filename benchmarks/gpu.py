@@ -1189,8 +1189,8 @@ def main(argv=None):
         args.skip_stages = [s for s in args.skip.split(",") if s]
         unknown = set(args.skip_stages) - {"throughput", "hf", "memory", "capped", "profile", "lora"}
         if unknown:
-            parser.error(f"--skip: unknown stage(s) {sorted(unknown)}; stages: throughput, hf, memory, capped, profile, "
-                         f"lora")
+            parser.error(f"--skip: unknown stage(s) {sorted(unknown)}; stages: throughput, hf, memory, capped, "
+                         f"profile, lora")
         run_all(args)
         return
     if args.what == "peak":
