@@ -19,7 +19,8 @@ from kbert.data.features import (PACK_WHEN, ROW_BUCKETS, WIDTH_BUCKETS, bucket, 
 from kbert.data.features import segment_ids, str_list, text_list
 from kbert.data.features import unit_vectors_in_batches, word_spans
 from kbert.compiled import backend, compiled, replicate, signature
-from kbert.embed.zero_shot import DEFAULT_TEMPLATE
+from kbert.embed.zero_shot import (DEFAULT_TEMPLATE, candidate_list, hypotheses, label_scores, nli_indices,
+                                   pair_ids, ranked)
 from kbert.utils import softmax
 from kbert.models.io import assign_weights
 from kbert.models.tasks import TASK_FILE, TaskNetwork, load_task_head, read_task_meta, save_task_head
@@ -262,8 +263,6 @@ class TaskModel:
             >>> nli.zero_shot("손흥민이 시즌 10호 골을 넣었다.", ["스포츠", "정치", "경제"])
             {"sequence": "손흥민이 ...", "labels": ["스포츠", "경제", "정치"], "scores": [0.93, 0.04, 0.03]}
         """
-        from kbert.embed.zero_shot import candidate_list, hypotheses, label_scores, nli_indices, pair_ids, ranked
-
         if self.task not in ("classification", "pair-classification"):
             raise ValueError(f"zero_shot needs a natural-language-inference classifier; this model is {self.task!r}")
         entail, contradiction = nli_indices(self.labels)

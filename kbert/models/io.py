@@ -15,6 +15,7 @@ import numpy as np
 
 from kbert.models.backbone import Backbone, Pretrainer, build_backbone
 from kbert.models.config import ModelConfig
+from kbert.models.layers import frozen_kernel
 
 CONFIG_FILE = "kbert_config.json"
 WEIGHTS_FILE = "kbert_weights.safetensors"
@@ -41,7 +42,7 @@ def lora_merged(backbone) -> dict:
     for block in backbone.blocks:
         for dense in (block.qkv, block.attention_output, block.intermediate, block.output_dense):
             if getattr(dense, "lora_enabled", False):
-                kernel = next(v for v in dense.weights if v.path.endswith("/kernel"))
+                kernel = frozen_kernel(dense)
                 # Dense.kernel adds (alpha / r) A B (float32 factors); stored in the kernel's own dtype
                 out[kernel.path] = keras.ops.convert_to_numpy(keras.ops.cast(dense.kernel, kernel.dtype))
                 out[dense.lora_kernel_a.path] = out[dense.lora_kernel_b.path] = None

@@ -444,6 +444,11 @@ class Embeddings(keras.layers.Layer):
         return x, projected
 
 
+def frozen_kernel(dense):
+    """The kernel variable W of a Dense given LoRA factors (its `kernel` property is W + (alpha / r) A B)."""
+    return next(v for v in dense.weights if v.path.endswith("/kernel"))
+
+
 def _project(dense, x):
     """`dense(x)`; for a projection given LoRA factors by `Dense.enable_lora` (`kbert.train.lora`), x W + b +
     (alpha / r) (x A) B. Keras' own Dense adds A B to W on every call, which keeps an [in, out] merged copy
@@ -451,8 +456,7 @@ def _project(dense, x):
     the frozen W's gradient (for bert-large's 24 blocks about a third of the step's matmuls)."""
     if not getattr(dense, "lora_enabled", False):
         return dense(x)
-    kernel = next(v for v in dense.weights if v.path.endswith("/kernel"))  # W, frozen
-    y = ops.matmul(x, ops.cast(kernel, x.dtype)) + ops.cast(dense.bias, x.dtype)
+    y = ops.matmul(x, ops.cast(frozen_kernel(dense), x.dtype)) + ops.cast(dense.bias, x.dtype)
     low = ops.matmul(ops.matmul(x, ops.cast(dense.lora_kernel_a, x.dtype)), ops.cast(dense.lora_kernel_b, x.dtype))
     return y + low * ops.cast(dense.lora_alpha / dense.lora_rank, x.dtype)
 
