@@ -44,6 +44,9 @@ setup(
         # benchmarks/embed.py compares against sentence-transformers on the same weights.
         "bench": ["sentence-transformers>=3", "torch==2.13.0", "transformers>=4.40,<6", "scikit-learn>=1.4",
                   "keybert>=0.8"],
+        # kbert.export_onnx / OnnxEmbedder: tf2onnx traces the Keras graph (Keras' own ONNX exporter), onnx renames
+        # the dynamic axes and checks the file, ONNX Runtime runs it (and quantizes it to int8).
+        "onnx": ["tf2onnx>=1.16", "onnx>=1.15", "onnxruntime>=1.17"],
         # Opening and editing the tutorial notebooks (running them needs only [test]'s nbclient).
         "tutorials": ["jupyterlab>=4", "nbconvert>=7", "nbclient>=0.10", "ipykernel>=6", "matplotlib>=3.8"],
         "test": [
@@ -83,6 +86,10 @@ setup(
             "httpx>=0.27",
             "ipykernel>=6",
             "matplotlib>=3.8",
+            # kbert.export_onnx is checked by running its files in ONNX Runtime against the Keras model.
+            "tf2onnx>=1.16",
+            "onnx>=1.15",
+            "onnxruntime>=1.17",
         ],
     },
     entry_points={"console_scripts": ["kbert=kbert.cli:main"]},

@@ -66,6 +66,8 @@ _EXPORTS = {
     "TaskModel": "kbert.embed.task_model",
     "MaskedLM": "kbert.embed.masked_lm",
     "export": "kbert.embed.export",
+    "export_onnx": "kbert.embed.onnx",
+    "OnnxEmbedder": "kbert.embed.embedder",
     "serve": "kbert.server",
 }
 

@@ -34,6 +34,8 @@ import numpy as np
 
 from kbert.data.features import PACK_WHEN, ROW_BUCKETS, WIDTH_BUCKETS, bucket, bucketed, pack_rows, text_list
 from kbert.compiled import backend, compiled, data_parallel, replicate, signature
+from kbert.embed.onnx_runtime import DENSE_FILE, GRAPH_FILE, TOKENIZER_DIR, feeds, is_onnx_dir, read_dense, read_info
+from kbert.embed.onnx_runtime import session as onnx_session
 from kbert.models.st_dir import check_prompts
 from kbert.utils import progress_bar
 from kbert.models.pooling import (PACKED_POOLINGS, POOLINGS, check_pooling, layer_average, pool,  # noqa: F401
@@ -77,6 +79,7 @@ class Embedder:
             raise ValueError(f"`jit_compile` must be one of {JIT_MODES}. Received: jit_compile={jit_compile!r}")
         check_pooling(pooling, layers, backbone.config.num_layers + 1)
         self.backbone, self.tokenizer = backbone, tokenizer
+        self.config = backbone.config  # what the model's shape and limits are read from (no backbone: an ONNX one)
         # the sentence pooling `encode` uses by default: a bi-encoder dir's own (`kbert.finetune(pooling=...)`)
         self.pooling, self.layers = pooling, layers
         self.max_length = backbone.config.check_length(max_length or backbone.config.max_position)
@@ -110,6 +113,8 @@ class Embedder:
         from kbert.models.tasks import read_task_meta
         from kbert.text.tokenizer import Tokenizer
 
+        if is_onnx_dir(model_dir):  # `kbert.export_onnx`'s output: the graph on ONNX Runtime
+            return OnnxEmbedder.load(model_dir, max_length=max_length)
         model_dir = model_dir_of(resolve_hub_name(model_dir))  # a hub name: its snapshot; a run dir: its model
         task = read_task_meta(model_dir)
         # a sentence-transformers dir: its own pooling, layers and length (and its transformer's folder)
@@ -146,7 +151,7 @@ class Embedder:
         """The width of `encode`'s vectors: the last projection's, else the model's hidden size."""
         from kbert.models.st_dir import dense_width
 
-        return dense_width(self.dense, self.backbone.config.hidden_size)
+        return dense_width(self.dense, self.config.hidden_size)
 
     def project(self, vectors: np.ndarray) -> np.ndarray:
         """Pooled vectors `[n, hidden]` through the projections (`dense`), float32."""
@@ -198,7 +203,7 @@ class Embedder:
             raise ValueError(f"token ids must be in [0, {vocab}) for this vocabulary")
         pooling, layers = self.resolve_pooling()
         id_lists = [[self.tokenizer.cls_id, int(i), self.tokenizer.sep_id] for i in ids]
-        out = np.zeros((len(ids), self.backbone.config.hidden_size), np.float32)
+        out = np.zeros((len(ids), self.config.hidden_size), np.float32)
         show = progress if progress is not None else len(ids) >= 5000
         bar = progress_bar(total=len(ids), desc="token vectors", unit=" tokens", enabled=show)
         for index, vectors in self._pooled_batches(id_lists, batch_size, bar, pooling, layers):
@@ -223,7 +228,7 @@ class Embedder:
                                       distribution=self.distribution)
         rows, width = ids.shape
         if self._bucketed:  # JAX compiles each shape: round it up; the extra rows and columns are padding
-            limit = self.backbone.config.max_position
+            limit = self.config.max_position
             ids, mask = bucketed(ids, self.tokenizer.pad_id, limit, rows=True), bucketed(mask, 0, limit, rows=True)
         out = self._fns[key]({"token_ids": ids, "segment_ids": np.zeros_like(ids), "padding_mask": mask})
         if pooling is not None:
@@ -246,14 +251,14 @@ class Embedder:
         `jit_compile`, a batch runs through XLA as packed rows of a bucketed shape. Otherwise a batch of
         mixed lengths (a server's concurrent requests) runs as packed rows, several texts per row, when that
         saves a fifth of the rows or more, and a batch of similar lengths (offline encoding) as it is."""
-        for index in _length_sorted(id_lists, batch_size):
+        for index in length_sorted(id_lists, batch_size):
             lengths = [len(id_lists[i]) for i in index]
             texts = [id_lists[i] for i in index]
             if self.jit_compile:
                 # rows of at least PACK_WIDTH tokens when the batch holds that many: a batch of short texts
                 # then has one width whatever its longest text, and the compiled shapes stay few
                 width = max(min(bucket(max(max(lengths), min(sum(lengths), PACK_WIDTH)), WIDTH_BUCKETS),
-                                self.backbone.config.max_position), max(lengths))
+                                self.config.max_position), max(lengths))
                 rows = pack_rows(lengths, width)
                 key = (self._layer_key(pooling, layers), bucket(len(rows), ROW_BUCKETS), width)
                 if self._compiled_now(key):
@@ -401,18 +406,18 @@ class Embedder:
 
     def _hidden_batches(self, id_lists, batch_size: int):
         """Yields (indices, every layer's hidden states) over length-sorted, padded batches of `id_lists`."""
-        for index in _length_sorted(id_lists, batch_size):
+        for index in length_sorted(id_lists, batch_size):
             ids, mask = self._padded([id_lists[i] for i in index])
             yield index, self._run(ids, mask)
 
     def _max_length(self, max_length):
         if max_length is None:
             return self.max_length
-        return self.backbone.config.check_length(max_length)
+        return self.config.check_length(max_length)
 
     def _warn_truncated(self, truncated, total, max_length, stacklevel=3):
         if truncated:
-            limit = self.backbone.config.max_position
+            limit = self.config.max_position
             hint = (f"pass max_length= up to {limit} to keep more" if max_length < limit else
                     f"{limit} is the model's limit: split long texts to keep the rest")
             warnings.warn(f"{truncated} of {total} texts are longer than {max_length} tokens and were "
@@ -441,7 +446,7 @@ class Embedder:
             layers = self.layers if layers is None else layers
         elif layers is None:
             layers = self.layers if pooling == self.pooling else -1
-        check_pooling(pooling, layers, self.backbone.config.num_layers + 1)
+        check_pooling(pooling, layers, self.config.num_layers + 1)
         return pooling, layers
 
     # ----------------------------------------------------------------- public API
@@ -517,7 +522,7 @@ class Embedder:
         projections and normalization. A text over `max_length` tokens is cut there, or with
         `long_texts="mean"` encoded in consecutive windows that fill `max_length` (each starting with the
         prompt's tokens), whose pooled vectors are averaged, weighted by the text tokens each holds."""
-        out = np.zeros((len(texts), self.backbone.config.hidden_size), np.float32)
+        out = np.zeros((len(texts), self.config.hidden_size), np.float32)
         truncated, room = 0, max_length - 2  # [CLS] and [SEP] take two
         cls, sep = self.tokenizer.cls_id, self.tokenizer.sep_id
         # Chunks bound the memory of token lists for very large inputs; each chunk is length-sorted.
@@ -840,7 +845,7 @@ class StaticEmbedder(Embedder):
         if self.weights is not None and self.weights.shape != (vocab,):
             raise ValueError(f"`weights` must hold one factor per token ({vocab}). Received shape "
                              f"{list(self.weights.shape)}")
-        self.vectors, self.tokenizer, self.backbone = vectors, tokenizer, None
+        self.vectors, self.tokenizer, self.backbone, self.config = vectors, tokenizer, None, None
         self.max_length = None if max_length is None else self._max_length(max_length)  # None: every token
         self.pooling, self.layers = "mean", -1
         self.prompts, self.default_prompt_name = check_prompts(prompts, default_prompt_name)
@@ -910,6 +915,75 @@ class StaticEmbedder(Embedder):
                          "(Embedder.load) for encode_words")
 
 
+class OnnxEmbedder(Embedder):
+    """`Embedder` on a `kbert.export_onnx` dir, run by ONNX Runtime instead of TensorFlow or JAX (neither needs
+    to be installed): `encode` (prompts, truncate_dim, precision, long_texts), `search`, `similarity`,
+    `fit_whitening`, `token_vectors` and `kbert serve` work as on the model it was exported from, and give its
+    vectors (to 1e-5 for a float32 export); the pooling is the one exported. No word vectors: the graph returns
+    pooled vectors only. `Embedder.load` returns one for such a dir.
+
+    Batches are sorted by length and padded to their longest text, as `Embedder` on TensorFlow (ONNX Runtime
+    takes any shape and compiles nothing)."""
+
+    def __init__(self, graph, tokenizer, info: dict, max_length: Optional[int] = None, dense: Optional[list] = None):
+        """graph: an onnxruntime.InferenceSession on the export's model.onnx; info: its kbert_onnx.json."""
+        from kbert.models.config import ModelConfig
+
+        if info.get("signature") != "embed":
+            raise ValueError(f"this ONNX export is a {info.get('signature')!r} graph ({info.get('task')} model); "
+                             f"OnnxEmbedder runs 'embed' exports: run a classifier's graph with onnxruntime "
+                             f"(its inputs and outputs are in kbert_onnx.json)")
+        self.session, self.tokenizer, self.info = graph, tokenizer, info
+        self.backbone, self.config = None, ModelConfig.from_dict(info["config"])
+        self.pooling, self.layers = info["pooling"], info["layers"]
+        self.max_length = self.config.check_length(max_length or info["max_length"])
+        self.prompts, self.default_prompt_name = check_prompts(info.get("prompts"), info.get("default_prompt_name"))
+        self.dense = check_dense(dense or [], self.config.hidden_size)
+        self.distribution, self.jit_compile, self._bucketed = None, False, False
+        self._fns, self._compiled, self._compiling = {}, set(), None
+
+    @classmethod
+    def load(cls, model_dir: str, max_length: Optional[int] = None, threads: Optional[int] = None,
+             **ignored) -> "OnnxEmbedder":
+        """An OnnxEmbedder for an export dir. threads: ONNX Runtime's intra-op threads (default: one per core).
+        `Embedder.load`'s dtype, jit_compile and strategy do not apply and are ignored."""
+        import os
+
+        from kbert.text.tokenizer import Tokenizer
+
+        info = read_info(model_dir)
+        tokenizer = Tokenizer.load(os.path.join(model_dir, TOKENIZER_DIR))
+        graph = onnx_session(os.path.join(model_dir, GRAPH_FILE), threads)
+        return cls(graph, tokenizer, info, max_length, read_dense(os.path.join(model_dir, DENSE_FILE)))
+
+    def resolve_pooling(self, pooling: Optional[str] = None, layers=None):
+        if pooling not in (None, self.pooling) or layers not in (None, self.layers):
+            raise ValueError(f"this ONNX graph pools with pooling={self.pooling!r}, layers={self.layers!r}, fixed at "
+                             f"export. Received: pooling={pooling!r}, layers={layers!r}; export again with the "
+                             f"pooling you want (kbert.export_onnx(pooling=..., layers=...))")
+        return self.pooling, self.layers
+
+    def padded(self, id_lists: Sequence[Sequence[int]]):
+        """`[b, s]` int32 ids and attention mask of token id lists, padded to the longest."""
+        return self._padded(id_lists)
+
+    def _pooled_batches(self, id_lists, batch_size: int, bar, pooling: str, layers):
+        for index in length_sorted(id_lists, batch_size):
+            ids, mask = self._padded([id_lists[i] for i in index])
+            yield index, self._run(ids, mask, pooling, layers)
+            if bar is not None:
+                bar.update(len(index))
+
+    def _run(self, ids, mask, pooling=None, layers=-1):
+        if pooling is None:  # hidden states (word vectors) are not among the graph's outputs
+            self.encode_words()
+        return np.asarray(self.session.run(["pooled"], feeds(ids, mask))[0], np.float32)
+
+    def encode_words(self, *args, **kwargs):
+        raise ValueError("an ONNX export returns pooled vectors only, not hidden states: word vectors "
+                         "(encode_words) need the model dir (kbert.Embedder.load)")
+
+
 def check_dense(dense: list, width: int) -> list:
     """`dense` (projection layers, see `Embedder`) validated against the model's `width`: each layer's input is
     the previous one's output."""
@@ -928,7 +1002,7 @@ def check_dense(dense: list, width: int) -> list:
     return out
 
 
-def _length_sorted(id_lists, batch_size: int):
+def length_sorted(id_lists, batch_size: int):
     """Index arrays of at most `batch_size` texts each, shortest first (stable), so batches need little padding."""
     order = np.argsort([len(ids) for ids in id_lists], kind="stable")
     return [order[start:start + batch_size] for start in range(0, len(order), batch_size)]

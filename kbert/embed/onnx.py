@@ -1,0 +1,304 @@
+"""`kbert.export_onnx` and `kbert.OnnxEmbedder`: a model as an ONNX graph, run by ONNX Runtime.
+
+    kbert.export_onnx("my-model", "onnx/my-model")              # model.onnx + tokenizer files + kbert_onnx.json
+    emb = kbert.OnnxEmbedder.load("onnx/my-model")              # needs onnxruntime, not TensorFlow or JAX
+    emb.encode(["문장 하나", "문장 둘"])                           # the vectors Embedder.encode gives (1e-5)
+
+Why ONNX beside the SavedModel of `kbert.export`: a SavedModel needs TensorFlow (and tensorflow-text) wherever it
+runs, about 2.5 GB; ONNX Runtime is one ~20 MB wheel with no framework under it, runs the same graph from C#,
+Java, JavaScript and C++, and is what sentence-transformers (`backend="onnx"`) and Hugging Face Optimum serve
+transformer encoders with. The graph is written by Keras' own exporter (`keras.Model.export(format="onnx")`,
+tf2onnx under it), which traces the very `keras.ops` model code `Embedder` runs, so no second implementation of
+the network exists to drift from it; ONNX Runtime's `quantize_dynamic` gives the int8 variant.
+
+Tokenization stays outside the graph (ONNX has no subword tokenizer op): `OnnxEmbedder` tokenizes with kbert's
+tokenizer (saved in `tokenizer/`), and for other languages the dir holds the same vocabulary in transformers'
+format (`tokenizer.json` / `vocab.txt`), whose output feeds the graph as it is:
+
+    tok = transformers.AutoTokenizer.from_pretrained("onnx/my-model")
+    session = onnxruntime.InferenceSession("onnx/my-model/model.onnx")
+    session.run(["embeddings"], dict(tok(texts, padding=True, truncation=True, return_tensors="np")))
+
+Graph inputs (int64, `[batch, sequence]`): `input_ids`, `attention_mask`, `token_type_ids` (transformers'
+names). Outputs: for "embed", `embeddings` `[batch, dimension]` (pooled, projected, unit length when exported
+with normalize=True) and `pooled` `[batch, hidden]` (before projections and normalization: what `OnnxEmbedder`
+reads, so its `encode` options apply as `Embedder.encode`'s); for "classify", `probabilities` `[batch, labels]`
+(or `predictions` `[batch]` for regression), as `TaskModel.predict`.
+
+The export checks itself: the graph and `OnnxEmbedder` (or the classifier graph) must equal the Python API on
+sample Korean texts to 1e-5 (float32; vectors through projections to 1e-5 times the projections' gain), or it
+raises; an int8 graph must keep every sample vector's cosine with
+the float one at 0.99 or more (probabilities within 0.05).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import warnings
+from typing import List, Optional, Union
+
+import numpy as np
+
+from kbert.embed.embedder import Embedder, OnnxEmbedder
+from kbert.embed.export import CHECK_TEXTS, CLASSIFY_TASKS, SIGNATURES
+from kbert.embed.onnx_runtime import (DENSE_FILE, FORMAT_VERSION, GRAPH_FILE, INPUTS, META_FILE, TOKENIZER_DIR, feeds,
+                                      is_onnx_dir, onnxruntime, session, write_dense)
+
+QUANTIZE = (None, "int8")
+OPSET = 17  # LayerNormalization is a native op from 17 (ONNX Runtime >= 1.14)
+
+
+def _graph_model(backbone, pooling=None, layers=-1, dense=(), normalize=True, network=None, task=None,
+                 activation="identity"):
+    """A keras.Model over the dict of transformers-named int64 inputs: the traced function of the export."""
+    import keras
+    from keras import ops
+
+    from kbert.models.pooling import pool
+
+    class Graph(keras.Model):
+        def __init__(self):
+            super().__init__(name="kbert_onnx")
+            self.backbone, self.network = backbone, network
+
+        def call(self, inputs):
+            x = {"token_ids": ops.cast(inputs["input_ids"], "int32"),
+                 "segment_ids": ops.cast(inputs["token_type_ids"], "int32"),
+                 "padding_mask": ops.cast(inputs["attention_mask"], "int32")}
+            if self.network is not None:
+                logits = ops.cast(self.network(x, training=False), "float32")
+                if task != "regression":
+                    return {"probabilities": ops.softmax(logits, axis=-1)}
+                value = logits[:, 0]
+                value = ops.sigmoid(value) if activation == "sigmoid" else ops.tanh(value) \
+                    if activation == "tanh" else value
+                return {"predictions": value}
+            out = self.backbone(x, training=False)
+            pooled = pool(out["hidden_states"], x["padding_mask"], pooling, layers)
+            vectors = pooled
+            for layer in dense:  # the Embedder's projections (a sentence-transformers Dense, a whitening)
+                vectors = ops.matmul(vectors, ops.convert_to_tensor(layer["weight"])) + \
+                    ops.convert_to_tensor(layer["bias"])
+                vectors = ops.tanh(vectors) if layer["activation"] == "tanh" else vectors
+            if normalize:
+                vectors = vectors / ops.maximum(ops.norm(vectors, axis=-1, keepdims=True), 1e-12)
+            return {"pooled": pooled, "embeddings": vectors}
+
+    return Graph()
+
+
+def _name_dims(path: str) -> None:
+    """tf2onnx names dynamic dims `unk__N`; give them the names transformers' exports use."""
+    import onnx
+
+    proto = onnx.load(path)
+    for value in list(proto.graph.input) + list(proto.graph.output):
+        dims = value.type.tensor_type.shape.dim
+        for d, name in zip(dims, ("batch", "sequence")):
+            if d.dim_param:
+                d.dim_param = name
+    onnx.checker.check_model(proto)
+    onnx.save(proto, path)
+
+
+def _write_graph(model, path: str) -> None:
+    import keras
+
+    model({name: np.ones((1, 2), np.int64) for name in INPUTS})  # built (Keras exports built models only)
+    spec = {name: keras.InputSpec(shape=(None, None), dtype="int64", name=name) for name in INPUTS}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # tf2onnx's deprecation notices
+        model.export(path, format="onnx", input_signature=[spec], verbose=False, opset_version=OPSET)
+    _name_dims(path)
+
+
+def _quantize(path: str) -> None:
+    """Weights of the matrix products as int8 with activations quantized on the fly (ONNX Runtime's dynamic
+    quantization, the recipe of its transformer examples and of sentence-transformers' `export_dynamic_quantized
+    _onnx_model`): smaller files and faster CPU matrix products for a small loss of precision."""
+    import logging
+
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+    from onnxruntime.quantization.shape_inference import quant_pre_process
+
+    tmp, ready = path + ".int8", path + ".pre"
+    # shapes inferred and the graph folded first, as the quantizer asks
+    quant_pre_process(path, ready, skip_symbolic_shape=True)
+    root = logging.getLogger()
+    level, root.level = root.level, logging.ERROR  # its notice that pre-processing is advised, done just above
+    try:
+        quantize_dynamic(ready, tmp, weight_type=QuantType.QInt8)
+    finally:
+        root.setLevel(level)
+    os.remove(ready)
+    os.replace(tmp, path)
+
+
+def export_onnx(model_dir: str, out_dir: str, signature: Optional[str] = None, pooling: Optional[str] = None,
+                layers: Union[int, List[int], None] = None, normalize: bool = True,
+                max_length: Optional[int] = None, quantize: Optional[str] = None, overwrite: bool = False,
+                check: bool = True) -> str:
+    """Writes `out_dir/` (model.onnx, the tokenizer, kbert_onnx.json) and returns it.
+
+    Args:
+        model_dir: a dir `kbert.Embedder.load` reads (for "classify": a `kbert finetune` classification,
+            pair-classification or regression dir, or a Hugging Face classifier / cross-encoder).
+        signature: "embed" (vectors) or "classify"; default as `kbert.export`: "classify" for a fine-tuned
+            classifier or regressor, "embed" otherwise.
+        pooling, layers, normalize: the graph's pooling and whether its `embeddings` are unit length (default:
+            the model's own pooling, as `Embedder.encode`). Prompts are not in the graph: they are text, put
+            before the text before tokenization (`OnnxEmbedder` keeps the model's prompts).
+        max_length: the longest input `OnnxEmbedder` feeds, in tokens (default: the model's, as `Embedder`);
+            the graph itself takes any length up to the model's position limit.
+        quantize: None (float32), or "int8" (dynamic quantization of the weights: about 4x smaller, and faster
+            on CPUs with int8 instructions; check the quality on your data: benchmarks/README.md measures it).
+        overwrite: replace an existing `out_dir`.
+        check: compare the graph with the Python API on sample texts.
+    """
+    import keras
+
+    if keras.backend.backend() != "tensorflow":
+        raise ValueError(f"the ONNX graph is traced through TensorFlow (Keras' exporter uses tf2onnx), so "
+                         f"export_onnx runs on Keras' TensorFlow backend (KERAS_BACKEND is "
+                         f"{keras.backend.backend()!r}): run `KERAS_BACKEND=tensorflow kbert export --format onnx "
+                         f"...`; the model dir is the same on both backends")
+    if quantize not in QUANTIZE:
+        raise ValueError(f"`quantize` must be one of {QUANTIZE}. Received: quantize={quantize!r}")
+    try:
+        import tf2onnx  # noqa: F401
+        import onnx  # noqa: F401
+    except ImportError:
+        raise ImportError("ONNX export needs tf2onnx and onnx: pip install tf2onnx onnx onnxruntime "
+                          "(or kbert[onnx])") from None
+    onnxruntime()
+    from kbert.embed.task_model import TaskModel, task_meta
+
+    meta = task_meta(model_dir)
+    task = (meta or {}).get("task")
+    if signature is None:
+        signature = "classify" if task in CLASSIFY_TASKS else "embed"
+    if signature not in SIGNATURES:
+        raise ValueError(f"`signature` must be one of {SIGNATURES}. Received: signature={signature!r}")
+    if signature == "classify" and task not in CLASSIFY_TASKS:
+        raise ValueError(f"signature='classify' needs a classification, pair-classification or regression model "
+                         f"from `kbert finetune`; {model_dir!r} is "
+                         f"{'a ' + task + ' model' if task else 'not a fine-tuned model'}")
+    if os.path.exists(out_dir):
+        if not overwrite:
+            raise FileExistsError(f"{out_dir} exists; pass overwrite=True (--overwrite) or another dir")
+        if not is_onnx_dir(out_dir) and os.listdir(out_dir):
+            raise FileExistsError(f"{out_dir} holds something other than a kbert ONNX export; not replacing it")
+    info = {"signature": signature, "format_version": FORMAT_VERSION, "quantize": quantize, "inputs": list(INPUTS)}
+    if signature == "embed":
+        emb = Embedder.load(model_dir, max_length=max_length)
+        if emb.backbone is None:
+            raise ValueError(f"{model_dir}: a static model (a table of token vectors) has no network to export; "
+                             f"serve it with `kbert serve` or kbert.Embedder")
+        tokenizer, config = emb.tokenizer, emb.config
+        pooling, layers = emb.resolve_pooling(pooling, layers)
+        graph = _graph_model(emb.backbone, pooling, layers, emb.dense, normalize)
+        info.update(pooling=pooling, layers=layers, normalize=bool(normalize), max_length=emb.max_length,
+                    prompts=emb.prompts, default_prompt_name=emb.default_prompt_name, dense=bool(emb.dense),
+                    outputs=["embeddings", "pooled"], dimension=emb.dimension)
+        dense = emb.dense
+    else:
+        model = TaskModel.load(model_dir)
+        tokenizer, config = model.tokenizer, model.network.backbone.config
+        limit = config.check_length(max_length or model.max_length)
+        graph = _graph_model(model.network.backbone, network=model.network, task=task, activation=model.activation)
+        info.update(task=task, labels=model.labels, max_length=limit, activation=model.activation,
+                    pairs=bool(meta.get("pair_column") or meta.get("pairs")),
+                    outputs=["predictions" if task == "regression" else "probabilities"])
+        dense = []
+    info["config"] = config.to_dict()
+    tmp = out_dir.rstrip("/\\") + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        _write_graph(graph, os.path.join(tmp, GRAPH_FILE))
+        if quantize:
+            _quantize(os.path.join(tmp, GRAPH_FILE))
+        tokenizer.save(os.path.join(tmp, TOKENIZER_DIR))
+        try:  # transformers' tokenizer files beside the graph, for use without kbert
+            tokenizer.export_transformers(tmp)
+            info["transformers_tokenizer"] = True
+        except ValueError as e:  # a morpheme-aware vocabulary: only kbert's tokenizer reads it
+            info["transformers_tokenizer"] = False
+            info["transformers_tokenizer_note"] = str(e)
+        if dense:
+            write_dense(os.path.join(tmp, DENSE_FILE), dense)
+        with open(os.path.join(tmp, META_FILE), "w", encoding="utf-8") as f:
+            json.dump(info, f, ensure_ascii=False, indent=2)
+        if check:
+            _self_check(tmp, model_dir, info)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    shutil.rmtree(out_dir, ignore_errors=True)
+    os.replace(tmp, out_dir)
+    return out_dir
+
+
+def _self_check(path, model_dir, info):
+    """Raises unless the export at `path` gives the Python API's outputs on CHECK_TEXTS: (got, expected,
+    tolerance) triples, each within its tolerance (float32), or within cosine 0.99 / 0.05 (int8)."""
+    int8 = info["quantize"] == "int8"
+    tolerance = 0.05 if int8 else 1e-5
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the long sample text is truncated on purpose
+        if info["signature"] == "embed":
+            emb = Embedder.load(model_dir, max_length=info["max_length"])
+            onnx = OnnxEmbedder.load(path)
+            options = dict(pooling=info["pooling"], layers=info["layers"], normalize=info["normalize"])
+            expected = emb.encode(CHECK_TEXTS, **options)
+            # the graph's own final output, on the same ids
+            ids = [[onnx.tokenizer.cls_id] + x[:onnx.max_length - 2] + [onnx.tokenizer.sep_id]
+                   for x in onnx.tokenizer.ids_batch(CHECK_TEXTS)]
+            padded, mask = onnx.padded(ids)
+            direct = onnx.session.run(["embeddings"], feeds(padded, mask))[0]
+            # A projection multiplies rounding differences by up to its spectral norm (a whitening's scales the
+            # least-varying axes up by 1/sqrt of their variance): the pooled vectors are held to 1e-5, the
+            # projected ones to 1e-5 times the projections' gain.
+            gain = float(np.prod([np.linalg.norm(layer["weight"], 2) for layer in emb.dense])) if emb.dense else 1.0
+            checks = [(onnx.encode(CHECK_TEXTS, normalize=info["normalize"]), expected, tolerance * max(gain, 1.0)),
+                      (direct, expected, tolerance * max(gain, 1.0))]
+            if emb.dense:
+                emb.dense, onnx.dense = [], []
+                options["normalize"] = False
+                checks.append((onnx.encode(CHECK_TEXTS, normalize=False), emb.encode(CHECK_TEXTS, **options),
+                               tolerance))
+        else:
+            from kbert.data.features import pad, segment_ids
+            from kbert.embed.task_model import TaskModel
+
+            model = TaskModel.load(model_dir)
+            model.max_length = info["max_length"]
+            pairs = list(reversed(CHECK_TEXTS)) if info["pairs"] else None
+            expected = model.predict(CHECK_TEXTS, pairs=pairs)
+            ids = [e.ids for e in model.tokenizer.encode_batch(CHECK_TEXTS, pairs=pairs, max_length=model.max_length)]
+            padded = pad(ids, model.tokenizer.pad_id)
+            mask = pad([[1] * len(x) for x in ids], 0)
+            segs = pad([segment_ids(x, model.tokenizer.sep_id) for x in ids], 0)
+            out = session(os.path.join(path, GRAPH_FILE)).run(info["outputs"], feeds(padded, mask, segs))[0]
+            checks = [(out, expected, tolerance)]
+    for got, expected, tol in checks:
+        got = np.asarray(got, np.float32)
+        if not np.isfinite(got).all():
+            raise RuntimeError(f"the ONNX graph at {path} gives non-finite values on sample texts")
+        if int8 and info["signature"] == "embed":
+            cos = np.sum(_unit(got) * _unit(expected), axis=1)
+            if cos.min() < 0.99:
+                raise RuntimeError(f"the int8 graph's vectors drift from the float model's (lowest cosine "
+                                   f"{cos.min():.4f} on sample texts, below 0.99): export without quantize")
+            continue
+        err = float(np.max(np.abs(got - expected))) if got.size else 0.0
+        if err > tol:
+            raise RuntimeError(f"the ONNX graph at {path} differs from the Python API by {err:.2e} (tolerance "
+                               f"{tol:.1e}); please report this with the model's config")
+
+
+def _unit(x):
+    x = np.asarray(x, np.float32)
+    return x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
