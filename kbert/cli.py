@@ -533,6 +533,23 @@ def _serve(args):
 def _export(args):
     import json
 
+    if args.format == "onnx":
+        if args.prompt_name or args.prompt or args.model_version != 1:
+            raise SystemExit("--prompt-name, --prompt and --model-version are SavedModel options: an ONNX export "
+                             "keeps the model's prompts beside the graph (OnnxEmbedder applies them) and goes "
+                             "to OUT itself")
+        from kbert.embed.onnx import export_onnx
+
+        path = export_onnx(args.model, args.out, signature=args.signature, pooling=args.pooling,
+                           max_length=args.max_length, quantize=args.quantize, overwrite=args.overwrite)
+        with open(os.path.join(path, "kbert_onnx.json"), encoding="utf-8") as f:
+            info = json.load(f)
+        kind = f"{info['signature']}, {info['quantize'] or 'float32'}"
+        print(f"ONNX graph ({kind}) written to {path}/model.onnx with its tokenizer; checked against the Python "
+              f"API; load it with kbert.OnnxEmbedder.load({path!r}) or onnxruntime")
+        return
+    if args.quantize:
+        raise SystemExit("--quantize applies to --format onnx")
     from kbert.embed.export import export
 
     path = export(args.model, args.out, signature=args.signature, pooling=args.pooling, max_length=args.max_length,
@@ -1126,10 +1143,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="morpheme analyzer of /v1/keywords: mecab (default), kiwi, okt, komoran, hannanum, kkma")
     p.set_defaults(func=_serve)
 
-    p = sub.add_parser("export", help="a SavedModel that takes raw strings (TF Serving layout DIR/VERSION/)")
+    p = sub.add_parser("export", help="a SavedModel that takes raw strings (TF Serving layout DIR/VERSION/), or an "
+                                      "ONNX graph with its tokenizer (--format onnx)")
     p.add_argument("--model", required=True, help="model dir (classify: a `kbert finetune` output or a Hugging Face "
                                                   "classifier / cross-encoder)")
-    p.add_argument("--out", required=True, help="export base dir; the model goes to OUT/VERSION/")
+    p.add_argument("--out", required=True, help="export dir; a SavedModel goes to OUT/VERSION/, ONNX to OUT/")
+    p.add_argument("--format", choices=("savedmodel", "onnx"), default="savedmodel",
+                   help="savedmodel (TensorFlow Serving, strings in) or onnx (ONNX Runtime, token ids in; "
+                        "kbert.OnnxEmbedder tokenizes)")
+    p.add_argument("--quantize", choices=("int8",), help="onnx: int8 weights (dynamic quantization)")
     p.add_argument("--signature", choices=("embed", "classify"),
                    help="default: classify for a fine-tuned classifier/regressor dir, embed otherwise")
     p.add_argument("--pooling", choices=("mean", "cls", "max", "first_last_avg"), help="embed: default mean")

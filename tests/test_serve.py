@@ -455,3 +455,19 @@ def test_a_static_model_serves_its_vectors(dirs, tmp_path):
         r = client.post("/v1/embeddings", json={"input": TEXTS[:3], "dimensions": 8}).json()
         np.testing.assert_allclose(np.array([d["embedding"] for d in r["data"]], np.float32),
                                    emb.encode(TEXTS[:3], truncate_dim=8), atol=1e-5)
+
+
+def test_an_onnx_export_serves_its_vectors(dirs, tmp_path):
+    """`kbert serve` on a `kbert export --format onnx` dir: ONNX Runtime computes /v1/embeddings, equal to the
+    model's own vectors; a pooling other than the exported one is a 400 naming it."""
+    from kbert.server import build_app
+
+    model_dir, _ = dirs
+    out = kbert.export_onnx(model_dir, str(tmp_path / "onnx"))
+    emb = kbert.Embedder.load(model_dir)
+    with Running(build_app(out)) as srv, httpx.Client(base_url=srv.url, timeout=60) as client:
+        r = client.post("/v1/embeddings", json={"input": TEXTS}).json()
+        np.testing.assert_allclose(np.array([d["embedding"] for d in r["data"]], np.float32), emb.encode(TEXTS),
+                                   atol=1e-5)
+        bad = client.post("/v1/embeddings", json={"input": TEXTS[:1], "pooling": "cls"})
+        assert bad.status_code == 400 and "fixed at export" in bad.json()["error"]["message"]
