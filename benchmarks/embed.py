@@ -1,6 +1,6 @@
 """Sentence-embedding throughput (sentences/s, mean pooling, unit vectors, batch 64) on movie reviews:
 kbert's `Embedder.encode` beside sentence-transformers on the same architecture and weights, and the
-exported string-in SavedModel, in one run.
+exported string-in SavedModel and the ONNX export on ONNX Runtime (float32 and int8 weights), in one run.
 
 The model is bert-mini sized (4 layers, 256 hidden, 4 heads) with a WordPiece vocabulary learned on the
 reviews; its weights go to sentence-transformers through `kbert.export_transformers` (tokenizer included),
@@ -9,7 +9,7 @@ Throughput does not depend on the weights' values, so the model is randomly init
 
     python benchmarks/embed.py --reviews ../shared/data/movie-reviews/reviews.tsv.gz --texts 10000
     KERAS_BACKEND=jax python benchmarks/embed.py ...     # Embedder on Keras' JAX backend (no SavedModel rows:
-                                                          # the export is TensorFlow's format)
+                                                          # the exports are traced through TensorFlow)
     python benchmarks/embed.py --architecture xlm-roberta --texts 3000   # multilingual-E5-small's shape
 
 `--architecture xlm-roberta` measures the retrieval models most used for Korean (BGE-M3, KURE, multilingual
@@ -129,6 +129,9 @@ def main():
         import tensorflow as tf
 
         serve = tf.saved_model.load(kbert.export(kbert_dir, os.path.join(work, "serving"))).signatures["serving_default"]
+        onnx = {kind: kbert.Embedder.load(kbert.export_onnx(kbert_dir, os.path.join(work, f"onnx-{kind}"),
+                                                             quantize=None if kind == "float32" else kind))
+                for kind in ("float32", "int8")}
 
     def run_kbert():
         return emb.encode(texts, batch_size=args.batch_size, progress=False)
@@ -154,6 +157,10 @@ def main():
             serve(texts=tf.constant(texts[:args.batch_size]))
             sides += [("kbert SavedModel, batches in input order", run_savedmodel),
                       ("kbert SavedModel, batches sorted by text length", lambda: run_savedmodel(by_length))]
+            for kind, model in onnx.items():  # OnnxEmbedder.encode: ONNX Runtime, kbert's Python tokenizer
+                model.encode(texts[:args.batch_size])
+                sides.append((f"kbert ONNX export on ONNX Runtime, {kind}",
+                              lambda model=model: model.encode(texts, batch_size=args.batch_size, progress=False)))
         rows = []
         for name, fn in sides:
             seconds, vectors = timed(fn, args.repeats)
