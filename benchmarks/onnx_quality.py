@@ -53,14 +53,10 @@ def train_model(shared: str, work: str, epochs: float) -> str:
 
 def figures(emb, shared: str) -> dict:
     from kbert.train.metrics import spearman
-    from quality import paraphrases, read_sts, read_tsv
-    from quantize import rank_metrics
+    from quality import read_sts
+    from quantize import question_pair_retrieval, rank_metrics
 
-    dev = read_tsv(os.path.join(shared, "question-pair", "validation.txt"))
-    pairs = paraphrases(dev)
-    candidates = sorted({r["question2"] for r in dev})
-    where = {c: i for i, c in enumerate(candidates)}
-    queries, gold = [q for q, _ in pairs], [where[p] for _, p in pairs]
+    queries, candidates, gold = question_pair_retrieval(shared)
     c_vectors = emb.encode(candidates, progress=False)
     retrieval = rank_metrics(queries, candidates, gold,
                              lambda q: emb.search(emb.encode(q, progress=False), c_vectors, top_k=10))

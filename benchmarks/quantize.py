@@ -46,18 +46,26 @@ def rank_metrics(queries, candidates, gold, search) -> dict:
             "mrr@10": float(np.mean([1 / r if r is not None and r <= 10 else 0 for r in ranks]))}
 
 
+def question_pair_retrieval(shared: str):
+    """(queries, candidates, gold candidate index per query) of question-pair dev: each non-identical
+    paraphrase's first question against every distinct second question of the split."""
+    from quality import paraphrases, read_tsv
+
+    dev = read_tsv(os.path.join(shared, "question-pair", "validation.txt"))
+    candidates = sorted({r["question2"] for r in dev})
+    where = {c: i for i, c in enumerate(candidates)}
+    pairs = paraphrases(dev)
+    return [q for q, _ in pairs], candidates, [where[p] for _, p in pairs]
+
+
 def quality(model_dir: str, shared: str) -> list:
     import kbert
     from kbert.embed.quantize import dequantize_embeddings
     from kbert.train.metrics import spearman
-    from quality import paraphrases, read_sts, read_tsv, selected
+    from quality import read_sts, read_tsv, selected
 
     emb = kbert.Embedder.load(model_dir)
-    dev = read_tsv(os.path.join(shared, "question-pair", "validation.txt"))
-    pairs = paraphrases(dev)
-    candidates = sorted({r["question2"] for r in dev})
-    where = {c: i for i, c in enumerate(candidates)}
-    queries, gold = [q for q, _ in pairs], [where[p] for _, p in pairs]
+    queries, candidates, gold = question_pair_retrieval(shared)
     q_vectors = emb.encode(queries, progress=False)
     c_vectors = emb.encode(candidates, progress=False)
     train_qp = [r for r in read_tsv(os.path.join(shared, "question-pair", "train.txt")) if not selected(r["question1"])]
