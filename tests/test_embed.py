@@ -1338,9 +1338,13 @@ def test_paraphrase_mining_and_community_detection_equal_sentence_transformers_o
         assert {(i, j) for _, i, j in ours} == set(scored)
         assert all(abs(score - scored[i, j]) < 1e-6 and i < j for score, i, j in ours)
         assert all(a[0] >= b[0] for a, b in zip(ours, ours[1:]))
-        # chunks of any size give the same answer (the products' last bit may differ with the chunk's shape)
+        # chunks of any size give the same answer: the same pairs with the same scores, best first; the
+        # products' last bit may differ with the chunk's shape (and the CPU's kernels), so two pairs scored
+        # alike to 1e-6 may come in either order, and only those
         chunked = kbert.paraphrase_mining(None, v, top_k=top_k, max_pairs=max_pairs, chunk=37, progress=False)
-        assert [p[1:] for p in chunked] == [p[1:] for p in ours]
+        assert len(chunked) == len(ours) and {p[1:] for p in chunked} == {p[1:] for p in ours}
+        assert all(a[0] >= b[0] for a, b in zip(chunked, chunked[1:]))
+        assert all(a[1:] == b[1:] or abs(a[0] - b[0]) <= 1e-6 for a, b in zip(chunked, ours))
         assert np.allclose([p[0] for p in chunked], [p[0] for p in ours], atol=1e-6)
     every = kbert.paraphrase_mining(None, v, top_k=100, progress=False)
     above = kbert.paraphrase_mining(None, v, top_k=100, threshold=0.8, progress=False)
