@@ -66,6 +66,9 @@ setup(
             # kbert.distill_static is checked against Model2Vec's own distillation and loading (the base package;
             # its [distill] extra pins transformers, and the tests need only its torch inference helpers).
             "model2vec>=0.7",
+            # model2vec 0.10 imports skeletoken for its distillation (its [distill] extra would also pin
+            # transformers below 5.4, which the rest of the suite is past)
+            "skeletoken>=0.6",
             # kbert.keywords is checked against KeyBERT's own extraction on the same candidates and vectors.
             "keybert>=0.8",
             # The JAX backend tests run the same model code and the pretraining loop under KERAS_BACKEND=jax.
