@@ -95,6 +95,12 @@ def test_other_pooling_prompts_and_projections_travel_with_the_export(model, tmp
     for prompt in ("query", "passage"):
         np.testing.assert_allclose(onnx.encode(TEXTS[:2], prompt_name=prompt),
                                    e.encode(TEXTS[:2], prompt_name=prompt, pooling="first_last_avg"), atol=1e-5 * gain)
+    # the Embedder in memory exports as it is (its whitening and prompts, no dir written first)
+    direct = kbert.OnnxEmbedder.load(kbert.export_onnx(e, str(tmp_path / "memory")))
+    assert (direct.pooling, direct.dimension, direct.prompts) == ("cls", 8, e.prompts)
+    np.testing.assert_allclose(direct.encode(TEXTS[:2], prompt_name="query"), e.encode(TEXTS[:2], prompt_name="query"),
+                               atol=1e-5 * gain)
+    assert len(e.dense) == 1 and e.max_length == 64  # left as it was
     e.dense = onnx.dense = []
     np.testing.assert_allclose(onnx.encode(TEXTS, prompt_name="query", normalize=False),
                                e.encode(TEXTS, prompt_name="query", pooling="first_last_avg", normalize=False),
@@ -166,6 +172,8 @@ def test_export_errors_name_the_problem(model, exported, classifier, tmp_path):
         kbert.export_onnx(model, str(tmp_path / "q"), quantize="int4")
     with pytest.raises(ValueError, match="signature='classify' needs"):
         kbert.export_onnx(model, str(tmp_path / "c"), signature="classify")
+    with pytest.raises(ValueError, match="an OnnxEmbedder is an export already"):
+        kbert.export_onnx(kbert.OnnxEmbedder.load(exported), str(tmp_path / "again"))
     with pytest.raises(FileNotFoundError, match="not a kbert ONNX export"):
         kbert.OnnxEmbedder.load(model)
     with pytest.raises(ValueError, match="`threads` must be a positive integer"):

@@ -33,6 +33,7 @@ the float one at 0.99 or more (probabilities within 0.05).
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -136,7 +137,8 @@ def _quantize(path: str) -> None:
     os.replace(tmp, path)
 
 
-def export_onnx(model_dir: str, out_dir: str, signature: Optional[str] = None, pooling: Optional[str] = None,
+def export_onnx(model_dir: Union[str, Embedder], out_dir: str, signature: Optional[str] = None,
+                pooling: Optional[str] = None,
                 layers: Union[int, List[int], None] = None, normalize: bool = True,
                 max_length: Optional[int] = None, quantize: Optional[str] = None, overwrite: bool = False,
                 check: bool = True) -> str:
@@ -144,7 +146,8 @@ def export_onnx(model_dir: str, out_dir: str, signature: Optional[str] = None, p
 
     Args:
         model_dir: a dir `kbert.Embedder.load` reads (for "classify": a `kbert finetune` classification,
-            pair-classification or regression dir, or a Hugging Face classifier / cross-encoder).
+            pair-classification or regression dir, or a Hugging Face classifier / cross-encoder), or a
+            `kbert.Embedder` as it is in memory (with a whitening fitted, prompts or pooling set on it).
         signature: "embed" (vectors) or "classify"; default as `kbert.export`: "classify" for a fine-tuned
             classifier or regressor, "embed" otherwise.
         pooling, layers, normalize: the graph's pooling and whether its `embeddings` are unit length (default:
@@ -175,7 +178,11 @@ def export_onnx(model_dir: str, out_dir: str, signature: Optional[str] = None, p
     onnxruntime()
     from kbert.embed.task_model import TaskModel, task_meta
 
-    meta = task_meta(model_dir)
+    given = model_dir if isinstance(model_dir, Embedder) else None
+    if given is not None and (given.backbone is None or isinstance(given, OnnxEmbedder)):
+        raise ValueError(f"export_onnx takes an Embedder with its network; this is a {type(given).__name__} (a "
+                         f"static model has no network; an OnnxEmbedder is an export already)")
+    meta = None if given is not None else task_meta(model_dir)
     task = (meta or {}).get("task")
     if signature is None:
         signature = "classify" if task in CLASSIFY_TASKS else "embed"
@@ -183,7 +190,7 @@ def export_onnx(model_dir: str, out_dir: str, signature: Optional[str] = None, p
         raise ValueError(f"`signature` must be one of {SIGNATURES}. Received: signature={signature!r}")
     if signature == "classify" and task not in CLASSIFY_TASKS:
         raise ValueError(f"signature='classify' needs a classification, pair-classification or regression model "
-                         f"from `kbert finetune`; {model_dir!r} is "
+                         f"from `kbert finetune`; {'this Embedder' if given is not None else repr(model_dir)} is "
                          f"{'a ' + task + ' model' if task else 'not a fine-tuned model'}")
     if os.path.exists(out_dir):
         if not overwrite:
@@ -192,7 +199,10 @@ def export_onnx(model_dir: str, out_dir: str, signature: Optional[str] = None, p
             raise FileExistsError(f"{out_dir} holds something other than a kbert ONNX export; not replacing it")
     info = {"signature": signature, "format_version": FORMAT_VERSION, "quantize": quantize, "inputs": list(INPUTS)}
     if signature == "embed":
-        emb = Embedder.load(model_dir, max_length=max_length)
+        emb = given if given is not None else Embedder.load(model_dir, max_length=max_length)
+        if given is not None and max_length is not None:
+            emb = copy.copy(given)  # the caller's Embedder keeps its own length
+            emb.max_length = emb.config.check_length(max_length)
         if emb.backbone is None:
             raise ValueError(f"{model_dir}: a static model (a table of token vectors) has no network to export; "
                              f"serve it with `kbert serve` or kbert.Embedder")
@@ -232,7 +242,7 @@ def export_onnx(model_dir: str, out_dir: str, signature: Optional[str] = None, p
         with open(os.path.join(tmp, META_FILE), "w", encoding="utf-8") as f:
             json.dump(info, f, ensure_ascii=False, indent=2)
         if check:
-            _self_check(tmp, model_dir, info)
+            _self_check(tmp, emb if signature == "embed" else model_dir, info)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -241,17 +251,19 @@ def export_onnx(model_dir: str, out_dir: str, signature: Optional[str] = None, p
     return out_dir
 
 
-def _self_check(path, model_dir, info):
+def _self_check(path, source, info):
     """Raises unless the export at `path` gives the Python API's outputs on CHECK_TEXTS: (got, expected,
-    tolerance) triples, each within its tolerance (float32), or within cosine 0.99 / 0.05 (int8)."""
+    tolerance) triples, each within its tolerance (float32), or within cosine 0.99 / 0.05 (int8). source: the
+    exported Embedder ("embed") or the task dir ("classify")."""
     int8 = info["quantize"] == "int8"
     tolerance = 0.05 if int8 else 1e-5
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the long sample text is truncated on purpose
         if info["signature"] == "embed":
-            emb = Embedder.load(model_dir, max_length=info["max_length"])
+            emb = copy.copy(source)  # its projections are dropped below for the pooled check
             onnx = OnnxEmbedder.load(path)
             options = dict(pooling=info["pooling"], layers=info["layers"], normalize=info["normalize"])
+            options["max_length"] = info["max_length"]
             expected = emb.encode(CHECK_TEXTS, **options)
             # the graph's own final output, on the same ids
             ids = [[onnx.tokenizer.cls_id] + x[:onnx.max_length - 2] + [onnx.tokenizer.sep_id]
@@ -273,7 +285,7 @@ def _self_check(path, model_dir, info):
             from kbert.data.features import pad, segment_ids
             from kbert.embed.task_model import TaskModel
 
-            model = TaskModel.load(model_dir)
+            model = TaskModel.load(source)
             model.max_length = info["max_length"]
             pairs = list(reversed(CHECK_TEXTS)) if info["pairs"] else None
             expected = model.predict(CHECK_TEXTS, pairs=pairs)
