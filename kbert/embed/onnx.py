@@ -242,7 +242,7 @@ def export_onnx(model_dir: Union[str, Embedder], out_dir: str, signature: Option
         with open(os.path.join(tmp, META_FILE), "w", encoding="utf-8") as f:
             json.dump(info, f, ensure_ascii=False, indent=2)
         if check:
-            _self_check(tmp, emb if signature == "embed" else model_dir, info)
+            _self_check(tmp, emb if signature == "embed" else model, info)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -254,7 +254,7 @@ def export_onnx(model_dir: Union[str, Embedder], out_dir: str, signature: Option
 def _self_check(path, source, info):
     """Raises unless the export at `path` gives the Python API's outputs on CHECK_TEXTS: (got, expected,
     tolerance) triples, each within its tolerance (float32), or within cosine 0.99 / 0.05 (int8). source: the
-    exported Embedder ("embed") or the task dir ("classify")."""
+    exported Embedder ("embed") or TaskModel ("classify"), copied before its settings change."""
     int8 = info["quantize"] == "int8"
     tolerance = 0.05 if int8 else 1e-5
     with warnings.catch_warnings():
@@ -274,33 +274,34 @@ def _self_check(path, source, info):
             # least-varying axes up by 1/sqrt of their variance): the pooled vectors are held to 1e-5, the
             # projected ones to 1e-5 times the projections' gain.
             gain = float(np.prod([np.linalg.norm(layer["weight"], 2) for layer in emb.dense])) if emb.dense else 1.0
-            checks = [(onnx.encode(CHECK_TEXTS, normalize=info["normalize"]), expected, tolerance * max(gain, 1.0)),
-                      (direct, expected, tolerance * max(gain, 1.0))]
+            projected = tolerance * max(gain, 1.0)
+            checks = [(onnx.encode(CHECK_TEXTS, normalize=info["normalize"]), expected, projected),
+                      (direct, expected, projected)]
             if emb.dense:
                 emb.dense, onnx.dense = [], []
                 options["normalize"] = False
                 checks.append((onnx.encode(CHECK_TEXTS, normalize=False), emb.encode(CHECK_TEXTS, **options),
                                tolerance))
         else:
-            from kbert.data.features import pad, segment_ids
-            from kbert.embed.task_model import TaskModel
+            from kbert.data.features import features, pad, segment_ids
 
-            model = TaskModel.load(source)
+            model = copy.copy(source)
             model.max_length = info["max_length"]
             pairs = list(reversed(CHECK_TEXTS)) if info["pairs"] else None
             expected = model.predict(CHECK_TEXTS, pairs=pairs)
             ids = [e.ids for e in model.tokenizer.encode_batch(CHECK_TEXTS, pairs=pairs, max_length=model.max_length)]
-            padded = pad(ids, model.tokenizer.pad_id)
-            mask = pad([[1] * len(x) for x in ids], 0)
-            segs = pad([segment_ids(x, model.tokenizer.sep_id) for x in ids], 0)
-            out = session(os.path.join(path, GRAPH_FILE)).run(info["outputs"], feeds(padded, mask, segs))[0]
+            tok = model.tokenizer
+            # the inputs TaskModel.predict gives the network
+            x = features(pad(ids, tok.pad_id), pad([segment_ids(i, tok.sep_id) for i in ids], 0), tok.pad_id)
+            feed = feeds(x["token_ids"], x["padding_mask"], x["segment_ids"])
+            out = session(os.path.join(path, GRAPH_FILE)).run(info["outputs"], feed)[0]
             checks = [(out, expected, tolerance)]
     for got, expected, tol in checks:
         got = np.asarray(got, np.float32)
         if not np.isfinite(got).all():
             raise RuntimeError(f"the ONNX graph at {path} gives non-finite values on sample texts")
         if int8 and info["signature"] == "embed":
-            cos = np.sum(_unit(got) * _unit(expected), axis=1)
+            cos = np.diag(Embedder.similarity(got, expected))
             if cos.min() < 0.99:
                 raise RuntimeError(f"the int8 graph's vectors drift from the float model's (lowest cosine "
                                    f"{cos.min():.4f} on sample texts, below 0.99): export without quantize")
@@ -310,7 +311,3 @@ def _self_check(path, source, info):
             raise RuntimeError(f"the ONNX graph at {path} differs from the Python API by {err:.2e} (tolerance "
                                f"{tol:.1e}); please report this with the model's config")
 
-
-def _unit(x):
-    x = np.asarray(x, np.float32)
-    return x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
