@@ -58,6 +58,7 @@ _EXPORTS = {
     "quantize_embeddings": "kbert.embed.quantize",
     "quantization_ranges": "kbert.embed.quantize",
     "quantized_search": "kbert.embed.quantize",
+    "SearchIndex": "kbert.embed.index",
     "evaluate_retrieval": "kbert.embed.evaluation",
     "evaluate_sts": "kbert.embed.evaluation",
     "evaluate_pair_classification": "kbert.embed.evaluation",

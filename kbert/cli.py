@@ -739,6 +739,74 @@ def _evaluate(args):
                      ensure_ascii=False, indent=2))
 
 
+def _index_source(args):
+    """(texts, ids, metadata) of --input: a TSV/CSV/JSONL file's --text-column (ids from --id-column, the other
+    columns as metadata), or any other file's non-blank lines (ids: positions)."""
+    base = args.input[:-3] if args.input.endswith(".gz") else args.input
+    if not base.lower().endswith((".tsv", ".csv", ".jsonl", ".json")):
+        if args.id_column:
+            raise ValueError("--id-column reads a TSV/CSV/JSONL file; a text file's lines are numbered by position")
+        return _numbered_lines(args.input)[1], None, None
+    from kbert.data.rows import read_rows, text_cell
+
+    rows = read_rows(args.input, [args.text_column, args.id_column])
+    texts = [text_cell(row, args.text_column, f"{args.input} row {i + 1}") for i, row in enumerate(rows)]
+    ids = [row[args.id_column] for row in rows] if args.id_column else None
+    extra = [{k: v for k, v in row.items() if k not in (args.text_column, args.id_column)} for row in rows]
+    return texts, ids, extra if any(extra) else None
+
+
+def _index_build(args):
+    from kbert.embed.index import SearchIndex
+
+    texts, ids, metadata = _index_source(args)
+    index = SearchIndex.build(args.model, texts, args.out, ids=ids, metadata=metadata, kind=args.kind,
+                              precision=args.precision, hnsw_m=args.hnsw_m, nlist=args.nlist,
+                              chunk_size=args.chunk_size, batch_size=args.batch_size, resume=not args.no_resume,
+                              overwrite=args.overwrite, pooling=args.pooling, max_length=args.max_length,
+                              truncate_dim=args.truncate_dim, long_texts=args.long_texts, prompt_name=args.prompt_name,
+                              query_prompt_name=args.query_prompt_name)
+    print(f"{index!r} written to {args.out}; search it with kbert index search --index {args.out}", file=sys.stderr)
+
+
+def _index_add(args):
+    from kbert.embed.index import SearchIndex
+
+    texts, ids, metadata = _index_source(args)
+    index = SearchIndex.load(args.index, model=args.model)
+    before = len(index)
+    index.add(texts, ids=ids, metadata=metadata, batch_size=args.batch_size, progress=True)
+    index.save()
+    print(f"added {len(index) - before} texts to {args.index}: {index!r}", file=sys.stderr)
+
+
+def _index_search(args):
+    from kbert.embed.index import SearchIndex
+
+    index = SearchIndex.load(args.index, model=args.model)
+    reranker = None
+    if args.reranker:
+        from kbert.embed.task_model import TaskModel
+
+        reranker = TaskModel.load(args.reranker)
+    queries = _numbered_lines(args.input)[1]
+    hits = index.search(queries, top_k=args.top_k, ef_search=args.ef_search, nprobe=args.nprobe, reranker=reranker,
+                        candidates=args.candidates)
+    _write_json_lines(({"query": q, "hits": [dict({"id": h.id, "score": round(h.score, 6), "text": h.text},
+                                                  **({"metadata": h.metadata} if h.metadata else {}))
+                                             for h in found]} for q, found in zip(queries, hits)), args.out)
+
+
+def _index_info(args):
+    import json
+
+    from kbert.embed.index import SearchIndex
+
+    index = SearchIndex.load(args.index)
+    info = {k: v for k, v in index.info.items() if k != "probe"}
+    print(json.dumps(info, ensure_ascii=False, indent=1))
+
+
 def _quickstart(args):
     from kbert.quickstart import main_args
 
@@ -1124,6 +1192,66 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=1024, help="tokens run through the model at a time")
     p.set_defaults(func=_distill_static)
 
+    ip = sub.add_parser("index", help="a semantic-search index on disk (FAISS): build once over a collection "
+                                      "(resumable), add to it, search it")
+    isub = ip.add_subparsers(dest="index_command", required=True)
+    p = isub.add_parser("build", help="encode a collection and write a search index (Ctrl-C keeps the finished "
+                                      "chunks; the same command resumes)")
+    p.add_argument("--model", required=True, help="a sentence-embedding model dir (or Hugging Face dir / Hub name)")
+    p.add_argument("--input", required=True, help="a text file (one text per non-blank line; ids are positions "
+                                                  "0, 1, ...) or a TSV/CSV/JSONL file (--text-column, --id-column; "
+                                                  "other columns are kept as each hit's metadata)")
+    p.add_argument("--out", required=True, help="the index dir")
+    p.add_argument("--kind", choices=("flat", "hnsw", "ivf"), default="flat",
+                   help="flat: exact (default); hnsw: a graph, approximate and fast on large collections; ivf: "
+                        "centroid buckets")
+    p.add_argument("--precision", choices=("float32", "float16", "int8"), default="float32",
+                   help="bytes a dimension: 4, 2 or 1 (FAISS's scalar quantizers)")
+    p.add_argument("--hnsw-m", type=int, default=32, help="hnsw: links per vector (default 32)")
+    p.add_argument("--nlist", type=int, help="ivf: centroids (default 4 sqrt(n))")
+    p.add_argument("--chunk-size", type=int, default=10_000, help="texts encoded and saved at a time (the unit "
+                                                                  "a stopped build resumes from)")
+    p.add_argument("--no-resume", action="store_true", help="start over instead of finishing a stopped build")
+    p.add_argument("--overwrite", action="store_true", help="replace an index already in --out")
+    p.add_argument("--pooling", choices=("mean", "cls", "max", "first_last_avg"),
+                   help="default: the model's own")
+    p.add_argument("--prompt-name", help="the documents' prompt (default: the model's document prompt, if any)")
+    p.add_argument("--query-prompt-name", help="the queries' prompt (default: the model's query prompt, if any)")
+    p.add_argument("--max-length", type=int, help="tokens per text (default: the model's limit)")
+    p.add_argument("--truncate-dim", type=int, help="keep the first N dimensions (a Matryoshka model)")
+    p.add_argument("--long-texts", choices=("truncate", "mean"), default="truncate",
+                   help="a text over --max-length: its first tokens (default), or the mean of its windows")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--text-column", default="text")
+    p.add_argument("--id-column", help="a column of unique ids (TSV/CSV/JSONL input)")
+    p.set_defaults(func=_index_build, resumes="the encoded chunks are kept: rerun the same command to resume")
+
+    p = isub.add_parser("add", help="encode more texts into an index (the build's settings) and save it")
+    p.add_argument("--index", required=True)
+    p.add_argument("--input", required=True, help="as for build (ids from --id-column if the index has ids)")
+    p.add_argument("--model", help="the model that built the index, when it was not recorded or has moved")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--text-column", default="text")
+    p.add_argument("--id-column")
+    p.set_defaults(func=_index_add)
+
+    p = isub.add_parser("search", help="the nearest texts of the index for each line of --input (or stdin), as "
+                                       "JSON lines")
+    p.add_argument("--index", required=True)
+    p.add_argument("--input", help="queries, one per line (default: stdin)")
+    p.add_argument("--top-k", type=int, default=10)
+    p.add_argument("--ef-search", type=int, help="hnsw: the search beam (default 64; larger: better recall, slower)")
+    p.add_argument("--nprobe", type=int, help="ivf: buckets searched (default: an eighth, at least 8)")
+    p.add_argument("--model", help="the model that built the index, when it was not recorded or has moved")
+    p.add_argument("--reranker", help="a cross-encoder dir that re-scores each query's first --candidates hits")
+    p.add_argument("--candidates", type=int, default=100)
+    p.add_argument("--out", help="output file (default: stdout)")
+    p.set_defaults(func=_index_search)
+
+    p = isub.add_parser("info", help="what an index holds and how it was built, as JSON")
+    p.add_argument("--index", required=True)
+    p.set_defaults(func=_index_info)
+
     p = sub.add_parser("serve", help="an HTTP server for embeddings (OpenAI-compatible), similarity, "
                                      "classification and reranking (Cohere's form), with dynamic batching")
     p.add_argument("--model", required=True, help="a kbert model dir, a `kbert finetune` task dir, or a Hugging Face "
@@ -1253,7 +1381,7 @@ def main(argv=None) -> int:
         status = args.func(args)
     except KeyboardInterrupt as e:
         by = "SIGTERM" if isinstance(e, _Terminated) else "SIGINT"
-        resume = _RESUMES.get(args.command, "")
+        resume = getattr(args, "resumes", None) or _RESUMES.get(args.command, "")
         sys.stderr.write(f"kbert: stopped by {by}{'; ' + resume if resume else ''}\n")
         return _SIGNAL_EXIT[by]
     except (ValueError, TypeError, FileNotFoundError, ImportError, OSError, ArithmeticError, MemoryError) as e:

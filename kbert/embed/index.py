@@ -1,0 +1,696 @@
+"""`kbert.SearchIndex`: a semantic-search index kept on disk, built once over a collection and queried later.
+
+    index = kbert.SearchIndex.build("my-bi-encoder", texts, "law-index", kind="hnsw")   # resumable
+    index = kbert.SearchIndex.load("law-index")         # the model comes back from the dir recorded
+    index.search("전세 계약을 갱신하려면", top_k=5)      # [Hit(id, score, text, metadata), ...], best first
+    index.add(more_texts, ids=more_ids); index.save()
+
+`Embedder.search` encodes its corpus on every call; a collection of a million statutes, decisions or reviews
+is encoded once (an hour or more on a CPU) and searched many times, so the vectors belong in an index that
+lives on disk beside the texts, with the settings the documents were encoded with (pooling, layers, length,
+prompts, Matryoshka width) recorded so every query is encoded the same way (`encode_query`: a model's own
+query prompt). A probe sentence's vector is stored too: loading the index with another model (or another
+export of it that encodes differently) is an error instead of silently wrong neighbours.
+
+Building streams the texts in chunks (`chunk_size`): each chunk's vectors and records are written to
+`DIR/chunks/` as it finishes, so an interrupted build (Ctrl-C, SIGTERM, a crash) run again with the same
+texts and settings encodes only what is left, and says so. Each finished chunk's texts are fingerprinted,
+so a resumed build over different texts is an error, not a mixed index.
+
+Why FAISS (faiss-cpu): it is the field's vector index library (sentence-transformers' `semantic_search_faiss`,
+LangChain's and Haystack's FAISS stores build on it), it has exact, graph (HNSW) and inverted-file (IVF)
+indexes and scalar quantization behind one factory string, reads and writes its own files, and releases the
+GIL while it searches, so a server's threads search in parallel. The kinds here are its standard ones for
+cosine search on unit vectors (inner product):
+- "flat": exact, every vector scored (the same hits as `Embedder.search`); fine to a few hundred thousand.
+- "hnsw": a graph (Malkov and Yashunin, 2018), approximate; much faster on large collections, no training,
+  `ef_search` trades speed for recall (default `DEFAULT_EF_SEARCH`, at least `top_k`).
+- "ivf": vectors bucketed around `nlist` centroids learnt from the collection; `nprobe` buckets searched.
+`precision` "float16" or "int8" stores each dimension in 2 bytes or 1 (FAISS's scalar quantizers; int8's
+per-dimension ranges are learnt from the collection) instead of 4.
+
+The dir:
+    kbert_index.json   what built it: model, encode settings, kind, precision, count, the probe's vector
+    index.faiss        FAISS's index (vector i is record i)
+    records.jsonl      one JSON object per text: {"id", "text"[, "metadata"]}, read lazily by offset
+    offsets.npy        int64 byte offsets of the records ([count + 1])
+    chunks/            only while a build is unfinished
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import mmap
+import os
+import re
+import shutil
+import sys
+import warnings
+from collections import namedtuple
+from typing import Iterable, List, Optional, Sequence, Union
+
+import numpy as np
+
+from kbert.data.features import text_list
+from kbert.utils import progress_bar
+
+FORMAT = 1
+MANIFEST = "kbert_index.json"
+INDEX_FILE = "index.faiss"
+RECORDS = "records.jsonl"
+OFFSETS = "offsets.npy"
+CHUNKS = "chunks"
+KINDS = ("flat", "hnsw", "ivf")
+PRECISIONS = ("float32", "float16", "int8")
+# FAISS's scalar-quantizer names for the stored precisions
+_STORAGE = {"float32": "Flat", "float16": "SQfp16", "int8": "SQ8"}
+DEFAULT_EF_SEARCH = 64  # HNSW candidates kept while searching (FAISS's own default, 16, loses recall at top-10)
+DEFAULT_EF_CONSTRUCTION = 100  # HNSW candidates kept while linking a new vector (FAISS's default: 40)
+# The encode settings recorded with an index and used again for its queries (`Embedder.encode`'s keywords).
+ENCODE_SETTINGS = ("pooling", "layers", "max_length", "truncate_dim", "long_texts")
+# A sentence encoded at build time and again when the index meets a model: another model's vector of it differs.
+PROBE_TEXT = "대한민국의 수도는 서울이고, 가장 긴 강은 낙동강이다."
+PROBE_MIN_COSINE = 0.99  # an int8 ONNX export of the same model keeps its vectors above this (export_onnx's check)
+TRAIN_PER_CENTROID = 256  # IVF / int8 training reads at most this many vectors per centroid (FAISS's own cap)
+
+# `Embedder.encode`'s truncation warning, counted over a build's chunks and given once at the end
+_TRUNCATED = re.compile(r"(\d+) of \d+ texts are longer than (\d+) tokens")
+
+Hit = namedtuple("Hit", "id score text metadata")
+Hit.__doc__ = "One search result: the text's id (its position unless ids were given), cosine score, text, metadata."
+
+
+def _faiss():
+    try:
+        import faiss
+    except ImportError:
+        raise ImportError("kbert.SearchIndex needs FAISS: pip install faiss-cpu (or kbert[search])") from None
+    return faiss
+
+
+def _embedder(model):
+    from kbert.embed.embedder import Embedder
+
+    if isinstance(model, Embedder):
+        return model, None
+    if not isinstance(model, (str, os.PathLike)):
+        raise TypeError(f"`model` must be a model dir, a Hugging Face Hub name or a kbert.Embedder. "
+                        f"Received: {type(model).__name__}")
+    model = os.fspath(model)
+    # a local dir is recorded by its absolute path (the index may be loaded from another working dir)
+    return Embedder.load(model), os.path.abspath(model) if os.path.exists(model) else model
+
+
+def _positive_int(value, name):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"`{name}` must be a positive integer. Received: {name}={value!r}")
+    return int(value)
+
+
+def factory_string(kind: str, precision: str, nlist: Optional[int] = None, hnsw_m: int = 32) -> str:
+    """FAISS's `index_factory` description of an index of this kind and stored precision."""
+    if kind not in KINDS:
+        raise ValueError(f"`kind` must be one of {KINDS}. Received: kind={kind!r}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"`precision` must be one of {PRECISIONS}. Received: precision={precision!r}")
+    storage = _STORAGE[precision]
+    if kind == "flat":
+        return storage
+    if kind == "hnsw":
+        return f"HNSW{_positive_int(hnsw_m, 'hnsw_m')},{storage}"
+    return f"IVF{_positive_int(nlist, 'nlist')},{storage}"
+
+
+def default_nlist(count: int) -> int:
+    """IVF centroids for `count` vectors: 4 sqrt(count) (FAISS's guideline is 4-16 sqrt(n)), and at most
+    count / 39, so every centroid learns from the 39 vectors FAISS asks for."""
+    return max(1, min(int(4 * np.sqrt(count)), count // 39))
+
+
+def default_nprobe(nlist: int) -> int:
+    """IVF buckets searched per query: an eighth of them, at least 8 (FAISS's default, 1, misses neighbours
+    that fall in the next bucket)."""
+    return min(nlist, max(8, nlist // 8))
+
+
+def _unit(x) -> np.ndarray:
+    x = np.atleast_2d(np.asarray(x, np.float32))
+    return np.ascontiguousarray(x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12))
+
+
+def _write_atomic(path: str, write) -> None:
+    """`write(tmp_path)`, then the file renamed into place: a reader never sees half a file."""
+    tmp = path + ".tmp"
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def _write_json(path: str, value) -> None:
+    def write(tmp):
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(value, f, ensure_ascii=False, indent=1)
+    _write_atomic(path, write)
+
+
+def _save_npy(path: str, array: np.ndarray) -> None:
+    with open(path, "wb") as f:  # a file object: np.save would add ".npy" to a path ending in ".tmp"
+        np.save(f, array)
+
+
+def _save_bytes(path: str, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+def _record_lines(records) -> bytes:
+    return b"".join(json.dumps(r, ensure_ascii=False).encode("utf-8") + b"\n" for r in records)
+
+
+class _Records:
+    """The records of an index: those saved in `records.jsonl` (read by offset from a memory map, so a large
+    collection's texts stay on disk) and those added since (in memory until `save`)."""
+
+    def __init__(self, path: Optional[str] = None, count: int = 0):
+        self.path, self.pending, self._map = path, [], None
+        self.offsets = np.zeros(1, np.int64)
+        if path is not None and count:
+            offsets = np.load(os.path.join(path, OFFSETS))
+            if len(offsets) < count + 1:
+                raise ValueError(f"{path}: {OFFSETS} holds {len(offsets) - 1} records, {MANIFEST} says {count}; "
+                                 f"the index is damaged: build it again")
+            self.offsets = offsets[:count + 1]  # a save interrupted after the records were appended: ignored
+            with open(os.path.join(path, RECORDS), "rb") as f:
+                self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+
+    @property
+    def saved(self) -> int:
+        return len(self.offsets) - 1
+
+    def __len__(self) -> int:
+        return self.saved + len(self.pending)
+
+    def __getitem__(self, i: int) -> dict:
+        if i < self.saved:
+            return json.loads(self._map[self.offsets[i]:self.offsets[i + 1]])
+        return self.pending[i - self.saved]
+
+    def ids(self) -> list:
+        return [self[i]["id"] for i in range(len(self))]
+
+    def write(self, path: str) -> None:
+        """Every record into `path`'s records file and offsets (appending the pending ones when `path` already
+        holds the saved ones)."""
+        target = os.path.join(path, RECORDS)
+        same = self.path is not None and os.path.abspath(self.path) == os.path.abspath(path)
+        if not same:
+            with open(target, "wb") as f:
+                if self._map is not None:
+                    f.write(self._map[:self.offsets[-1]])
+        else:
+            with open(target, "r+b") as f:  # cut anything past the saved records (an interrupted save)
+                f.truncate(int(self.offsets[-1]))
+        lines = [json.dumps(r, ensure_ascii=False).encode("utf-8") + b"\n" for r in self.pending]
+        with open(target, "ab") as f:
+            f.write(b"".join(lines))
+        sizes = np.array([len(line) for line in lines], np.int64)
+        offsets = np.concatenate([self.offsets, self.offsets[-1] + np.cumsum(sizes)])
+        _write_atomic(os.path.join(path, OFFSETS), lambda tmp: _save_npy(tmp, offsets))
+        self.close()
+        self.path, self.offsets, self.pending = path, offsets, []
+        if len(offsets) > 1:
+            with open(target, "rb") as f:
+                self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+
+    def close(self) -> None:
+        if self._map is not None:
+            self._map.close()
+            self._map = None
+
+
+def _records(texts, ids, metadata, start: int):
+    """Checked records `{"id", "text"[, "metadata"]}` of one batch of texts; ids default to positions."""
+    texts = list(texts)
+    for i, t in enumerate(texts):
+        if not isinstance(t, str):
+            raise TypeError(f"text {start + i} is a {type(t).__name__}, not a str")
+    ids = list(range(start, start + len(texts))) if ids is None else list(ids)
+    metadata = [None] * len(texts) if metadata is None else list(metadata)
+    if len(ids) != len(texts) or len(metadata) != len(texts):
+        raise ValueError(f"`ids` and `metadata` need one entry per text: {len(texts)} texts, {len(ids)} ids, "
+                         f"{len(metadata)} metadata")
+    out = []
+    for i, (text, key, meta) in enumerate(zip(texts, ids, metadata)):
+        if isinstance(key, bool) or not isinstance(key, (str, int, np.integer)):
+            raise TypeError(f"id {start + i} is a {type(key).__name__}; ids are strings or integers")
+        if meta is not None and not isinstance(meta, dict):
+            raise TypeError(f"metadata {start + i} is a {type(meta).__name__}; each is a dict or None")
+        record = {"id": int(key) if isinstance(key, np.integer) else key, "text": text}
+        if meta:
+            record["metadata"] = meta
+        out.append(record)
+    return out
+
+
+def _chunks(texts, ids, metadata, size: int):
+    """Lists of at most `size` (text, id, metadata) triples from parallel iterables (ids / metadata may be
+    None), checking that they have the same length."""
+    sentinel = object()
+    streams = [iter(texts), iter(ids) if ids is not None else None,
+               iter(metadata) if metadata is not None else None]
+    while True:
+        batch = ([], [] if ids is not None else None, [] if metadata is not None else None)
+        for _ in range(size):
+            text = next(streams[0], sentinel)
+            extra = [next(s, sentinel) if s is not None else None for s in streams[1:]]
+            if text is sentinel:
+                if any(e is not sentinel for e, s in zip(extra, streams[1:]) if s is not None):
+                    raise ValueError("`ids` / `metadata` hold more entries than there are texts")
+                break
+            if any(e is sentinel for e, s in zip(extra, streams[1:]) if s is not None):
+                raise ValueError("`ids` / `metadata` hold fewer entries than there are texts")
+            batch[0].append(text)
+            for part, value in zip(batch[1:], extra):
+                if part is not None:
+                    part.append(value)
+        if not batch[0]:
+            return
+        yield batch
+        if len(batch[0]) < size:
+            return
+
+
+class SearchIndex:
+    """Texts, their vectors in a FAISS index, and the model and settings that encode queries for it."""
+
+    def __init__(self, index, records: _Records, info: dict, embedder=None, path: Optional[str] = None):
+        self.index, self.records, self.info, self.path = index, records, info, path
+        self._embedder = embedder
+        self._id_set = None
+
+    # ----------------------------------------------------------------- building
+    @classmethod
+    def build(cls, model, texts: Iterable[str], out_dir: str, ids: Optional[Iterable] = None,
+              metadata: Optional[Iterable[Optional[dict]]] = None, kind: str = "flat", precision: str = "float32",
+              hnsw_m: int = 32, ef_construction: int = DEFAULT_EF_CONSTRUCTION, nlist: Optional[int] = None,
+              chunk_size: int = 10_000, batch_size: int = 64, resume: bool = True, overwrite: bool = False,
+              progress: bool = True, prompt_name: Optional[str] = None, prompt: Optional[str] = None,
+              query_prompt_name: Optional[str] = None, query_prompt: Optional[str] = None,
+              pooling: Optional[str] = None, layers=None, max_length: Optional[int] = None,
+              truncate_dim: Optional[int] = None, long_texts: str = "truncate") -> "SearchIndex":
+        """Encodes `texts` with `model` (`encode_document`) and writes a searchable index to `out_dir`.
+
+        Args:
+            model: a model dir or Hub name (recorded, so `load` brings it back), or a `kbert.Embedder` (for
+                example one with `fit_whitening`; then `load` needs it passed as `model=`).
+            texts: the collection, any iterable of strings (a list, a generator over a file's lines).
+            ids: one id per text (strings or integers, unique), returned in hits; default: positions 0, 1, ...
+            metadata: one dict (or None) per text, returned in hits (title, URL, date, ...).
+            kind: "flat" (exact), "hnsw" or "ivf" (approximate; see the module docstring).
+            precision: how vectors are stored: "float32", "float16" or "int8".
+            hnsw_m: HNSW's links per vector (FAISS's M); ef_construction: its build-time beam.
+            nlist: IVF's centroids (default: `default_nlist(count)`).
+            chunk_size: texts encoded and written to `out_dir/chunks/` at a time: the unit of resumption.
+            resume: pick up an interrupted build in `out_dir` (same texts and settings); False starts over.
+            overwrite: replace an index already in `out_dir` (otherwise an error).
+            prompt_name / prompt: the documents' prompt (default: the model's document prompt, if any).
+            query_prompt_name / query_prompt: what `search` puts before queries (default: the model's query
+                prompt, if any).
+            pooling, layers, max_length, truncate_dim, long_texts, batch_size: as `Embedder.encode`; all but
+                batch_size are recorded and used for queries too.
+
+        Example:
+            >>> lines = (l.strip() for l in open("statutes.txt", encoding="utf-8") if l.strip())
+            >>> index = kbert.SearchIndex.build("my-bi-encoder", lines, "statutes-index", kind="hnsw")
+            >>> index.search("임대차 계약 갱신 요구", top_k=3)
+        """
+        faiss = _faiss()
+        factory_string("flat", precision)  # kind and precision checked before any encoding
+        if kind not in KINDS:
+            raise ValueError(f"`kind` must be one of {KINDS}. Received: kind={kind!r}")
+        chunk_size, batch_size = _positive_int(chunk_size, "chunk_size"), _positive_int(batch_size, "batch_size")
+        hnsw_m, ef_construction = _positive_int(hnsw_m, "hnsw_m"), _positive_int(ef_construction, "ef_construction")
+        if nlist is not None:
+            _positive_int(nlist, "nlist")
+        if isinstance(texts, (str, bytes)):
+            raise TypeError("`texts` must be a collection of texts, not one string")
+        if manifest_exists(out_dir):
+            if not overwrite:
+                raise FileExistsError(f"{out_dir} already holds an index; pass overwrite=True (--overwrite) to "
+                                      f"replace it, or SearchIndex.load(...).add(...) to extend it")
+            for name in (MANIFEST, INDEX_FILE, RECORDS, OFFSETS):
+                if os.path.exists(os.path.join(out_dir, name)):
+                    os.remove(os.path.join(out_dir, name))
+        emb, model_name = _embedder(model)
+        pooling, layers = emb.resolve_pooling(pooling, layers)
+        settings = {"pooling": pooling, "layers": layers, "max_length": max_length, "truncate_dim": truncate_dim,
+                    "long_texts": long_texts}
+        width = emb.check_truncate_dim(truncate_dim)
+        document_prompt = emb.prompt_text(prompt_name, prompt) if (prompt_name or prompt is not None) \
+            else emb.role_prompt("document")
+        query_prompt = emb.prompt_text(query_prompt_name, query_prompt) \
+            if (query_prompt_name or query_prompt is not None) else emb.role_prompt("query")
+        identity = {"model": model_name, "settings": settings, "document_prompt": document_prompt,
+                    "chunk_size": chunk_size, "ids": "given" if ids is not None else "positions"}
+        encode = dict(settings, prompt=document_prompt, batch_size=batch_size, progress=False)
+
+        os.makedirs(out_dir, exist_ok=True)
+        chunk_dir = os.path.join(out_dir, CHUNKS)
+        state_path = os.path.join(chunk_dir, "progress.json")
+        state = None
+        if os.path.exists(state_path) and resume:
+            with open(state_path, encoding="utf-8") as f:
+                state = json.load(f)
+            differ = [k for k in identity if state.get(k) != identity[k]]
+            if differ:
+                raise ValueError(f"{chunk_dir} holds an unfinished build with other settings ({', '.join(differ)}: "
+                                 f"{', '.join(f'{state.get(k)!r} now {identity[k]!r}' for k in differ)}); run it "
+                                 f"with those settings to finish it, or pass resume=False (--no-resume) to start over")
+        if state is None:
+            shutil.rmtree(chunk_dir, ignore_errors=True)
+            os.makedirs(chunk_dir)
+            state = dict(identity, done=[])
+            _write_json(state_path, state)
+        elif state["done"]:
+            done_texts = sum(c["count"] for c in state["done"])
+            print(f"kbert: resuming the build in {out_dir}: {len(state['done'])} chunks ({done_texts} texts) "
+                  f"already encoded", file=sys.stderr, flush=True)
+
+        total = len(texts) if hasattr(texts, "__len__") else None
+        bar = progress_bar(total=total, desc="index", unit=" texts", enabled=progress)
+        count, truncated, ids_seen = 0, 0, set() if ids is not None else None
+        for k, (chunk, chunk_ids, chunk_meta) in enumerate(_chunks(texts, ids, metadata, chunk_size)):
+            records = _records(chunk, chunk_ids, chunk_meta, count)
+            if ids_seen is not None:
+                for r in records:
+                    if r["id"] in ids_seen:
+                        raise ValueError(f"id {r['id']!r} is given twice; ids must be unique")
+                    ids_seen.add(r["id"])
+            lines = _record_lines(records)
+            digest = hashlib.sha256(lines).hexdigest()
+            count += len(records)
+            if k < len(state["done"]):
+                if state["done"][k]["sha256"] != digest:
+                    raise ValueError(f"the texts differ from those of the unfinished build in {chunk_dir} at chunk "
+                                     f"{k} (texts {count - len(records)}..{count - 1}); pass resume=False "
+                                     f"(--no-resume) to start over")
+                bar.update(len(records))
+                continue
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                vectors = emb.encode(chunk, **encode)
+            for w in caught:
+                match = _TRUNCATED.match(str(w.message))
+                if match:
+                    truncated += int(match.group(1))
+                else:
+                    warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+            base = os.path.join(chunk_dir, f"{k:05d}")
+            _write_atomic(base + ".jsonl", lambda tmp: _save_bytes(tmp, lines))
+            _write_atomic(base + ".npy", lambda tmp: _save_npy(tmp, vectors.astype(np.float32)))
+            state["done"].append({"count": len(records), "sha256": digest})
+            _write_json(state_path, state)
+            bar.update(len(records))
+        bar.close()
+        if truncated:
+            warnings.warn(f"{truncated} of the texts encoded here were longer than the model's max_length and were "
+                          f"truncated; long_texts='mean' (--long-texts mean) encodes the whole of each, as the mean "
+                          f"of its windows", stacklevel=2)
+        if count < sum(c["count"] for c in state["done"]):
+            raise ValueError(f"the texts end at {count}, before the unfinished build in {chunk_dir} did; pass "
+                             f"resume=False (--no-resume) to start over")
+        if count == 0:
+            raise ValueError("no texts to index")
+
+        chunk_files = [os.path.join(chunk_dir, f"{k:05d}") for k in range(len(state["done"]))]
+        nlist = nlist or default_nlist(count)
+        if kind == "ivf" and nlist > count:
+            raise ValueError(f"`nlist` {nlist} is more than the {count} texts; IVF needs fewer centroids than vectors")
+        index = faiss.index_factory(width, factory_string(kind, precision, nlist, hnsw_m),
+                                    faiss.METRIC_INNER_PRODUCT)
+        if kind == "hnsw":
+            faiss.downcast_index(index).hnsw.efConstruction = ef_construction
+        if not index.is_trained:  # IVF's centroids, int8's ranges: learnt from a sample of the collection
+            index.train(_training_sample(chunk_files, count, nlist if kind == "ivf" else 1))
+        for base in chunk_files:
+            index.add(np.load(base + ".npy", mmap_mode="r").astype(np.float32))
+        with open(os.path.join(out_dir, RECORDS), "wb") as out:
+            offsets = [0]
+            for base in chunk_files:
+                with open(base + ".jsonl", "rb") as f:
+                    for line in f:
+                        out.write(line)
+                        offsets.append(offsets[-1] + len(line))
+        _write_atomic(os.path.join(out_dir, OFFSETS), lambda tmp: _save_npy(tmp, np.array(offsets, np.int64)))
+        info = {"format": FORMAT, "model": model_name, "settings": settings, "document_prompt": document_prompt,
+                "query_prompt": query_prompt, "kind": kind, "precision": precision, "dimension": width,
+                "factory": factory_string(kind, precision, nlist, hnsw_m), "nlist": nlist if kind == "ivf" else None,
+                "hnsw_m": hnsw_m if kind == "hnsw" else None, "count": count, "ids": identity["ids"],
+                "probe": [round(float(x), 7) for x in emb.encode(PROBE_TEXT, **encode)]}
+        _write_atomic(os.path.join(out_dir, INDEX_FILE), lambda tmp: faiss.write_index(index, tmp))
+        _write_json(os.path.join(out_dir, MANIFEST), info)
+        shutil.rmtree(chunk_dir, ignore_errors=True)
+        return cls.load(out_dir, model=emb)
+
+    @classmethod
+    def from_vectors(cls, vectors, texts: Optional[Sequence[str]] = None, ids=None, metadata=None,
+                     kind: str = "flat", precision: str = "float32", hnsw_m: int = 32,
+                     ef_construction: int = DEFAULT_EF_CONSTRUCTION, nlist: Optional[int] = None,
+                     model=None) -> "SearchIndex":
+        """An index in memory over vectors already computed (`[n, dim]`; normalized here), with optional texts,
+        ids and metadata. Queries are vectors unless `model` (a dir or an Embedder) encodes them; `save(dir)`
+        writes it."""
+        faiss = _faiss()
+        vectors = _unit(vectors)
+        count, width = vectors.shape
+        if count == 0:
+            raise ValueError("no vectors to index")
+        texts = [""] * count if texts is None else text_list(texts)
+        records = _records(texts, ids, metadata, 0)  # checks the lengths and types
+        if len(records) != count:
+            raise ValueError(f"{count} vectors but {len(records)} texts")
+        if ids is not None and len({r["id"] for r in records}) < count:
+            raise ValueError("ids must be unique")
+        nlist = nlist or default_nlist(count)
+        index = faiss.index_factory(width, factory_string(kind, precision, nlist, hnsw_m), faiss.METRIC_INNER_PRODUCT)
+        if kind == "hnsw":
+            faiss.downcast_index(index).hnsw.efConstruction = _positive_int(ef_construction, "ef_construction")
+        if not index.is_trained:
+            index.train(vectors)
+        index.add(vectors)
+        emb, model_name = _embedder(model) if model is not None else (None, None)
+        info = {"format": FORMAT, "model": model_name, "settings": {}, "document_prompt": None, "query_prompt": None,
+                "kind": kind, "precision": precision, "dimension": width,
+                "factory": factory_string(kind, precision, nlist, hnsw_m), "nlist": nlist if kind == "ivf" else None,
+                "hnsw_m": hnsw_m if kind == "hnsw" else None, "count": count,
+                "ids": "given" if ids is not None else "positions", "probe": None}
+        out = cls(index, _Records(), info, emb)
+        out.records.pending = records
+        return out
+
+    # ----------------------------------------------------------------- loading and saving
+    @classmethod
+    def load(cls, index_dir: str, model=None) -> "SearchIndex":
+        """The index in `index_dir`. Text queries are encoded by `model` (a dir, Hub name or Embedder) or, by
+        default, by the model recorded at build time (loaded at the first text query)."""
+        faiss = _faiss()
+        if not manifest_exists(index_dir):
+            hint = " (an unfinished build: run it again to resume)" if os.path.isdir(
+                os.path.join(index_dir, CHUNKS)) else ""
+            raise FileNotFoundError(f"{index_dir} holds no kbert index ({MANIFEST} missing){hint}")
+        with open(os.path.join(index_dir, MANIFEST), encoding="utf-8") as f:
+            info = json.load(f)
+        if info.get("format") != FORMAT:
+            raise ValueError(f"{index_dir}: index format {info.get('format')!r}, this kbert reads {FORMAT}")
+        index = faiss.read_index(os.path.join(index_dir, INDEX_FILE))
+        if index.ntotal != info["count"]:
+            raise ValueError(f"{index_dir}: {INDEX_FILE} holds {index.ntotal} vectors, {MANIFEST} {info['count']} "
+                             f"(a save was interrupted); build the index again")
+        out = cls(index, _Records(index_dir, info["count"]), info, None, index_dir)
+        if model is not None:
+            out.use_model(model)
+        return out
+
+    def use_model(self, model) -> "SearchIndex":
+        """Encode text queries with `model` (a dir, Hub name or Embedder), after checking that it encodes the
+        index's probe sentence as the model that built the index did."""
+        emb, _ = _embedder(model)
+        probe = self.info.get("probe")
+        if probe is not None:
+            mine = emb.encode(PROBE_TEXT, **self._encode_settings(self.info["document_prompt"]))
+            if mine.shape[-1] != len(probe):
+                raise ValueError(f"the model gives {mine.shape[-1]}-wide vectors; this index holds {len(probe)}-wide "
+                                 f"ones: load it with the model that built it")
+            cosine = float(np.dot(mine, np.asarray(probe, np.float32)))
+            if cosine < PROBE_MIN_COSINE:
+                raise ValueError(f"the model does not encode as the one that built this index did (cosine {cosine:.3f} "
+                                 f"on a probe sentence, needs {PROBE_MIN_COSINE}): queries would be compared in "
+                                 f"another vector space; load it with the model that built it")
+        elif emb.dimension != self.info["dimension"] and not self.info["settings"].get("truncate_dim"):
+            raise ValueError(f"the model gives {emb.dimension}-wide vectors; this index holds "
+                             f"{self.info['dimension']}-wide ones")
+        self._embedder = emb
+        return self
+
+    @property
+    def embedder(self):
+        """The Embedder that encodes text queries (loaded from the recorded model at first use)."""
+        if self._embedder is None:
+            if not self.info.get("model"):
+                raise ValueError("this index was built from vectors or an Embedder in memory: pass "
+                                 "model= to SearchIndex.load (or call use_model) to search it with texts, or "
+                                 "search with vectors")
+            self.use_model(self.info["model"])
+        return self._embedder
+
+    def save(self, out_dir: Optional[str] = None) -> str:
+        """Writes the index (and the texts added since it was loaded) to `out_dir` (default: where it was
+        loaded from or built). Returns the dir."""
+        faiss = _faiss()
+        out_dir = out_dir or self.path
+        if out_dir is None:
+            raise ValueError("this index has no dir yet: pass save(out_dir)")
+        os.makedirs(out_dir, exist_ok=True)
+        self.records.write(out_dir)
+        self.info["count"] = int(self.index.ntotal)
+        _write_atomic(os.path.join(out_dir, INDEX_FILE), lambda tmp: faiss.write_index(self.index, tmp))
+        _write_json(os.path.join(out_dir, MANIFEST), self.info)
+        self.path = out_dir
+        return out_dir
+
+    # ----------------------------------------------------------------- using
+    def __len__(self) -> int:
+        return int(self.index.ntotal)
+
+    def __repr__(self) -> str:
+        return (f"SearchIndex({len(self)} texts, {self.info['kind']} {self.info['precision']}, "
+                f"dim {self.info['dimension']}, model={self.info.get('model')!r})")
+
+    def _encode_settings(self, prompt) -> dict:
+        settings = {k: v for k, v in self.info["settings"].items() if k in ENCODE_SETTINGS}
+        return dict(settings, prompt=prompt or "", progress=False)
+
+    def encode_queries(self, queries: Sequence[str], batch_size: int = 64) -> np.ndarray:
+        """Query vectors `[n, dim]`, encoded as this index's settings say (its query prompt)."""
+        return self.embedder.encode(text_list(queries), batch_size=batch_size,
+                                    **self._encode_settings(self.info.get("query_prompt")))
+
+    def add(self, texts: Sequence[str], ids=None, metadata=None, batch_size: int = 64,
+            progress: Optional[bool] = None) -> "SearchIndex":
+        """Encodes `texts` and adds them (in memory: `save()` writes them). An index built with ids needs ids
+        for new texts too, unique among all; one built without gets the next positions."""
+        if isinstance(texts, (str, bytes)):
+            raise TypeError("`texts` must be a collection of texts, not one string; pass [text]")
+        texts = list(texts)
+        if not texts:
+            return self
+        given = self.info["ids"] == "given"
+        if given != (ids is not None):
+            raise ValueError("this index was built with ids: pass ids= for the new texts" if given else
+                             "this index numbers its texts by position: add them without ids")
+        records = _records(texts, ids, metadata, len(self.records))
+        if given:
+            if self._id_set is None:
+                self._id_set = set(self.records.ids())
+            new = [r["id"] for r in records]
+            clash = next((k for k in new if k in self._id_set), None)
+            if clash is not None or len(set(new)) < len(new):
+                raise ValueError(f"id {clash if clash is not None else 'in the new texts'!r} is already taken; "
+                                 f"ids must be unique")
+        vectors = self.embedder.encode(texts, batch_size=batch_size, **dict(
+            self._encode_settings(self.info["document_prompt"]), progress=progress))
+        self.index.add(_unit(vectors))
+        self.records.pending.extend(records)
+        if given:
+            self._id_set.update(r["id"] for r in records)
+        return self
+
+    def search(self, queries, top_k: int = 10, ef_search: Optional[int] = None, nprobe: Optional[int] = None,
+               reranker=None, candidates: int = 100, batch_size: int = 64):
+        """The `top_k` texts nearest each query by cosine, best first, as `Hit(id, score, text, metadata)`.
+        One query (a string or a vector) gives one list, several give a list per query.
+
+        queries: texts (encoded with the index's settings and query prompt) or vectors `[n, dim]`.
+        ef_search: HNSW's search beam (default `DEFAULT_EF_SEARCH`, at least `top_k`); nprobe: IVF's buckets
+            searched (default `default_nprobe(nlist)`). Larger finds more of the exact neighbours, slower.
+        reranker: a cross-encoder (`kbert.TaskModel`) that re-scores each query's first `candidates` hits
+            (text queries only); its scores replace the cosines for those hits.
+        """
+        faiss = _faiss()
+        top_k = _positive_int(top_k, "top_k")
+        single = isinstance(queries, str) or (isinstance(queries, np.ndarray) and queries.ndim == 1)
+        if isinstance(queries, np.ndarray):
+            if reranker is not None:
+                raise ValueError("`reranker` reads the query texts: pass texts, not vectors")
+            vectors = _unit(queries)
+            if vectors.shape[1] != self.info["dimension"]:
+                raise ValueError(f"query vectors are {vectors.shape[1]} wide; this index holds "
+                                 f"{self.info['dimension']}-wide vectors")
+            texts = None
+        else:
+            texts = text_list(queries)
+            vectors = _unit(self.encode_queries(texts, batch_size)) if texts else \
+                np.zeros((0, self.info["dimension"]), np.float32)
+        depth = min(max(top_k, _positive_int(candidates, "candidates") if reranker is not None else 0), len(self))
+        params = None
+        if self.info["kind"] == "hnsw":
+            params = faiss.SearchParametersHNSW()
+            params.efSearch = max(depth, _positive_int(ef_search, "ef_search") if ef_search else DEFAULT_EF_SEARCH)
+        elif self.info["kind"] == "ivf":
+            params = faiss.SearchParametersIVF()
+            params.nprobe = min(self.info["nlist"], _positive_int(nprobe, "nprobe") if nprobe
+                                else default_nprobe(self.info["nlist"]))
+        scores, positions = self.index.search(vectors, depth, params=params) if len(vectors) else ([], [])
+        out = []
+        for row, (score_row, position_row) in enumerate(zip(scores, positions)):
+            hits = []
+            for score, position in zip(score_row, position_row):
+                if position < 0:  # IVF: fewer than `depth` vectors in the buckets searched
+                    continue
+                record = self.records[int(position)]
+                hits.append(Hit(record["id"], float(score), record["text"], record.get("metadata")))
+            if reranker is not None:
+                head, tail = hits[:candidates], hits[candidates:]
+                ranked = reranker.rank(texts[row], [h.text for h in head]) if head else []
+                hits = [head[r["corpus_id"]]._replace(score=float(r["score"])) for r in ranked] + tail
+            out.append(hits[:top_k])
+        return out[0] if single else out
+
+    def get(self, position: int) -> Hit:
+        """The record at `position` (0-based, in the order texts were added) as a Hit with score None."""
+        if isinstance(position, bool) or not isinstance(position, (int, np.integer)) or \
+                not 0 <= position < len(self.records):
+            raise IndexError(f"position {position!r} is outside this index of {len(self.records)} texts")
+        record = self.records[int(position)]
+        return Hit(record["id"], None, record["text"], record.get("metadata"))
+
+    def close(self) -> None:
+        """Releases the memory map of the records file."""
+        self.records.close()
+
+
+def manifest_exists(index_dir: str) -> bool:
+    """Whether `index_dir` holds a finished kbert index."""
+    return os.path.isfile(os.path.join(index_dir, MANIFEST))
+
+
+def _training_sample(chunk_files: List[str], count: int, centroids: int) -> np.ndarray:
+    """Up to TRAIN_PER_CENTROID x `centroids` vectors (at least 10,000 for the int8 ranges), drawn evenly from
+    the chunk files without reading them whole."""
+    wanted = min(count, max(10_000, TRAIN_PER_CENTROID * centroids))
+    rng = np.random.default_rng(0)
+    keep = np.sort(rng.choice(count, size=wanted, replace=False))
+    parts, start = [], 0
+    for base in chunk_files:
+        vectors = np.load(base + ".npy", mmap_mode="r")
+        mine = keep[(keep >= start) & (keep < start + len(vectors))] - start
+        parts.append(np.asarray(vectors[mine], np.float32))
+        start += len(vectors)
+    return np.ascontiguousarray(np.concatenate(parts))
+
+
+def open_index(index_dir_or_index: Union[str, SearchIndex], model=None) -> SearchIndex:
+    """A SearchIndex as given, or loaded from its dir."""
+    if isinstance(index_dir_or_index, SearchIndex):
+        return index_dir_or_index
+    return SearchIndex.load(index_dir_or_index, model=model)

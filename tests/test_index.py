@@ -1,0 +1,302 @@
+"""kbert.SearchIndex: a FAISS index on disk, checked against Embedder.search (exact), resumable builds, adding,
+ids and metadata, the model check, approximate kinds' recall, and the `kbert index` commands."""
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+
+import keras
+import numpy as np
+import pytest
+
+import kbert
+from kbert.data.corpus import corpus
+from kbert.embed.index import default_nlist
+
+from helpers import tiny_embedding_model
+
+LAW = list(dict.fromkeys(line for doc in corpus("kolaw") for line in doc if line.strip()))
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tiny_embedding_model(str(tmp_path_factory.mktemp("model")))
+
+
+@pytest.fixture(scope="module")
+def emb(model_dir):
+    return kbert.Embedder.load(model_dir)
+
+
+def quiet_build(*args, **kwargs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the constitution's long lines: the truncation warning
+        return kbert.SearchIndex.build(*args, progress=False, **kwargs)
+
+
+def hit_pairs(hits):
+    return [[(h.id, h.score) for h in row] for row in hits]
+
+
+def assert_same_hits(a, b):
+    """The same ids in the same order, scores equal to float32 rounding (batches of other texts pad and sort
+    differently)."""
+    assert [[h.id for h in row] for row in a] == [[h.id for h in row] for row in b]
+    np.testing.assert_allclose([[h.score for h in row] for row in a], [[h.score for h in row] for row in b], atol=1e-5)
+
+
+def test_flat_index_gives_embedder_search_hits_and_survives_a_reload(model_dir, emb, tmp_path):
+    index = quiet_build(model_dir, LAW, str(tmp_path / "ix"), chunk_size=100)
+    assert len(index) == len(LAW) and index.info["kind"] == "flat" and index.info["model"] == os.path.abspath(model_dir)
+    queries = ["국회의원의 임기", "대통령은 국가의 원수이다.", LAW[7], "법관의 자격"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        exact = emb.search(queries, LAW, top_k=5)
+        found = index.search(queries, top_k=5)
+    for want, got in zip(exact, found):
+        assert [j for j, _ in want] == [h.id for h in got]
+        np.testing.assert_allclose([s for _, s in want], [h.score for h in got], atol=1e-5)
+        assert [h.text for h in got] == [LAW[j] for j, _ in want] and all(h.metadata is None for h in got)
+    assert found[2][0].id == 7 and found[2][0].score == pytest.approx(1.0, abs=1e-5)  # a text finds itself
+    single = index.search(queries[0], top_k=3)  # one query: one list
+    assert [h.id for h in single] == [h.id for h in found[0][:3]]
+    vectors = emb.encode(queries[:2])
+    assert [[h.id for h in row] for row in index.search(vectors, top_k=5)] == [[h.id for h in r] for r in found[:2]]
+    assert [h.id for h in index.search(vectors[0], top_k=5)] == [h.id for h in found[0]]
+    assert len(index.search(queries[0], top_k=10_000)) == len(LAW)  # top_k past the collection: all of it
+    reloaded = kbert.SearchIndex.load(str(tmp_path / "ix"))  # the model comes back from the recorded dir
+    assert hit_pairs(reloaded.search(queries, top_k=5)) == hit_pairs(found)
+    assert reloaded.get(3) == kbert.SearchIndex.load(str(tmp_path / "ix")).get(3)
+    assert reloaded.get(3).text == LAW[3] and reloaded.get(3).score is None
+    assert not os.path.exists(tmp_path / "ix" / "chunks")  # a finished build leaves no chunks behind
+    with pytest.raises(IndexError, match="outside this index"):
+        reloaded.get(len(LAW))
+
+
+def test_ids_metadata_and_adding_texts_match_one_build_of_everything(model_dir, tmp_path):
+    texts = LAW[:120]
+    ids = [f"조-{i:03d}" for i in range(len(texts))]
+    meta = [{"line": i, "법": "헌법"} for i in range(len(texts))]
+    first = quiet_build(model_dir, texts[:80], str(tmp_path / "a"), ids=ids[:80], metadata=meta[:80],
+                        kind="flat", chunk_size=30)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        first.add(texts[80:], ids=ids[80:], metadata=meta[80:])
+    first.save()
+    whole = quiet_build(model_dir, texts, str(tmp_path / "b"), ids=ids, metadata=meta)
+    queries = ["국민의 권리와 의무", "헌법 개정", texts[100]]
+    grown = kbert.SearchIndex.load(str(tmp_path / "a"))
+    assert len(grown) == 120
+    got = grown.search(queries, top_k=6)
+    assert_same_hits(got, whole.search(queries, top_k=6))
+    top = got[2][0]
+    assert top.id == "조-100" and top.text == texts[100] and top.metadata == {"line": 100, "법": "헌법"}
+    # ids: unique, and given for every text of an index built with them
+    with pytest.raises(ValueError, match="already taken"):
+        grown.add(["새 조문"], ids=["조-005"])
+    with pytest.raises(ValueError, match="pass ids="):
+        grown.add(["새 조문"])
+    with pytest.raises(ValueError, match="given twice"):
+        quiet_build(model_dir, ["가", "나"], str(tmp_path / "c"), ids=["x", "x"])
+    positional = quiet_build(model_dir, texts[:10], str(tmp_path / "d"))
+    with pytest.raises(ValueError, match="without ids"):
+        positional.add(["새 조문"], ids=["x"])
+    positional.add(["새 조문 하나", "새 조문 둘"])
+    assert [positional.get(i).id for i in (10, 11)] == [10, 11]  # positions go on
+
+
+def test_an_interrupted_build_resumes_where_it_stopped_and_refuses_other_texts(model_dir, emb, tmp_path, capsys):
+    out = str(tmp_path / "ix")
+    texts = LAW[:250]
+    calls = []
+    original = kbert.Embedder.encode
+
+    def stop_on_third(self, chunk, *args, **kwargs):
+        calls.append(len(chunk))
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return original(self, chunk, *args, **kwargs)
+
+    kbert.Embedder.encode = stop_on_third
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            quiet_build(emb, texts, out, chunk_size=60)
+    finally:
+        kbert.Embedder.encode = original
+    assert calls == [60, 60, 60] and not os.path.exists(os.path.join(out, "kbert_index.json"))
+    with pytest.raises(FileNotFoundError, match="unfinished build: run it again to resume"):
+        kbert.SearchIndex.load(out)
+    changed = list(texts)
+    changed[70] = "바뀐 문장"
+    with pytest.raises(ValueError, match="differ from those of the unfinished build .* chunk 1"):
+        quiet_build(emb, changed, out, chunk_size=60)
+    with pytest.raises(ValueError, match="other settings \\(chunk_size"):
+        quiet_build(emb, texts, out, chunk_size=50)
+    capsys.readouterr()
+    calls.clear()
+
+    def count(self, chunk, *args, **kwargs):
+        calls.append(len(chunk))
+        return original(self, chunk, *args, **kwargs)
+
+    kbert.Embedder.encode = count
+    try:
+        resumed = quiet_build(emb, iter(texts), out, chunk_size=60)  # any iterable: a generator here
+    finally:
+        kbert.Embedder.encode = original
+    err = capsys.readouterr().err
+    assert "resuming the build" in err and "2 chunks (120 texts) already encoded" in err
+    assert calls[:3] == [60, 60, 10]  # only the chunks left (then the probe sentence and its check)
+    fresh = quiet_build(emb, texts, str(tmp_path / "fresh"), chunk_size=250)
+    queries = [texts[5], texts[130], "대통령의 임기"]
+    assert_same_hits(resumed.search(queries, top_k=8), fresh.search(queries, top_k=8))
+    assert [resumed.get(i).text for i in range(250)] == texts
+    with pytest.raises(FileExistsError, match="already holds an index"):
+        quiet_build(emb, texts, out)
+    assert len(quiet_build(emb, texts[:5], out, overwrite=True)) == 5
+
+
+def test_approximate_kinds_find_the_exact_neighbours(tmp_path):
+    rng = np.random.default_rng(0)
+    centres = rng.normal(size=(60, 48))
+    vectors = (centres[rng.integers(0, 60, 6000)] + 0.6 * rng.normal(size=(6000, 48))).astype(np.float32)
+    queries = (centres[rng.integers(0, 60, 200)] + 0.6 * rng.normal(size=(200, 48))).astype(np.float32)
+    exact = kbert.SearchIndex.from_vectors(vectors)
+    truth = [{h.id for h in row} for row in exact.search(queries, top_k=10)]
+    unit = vectors / np.linalg.norm(vectors, axis=1, keepdims=True)
+    q = queries / np.linalg.norm(queries, axis=1, keepdims=True)
+    assert truth == [set(np.argsort(-row)[:10].tolist()) for row in q @ unit.T]  # flat is exact
+
+    def recall(index, **kw):
+        return np.mean([len(t & {h.id for h in row}) / 10 for t, row in zip(truth, index.search(queries, 10, **kw))])
+
+    hnsw = kbert.SearchIndex.from_vectors(vectors, kind="hnsw")
+    assert recall(hnsw) >= 0.95
+    assert recall(hnsw, ef_search=10) <= recall(hnsw, ef_search=200)  # the beam trades speed for recall
+    ivf = kbert.SearchIndex.from_vectors(vectors, kind="ivf")
+    assert ivf.info["nlist"] == default_nlist(6000) and recall(ivf) >= 0.9
+    assert recall(ivf, nprobe=ivf.info["nlist"]) == 1.0  # every bucket searched: exact
+    for kind in ("flat", "hnsw"):
+        small = kbert.SearchIndex.from_vectors(vectors, kind=kind, precision="int8")
+        assert recall(small) >= 0.85
+    half = kbert.SearchIndex.from_vectors(vectors, precision="float16")
+    assert recall(half) >= 0.99
+    # saved and loaded: the same hits, the files a quarter the size with int8
+    ivf.save(str(tmp_path / "ivf"))
+    assert hit_pairs(kbert.SearchIndex.load(str(tmp_path / "ivf")).search(queries[:20], 5)) == \
+        hit_pairs(ivf.search(queries[:20], 5))
+    exact.save(str(tmp_path / "flat"))
+    kbert.SearchIndex.from_vectors(vectors, precision="int8").save(str(tmp_path / "int8"))
+    size = [os.path.getsize(tmp_path / d / "index.faiss") for d in ("flat", "int8")]
+    assert size[1] < 0.3 * size[0]
+    with pytest.raises(ValueError, match="pass model= to SearchIndex.load"):
+        kbert.SearchIndex.load(str(tmp_path / "flat")).search("텍스트 질의")
+    with pytest.raises(ValueError, match="48-wide"):
+        exact.search(np.ones(16, np.float32))
+
+
+def test_the_index_refuses_a_model_that_encodes_otherwise(model_dir, emb, tmp_path):
+    quiet_build(model_dir, LAW[:40], str(tmp_path / "ix"))
+    keras.utils.set_random_seed(1)
+    other = kbert.Embedder(kbert.BertBackbone(emb.config, output_hidden_states=True), emb.tokenizer)
+    with pytest.raises(ValueError, match="does not encode as the one that built this index"):
+        kbert.SearchIndex.load(str(tmp_path / "ix"), model=other)
+    assert len(kbert.SearchIndex.load(str(tmp_path / "ix"), model=emb)) == 40  # the same weights: accepted
+    # an Embedder in memory is not recorded: loading needs it (or one that encodes the same)
+    quiet_build(other, LAW[:40], str(tmp_path / "mem"))
+    with pytest.raises(ValueError, match="pass model= to SearchIndex.load"):
+        kbert.SearchIndex.load(str(tmp_path / "mem")).search("국회")
+    assert kbert.SearchIndex.load(str(tmp_path / "mem"), model=other).search(LAW[3], top_k=1)[0].id == 3
+
+
+def test_prompts_and_matryoshka_width_are_used_for_queries_and_documents(emb, tmp_path):
+    prompted = kbert.Embedder(emb.backbone, emb.tokenizer, prompts={"query": "질문: ", "passage": "문서: "})
+    texts = LAW[:50]
+    index = quiet_build(prompted, texts, str(tmp_path / "ix"), truncate_dim=16)
+    assert index.info["document_prompt"] == "문서: " and index.info["query_prompt"] == "질문: "
+    assert index.info["dimension"] == 16
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        want = prompted.search(["국회의 권한"], prompted.encode_document(texts, truncate_dim=16), top_k=5,
+                               truncate_dim=16)[0]
+        got = index.search("국회의 권한", top_k=5)
+    assert [h.id for h in got] == [j for j, _ in want]  # query: "질문: ..." at 16 dims, documents "문서: ..."
+    np.testing.assert_allclose(index.encode_queries(["국회의 권한"])[0],
+                               prompted.encode_query("국회의 권한", truncate_dim=16), atol=1e-6)
+
+
+def test_a_reranker_reorders_the_first_candidates(model_dir, tmp_path):
+    index = quiet_build(model_dir, LAW[:60], str(tmp_path / "ix"))
+
+    class ByLength:  # a stand-in cross-encoder: longer documents score higher
+        def rank(self, query, documents):
+            order = sorted(range(len(documents)), key=lambda i: -len(documents[i]))
+            return [{"corpus_id": i, "score": float(len(documents[i]))} for i in order]
+
+    plain = index.search("국회", top_k=10)
+    reranked = index.search("국회", top_k=10, reranker=ByLength(), candidates=5)
+    head = sorted(plain[:5], key=lambda h: -len(h.text))
+    assert [h.id for h in reranked[:5]] == [h.id for h in head]
+    assert [h.score for h in reranked[:5]] == [float(len(h.text)) for h in head]
+    assert reranked[5:] == plain[5:]  # past the candidates: the index's own order and scores
+    with pytest.raises(ValueError, match="reads the query texts"):
+        index.search(np.ones(32, np.float32), reranker=ByLength())
+
+
+def test_bad_arguments_are_named(model_dir, tmp_path):
+    with pytest.raises(ValueError, match="`kind` must be one of"):
+        quiet_build(model_dir, ["가"], str(tmp_path / "a"), kind="annoy")
+    with pytest.raises(ValueError, match="`precision` must be one of"):
+        quiet_build(model_dir, ["가"], str(tmp_path / "a"), precision="binary")
+    with pytest.raises(ValueError, match="no texts to index"):
+        quiet_build(model_dir, [], str(tmp_path / "b"))
+    with pytest.raises(TypeError, match="not one string"):
+        quiet_build(model_dir, "한 문장", str(tmp_path / "c"))
+    with pytest.raises(TypeError, match="text 1 is a int"):
+        quiet_build(model_dir, ["가", 3], str(tmp_path / "d"))
+    with pytest.raises(ValueError, match="fewer entries than there are texts"):
+        quiet_build(model_dir, ["가", "나"], str(tmp_path / "e"), ids=["x"])
+    with pytest.raises(ValueError, match="`chunk_size` must be a positive integer"):
+        quiet_build(model_dir, ["가"], str(tmp_path / "f"), chunk_size=0)
+    with pytest.raises(ValueError, match="`nlist` 8 is more than the 3 texts"):
+        quiet_build(model_dir, ["가", "나", "다"], str(tmp_path / "g"), kind="ivf", nlist=8)
+    index = quiet_build(model_dir, ["가", "나"], str(tmp_path / "h"))
+    with pytest.raises(ValueError, match="`top_k` must be a positive integer"):
+        index.search("가", top_k=0)
+    with pytest.raises(FileNotFoundError, match="holds no kbert index"):
+        kbert.SearchIndex.load(str(tmp_path / "nothing"))
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "kbert.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.slow
+def test_index_commands_build_add_search_and_info(model_dir, tmp_path):
+    rows = tmp_path / "laws.tsv"
+    rows.write_text("id\ttext\tsource\n" + "".join(f"a{i}\t{t}\t헌법\n" for i, t in enumerate(LAW[:40])),
+                    encoding="utf-8")
+    more = tmp_path / "more.tsv"
+    more.write_text("id\ttext\tsource\nb0\t국회는 법률을 만든다.\t새 법\n", encoding="utf-8")
+    out = str(tmp_path / "ix")
+    built = run_cli("index", "build", "--model", model_dir, "--input", str(rows), "--out", out, "--id-column", "id",
+                    "--kind", "hnsw", "--chunk-size", "16")
+    assert built.returncode == 0, built.stderr[-2000:]
+    assert "SearchIndex(40 texts, hnsw float32" in built.stderr
+    added = run_cli("index", "add", "--index", out, "--input", str(more), "--id-column", "id")
+    assert added.returncode == 0 and "added 1 texts" in added.stderr, added.stderr[-2000:]
+    queries = tmp_path / "q.txt"
+    queries.write_text("국회는 법률을 만든다.\n\n" + LAW[3] + "\n", encoding="utf-8")
+    found = run_cli("index", "search", "--index", out, "--input", str(queries), "--top-k", "3")
+    assert found.returncode == 0, found.stderr[-2000:]
+    lines = [json.loads(line) for line in found.stdout.splitlines()]
+    assert [line["query"] for line in lines] == ["국회는 법률을 만든다.", LAW[3]]  # blank lines skipped
+    assert lines[0]["hits"][0] == {"id": "b0", "score": pytest.approx(1.0, abs=1e-5), "text": "국회는 법률을 만든다.",
+                                   "metadata": {"source": "새 법"}}
+    assert lines[1]["hits"][0]["id"] == "a3" and len(lines[1]["hits"]) == 3
+    info = run_cli("index", "info", "--index", out)
+    assert info.returncode == 0 and json.loads(info.stdout)["count"] == 41
+    again = run_cli("index", "build", "--model", model_dir, "--input", str(rows), "--out", out)
+    assert again.returncode == 1 and "already holds an index; pass overwrite=True (--overwrite)" in again.stderr
