@@ -522,12 +522,13 @@ def _serve(args):
     from kbert.server import serve
 
     print(f"serving {args.model} on http://{args.host}:{args.port} (POST /v1/embeddings, /v1/similarity, "
-          f"/v1/keywords, /v1/classify, /v1/answer, /v1/entities, /v1/rerank; GET /health, /metrics); Ctrl-C or "
+          f"/v1/keywords, /v1/classify, /v1/answer, /v1/entities, /v1/rerank{', /v1/search' if args.index else ''}; "
+          f"GET /health, /metrics); Ctrl-C or "
           f"SIGTERM drains and stops", file=sys.stderr, flush=True)
     serve(args.model, host=args.host, port=args.port, max_batch_tokens=args.max_batch_tokens,
           max_wait_ms=args.max_wait_ms, max_queue=args.max_queue, max_texts=args.max_texts,
           max_chars=args.max_chars, timeout_s=args.timeout, jit_compile=args.jit_compile == "on",
-          keywords_analyzer=args.keywords_analyzer)
+          keywords_analyzer=args.keywords_analyzer, index=args.index)
 
 
 def _export(args):
@@ -1269,6 +1270,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "time it is met (on), or the graph only (off)")
     p.add_argument("--keywords-analyzer", default="mecab",
                    help="morpheme analyzer of /v1/keywords: mecab (default), kiwi, okt, komoran, hannanum, kkma")
+    p.add_argument("--index", help="a `kbert index build` dir that POST /v1/search searches (built with this model)")
     p.set_defaults(func=_serve)
 
     p = sub.add_parser("export", help="a SavedModel that takes raw strings (TF Serving layout DIR/VERSION/), or an "

@@ -41,6 +41,10 @@ Routes (JSON in and out; errors are `{"error": {"message", "type", "code"}}` wit
                           too: {"query": str, "documents": [str | {"text": str}], "top_n"?: int,
                           "return_documents"?: bool} -> {"results": [{"index", "relevance_score",
                           "document"?: {"text"}}], best first} (the score is `TaskModel.rank`'s)
+    POST /v1/search       a `kbert.SearchIndex` given at start (`kbert serve --index DIR`; the served model must
+                          encode as the one that built it): {"query": str | [str], "top_k"?: int (default 10),
+                          "ef_search"?: int, "nprobe"?: int} -> {"data": [{"index", "hits": [{"id", "score",
+                          "text", "metadata"?}]}]}, best first; the queries are batched with other requests' texts
     GET  /health          200 {"status": "ok"} once the model has run once; 503 {"status": "loading"} before
     GET  /metrics         Prometheus text: requests by route and status, latency, batch sizes, queue depth,
                           XLA compilations pending
@@ -77,7 +81,7 @@ import gc
 import json
 import threading
 import time
-from typing import List
+from typing import List, Optional
 
 import numpy as np
 
@@ -100,7 +104,7 @@ class Engine:
 
     def __init__(self, model_dir: str, max_batch_tokens: int = 8192, max_wait_ms: float = 5.0,
                  max_queue: int = 4096, batch_size: int = 64, jit_compile: bool = True,
-                 keywords_analyzer: str = "mecab"):
+                 keywords_analyzer: str = "mecab", index: Optional[str] = None):
         from kbert.embed.embedder import Embedder
         from kbert.embed.task_model import TaskModel, task_meta
 
@@ -113,6 +117,11 @@ class Engine:
         # XLA for sentence vectors, a new batch shape compiled off the request path (kbert.embed.embedder)
         self.embedder.jit_compile = "background" if jit_compile else False
         self.max_length = self.embedder.max_length or float("inf")  # a static model may keep every token
+        self.search_index = None  # /v1/search's index, checked against the model served (its probe sentence)
+        if index is not None:
+            from kbert.embed.index import SearchIndex
+
+            self.search_index = SearchIndex.load(index, model=self.embedder)
         self.max_batch_tokens, self.max_wait = int(max_batch_tokens), float(max_wait_ms) / 1000.0
         self.max_queue, self.batch_size = int(max_queue), int(batch_size)
         self._jobs: "list[_Job]" = []
@@ -268,6 +277,8 @@ class Engine:
                                         prompt_name=options.get("prompt_name"), truncate_dim=options.get("truncate_dim"),
                                         long_texts=options.get("long_texts", "truncate"), batch_size=self.batch_size,
                                         progress=False)
+        if kind == "query":  # /v1/search: the index's query prompt and encode settings
+            return self.search_index.encode_queries(texts, batch_size=self.batch_size)
         if kind == "answer":
             contexts = [p for j in group for p in j.pairs]
             return self.task_model.answer(texts, contexts, batch_size=self.batch_size, **options)
@@ -348,11 +359,12 @@ def _texts(value, field: str, max_texts: int, max_chars: int) -> List[str]:
 
 def build_app(model: str, max_batch_tokens: int = 8192, max_wait_ms: float = 5.0, max_queue: int = 4096,
               max_texts: int = 512, max_chars: int = 20000, timeout_s: float = 30.0, warm: bool = True,
-              jit_compile: bool = True, keywords_analyzer: str = "mecab"):
+              jit_compile: bool = True, keywords_analyzer: str = "mecab", index: Optional[str] = None):
     """The Starlette app serving `model` (a kbert model dir, a fine-tuned task dir, or a Hugging Face dir);
     `app.state.engine` is its `Engine`. `warm=False` leaves /health at 503 until `engine.warm_up()`.
     `jit_compile`: sentence vectors through XLA (`Embedder(jit_compile="background")`), else the graph.
-    `keywords_analyzer`: the `kbert.morphemes` analyzer of /v1/keywords."""
+    `keywords_analyzer`: the `kbert.morphemes` analyzer of /v1/keywords. `index`: a `kbert.SearchIndex` dir that
+    /v1/search searches."""
     import contextlib
 
     from starlette.applications import Starlette
@@ -360,7 +372,7 @@ def build_app(model: str, max_batch_tokens: int = 8192, max_wait_ms: float = 5.0
     from starlette.routing import Route
 
     engine = Engine(model, max_batch_tokens, max_wait_ms, max_queue, jit_compile=jit_compile,
-                    keywords_analyzer=keywords_analyzer)
+                    keywords_analyzer=keywords_analyzer, index=index)
     name = str(model).rstrip("/").rsplit("/", 1)[-1]
 
     def error(e: HTTPError, route: str) -> JSONResponse:
@@ -604,6 +616,25 @@ def build_app(model: str, max_batch_tokens: int = 8192, max_wait_ms: float = 5.0
         engine.metrics.texts.labels("/v1/rerank").inc(len(documents))
         return {"model": data.get("model") or name, "results": results}
 
+    async def search(data, ticket=None):
+        found = engine.search_index
+        if found is None:
+            raise HTTPError(404, "no search index is served: start the server with --index DIR (a `kbert index "
+                                 "build` dir)", "not_found")
+        queries = _texts(data.get("query"), "query", max_texts, max_chars)
+        settings = {}
+        for field, default in (("top_k", 10), ("ef_search", None), ("nprobe", None)):
+            value = data.get(field, default)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 10_000):
+                raise HTTPError(400, f"`{field}` must be an integer in [1, 10000]")
+            settings[field] = value
+        vectors = await engine.run("query", queries, {}, timeout=timeout_s, ticket=ticket)
+        hits = await asyncio.to_thread(found.search, np.asarray(vectors), **settings)  # FAISS frees the GIL
+        engine.metrics.texts.labels("/v1/search").inc(len(queries))
+        return {"data": [{"index": i, "hits": [dict({"id": h.id, "score": h.score, "text": h.text},
+                                                    **({"metadata": h.metadata} if h.metadata else {}))
+                                               for h in row]} for i, row in enumerate(hits)]}
+
     async def health(request):
         if engine.ready.is_set():
             return JSONResponse({"status": "ok", "model": name})
@@ -630,6 +661,7 @@ def build_app(model: str, max_batch_tokens: int = 8192, max_wait_ms: float = 5.0
               Route("/v1/entities", handler("/v1/entities", entities), methods=["POST"]),
               Route("/v1/zero-shot", handler("/v1/zero-shot", zero_shot), methods=["POST"]),
               Route("/v1/rerank", handler("/v1/rerank", rerank), methods=["POST"]),
+              Route("/v1/search", handler("/v1/search", search), methods=["POST"]),
               Route("/health", health), Route("/metrics", metrics)]
     app = Starlette(routes=routes, lifespan=lifespan)
     app.state.engine = engine

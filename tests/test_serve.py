@@ -471,3 +471,44 @@ def test_an_onnx_export_serves_its_vectors(dirs, tmp_path):
                                    atol=1e-5)
         bad = client.post("/v1/embeddings", json={"input": TEXTS[:1], "pooling": "cls"})
         assert bad.status_code == 400 and "fixed at export" in bad.json()["error"]["message"]
+
+
+def test_search_serves_an_index_built_with_the_model(dirs, tmp_path):
+    """`kbert serve --index DIR`: /v1/search answers as `SearchIndex.search` does, ids and metadata included;
+    a server without an index says how to give one, and an index built by another model is refused at start."""
+    from kbert.server import build_app
+
+    model_dir, task_dir = dirs
+    law = list(dict.fromkeys(line for doc in corpus("kolaw") for line in doc if line.strip()))[:80]
+    meta = [{"조": i} for i in range(len(law))]
+    out = str(tmp_path / "index")
+    index = kbert.SearchIndex.build(model_dir, law, out, ids=[f"L{i}" for i in range(len(law))], metadata=meta,
+                                    kind="hnsw", progress=False)
+    queries = ["국회의원의 임기", law[10]]
+    want = index.search(queries, top_k=3)
+    with Running(build_app(model_dir, index=out)) as srv, httpx.Client(base_url=srv.url, timeout=60) as client:
+        r = client.post("/v1/search", json={"query": queries, "top_k": 3})
+        assert r.status_code == 200, r.text
+        got = r.json()["data"]
+        assert [d["index"] for d in got] == [0, 1]
+        for row, hits in zip(got, want):
+            assert [h["id"] for h in row["hits"]] == [h.id for h in hits]
+            np.testing.assert_allclose([h["score"] for h in row["hits"]], [h.score for h in hits], atol=1e-5)
+            assert [h["metadata"] for h in row["hits"]] == [h.metadata for h in hits]
+        assert got[1]["hits"][0] == {"id": "L10", "score": pytest.approx(1.0, abs=1e-5), "text": law[10],
+                                     "metadata": {"조": 10}}
+        one = client.post("/v1/search", json={"query": queries[0]}).json()["data"]
+        assert len(one) == 1 and len(one[0]["hits"]) == 10  # the default top_k
+        bad = client.post("/v1/search", json={"query": queries[0], "top_k": 0})
+        assert bad.status_code == 400 and "`top_k` must be an integer" in bad.json()["error"]["message"]
+        assert 'kbert_requests_total{route="/v1/search",status="200"} 2.0' in client.get("/metrics").text
+    with Running(build_app(model_dir)) as srv, httpx.Client(base_url=srv.url, timeout=60) as client:
+        missing = client.post("/v1/search", json={"query": "국회"})
+        assert missing.status_code == 404 and "--index DIR" in missing.json()["error"]["message"]
+    other_config = kbert.ModelConfig.preset("bert-tiny", vocab_size=index.embedder.config.vocab_size,
+                                                hidden_size=32, num_heads=2, intermediate_size=64, num_layers=2,
+                                                max_position=128)
+    other = kbert.save_model(kbert.BertBackbone(other_config), str(tmp_path / "other"),
+                             tokenizer=index.embedder.tokenizer)
+    with pytest.raises(ValueError, match="does not encode as the one that built this index"):
+        build_app(other, index=out)

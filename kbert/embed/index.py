@@ -378,7 +378,7 @@ class SearchIndex:
 
         total = len(texts) if hasattr(texts, "__len__") else None
         bar = progress_bar(total=total, desc="index", unit=" texts", enabled=progress)
-        count, truncated, ids_seen = 0, 0, set() if ids is not None else None
+        count, encoded, truncated, limit, ids_seen = 0, 0, 0, None, set() if ids is not None else None
         for k, (chunk, chunk_ids, chunk_meta) in enumerate(_chunks(texts, ids, metadata, chunk_size)):
             records = _records(chunk, chunk_ids, chunk_meta, count)
             if ids_seen is not None:
@@ -402,9 +402,10 @@ class SearchIndex:
             for w in caught:
                 match = _TRUNCATED.match(str(w.message))
                 if match:
-                    truncated += int(match.group(1))
+                    truncated, limit = truncated + int(match.group(1)), match.group(2)
                 else:
                     warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+            encoded += len(records)
             base = os.path.join(chunk_dir, f"{k:05d}")
             _write_atomic(base + ".jsonl", lambda tmp: _save_bytes(tmp, lines))
             _write_atomic(base + ".npy", lambda tmp: _save_npy(tmp, vectors.astype(np.float32)))
@@ -413,9 +414,9 @@ class SearchIndex:
             bar.update(len(records))
         bar.close()
         if truncated:
-            warnings.warn(f"{truncated} of the texts encoded here were longer than the model's max_length and were "
+            warnings.warn(f"{truncated} of the {encoded} texts encoded were longer than {limit} tokens and were "
                           f"truncated; long_texts='mean' (--long-texts mean) encodes the whole of each, as the mean "
-                          f"of its windows", stacklevel=2)
+                          f"of its windows' vectors", stacklevel=2)
         if count < sum(c["count"] for c in state["done"]):
             raise ValueError(f"the texts end at {count}, before the unfinished build in {chunk_dir} did; pass "
                              f"resume=False (--no-resume) to start over")
