@@ -13,7 +13,7 @@ import pytest
 
 import kbert
 from kbert.data.corpus import corpus
-from kbert.embed.index import default_nlist
+from kbert.embed.index import Hit, default_nlist
 
 from helpers import tiny_embedding_model
 
@@ -158,6 +158,38 @@ def test_an_interrupted_build_resumes_where_it_stopped_and_refuses_other_texts(m
     assert len(quiet_build(emb, texts[:5], out, overwrite=True)) == 5
 
 
+def test_hybrid_search_is_embedder_search_with_lexical_over_the_candidates(model_dir, emb, tmp_path):
+    """lexical=True keeps the texts' character n-gram TF-IDF; search(lexical=w) mixes it in as
+    Embedder.search(lexical=w) does: the same hits when the candidates cover the collection, and the same
+    first hits from the union of each part's first candidates."""
+    index = quiet_build(model_dir, LAW, str(tmp_path / "ix"), lexical=True)
+    queries = ["국회의원의 임기는 4년", "대통령의 권한", "헌법재판소 재판관", LAW[20]]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for weight in (0.6, 1.0):
+            want = emb.search(queries, LAW, top_k=8, lexical=weight)
+            assert_same_hits(index.search(queries, top_k=8, lexical=weight, candidates=len(LAW)),
+                             [[Hit(j, v, LAW[j], None) for j, v in row] for row in want])
+            got = index.search(queries, top_k=5, lexical=weight, candidates=50)  # the union of each part's 50
+            assert [[h.id for h in row] for row in got] == [[j for j, _ in row[:5]] for row in want]
+    reloaded = kbert.SearchIndex.load(str(tmp_path / "ix"))
+    assert_same_hits(reloaded.search(queries, top_k=5, lexical=0.6), index.search(queries, top_k=5, lexical=0.6))
+    # added texts get n-gram rows too (weighed by the collection's IDF), kept by save
+    reloaded.add(["국회는 탄핵소추를 의결할 수 있다는 조항을 새로 추가하였다"])
+    reloaded.save()
+    again = kbert.SearchIndex.load(str(tmp_path / "ix"))
+    assert again.search("탄핵소추를 의결할 수 있다는 조항", top_k=1, lexical=1.0)[0].id == len(LAW)
+    approximate = quiet_build(model_dir, LAW, str(tmp_path / "hnsw"), kind="hnsw", lexical=True)
+    assert [h.id for h in approximate.search(LAW[20], top_k=3, lexical=0.6)][0] == 20
+    plain = quiet_build(model_dir, LAW[:20], str(tmp_path / "plain"))
+    with pytest.raises(ValueError, match="build it with lexical=True"):
+        plain.search("국회", lexical=0.5)
+    with pytest.raises(ValueError, match="`lexical` must be a number in \\[0, 1\\]"):
+        index.search("국회", lexical=1.5)
+    with pytest.raises(ValueError, match="pass texts, not vectors"):
+        index.search(np.ones(32, np.float32), lexical=0.5)
+
+
 def test_approximate_kinds_find_the_exact_neighbours(tmp_path):
     rng = np.random.default_rng(0)
     centres = rng.normal(size=(60, 48))
@@ -241,7 +273,7 @@ def test_a_reranker_reorders_the_first_candidates(model_dir, tmp_path):
     assert [h.id for h in reranked[:5]] == [h.id for h in head]
     assert [h.score for h in reranked[:5]] == [float(len(h.text)) for h in head]
     assert reranked[5:] == plain[5:]  # past the candidates: the index's own order and scores
-    with pytest.raises(ValueError, match="reads the query texts"):
+    with pytest.raises(ValueError, match="read the query texts"):
         index.search(np.ones(32, np.float32), reranker=ByLength())
 
 
@@ -282,7 +314,7 @@ def test_index_commands_build_add_search_and_info(model_dir, tmp_path):
     more.write_text("id\ttext\tsource\nb0\t국회는 법률을 만든다.\t새 법\n", encoding="utf-8")
     out = str(tmp_path / "ix")
     built = run_cli("index", "build", "--model", model_dir, "--input", str(rows), "--out", out, "--id-column", "id",
-                    "--kind", "hnsw", "--chunk-size", "16")
+                    "--kind", "hnsw", "--chunk-size", "16", "--lexical")
     assert built.returncode == 0, built.stderr[-2000:]
     assert "SearchIndex(40 texts, hnsw float32" in built.stderr
     added = run_cli("index", "add", "--index", out, "--input", str(more), "--id-column", "id")
@@ -296,6 +328,8 @@ def test_index_commands_build_add_search_and_info(model_dir, tmp_path):
     assert lines[0]["hits"][0] == {"id": "b0", "score": pytest.approx(1.0, abs=1e-5), "text": "국회는 법률을 만든다.",
                                    "metadata": {"source": "새 법"}}
     assert lines[1]["hits"][0]["id"] == "a3" and len(lines[1]["hits"]) == 3
+    hybrid = run_cli("index", "search", "--index", out, "--input", str(queries), "--lexical", "1")
+    assert [json.loads(line)["hits"][0]["id"] for line in hybrid.stdout.splitlines()] == ["b0", "a3"], hybrid.stderr
     info = run_cli("index", "info", "--index", out)
     assert info.returncode == 0 and json.loads(info.stdout)["count"] == 41
     again = run_cli("index", "build", "--model", model_dir, "--input", str(rows), "--out", out)

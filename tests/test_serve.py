@@ -483,7 +483,7 @@ def test_search_serves_an_index_built_with_the_model(dirs, tmp_path):
     meta = [{"조": i} for i in range(len(law))]
     out = str(tmp_path / "index")
     index = kbert.SearchIndex.build(model_dir, law, out, ids=[f"L{i}" for i in range(len(law))], metadata=meta,
-                                    kind="hnsw", progress=False)
+                                    kind="hnsw", lexical=True, progress=False)
     queries = ["국회의원의 임기", law[10]]
     want = index.search(queries, top_k=3)
     with Running(build_app(model_dir, index=out)) as srv, httpx.Client(base_url=srv.url, timeout=60) as client:
@@ -499,9 +499,12 @@ def test_search_serves_an_index_built_with_the_model(dirs, tmp_path):
                                      "metadata": {"조": 10}}
         one = client.post("/v1/search", json={"query": queries[0]}).json()["data"]
         assert len(one) == 1 and len(one[0]["hits"]) == 10  # the default top_k
+        hybrid = client.post("/v1/search", json={"query": queries, "top_k": 3, "lexical": 0.6}).json()["data"]
+        assert [[h["id"] for h in row["hits"]] for row in hybrid] == \
+            [[h.id for h in row] for row in index.search(queries, top_k=3, lexical=0.6)]
         bad = client.post("/v1/search", json={"query": queries[0], "top_k": 0})
         assert bad.status_code == 400 and "`top_k` must be an integer" in bad.json()["error"]["message"]
-        assert 'kbert_requests_total{route="/v1/search",status="200"} 2.0' in client.get("/metrics").text
+        assert 'kbert_requests_total{route="/v1/search",status="200"} 3.0' in client.get("/metrics").text
     with Running(build_app(model_dir)) as srv, httpx.Client(base_url=srv.url, timeout=60) as client:
         missing = client.post("/v1/search", json={"query": "국회"})
         assert missing.status_code == 404 and "--index DIR" in missing.json()["error"]["message"]

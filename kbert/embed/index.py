@@ -34,7 +34,15 @@ The dir:
     index.faiss        FAISS's index (vector i is record i)
     records.jsonl      one JSON object per text: {"id", "text"[, "metadata"]}, read lazily by offset
     offsets.npy        int64 byte offsets of the records ([count + 1])
+    lexical*.{npz,json,npy}  with lexical=True: character n-gram TF-IDF of the texts (`search(lexical=w)`)
     chunks/            only while a build is unfinished
+
+Hybrid search (`lexical=True` at build, `search(..., lexical=w)`): `Embedder.search`'s hybrid score, `(1 - w)` x
+the cosine + `w` x the cosine of character 1-3-gram TF-IDF vectors fitted on the collection (`kbert.embed.lexical`),
+over the union of each side's first `candidates` texts (the usual form of hybrid retrieval: each retriever
+proposes, both score); with `candidates` >= the collection it is `Embedder.search(lexical=w)` exactly. On this
+project's Korean question pairs the hybrid found the paraphrase first more often than either part alone
+(benchmarks/README.md). Texts added later are weighed by the collection's IDF as built.
 """
 
 from __future__ import annotations
@@ -61,6 +69,10 @@ INDEX_FILE = "index.faiss"
 RECORDS = "records.jsonl"
 OFFSETS = "offsets.npy"
 CHUNKS = "chunks"
+LEXICAL_MATRIX = "lexical.npz"  # with lexical=True: the texts' character n-gram TF-IDF rows (scipy CSR)
+LEXICAL_VOCABULARY = "lexical_vocabulary.json"  # ... the n-grams' columns and their IDF: the vectorizer,
+LEXICAL_IDF = "lexical_idf.npy"  # rebuilt from data on load rather than unpickled
+_MAX_LEXICAL_SCORES = 1 << 24  # [queries, texts] lexical scores held at once (64 MB)
 KINDS = ("flat", "hnsw", "ivf")
 PRECISIONS = ("float32", "float16", "int8")
 # FAISS's scalar-quantizer names for the stored precisions
@@ -287,6 +299,7 @@ class SearchIndex:
         self.index, self.records, self.info, self.path = index, records, info, path
         self._embedder = embedder
         self._id_set = None
+        self._lexical = None  # (vectorizer, [count, n-grams] CSR rows) for hybrid search, read at first use
 
     # ----------------------------------------------------------------- building
     @classmethod
@@ -297,7 +310,8 @@ class SearchIndex:
               progress: bool = True, prompt_name: Optional[str] = None, prompt: Optional[str] = None,
               query_prompt_name: Optional[str] = None, query_prompt: Optional[str] = None,
               pooling: Optional[str] = None, layers=None, max_length: Optional[int] = None,
-              truncate_dim: Optional[int] = None, long_texts: str = "truncate") -> "SearchIndex":
+              truncate_dim: Optional[int] = None, long_texts: str = "truncate",
+              lexical: bool = False) -> "SearchIndex":
         """Encodes `texts` with `model` (`encode_document`) and writes a searchable index to `out_dir`.
 
         Args:
@@ -318,6 +332,8 @@ class SearchIndex:
                 prompt, if any).
             pooling, layers, max_length, truncate_dim, long_texts, batch_size: as `Embedder.encode`; all but
                 batch_size are recorded and used for queries too.
+            lexical: also keep character n-gram TF-IDF rows of the texts, for `search(..., lexical=w)` (needs
+                scikit-learn; memory about 12 bytes per distinct n-gram of each text).
 
         Example:
             >>> lines = (l.strip() for l in open("statutes.txt", encoding="utf-8") if l.strip())
@@ -338,7 +354,7 @@ class SearchIndex:
             if not overwrite:
                 raise FileExistsError(f"{out_dir} already holds an index; pass overwrite=True (--overwrite) to "
                                       f"replace it, or SearchIndex.load(...).add(...) to extend it")
-            for name in (MANIFEST, INDEX_FILE, RECORDS, OFFSETS):
+            for name in (MANIFEST, INDEX_FILE, RECORDS, OFFSETS, LEXICAL_MATRIX, LEXICAL_VOCABULARY, LEXICAL_IDF):
                 if os.path.exists(os.path.join(out_dir, name)):
                     os.remove(os.path.join(out_dir, name))
         emb, model_name = _embedder(model)
@@ -443,11 +459,14 @@ class SearchIndex:
                         out.write(line)
                         offsets.append(offsets[-1] + len(line))
         _write_atomic(os.path.join(out_dir, OFFSETS), lambda tmp: _save_npy(tmp, np.array(offsets, np.int64)))
+        if lexical:
+            _write_lexical(out_dir, [json.loads(line)["text"] for base in chunk_files
+                                     for line in open(base + ".jsonl", "rb")])
         info = {"format": FORMAT, "model": model_name, "settings": settings, "document_prompt": document_prompt,
                 "query_prompt": query_prompt, "kind": kind, "precision": precision, "dimension": width,
                 "factory": factory_string(kind, precision, nlist, hnsw_m), "nlist": nlist if kind == "ivf" else None,
                 "hnsw_m": hnsw_m if kind == "hnsw" else None, "count": count, "ids": identity["ids"],
-                "probe": [round(float(x), 7) for x in emb.encode(PROBE_TEXT, **encode)]}
+                "lexical": bool(lexical), "probe": [round(float(x), 7) for x in emb.encode(PROBE_TEXT, **encode)]}
         _write_atomic(os.path.join(out_dir, INDEX_FILE), lambda tmp: faiss.write_index(index, tmp))
         _write_json(os.path.join(out_dir, MANIFEST), info)
         shutil.rmtree(chunk_dir, ignore_errors=True)
@@ -457,10 +476,10 @@ class SearchIndex:
     def from_vectors(cls, vectors, texts: Optional[Sequence[str]] = None, ids=None, metadata=None,
                      kind: str = "flat", precision: str = "float32", hnsw_m: int = 32,
                      ef_construction: int = DEFAULT_EF_CONSTRUCTION, nlist: Optional[int] = None,
-                     model=None) -> "SearchIndex":
+                     model=None, lexical: bool = False) -> "SearchIndex":
         """An index in memory over vectors already computed (`[n, dim]`; normalized here), with optional texts,
         ids and metadata. Queries are vectors unless `model` (a dir or an Embedder) encodes them; `save(dir)`
-        writes it."""
+        writes it. lexical: keep the texts' character n-gram TF-IDF for hybrid search, as `build`."""
         faiss = _faiss()
         vectors = _unit(vectors)
         count, width = vectors.shape
@@ -484,9 +503,11 @@ class SearchIndex:
                 "kind": kind, "precision": precision, "dimension": width,
                 "factory": factory_string(kind, precision, nlist, hnsw_m), "nlist": nlist if kind == "ivf" else None,
                 "hnsw_m": hnsw_m if kind == "hnsw" else None, "count": count,
-                "ids": "given" if ids is not None else "positions", "probe": None}
+                "ids": "given" if ids is not None else "positions", "lexical": bool(lexical), "probe": None}
         out = cls(index, _Records(), info, emb)
         out.records.pending = records
+        if lexical:
+            out._lexical = _fit_lexical(texts)
         return out
 
     # ----------------------------------------------------------------- loading and saving
@@ -552,6 +573,10 @@ class SearchIndex:
         if out_dir is None:
             raise ValueError("this index has no dir yet: pass save(out_dir)")
         os.makedirs(out_dir, exist_ok=True)
+        same = self.path is not None and os.path.abspath(self.path) == os.path.abspath(out_dir)
+        if self.info.get("lexical") and (self._lexical is not None or not same):  # new or grown rows
+            vectorizer, rows = self.lexical_rows()
+            _save_lexical(out_dir, vectorizer, rows)
         self.records.write(out_dir)
         self.info["count"] = int(self.index.ntotal)
         _write_atomic(os.path.join(out_dir, INDEX_FILE), lambda tmp: faiss.write_index(self.index, tmp))
@@ -600,6 +625,11 @@ class SearchIndex:
                                  f"ids must be unique")
         vectors = self.embedder.encode(texts, batch_size=batch_size, **dict(
             self._encode_settings(self.info["document_prompt"]), progress=progress))
+        if self.info.get("lexical"):  # the collection's IDF as built weighs the new texts' n-grams
+            import scipy.sparse
+
+            vectorizer, rows = self.lexical_rows()
+            self._lexical = (vectorizer, scipy.sparse.vstack([rows, vectorizer.transform(texts)], format="csr"))
         self.index.add(_unit(vectors))
         self.records.pending.extend(records)
         if given:
@@ -607,22 +637,34 @@ class SearchIndex:
         return self
 
     def search(self, queries, top_k: int = 10, ef_search: Optional[int] = None, nprobe: Optional[int] = None,
-               reranker=None, candidates: int = 100, batch_size: int = 64):
+               lexical: float = 0.0, reranker=None, candidates: int = 100, batch_size: int = 64,
+               query_vectors: Optional[np.ndarray] = None):
         """The `top_k` texts nearest each query by cosine, best first, as `Hit(id, score, text, metadata)`.
         One query (a string or a vector) gives one list, several give a list per query.
 
         queries: texts (encoded with the index's settings and query prompt) or vectors `[n, dim]`.
         ef_search: HNSW's search beam (default `DEFAULT_EF_SEARCH`, at least `top_k`); nprobe: IVF's buckets
             searched (default `default_nprobe(nlist)`). Larger finds more of the exact neighbours, slower.
+        lexical: hybrid search (an index built with lexical=True; text queries): the score is `(1 - lexical)` x
+            the cosine + `lexical` x the character n-gram TF-IDF cosine, over the union of each part's first
+            `candidates` texts (module docstring). 0: the vectors alone.
         reranker: a cross-encoder (`kbert.TaskModel`) that re-scores each query's first `candidates` hits
-            (text queries only); its scores replace the cosines for those hits.
+            (text queries only); its scores replace the first stage's for those hits.
+        candidates: how many texts each part proposes (hybrid) and the reranker re-scores.
+        query_vectors: the text queries' vectors, already encoded with `encode_queries` (a server batching them
+            with other work); the texts are then read only by `lexical` and `reranker`.
         """
         faiss = _faiss()
-        top_k = _positive_int(top_k, "top_k")
+        top_k, candidates = _positive_int(top_k, "top_k"), _positive_int(candidates, "candidates")
+        if isinstance(lexical, bool) or not isinstance(lexical, (int, float)) or not 0 <= lexical <= 1:
+            raise ValueError(f"`lexical` must be a number in [0, 1]. Received: lexical={lexical!r}")
+        if lexical and not self.info.get("lexical"):
+            raise ValueError("this index keeps no lexical rows: build it with lexical=True (--lexical) for "
+                             "hybrid search")
         single = isinstance(queries, str) or (isinstance(queries, np.ndarray) and queries.ndim == 1)
         if isinstance(queries, np.ndarray):
-            if reranker is not None:
-                raise ValueError("`reranker` reads the query texts: pass texts, not vectors")
+            if reranker is not None or lexical:
+                raise ValueError("`reranker` and `lexical` read the query texts: pass texts, not vectors")
             vectors = _unit(queries)
             if vectors.shape[1] != self.info["dimension"]:
                 raise ValueError(f"query vectors are {vectors.shape[1]} wide; this index holds "
@@ -630,20 +672,26 @@ class SearchIndex:
             texts = None
         else:
             texts = text_list(queries)
-            vectors = _unit(self.encode_queries(texts, batch_size)) if texts else \
-                np.zeros((0, self.info["dimension"]), np.float32)
-        depth = min(max(top_k, _positive_int(candidates, "candidates") if reranker is not None else 0), len(self))
-        params = None
-        if self.info["kind"] == "hnsw":
-            params = faiss.SearchParametersHNSW()
-            params.efSearch = max(depth, _positive_int(ef_search, "ef_search") if ef_search else DEFAULT_EF_SEARCH)
-        elif self.info["kind"] == "ivf":
-            params = faiss.SearchParametersIVF()
-            params.nprobe = min(self.info["nlist"], _positive_int(nprobe, "nprobe") if nprobe
-                                else default_nprobe(self.info["nlist"]))
-        scores, positions = self.index.search(vectors, depth, params=params) if len(vectors) else ([], [])
+            vectors = np.zeros((0, self.info["dimension"]), np.float32)
+            if query_vectors is not None:
+                vectors = _unit(query_vectors)
+                if vectors.shape != (len(texts), self.info["dimension"]):
+                    raise ValueError(f"`query_vectors` is {vectors.shape}; expected ({len(texts)}, "
+                                     f"{self.info['dimension']}) for these queries")
+            elif texts and lexical < 1:
+                vectors = _unit(self.encode_queries(texts, batch_size))
+        wide = reranker is not None or lexical
+        depth = min(max(top_k, candidates if wide else 0), len(self))
+        if lexical:
+            found = self._hybrid(texts, vectors, depth, float(lexical), self._search_params(faiss, depth, ef_search,
+                                                                                           nprobe))
+        elif len(vectors):
+            found = zip(*self.index.search(vectors, depth, params=self._search_params(faiss, depth, ef_search,
+                                                                                       nprobe)))
+        else:
+            found = []
         out = []
-        for row, (score_row, position_row) in enumerate(zip(scores, positions)):
+        for row, (score_row, position_row) in enumerate(found):
             hits = []
             for score, position in zip(score_row, position_row):
                 if position < 0:  # IVF: fewer than `depth` vectors in the buckets searched
@@ -656,6 +704,62 @@ class SearchIndex:
                 hits = [head[r["corpus_id"]]._replace(score=float(r["score"])) for r in ranked] + tail
             out.append(hits[:top_k])
         return out[0] if single else out
+
+    def _search_params(self, faiss, depth, ef_search, nprobe):
+        if self.info["kind"] == "hnsw":
+            params = faiss.SearchParametersHNSW()
+            params.efSearch = max(depth, _positive_int(ef_search, "ef_search") if ef_search else DEFAULT_EF_SEARCH)
+            return params
+        if self.info["kind"] == "ivf":
+            params = faiss.SearchParametersIVF()
+            params.nprobe = min(self.info["nlist"], _positive_int(nprobe, "nprobe") if nprobe
+                                else default_nprobe(self.info["nlist"]))
+            return params
+        return None
+
+    def lexical_rows(self):
+        """(the fitted character n-gram TF-IDF vectorizer, its CSR rows of the texts `[count, n-grams]`) of an
+        index built with lexical=True."""
+        if self._lexical is None:
+            if not self.info.get("lexical") or self.path is None:
+                raise ValueError("this index keeps no lexical rows: build it with lexical=True")
+            self._lexical = _read_lexical(self.path, self.info["count"])
+        return self._lexical
+
+    def _hybrid(self, texts, vectors, depth, weight, params):
+        """Per query, (scores, positions) of the `depth` best by the hybrid score over the union of the
+        vectors' and the n-grams' first `depth` texts."""
+        vectorizer, rows = self.lexical_rows()
+        count = rows.shape[0]
+        dense_scores = dense_positions = None
+        if weight < 1:
+            dense_scores, dense_positions = self.index.search(vectors, depth, params=params)
+        step = max(1, _MAX_LEXICAL_SCORES // max(count, 1))
+        out = []
+        for first in range(0, len(texts), step):
+            lex = np.asarray((vectorizer.transform(texts[first:first + step]) @ rows.T).todense(), np.float32)
+            for i, scores in enumerate(lex):
+                row = first + i
+                proposed = np.argpartition(-scores, depth - 1)[:depth] if depth < count else np.arange(count)
+                if weight < 1:
+                    mine = dense_positions[row][dense_positions[row] >= 0]
+                    union = np.union1d(proposed, mine)
+                    cosine = self._vectors(union) @ vectors[row]
+                    mixed = (1 - weight) * cosine + weight * scores[union]
+                else:
+                    union, mixed = proposed, scores[proposed]
+                best = np.argsort(-mixed, kind="stable")[:depth]
+                out.append((mixed[best], union[best]))
+        return out
+
+    def _vectors(self, positions: np.ndarray) -> np.ndarray:
+        """The stored (unit) vectors at `positions` `[len, dim]` (decoded from float16 / int8 storage)."""
+        faiss = _faiss()
+        if self.info["kind"] == "ivf":
+            ivf = faiss.extract_index_ivf(self.index)
+            if ivf.direct_map.type == faiss.DirectMap.NoMap:
+                ivf.make_direct_map()
+        return self.index.reconstruct_batch(np.ascontiguousarray(positions, np.int64))
 
     def get(self, position: int) -> Hit:
         """The record at `position` (0-based, in the order texts were added) as a Hit with score None."""
@@ -673,6 +777,51 @@ class SearchIndex:
 def manifest_exists(index_dir: str) -> bool:
     """Whether `index_dir` holds a finished kbert index."""
     return os.path.isfile(os.path.join(index_dir, MANIFEST))
+
+
+def _fit_lexical(texts: Sequence[str]):
+    """(vectorizer, CSR rows) of character n-gram TF-IDF fitted on `texts` (kbert.embed.lexical's)."""
+    import scipy.sparse
+
+    from kbert.embed.lexical import char_tfidf
+
+    vectorizer = char_tfidf(texts)
+    if vectorizer is None:
+        raise ValueError("lexical=True needs texts with characters to count; these are all blank")
+    return vectorizer, scipy.sparse.csr_matrix(vectorizer.transform(texts), dtype=np.float32)
+
+
+def _save_lexical(out_dir: str, vectorizer, rows) -> None:
+    import scipy.sparse
+
+    vocabulary = {gram: int(col) for gram, col in vectorizer.vocabulary_.items()}
+    _write_json(os.path.join(out_dir, LEXICAL_VOCABULARY), vocabulary)
+    _write_atomic(os.path.join(out_dir, LEXICAL_IDF), lambda tmp: _save_npy(tmp, vectorizer.idf_))
+
+    def write(tmp):
+        with open(tmp, "wb") as f:
+            scipy.sparse.save_npz(f, rows)
+    _write_atomic(os.path.join(out_dir, LEXICAL_MATRIX), write)
+
+
+def _write_lexical(out_dir: str, texts: Sequence[str]) -> None:
+    vectorizer, rows = _fit_lexical(texts)
+    _save_lexical(out_dir, vectorizer, rows)
+
+
+def _read_lexical(index_dir: str, count: int):
+    """The vectorizer (rebuilt from its n-grams and IDF, no pickle) and the rows of the first `count` texts."""
+    import scipy.sparse
+
+    from kbert.embed.lexical import restored_char_tfidf
+
+    with open(os.path.join(index_dir, LEXICAL_VOCABULARY), encoding="utf-8") as f:
+        vectorizer = restored_char_tfidf(json.load(f), np.load(os.path.join(index_dir, LEXICAL_IDF)))
+    rows = scipy.sparse.load_npz(os.path.join(index_dir, LEXICAL_MATRIX)).tocsr()
+    if rows.shape[0] < count:
+        raise ValueError(f"{index_dir}: {LEXICAL_MATRIX} holds {rows.shape[0]} texts, the index {count}; build the "
+                         f"index again")
+    return vectorizer, rows[:count]
 
 
 def _training_sample(chunk_files: List[str], count: int, centroids: int) -> np.ndarray:

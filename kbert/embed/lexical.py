@@ -18,18 +18,30 @@ from typing import Sequence
 import numpy as np
 
 
-def char_tfidf(texts: Sequence[str]):
-    """A TF-IDF vectorizer of character 1-3-grams within words (sublinear counts, unit rows) fitted on
-    `texts` (the IDF says which n-grams are rare in the collection searched), or None when no text has any."""
+def _vectorizer(**fitted):
     try:
         from sklearn.feature_extraction.text import TfidfVectorizer
     except ImportError:
         raise ImportError("lexical scores need scikit-learn: pip install scikit-learn "
                           "(kbert's [search] extra)") from None
+    return TfidfVectorizer(analyzer="char_wb", ngram_range=(1, 3), sublinear_tf=True, **fitted)
+
+
+def char_tfidf(texts: Sequence[str]):
+    """A TF-IDF vectorizer of character 1-3-grams within words (sublinear counts, unit rows) fitted on
+    `texts` (the IDF says which n-grams are rare in the collection searched), or None when no text has any."""
     texts = list(texts)
     if not any(t.strip() for t in texts):  # nothing but whitespace: no n-gram to count (sklearn refuses)
         return None
-    return TfidfVectorizer(analyzer="char_wb", ngram_range=(1, 3), sublinear_tf=True).fit(texts)
+    return _vectorizer().fit(texts)
+
+
+def restored_char_tfidf(vocabulary: dict, idf: np.ndarray):
+    """`char_tfidf`'s vectorizer rebuilt from its fitted n-gram columns and IDF (as a saved search index keeps
+    them: data, not a pickle)."""
+    vectorizer = _vectorizer(vocabulary=vocabulary)
+    vectorizer.idf_ = np.asarray(idf, np.float64)
+    return vectorizer
 
 
 def lexical_scores(queries: Sequence[str], corpus: Sequence[str]) -> np.ndarray:
