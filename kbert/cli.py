@@ -790,12 +790,31 @@ def _index_search(args):
         from kbert.embed.task_model import TaskModel
 
         reranker = TaskModel.load(args.reranker)
+    where = None
+    if args.where:  # KEY=VALUE: a metadata value, compared as text (a TSV's cells are text, JSONL's may not be)
+        pairs = [w.split("=", 1) for w in args.where]
+        if any(len(p) != 2 or not p[0] for p in pairs):
+            raise ValueError(f"--where takes KEY=VALUE. Received: {args.where}")
+        wanted = {}
+        for key, value in pairs:
+            wanted.setdefault(key, set()).add(value)
+        where = lambda r: all(str((r.get("metadata") or {}).get(k)) in v for k, v in wanted.items())  # noqa: E731
     queries = _numbered_lines(args.input)[1]
     hits = index.search(queries, top_k=args.top_k, ef_search=args.ef_search, nprobe=args.nprobe, lexical=args.lexical,
-                        reranker=reranker, candidates=args.candidates)
+                        reranker=reranker, candidates=args.candidates, where=where)
     _write_json_lines(({"query": q, "hits": [dict({"id": h.id, "score": round(h.score, 6), "text": h.text},
                                                   **({"metadata": h.metadata} if h.metadata else {}))
                                              for h in found]} for q, found in zip(queries, hits)), args.out)
+
+
+def _index_delete(args):
+    from kbert.embed.index import SearchIndex
+
+    index = SearchIndex.load(args.index)
+    ids = [int(i) for i in args.ids] if index.info["ids"] == "positions" else args.ids
+    index.delete(ids)
+    index.save()
+    print(f"deleted {len(ids)} texts from {args.index}: {index!r}", file=sys.stderr)
 
 
 def _index_info(args):
@@ -1252,8 +1271,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reranker", help="a cross-encoder dir that re-scores each query's first --candidates hits")
     p.add_argument("--candidates", type=int, default=100,
                    help="texts each part of a hybrid search proposes, and the reranker re-scores (default 100)")
+    p.add_argument("--where", action="append", metavar="KEY=VALUE",
+                   help="only texts whose metadata KEY is VALUE (as text); repeat a key for any of several values, "
+                        "give several keys for all of them")
     p.add_argument("--out", help="output file (default: stdout)")
     p.set_defaults(func=_index_search)
+
+    p = isub.add_parser("delete", help="leave texts out of every search from now on (by id; positions for an "
+                                       "index built without ids)")
+    p.add_argument("--index", required=True)
+    p.add_argument("--ids", nargs="+", required=True)
+    p.set_defaults(func=_index_delete)
 
     p = isub.add_parser("info", help="what an index holds and how it was built, as JSON")
     p.add_argument("--index", required=True)

@@ -44,7 +44,8 @@ Routes (JSON in and out; errors are `{"error": {"message", "type", "code"}}` wit
     POST /v1/search       a `kbert.SearchIndex` given at start (`kbert serve --index DIR`; the served model must
                           encode as the one that built it): {"query": str | [str], "top_k"?: int (default 10),
                           "ef_search"?: int, "nprobe"?: int, "lexical"?: number in [0, 1] (hybrid search, an
-                          index built with lexical=True)} -> {"data": [{"index", "hits": [{"id", "score",
+                          index built with lexical=True), "where"?: {metadata key: value or [values]}} ->
+                          {"data": [{"index", "hits": [{"id", "score",
                           "text", "metadata"?}]}]}, best first; the queries are batched with other requests' texts
     GET  /health          200 {"status": "ok"} once the model has run once; 503 {"status": "loading"} before
     GET  /metrics         Prometheus text: requests by route and status, latency, batch sizes, queue depth,
@@ -632,12 +633,16 @@ def build_app(model: str, max_batch_tokens: int = 8192, max_wait_ms: float = 5.0
         weight = data.get("lexical", 0)
         if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 <= weight <= 1:
             raise HTTPError(400, "`lexical` must be a number in [0, 1]")
+        where = data.get("where")
+        if where is not None and (not isinstance(where, dict) or not all(
+                isinstance(v, (str, int, float, bool, list)) for v in where.values())):
+            raise HTTPError(400, "`where` must be an object of metadata values (or lists of values)")
         if weight and not found.info.get("lexical"):
             raise HTTPError(400, "`lexical` needs an index built with lexical=True (kbert index build --lexical)")
         vectors = await engine.run("query", queries, {}, timeout=timeout_s, ticket=ticket)
         # off the event loop: FAISS frees the GIL while it searches
         hits = await asyncio.to_thread(found.search, queries, query_vectors=np.asarray(vectors), lexical=weight,
-                                       **settings)
+                                       where=where, **settings)
         engine.metrics.texts.labels("/v1/search").inc(len(queries))
         return {"data": [{"index": i, "hits": [dict({"id": h.id, "score": h.score, "text": h.text},
                                                     **({"metadata": h.metadata} if h.metadata else {}))

@@ -330,7 +330,63 @@ def test_index_commands_build_add_search_and_info(model_dir, tmp_path):
     assert lines[1]["hits"][0]["id"] == "a3" and len(lines[1]["hits"]) == 3
     hybrid = run_cli("index", "search", "--index", out, "--input", str(queries), "--lexical", "1")
     assert [json.loads(line)["hits"][0]["id"] for line in hybrid.stdout.splitlines()] == ["b0", "a3"], hybrid.stderr
+    only = run_cli("index", "search", "--index", out, "--input", str(queries), "--where", "source=새 법")
+    assert [[h["id"] for h in json.loads(line)["hits"]] for line in only.stdout.splitlines()] == [["b0"], ["b0"]]
+    deleted = run_cli("index", "delete", "--index", out, "--ids", "a3", "b0")
+    assert deleted.returncode == 0 and "deleted 2 texts" in deleted.stderr, deleted.stderr[-2000:]
+    after = run_cli("index", "search", "--index", out, "--input", str(queries))
+    assert all(h["id"] not in ("a3", "b0") for line in after.stdout.splitlines() for h in json.loads(line)["hits"])
     info = run_cli("index", "info", "--index", out)
-    assert info.returncode == 0 and json.loads(info.stdout)["count"] == 41
+    assert info.returncode == 0 and json.loads(info.stdout)["count"] == 41 and json.loads(info.stdout)["deleted"] == 2
     again = run_cli("index", "build", "--model", model_dir, "--input", str(rows), "--out", out)
     assert again.returncode == 1 and "already holds an index; pass overwrite=True (--overwrite)" in again.stderr
+
+
+def test_where_filters_by_metadata_and_deleted_texts_leave_every_search(model_dir, emb, tmp_path):
+    texts = LAW[:200]
+    meta = [{"part": i % 4, "kind": "조문" if i % 2 else "제목"} for i in range(len(texts))]
+    queries = ["국회의원의 임기", "대통령의 권한", texts[9]]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        vectors = emb.encode_document(texts)
+    for kind in ("flat", "hnsw", "ivf"):
+        index = quiet_build(model_dir, texts, str(tmp_path / kind), metadata=meta, kind=kind, lexical=True)
+        keep = [i for i in range(len(texts)) if meta[i]["part"] in (1, 2) and meta[i]["kind"] == "조문"]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            want = emb.search(queries, vectors[keep], top_k=5)
+        got = index.search(queries, top_k=5, where={"part": [1, 2], "kind": "조문"})
+        assert [[h.id for h in row] for row in got] == [[keep[j] for j, _ in row] for row in want], kind
+        same = index.search(queries, top_k=5, where=lambda r: r["metadata"]["part"] in (1, 2) and
+                            r["metadata"]["kind"] == "조문")
+        assert [[h.id for h in row] for row in same] == [[h.id for h in row] for row in got]
+        hybrid = index.search(queries, top_k=5, lexical=0.6, where={"part": 3})
+        assert all(h.metadata["part"] == 3 for row in hybrid for h in row) and all(len(r) == 5 for r in hybrid)
+        assert index.search(queries[0], top_k=5, where={"part": 7}) == []  # nothing matches: no hits
+        # deleting: the texts leave every search, the count drops, and save/load keeps it
+        first = index.search(texts[9], top_k=3)
+        assert first[0].id == 9
+        assert index.delete([9, 10]) == 2 and len(index) == 198
+        assert 9 not in [h.id for h in index.search(texts[9], top_k=10)]
+        assert 9 not in [h.id for h in index.search(texts[9], top_k=10, lexical=0.6)]
+        with pytest.raises(KeyError, match="already deleted"):
+            index.delete(9)
+        with pytest.raises(KeyError, match="numbers its texts 0..199"):
+            index.delete(500)
+        index.save()
+        reloaded = kbert.SearchIndex.load(str(tmp_path / kind))
+        assert len(reloaded) == 198 and reloaded.deleted == {9, 10}
+        assert 9 not in [h.id for h in reloaded.search(texts[9], top_k=10)]
+    named = quiet_build(model_dir, texts[:30], str(tmp_path / "named"), ids=[f"t{i}" for i in range(30)])
+    named.delete("t3")
+    with pytest.raises(ValueError, match="already taken"):
+        named.add(["다른 조문"], ids=["t4"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        named.add(["대한민국의 영토는 한반도와 그 부속도서로 한다. 새로 고친 조문"], ids=["t3"])  # an update
+    assert [h.id for h in named.search("대한민국의 영토는 한반도와 그 부속도서로 한다. 새로 고친 조문", top_k=1)] == ["t3"]
+    assert len(named) == 30
+    with pytest.raises(KeyError, match="'t99' is not in this index"):
+        named.delete("t99")
+    with pytest.raises(TypeError, match="`where` must be a dict"):
+        named.search("국회", where="part=1")

@@ -35,6 +35,7 @@ The dir:
     records.jsonl      one JSON object per text: {"id", "text"[, "metadata"]}, read lazily by offset
     offsets.npy        int64 byte offsets of the records ([count + 1])
     lexical*.{npz,json,npy}  with lexical=True: character n-gram TF-IDF of the texts (`search(lexical=w)`)
+    deleted.npy        positions of texts deleted since the build (`delete`), left out of every search
     chunks/            only while a build is unfinished
 
 Hybrid search (`lexical=True` at build, `search(..., lexical=w)`): `Embedder.search`'s hybrid score, `(1 - w)` x
@@ -72,6 +73,10 @@ CHUNKS = "chunks"
 LEXICAL_MATRIX = "lexical.npz"  # with lexical=True: the texts' character n-gram TF-IDF rows (scipy CSR)
 LEXICAL_VOCABULARY = "lexical_vocabulary.json"  # ... the n-grams' columns and their IDF: the vectorizer,
 LEXICAL_IDF = "lexical_idf.npy"  # rebuilt from data on load rather than unpickled
+DELETED = "deleted.npy"  # positions of deleted texts (int64), skipped by every search
+# A filtered search on an approximate index scores the allowed vectors exactly when there are at most this many:
+# HNSW's and IVF's beams, sized for the whole collection, find too few neighbours among a small allowed subset.
+EXACT_FILTERED = 20_000
 _MAX_LEXICAL_SCORES = 1 << 24  # [queries, texts] lexical scores held at once (64 MB)
 KINDS = ("flat", "hnsw", "ivf")
 PRECISIONS = ("float32", "float16", "int8")
@@ -207,9 +212,6 @@ class _Records:
             return json.loads(self._map[self.offsets[i]:self.offsets[i + 1]])
         return self.pending[i - self.saved]
 
-    def ids(self) -> list:
-        return [self[i]["id"] for i in range(len(self))]
-
     def write(self, path: str) -> None:
         """Every record into `path`'s records file and offsets (appending the pending ones when `path` already
         holds the saved ones)."""
@@ -300,6 +302,9 @@ class SearchIndex:
         self._embedder = embedder
         self._id_set = None
         self._lexical = None  # (vectorizer, [count, n-grams] CSR rows) for hybrid search, read at first use
+        self.deleted = set()  # positions left out of every search (`delete`)
+        self._masks = {}  # `where` filters (as JSON) -> (count, allowed positions [ntotal] bool)
+        self._positions = None  # id -> position, built by the first `delete` of an index with its own ids
 
     # ----------------------------------------------------------------- building
     @classmethod
@@ -529,6 +534,8 @@ class SearchIndex:
             raise ValueError(f"{index_dir}: {INDEX_FILE} holds {index.ntotal} vectors, {MANIFEST} {info['count']} "
                              f"(a save was interrupted); build the index again")
         out = cls(index, _Records(index_dir, info["count"]), info, None, index_dir)
+        if info.get("deleted") and os.path.exists(os.path.join(index_dir, DELETED)):
+            out.deleted = {int(p) for p in np.load(os.path.join(index_dir, DELETED)) if p < info["count"]}
         if model is not None:
             out.use_model(model)
         return out
@@ -579,6 +586,9 @@ class SearchIndex:
             _save_lexical(out_dir, vectorizer, rows)
         self.records.write(out_dir)
         self.info["count"] = int(self.index.ntotal)
+        self.info["deleted"] = len(self.deleted)
+        _write_atomic(os.path.join(out_dir, DELETED),
+                      lambda tmp: _save_npy(tmp, np.array(sorted(self.deleted), np.int64)))
         _write_atomic(os.path.join(out_dir, INDEX_FILE), lambda tmp: faiss.write_index(self.index, tmp))
         _write_json(os.path.join(out_dir, MANIFEST), self.info)
         self.path = out_dir
@@ -586,7 +596,8 @@ class SearchIndex:
 
     # ----------------------------------------------------------------- using
     def __len__(self) -> int:
-        return int(self.index.ntotal)
+        """The texts searched: all added, less those deleted."""
+        return int(self.index.ntotal) - len(self.deleted)
 
     def __repr__(self) -> str:
         return (f"SearchIndex({len(self)} texts, {self.info['kind']} {self.info['precision']}, "
@@ -616,8 +627,8 @@ class SearchIndex:
                              "this index numbers its texts by position: add them without ids")
         records = _records(texts, ids, metadata, len(self.records))
         if given:
-            if self._id_set is None:
-                self._id_set = set(self.records.ids())
+            if self._id_set is None:  # the ids in use: a deleted text's id may be taken again
+                self._id_set = {self.records[p]["id"] for p in range(len(self.records)) if p not in self.deleted}
             new = [r["id"] for r in records]
             clash = next((k for k in new if k in self._id_set), None)
             if clash is not None or len(set(new)) < len(new):
@@ -636,9 +647,68 @@ class SearchIndex:
             self._id_set.update(r["id"] for r in records)
         return self
 
+    def delete(self, ids) -> int:
+        """Leaves the texts with these ids (positions, for an index without its own ids) out of every search
+        from now on (in memory: `save()` keeps it). Their records stay on disk; an id deleted may be added
+        again (an update: `delete([i])`, then `add([new text], ids=[i])`). Returns how many were deleted; an id
+        the index does not hold is a KeyError naming it."""
+        if isinstance(ids, (str, bytes, int, np.integer)):
+            ids = [ids]
+        positions = [self._position(key) for key in ids]
+        if len(set(positions)) < len(positions):
+            raise KeyError("an id is given twice")
+        self.deleted.update(positions)
+        if self._id_set is not None:
+            self._id_set.difference_update(self.records[p]["id"] for p in positions)
+        return len(positions)
+
+    def _position(self, key) -> int:
+        if self.info["ids"] == "positions":
+            if isinstance(key, bool) or not isinstance(key, (int, np.integer)) or not 0 <= key < len(self.records):
+                raise KeyError(f"id {key!r}: this index numbers its texts 0..{len(self.records) - 1}")
+            position = int(key)
+        else:
+            if self._positions is None or len(self._positions) < len(self.records):
+                self._positions = {self.records[p]["id"]: p for p in range(len(self.records))}
+            if key not in self._positions:
+                raise KeyError(f"id {key!r} is not in this index")
+            position = self._positions[key]
+        if position in self.deleted:
+            raise KeyError(f"id {key!r} is already deleted")
+        return position
+
+    def _allowed(self, where) -> Optional[np.ndarray]:
+        """The positions a search may return `[ntotal]` (bool), or None for all: not deleted, and matching
+        `where` (a dict of metadata values, each a value or a list of values it may take, or a function of
+        the record dict)."""
+        total = int(self.index.ntotal)
+        if where is None:
+            mask = None
+        elif callable(where):
+            mask = np.fromiter((bool(where(self.records[p])) for p in range(total)), bool, total)
+        elif isinstance(where, dict):
+            key = json.dumps(where, sort_keys=True, ensure_ascii=False, default=str)
+            cached = self._masks.get(key)
+            if cached is None or cached[0] != total:
+                wanted = {k: v if isinstance(v, (list, tuple, set)) else [v] for k, v in where.items()}
+
+                def matches(record):
+                    meta = record.get("metadata") or {}
+                    return all(k in meta and meta[k] in allowed for k, allowed in wanted.items())
+                cached = (total, np.fromiter((matches(self.records[p]) for p in range(total)), bool, total))
+                self._masks[key] = cached
+            mask = cached[1]
+        else:
+            raise TypeError(f"`where` must be a dict of metadata values or a function of a record; "
+                            f"received a {type(where).__name__}")
+        if self.deleted:
+            mask = np.ones(total, bool) if mask is None else mask.copy()
+            mask[list(self.deleted)] = False
+        return mask
+
     def search(self, queries, top_k: int = 10, ef_search: Optional[int] = None, nprobe: Optional[int] = None,
                lexical: float = 0.0, reranker=None, candidates: int = 100, batch_size: int = 64,
-               query_vectors: Optional[np.ndarray] = None):
+               query_vectors: Optional[np.ndarray] = None, where=None):
         """The `top_k` texts nearest each query by cosine, best first, as `Hit(id, score, text, metadata)`.
         One query (a string or a vector) gives one list, several give a list per query.
 
@@ -653,6 +723,10 @@ class SearchIndex:
         candidates: how many texts each part proposes (hybrid) and the reranker re-scores.
         query_vectors: the text queries' vectors, already encoded with `encode_queries` (a server batching them
             with other work); the texts are then read only by `lexical` and `reranker`.
+        where: only texts whose metadata match: {"법": "민법"} (equal), {"연도": [2023, 2024]} (any of), or a
+            function of the record dict ({"id", "text", "metadata"}) that returns True for those to keep.
+            A dict's matches are cached until texts are added. On an approximate index a filter that leaves at
+            most `EXACT_FILTERED` texts scores them exactly (a graph's beam would find too few of them).
         """
         faiss = _faiss()
         top_k, candidates = _positive_int(top_k, "top_k"), _positive_int(candidates, "candidates")
@@ -681,13 +755,17 @@ class SearchIndex:
             elif texts and lexical < 1:
                 vectors = _unit(self.encode_queries(texts, batch_size))
         wide = reranker is not None or lexical
-        depth = min(max(top_k, candidates if wide else 0), len(self))
-        if lexical:
-            found = self._hybrid(texts, vectors, depth, float(lexical), self._search_params(faiss, depth, ef_search,
-                                                                                           nprobe))
+        allowed = self._allowed(where)
+        live = len(self) if allowed is None else int(allowed.sum())
+        depth = min(max(top_k, candidates if wide else 0), live)
+        params = self._search_params(faiss, depth, ef_search, nprobe, allowed)
+        dense = self._dense_search(allowed, live, params)
+        if depth == 0:
+            found = [((), ())] * (len(texts) if texts is not None else len(vectors))
+        elif lexical:
+            found = self._hybrid(texts, vectors, depth, float(lexical), dense, allowed)
         elif len(vectors):
-            found = zip(*self.index.search(vectors, depth, params=self._search_params(faiss, depth, ef_search,
-                                                                                       nprobe)))
+            found = zip(*dense(vectors, depth))
         else:
             found = []
         out = []
@@ -705,17 +783,35 @@ class SearchIndex:
             out.append(hits[:top_k])
         return out[0] if single else out
 
-    def _search_params(self, faiss, depth, ef_search, nprobe):
+    def _search_params(self, faiss, depth, ef_search, nprobe, allowed):
         if self.info["kind"] == "hnsw":
             params = faiss.SearchParametersHNSW()
             params.efSearch = max(depth, _positive_int(ef_search, "ef_search") if ef_search else DEFAULT_EF_SEARCH)
-            return params
-        if self.info["kind"] == "ivf":
+        elif self.info["kind"] == "ivf":
             params = faiss.SearchParametersIVF()
             params.nprobe = min(self.info["nlist"], _positive_int(nprobe, "nprobe") if nprobe
                                 else default_nprobe(self.info["nlist"]))
-            return params
-        return None
+        else:
+            params = faiss.SearchParameters()
+        if allowed is not None:  # FAISS skips the positions whose bit is 0
+            bits = np.packbits(allowed, bitorder="little")
+            selector = faiss.IDSelectorBitmap(len(allowed), faiss.swig_ptr(bits))
+            params.sel = selector
+            params.kept_alive = (selector, bits)  # SWIG holds raw pointers to both: they live with the parameters
+        return params
+
+    def _dense_search(self, allowed, live, params):
+        """A function (query vectors, k) -> (scores, positions) `[queries, k]` over the allowed texts."""
+        if allowed is not None and self.info["kind"] != "flat" and live <= EXACT_FILTERED:
+            positions = np.flatnonzero(allowed)
+            stored = self._vectors(positions) if live else np.zeros((0, self.info["dimension"]), np.float32)
+
+            def exact(vectors, k):
+                scores = vectors @ stored.T
+                best = np.argsort(-scores, axis=1, kind="stable")[:, :k]
+                return np.take_along_axis(scores, best, axis=1), positions[best]
+            return exact
+        return lambda vectors, k: self.index.search(vectors, k, params=params)
 
     def lexical_rows(self):
         """(the fitted character n-gram TF-IDF vectorizer, its CSR rows of the texts `[count, n-grams]`) of an
@@ -726,21 +822,24 @@ class SearchIndex:
             self._lexical = _read_lexical(self.path, self.info["count"])
         return self._lexical
 
-    def _hybrid(self, texts, vectors, depth, weight, params):
+    def _hybrid(self, texts, vectors, depth, weight, dense, allowed):
         """Per query, (scores, positions) of the `depth` best by the hybrid score over the union of the
-        vectors' and the n-grams' first `depth` texts."""
+        vectors' and the n-grams' first `depth` allowed texts."""
         vectorizer, rows = self.lexical_rows()
         count = rows.shape[0]
-        dense_scores = dense_positions = None
+        dense_positions = None
         if weight < 1:
-            dense_scores, dense_positions = self.index.search(vectors, depth, params=params)
+            dense_positions = dense(vectors, depth)[1]
         step = max(1, _MAX_LEXICAL_SCORES // max(count, 1))
         out = []
         for first in range(0, len(texts), step):
             lex = np.asarray((vectorizer.transform(texts[first:first + step]) @ rows.T).todense(), np.float32)
             for i, scores in enumerate(lex):
                 row = first + i
-                proposed = np.argpartition(-scores, depth - 1)[:depth] if depth < count else np.arange(count)
+                ranked = scores if allowed is None else np.where(allowed, scores, -np.inf)
+                proposed = np.argpartition(-ranked, depth - 1)[:depth] if depth < count else np.arange(count)
+                if allowed is not None:
+                    proposed = proposed[allowed[proposed]]
                 if weight < 1:
                     mine = dense_positions[row][dense_positions[row] >= 0]
                     union = np.union1d(proposed, mine)
