@@ -114,9 +114,10 @@ def test_an_interrupted_build_resumes_where_it_stopped_and_refuses_other_texts(m
     original = kbert.Embedder.encode
 
     def stop_on_third(self, chunk, *args, **kwargs):
-        calls.append(len(chunk))
-        if len(calls) == 3:
-            raise KeyboardInterrupt
+        if not isinstance(chunk, str):  # a chunk of texts (a str is the probe sentence)
+            calls.append(len(chunk))
+            if len(calls) == 3:
+                raise KeyboardInterrupt
         return original(self, chunk, *args, **kwargs)
 
     kbert.Embedder.encode = stop_on_third
@@ -134,11 +135,16 @@ def test_an_interrupted_build_resumes_where_it_stopped_and_refuses_other_texts(m
         quiet_build(emb, changed, out, chunk_size=60)
     with pytest.raises(ValueError, match="other settings \\(chunk_size"):
         quiet_build(emb, texts, out, chunk_size=50)
+    keras.utils.set_random_seed(1)
+    retrained = kbert.Embedder(kbert.BertBackbone(emb.config, output_hidden_states=True), emb.tokenizer)
+    with pytest.raises(ValueError, match="another model encoded"):
+        quiet_build(retrained, texts, out, chunk_size=60)
     capsys.readouterr()
     calls.clear()
 
     def count(self, chunk, *args, **kwargs):
-        calls.append(len(chunk))
+        if not isinstance(chunk, str):
+            calls.append(len(chunk))
         return original(self, chunk, *args, **kwargs)
 
     kbert.Embedder.encode = count
@@ -148,7 +154,7 @@ def test_an_interrupted_build_resumes_where_it_stopped_and_refuses_other_texts(m
         kbert.Embedder.encode = original
     err = capsys.readouterr().err
     assert "resuming the build" in err and "2 chunks (120 texts) already encoded" in err
-    assert calls[:3] == [60, 60, 10]  # only the chunks left (then the probe sentence and its check)
+    assert calls == [60, 60, 10]  # only the chunks left
     fresh = quiet_build(emb, texts, str(tmp_path / "fresh"), chunk_size=250)
     queries = [texts[5], texts[130], "대통령의 임기"]
     assert_same_hits(resumed.search(queries, top_k=8), fresh.search(queries, top_k=8))

@@ -180,6 +180,11 @@ def _save_bytes(path: str, data: bytes) -> None:
         f.write(data)
 
 
+def _read_json_lines(path: str) -> list:
+    with open(path, "rb") as f:
+        return [json.loads(line) for line in f]
+
+
 def _record_lines(records) -> bytes:
     return b"".join(json.dumps(r, ensure_ascii=False).encode("utf-8") + b"\n" for r in records)
 
@@ -359,7 +364,8 @@ class SearchIndex:
             if not overwrite:
                 raise FileExistsError(f"{out_dir} already holds an index; pass overwrite=True (--overwrite) to "
                                       f"replace it, or SearchIndex.load(...).add(...) to extend it")
-            for name in (MANIFEST, INDEX_FILE, RECORDS, OFFSETS, LEXICAL_MATRIX, LEXICAL_VOCABULARY, LEXICAL_IDF):
+            for name in (MANIFEST, INDEX_FILE, RECORDS, OFFSETS, LEXICAL_MATRIX, LEXICAL_VOCABULARY, LEXICAL_IDF,
+                         DELETED):
                 if os.path.exists(os.path.join(out_dir, name)):
                     os.remove(os.path.join(out_dir, name))
         emb, model_name = _embedder(model)
@@ -374,6 +380,7 @@ class SearchIndex:
         identity = {"model": model_name, "settings": settings, "document_prompt": document_prompt,
                     "chunk_size": chunk_size, "ids": "given" if ids is not None else "positions"}
         encode = dict(settings, prompt=document_prompt, batch_size=batch_size, progress=False)
+        probe = emb.encode(PROBE_TEXT, **encode)  # what this model makes of the probe: kept, and checked on resume
 
         os.makedirs(out_dir, exist_ok=True)
         chunk_dir = os.path.join(out_dir, CHUNKS)
@@ -387,10 +394,14 @@ class SearchIndex:
                 raise ValueError(f"{chunk_dir} holds an unfinished build with other settings ({', '.join(differ)}: "
                                  f"{', '.join(f'{state.get(k)!r} now {identity[k]!r}' for k in differ)}); run it "
                                  f"with those settings to finish it, or pass resume=False (--no-resume) to start over")
+            if state["done"] and float(np.dot(probe, np.asarray(state["probe"], np.float32))) < PROBE_MIN_COSINE:
+                raise ValueError(f"{chunk_dir} holds an unfinished build whose chunks another model encoded (the "
+                                 f"model at {model_name or 'hand'} has changed since); pass resume=False "
+                                 f"(--no-resume) to start over")
         if state is None:
             shutil.rmtree(chunk_dir, ignore_errors=True)
             os.makedirs(chunk_dir)
-            state = dict(identity, done=[])
+            state = dict(identity, probe=[float(x) for x in probe], done=[])
             _write_json(state_path, state)
         elif state["done"]:
             done_texts = sum(c["count"] for c in state["done"])
@@ -465,13 +476,12 @@ class SearchIndex:
                         offsets.append(offsets[-1] + len(line))
         _write_atomic(os.path.join(out_dir, OFFSETS), lambda tmp: _save_npy(tmp, np.array(offsets, np.int64)))
         if lexical:
-            _write_lexical(out_dir, [json.loads(line)["text"] for base in chunk_files
-                                     for line in open(base + ".jsonl", "rb")])
+            _write_lexical(out_dir, [r["text"] for base in chunk_files for r in _read_json_lines(base + ".jsonl")])
         info = {"format": FORMAT, "model": model_name, "settings": settings, "document_prompt": document_prompt,
                 "query_prompt": query_prompt, "kind": kind, "precision": precision, "dimension": width,
                 "factory": factory_string(kind, precision, nlist, hnsw_m), "nlist": nlist if kind == "ivf" else None,
                 "hnsw_m": hnsw_m if kind == "hnsw" else None, "count": count, "ids": identity["ids"],
-                "lexical": bool(lexical), "probe": [round(float(x), 7) for x in emb.encode(PROBE_TEXT, **encode)]}
+                "lexical": bool(lexical), "probe": [round(float(x), 7) for x in probe]}
         _write_atomic(os.path.join(out_dir, INDEX_FILE), lambda tmp: faiss.write_index(index, tmp))
         _write_json(os.path.join(out_dir, MANIFEST), info)
         shutil.rmtree(chunk_dir, ignore_errors=True)
