@@ -185,6 +185,13 @@ def test_hybrid_search_is_embedder_search_with_lexical_over_the_candidates(model
     reloaded.save()
     again = kbert.SearchIndex.load(str(tmp_path / "ix"))
     assert again.search("탄핵소추를 의결할 수 있다는 조항", top_k=1, lexical=1.0)[0].id == len(LAW)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        vectors = emb.encode_document(LAW)
+    made = kbert.SearchIndex.from_vectors(vectors, LAW, lexical=True, model=model_dir)  # vectors already at hand
+    made.save(str(tmp_path / "made"))
+    assert_same_hits(kbert.SearchIndex.load(str(tmp_path / "made")).search(queries, top_k=5, lexical=0.6),
+                     index.search(queries, top_k=5, lexical=0.6))
     approximate = quiet_build(model_dir, LAW, str(tmp_path / "hnsw"), kind="hnsw", lexical=True)
     assert [h.id for h in approximate.search(LAW[20], top_k=3, lexical=0.6)][0] == 20
     plain = quiet_build(model_dir, LAW[:20], str(tmp_path / "plain"))

@@ -307,6 +307,7 @@ class SearchIndex:
         self._embedder = embedder
         self._id_set = None
         self._lexical = None  # (vectorizer, [count, n-grams] CSR rows) for hybrid search, read at first use
+        self._lexical_changed = False  # rows added since the lexical files were written
         self.deleted = set()  # positions left out of every search (`delete`)
         self._masks = {}  # `where` filters (as JSON) -> (count, allowed positions [ntotal] bool)
         self._positions = None  # id -> position, built by the first `delete` of an index with its own ids
@@ -519,10 +520,12 @@ class SearchIndex:
                 "factory": factory_string(kind, precision, nlist, hnsw_m), "nlist": nlist if kind == "ivf" else None,
                 "hnsw_m": hnsw_m if kind == "hnsw" else None, "count": count,
                 "ids": "given" if ids is not None else "positions", "lexical": bool(lexical), "probe": None}
-        out = cls(index, _Records(), info, emb)
+        out = cls(index, _Records(), info)
         out.records.pending = records
+        if emb is not None:
+            out.use_model(emb)  # its width checked against the vectors'
         if lexical:
-            out._lexical = _fit_lexical(texts)
+            out._lexical, out._lexical_changed = _fit_lexical(texts), True
         return out
 
     # ----------------------------------------------------------------- loading and saving
@@ -591,9 +594,10 @@ class SearchIndex:
             raise ValueError("this index has no dir yet: pass save(out_dir)")
         os.makedirs(out_dir, exist_ok=True)
         same = self.path is not None and os.path.abspath(self.path) == os.path.abspath(out_dir)
-        if self.info.get("lexical") and (self._lexical is not None or not same):  # new or grown rows
+        if self.info.get("lexical") and (self._lexical_changed or not same):
             vectorizer, rows = self.lexical_rows()
             _save_lexical(out_dir, vectorizer, rows)
+            self._lexical_changed = False
         self.records.write(out_dir)
         self.info["count"] = int(self.index.ntotal)
         self.info["deleted"] = len(self.deleted)
@@ -651,6 +655,7 @@ class SearchIndex:
 
             vectorizer, rows = self.lexical_rows()
             self._lexical = (vectorizer, scipy.sparse.vstack([rows, vectorizer.transform(texts)], format="csr"))
+            self._lexical_changed = True
         self.index.add(_unit(vectors))
         self.records.pending.extend(records)
         if given:
