@@ -59,6 +59,8 @@ _EXPORTS = {
     "quantization_ranges": "kbert.embed.quantize",
     "quantized_search": "kbert.embed.quantize",
     "SearchIndex": "kbert.embed.index",
+    "split_passages": "kbert.embed.passages",
+    "split_documents": "kbert.embed.passages",
     "evaluate_retrieval": "kbert.embed.evaluation",
     "evaluate_sts": "kbert.embed.evaluation",
     "evaluate_pair_classification": "kbert.embed.evaluation",

@@ -757,10 +757,24 @@ def _index_source(args):
     return texts, ids, extra if any(extra) else None
 
 
+def _index_passages(args, model, texts, ids, metadata):
+    """--passages N: the documents as passages of up to N tokens (`kbert.split_documents`)."""
+    if not args.passages:
+        return texts, ids, metadata
+    from kbert.embed.embedder import Embedder
+    from kbert.embed.passages import split_documents
+
+    emb = model if isinstance(model, Embedder) else Embedder.load(model)
+    parts = split_documents(texts, emb, max_tokens=args.passages, overlap=args.passage_overlap, ids=ids,
+                            metadata=metadata)
+    print(f"{len(texts)} documents in {len(parts.texts)} passages of up to {args.passages} tokens", file=sys.stderr)
+    return parts.texts, parts.ids, parts.metadata
+
+
 def _index_build(args):
     from kbert.embed.index import SearchIndex
 
-    texts, ids, metadata = _index_source(args)
+    texts, ids, metadata = _index_passages(args, args.model, *_index_source(args))
     index = SearchIndex.build(args.model, texts, args.out, ids=ids, metadata=metadata, kind=args.kind,
                               precision=args.precision, hnsw_m=args.hnsw_m, nlist=args.nlist,
                               chunk_size=args.chunk_size, batch_size=args.batch_size, resume=not args.no_resume,
@@ -773,12 +787,31 @@ def _index_build(args):
 def _index_add(args):
     from kbert.embed.index import SearchIndex
 
-    texts, ids, metadata = _index_source(args)
     index = SearchIndex.load(args.index, model=args.model)
+    texts, ids, metadata = _index_source(args)
+    if args.passages and ids is None:  # documents numbered on from those the index holds
+        known = [index.get(p).metadata.get("document") for p in range(len(index) + len(index.deleted))]
+        first = 1 + max([d for d in known if isinstance(d, int)], default=-1)
+        ids = list(range(first, first + len(texts)))
+    texts, ids, metadata = _index_passages(args, index.embedder, texts, ids, metadata)
     before = len(index)
     index.add(texts, ids=ids, metadata=metadata, batch_size=args.batch_size, progress=True)
     index.save()
     print(f"added {len(index) - before} texts to {args.index}: {index!r}", file=sys.stderr)
+
+
+def _where(conditions):
+    """--where KEY=VALUE ...: a filter on metadata values, compared as text (a TSV's cells are text, JSONL's may
+    not be); a key given twice takes either value."""
+    if not conditions:
+        return None
+    pairs = [c.split("=", 1) for c in conditions]
+    if any(len(p) != 2 or not p[0] for p in pairs):
+        raise ValueError(f"--where takes KEY=VALUE. Received: {conditions}")
+    wanted = {}
+    for key, value in pairs:
+        wanted.setdefault(key, set()).add(value)
+    return lambda r: all(str((r.get("metadata") or {}).get(k)) in v for k, v in wanted.items())
 
 
 def _index_search(args):
@@ -790,18 +823,10 @@ def _index_search(args):
         from kbert.embed.task_model import TaskModel
 
         reranker = TaskModel.load(args.reranker)
-    where = None
-    if args.where:  # KEY=VALUE: a metadata value, compared as text (a TSV's cells are text, JSONL's may not be)
-        pairs = [w.split("=", 1) for w in args.where]
-        if any(len(p) != 2 or not p[0] for p in pairs):
-            raise ValueError(f"--where takes KEY=VALUE. Received: {args.where}")
-        wanted = {}
-        for key, value in pairs:
-            wanted.setdefault(key, set()).add(value)
-        where = lambda r: all(str((r.get("metadata") or {}).get(k)) in v for k, v in wanted.items())  # noqa: E731
     queries = _numbered_lines(args.input)[1]
     hits = index.search(queries, top_k=args.top_k, ef_search=args.ef_search, nprobe=args.nprobe, lexical=args.lexical,
-                        reranker=reranker, candidates=args.candidates, where=where)
+                        reranker=reranker, candidates=args.candidates, where=_where(args.where),
+                        group_by=args.group_by)
     _write_json_lines(({"query": q, "hits": [dict({"id": h.id, "score": round(h.score, 6), "text": h.text},
                                                   **({"metadata": h.metadata} if h.metadata else {}))
                                              for h in found]} for q, found in zip(queries, hits)), args.out)
@@ -811,10 +836,14 @@ def _index_delete(args):
     from kbert.embed.index import SearchIndex
 
     index = SearchIndex.load(args.index)
-    ids = [int(i) for i in args.ids] if index.info["ids"] == "positions" else args.ids
-    index.delete(ids)
+    if bool(args.ids) == bool(args.where):
+        raise ValueError("give --ids or --where (not both)")
+    if args.ids:
+        count = index.delete([int(i) for i in args.ids] if index.info["ids"] == "positions" else args.ids)
+    else:
+        count = index.delete(where=_where(args.where))
     index.save()
-    print(f"deleted {len(ids)} texts from {args.index}: {index!r}", file=sys.stderr)
+    print(f"deleted {count} texts from {args.index}: {index!r}", file=sys.stderr)
 
 
 def _index_info(args):
@@ -1246,6 +1275,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--id-column", help="a column of unique ids (TSV/CSV/JSONL input)")
     p.add_argument("--lexical", action="store_true", help="also keep character n-gram TF-IDF of the texts, for "
                                                           "hybrid search (index search --lexical W)")
+    p.add_argument("--passages", type=int, metavar="N", help="index each document as passages of up to N tokens, "
+                                                           "cut at sentence ends (kbert.split_documents)")
+    p.add_argument("--passage-overlap", type=int, default=1, help="sentences each passage repeats (default 1)")
     p.set_defaults(func=_index_build, resumes="the encoded chunks are kept: rerun the same command to resume")
 
     p = isub.add_parser("add", help="encode more texts into an index (the build's settings) and save it")
@@ -1255,6 +1287,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--text-column", default="text")
     p.add_argument("--id-column")
+    p.add_argument("--passages", type=int, metavar="N", help="index each document as passages of up to N tokens, "
+                                                           "cut at sentence ends (kbert.split_documents)")
+    p.add_argument("--passage-overlap", type=int, default=1, help="sentences each passage repeats (default 1)")
     p.set_defaults(func=_index_add)
 
     p = isub.add_parser("search", help="the nearest texts of the index for each line of --input (or stdin), as "
@@ -1274,13 +1309,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--where", action="append", metavar="KEY=VALUE",
                    help="only texts whose metadata KEY is VALUE (as text); repeat a key for any of several values, "
                         "give several keys for all of them")
+    p.add_argument("--group-by", help="only the best hit per value of this metadata key (document: one passage "
+                                      "per document of an index built with --passages)")
     p.add_argument("--out", help="output file (default: stdout)")
     p.set_defaults(func=_index_search)
 
     p = isub.add_parser("delete", help="leave texts out of every search from now on (by id; positions for an "
                                        "index built without ids)")
     p.add_argument("--index", required=True)
-    p.add_argument("--ids", nargs="+", required=True)
+    p.add_argument("--ids", nargs="+")
+    p.add_argument("--where", action="append", metavar="KEY=VALUE",
+                   help="instead of --ids: every text whose metadata match (document=7: a document's passages)")
     p.set_defaults(func=_index_delete)
 
     p = isub.add_parser("info", help="what an index holds and how it was built, as JSON")

@@ -627,7 +627,8 @@ def build_app(model: str, max_batch_tokens: int = 8192, max_wait_ms: float = 5.0
         settings = {}
         for field, default in (("top_k", 10), ("ef_search", None), ("nprobe", None)):
             value = data.get(field, default)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 10_000):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or not 1 <= value <= 10_000):
                 raise HTTPError(400, f"`{field}` must be an integer in [1, 10000]")
             settings[field] = value
         weight = data.get("lexical", 0)

@@ -13,6 +13,7 @@ import pytest
 
 import kbert
 from kbert.data.corpus import corpus
+from kbert.data.sentences import split_sentences_rules
 from kbert.embed.index import Hit, default_nlist
 
 from helpers import tiny_embedding_model
@@ -403,3 +404,97 @@ def test_where_filters_by_metadata_and_deleted_texts_leave_every_search(model_di
         named.delete("t99")
     with pytest.raises(TypeError, match="`where` must be a dict"):
         named.search("국회", where="part=1")
+
+
+DECISIONS = [" ".join(LAW[i:i + 12]) for i in range(0, 240, 12)]  # 20 "documents" of 12 constitution lines
+
+
+def test_passages_fit_the_budget_cover_the_text_and_end_at_sentences(emb):
+    text = DECISIONS[0] + " 이 문장은 끝이 없이 " + "아주 긴 문장의 일부가 되는 말들이 계속 이어지고 " * 12 + "끝난다."
+    for max_tokens, overlap in ((32, 0), (64, 1), (48, 2)):
+        spans = kbert.split_passages(text, emb, max_tokens=max_tokens, overlap=overlap)
+        assert spans == sorted(spans) and spans[0][0] == 0 and spans[-1][1] == len(text.rstrip())
+        lengths = [len(ids) + 2 for ids in emb.tokenizer.ids_batch([text[s:e] for s, e in spans])]
+        assert max(lengths) <= max_tokens  # each passage is encoded whole, [CLS] and [SEP] counted
+        covered = np.zeros(len(text), bool)
+        for s, e in spans:
+            covered[s:e] = True
+        assert all(covered[i] or text[i].isspace() for i in range(len(text)))  # nothing left out
+        # passages start and end at sentence ends, or between words inside the one sentence over the budget
+        sentence_starts = {text.find(sentence) for sentence in split_sentences_rules(text)}
+        assert all(s in sentence_starts or text[s - 1] == " " for s, _ in spans)
+        assert all(e == len(text) or text[e] == " " for _, e in spans)
+    short = " ".join(f"제{i}조 모든 국민은 법 앞에 평등하다." for i in range(40))  # sentences that fit
+    for overlap in (1, 2):
+        spans = kbert.split_passages(short, emb, max_tokens=96, overlap=overlap)
+        sentences = [(short.find(t), short.find(t) + len(t)) for t in split_sentences_rules(short)]
+        for (s1, e1), (s2, e2) in zip(spans, spans[1:]):  # the next passage repeats the last `overlap` sentences
+            held = [k for k, (a, b) in enumerate(sentences) if s1 <= a and b <= e1]
+            assert len(held) > overlap and s2 == sentences[held[-overlap]][0] and e2 > e1
+    cut = kbert.split_passages(text, emb, max_tokens=32, overlap=0)
+    inner = [text[s:e] for s, e in cut if "아주 긴 문장" in text[s:e]]
+    assert len(inner) >= 3  # the over-long sentence in pieces (cut between words: the checks above)
+    assert kbert.split_passages("   ", emb) == []
+    with pytest.raises(ValueError, match="`overlap` must be an integer >= 0"):
+        kbert.split_passages(text, emb, overlap=-1)
+    with pytest.raises(ValueError, match="leaves no room for text"):
+        kbert.split_passages(text, emb, max_tokens=2)
+
+
+def test_an_index_of_passages_ranks_documents_by_their_best_passage(model_dir, emb, tmp_path):
+    parts = kbert.split_documents(DECISIONS, emb, max_tokens=48, overlap=1, ids=[f"판례{i}" for i in range(20)],
+                                  metadata=[{"court": "대법원" if i % 2 else "고등법원"} for i in range(20)])
+    assert len(parts.texts) > 40 and parts.ids[0] == "판례0#0"
+    first = parts.metadata[0]
+    assert first["document"] == "판례0" and first["court"] == "고등법원" and \
+        DECISIONS[0][first["start"]:first["end"]] == parts.texts[0]
+    index = quiet_build(model_dir, parts.texts, str(tmp_path / "ix"), ids=parts.ids, metadata=parts.metadata)
+    queries = ["국회의원의 임기", "대통령 선거", LAW[30]]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        every = emb.search(queries, parts.texts, top_k=len(parts.texts))
+    for query_hits, row in zip(index.search(queries, top_k=5, group_by="document"), every):
+        best = []
+        for j, score in row:  # the best passage of each document, in order
+            if parts.metadata[j]["document"] not in [parts.metadata[b]["document"] for b, _ in best]:
+                best.append((j, score))
+        # the same documents in the same order, each by its best passage's score (two passages of a document
+        # may tie: the overlap repeats sentences)
+        assert [h.metadata["document"] for h in query_hits] == [parts.metadata[j]["document"] for j, _ in best[:5]]
+        np.testing.assert_allclose([h.score for h in query_hits], [v for _, v in best[:5]], atol=1e-5)
+    assert index.search(LAW[30], top_k=1, group_by="document")[0].metadata["document"] == "판례2"
+    assert len(index.search(queries[0], top_k=50, group_by="document")) == 20  # deeper until every document
+    graph = quiet_build(model_dir, parts.texts, str(tmp_path / "hnsw"), ids=parts.ids, metadata=parts.metadata,
+                        kind="hnsw")
+    assert len({h.metadata["document"] for h in graph.search(queries[1], top_k=8, group_by="document")}) == 8
+    # a document's passages leave together
+    removed = index.delete(where={"document": "판례2"})
+    assert removed == sum(m["document"] == "판례2" for m in parts.metadata)
+    assert all(h.metadata["document"] != "판례2" for h in index.search(LAW[30], top_k=10))
+    with pytest.raises(ValueError, match="pass `ids` or `where`"):
+        index.delete()
+
+
+@pytest.mark.slow
+def test_index_commands_split_documents_into_passages(model_dir, tmp_path):
+    docs = tmp_path / "docs.txt"
+    docs.write_text("\n".join(DECISIONS[:6]) + "\n", encoding="utf-8")
+    out = str(tmp_path / "ix")
+    built = run_cli("index", "build", "--model", model_dir, "--input", str(docs), "--out", out, "--passages", "48")
+    assert built.returncode == 0, built.stderr[-2000:]
+    assert "6 documents in" in built.stderr and "passages of up to 48 tokens" in built.stderr
+    more = tmp_path / "more.txt"
+    more.write_text(DECISIONS[6] + "\n", encoding="utf-8")
+    added = run_cli("index", "add", "--index", out, "--input", str(more), "--passages", "48")
+    assert added.returncode == 0, added.stderr[-2000:]
+    queries = tmp_path / "q.txt"
+    queries.write_text(DECISIONS[6][:40] + "\n", encoding="utf-8")
+    found = run_cli("index", "search", "--index", out, "--input", str(queries), "--top-k", "7",
+                    "--group-by", "document")
+    hits = json.loads(found.stdout)["hits"]
+    assert sorted(h["metadata"]["document"] for h in hits) == list(range(7))  # one passage per document
+    assert hits[0]["metadata"]["document"] == 6 and hits[0]["id"].startswith("6#")  # numbered on from the build
+    deleted = run_cli("index", "delete", "--index", out, "--where", "document=6")
+    assert deleted.returncode == 0 and "deleted" in deleted.stderr, deleted.stderr[-2000:]
+    after = run_cli("index", "search", "--index", out, "--input", str(queries), "--group-by", "document")
+    assert 6 not in [h["metadata"]["document"] for h in json.loads(after.stdout)["hits"]]

@@ -77,6 +77,7 @@ DELETED = "deleted.npy"  # positions of deleted texts (int64), skipped by every 
 # A filtered search on an approximate index scores the allowed vectors exactly when there are at most this many:
 # HNSW's and IVF's beams, sized for the whole collection, find too few neighbours among a small allowed subset.
 EXACT_FILTERED = 20_000
+GROUP_DEPTH = 8  # with group_by, a first search reads this many hits per group wanted (deeper when short)
 _MAX_LEXICAL_SCORES = 1 << 24  # [queries, texts] lexical scores held at once (64 MB)
 KINDS = ("flat", "hnsw", "ivf")
 PRECISIONS = ("float32", "float16", "int8")
@@ -662,16 +663,22 @@ class SearchIndex:
             self._id_set.update(r["id"] for r in records)
         return self
 
-    def delete(self, ids) -> int:
-        """Leaves the texts with these ids (positions, for an index without its own ids) out of every search
-        from now on (in memory: `save()` keeps it). Their records stay on disk; an id deleted may be added
-        again (an update: `delete([i])`, then `add([new text], ids=[i])`). Returns how many were deleted; an id
-        the index does not hold is a KeyError naming it."""
-        if isinstance(ids, (str, bytes, int, np.integer)):
-            ids = [ids]
-        positions = [self._position(key) for key in ids]
-        if len(set(positions)) < len(positions):
-            raise KeyError("an id is given twice")
+    def delete(self, ids=None, where=None) -> int:
+        """Leaves texts out of every search from now on: those with these ids (positions, for an index without
+        its own ids), or those whose metadata match `where` (as `search`'s; `where={"document": 17}` for the
+        passages of one document). In memory: `save()` keeps it. Their records stay on disk; an id deleted may
+        be added again (an update: `delete([i])`, then `add([new text], ids=[i])`). Returns how many were
+        deleted; an id the index does not hold is a KeyError naming it."""
+        if (ids is None) == (where is None):
+            raise ValueError("pass `ids` or `where` (not both)")
+        if where is not None:
+            positions = np.flatnonzero(self._allowed(where)).tolist()
+        else:
+            if isinstance(ids, (str, bytes, int, np.integer)):
+                ids = [ids]
+            positions = [self._position(key) for key in ids]
+            if len(set(positions)) < len(positions):
+                raise KeyError("an id is given twice")
         self.deleted.update(positions)
         if self._id_set is not None:
             self._id_set.difference_update(self.records[p]["id"] for p in positions)
@@ -723,7 +730,7 @@ class SearchIndex:
 
     def search(self, queries, top_k: int = 10, ef_search: Optional[int] = None, nprobe: Optional[int] = None,
                lexical: float = 0.0, reranker=None, candidates: int = 100, batch_size: int = 64,
-               query_vectors: Optional[np.ndarray] = None, where=None):
+               query_vectors: Optional[np.ndarray] = None, where=None, group_by: Optional[str] = None):
         """The `top_k` texts nearest each query by cosine, best first, as `Hit(id, score, text, metadata)`.
         One query (a string or a vector) gives one list, several give a list per query.
 
@@ -742,6 +749,9 @@ class SearchIndex:
             function of the record dict ({"id", "text", "metadata"}) that returns True for those to keep.
             A dict's matches are cached until texts are added. On an approximate index a filter that leaves at
             most `EXACT_FILTERED` texts scores them exactly (a graph's beam would find too few of them).
+        group_by: a metadata key (for passages of `kbert.split_documents`: "document"): only the best hit of
+            each value comes back (hits without the key are each their own group), so `top_k` hits are
+            `top_k` documents; the search goes deeper until it has them.
         """
         faiss = _faiss()
         top_k, candidates = _positive_int(top_k, "top_k"), _positive_int(candidates, "candidates")
@@ -772,31 +782,45 @@ class SearchIndex:
         wide = reranker is not None or lexical
         allowed = self._allowed(where)
         live = len(self) if allowed is None else int(allowed.sum())
-        depth = min(max(top_k, candidates if wide else 0), live)
-        params = self._search_params(faiss, depth, ef_search, nprobe, allowed)
-        dense = self._dense_search(allowed, live, params)
-        if depth == 0:
-            found = [((), ())] * (len(texts) if texts is not None else len(vectors))
-        elif lexical:
-            found = self._hybrid(texts, vectors, depth, float(lexical), dense, allowed)
-        elif len(vectors):
-            found = zip(*dense(vectors, depth))
-        else:
-            found = []
+        wanted = max(top_k, candidates if wide else 0)  # hits (groups, with group_by) each query needs
+        depth = min(wanted * (GROUP_DEPTH if group_by else 1), live)
+        queries_count = len(texts) if texts is not None else len(vectors)
+        rows = [None] * queries_count
+        pending = list(range(queries_count))
+        while pending:  # with group_by, queries short of groups search deeper, up to the whole collection
+            params = self._search_params(faiss, depth, ef_search, nprobe, allowed)
+            dense = self._dense_search(allowed, live, params)
+            part_texts = None if texts is None else [texts[q] for q in pending]
+            part_vectors = vectors[pending] if len(vectors) else vectors
+            if depth == 0:
+                found = [((), ())] * len(pending)
+            elif lexical:
+                found = self._hybrid(part_texts, part_vectors, depth, float(lexical), dense, allowed)
+            else:
+                found = list(zip(*dense(part_vectors, depth)))
+            short = []
+            for q, (score_row, position_row) in zip(pending, found):
+                hits = [self._hit(position, score) for score, position in zip(score_row, position_row)
+                        if position >= 0]  # IVF: -1 past the vectors in the buckets searched
+                if group_by is not None:
+                    hits = _best_of_groups(hits, group_by)
+                    if len(hits) < wanted and depth < live:
+                        short.append(q)
+                rows[q] = hits
+            pending = short
+            depth = min(depth * 4, live)
         out = []
-        for row, (score_row, position_row) in enumerate(found):
-            hits = []
-            for score, position in zip(score_row, position_row):
-                if position < 0:  # IVF: fewer than `depth` vectors in the buckets searched
-                    continue
-                record = self.records[int(position)]
-                hits.append(Hit(record["id"], float(score), record["text"], record.get("metadata")))
+        for q, hits in enumerate(rows):
             if reranker is not None:
                 head, tail = hits[:candidates], hits[candidates:]
-                ranked = reranker.rank(texts[row], [h.text for h in head]) if head else []
+                ranked = reranker.rank(texts[q], [h.text for h in head]) if head else []
                 hits = [head[r["corpus_id"]]._replace(score=float(r["score"])) for r in ranked] + tail
             out.append(hits[:top_k])
         return out[0] if single else out
+
+    def _hit(self, position, score) -> Hit:
+        record = self.records[int(position)]
+        return Hit(record["id"], float(score), record["text"], record.get("metadata"))
 
     def _search_params(self, faiss, depth, ef_search, nprobe, allowed):
         if self.info["kind"] == "hnsw":
@@ -886,6 +910,18 @@ class SearchIndex:
     def close(self) -> None:
         """Releases the memory map of the records file."""
         self.records.close()
+
+
+def _best_of_groups(hits: List[Hit], key: str) -> List[Hit]:
+    """The first (best) hit of each value of metadata `key`, in order."""
+    seen, out = set(), []
+    for hit in hits:
+        value = (hit.metadata or {}).get(key, ("no group", hit.id))
+        value = json.dumps(value, sort_keys=True, default=str) if isinstance(value, (dict, list)) else value
+        if value not in seen:
+            seen.add(value)
+            out.append(hit)
+    return out
 
 
 def manifest_exists(index_dir: str) -> bool:
