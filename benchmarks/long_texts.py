@@ -1,6 +1,7 @@
-"""Long documents: `Embedder.encode(long_texts="mean")` (the mean of consecutive windows' vectors) beside
-truncation (the first `max_length` tokens, what sentence-transformers does), as retrieval on Korean court
-decisions.
+"""Long documents: `Embedder.encode(long_texts="mean")` (the mean of consecutive windows' vectors) and passages
+(`kbert.split_documents`: whole sentences packed to `max_length`, one sentence of overlap; a decision scores as
+its best passage, what `SearchIndex.search(..., group_by="document")` ranks by) beside truncation (the first
+`max_length` tokens, what sentence-transformers does), as retrieval on Korean court decisions.
 
 Each decision's issue summary (판시사항) is a query; the documents are the decisions' reasoning (the 판례내용
 section, from 【이    유】 on: the court's argument, thousands of characters, with the summary and the
@@ -78,17 +79,28 @@ def main():
     print("\n| documents read as | max_length | recall@1 | recall@10 | MRR@10 | seconds |")
     print("|---|---:|---:|---:|---:|---:|")
     for length in lengths:
-        for mode in ("truncate", "mean"):
+        for mode in ("truncate", "mean", "passages"):
             start = time.perf_counter()
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # truncation's own count
-                d = emb.encode(docs, max_length=length, long_texts=mode, progress=False)
+                if mode == "passages":  # each decision as passages, scored by its best one
+                    parts = kbert.split_documents(docs, emb, max_tokens=length, overlap=1)
+                    p = emb.encode(parts.texts, max_length=length, progress=False)
+                    owner = np.array([m["document"] for m in parts.metadata])
+                else:
+                    d = emb.encode(docs, max_length=length, long_texts=mode, progress=False)
             seconds = time.perf_counter() - start
-            scores = q @ d.T
+            if mode == "passages":  # what SearchIndex.search(..., group_by="document") ranks by (tested equal)
+                scores = np.full((len(q), len(docs)), -np.inf, np.float32)
+                for j in range(len(docs)):
+                    scores[:, j] = (q @ p[owner == j].T).max(axis=1)
+            else:
+                scores = q @ d.T
             rank = (scores > scores[np.arange(len(q)), np.arange(len(q))][:, None]).sum(axis=1)  # 0 = first
             r1, r10 = np.mean(rank == 0), np.mean(rank < 10)
             mrr = np.mean(np.where(rank < 10, 1.0 / (rank + 1), 0.0))
-            name = "first tokens (truncate)" if mode == "truncate" else "mean of windows"
+            name = {"truncate": "first tokens (truncate)", "mean": "mean of windows",
+                    "passages": "passages of whole sentences, the best one"}[mode]
             print(f"| {name} | {length} | {r1:.3f} | {r10:.3f} | {mrr:.3f} | {seconds:.1f} |", flush=True)
 
 

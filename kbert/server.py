@@ -44,7 +44,8 @@ Routes (JSON in and out; errors are `{"error": {"message", "type", "code"}}` wit
     POST /v1/search       a `kbert.SearchIndex` given at start (`kbert serve --index DIR`; the served model must
                           encode as the one that built it): {"query": str | [str], "top_k"?: int (default 10),
                           "ef_search"?: int, "nprobe"?: int, "lexical"?: number in [0, 1] (hybrid search, an
-                          index built with lexical=True), "where"?: {metadata key: value or [values]}} ->
+                          index built with lexical=True), "where"?: {metadata key: value or [values]},
+                          "group_by"?: a metadata key ("document": one passage per document)} ->
                           {"data": [{"index", "hits": [{"id", "score",
                           "text", "metadata"?}]}]}, best first; the queries are batched with other requests' texts
     GET  /health          200 {"status": "ok"} once the model has run once; 503 {"status": "loading"} before
@@ -116,14 +117,14 @@ class Engine:
         # one copy of the weights: a task dir's model serves its vectors too
         self.embedder = (self.task_model.embedder if self.task_model and self.task_model.embedder
                          else Embedder.load(self.model_dir))
-        # XLA for sentence vectors, a new batch shape compiled off the request path (kbert.embed.embedder)
-        self.embedder.jit_compile = "background" if jit_compile else False
-        self.max_length = self.embedder.max_length or float("inf")  # a static model may keep every token
         self.search_index = None  # /v1/search's index, checked against the model served (its probe sentence)
-        if index is not None:
+        if index is not None:  # before background compilation: a refused index leaves no compiling thread behind
             from kbert.embed.index import SearchIndex
 
             self.search_index = SearchIndex.load(index, model=self.embedder)
+        # XLA for sentence vectors, a new batch shape compiled off the request path (kbert.embed.embedder)
+        self.embedder.jit_compile = "background" if jit_compile else False
+        self.max_length = self.embedder.max_length or float("inf")  # a static model may keep every token
         self.max_batch_tokens, self.max_wait = int(max_batch_tokens), float(max_wait_ms) / 1000.0
         self.max_queue, self.batch_size = int(max_queue), int(batch_size)
         self._jobs: "list[_Job]" = []
@@ -638,12 +639,15 @@ def build_app(model: str, max_batch_tokens: int = 8192, max_wait_ms: float = 5.0
         if where is not None and (not isinstance(where, dict) or not all(
                 isinstance(v, (str, int, float, bool, list)) for v in where.values())):
             raise HTTPError(400, "`where` must be an object of metadata values (or lists of values)")
+        group_by = data.get("group_by")
+        if group_by is not None and not isinstance(group_by, str):
+            raise HTTPError(400, "`group_by` must be a metadata key (a string)")
         if weight and not found.info.get("lexical"):
             raise HTTPError(400, "`lexical` needs an index built with lexical=True (kbert index build --lexical)")
         vectors = await engine.run("query", queries, {}, timeout=timeout_s, ticket=ticket)
         # off the event loop: FAISS frees the GIL while it searches
         hits = await asyncio.to_thread(found.search, queries, query_vectors=np.asarray(vectors), lexical=weight,
-                                       where=where, **settings)
+                                       where=where, group_by=group_by, **settings)
         engine.metrics.texts.labels("/v1/search").inc(len(queries))
         return {"data": [{"index": i, "hits": [dict({"id": h.id, "score": h.score, "text": h.text},
                                                     **({"metadata": h.metadata} if h.metadata else {}))

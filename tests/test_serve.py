@@ -504,9 +504,11 @@ def test_search_serves_an_index_built_with_the_model(dirs, tmp_path):
             [[h.id for h in row] for row in index.search(queries, top_k=3, lexical=0.6)]
         kept = client.post("/v1/search", json={"query": queries, "top_k": 3, "where": {"조": [10, 11, 12]}})
         assert all({h["id"] for h in row["hits"]} == {"L10", "L11", "L12"} for row in kept.json()["data"])
+        grouped = client.post("/v1/search", json={"query": queries[0], "top_k": 4, "group_by": "조"}).json()["data"]
+        assert [h["id"] for h in grouped[0]["hits"]] == [h.id for h in index.search(queries[0], top_k=4)]
         bad = client.post("/v1/search", json={"query": queries[0], "top_k": 0})
         assert bad.status_code == 400 and "`top_k` must be an integer" in bad.json()["error"]["message"]
-        assert 'kbert_requests_total{route="/v1/search",status="200"} 4.0' in client.get("/metrics").text
+        assert 'kbert_requests_total{route="/v1/search",status="200"} 5.0' in client.get("/metrics").text
     with Running(build_app(model_dir)) as srv, httpx.Client(base_url=srv.url, timeout=60) as client:
         missing = client.post("/v1/search", json={"query": "국회"})
         assert missing.status_code == 404 and "--index DIR" in missing.json()["error"]["message"]
