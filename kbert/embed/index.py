@@ -77,6 +77,7 @@ DELETED = "deleted.npy"  # positions of deleted texts (int64), skipped by every 
 # A filtered search on an approximate index scores the allowed vectors exactly when there are at most this many:
 # HNSW's and IVF's beams, sized for the whole collection, find too few neighbours among a small allowed subset.
 EXACT_FILTERED = 20_000
+MASKS_KEPT = 32  # `where` dicts whose allowed positions are cached (one bool per text each)
 GROUP_DEPTH = 8  # with group_by, a first search reads this many hits per group wanted (deeper when short)
 _MAX_LEXICAL_SCORES = 1 << 24  # [queries, texts] lexical scores held at once (64 MB)
 KINDS = ("flat", "hnsw", "ivf")
@@ -718,6 +719,8 @@ class SearchIndex:
                     meta = record.get("metadata") or {}
                     return all(k in meta and meta[k] in allowed for k, allowed in wanted.items())
                 cached = (total, np.fromiter((matches(self.records[p]) for p in range(total)), bool, total))
+                if len(self._masks) >= MASKS_KEPT:  # a server's clients choose the filters: the oldest goes
+                    self._masks.pop(next(iter(self._masks)))
                 self._masks[key] = cached
             mask = cached[1]
         else:
@@ -747,7 +750,8 @@ class SearchIndex:
             with other work); the texts are then read only by `lexical` and `reranker`.
         where: only texts whose metadata match: {"법": "민법"} (equal), {"연도": [2023, 2024]} (any of), or a
             function of the record dict ({"id", "text", "metadata"}) that returns True for those to keep.
-            A dict's matches are cached until texts are added. On an approximate index a filter that leaves at
+            A dict's matches are cached until texts are added; a function reads every record at every search
+            (slow on a large collection). On an approximate index a filter that leaves at
             most `EXACT_FILTERED` texts scores them exactly (a graph's beam would find too few of them).
         group_by: a metadata key (for passages of `kbert.split_documents`: "document"): only the best hit of
             each value comes back (hits without the key are each their own group), so `top_k` hits are
