@@ -55,6 +55,7 @@ import os
 import re
 import shutil
 import sys
+import threading
 import warnings
 from collections import namedtuple
 from typing import Iterable, List, Optional, Sequence, Union
@@ -313,6 +314,7 @@ class SearchIndex:
         self.deleted = set()  # positions left out of every search (`delete`)
         self._masks = {}  # `where` filters (as JSON) -> (count, allowed positions [ntotal] bool)
         self._positions = None  # id -> position, built by the first `delete` of an index with its own ids
+        self._lock = threading.Lock()
 
     # ----------------------------------------------------------------- building
     @classmethod
@@ -898,9 +900,10 @@ class SearchIndex:
         """The stored (unit) vectors at `positions` `[len, dim]` (decoded from float16 / int8 storage)."""
         faiss = _faiss()
         if self.info["kind"] == "ivf":
-            ivf = faiss.extract_index_ivf(self.index)
-            if ivf.direct_map.type == faiss.DirectMap.NoMap:
-                ivf.make_direct_map()
+            with self._lock:  # a server's threads may meet the first filtered search together
+                ivf = faiss.extract_index_ivf(self.index)
+                if ivf.direct_map.type == faiss.DirectMap.NoMap:
+                    ivf.make_direct_map()  # IVF finds a vector by its position only through this map
         return self.index.reconstruct_batch(np.ascontiguousarray(positions, np.int64))
 
     def get(self, position: int) -> Hit:
