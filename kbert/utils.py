@@ -173,6 +173,15 @@ def softmax(x, axis: int = -1):
     return z / np.sum(z, axis=axis, keepdims=True)
 
 
+def unit_rows(x):
+    """x as C-contiguous float32 with each vector (the last axis) scaled to unit length, so dot products are
+    cosines; a zero vector stays zero. C order because FAISS reads the buffer as it lies."""
+    import numpy as np
+
+    x = np.asarray(x, np.float32)
+    return np.ascontiguousarray(x / np.maximum(np.linalg.norm(x, axis=-1, keepdims=True), 1e-12))
+
+
 def rank(x):
     """Ranks from 1 (a float array) with ties sharing their average rank (as scipy.stats.rankdata)."""
     import numpy as np  # here: this module is imported by the command line's start-up, which numpy would slow

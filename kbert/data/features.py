@@ -10,6 +10,8 @@ from typing import List, Optional
 
 import numpy as np
 
+from kbert.utils import unit_rows
+
 
 def text_list(texts) -> list:
     """`texts` as a list of str/bytes (one string becomes a list of one), or a TypeError naming what was
@@ -153,7 +155,7 @@ def unit_vectors_in_batches(call, id_lists, pad_id: int, batch_size: int) -> np.
         ids = pad(id_lists[start:start + batch_size], pad_id)
         vectors.append(call(ids, np.zeros_like(ids)))
     out = np.concatenate(vectors) if vectors else np.zeros((0, 0), np.float32)
-    return out / np.maximum(np.linalg.norm(out, axis=1, keepdims=True), 1e-12)
+    return unit_rows(out)
 
 
 def build_network(network, tokenizer) -> None:

@@ -37,7 +37,7 @@ from kbert.compiled import backend, compiled, data_parallel, replicate, signatur
 from kbert.embed.onnx_runtime import DENSE_FILE, GRAPH_FILE, TOKENIZER_DIR, feeds, is_onnx_dir, read_dense, read_info
 from kbert.embed.onnx_runtime import session as onnx_session
 from kbert.models.st_dir import check_prompts
-from kbert.utils import progress_bar
+from kbert.utils import progress_bar, unit_rows
 from kbert.models.pooling import (PACKED_POOLINGS, POOLINGS, check_pooling, layer_average, pool,  # noqa: F401
                                   pool_packed)
 
@@ -678,7 +678,7 @@ class Embedder:
         a, b = np.atleast_2d(np.asarray(a, np.float32)), np.atleast_2d(np.asarray(b, np.float32))
         if a.shape[1] != b.shape[1]:
             raise ValueError(f"Vector sizes differ: {a.shape[1]} and {b.shape[1]}")
-        return _unit(a) @ _unit(b).T
+        return unit_rows(a) @ unit_rows(b).T
 
     def search(self, queries, corpus, top_k: int = 5, index: str = "exact", lexical: float = 0.0,
                corpus_vectors: Optional[np.ndarray] = None, reranker=None, candidates: int = 100,
@@ -738,8 +738,8 @@ class Embedder:
         if corpus_vectors is not None:
             raise ValueError("`corpus_vectors` goes with `lexical` (the texts for TF-IDF, the vectors for the "
                              "cosine); without it pass the vectors as `corpus`")
-        q = _unit(self._as_vectors(queries, encode_options, "query"))
-        c = _unit(self._as_vectors(corpus, encode_options, "document"))
+        q = unit_rows(self._as_vectors(queries, encode_options, "query"))
+        c = unit_rows(self._as_vectors(corpus, encode_options, "document"))
         k = min(top_k, c.shape[0])
         if index == "faiss":
             try:
@@ -760,9 +760,9 @@ class Embedder:
 
         if precision is not None:
             check_precision(precision)
-        q = _unit(self._as_vectors(queries, encode_options, "query"))
+        q = unit_rows(self._as_vectors(queries, encode_options, "query"))
         if not quantized:  # texts or float vectors
-            vectors = _unit(self._as_vectors(corpus, encode_options, "document"))
+            vectors = unit_rows(self._as_vectors(corpus, encode_options, "document"))
             if precision in ("int8", "uint8") and ranges is None:
                 ranges = quantization_ranges(vectors)  # the corpus' own, for its codes and their scoring
             corpus = quantize_embeddings(vectors, precision, ranges)
@@ -784,8 +784,8 @@ class Embedder:
         scores = lexical * lexical_scores(queries, corpus)
         if lexical < 1:
             vectors = corpus_vectors if corpus_vectors is not None else corpus
-            scores += (1 - lexical) * (_unit(self._as_vectors(queries, encode_options, "query"))
-                                       @ _unit(self._as_vectors(vectors, encode_options, "document")).T)
+            scores += (1 - lexical) * (unit_rows(self._as_vectors(queries, encode_options, "query"))
+                                       @ unit_rows(self._as_vectors(vectors, encode_options, "document")).T)
         hits = _best(scores, min(top_k, len(corpus)))
         return hits[0] if single else hits
 
@@ -1013,8 +1013,3 @@ def _best(scores: np.ndarray, k: int):
     corpus order)."""
     best = np.argsort(-scores, axis=1, kind="stable")[:, :k]
     return [[(int(j), float(scores[i, j])) for j in row] for i, row in enumerate(best)]
-
-
-def _unit(x) -> np.ndarray:
-    x = np.atleast_2d(np.asarray(x, np.float32))
-    return x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)

@@ -26,7 +26,7 @@ from typing import Dict, Iterable, Sequence
 import numpy as np
 
 from kbert.data.features import text_list
-from kbert.utils import pair_classification_figures, pearson, spearman
+from kbert.utils import pair_classification_figures, pearson, spearman, unit_rows
 
 
 def _embedder(model):
@@ -193,9 +193,7 @@ def evaluate_pair_classification(model, sentences1: Sequence[str], sentences2: S
 def pair_scores(a: np.ndarray, b: np.ndarray, similarity: str) -> np.ndarray:
     """Row-wise `similarity` of two `[pairs, dim]` float32 arrays (a distance for euclidean / manhattan)."""
     if similarity == "cosine":
-        a = a / np.maximum(np.linalg.norm(a, axis=1, keepdims=True), 1e-12)
-        b = b / np.maximum(np.linalg.norm(b, axis=1, keepdims=True), 1e-12)
-        return np.sum(a * b, axis=1)
+        return np.sum(unit_rows(a) * unit_rows(b), axis=1)
     if similarity == "dot":
         return np.sum(a * b, axis=1)
     if similarity == "euclidean":

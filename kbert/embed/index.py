@@ -63,7 +63,7 @@ from typing import Iterable, List, Optional, Sequence, Union
 import numpy as np
 
 from kbert.data.features import text_list
-from kbert.utils import progress_bar
+from kbert.utils import progress_bar, unit_rows
 
 FORMAT = 1
 MANIFEST = "kbert_index.json"
@@ -154,11 +154,6 @@ def default_nprobe(nlist: int) -> int:
     return min(nlist, max(8, nlist // 8))
 
 
-def _unit(x) -> np.ndarray:
-    x = np.atleast_2d(np.asarray(x, np.float32))
-    return np.ascontiguousarray(x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12))
-
-
 def _write_atomic(path: str, write) -> None:
     """`write(tmp_path)`, then the file renamed into place: a reader never sees half a file."""
     tmp = path + ".tmp"
@@ -188,8 +183,12 @@ def _read_json_lines(path: str) -> list:
         return [json.loads(line) for line in f]
 
 
+def _record_line(record) -> bytes:
+    return json.dumps(record, ensure_ascii=False).encode("utf-8") + b"\n"
+
+
 def _record_lines(records) -> bytes:
-    return b"".join(json.dumps(r, ensure_ascii=False).encode("utf-8") + b"\n" for r in records)
+    return b"".join(map(_record_line, records))
 
 
 class _Records:
@@ -232,7 +231,7 @@ class _Records:
         else:
             with open(target, "r+b") as f:  # cut anything past the saved records (an interrupted save)
                 f.truncate(int(self.offsets[-1]))
-        lines = [json.dumps(r, ensure_ascii=False).encode("utf-8") + b"\n" for r in self.pending]
+        lines = [_record_line(r) for r in self.pending]
         with open(target, "ab") as f:
             f.write(b"".join(lines))
         sizes = np.array([len(line) for line in lines], np.int64)
@@ -501,7 +500,7 @@ class SearchIndex:
         ids and metadata. Queries are vectors unless `model` (a dir or an Embedder) encodes them; `save(dir)`
         writes it. lexical: keep the texts' character n-gram TF-IDF for hybrid search, as `build`."""
         faiss = _faiss()
-        vectors = _unit(vectors)
+        vectors = unit_rows(np.atleast_2d(vectors))
         count, width = vectors.shape
         if count == 0:
             raise ValueError("no vectors to index")
@@ -660,7 +659,7 @@ class SearchIndex:
             vectorizer, rows = self.lexical_rows()
             self._lexical = (vectorizer, scipy.sparse.vstack([rows, vectorizer.transform(texts)], format="csr"))
             self._lexical_changed = True
-        self.index.add(_unit(vectors))
+        self.index.add(unit_rows(np.atleast_2d(vectors)))
         self.records.pending.extend(records)
         if given:
             self._id_set.update(r["id"] for r in records)
@@ -770,7 +769,7 @@ class SearchIndex:
         if isinstance(queries, np.ndarray):
             if reranker is not None or lexical:
                 raise ValueError("`reranker` and `lexical` read the query texts: pass texts, not vectors")
-            vectors = _unit(queries)
+            vectors = unit_rows(np.atleast_2d(queries))
             if vectors.shape[1] != self.info["dimension"]:
                 raise ValueError(f"query vectors are {vectors.shape[1]} wide; this index holds "
                                  f"{self.info['dimension']}-wide vectors")
@@ -779,12 +778,12 @@ class SearchIndex:
             texts = text_list(queries)
             vectors = np.zeros((0, self.info["dimension"]), np.float32)
             if query_vectors is not None:
-                vectors = _unit(query_vectors)
+                vectors = unit_rows(np.atleast_2d(query_vectors))
                 if vectors.shape != (len(texts), self.info["dimension"]):
                     raise ValueError(f"`query_vectors` is {vectors.shape}; expected ({len(texts)}, "
                                      f"{self.info['dimension']}) for these queries")
             elif texts and lexical < 1:
-                vectors = _unit(self.encode_queries(texts, batch_size))
+                vectors = unit_rows(self.encode_queries(texts, batch_size))
         wide = reranker is not None or lexical
         allowed = self._allowed(where)
         live = len(self) if allowed is None else int(allowed.sum())

@@ -28,6 +28,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from kbert.data.features import str_list
+from kbert.utils import unit_rows
 
 # Noun tags of the analyzers kbert wraps: Sejong tags (mecab, kiwi, komoran, kkma: common and proper nouns,
 # Latin-alphabet words, Chinese characters; kkma writes the last two OL and OH), okt's Noun and Alpha, and
@@ -95,10 +96,6 @@ def keyphrase_candidates(texts: Union[str, Sequence[str]], analyzer="mecab", ngr
     analyzed = batch(items) if batch is not None and len(items) > 1 else [analyze(t) for t in items]
     out = [_phrases(t, m, span, frozenset(tags), stops) for t, m in zip(items, analyzed)]
     return out[0] if single else out
-
-
-def _unit(x: np.ndarray) -> np.ndarray:
-    return x / np.maximum(np.linalg.norm(x, axis=-1, keepdims=True), 1e-12)
 
 
 def _mmr(doc_sim: np.ndarray, cand_sim: np.ndarray, top_n: int, diversity: float) -> List[int]:
@@ -199,7 +196,7 @@ def keywords(model, docs: Union[str, Sequence[str]], top_n: int = 5, ngram_range
     options = dict(encode_options, progress=progress)
     doc_vectors = embedder.encode(items, **options) if items else None
     index = {p: i for i, p in enumerate(phrases)}
-    phrase_vectors = _unit(embedder.encode(phrases, **options)) if phrases else None
+    phrase_vectors = unit_rows(embedder.encode(phrases, **options)) if phrases else None
     if seeds is not None:
         words = list(dict.fromkeys(w for s in seeds for w in s))
         word_vectors = embedder.encode(words, **options)
@@ -212,7 +209,7 @@ def keywords(model, docs: Union[str, Sequence[str]], top_n: int = 5, ngram_range
             out.append([])
             continue
         vectors = phrase_vectors[[index[p] for p in found]]  # [c, dim], unit
-        doc_sim = vectors @ _unit(doc_vectors[i])  # [c]
+        doc_sim = vectors @ unit_rows(doc_vectors[i])  # [c]
         if diversity is not None:
             chosen = _mmr(doc_sim, vectors @ vectors.T, top_n, float(diversity))
         elif nr_candidates is not None:

@@ -32,15 +32,10 @@ import numpy as np
 
 from kbert.data.features import text_list
 from kbert.data.rows import read_rows, text_cell
-from kbert.utils import progress_bar
+from kbert.utils import progress_bar, unit_rows
 
 SAMPLINGS = ("top", "random")
 _MAX_SCORES = 1 << 26  # scores held at once, [chunk, corpus] float32: 256 MB
-
-
-def _unit(x: np.ndarray) -> np.ndarray:
-    x = np.asarray(x, np.float32)
-    return x / np.maximum(np.linalg.norm(x, axis=-1, keepdims=True), 1e-12)
 
 
 def _check_settings(num_negatives, range_min, range_max, margin, relative_margin, max_score, sampling, lexical):
@@ -224,13 +219,13 @@ def _scorer(embedder, anchors, positives, corpus, lexical, progress):
     elif embedder.role_prompt("query") == embedder.role_prompt("document"):  # one encoding a text
         texts = list(dict.fromkeys(docs + anchors))
         at = {t: i for i, t in enumerate(texts)}
-        vectors = _unit(embedder.encode_document(texts, progress=progress))
+        vectors = unit_rows(embedder.encode_document(texts, progress=progress))
         a_vectors, d_vectors = vectors[[at[t] for t in anchors]], vectors[:len(docs)]
     else:  # anchors with the model's query prompt, positives and candidates with its document prompt (E5)
-        d_vectors = _unit(embedder.encode_document(docs, progress=progress))
+        d_vectors = unit_rows(embedder.encode_document(docs, progress=progress))
         distinct = list(dict.fromkeys(anchors))
         at = {t: i for i, t in enumerate(distinct)}
-        a_vectors = _unit(embedder.encode_query(distinct, progress=progress))[[at[t] for t in anchors]]
+        a_vectors = unit_rows(embedder.encode_query(distinct, progress=progress))[[at[t] for t in anchors]]
     at = {t: i for i, t in enumerate(docs)}
     p_vectors, c_vectors = d_vectors[[at[t] for t in positives]], d_vectors[[at[t] for t in corpus]]
     vectorizer = None
@@ -270,7 +265,7 @@ def _self_scorer(model, texts, lexical, progress, encode_options):
     if isinstance(texts, np.ndarray):
         if lexical:
             raise ValueError("`lexical` scores character n-grams: pass the texts, not vectors")
-        vectors = _unit(np.atleast_2d(texts))
+        vectors = unit_rows(np.atleast_2d(texts))
     else:
         texts = text_list(texts)
         if lexical >= 1 or not texts:  # TF-IDF alone (no model: the dense part is 0), or nothing to encode
@@ -282,7 +277,7 @@ def _self_scorer(model, texts, lexical, progress, encode_options):
             from kbert.embed.embedder import Embedder  # here: vectors given need no model (nor TensorFlow)
 
             embedder = model if isinstance(model, Embedder) else Embedder.load(model)
-            vectors = _unit(embedder.encode(texts, progress=progress, **encode_options))
+            vectors = unit_rows(embedder.encode(texts, progress=progress, **encode_options))
     n = len(texts)
     sparse = None
     if lexical and n:
