@@ -604,7 +604,7 @@ def member_command(args, k):
            "--seed", str(args.seed + k), "--only", "embeddings", "--rows", ENSEMBLE_ROW,
            "--sts-seeds", str(args.sts_seeds), "--precision", args.precision, "--objective", args.objective,
            "--embedding-init", args.embedding_init, "--morphemes", args.morphemes,
-           "--simcse-lines", str(args.simcse_lines), "--simcse-lr", str(args.simcse_lr)]
+           "--vocab-size", str(args.vocab_size), "--simcse-lines", str(args.simcse_lines), "--simcse-lr", str(args.simcse_lr)]
     cmd += ["--steps", str(max(1, args.steps // n))] if args.steps else ["--minutes", f"{args.minutes / n:g}"]
     if args.learning_rate:
         cmd += ["--learning-rate", str(args.learning_rate)]
@@ -810,6 +810,9 @@ def main():
     parser.add_argument("--morphemes", choices=("none", "mecab", "kiwi", "okt"), default="none",
                         help="split eojeols into morphemes before the subword vocabulary (kbert.Tokenizer.train's "
                              "morphemes; the JVM analyzers are too slow for 30M characters); none: plain SentencePiece unigram")
+    parser.add_argument("--vocab-size", type=int, default=16000,
+                        help="unigram vocabulary size (8,000 with --small); a larger vocabulary keeps more content "
+                             "words whole, at a larger embedding table")
     parser.add_argument("--embedding-init", choices=("cooccurrence", "random"), default="cooccurrence",
                         help="token embeddings to start pretraining from (trainer.embedding_init)")
     parser.add_argument("--learning-rate", type=float, default=None,
@@ -889,12 +892,15 @@ def main():
 
     def vocabulary():
         lines = (s for doc in kbert.corpus(text) for s in doc)
-        tok = kbert.Tokenizer.train(lines, vocab_size=8000 if args.small else 16000, max_sentences=600_000,
+        tok = kbert.Tokenizer.train(lines, vocab_size=8000 if args.small else args.vocab_size, max_sentences=600_000,
                                     morphemes=morphemes, progress=False, seed=args.seed)
         tok.save(tok_dir)
         return {"vocab_size": tok.vocab_size, "morphemes": args.morphemes}
 
     vocab = stage(args.out, "vocabulary", vocabulary)
+    if not args.small and vocab["vocab_size"] != args.vocab_size:
+        sys.exit(f"{args.out} holds a {vocab['vocab_size']}-piece vocabulary, not --vocab-size {args.vocab_size}: "
+                 "pass another --out to keep the cached stages consistent")
     # every later stage is cached on top of this vocabulary: another analyzer needs another --out
     if vocab.get("morphemes", "none") != args.morphemes:
         sys.exit(f"{args.out} holds a vocabulary trained with --morphemes {vocab.get('morphemes', 'none')}, not "
