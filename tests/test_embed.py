@@ -635,9 +635,11 @@ def test_quality_ensemble_averages_cosines_and_scores_candidates_on_the_training
 
     args = argparse.Namespace(pretrain_seeds=2, out="/tmp/q", seed=3, shared="/data", sts_seeds=1, steps=5574,
                               minutes=55.0, precision="float32", objective="mlm", embedding_init="cooccurrence",
-                              morphemes="none", simcse_lines=50000, simcse_lr=1e-4, learning_rate=None, small=False)
+                              morphemes="none", vocab_size=32000, simcse_lines=50000, simcse_lr=1e-4,
+                              learning_rate=None, small=False)
     cmd = quality.member_command(args, 1)
     assert cmd[cmd.index("--steps") + 1] == "2787" and cmd[cmd.index("--seed") + 1] == "4"
+    assert cmd[cmd.index("--vocab-size") + 1] == "32000"  # every member trains its vocabulary at the size given
     assert cmd[cmd.index("--out") + 1] == quality.member_dir(args, 1) == os.path.join("/tmp/q", "pretrain-seed4")
     assert cmd[cmd.index("--rows") + 1] == quality.ENSEMBLE_ROW and "--minutes" not in cmd
 
