@@ -603,8 +603,8 @@ def member_command(args, k):
     cmd = [sys.executable, os.path.abspath(__file__), "--shared", args.shared, "--out", out,
            "--seed", str(args.seed + k), "--only", "embeddings", "--rows", ENSEMBLE_ROW,
            "--sts-seeds", str(args.sts_seeds), "--precision", args.precision, "--objective", args.objective,
-           "--embedding-init", args.embedding_init, "--morphemes", args.morphemes,
-           "--vocab-size", str(args.vocab_size), "--simcse-lines", str(args.simcse_lines), "--simcse-lr", str(args.simcse_lr)]
+           "--embedding-init", args.embedding_init, "--morphemes", args.morphemes, "--vocab-size", str(args.vocab_size),
+           "--simcse-lines", str(args.simcse_lines), "--simcse-lr", str(args.simcse_lr)]
     cmd += ["--steps", str(max(1, args.steps // n))] if args.steps else ["--minutes", f"{args.minutes / n:g}"]
     if args.learning_rate:
         cmd += ["--learning-rate", str(args.learning_rate)]
