@@ -134,20 +134,14 @@ def read_sts(path):
     return [dict(zip(header, r)) for r in rows if len(r) == len(header)]
 
 
-def char_tfidf():
-    """The lexical baseline's vectorizer: TF-IDF of character 1-3-grams within words, sublinear counts."""
-    from sklearn.feature_extraction.text import TfidfVectorizer
-
-    return TfidfVectorizer(analyzer="char_wb", ngram_range=(1, 3), sublinear_tf=True)
-
-
 def tfidf_sts(train, dev):
     import numpy as np
 
     from kbert.train.metrics import spearman
 
-    vec = char_tfidf()
-    vec.fit([r[c] for r in train for c in ("sentence1", "sentence2")])
+    from kbert.embed.lexical import char_tfidf  # the lexical baseline: character 1-3-grams in words, sublinear TF
+
+    vec = char_tfidf([r[c] for r in train for c in ("sentence1", "sentence2")])
     a, b = vec.transform([r["sentence1"] for r in dev]), vec.transform([r["sentence2"] for r in dev])
     cos = np.asarray(a.multiply(b).sum(axis=1)).ravel()
     return spearman(cos, [float(r["score"]) for r in dev])
@@ -256,42 +250,21 @@ def print_scores(rows):
 
 def tfidf_encoder(sets):
     """TF-IDF character 1-3-grams fitted on the training-side sentences (unit rows, so a dot is a cosine)."""
-    vec = char_tfidf()
-    vec.fit([r[c] for r in sets["sts_fit"] for c in ("sentence1", "sentence2")]
-            + [q for r in sets["qp_fit"] for q in (r["question1"], r["question2"])])
+    from kbert.embed.lexical import char_tfidf
+
+    vec = char_tfidf([r[c] for r in sets["sts_fit"] for c in ("sentence1", "sentence2")]
+                     + [q for r in sets["qp_fit"] for q in (r["question1"], r["question2"])])
     return lambda texts: vec.transform(texts).toarray()
 
 
-def silver_candidates(rows, seed, neighbours=3, randoms=1):
-    """Unlabelled sentence pairs for the cross-encoder to score (Augmented SBERT's sampling): each distinct
-    sentence of `rows` (KorSTS pairs) with its `neighbours` nearest others by TF-IDF character 1-3-gram
-    cosine (pairs a random draw would almost never give: most random pairs are unrelated, score ~0) and
-    `randoms` random others; unordered, deduplicated, the labelled pairs left out."""
-    import random
+def silver_candidates(rows, seed):
+    """Augmented SBERT's unlabelled pairs for a teacher to score (`kbert.candidate_pairs`, its defaults: each
+    distinct sentence of `rows`, KorSTS pairs, with its 3 nearest others by TF-IDF character 1-3-gram cosine
+    and 1 random other), the labelled pairs left out."""
+    import kbert
 
-    import numpy as np
-
-    pool = sorted({r[c] for r in rows for c in ("sentence1", "sentence2")})
-    gold = {frozenset((r["sentence1"], r["sentence2"])) for r in rows}
-    vectors = char_tfidf().fit_transform(pool)
-    rng, seen, pairs = random.Random(seed), set(), []
-
-    def add(i, j):
-        key = frozenset((pool[i], pool[j]))
-        if i != j and key not in seen and key not in gold:
-            seen.add(key)
-            pairs.append((pool[i], pool[j]))
-
-    for start in range(0, len(pool), 1024):  # [1024, pool] cosines at a time
-        cos = (vectors[start:start + 1024] @ vectors.T).toarray()
-        for k, row in enumerate(cos):
-            i = start + k
-            row[i] = -1.0
-            for j in np.argpartition(-row, neighbours)[:neighbours]:
-                add(i, int(j))
-            for _ in range(randoms):
-                add(i, rng.randrange(len(pool)))
-    return pairs
+    return kbert.candidate_pairs([r[c] for r in rows for c in ("sentence1", "sentence2")], seed=seed,
+                                 exclude=[(r["sentence1"], r["sentence2"]) for r in rows])
 
 
 def cross_encoder_silver(out, name, model_dir, sets, seed, small):
@@ -542,21 +515,6 @@ def ensemble_encoder(encoders, weights=None):
                                         axis=1)
 
 
-def ensemble_silver(encode, rows, pairs):
-    """Augmented SBERT with an ensemble as the teacher: the cosine of `encode`'s vectors on each unlabelled pair,
-    mapped to the 0..5 scale of KorSTS by the least-squares line from cosine to score on the labelled `rows`
-    (the training pairs), clipped to 0..5. Returns the rows to train on: {sentence1, sentence2, score}."""
-    import numpy as np
-
-    def cosines(a, b):
-        return np.sum(encode(a) * encode(b), axis=1)
-
-    slope, intercept = np.polyfit(cosines([r["sentence1"] for r in rows], [r["sentence2"] for r in rows]),
-                                  [float(r["score"]) for r in rows], 1)
-    values = np.clip(slope * cosines([a for a, _ in pairs], [b for _, b in pairs]) + intercept, 0.0, 5.0)
-    return [{"sentence1": a, "sentence2": b, "score": round(float(v), 4)} for (a, b), v in zip(pairs, values)]
-
-
 LEXICAL_WEIGHTS = (0.1, 0.2, 0.3, 0.4, 0.5)
 
 
@@ -654,7 +612,7 @@ def ensemble_stages(args):
 
         def silver():
             pairs = silver_candidates(sets["sts_fit"], args.seed + i)[:2000 if args.small else None]
-            rows = ensemble_silver(encode, sets["sts_fit"], pairs)
+            rows = kbert.label_pairs(embedders, pairs, gold=sets["sts_fit"])  # mean cosine, on the 0..5 scale
             with open(silver_path, "w", encoding="utf-8") as f:
                 f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
             return {"silver_pairs": len(rows), "silver_mean": sum(r["score"] for r in rows) / len(rows)}

@@ -51,6 +51,8 @@ _EXPORTS = {
     "distill_static": "kbert.embed.static",
     "export_sentence_transformers": "kbert.embed.st_format",
     "mine_hard_negatives": "kbert.embed.mining",
+    "candidate_pairs": "kbert.embed.augment",
+    "label_pairs": "kbert.embed.augment",
     "paraphrase_mining": "kbert.embed.mining",
     "community_detection": "kbert.embed.mining",
     "keywords": "kbert.embed.keywords",

@@ -530,26 +530,81 @@ def test_hub_fetches_torch_weights_only_for_a_repo_without_safetensors(tmp_path,
                                                             "pytorch_model-00002-of-00002.bin"]
 
 
-def test_silver_candidates_pair_each_sentence_with_its_nearest_and_leave_out_gold_pairs():
-    """benchmarks/quality.py's Augmented SBERT sampling: nearest TF-IDF neighbours, never a sentence with
-    itself, a labelled pair or one pair twice (in either order)."""
-    import importlib.util
-    import os
-
-    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "quality.py")
-    spec = importlib.util.spec_from_file_location("quality_benchmark", path)
-    quality = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(quality)
+def test_candidate_pairs_pair_each_sentence_with_its_nearest_and_leave_out_excluded_pairs():
+    """Augmented SBERT's sampling (`kbert.candidate_pairs`): nearest TF-IDF neighbours, never a sentence with
+    itself, an excluded (labelled) pair in either order, or one pair twice; random draws are seeded."""
     a, a2, b, b2 = "서울 날씨가 맑다", "서울 날씨가 맑습니다", "축구 경기가 열렸다", "축구 경기가 열립니다"
-    rows = [{"sentence1": a, "sentence2": b}, {"sentence1": a2, "sentence2": b2}]
-    pairs = quality.silver_candidates(rows, seed=0, neighbours=1, randoms=0)
+    gold = [(a, b), (b2, a2)]
+    pairs = kbert.candidate_pairs([a, b, a2, b2, a], neighbours=1, randoms=0, exclude=gold, progress=False)
     keys = [frozenset(p) for p in pairs]
     assert set(keys) == {frozenset((a, a2)), frozenset((b, b2))}  # each sentence's nearest, found from both ends
-    assert len(keys) == len(set(keys))
-    with_random = quality.silver_candidates(rows, seed=0, neighbours=1, randoms=3)
+    assert len(keys) == len(set(keys)) and all(isinstance(p, tuple) and len(p) == 2 for p in pairs)
+    assert pairs[0] == tuple(sorted((a, a2)))  # sentences in sorted order, each with its nearest first
+    with_random = kbert.candidate_pairs([a, a2, b, b2], neighbours=1, randoms=3, exclude=gold, seed=2,
+                                        progress=False)
     keys = [frozenset(p) for p in with_random]
     assert len(keys) == len(set(keys)) and all(len(k) == 2 for k in keys)
-    assert not {frozenset((a, b)), frozenset((a2, b2))} & set(keys)
+    assert not {frozenset(g) for g in gold} & set(keys)
+    assert with_random == kbert.candidate_pairs([a, a2, b, b2], neighbours=1, randoms=3, exclude=gold, seed=2,
+                                                progress=False)
+    # more neighbours than other sentences: every other one; punctuation only (no n-gram): random draws still pair
+    assert len(kbert.candidate_pairs([a, a2, b], neighbours=9, randoms=0, progress=False)) == 3
+    assert len(kbert.candidate_pairs(["?", "!"], neighbours=1, randoms=1, progress=False)) == 1
+    for bad, match in [(dict(sentences=[a, a, " "]), "1 distinct non-empty"), (dict(sentences=a), "not one string"),
+                       (dict(sentences=[a, b], neighbours=-1), "`neighbours`"),
+                       (dict(sentences=[a, b], randoms=1.5), "`randoms`")]:
+        with pytest.raises(ValueError, match=match):
+            kbert.candidate_pairs(progress=False, **bad)
+
+
+class _AngleEmbedder:
+    """A stand-in model: each text a unit vector in 2-D at its angle x `turn` (what label_pairs calls of it)."""
+
+    angle = {"a": 0.0, "b": 0.5, "c": 1.0, "d": 2.0, "e": 3.0}
+
+    def __init__(self, turn):
+        self.turn, self.calls = turn, 0
+
+    def encode(self, texts, batch_size=64, progress=True):
+        self.calls += 1
+        return np.array([[np.cos(self.turn * self.angle[t]), np.sin(self.turn * self.angle[t])] for t in texts])
+
+    def cos(self, s, t):
+        return float(np.sum(self.encode([s]) * self.encode([t])))
+
+
+def test_label_pairs_put_the_teachers_mean_cosine_on_the_gold_labels_scale(tmp_path):
+    """`kbert.label_pairs`: the score is the mean of the teachers' cosines, mapped by the least-squares line from
+    cosine to label on the gold pairs and clipped to the labels' range; without gold the cosine itself."""
+    one, two = _AngleEmbedder(1.0), _AngleEmbedder(0.5)
+    gold = [{"sentence1": s, "sentence2": t, "score": str(2.0 + 3.0 * one.cos(s, t))} for s, t in
+            (("a", "b"), ("a", "c"), ("b", "d"), ("a", "d"))]
+    report = {}
+    silver = kbert.label_pairs(one, [("b", "c"), ("a", "e")], gold=gold, progress=False, report=report)
+    assert [(r["sentence1"], r["sentence2"]) for r in silver] == [("b", "c"), ("a", "e")]
+    high = max(float(g["score"]) for g in gold)
+    assert silver[0]["score"] == pytest.approx(min(2.0 + 3.0 * one.cos("b", "c"), high), abs=1e-3)
+    low = min(float(g["score"]) for g in gold)  # cos(0, 3) = -0.99: 2 - 2.97, under every gold label: clipped
+    assert silver[1]["score"] == pytest.approx(low, abs=1e-4) and report["clipped"] >= 1
+    assert report["slope"] == pytest.approx(3.0) and report["intercept"] == pytest.approx(2.0)
+    # an ensemble: the mean cosine (no gold: the cosine itself), rows in, named columns out, each text once
+    mean = (one.cos("b", "d") + two.cos("b", "d")) / 2
+    calls = two.calls
+    rows = kbert.label_pairs([one, two], [{"x": "b", "y": "d"}], text_column="x", pair_column="y",
+                             label_column="sim", progress=False)
+    assert two.calls == calls + 1  # one encode call per teacher model for all the pairs' texts
+    assert rows == [{"x": "b", "y": "d", "sim": pytest.approx(round(mean, 4))}]
+    path = tmp_path / "pairs.tsv"
+    path.write_text("sentence1\tsentence2\nb\td\n", encoding="utf-8")
+    assert kbert.label_pairs([one, two], str(path), progress=False)[0]["score"] == pytest.approx(round(mean, 4))
+    for bad, match in [(dict(teacher=[], pairs=[("a", "b")]), "empty list"),
+                       (dict(teacher=one, pairs=[]), "no pair"), (dict(teacher=one, pairs=[("a",)]), "two texts"),
+                       (dict(teacher=one, pairs=[("a", "b")], gold=gold[:1]), "at least 2 pairs"),
+                       (dict(teacher=one, pairs=[("a", "b")], gold=[dict(gold[0], score="high"), gold[1]]),
+                        "not a number"),
+                       (dict(teacher=one, pairs=[("a", "b")], batch_size=0), "`batch_size`")]:
+        with pytest.raises(ValueError, match=match):
+            kbert.label_pairs(progress=False, **bad)
 
 
 def test_weak_pairs_match_numbered_issues_to_holdings_and_statute_titles_to_their_purpose(tmp_path):
@@ -584,11 +639,11 @@ def test_weak_pairs_match_numbered_issues_to_holdings_and_statute_titles_to_thei
     assert quality.weak_pairs(str(tmp_path), seed=0) == rows  # seeded order
 
 
-def test_quality_ensemble_averages_cosines_and_scores_candidates_on_the_training_pairs_scale():
+def test_quality_ensemble_averages_cosines_and_plans_its_members():
     """benchmarks/quality.py's `--pretrain-seeds`: the ensemble's dot is the mean of its models' cosines (unit
-    vectors again), its silver scores follow the line from cosine to score fitted on the labelled pairs,
-    clipped to 0..5, a model mixed with TF-IDF takes the weight that ranks the selection pairs best, and each
-    pretraining gets its own seed, dir and 1/n of the steps."""
+    vectors again; its silver scores are `kbert.label_pairs`', tested above), a model mixed with TF-IDF takes
+    the weight that ranks the selection pairs best, and each pretraining gets its own seed, dir and 1/n of the
+    steps."""
     import argparse
     import importlib.util
     import os
@@ -610,14 +665,6 @@ def test_quality_ensemble_averages_cosines_and_scores_candidates_on_the_training
     np.testing.assert_allclose(np.linalg.norm(x, axis=1), 1.0, rtol=1e-6)
     mean_cos = (np.sum(one(["a", "b", "d"]) * one(["c", "e", "a"]), 1) + np.sum(two(["a", "b", "d"]) * two(["c", "e", "a"]), 1)) / 2
     np.testing.assert_allclose(np.sum(x * y, axis=1), mean_cos, rtol=1e-6)
-
-    cos = lambda s, t: float(np.sum(one([s]) * one([t])))  # noqa: E731
-    rows = [{"sentence1": s, "sentence2": t, "score": str(2.0 + 3.0 * cos(s, t))} for s, t in
-            (("a", "b"), ("a", "c"), ("b", "d"), ("a", "d"))]
-    silver = quality.ensemble_silver(one, rows, [("b", "c"), ("a", "e")])
-    assert [(r["sentence1"], r["sentence2"]) for r in silver] == [("b", "c"), ("a", "e")]
-    assert silver[0]["score"] == pytest.approx(min(5.0, 2.0 + 3.0 * cos("b", "c")), abs=1e-3)
-    assert silver[1]["score"] == pytest.approx(0.0)  # cos(0, 3) = -0.99: 2 - 2.97 < 0, clipped
 
     # dense + lexical as one vector: its dot is (1 - w) x one's cosine + w x two's; the weight is the one whose
     # mix ranks the scored pairs best (here the pairs were scored by the mix at 0.3 itself)

@@ -1013,6 +1013,37 @@ def test_negatives_mined_by_the_model_train_a_bi_encoder(base, tmp_path):
     assert summary["steps"] == 3 and all(np.isfinite(h["train_loss"]) for h in summary["history"])
 
 
+def test_candidate_pairs_scored_by_a_teacher_dir_train_a_student(base, tmp_path):
+    """Augmented SBERT from model dirs: KorSTS sentences paired by `kbert.candidate_pairs`, scored by
+    `kbert.label_pairs` with a dir (and a two-dir ensemble of it, which scores the same) on the gold labels'
+    scale, the gold line checked by hand; the rows train a bi-encoder as they are."""
+    import csv
+
+    with open(os.path.join(KORSTS, "sts-train.tsv"), encoding="utf-8") as f:
+        gold = list(csv.DictReader(f, delimiter="\t", quoting=csv.QUOTE_NONE))[:60]
+    pairs = kbert.candidate_pairs([r[c] for r in gold for c in ("sentence1", "sentence2")], seed=0, progress=False,
+                                  exclude=[(r["sentence1"], r["sentence2"]) for r in gold])
+    assert len(pairs) > len(gold)
+    report = {}
+    silver = kbert.label_pairs(base, pairs, gold=gold, progress=False, report=report)
+    emb = kbert.Embedder.load(base)
+
+    def cos(a, b):
+        return np.sum(emb.encode(a, progress=False) * emb.encode(b, progress=False), axis=1)
+
+    labels = [float(r["score"]) for r in gold]
+    slope, intercept = np.polyfit(cos([r["sentence1"] for r in gold], [r["sentence2"] for r in gold]), labels, 1)
+    want = np.clip(slope * cos([a for a, _ in pairs], [b for _, b in pairs]) + intercept, min(labels), max(labels))
+    np.testing.assert_allclose([r["score"] for r in silver], want, atol=2e-3)
+    assert report["slope"] == pytest.approx(slope, rel=1e-3)
+    twice = kbert.label_pairs([base, base], pairs[:20], gold=gold, progress=False)
+    np.testing.assert_allclose([r["score"] for r in twice], [r["score"] for r in silver[:20]], atol=2e-3)
+    summary = kbert.finetune(base, "sentence-embedding", gold + silver, out_dir=str(tmp_path / "student"),
+                             text_column="sentence1", pair_column="sentence2", label_column="score", max_steps=3,
+                             batch_size=16, max_length=32, progress=False)
+    assert summary["steps"] == 3 and all(np.isfinite(h["train_loss"]) for h in summary["history"])
+
+
 def test_training_prompts_equal_the_texts_written_with_them_and_the_model_keeps_its_prompts(base, tmp_path):
     """`prompts` (sentence-transformers' training prompts) trains exactly as the same rows with the prompt
     written before each text; `model_prompts` (or a sentence-transformers start's own) stay with the output for
