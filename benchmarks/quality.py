@@ -22,7 +22,9 @@
    `--pretrain-seeds n` (with `--only embeddings`) spends the same pretraining budget as n runs of 1/n each
    (their own cached runs in OUT/pretrain-seedK), the chosen recipe on each, then their models as one
    ensemble and one student model taught by it (Augmented SBERT's candidate pairs scored by the ensemble),
-   each also mixed with the TF-IDF baseline (the weight picked on the selection split).
+   each also mixed with the TF-IDF baseline (the weight picked on the selection split). The first pretraining
+   also runs today's bi-encoder, SimCSE only and SimCSE + multi-dataset, so the one command prints them beside
+   the student.
 
 Every stage writes its result under `--out` and is skipped when rerun (pretraining resumes from its last
 checkpoint), so an interrupted run continues where it stopped. Seeded, but not bit-reproducible across
@@ -551,15 +553,21 @@ def lexical_stage(out, name, encode, sets):
 
 
 ENSEMBLE_ROW = "simcse-weak-pairs-sts"  # the recipe each pretraining of `--pretrain-seeds` runs
+# the first pretraining also runs the issue's reference rows, so one command prints the whole table
+REFERENCE_ROWS = {"bi-encoder": ("emb-bi-encoder", "today's bi-encoder (KorSTS cosine regression)"),
+                  "simcse": ("emb-simcse", "SimCSE only"),
+                  "simcse-multi": ("emb-simcse-multi", "SimCSE + multi-dataset in one run")}
 
 
 def member_command(args, k):
     """The quality.py command of the ensemble's k-th pretraining: its own --out, --seed and a 1/n share of the
-    pretraining budget; the chosen recipe only; every other option as given."""
+    pretraining budget; the chosen recipe (the first pretraining also the reference rows); every other option
+    as given."""
     n = args.pretrain_seeds
     out = os.path.join(args.out, f"pretrain-seed{args.seed + k}")  # with --small the run adds "-small" itself
     cmd = [sys.executable, os.path.abspath(__file__), "--shared", args.shared, "--out", out,
-           "--seed", str(args.seed + k), "--only", "embeddings", "--rows", ENSEMBLE_ROW,
+           "--seed", str(args.seed + k), "--only", "embeddings",
+           "--rows", ",".join([*REFERENCE_ROWS, ENSEMBLE_ROW]) if k == 0 else ENSEMBLE_ROW,
            "--sts-seeds", str(args.sts_seeds), "--precision", args.precision, "--objective", args.objective,
            "--embedding-init", args.embedding_init, "--morphemes", args.morphemes, "--vocab-size", str(args.vocab_size),
            "--simcse-lines", str(args.simcse_lines), "--simcse-lr", str(args.simcse_lr)]
@@ -593,9 +601,13 @@ def ensemble_stages(args):
                      f"{done.returncode}); rerun the same command to resume it")
     sets = embedding_sets(args.shared, os.path.join(member_dir(args, 0), "pretraining.txt"), args.simcse_lines,
                           args.seed, args.small)
-    runs = {f"member-{k}": [] for k in range(n)}
+    runs = {f"reference-{row}": [] for row in REFERENCE_ROWS}
+    runs.update({f"member-{k}": [] for k in range(n)})
     runs.update({"ensemble": [], "student": [], "ensemble-lexical": [], "student-lexical": []})
     for i in range(args.sts_seeds):
+        for row, (name, _) in REFERENCE_ROWS.items():
+            with open(os.path.join(member_dir(args, 0), f"{name}-seed{args.seed + i}.json"), encoding="utf-8") as f:
+                runs[f"reference-{row}"].append(json.load(f))
         chosen = []  # (member's result, its dir, the seed it fine-tuned with)
         for k in range(n):
             seed = args.seed + k + i
@@ -642,7 +654,8 @@ def print_ensemble_table(tfidf, runs, n):
           f"Spearman | question-pair selection recall@1 | **KorSTS dev Spearman** | **question-pair dev recall@1** |")
     print("|---|---:|---:|---:|---:|")
     print("| TF-IDF char 1-3 cosine | " + " | ".join(f"{tfidf[c]:.4f}" for c in cols) + " |")
-    labels = {f"member-{k}": f"pretraining {k + 1} of {n}, the chosen recipe" for k in range(n)}
+    labels = {f"reference-{row}": f"pretraining 1 of {n}, {label}" for row, (_, label) in REFERENCE_ROWS.items()}
+    labels.update({f"member-{k}": f"pretraining {k + 1} of {n}, the chosen recipe" for k in range(n)})
     labels.update(ensemble=f"the {n} models together (mean cosine; {n} models to serve)",
                   student="one student: KorSTS train + candidate pairs scored by the ensemble")
     labels.update({f"{key}-lexical": f"{labels[key]}, mixed with TF-IDF (weight picked on the selection split)"
@@ -655,6 +668,9 @@ def print_ensemble_table(tfidf, runs, n):
     for key, what in (("student", "the student"), ("student-lexical", "the student mixed with TF-IDF")):
         for c, name in (("sts_select", "KorSTS selection"), ("sts_dev", "KorSTS dev")):
             print(f"  {what} on {name}: {100 * (means[key][c] - tfidf[c]):+.1f} points over TF-IDF (goal >= +5)")
+    for c, name in (("sts_select", "KorSTS selection"), ("sts_dev", "KorSTS dev")):
+        print(f"  the student on {name}: {100 * (means['student'][c] - means['reference-bi-encoder'][c]):+.1f} "
+              f"points over today's bi-encoder (goal > 0)")
     print("  TF-IDF weights picked on the selection split: " + "; ".join(
         f"{key}: " + ", ".join(f"{r['lexical_weight']:g}" for r in runs[key]) for key in ("ensemble-lexical", "student-lexical")))
 

@@ -689,6 +689,8 @@ def test_quality_ensemble_averages_cosines_and_plans_its_members():
     assert cmd[cmd.index("--vocab-size") + 1] == "32000"  # every member trains its vocabulary at the size given
     assert cmd[cmd.index("--out") + 1] == quality.member_dir(args, 1) == os.path.join("/tmp/q", "pretrain-seed4")
     assert cmd[cmd.index("--rows") + 1] == quality.ENSEMBLE_ROW and "--minutes" not in cmd
+    first = quality.member_command(args, 0)  # the reference rows run on the first pretraining only
+    assert first[first.index("--rows") + 1].split(",") == [*quality.REFERENCE_ROWS, quality.ENSEMBLE_ROW]
 
 
 @pytest.mark.parametrize("pooling,layers", [("mean", "all"), ("cls", -1), ("max", [1, -1]), ("first_last_avg", -1)])
