@@ -139,9 +139,8 @@ def read_sts(path):
 def tfidf_sts(train, dev):
     import numpy as np
 
-    from kbert.train.metrics import spearman
-
     from kbert.embed.lexical import char_tfidf  # the lexical baseline: character 1-3-grams in words, sublinear TF
+    from kbert.train.metrics import spearman
 
     vec = char_tfidf([r[c] for r in train for c in ("sentence1", "sentence2")])
     a, b = vec.transform([r["sentence1"] for r in dev]), vec.transform([r["sentence2"] for r in dev])

@@ -130,32 +130,34 @@ def label_pairs(teacher, pairs, gold=None, text_column: str = "sentence1", pair_
     firsts, seconds = _pair_texts(pairs, text_column, pair_column)
     if not firsts:
         raise ValueError("`pairs` holds no pair")
-    models = [Embedder.load(t) if isinstance(t, str) else t for t in teachers]  # anything with Embedder's encode
-
-    def cosines(a, b):  # [n]: the mean over the teacher's models of each pair's cosine
-        texts = list(dict.fromkeys(a + b))  # each distinct text encoded once
-        where = {t: i for i, t in enumerate(texts)}
-        ia, ib = np.array([where[t] for t in a]), np.array([where[t] for t in b])
-        total = np.zeros(len(a))
-        for m in models:
-            v = np.asarray(m.encode(texts, batch_size=batch_size, progress=progress), np.float64)
-            total += np.sum(v[ia] * v[ib], axis=1)
-        return total / len(models)
-
-    slope, intercept, clipped = None, None, 0
-    scores = cosines(firsts, seconds)
+    gold_a, gold_b, labels = [], [], []
     if gold is not None:
-        rows = read_rows(gold, [text_column, pair_column, label_column])
-        labels = []
-        for i, r in enumerate(rows):
+        for i, r in enumerate(read_rows(gold, [text_column, pair_column, label_column])):
+            gold_a.append(text_cell(r, text_column, f"gold pair {i}"))
+            gold_b.append(text_cell(r, pair_column, f"gold pair {i}"))
             try:
                 labels.append(float(r[label_column]))
             except (TypeError, ValueError):
                 raise ValueError(f"gold pair {i}: {label_column!r} is {r[label_column]!r}, not a number") from None
-        if len(rows) < 2 or max(labels) == min(labels):
+        if len(labels) < 2 or max(labels) == min(labels):
             raise ValueError("`gold` needs at least 2 pairs with different labels to fit the cosine-to-label line")
-        known = cosines([text_cell(r, text_column, f"gold pair {i}") for i, r in enumerate(rows)],
-                        [text_cell(r, pair_column, f"gold pair {i}") for i, r in enumerate(rows)])
+
+    models = [Embedder.load(t) if isinstance(t, str) else t for t in teachers]  # anything with Embedder's encode
+    # every distinct text of the pairs and the gold pairs (the candidates usually come from the gold sentences)
+    # encoded once per model; a pair's score is the mean over the models of its cosine
+    lefts, rights = firsts + gold_a, seconds + gold_b
+    texts = list(dict.fromkeys(lefts + rights))
+    where = {t: i for i, t in enumerate(texts)}
+    ia, ib = np.array([where[t] for t in lefts]), np.array([where[t] for t in rights])
+    total = np.zeros(len(lefts))
+    for m in models:
+        v = np.asarray(m.encode(texts, batch_size=batch_size, progress=progress), np.float64)
+        total += np.sum(v[ia] * v[ib], axis=1)
+    cos = total / len(models)
+    scores, known = cos[:len(firsts)], cos[len(firsts):]
+
+    slope, intercept, clipped = None, None, 0
+    if labels:
         slope, intercept = (float(x) for x in np.polyfit(known, labels, 1))
         raw = slope * scores + intercept
         scores = np.clip(raw, min(labels), max(labels))
