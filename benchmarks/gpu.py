@@ -1044,16 +1044,17 @@ def report(out: dict):
             hf_ratio = f"{r['tokens_per_s'] / compiled[_model_key(r)]:.2f}x" if _model_key(r) in compiled else "n/a"
             print(f"| {r.get('xla_flags') or 'none'} | {' '.join(key) or 'BERT defaults'} | {r['step_ms']:.1f} | "
                   f"{r['tokens_per_s']:,.0f} | {_mfu(r, peak_bf16)} | {ratio} | {hf_ratio} |")
-    memory_rows = [r for r in out.get("memory", []) if r.get("measured_bytes")]
+    # a host whose allocator reports no peak (a CPU dry run) still has XLA's compiled bytes to set the plan beside
+    memory_rows = [r for r in out.get("memory", []) if r.get("measured_bytes") or r.get("compiled_bytes")]
     if memory_rows:
         print("\n| model | seq | batch | precision | planned GB | XLA compiled GB | allocator peak GB | planned vs "
               "compiled | planned vs peak |")
         print("|---|---:|---:|---|---:|---:|---:|---:|---:|")
         for r in memory_rows:
-            c = r.get("compiled_bytes")
+            c, peak_bytes = r.get("compiled_bytes"), r.get("measured_bytes")
+            peak_gb, vs_peak = (f"{peak_bytes / 1e9:.2f}", f"{r['error'] * 100:+.1f}%") if peak_bytes else ("n/a", "n/a")
             print(f"| {r['model']} | {r['seq']} | {r['batch']} | {r['precision']} | {r['planned_bytes'] / 1e9:.2f} | "
-                  f"{(c or 0) / 1e9:.2f} | {r['measured_bytes'] / 1e9:.2f} | "
-                  f"{(r['error_vs_compiled'] or 0) * 100:+.1f}% | {r['error'] * 100:+.1f}% |")
+                  f"{(c or 0) / 1e9:.2f} | {peak_gb} | {(r['error_vs_compiled'] or 0) * 100:+.1f}% | {vs_peak} |")
     suggested = suggest_act_bytes(memory_rows)
     for precision, (now, needed) in suggested.items():
         print(f"bytes per activation element ({precision}) that put the planner at or just above every "

@@ -350,6 +350,47 @@ def test_the_gpu_pretrain_script_runs_on_cpu(tmp_path):
     assert result["records_tokens_per_s"] > 0 and result["synthetic_tokens_per_s"] > 0
 
 
+
+@pytest.mark.slow
+def test_the_whole_gpu_script_runs_on_cpu(tmp_path):
+    """`benchmarks/gpu.py all`, the one command a device lease runs, end to end on CPU JAX with bert-tiny: every
+    stage gives its rows and the tables print, so a lease is not spent finding a broken stage. (The figures
+    are the CPU's; the GPU's are in benchmarks/README.md.)"""
+    import subprocess
+    import sys
+
+    from kbert.train.memory import parse_memory
+
+    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "gpu.py")
+    env = dict(os.environ, KERAS_BACKEND="jax", JAX_PLATFORMS="cpu")
+    run = subprocess.run([sys.executable, script, "all", "--model", "bert-tiny", "--batch", "8", "--steps", "2",
+                          "--vocab", "1000", "--peak-n", "512", "--cap", "1GB", "--cap-seqs", "64", "--variants",
+                          "default", "--hf-modes", "eager", "--xla-variants", "none", "--lora-points",
+                          "bert-tiny:1000:8", "--budget", "900", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=1200, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    with open(tmp_path / "gpu.json", encoding="utf-8") as f:
+        out = json.load(f)
+    assert out["peak"]["bfloat16"] > 0 and out["peak"]["float32"] > 0
+    (kbert_row,) = out["throughput"]
+    assert kbert_row["impl"] == "kbert" and kbert_row["tokens_per_s"] > 0 and kbert_row["model_flops_per_s"] > 0
+    assert [r["impl"] for r in out["hf"]] == ["hf-eager"] and out["hf"][0]["tokens_per_s"] > 0
+    assert len(out["memory"]) == 4
+    for r in out["memory"]:
+        assert r["compiled_bytes"] > 0 and r["planned_bytes"] > 0, r
+    ((capped,),) = out["capped"]  # one sequence length, one row
+    cap = parse_memory("1GB")
+    # `--exact` answers the largest batch whose compiled step fits the cap: it fits, and one more does not
+    assert capped["seq_len"] == 64 and 0 < capped["exact_bytes"] <= cap
+    tried = dict((b, n) for b, n in capped["exact_tried"])
+    assert tried[capped["exact_batch"]] <= cap < tried[capped["exact_batch"] + 1]
+    assert out["profile"]["kinds"] and out["profile"]["step_ms"] > 0
+    full, lora = out["lora"]
+    assert lora["lora_rank"] == 8 and 0 < lora["trained"] < full["trained"]
+    for table in ("| implementation |", "| model | seq | batch | precision | planned GB", "`--exact` batch",
+                  "where the step's device time goes", "LoRA r=8 against full fine-tuning"):
+        assert table in run.stdout, (table, run.stdout[-3000:])
+
 @pytest.mark.slow
 def test_every_objective_lamb_accumulation_and_the_out_of_memory_fallback_run_on_jax(prepared, tmp_path):
     """What the TensorFlow path offers runs on JAX too: mlm, mlm+sop and ELECTRA (raw text through tf.data),
