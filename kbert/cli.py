@@ -302,7 +302,8 @@ def _plan(args):
                            compiler=args.compiler)
     print(f"{args.model}, {args.memory} ({parse_memory(args.memory) / 1e9:.1f} GB), {args.optimizer}, {args.precision}"
           + (", activation recomputation" if args.recompute else "")
-          + (", XLA-compiled step" if args.compiler == "xla" else ", op-by-op step (no XLA)"))
+          + {"xla": ", XLA-compiled step (GPU/TPU)", "xla-cpu": ", XLA-compiled step on a CPU"}.get(
+              args.compiler, ", op-by-op step (no XLA)"))
     header = "| seq len | max batch | planned memory |" + (" micro-batch x accumulation x replicas |" if args.target_batch else "")
     print(header)
     print("|---|---|---|" + ("---|" if args.target_batch else ""))
@@ -1375,9 +1376,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target-batch", type=int, help="global batch to reach with accumulation and replicas")
     p.add_argument("--replicas", type=int, default=1)
     p.add_argument("--recompute", action="store_true", help="activation recomputation")
-    p.add_argument("--compiler", choices=("xla", "none"), default="xla",
-                   help="how the train step runs: xla (kbert's default on GPU/TPU) or none (op by op, as TF 1.x; "
-                        "the coefficients behind google-research/bert's 12 GB table)")
+    p.add_argument("--compiler", choices=("xla", "xla-cpu", "none"), default="xla",
+                   help="how the train step runs: xla (kbert's default on GPU/TPU), xla-cpu (XLA on a CPU, which "
+                        "keeps about twice the activations) or none (op by op, as TF 1.x; the coefficients behind "
+                        "google-research/bert's 12 GB table)")
     p.add_argument("--exact", action="store_true",
                    help="JAX backend: compile the training step at candidate batches and read XLA's memory "
                         "analysis (nothing runs; on CPU give --memory)")

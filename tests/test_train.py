@@ -516,6 +516,65 @@ def test_planner_regression_guard_on_the_points_it_was_chosen_on():
         estimate_memory(cfg, 8, 128, compiler="tpu")
 
 
+
+# XLA's memory analysis of kbert's JAX training step compiled for this project's 2-core CPU (AdamW, 2026-12-02,
+# Keras 3.15.1 on JAX; benchmarks/README.md, "Memory planner"): a regression guard on the points the `xla-cpu`
+# set was chosen on. The live check is the next test, which compiles the step here.
+CPU_POINTS = {  # (preset, vocab, precision, seq, batch): compiled bytes
+    ("bert-base", 32000, BF16, 128, 8): 2.7773e9, ("bert-base", 32000, BF16, 128, 32): 5.7625e9,
+    ("bert-base", 32000, BF16, 128, 64): 9.6434e9, ("bert-base", 32000, BF16, 512, 8): 7.4619e9,
+    ("bert-base", 32000, FP32, 128, 8): 2.4991e9, ("bert-base", 32000, FP32, 128, 64): 11.1431e9,
+    ("bert-base", 32000, FP32, 512, 8): 7.8953e9, ("bert-large", 32000, BF16, 128, 8): 7.9281e9,
+    ("bert-large", 32000, FP32, 128, 8): 7.0133e9, ("albert-base", 30000, BF16, 128, 16): 2.2875e9,
+    ("bert-mini", 16000, BF16, 512, 32): 2.6227e9, ("bert-mini", 16000, FP32, 64, 256): 2.3750e9,
+}
+
+
+def test_planner_cpu_set_holds_on_the_cpu_points_the_gpu_set_misses():
+    from types import SimpleNamespace
+
+    from kbert.models.config import ModelConfig
+    from kbert.train.memory import compiler_for, estimate_memory, plan_for_config
+
+    for (preset, vocab, precision, seq, batch), compiled in CPU_POINTS.items():
+        cfg = ModelConfig.preset(preset, vocab_size=vocab)
+        cpu = estimate_memory(cfg, batch, seq, optimizer="adamw", precision=precision, compiler="xla-cpu")["total"]
+        gpu = estimate_memory(cfg, batch, seq, optimizer="adamw", precision=precision)["total"]
+        assert compiled <= cpu <= 1.35 * compiled, (preset, precision, seq, batch, cpu / compiled)
+        assert gpu < compiled  # why the set exists: the GPU's coefficients would plan an out-of-memory here
+    assert compiler_for(None) == compiler_for("cpu") == "xla-cpu" and compiler_for("gpu") == compiler_for("tpu") == "xla"
+    # `trainer.batch_size: auto` plans a CPU with the CPU's set: a smaller batch for the same memory
+    config = SimpleNamespace(trainer=SimpleNamespace(memory="8GB"), runtime=SimpleNamespace(jit="auto"),
+                             data=SimpleNamespace(max_length=128), optimizer=SimpleNamespace(name="adamw"))
+    base = ModelConfig.preset("bert-base", vocab_size=32000)
+    on_cpu, on_gpu = (plan_for_config(config, base, BF16, 1, d)["micro_batch"] for d in ("cpu", "gpu"))
+    assert 0 < on_cpu < on_gpu
+
+
+JAX_CPU_PLAN = """
+import json
+from kbert.models.config import ModelConfig
+from kbert.train.memory import estimate_memory
+from kbert.train.probe import CompiledStep, build_trainer
+out = []
+for precision in ("float32", "mixed_bfloat16"):
+    cfg = ModelConfig.preset("bert-mini", vocab_size=8000)
+    step = CompiledStep(build_trainer(cfg, "adamw", precision, abstract=True), cfg, 128)
+    for batch in (16, 64):
+        planned = estimate_memory(cfg, batch, 128, optimizer="adamw", precision=precision, compiler="xla-cpu")
+        out.append([precision, batch, step.bytes(batch), planned["total"]])
+print(json.dumps(out))
+"""
+
+
+def test_planner_cpu_set_against_the_step_compiled_here():
+    """The independent reference for the `xla-cpu` set: XLA's memory analysis of the step compiled on this CPU
+    (nothing runs). Never under it, and not far over."""
+    pytest.importorskip("jax")
+    rows, _ = run_on_jax(JAX_CPU_PLAN)
+    for precision, batch, compiled, planned in rows:
+        assert compiled <= planned <= 1.4 * compiled, (precision, batch, planned / compiled)
+
 def test_planner_is_monotone_and_orders_precisions():
     from kbert.models.config import ModelConfig
     from kbert.train.memory import estimate_memory

@@ -32,7 +32,7 @@
   layer's full activations; gradient accumulation divides the batch that must fit by the number of
   micro-batches and adds one fp32 accumulator per parameter.
 
-The coefficients depend on how the train step is executed, so there are two global sets, `COMPILERS`:
+The coefficients depend on how the train step is executed, so there are three global sets, `COMPILERS`:
 
 - `"xla"` (kbert's default on one device and on TPU, and what `kbert plan --probe` runs): XLA fuses the elementwise
   work and frees each activation as soon as its gradient is formed, so far fewer tensors are kept and the
@@ -41,6 +41,13 @@ The coefficients depend on how the train step is executed, so there are two glob
   peak after real steps is that count plus 10-45 MB); benchmarks/README.md has the points, the devices and
   how far each estimate is from them. `kbert plan --exact` reads that byte
   count for the model and device at hand;
+- `"xla-cpu"` (the same step compiled by XLA for a CPU: `trainer.batch_size: auto` on a CPU, `kbert plan --exact`
+  and `--probe` there, `kbert plan --compiler xla-cpu`): XLA's CPU programs keep about twice the activation
+  bytes of a GPU's, and under mixed precision as many as in float32 (the CPU computes bfloat16 ops in float32
+  and keeps those copies), so the `"xla"` set would plan a batch that does not fit. Chosen the same way (round
+  values, never under) on XLA's memory analysis of kbert's JAX step on a CPU, bert-tiny to bert-large and
+  ALBERT, sequences of 64 to 512, both precisions (tests/test_train.py has the points); TensorFlow's XLA on a
+  CPU is taken to keep alike, not measured;
 - `"none"` (op-by-op graph execution, TensorFlow without XLA): the sanity anchor is the 12 GB table in
   google-research/bert's README (TF 1.11, fp32, Adam); one set of round values comes close to every row
   (the tests bound the error).
@@ -79,6 +86,11 @@ COMPILERS = {
                               attn_bytes_per_score=1.5, attn_dropout_masks=0.75, workspace_bytes=64e6,
                               extra_bytes_per_slot=0, gradients_live_at_peak=False, mixed_act_bytes=2.25,
                               float32_act_bytes=4.25, mlm_logit_copies=2, mlm_logits_float32=False),
+    # activations as float32 in both precisions: see the module docstring
+    "xla-cpu": MemoryCoefficients(act_token_bytes_per_hidden=6.5, dropout_masks_per_hidden=1, intermediate_factor=5,
+                                  attn_bytes_per_score=1.5, attn_dropout_masks=0.5, workspace_bytes=16e6,
+                                  extra_bytes_per_slot=0, gradients_live_at_peak=False, mixed_act_bytes=4,
+                                  float32_act_bytes=4, mlm_logit_copies=2, mlm_logits_float32=False),
     "none": MemoryCoefficients(act_token_bytes_per_hidden=28, dropout_masks_per_hidden=0, intermediate_factor=3,
                                attn_bytes_per_score=4, attn_dropout_masks=0, workspace_bytes=0.5e9,
                                extra_bytes_per_slot=4, gradients_live_at_peak=True, mixed_act_bytes=2,
@@ -105,7 +117,8 @@ def estimate_memory(config, batch: int, seq_len: int, optimizer: str = "adamw", 
                     max_predictions: Optional[int] = None, accumulation: int = 1,
                     recompute: bool = False, compiler: str = "xla") -> Dict[str, float]:
     """Bytes needed to train `config` (a ModelConfig) on `batch` x `seq_len`, by component. `compiler`:
-    "xla" (the train step compiled with XLA, kbert's default) or "none" (op-by-op)."""
+    "xla" (the train step compiled with XLA for a GPU or TPU, kbert's default), "xla-cpu" (compiled with XLA
+    for a CPU) or "none" (op-by-op)."""
     if optimizer not in OPTIMIZER_SLOTS:
         raise ValueError(f"`optimizer` must be one of {tuple(OPTIMIZER_SLOTS)}. Received: {optimizer!r}")
     if precision not in PRECISIONS:
@@ -173,8 +186,9 @@ def plan_batch_size(config, memory, seq_lens: Sequence[int] = (128,), target_bat
                     recompute: bool = False, compiler: str = "xla") -> List[Dict]:
     """`kbert.plan_batch_size(...)`: for each sequence length, the max micro-batch per replica that fits
     `memory` (less a safety `margin` fraction) and, for a `target_batch` (global), the micro-batch x
-    accumulation steps x replicas that reaches it. `compiler`: "xla" (kbert's default) or "none"
-    (op-by-op execution; the coefficients anchored on google-research/bert's 12 GB table)."""
+    accumulation steps x replicas that reaches it. `compiler`: "xla" (kbert's default: a GPU or TPU),
+    "xla-cpu" (XLA on a CPU) or "none" (op-by-op execution; the coefficients anchored on google-research/bert's
+    12 GB table)."""
     from kbert.models.config import ModelConfig
 
     if isinstance(config, str):
@@ -203,6 +217,11 @@ def plan_batch_size(config, memory, seq_lens: Sequence[int] = (128,), target_bat
     return rows
 
 
+def compiler_for(device: Optional[str]) -> str:
+    """The coefficient set of an XLA-compiled step on `device` ("cpu", "gpu", "tpu"; None: no accelerator)."""
+    return "xla-cpu" if device in (None, "cpu") else "xla"
+
+
 def plan_for_config(config, model_config, precision: str, replicas: int, device: str) -> Dict:
     """`trainer.batch_size: auto`: the largest per-replica batch (at most 256) that the planner fits in
     the device's memory less a 10% margin (`trainer.memory` when set, else the GPU's reported limit, else
@@ -218,7 +237,7 @@ def plan_for_config(config, model_config, precision: str, replicas: int, device:
     if memory is None:
         memory = "8GB" if device == "cpu" else "16GB"
     jit = config.runtime.jit
-    compiler = "xla" if jit in (True, "auto") else "none"
+    compiler = compiler_for(device) if jit in (True, "auto") else "none"
     best = max_batch_size(model_config, parse_memory(memory) * 0.9, config.data.max_length,
                           optimizer=config.optimizer.name, precision=precision, compiler=compiler)
     if best == 0:

@@ -497,9 +497,10 @@ def exact_batch_size(config, seq_len: int, memory=None, optimizer: str = "adamw"
     Example:
         >>> exact_batch_size(ModelConfig.preset("bert-base"), 128, "12GB", precision="mixed_bfloat16")
     """
-    from kbert.train.memory import check_seq_len, estimate_memory, max_batch_size, parse_memory
+    from kbert.train.memory import check_seq_len, compiler_for, estimate_memory, max_batch_size, parse_memory
 
     check_seq_len(config, seq_len)
+    compiler = compiler_for(accelerator())  # the analytic start for the program this host compiles
     budget = parse_memory(memory) if memory else device_memory()
     if not budget:
         raise ValueError("`memory` is required where the device does not report its memory (CPU): name the "
@@ -507,7 +508,7 @@ def exact_batch_size(config, seq_len: int, memory=None, optimizer: str = "adamw"
     workers = compile_workers() if workers is None else max(1, int(workers))
     step = step or CompiledStep(build_trainer(config, optimizer, precision, abstract=True), config, seq_len)
     if start is None:
-        start = max_batch_size(config, budget, seq_len, optimizer=optimizer, precision=precision)
+        start = max_batch_size(config, budget, seq_len, optimizer=optimizer, precision=precision, compiler=compiler)
     if shallow is None:
         shallow = accelerator() is not None and config.num_layers >= 6
     early = shallow_prediction(config, seq_len, budget, start or 1, optimizer, precision, step.predictions,
@@ -670,7 +671,7 @@ def probe_table(model: str, seq_lens, optimizer: str = "adamw", precision: str =
     `exact_shallow` has that prediction and its seconds."""
 
     from kbert.models.config import ModelConfig
-    from kbert.train.memory import check_seq_len, estimate_memory, max_batch_size, parse_memory
+    from kbert.train.memory import check_seq_len, compiler_for, estimate_memory, max_batch_size, parse_memory
 
     from kbert.train import faults
 
@@ -683,12 +684,14 @@ def probe_table(model: str, seq_lens, optimizer: str = "adamw", precision: str =
     for seq in seq_lens:
         check_seq_len(config, seq)
     total = parse_memory(memory) if memory else device_memory()
+    compiler = compiler_for(accelerator())  # the analytic plan for the program this host compiles and runs
     began = time.perf_counter()
     trainer = build_trainer(config, optimizer, precision, abstract=True)  # with values on TensorFlow
     rows, host_state = [], None
     for seq in seq_lens:
         started = time.perf_counter()
-        planned = max_batch_size(config, total, seq, optimizer=optimizer, precision=precision) if total else None
+        planned = max_batch_size(config, total, seq, optimizer=optimizer, precision=precision,
+                                 compiler=compiler) if total else None
         row = {"seq_len": seq, "planned_batch": planned}
         step = CompiledStep(trainer, config, seq, host_state=host_state) if _backend() == "jax" else None
         if not rows:  # once per table: the model and optimizer built, the state copied to the host
@@ -711,8 +714,8 @@ def probe_table(model: str, seq_lens, optimizer: str = "adamw", precision: str =
         if step is not None:
             step.release()
         reference = row.get("probed_batch", row.get("exact_batch"))
-        estimate = estimate_memory(config, reference, seq, optimizer=optimizer,
-                                   precision=precision)["total"] if reference else None
+        estimate = estimate_memory(config, reference, seq, optimizer=optimizer, precision=precision,
+                                   compiler=compiler)["total"] if reference else None
         measured = row.get("measured_bytes", row.get("exact_bytes"))
         row.update(planned_bytes=estimate, seconds=time.perf_counter() - started,
                    error=(estimate - measured) / measured if estimate and measured else None)
