@@ -1052,7 +1052,8 @@ def report(out: dict):
         print("|---|---:|---:|---|---:|---:|---:|---:|---:|")
         for r in memory_rows:
             c, peak_bytes = r.get("compiled_bytes"), r.get("measured_bytes")
-            peak_gb, vs_peak = (f"{peak_bytes / 1e9:.2f}", f"{r['error'] * 100:+.1f}%") if peak_bytes else ("n/a", "n/a")
+            peak_gb, vs_peak = ("n/a", "n/a") if not peak_bytes else (
+                f"{peak_bytes / 1e9:.2f}", f"{r['error'] * 100:+.1f}%")
             print(f"| {r['model']} | {r['seq']} | {r['batch']} | {r['precision']} | {r['planned_bytes'] / 1e9:.2f} | "
                   f"{(c or 0) / 1e9:.2f} | {peak_gb} | {(r['error_vs_compiled'] or 0) * 100:+.1f}% | {vs_peak} |")
     suggested = suggest_act_bytes(memory_rows)

@@ -542,7 +542,8 @@ def test_planner_cpu_set_holds_on_the_cpu_points_the_gpu_set_misses():
         gpu = estimate_memory(cfg, batch, seq, optimizer="adamw", precision=precision)["total"]
         assert compiled <= cpu <= 1.35 * compiled, (preset, precision, seq, batch, cpu / compiled)
         assert gpu < compiled  # why the set exists: the GPU's coefficients would plan an out-of-memory here
-    assert compiler_for(None) == compiler_for("cpu") == "xla-cpu" and compiler_for("gpu") == compiler_for("tpu") == "xla"
+    assert compiler_for(None) == compiler_for("cpu") == "xla-cpu"
+    assert compiler_for("gpu") == compiler_for("tpu") == "xla"
     # `trainer.batch_size: auto` plans a CPU with the CPU's set: a smaller batch for the same memory
     config = SimpleNamespace(trainer=SimpleNamespace(memory="8GB"), runtime=SimpleNamespace(jit="auto"),
                              data=SimpleNamespace(max_length=128), optimizer=SimpleNamespace(name="adamw"))

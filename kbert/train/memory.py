@@ -34,7 +34,7 @@
 
 The coefficients depend on how the train step is executed, so there are three global sets, `COMPILERS`:
 
-- `"xla"` (kbert's default on one device and on TPU, and what `kbert plan --probe` runs): XLA fuses the elementwise
+- `"xla"` (kbert's default on a GPU or TPU, and what `kbert plan --probe` runs there): XLA fuses the elementwise
   work and frees each activation as soon as its gradient is formed, so far fewer tensors are kept and the
   gradients are never all live at the activation peak. Chosen (round values, never under) on the byte count
   of XLA's compiled BERT-Base training step on an H200 and an H100, plus a 64 MB workspace (the allocator's
