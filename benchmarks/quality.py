@@ -243,8 +243,8 @@ def score_embeddings(encode, sets):
 
 def print_scores(rows):
     """`(label, score_embeddings(...))` rows as one markdown table: the selection split first, dev reported only."""
-    print(f"\n| vectors | KorSTS selection | question-pair selection recall@1 | KorSTS dev (reported only) | "
-          f"question-pair dev recall@1 |\n|---|---:|---:|---:|---:|")
+    print("\n| vectors | KorSTS selection | question-pair selection recall@1 | KorSTS dev (reported only) | "
+          "question-pair dev recall@1 |\n|---|---:|---:|---:|---:|")
     for label, s in rows:
         print(f"| {label} | {s['sts_select']:.4f} | {s['qp_select']:.4f} | {s['sts_dev']:.4f} | {s['qp_dev']:.4f} |")
 
@@ -629,17 +629,19 @@ def ensemble_stages(args):
             return {"silver_pairs": len(rows), "silver_mean": sum(r["score"] for r in rows) / len(rows)}
 
         stage(args.out, f"emb-ensemble{n}-seed{args.seed + i}-silver", silver)
+        epochs = 1 if args.small else args.student_epochs
+        student_name = f"emb-ensemble{n}-student-{epochs}ep"  # the epochs name the stage: another count reruns it
         runs["student"].append(tuned_stage(
-            args.out, sets, f"emb-ensemble{n}-student-seed{args.seed + i}",
+            args.out, sets, f"{student_name}-seed{args.seed + i}",
             os.path.join(start_dir, f"emb-weak-pairs-seed{seed}"), sets["sts_fit"] + read_jsonl(silver_path),
             record={"start": os.path.relpath(start_dir, args.out)}, backbone_dropout=0.0,
-            epochs=1 if args.small else 2, batch_size=32, learning_rate=2e-4, seed=args.seed + i))
+            epochs=epochs, batch_size=32, learning_rate=2e-4, seed=args.seed + i))
         # both again with the lexical baseline mixed in (dense + TF-IDF, the weight chosen on the selection split)
         runs["ensemble-lexical"].append(lexical_stage(args.out, f"emb-ensemble{n}-lexical-seed{args.seed + i}",
                                                       encode, sets))
-        student = kbert.Embedder.load(os.path.join(args.out, f"emb-ensemble{n}-student-seed{args.seed + i}"))
+        student = kbert.Embedder.load(os.path.join(args.out, f"{student_name}-seed{args.seed + i}"))
         runs["student-lexical"].append(lexical_stage(
-            args.out, f"emb-ensemble{n}-student-lexical-seed{args.seed + i}",
+            args.out, f"{student_name}-lexical-seed{args.seed + i}",
             functools.partial(student.encode, progress=False), sets))
     return sets, runs
 
@@ -810,6 +812,9 @@ def main():
                         help="with --only embeddings: n > 1 splits the pretraining budget into n runs of 1/n each "
                              "(seeds --seed, --seed+1, ...; OUT/pretrain-seedK), each running the chosen recipe, "
                              "then scores their ensemble and one student taught by it, each also mixed with TF-IDF")
+    # chosen on the selection split (benchmarks/README.md, stop 89): 4 epochs over 2, still rising a little at 4
+    parser.add_argument("--student-epochs", type=int, default=4,
+                        help="with --pretrain-seeds n > 1: the student's epochs on KorSTS train + the scored pairs")
     parser.add_argument("--rows", default="default",
                         help=f"the embedding table's rows to run: default ({','.join(DEFAULT_ROWS)}), all, or "
                              f"some of {','.join(EMBEDDING_ROWS)}, comma-separated (the stages a row starts from "
@@ -824,6 +829,8 @@ def main():
         parser.error(f"--pretrain-seeds {args.pretrain_seeds}: a whole number >= 1; above 1 only with --only embeddings")
     if args.sts_seeds < 1:
         parser.error(f"--sts-seeds must be at least 1, got {args.sts_seeds}")
+    if args.student_epochs < 1:
+        parser.error(f"--student-epochs must be at least 1, got {args.student_epochs}")
     # the TF-IDF baselines run after the pretraining: a missing package must stop the run before that hour
     import importlib.util
 
