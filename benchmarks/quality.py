@@ -603,6 +603,8 @@ def ensemble_stages(args):
     runs = {f"reference-{row}": [] for row in REFERENCE_ROWS}
     runs.update({f"member-{k}": [] for k in range(n)})
     runs.update({"ensemble": [], "student": [], "ensemble-lexical": [], "student-lexical": []})
+    epochs = 1 if args.small else args.student_epochs
+    student_name = f"emb-ensemble{n}-student-{epochs}ep"  # the epochs name the stage: another count reruns it
     for i in range(args.sts_seeds):
         for row, (name, _) in REFERENCE_ROWS.items():
             with open(os.path.join(member_dir(args, 0), f"{name}-seed{args.seed + i}.json"), encoding="utf-8") as f:
@@ -629,8 +631,6 @@ def ensemble_stages(args):
             return {"silver_pairs": len(rows), "silver_mean": sum(r["score"] for r in rows) / len(rows)}
 
         stage(args.out, f"emb-ensemble{n}-seed{args.seed + i}-silver", silver)
-        epochs = 1 if args.small else args.student_epochs
-        student_name = f"emb-ensemble{n}-student-{epochs}ep"  # the epochs name the stage: another count reruns it
         runs["student"].append(tuned_stage(
             args.out, sets, f"{student_name}-seed{args.seed + i}",
             os.path.join(start_dir, f"emb-weak-pairs-seed{seed}"), sets["sts_fit"] + read_jsonl(silver_path),
@@ -812,7 +812,7 @@ def main():
                         help="with --only embeddings: n > 1 splits the pretraining budget into n runs of 1/n each "
                              "(seeds --seed, --seed+1, ...; OUT/pretrain-seedK), each running the chosen recipe, "
                              "then scores their ensemble and one student taught by it, each also mixed with TF-IDF")
-    # chosen on the selection split (benchmarks/README.md, stop 89): 4 epochs over 2, still rising a little at 4
+    # chosen on the selection split (benchmarks/README.md, stop 89): 4 epochs over 2; 6 peak at their fourth
     parser.add_argument("--student-epochs", type=int, default=4,
                         help="with --pretrain-seeds n > 1: the student's epochs on KorSTS train + the scored pairs")
     parser.add_argument("--rows", default="default",
