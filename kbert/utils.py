@@ -80,7 +80,12 @@ class _NoBar:
     def update(self, n=1):
         pass
 
+    total = None
+
     def set_postfix(self, *a, **k):
+        pass
+
+    def refresh(self):
         pass
 
     def close(self):

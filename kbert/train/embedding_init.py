@@ -40,7 +40,9 @@ def token_lines(source, tokenizer, max_tokens: int = DEFAULT_MAX_TOKENS, progres
     try:
         while seen < max_tokens:
             batch = list(itertools.islice(sentences, chunk))
-            if not batch:
+            if not batch:  # the text ran out before the cap: end the bar at 100%, not at a sliver of the cap
+                bar.total = seen
+                bar.refresh()
                 return
             for ids in tokenizer.ids_batch(batch, normalized=True):
                 ids = np.asarray(ids[:max_tokens - seen], dtype=np.int64)
