@@ -1390,14 +1390,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _quiet_tensorflow_start() -> None:
+# Commands whose input pipeline is tf.data whenever TensorFlow is installed, on every Keras backend.
+_TF_DATA_COMMANDS = ("quickstart", "pretrain", "data")
+
+
+def _quiet_tensorflow_start(command: str) -> None:
     """Imports TensorFlow and enumerates its devices with file descriptor 2 pointed at /dev/null: its C++
     runtime writes 6-8 start-up lines there (oneDNN, CUDA stubs, `failed call to cuInit` on a CPU machine)
-    before any log level applies, so TF_CPP_MIN_LOG_LEVEL cannot hide them. Skipped on another Keras backend,
-    when TensorFlow is already imported, or when the user asked for TensorFlow's logs
-    (TF_CPP_MIN_LOG_LEVEL=0 or 1)."""
-    if ((os.environ.get("KERAS_BACKEND") or "tensorflow") != "tensorflow" or "tensorflow" in sys.modules
-            or os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2") in ("0", "1")):
+    before any log level applies, so TF_CPP_MIN_LOG_LEVEL cannot hide them. On another Keras backend only for
+    the commands that feed tf.data (TensorFlow would start there anyway, with those lines); skipped when
+    TensorFlow is already imported, or when the user asked for TensorFlow's logs (TF_CPP_MIN_LOG_LEVEL=0 or 1)."""
+    if (((os.environ.get("KERAS_BACKEND") or "tensorflow") != "tensorflow" and command not in _TF_DATA_COMMANDS)
+            or "tensorflow" in sys.modules or os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2") in ("0", "1")):
         return
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     sys.stderr.flush()
@@ -1443,7 +1447,7 @@ def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command:
-        _quiet_tensorflow_start()
+        _quiet_tensorflow_start(args.command)
     if args.version:
         import kbert
 

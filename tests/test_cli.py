@@ -115,6 +115,30 @@ def test_commands_start_without_tensorflow_log_noise_and_info_lists_the_text_sta
         assert name in proc.stdout
 
 
+def test_pretraining_on_the_jax_backend_starts_without_tensorflow_log_noise(tmp_path):
+    """On JAX the raw-text pipeline is still tf.data when TensorFlow is installed; its C++ start-up lines
+    (`failed call to cuInit` on a CPU machine) must not reach the user there either."""
+    import json
+
+    import kbert
+
+    tok = str(tmp_path / "tok")
+    kbert.Tokenizer.train(kbert.Corpus(["kolaw"]), vocab_size=800, progress=False).save(tok)
+    model = {"architecture": "bert", "hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64,
+             "max_position": 64}
+    env = dict(os.environ, KERAS_BACKEND="jax", JAX_PLATFORMS="cpu")
+    env.pop("TF_CPP_MIN_LOG_LEVEL", None)  # the default a user has
+    proc = subprocess.run([sys.executable, "-m", "kbert.cli", "pretrain", "--corpus", "kolaw", "--tokenizer", tok,
+                           "--out", str(tmp_path / "run"), "--steps", "2", "--batch-size", "4", "--set",
+                           "data.max_length=32", "--set", "data.workers=0", "--set", f"model={json.dumps(model)}"],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "(jax)" in proc.stdout + proc.stderr
+    for noise in ("cuInit", "port.cc", "cudart_stub", "absl::InitializeLog"):
+        assert noise not in proc.stderr, proc.stderr[-3000:]
+    assert os.path.isdir(tmp_path / "run" / "model")
+
+
 def test_plan_says_when_the_model_does_not_fit():
     proc = run("plan", "--memory", "100MB", "--seq-lens", "128,512")
     assert proc.returncode == 1
