@@ -263,6 +263,8 @@ def _pretrain(args):
 
             overrides.append(f"{key}={json.dumps(value, ensure_ascii=False) if isinstance(value, list) else value}")
     config = PretrainConfig.load(args.config, overrides)
+    if args.print_config:
+        return _print_config(config.to_dict())
     summary = pretrain(config, resume=not args.no_resume)
     state = "finished" if summary["finished"] else f"stopped at step {summary['step']} ({summary['stopped_by']})"
     if summary["history"]:
@@ -280,6 +282,14 @@ def _pretrain(args):
     if summary.get("stopped_by"):  # a stopped run is not a finished one: `pretrain && finetune` must not go on
         print(f"stopped at step {summary['step']}; rerun the same command to resume", file=sys.stderr)
         return _SIGNAL_EXIT.get(summary["stopped_by"], 1)
+
+
+def _print_config(values: dict) -> int:
+    """The resolved settings (defaults, then --config, flags and --set) as YAML a --config can read back."""
+    import yaml
+
+    sys.stdout.write(yaml.safe_dump(values, sort_keys=False, allow_unicode=True, default_flow_style=False))
+    return 0
 
 
 def _seq_lens(text: str) -> list:
@@ -456,6 +466,8 @@ def _finetune(args):
         if getattr(args, flag):
             values[key] = value
     config = FinetuneConfig.load(None, args.set, base=values)
+    if args.print_config:
+        return _print_config(config.to_dict())
     summary = run(config)
     return _report_training(summary, summary["task"], "finetune_history.json")
 
@@ -962,8 +974,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_data_prepare)
 
     p = sub.add_parser("pretrain", help="pretrain a BERT/ALBERT (resumable; Ctrl-C or SIGTERM saves)")
-    p.add_argument("--config", help="YAML or JSON config (see kbert/train/config.py)")
+    p.add_argument("--config", help="YAML or JSON config (every key and its default: --print-config)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override, e.g. optimizer.learning_rate=1e-4")
+    p.add_argument("--print-config", action="store_true",
+                   help="print the resolved settings as YAML (a --config file to edit) and exit without training")
     p.add_argument("--corpus", nargs="+", help="data.source: corpus paths/names, a records dir, or dummy")
     p.add_argument("--tokenizer", help="data.tokenizer")
     p.add_argument("--model", help="a preset name (bert-tiny, ..., albert-base), or a model to continue pretraining "
@@ -1013,6 +1027,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="YAML or JSON file of fine-tuning settings (the keys of kbert.finetune / "
                                     "FinetuneConfig); flags given here override it")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a setting, e.g. epochs=5")
+    p.add_argument("--print-config", action="store_true",
+                   help="print the resolved settings as YAML (a --config file to edit) and exit without training")
     p.add_argument("--model", help="pretrained model dir with its tokenizer (required, here or in --config)")
     p.add_argument("--task", choices=("classification", "pair-classification", "regression", "tagging",
                                       "sentence-embedding", "question-answering"), help="required, here or in --config")

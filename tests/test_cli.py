@@ -262,3 +262,38 @@ def test_data_prepare_stopped_by_sigterm_says_so_exits_143_and_resumes(tmp_path)
     done = subprocess.run(args, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert f"in 1000 shards to {tmp_path / 'rec'} ({kept} shards kept from an earlier run)" in done.stdout
+
+
+def test_print_config_writes_every_setting_as_yaml_a_config_reads_back(tmp_path, capsys):
+    """`--print-config` is the way to a first config file: the defaults with the flags, --config and --set
+    applied, read back by --config to the same settings, and nothing trained or written."""
+    import yaml
+
+    from kbert.cli import main
+
+    out = tmp_path / "never"
+    assert main(["pretrain", "--print-config", "--model", "bert-base", "--corpus", "a.txt", "b.txt", "--steps", "5",
+                 "--batch-size", "16", "--set", "optimizer.learning_rate=2e-4", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    values = yaml.safe_load(printed)
+    assert values["model"] == "bert-base" and values["data"]["source"] == ["a.txt", "b.txt"]
+    assert values["trainer"]["steps"] == 5 and values["trainer"]["batch_size"] == 16
+    assert values["optimizer"]["learning_rate"] == 2e-4 and values["optimizer"]["name"] == "adamw"  # a default
+    assert set(values) >= {"data", "optimizer", "trainer", "runtime", "electra", "output_dir"}
+    path = tmp_path / "pretrain.yaml"
+    path.write_text(printed, encoding="utf-8")
+    assert main(["pretrain", "--config", str(path), "--print-config"]) == 0
+    assert capsys.readouterr().out == printed
+    assert not out.exists()
+
+    assert main(["finetune", "--print-config", "--model", "m", "--task", "sentence-embedding", "--train", "t.csv",
+                 "--matryoshka-dims", "64,128", "--set", "epochs=2"]) == 0
+    printed = capsys.readouterr().out
+    values = yaml.safe_load(printed)
+    assert values["task"] == "sentence-embedding" and values["epochs"] == 2 and values["matryoshka_dims"] == [64, 128]
+    path = tmp_path / "finetune.yaml"
+    path.write_text(printed, encoding="utf-8")
+    assert main(["finetune", "--config", str(path), "--print-config"]) == 0
+    assert capsys.readouterr().out == printed
+    assert main(["finetune", "--print-config", "--set", "epochz=2"]) == 1  # a misspelt key is still named
+    assert "epochz" in capsys.readouterr().err

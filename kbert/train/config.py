@@ -1,6 +1,7 @@
 """Pretraining settings: nested dataclasses read from YAML/JSON with `--set a.b=value` overrides.
 
-Unknown keys fail with the key named; the resolved config is written next to the checkpoints.
+Unknown keys fail with the key named; the resolved config is written next to the checkpoints, and
+`kbert pretrain --print-config` prints it (every key with its default) without training.
 
     model: bert-tiny                # a preset name, or a full ModelConfig mapping, or a model to continue
                                     # pretraining from: a model/run dir, a Hugging Face dir, a cached hub name
