@@ -357,9 +357,10 @@ def _measure(args):
     what = "planned vs compiled" + (" vs probed" if args.probe else "")
     print(f"{args.model}, {args.optimizer}, {args.precision}: {what} on this device"
           + (f" ({args.memory})" if args.memory else ""))
+    at = "probed" if args.probe else "exact"  # both memory columns are at this batch, so the error is like for like
     print("| seq len | planned max batch |" + (" exact max batch |" if exact else "")
-          + (" probed max batch |" if args.probe else "") + " planned memory | measured | planned vs measured |"
-          + " seconds |")
+          + (" probed max batch |" if args.probe else "") + f" planned memory at the {at} batch | measured |"
+          + " planned vs measured | seconds |")
     print("|---|---|" + ("---|" if exact else "") + ("---|" if args.probe else "") + "---|---|---|---:|")
     for r in rows:
         error = f"{r['error'] * 100:+.0f}%" if r["error"] is not None else "n/a"
