@@ -483,8 +483,9 @@ def _report_training(summary: dict, summary_name: str, history_file: str):
     if summary["checkpoint"]:
         best += "; stopped with a checkpoint, the same command resumes it"
     card = " (its model card: README.md)" if summary.get("model_card") else ""
-    print(f"{summary_name}: {summary['steps']} steps ({summary['stopped_by']}), {best}; "
-          f"model dir: {summary['model_dir']}{card}")
+    why = {"steps": "all planned", "early_stopping": "early stopping: dev stopped improving",
+           "stop_after": "stop_after reached"}.get(summary["stopped_by"], f"stopped by {summary['stopped_by']}")
+    print(f"{summary_name}: {summary['steps']} steps ({why}), {best}; model dir: {summary['model_dir']}{card}")
     with open(os.path.join(summary["model_dir"], history_file), "w", encoding="utf-8") as f:
         json.dump(summary, f, indent=2, ensure_ascii=False)
     if summary["stopped_by"] in _SIGNAL_EXIT:

@@ -172,13 +172,16 @@ def compiled(fn: Callable, variables: Sequence, signature: Optional[list] = None
 
 class _RetracingNotice:
     """Drops TensorFlow's "N out of the last M calls to <function training_step...update> triggered tf.function
-    retracing" warning for kbert's own update functions: each traces once per batch shape of a small fixed
-    set (bucketed widths, one per dataset and loss in multi-dataset training), so the frequent-retracing
-    alarm, which counts traces of every function sharing one code object, is a false one here."""
+    retracing" warning for kbert's own update and fine-tuning inference functions: each traces once per batch
+    shape of a small fixed set (bucketed widths, one per dataset and loss in multi-dataset training), and a
+    second `kbert.finetune` call in one process (a notebook) makes new ones of the same code, so the
+    frequent-retracing alarm, which counts traces of every function sharing one code object, is a false one."""
+
+    OWN = ("training_step.<locals>", "finetune_inference")
 
     def filter(self, record) -> bool:
         message = record.getMessage()
-        return not ("triggered tf.function retracing" in message and "training_step.<locals>" in message)
+        return not ("triggered tf.function retracing" in message and any(name in message for name in self.OWN))
 
 
 def _quiet_retracing_warning() -> None:

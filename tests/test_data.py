@@ -650,6 +650,37 @@ def test_numpy_record_reader_gives_the_tf_data_batches_bit_for_bit(tok, tmp_path
     assert run.stdout.split() == ["(4,", "64)", "False"]
 
 
+def test_unlabelled_texts_read_from_lines_or_from_a_labelled_file(tmp_path):
+    """SimCSE and distillation read texts alike: a .txt is a line per text (blank lines skipped), unless its
+    first line is a tab-separated header naming the column (question-pair's train.txt), which reads as the
+    TSV it is, never as whole tab-joined lines."""
+    import gzip
+
+    from kbert.data.rows import text_rows
+    from kbert.train.finetune import FinetuneConfig
+    from kbert.train.finetune_tasks import SentenceEmbeddingTask
+
+    (tmp_path / "lines.txt").write_text("비행기가 이륙하고 있다.\n\n  한 남자가 플루트를 연주한다. \n", encoding="utf-8")
+    (tmp_path / "lines.txt.gz").write_bytes(gzip.compress("첫 줄\n둘째 줄\n".encode()))
+    (tmp_path / "pairs.txt").write_text("question1\tquestion2\tis_duplicate\n밥 먹었어?\t식사했어?\t1\n", encoding="utf-8")
+    expected = [{"text": "비행기가 이륙하고 있다."}, {"text": "한 남자가 플루트를 연주한다."}]
+    assert text_rows(str(tmp_path / "lines.txt"), "text") == expected
+    assert text_rows(str(tmp_path / "lines.txt.gz"), "t") == [{"t": "첫 줄"}, {"t": "둘째 줄"}]
+    assert text_rows(str(tmp_path / "pairs.txt"), "question1")[0]["question1"] == "밥 먹었어?"
+    assert text_rows(["좋다", " ", "싫다"], "text") == [{"text": "좋다"}, {"text": "싫다"}]
+    assert text_rows(None, "text") == []
+    with pytest.raises(ValueError, match="no column 'text'"):
+        text_rows([{"s": "x"}], "text")
+    # fine-tuning with objective="simcse" takes the same plain text; a pair objective still wants its columns
+    task = SentenceEmbeddingTask(FinetuneConfig(model="m", task="sentence-embedding", objective="simcse",
+                                                train=str(tmp_path / "lines.txt")))
+    assert task.read_train() == expected
+    pairs = SentenceEmbeddingTask(FinetuneConfig(model="m", task="sentence-embedding", train=str(tmp_path / "pairs.txt"),
+                                                 text_column="question1", pair_column="question2",
+                                                 label_column="is_duplicate"))
+    assert pairs.read_train()[0]["question2"] == "식사했어?"
+
+
 def test_labelled_rows_are_strict_utf8_and_name_a_cp949_file(tmp_path):
     """Rows for fine-tuning: a CP949 CSV (Korean Excel's default) was read with U+FFFD in every Hangul cell and
     trained on silently; now it is an error naming the line and the fix. Excel's "CSV UTF-8" (a byte-order

@@ -285,9 +285,12 @@ def test_the_tensorflow_step_does_not_raise_the_frequent_retracing_alarm_for_its
         for n in range(2, 12):  # ten loss keys, one trace each
             step(np.ones((n, 3), np.float32), static=(n,))
         logger.warning("5 out of the last 9 calls to <function mine> triggered tf.function retracing.")
+        # kbert.finetune's evaluation function, made anew by each call (a notebook fine-tuning twice)
+        logger.warning("5 out of the last 10 calls to <function _run.<locals>.finetune_inference at 0x7f> "
+                       "triggered tf.function retracing.")
     finally:
         logger.removeHandler(handler)
-    assert not any("training_step" in r for r in records), records
+    assert not any("training_step" in r or "finetune_inference" in r for r in records), records
     assert any("function mine" in r for r in records)  # another function's alarm still gets through
 
 

@@ -60,6 +60,25 @@ def read_rows(source, columns: Sequence[str]) -> List[dict]:
     return rows
 
 
+def text_rows(data, column: str) -> List[dict]:
+    """Unlabelled texts as rows `{column: text}`: a list of strings, a list of dicts, a TSV/CSV/JSONL file
+    with `column` (`read_rows`), or a plain-text file (.txt, .txt.gz): a line per text, blank lines skipped.
+    A .txt whose first line is a tab-separated header naming `column` is read as the TSV it is, so a
+    labelled .txt file (question-pair's) gives its column, never whole tab-joined lines."""
+    if data is None:
+        return []
+    if isinstance(data, (list, tuple)):
+        if all(isinstance(x, str) for x in data):
+            return [{column: x} for x in data if x.strip()]
+        return read_rows(list(data), [column])
+    if isinstance(data, str) and os.path.isfile(data) and data.endswith((".txt", ".txt.gz")):
+        lines = [line.strip() for line in read_utf8_text(data).splitlines() if line.strip()]
+        if lines and column in lines[0].lstrip("\ufeff").split("\t"):
+            return read_rows(data, [column])
+        return [{column: line} for line in lines]
+    return read_rows(data, [column])
+
+
 def _squad(text: str):
     """The rows of a SQuAD-format JSON document (`kbert.data.qa.squad_rows`), or None for other JSON."""
     from kbert.data.qa import is_squad, squad_rows

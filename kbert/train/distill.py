@@ -46,7 +46,7 @@ import numpy as np
 
 from kbert.data import rows as cells
 from kbert.data.features import bucketed_features, features, pad, unit_vectors_in_batches
-from kbert.data.rows import read_rows
+from kbert.data.rows import read_rows, text_rows
 from kbert.compiled import backend, compiled
 from kbert.models.card import shown_name
 from kbert.models.tasks import read_task_meta
@@ -534,22 +534,6 @@ def masked_lm_student_class():
 
 
 # ------------------------------------------------------------------------------------------ front end
-def text_rows(data, column: str) -> List[dict]:
-    """Unlabeled text as rows: a list of strings, a list of dicts, or a file (TSV/CSV/JSONL with `column`,
-    or plain text: a line per text, blank lines skipped)."""
-    if data is None:
-        return []
-    if isinstance(data, (list, tuple)):
-        if all(isinstance(x, str) for x in data):
-            return [{column: x} for x in data if x.strip()]
-        return read_rows(list(data), [column])
-    if isinstance(data, str) and os.path.isfile(data) and data.endswith((".txt", ".txt.gz")):
-        from kbert.utils import read_utf8_text
-
-        return [{column: line.strip()} for line in read_utf8_text(data).splitlines() if line.strip()]
-    return read_rows(data, [column])
-
-
 def distill(teacher: str, student, data=None, out_dir: str = "distilled", mode: str = "auto", train=None,
             dev=None, text_column: Optional[str] = None, pair_column: Optional[str] = None,
             label_column: Optional[str] = None, temperature: float = 2.0, alpha: float = 0.5,

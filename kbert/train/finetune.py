@@ -513,7 +513,10 @@ def _run(c: FinetuneConfig, task, before_training, distribution) -> dict:
                                    variables, optimizer, read=task.other_variables())
     if distribution is not None:  # a teacher built before this scope: its weights onto every device too
         replicate(distribution, task.other_variables())
-    infer = compiled(lambda feats: network(feats, training=False), network.variables, distribution=distribution)
+    def finetune_inference(feats):  # named: kbert.compiled quiets TensorFlow's retracing alarm for this name
+        return network(feats, training=False)
+
+    infer = compiled(finetune_inference, network.variables, distribution=distribution)
     # JAX compiles each shape: batches are padded to a few widths (and, to evaluate, row counts)
     on_jax, limit = backend() == "jax", backbone.config.max_position
 

@@ -27,7 +27,7 @@ from typing import Callable, Dict, List, Optional
 import numpy as np
 
 from kbert.data import rows as cells
-from kbert.data.rows import read_rows
+from kbert.data.rows import read_rows, text_rows
 from kbert.data.features import features, first_pieces, pad, segment_ids, unit_vectors_in_batches
 from kbert.train.metrics import entity_figures, macro_f1, pair_classification_figures, pearson, spearman
 
@@ -559,8 +559,9 @@ class SentenceEmbeddingTask(FinetuneTask):
       it (CoSENT); unscored (anchor, positive) pairs learn with in-batch negatives, plus a hard negative per
       row from `negative_column` when given (it joins the candidates every anchor is scored against);
     - "simcse": unsupervised SimCSE on `text_column` alone: each text twice through the network (two dropout
-      masks) is its own positive, the batch's other texts the negatives. `pair_column` / `label_column`, when
-      given, describe the dev set (scored pairs) it is evaluated on.
+      masks) is its own positive, the batch's other texts the negatives. `train` may be plain text too (a
+      .txt file of a text per line, or a list of strings); `pair_column` / `label_column`, when given,
+      describe the dev set (scored pairs) it is evaluated on.
 
     In-batch losses divide cosines by `config.temperature` (0.05, i.e. a scale of 20). With
     `config.matryoshka_dims` (e.g. [64, 128]) the loss is averaged over the vector cut to each of those
@@ -630,6 +631,12 @@ class SentenceEmbeddingTask(FinetuneTask):
     @property
     def train_columns(self):
         return [self.config.text_column] if self.config.objective == "simcse" else self.columns
+
+    def read_train(self) -> list:
+        """SimCSE reads texts as `kbert.distill` does: a .txt of lines or a list of strings too."""
+        if self.config.objective == "simcse":
+            return text_rows(self.config.train, self.config.text_column)
+        return super().read_train()
 
     def encode(self, rows, tokenizer, max_length, split):
         c = self.config
