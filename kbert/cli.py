@@ -11,6 +11,7 @@ import argparse
 import os
 import signal
 import sys
+import warnings
 
 
 # Exit statuses of a run stopped by a signal, as shells report them (128 + the signal's number).
@@ -144,8 +145,6 @@ def _convert(args):
         kbert.save_model(model, args.out, tokenizer=tokenizer)
         print(f"wrote kbert model dir {args.out}" + (" with its tokenizer" if tokenizer else ""))
     else:
-        import warnings
-
         with warnings.catch_warnings():  # a vocabulary transformers cannot read exactly: said below, once
             warnings.simplefilter("ignore", UserWarning)
             kbert.export_transformers(model, args.out, tokenizer=tokenizer)
@@ -242,7 +241,7 @@ def _data_prepare(args):
     corpus = Corpus(args.corpus, **_corpus_options(args))
     manifest = prepare(corpus, tok, args.out, objective=args.objective, max_length=args.max_length,
                        short_seq_prob=args.short_seq_prob, seed=args.seed, docs_per_shard=args.docs_per_shard,
-                       workers=args.workers, overwrite=args.overwrite)
+                       workers=args.workers, overwrite=args.overwrite, join_documents=args.join_documents)
     report = CorpusReport(**manifest["report"])
     print(f"wrote {manifest['examples']:,} examples in {len(manifest['shards'])} shards to {args.out} "
           f"({manifest['resumed_shards']} shards kept from an earlier run)")
@@ -968,6 +967,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-length", "--max-seq-len", dest="max_length", type=int, default=128,
                    help="tokens per sequence with [CLS]/[SEP] (--max-seq-len: its old name)")
     p.add_argument("--short-seq-prob", type=float, default=0.1)
+    p.add_argument("--join-documents", action="store_true",
+                   help="join consecutive short documents (reviews, comments: a text per line) until each fills a "
+                        "sequence, instead of examples that are mostly padding")
     p.add_argument("--docs-per-shard", type=int, default=1024)
     p.add_argument("--workers", type=int, default=None, help="processes (default: all cores)")
     p.add_argument("--seed", type=int, default=0)
@@ -1464,8 +1466,11 @@ def _terminate_as_interrupt():
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    formatwarning = warnings.formatwarning
     if args.command:
         _quiet_tensorflow_start(args.command)
+        if not os.environ.get("KBERT_DEBUG"):  # one line, as errors are, not a file:line and a source line
+            warnings.formatwarning = lambda message, *_, **__: f"kbert {args.command}: warning: {message}\n"
     if args.version:
         import kbert
 
@@ -1489,6 +1494,7 @@ def main(argv=None) -> int:
         sys.stderr.write(f"kbert {args.command}: error: {str(e).splitlines()[0]}\n")
         return 1
     finally:
+        warnings.formatwarning = formatwarning
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
     return status if isinstance(status, int) and not isinstance(status, bool) else 0

@@ -297,3 +297,20 @@ def test_print_config_writes_every_setting_as_yaml_a_config_reads_back(tmp_path,
     assert capsys.readouterr().out == printed
     assert main(["finetune", "--print-config", "--set", "epochz=2"]) == 1  # a misspelt key is still named
     assert "epochz" in capsys.readouterr().err
+
+
+def test_data_prepare_warns_in_one_line_when_the_examples_are_mostly_padding(tmp_path):
+    import kbert
+
+    tok = str(tmp_path / "tok")
+    kbert.Tokenizer.train(kbert.Corpus(["kolaw"]), vocab_size=800, progress=False).save(tok)
+    reviews = tmp_path / "reviews.txt"
+    reviews.write_text("\n\n".join(f"{i}번째 리뷰 정말 재밌어요" for i in range(300)) + "\n", encoding="utf-8")
+    proc = run("data", "prepare", "--corpus", str(reviews), "--tokenizer", tok, "--out", str(tmp_path / "r"),
+               "--max-length", "128", "--workers", "0")
+    assert proc.returncode == 0, proc.stderr
+    (line,) = [x for x in proc.stderr.splitlines() if "warning" in x]
+    assert line.startswith("kbert data: warning: the pretraining examples are") and "--join-documents" in line
+    proc = run("data", "prepare", "--corpus", str(reviews), "--tokenizer", tok, "--out", str(tmp_path / "j"),
+               "--max-length", "128", "--workers", "0", "--join-documents")
+    assert proc.returncode == 0 and "warning" not in proc.stderr, proc.stderr

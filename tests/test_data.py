@@ -167,6 +167,60 @@ def test_long_lines_and_one_sentence_documents():
         build_examples(_docs(1), "nsp", 32, 2, 3, 0)
 
 
+def test_short_documents_join_until_they_fill_a_sequence():
+    """One-sentence documents (a review per line) gave examples of one or two texts, mostly padding, and NSP
+    no "next" label at all; joined, consecutive ones fill the sequence and NSP has both labels. A document
+    that fills a sequence alone is never joined."""
+    from kbert.data.pairs import join_short_documents
+
+    docs = [[[1000 * d + k for k in range(6)]] for d in range(60)]  # 60 documents of one 6-token sentence
+    assert [sum(len(s) for s in d) for d in join_short_documents(docs[:7], 12)] == [12, 12, 12, 6]
+    long = [[list(range(20))]]
+    assert join_short_documents(docs[:1] + long + docs[1:3], 12) == [docs[0], long[0], docs[1] + docs[2]]
+    for objective in ("mlm+nsp", "mlm"):
+        plain = build_examples(docs, objective, 32, 2, 3, 0, short_seq_prob=0.0, seed=0)
+        joined = build_examples(docs, objective, 32, 2, 3, 0, short_seq_prob=0.0, seed=0, join_documents=True)
+        share = lambda block: block["lengths"].sum() / (32 * len(block["lengths"]))  # noqa: E731
+        assert share(plain) < 0.5 and share(joined) > 0.8, (objective, share(plain), share(joined))
+        kept = sorted(t for row, n in zip(joined["token_ids"], joined["lengths"]) for t in row[:n] if t >= 1000)
+        assert len(set(kept)) >= 0.8 * 59 * 6  # the texts are in the examples, not dropped
+    plain = build_examples(docs, "mlm+nsp", 32, 2, 3, 0, short_seq_prob=0.0, seed=0)
+    assert (plain["pair_labels"] == 1).all()  # the silent failure joining fixes: every NSP pair was "random"
+    joined = build_examples(docs, "mlm+nsp", 32, 2, 3, 0, short_seq_prob=0.0, seed=0, join_documents=True)
+    assert 0.2 < joined["pair_labels"].mean() < 0.8
+
+
+def test_short_documents_are_named_in_a_warning_and_records_keep_the_joining(tok, tmp_path):
+    lines = [f"{i}번째 리뷰 정말 재밌어요" for i in range(400)]
+    path = tmp_path / "reviews.txt"
+    path.write_text("\n\n".join(lines) + "\n", encoding="utf-8")  # a blank line between documents
+    with pytest.warns(UserWarning, match=r"% padding .* data.join_documents=true"):
+        pretraining_dataset(str(path), tok, max_length=128, workers=0, repeat=False)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # joined: no warning
+        pretraining_dataset(str(path), tok, max_length=128, workers=0, repeat=False, join_documents=True)
+    plain = str(tmp_path / "plain")
+    with pytest.warns(UserWarning, match="padding"):
+        m = records.prepare(str(path), tok, plain, max_length=128, workers=0, progress=False)
+    assert m["text_share"] < 0.5 and m["join_documents"] is False
+    with pytest.raises(ValueError, match="prepared without it.*--join-documents"):
+        pretraining_dataset(plain, tok, join_documents=True)
+    joined = str(tmp_path / "joined")
+    m = records.prepare(str(path), tok, joined, max_length=128, workers=0, progress=False, join_documents=True)
+    assert m["text_share"] > 0.7 and m["join_documents"] is True
+    with pytest.raises(ValueError, match="different settings.*join_documents"):
+        records.prepare(str(path), tok, joined, max_length=128, workers=0, progress=False)
+    # records written before the setting existed resume as unjoined ones
+    manifest = records.read_manifest(plain)
+    del manifest["join_documents"]
+    with open(os.path.join(plain, records.MANIFEST), "w", encoding="utf-8") as f:
+        json.dump(manifest, f)
+    with pytest.warns(UserWarning, match="padding"):
+        assert records.prepare(str(path), tok, plain, max_length=128, workers=0, progress=False)["resumed_shards"] >= 1
+
+
 # ---------------------------------------------------------------- masking
 def _mask_stats(tok, whole_word, ngram=1, batches=40, seq=128, seed=7):
     import tensorflow as tf

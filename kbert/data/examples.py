@@ -31,9 +31,10 @@ class ExampleBuilder:
     """Picklable: everything a worker needs to turn raw documents into examples."""
 
     def __init__(self, corpus: Corpus, tokenizer, objective: str, max_length: int, short_seq_prob: float,
-                 shard_writer=None):
+                 shard_writer=None, join_documents: bool = False):
         self.corpus, self.tokenizer = corpus, tokenizer
         self.objective, self.max_length, self.short_seq_prob = objective, max_length, short_seq_prob
+        self.join_documents = bool(join_documents)
         self.shard_writer = shard_writer  # set by `kbert data prepare`: workers serialize their shard's records
 
     def _same_normalization(self) -> bool:
@@ -53,10 +54,27 @@ class ExampleBuilder:
             i += len(d)
         tok = self.tokenizer
         block = build_examples(token_docs, self.objective, self.max_length, tok.cls_id, tok.sep_id, tok.pad_id,
-                               short_seq_prob=self.short_seq_prob, seed=seed)
+                               short_seq_prob=self.short_seq_prob, seed=seed, join_documents=self.join_documents)
         if self.shard_writer is not None:  # the block's own counts go into its shard's manifest entry
             return dict(self.shard_writer(index, block), report=report.to_dict()), report
         return block, report
+
+
+MOSTLY_PADDING = 0.5  # below this share of text tokens in the examples, say how to fill the sequences
+
+
+def warn_if_mostly_padding(tokens: int, examples: int, max_length: int, joined: bool) -> float:
+    """Warns when examples are mostly padding (short documents: reviews, comments), which spends most of
+    every step's compute on nothing; returns the share of text tokens."""
+    import warnings
+
+    share = tokens / max(1, examples * max_length)
+    if share < MOSTLY_PADDING and not joined:
+        warnings.warn(f"the pretraining examples are {100 * share:.0f}% text and {100 * (1 - share):.0f}% padding "
+                      f"(about {tokens / max(1, examples):.0f} of {max_length} tokens): the documents are short. "
+                      f"data.join_documents=true (kbert data prepare --join-documents) joins consecutive short "
+                      f"documents until each fills a sequence; or use a smaller data.max_length", stacklevel=3)
+    return share
 
 
 def _init_worker(builder):

@@ -15,7 +15,14 @@ The algorithm is google-research/bert's `create_instances_from_document`, done o
 - the longer segment is truncated first, from its front or back at random.
 
 Sentences longer than the target are cut into pieces first, so a single very long line becomes several
-segments instead of being thrown away. Output is a block of dense int32 arrays (one row per example):
+segments instead of being thrown away.
+
+`join_documents=True` first joins consecutive documents shorter than a full segment, in corpus order, until
+the joined text fills one (a document that fills one alone stays as it is). It is for corpora of short
+texts (reviews, comments, questions: one short document per line), where each example would otherwise be
+one or two texts and mostly padding, and NSP would find no next sentence inside a one-sentence document (every
+label "random"). The price is RoBERTa's FULL-SENTENCES one: context, and NSP's "next" pairs, may cross
+from one text to the next. Output is a block of dense int32 arrays (one row per example):
 `token_ids` ([CLS] A [SEP] B [SEP], padded with the pad id), `lengths`, `num_a` (tokens up to and
 including the first [SEP]) and `pair_labels`.
 """
@@ -55,8 +62,30 @@ def _truncate_pair(a: List[int], b: List[int], max_tokens: int, rng: random.Rand
             longer.pop()
 
 
+def join_short_documents(docs: List[List[List[int]]], max_tokens: int) -> List[List[List[int]]]:
+    """Consecutive documents (lists of sentences of ids) joined until each joined one holds `max_tokens`
+    tokens; a document that holds them alone is kept apart (see the module docstring)."""
+    out, joined, count = [], [], 0
+    for doc in docs:
+        size = sum(len(s) for s in doc)
+        if size >= max_tokens:
+            if joined:
+                out.append(joined)
+                joined, count = [], 0
+            out.append(doc)
+            continue
+        joined, count = joined + doc, count + size
+        if count >= max_tokens:
+            out.append(joined)
+            joined, count = [], 0
+    if joined:
+        out.append(joined)
+    return out
+
+
 def build_examples(documents: Sequence[List[List[int]]], objective: str, max_length: int, cls_id: int,
-                   sep_id: int, pad_id: int, short_seq_prob: float = 0.1, seed: int = 0) -> Dict[str, np.ndarray]:
+                   sep_id: int, pad_id: int, short_seq_prob: float = 0.1, seed: int = 0,
+                   join_documents: bool = False) -> Dict[str, np.ndarray]:
     """Token-id documents (lists of sentences of ids) -> a block of examples (see the module docstring)."""
     check_objective(objective)
     pair = objective != "mlm"
@@ -67,6 +96,8 @@ def build_examples(documents: Sequence[List[List[int]]], objective: str, max_len
     rng = random.Random(seed)
     docs = [d for d in (_split_long([s for s in doc if s], max(1, (max_tokens + 1) // 2 if pair else max_tokens))
                         for doc in documents) if d]
+    if join_documents:
+        docs = join_short_documents(docs, max_tokens)
     rows, labels, num_a = [], [], []
     for d, doc in enumerate(docs):
         target = max_tokens

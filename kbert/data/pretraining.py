@@ -23,7 +23,8 @@ from typing import Optional
 
 from kbert.data.corpus import Corpus, CorpusReport
 from kbert.utils import renamed_keyword
-from kbert.data.examples import ExampleBuilder, block_seed, example_blocks, resolve_workers, start_pool, stop_pool
+from kbert.data.examples import (ExampleBuilder, block_seed, example_blocks, resolve_workers, start_pool, stop_pool,
+                                 warn_if_mostly_padding)
 from kbert.data.masking import default_max_predictions, example_keys, make_spec, mask_tokens, regular_token_ids
 from kbert.data.pairs import check_objective
 from kbert.data import records as _records
@@ -35,7 +36,7 @@ def pretraining_dataset(source, tokenizer, objective: str = "mlm+nsp", max_lengt
                         shuffle_buffer: int = 10_000, repeat: bool = True, start_batch: int = 0,
                         input_context=None, workers: Optional[int] = None, docs_per_block: int = 256,
                         report: Optional[CorpusReport] = None, drop_remainder: bool = True,
-                        max_seq_len: Optional[int] = None):
+                        max_seq_len: Optional[int] = None, join_documents: bool = False):
     """A `tf.data.Dataset` of masked pretraining batches `(features, labels)` (see the module docstring).
 
     Args:
@@ -55,6 +56,9 @@ def pretraining_dataset(source, tokenizer, objective: str = "mlm+nsp", max_lengt
         workers: processes for raw text (None: all cores; 0: this process). They are spawned, so a script
             that uses them needs `if __name__ == "__main__":` (without it, `kbert.workers.WorkerError` says so).
         report: a `CorpusReport` filled while raw text is read.
+        join_documents: join consecutive short documents until each fills a sequence (raw text only; for
+            corpora of short texts such as reviews or comments, `kbert.data.pairs`). Off, a source whose
+            examples are mostly padding gets a warning that says so.
     """
     max_length = renamed_keyword("max_seq_len", max_seq_len, "max_length", max_length, 128)
     import tensorflow as tf
@@ -73,6 +77,7 @@ def pretraining_dataset(source, tokenizer, objective: str = "mlm+nsp", max_lengt
     elif _records.records_dir(source):
         source = _records.records_dir(source)
         manifest, files = _records.shard_files(source)
+        _records.check_joined(manifest, join_documents, source)
         if manifest["tokenizer"] != tokenizer.fingerprint():
             raise ValueError(f"{source!r} was prepared with another tokenizer (fingerprint {manifest['tokenizer']}, "
                              f"this one is {tokenizer.fingerprint()}); pass the tokenizer used by `kbert data prepare`")
@@ -90,7 +95,8 @@ def pretraining_dataset(source, tokenizer, objective: str = "mlm+nsp", max_lengt
     else:
         check_objective(objective)
         corpus = source if isinstance(source, Corpus) else Corpus(source)
-        builder = ExampleBuilder(corpus, tokenizer, objective, max_length, short_seq_prob)
+        builder = ExampleBuilder(corpus, tokenizer, objective, max_length, short_seq_prob,
+                                 join_documents=join_documents)
         workers = resolve_workers(workers)
         # one pool for every epoch, started first: the workers spawn while this process checks the source
         pool = start_pool(builder, workers) if workers else None
@@ -157,6 +163,8 @@ def _check_yields_examples(builder: ExampleBuilder, seed: int, docs_per_block: i
     report = CorpusReport()
     for _, block in example_blocks(builder, seed, 0, 0, min(docs_per_block, 16), report):
         if len(block["lengths"]):
+            warn_if_mostly_padding(int(block["lengths"].sum()), len(block["lengths"]), builder.max_length,
+                                   builder.join_documents)
             return
     raise ValueError(f"{builder.corpus!r} gives no pretraining examples for objective={builder.objective!r} "
                      f"(NSP/SOP need documents with at least two tokens): {report}")

@@ -26,7 +26,7 @@ import struct
 from typing import Optional
 
 from kbert.data.corpus import Corpus, CorpusReport
-from kbert.data.examples import ExampleBuilder, example_blocks
+from kbert.data.examples import ExampleBuilder, example_blocks, warn_if_mostly_padding
 from kbert.data.pairs import check_objective
 from kbert.utils import progress_bar, renamed_keyword
 from kbert.workers import refuse_in_spawn_bootstrap
@@ -34,7 +34,8 @@ from kbert.workers import refuse_in_spawn_bootstrap
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
 SETTINGS = ("tokenizer", "vocab_size", "objective", "max_length", "short_seq_prob", "seed", "docs_per_shard",
-            "sources")
+            "sources", "join_documents")
+SETTING_DEFAULTS = {"join_documents": False}  # what records written before a setting existed were made with
 
 
 def records_dir(source) -> Optional[str]:
@@ -145,7 +146,8 @@ def read_manifest(directory: str) -> dict:
 
 def prepare(source, tokenizer, out_dir: str, objective: str = "mlm+nsp", max_length: int = 128,
             short_seq_prob: float = 0.1, seed: int = 0, docs_per_shard: int = 1024, workers: Optional[int] = None,
-            overwrite: bool = False, progress: bool = True, max_seq_len: Optional[int] = None) -> dict:
+            overwrite: bool = False, progress: bool = True, max_seq_len: Optional[int] = None,
+            join_documents: bool = False) -> dict:
     """Writes tokenized segment pairs of `source` (anything `kbert.corpus` takes, or a Corpus) to sharded
     TFRecords in `out_dir`, on all cores. Re-running on the same directory resumes: finished shards are
     kept. Returns the manifest (with the cleaning report). (`max_seq_len` is the deprecated name of
@@ -157,16 +159,17 @@ def prepare(source, tokenizer, out_dir: str, objective: str = "mlm+nsp", max_len
     corpus = source if isinstance(source, Corpus) else Corpus(source)
     settings = {"tokenizer": tokenizer.fingerprint(), "vocab_size": tokenizer.vocab_size, "objective": objective,
                 "max_length": int(max_length), "short_seq_prob": float(short_seq_prob), "seed": int(seed),
-                "docs_per_shard": int(docs_per_shard), "sources": corpus.sources}
+                "docs_per_shard": int(docs_per_shard), "sources": corpus.sources,
+                "join_documents": bool(join_documents)}
     os.makedirs(out_dir, exist_ok=True)
     manifest_path = os.path.join(out_dir, MANIFEST)
     shards = {}
     if os.path.exists(manifest_path) and not overwrite:
         old = read_manifest(out_dir)
-        changed = [k for k in SETTINGS if old.get(k) != settings[k]]
+        changed = [k for k in SETTINGS if old.get(k, SETTING_DEFAULTS.get(k)) != settings[k]]
         if changed:
             raise ValueError(f"{out_dir!r} holds records made with different settings ({', '.join(changed)}: "
-                             f"{[old.get(k) for k in changed]} vs {[settings[k] for k in changed]}); use another "
+                             f"{[old.get(k, SETTING_DEFAULTS.get(k)) for k in changed]} vs {[settings[k] for k in changed]}); use another "
                              f"directory or overwrite=True (--overwrite)")
         for key, entry in old["shards"].items():
             path = os.path.join(out_dir, entry["file"])
@@ -180,7 +183,8 @@ def prepare(source, tokenizer, out_dir: str, objective: str = "mlm+nsp", max_len
     _write_json(manifest_path, manifest)
 
     writer = ShardWriter(out_dir)
-    builder = ExampleBuilder(corpus, tokenizer, objective, max_length, short_seq_prob, shard_writer=writer)
+    builder = ExampleBuilder(corpus, tokenizer, objective, max_length, short_seq_prob, shard_writer=writer,
+                             join_documents=join_documents)
     report = CorpusReport()
     bar = progress_bar(desc="prepare", unit="shard", enabled=progress)
     resumed, kept = len(shards), sorted(shards)
@@ -202,11 +206,22 @@ def prepare(source, tokenizer, out_dir: str, objective: str = "mlm+nsp", max_len
                 f"first, e.g. `iconv -f cp949 -t utf-8 IN > OUT`)" if report.binary_dropped else "")
         raise ValueError(f"{corpus!r} gives no pretraining examples for objective={objective!r} (NSP/SOP need "
                          f"documents with at least two tokens): {report}{hint}")
+    tokens = sum(s.get("tokens", 0) for s in shards.values())
+    manifest["text_share"] = warn_if_mostly_padding(tokens, manifest["examples"], max_length, join_documents)
     manifest["complete"] = True
     manifest["report"] = report.to_dict()
     manifest["resumed_shards"] = resumed
     _write_json(manifest_path, manifest)
     return manifest
+
+
+def check_joined(manifest: dict, join_documents: bool, directory: str) -> None:
+    """`join_documents` asked of records that were prepared without it: joining happens when records are
+    written, so reading cannot do it; say so instead of training on the unjoined examples."""
+    if join_documents and not manifest.get("join_documents", False):
+        raise ValueError(f"data.join_documents is true but {directory!r} was prepared without it; prepare the "
+                         f"records with `kbert data prepare --join-documents` (joining happens when records are "
+                         f"written), or leave join_documents false")
 
 
 def shard_files(directory: str, allow_incomplete: bool = False):

@@ -35,6 +35,8 @@ class DataConfig:
     short_seq_prob: float = 0.1
     shuffle_buffer: int = 10_000
     workers: Optional[int] = None
+    # join consecutive documents shorter than a sequence until each fills one (raw text: reviews, comments)
+    join_documents: bool = False
 
 
 @dataclasses.dataclass

@@ -402,7 +402,7 @@ def pretrain(config: Union[PretrainConfig, dict, str], overrides=None, resume: b
     data_args = dict(source=d.source, tokenizer=tokenizer, objective=_data_objective(d.objective),
                      max_length=d.max_length, mask_rate=d.mask_rate, max_predictions=d.max_predictions,
                      whole_word=d.whole_word, ngram=d.ngram, short_seq_prob=d.short_seq_prob, seed=rt.seed,
-                     shuffle_buffer=d.shuffle_buffer, workers=d.workers)
+                     shuffle_buffer=d.shuffle_buffer, workers=d.workers, join_documents=d.join_documents)
     iterator = backend.batches(data_args, micro_batch, start, t.accumulation,
                                records_cache=os.path.join(out, "records"), progress=progress)
 

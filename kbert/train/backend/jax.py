@@ -170,6 +170,9 @@ class JaxBackend:
         if records.records_dir(source):
             from kbert.data.record_reader import RecordBatches
 
+            records.check_joined(records.read_manifest(records.records_dir(source)),
+                                 data_args.get("join_documents", False), records.records_dir(source))
+
             reader = RecordBatches(records.records_dir(source), data_args["tokenizer"], batch_size=local,
                                    mask_rate=data_args["mask_rate"], max_predictions=data_args["max_predictions"],
                                    whole_word=data_args["whole_word"], ngram=data_args["ngram"],
@@ -219,6 +222,7 @@ class JaxBackend:
                   f"kept, so a resumed run reuses them)", file=sys.stderr, flush=True)
         args = dict(objective=data_args["objective"], max_length=data_args["max_length"],
                     short_seq_prob=data_args["short_seq_prob"], seed=data_args["seed"],
+                    join_documents=data_args.get("join_documents", False),
                     workers=data_args["workers"], progress=progress)
         try:
             manifest = records.prepare(source, data_args["tokenizer"], records_cache, **args)
