@@ -729,9 +729,9 @@ def test_unlabelled_texts_read_from_lines_or_from_a_labelled_file(tmp_path):
     task = SentenceEmbeddingTask(FinetuneConfig(model="m", task="sentence-embedding", objective="simcse",
                                                 train=str(tmp_path / "lines.txt")))
     assert task.read_train() == expected
-    pairs = SentenceEmbeddingTask(FinetuneConfig(model="m", task="sentence-embedding", train=str(tmp_path / "pairs.txt"),
-                                                 text_column="question1", pair_column="question2",
-                                                 label_column="is_duplicate"))
+    pairs = SentenceEmbeddingTask(FinetuneConfig(model="m", task="sentence-embedding",
+                                                 train=str(tmp_path / "pairs.txt"), text_column="question1",
+                                                 pair_column="question2", label_column="is_duplicate"))
     assert pairs.read_train()[0]["question2"] == "식사했어?"
 
 
@@ -767,3 +767,26 @@ def test_labelled_rows_are_strict_utf8_and_name_a_cp949_file(tmp_path):
         read_rows(str(tmp_path / "lists.jsonl"), ["text"])
     with pytest.raises(ValueError, match="the given rows: row 1 is str"):
         read_rows(["좋다", "싫다"], ["text"])
+
+
+@pytest.mark.slow
+def test_the_short_documents_benchmark_runs_and_joining_fills_the_sequences(tmp_path):
+    """benchmarks/short_documents.py end to end at toy size (its figures are in benchmarks/README.md): the
+    joined examples hold more text and more real NSP pairs than google-research/bert's one document each."""
+    reviews = os.path.join(SHARED, "movie-reviews", "reviews.tsv.gz")
+    if not os.path.isfile(reviews):
+        pytest.skip(f"the shared Korean data is not at {SHARED}")
+    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "short_documents.py")
+    model = json.dumps({"architecture": "bert", "hidden_size": 32, "num_layers": 1, "num_heads": 2,
+                        "intermediate_size": 64, "max_position": 128})
+    run = subprocess.run([sys.executable, script, "--reviews", reviews, "--out", str(tmp_path), "--limit", "3000",
+                          "--held", "20", "--vocab", "2000", "--steps", "4", "--batch", "8", "--model", model,
+                          "--embedding-init", "random", "--sentiment", "300", "--seeds", "1", "--json"],
+                         capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    for seq in (64, 128):
+        plain, joined = out["stats"][f"{seq}-plain"], out["stats"][f"{seq}-joined"]
+        assert joined["text_share"] > plain["text_share"] + 0.15 and joined["next_share"] > plain["next_share"]
+    for r in out["runs"].values():
+        assert r["tokens_per_s"] > 0 and r["pseudo_perplexity"] > 1 and 0 < r["sentiment"][0] <= 1

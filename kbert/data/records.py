@@ -166,10 +166,11 @@ def prepare(source, tokenizer, out_dir: str, objective: str = "mlm+nsp", max_len
     shards = {}
     if os.path.exists(manifest_path) and not overwrite:
         old = read_manifest(out_dir)
-        changed = [k for k in SETTINGS if old.get(k, SETTING_DEFAULTS.get(k)) != settings[k]]
+        made = {k: old.get(k, SETTING_DEFAULTS.get(k)) for k in SETTINGS}
+        changed = [k for k in SETTINGS if made[k] != settings[k]]
         if changed:
             raise ValueError(f"{out_dir!r} holds records made with different settings ({', '.join(changed)}: "
-                             f"{[old.get(k, SETTING_DEFAULTS.get(k)) for k in changed]} vs {[settings[k] for k in changed]}); use another "
+                             f"{[made[k] for k in changed]} vs {[settings[k] for k in changed]}); use another "
                              f"directory or overwrite=True (--overwrite)")
         for key, entry in old["shards"].items():
             path = os.path.join(out_dir, entry["file"])
