@@ -77,10 +77,10 @@ def no_gc():
 
 
 class _NoBar:
+    total = None
+
     def update(self, n=1):
         pass
-
-    total = None
 
     def set_postfix(self, *a, **k):
         pass

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import List, Optional
+from typing import Optional
 
 import numpy as np
 

@@ -513,6 +513,7 @@ def _run(c: FinetuneConfig, task, before_training, distribution) -> dict:
                                    variables, optimizer, read=task.other_variables())
     if distribution is not None:  # a teacher built before this scope: its weights onto every device too
         replicate(distribution, task.other_variables())
+
     def finetune_inference(feats):  # named: kbert.compiled quiets TensorFlow's retracing alarm for this name
         return network(feats, training=False)
 
