@@ -250,7 +250,6 @@ def _data_prepare(args):
 
 def _pretrain(args):
     from kbert.train.config import PretrainConfig
-    from kbert.train.loop import pretrain
 
     overrides = list(args.set or [])
     for key, value in (("data.source", args.corpus), ("data.tokenizer", args.tokenizer), ("output_dir", args.out),
@@ -264,6 +263,8 @@ def _pretrain(args):
     config = PretrainConfig.load(args.config, overrides)
     if args.print_config:
         return _print_config(config.to_dict())
+    from kbert.train.loop import pretrain  # Keras and the backend: not needed to print the settings
+
     summary = pretrain(config, resume=not args.no_resume)
     state = "finished" if summary["finished"] else f"stopped at step {summary['step']} ({summary['stopped_by']})"
     if summary["history"]:
@@ -1410,8 +1411,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# Commands whose input pipeline is tf.data whenever TensorFlow is installed, on every Keras backend.
-_TF_DATA_COMMANDS = ("quickstart", "pretrain", "data")
+# Commands whose input pipeline is tf.data whenever TensorFlow is installed, on every Keras backend
+# (`kbert data prepare` frames its records by hand and never imports TensorFlow).
+_TF_DATA_COMMANDS = ("quickstart", "pretrain")
 
 
 def _quiet_tensorflow_start(command: str) -> None:
@@ -1466,11 +1468,8 @@ def _terminate_as_interrupt():
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    formatwarning = warnings.formatwarning
     if args.command:
         _quiet_tensorflow_start(args.command)
-        if not os.environ.get("KBERT_DEBUG"):  # one line, as errors are, not a file:line and a source line
-            warnings.formatwarning = lambda message, *_, **__: f"kbert {args.command}: warning: {message}\n"
     if args.version:
         import kbert
 
@@ -1481,6 +1480,9 @@ def main(argv=None) -> int:
         return 0
     # `serve` drains on SIGTERM itself: uvicorn restores the handler it found, then re-raises the signal
     previous = _terminate_as_interrupt() if args.command != "serve" else None
+    formatwarning = warnings.formatwarning
+    if not os.environ.get("KBERT_DEBUG"):  # one line, as errors are, not a file:line and a source line
+        warnings.formatwarning = lambda message, *_, **__: f"kbert {args.command}: warning: {message}\n"
     try:
         status = args.func(args)
     except KeyboardInterrupt as e:

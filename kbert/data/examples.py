@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import os
+import warnings
 from typing import Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
@@ -66,8 +67,6 @@ MOSTLY_PADDING = 0.5  # below this share of text tokens in the examples, say how
 def warn_if_mostly_padding(tokens: int, examples: int, max_length: int, joined: bool) -> float:
     """Warns when examples are mostly padding (short documents: reviews, comments), which spends most of
     every step's compute on nothing; returns the share of text tokens."""
-    import warnings
-
     share = tokens / max(1, examples * max_length)
     if share < MOSTLY_PADDING and not joined:
         warnings.warn(f"the pretraining examples are {100 * share:.0f}% text and {100 * (1 - share):.0f}% padding "

@@ -167,13 +167,12 @@ class JaxBackend:
         source = data_args["source"]
         if not records.records_dir(source) and not _tensorflow_installed():
             source = self._records_of_raw_text(data_args, records_cache, start_step, progress)
-        if records.records_dir(source):
+        directory = records.records_dir(source)
+        if directory:
             from kbert.data.record_reader import RecordBatches
 
-            records.check_joined(records.read_manifest(records.records_dir(source)),
-                                 data_args.get("join_documents", False), records.records_dir(source))
-
-            reader = RecordBatches(records.records_dir(source), data_args["tokenizer"], batch_size=local,
+            records.check_joined(records.read_manifest(directory), data_args.get("join_documents", False), directory)
+            reader = RecordBatches(directory, data_args["tokenizer"], batch_size=local,
                                    mask_rate=data_args["mask_rate"], max_predictions=data_args["max_predictions"],
                                    whole_word=data_args["whole_word"], ngram=data_args["ngram"],
                                    seed=data_args["seed"], shuffle_buffer=data_args["shuffle_buffer"],
