@@ -8,6 +8,7 @@ appears only with `KBERT_DEBUG=1`.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import signal
 import sys
@@ -22,6 +23,14 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, exit 2, no usage block
         sys.stderr.write(f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
         raise SystemExit(2)
+
+
+def _show_warning(command, message, category, filename, lineno, file=None, line=None):
+    """A warning as one line, as errors are. Through tqdm, which clears a running progress bar first and draws
+    it again below, so the line never lands in the middle of the bar."""
+    from tqdm import tqdm
+
+    tqdm.write(f"kbert {command}: warning: {message}", file=file or sys.stderr)
 
 
 def _info(args):
@@ -888,7 +897,8 @@ def _add_self_mining_arguments(p):
 
 
 def _add_corpus_arguments(p):
-    p.add_argument("--format", choices=("text", "jsonl", "tsv", "wiki"), help="default: from the file name")
+    p.add_argument("--format", choices=("text", "lines", "jsonl", "tsv", "wiki"),  # kbert.data.corpus.FORMATS
+                   help="default: from the file name; lines: plain text with each line a document (reviews, comments)")
     p.add_argument("--text-field", help="JSONL field with the text (default: text)")
     p.add_argument("--column", nargs="+", help="TSV column name(s) or index")
     p.add_argument("--group-by", help="TSV column: adjacent rows with the same value form one document")
@@ -1480,9 +1490,9 @@ def main(argv=None) -> int:
         return 0
     # `serve` drains on SIGTERM itself: uvicorn restores the handler it found, then re-raises the signal
     previous = _terminate_as_interrupt() if args.command != "serve" else None
-    formatwarning = warnings.formatwarning
+    showwarning = warnings.showwarning
     if not os.environ.get("KBERT_DEBUG"):  # one line, as errors are, not a file:line and a source line
-        warnings.formatwarning = lambda message, *_, **__: f"kbert {args.command}: warning: {message}\n"
+        warnings.showwarning = functools.partial(_show_warning, args.command)
     try:
         status = args.func(args)
     except KeyboardInterrupt as e:
@@ -1496,7 +1506,7 @@ def main(argv=None) -> int:
         sys.stderr.write(f"kbert {args.command}: error: {str(e).splitlines()[0]}\n")
         return 1
     finally:
-        warnings.formatwarning = formatwarning
+        warnings.showwarning = showwarning
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
     return status if isinstance(status, int) and not isinstance(status, bool) else 0

@@ -65,6 +65,40 @@ def test_formats_compression_and_report(tmp_path):
     assert len(list(c)) == 4 + 5  # tsv without a column name: column 0 of every row, header included
     assert c.report.files == 3 and c.report.sentences > 0 and c.report.characters > 0
 
+def test_a_text_per_line_reads_as_lines_and_a_run_on_text_file_is_cut_with_a_hint(tmp_path, monkeypatch):
+    """A review dump without blank lines was one document: whole in memory, one worker's block, NSP/SOP pairs
+    across unrelated reviews, no duplicate review dropped. `format="lines"` makes each line a document, and a
+    plain-text run is cut at MAX_DOCUMENT_LINES with a warning that names the option."""
+    import importlib
+
+    corpus_module = importlib.import_module("kbert.data.corpus")  # the package's `corpus` is the function
+    monkeypatch.setattr(corpus_module, "MAX_DOCUMENT_LINES", 4)
+    reviews = [f"{i}번 리뷰. 재밌어요" for i in range(9)] + ["0번 리뷰. 재밌어요"]
+    path = _write(str(tmp_path / "reviews.txt"), "\n".join(reviews) + "\n")
+    c = corpus(path, format="lines")
+    docs = list(c)
+    assert docs == [[f"{i}번 리뷰.", "재밌어요"] for i in range(9)]  # a document a line, split into sentences
+    assert c.report.duplicates_dropped == 1
+    with pytest.warns(UserWarning, match=r"reviews.txt: 4 lines without a blank line.*--format lines") as caught:
+        docs = list(corpus(path, splitter="lines"))
+    assert len(caught) == 1  # once a file
+    assert docs == [reviews[0:4], reviews[4:8], reviews[8:10]]
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # blank lines between documents, or a file that is one document: no hint
+        assert len(list(corpus(_write(str(tmp_path / "docs.txt"), "가.\n나.\n\n다.\n"), splitter="lines"))) == 2
+        law = list(corpus(path, splitter="lines", file_is_document=True))
+    assert [len(d) for d in law] == [4, 4, 2]  # cut too: memory stays bounded
+    from kbert.cli import build_parser
+
+    assert build_parser().parse_args(["data", "prepare", "--corpus", path, "--tokenizer", "t", "--out", "o",
+                                      "--format", "lines"]).format == "lines"
+    assert build_parser().parse_args(["tokenizer", "train", "--input", path, "--vocab-size", "9", "--out", "o",
+                                      "--format", "lines"]).format == "lines"
+    assert corpus_module.FORMATS == ("text", "lines", "jsonl", "tsv", "wiki")  # the CLI's --format choices
+
+
 
 def test_cleaning_dedupe_binary_empty_and_lengths(tmp_path):
     a = _write(str(tmp_path / "a.txt"), "같은 문서.\n\n같은 문서.\n\n\x00\x01\x02binary\x00junk\x00\n\n다른 문서.\n")

@@ -4,7 +4,11 @@
 `movie-reviews`, `korsts`, `kornli`, `wikipedia-ko`) or a list of them, and yields documents (lists of
 sentences). Formats are detected from the file name (compression suffixes `.gz` / `.bz2` first):
 
-- plain text (`.txt`, anything unknown): one sentence or paragraph per line, a blank line between documents;
+- plain text (`.txt`, anything unknown): one sentence or paragraph per line, a blank line between documents
+  (google-research/bert's format); a run of more than `MAX_DOCUMENT_LINES` lines without a blank line is cut
+  there, so a file with no blank lines is neither one document in memory nor one worker's shard;
+- lines (`format="lines"`, never detected): plain text with each line a document of its own (reviews,
+  comments, questions; what KcBERT-style comment dumps look like);
 - JSONL (`.jsonl`, `.json` with one object per line): the `text_field` of each object is a document;
 - TSV (`.tsv`): the `column` (name or 0-based index) of each row; rows that share `group_by` and are
   adjacent form one document;
@@ -28,6 +32,7 @@ import hashlib
 import json
 import os
 import re
+import warnings
 from typing import Iterator, List, Optional, Sequence, Union
 
 from kbert.data.recipes import RECIPES, download, movie_review_sentiment, recipe_named  # noqa: F401 (re-exported)
@@ -100,7 +105,13 @@ def _detect_format(path: str) -> str:
     return "text"
 
 
-FORMATS = ("text", "jsonl", "tsv", "wiki")
+FORMATS = ("text", "lines", "jsonl", "tsv", "wiki")
+
+# Why a cap: a plain-text file without blank lines (a text per line, as comment and review dumps come) is one
+# document by the format's rule. Whole, it sits in one list in memory and goes to one worker as one block. Cut
+# at this many lines, it spreads over blocks and workers; pairs are drawn between neighbouring sentences, so a
+# cut every 1,000 lines moves only the pairs that would have crossed it.
+MAX_DOCUMENT_LINES = 1000
 
 
 class Corpus:
@@ -108,7 +119,8 @@ class Corpus:
 
     Args:
         sources: a path, glob, directory, recipe name, or a list of them.
-        format: one of `FORMATS`, or None to detect it from each file name.
+        format: one of `FORMATS`, or None to detect it from each file name ("lines", a document per line of
+            plain text, is never detected: name it).
         text_field: JSONL field holding the text (default "text").
         column: TSV column name(s) or 0-based index; several columns give several documents per row
             unless `group_by` joins them.
@@ -180,6 +192,8 @@ class Corpus:
                 yield from wiki_dump_articles(path)
             elif fmt == "jsonl":
                 yield from self._read_jsonl(path, options.get("text_field", self.text_field), report)
+            elif fmt == "lines":
+                yield from self._read_lines(path)
             elif fmt == "tsv":
                 yield from self._read_tsv(path, options.get("column", self.column),
                                           options.get("group_by", self.group_by))
@@ -191,16 +205,34 @@ class Corpus:
     @staticmethod
     def _read_text(path: str, file_is_document: bool) -> Iterator[List[str]]:
         with open_text(path) as f:
-            doc = []
+            doc, cut = [], False
             for line in f:
                 line = line.strip()
                 if line:
                     doc.append(line)
+                    if len(doc) >= MAX_DOCUMENT_LINES:
+                        if not cut and not file_is_document:
+                            warnings.warn(
+                                f"{path}: {MAX_DOCUMENT_LINES:,} lines without a blank line. Plain text takes a blank "
+                                f"line between documents, so these are read as documents of {MAX_DOCUMENT_LINES:,} "
+                                f"lines. If each line is a text of its own (reviews, comments), read it as format='lines' "
+                                f"(kbert data prepare --format lines; kbert.corpus(path, format='lines'))", stacklevel=2)
+                        cut = True
+                        yield doc
+                        doc = []
                 elif doc and not file_is_document:
                     yield doc
                     doc = []
             if doc:
                 yield doc
+
+    @staticmethod
+    def _read_lines(path: str) -> Iterator[List[str]]:
+        with open_text(path) as f:
+            for line in f:
+                line = line.strip()
+                if line:
+                    yield [line]
 
     @staticmethod
     def _read_jsonl(path: str, field: str, report: CorpusReport) -> Iterator[List[str]]:
