@@ -260,7 +260,7 @@ def _data_prepare(args):
 def _pretrain(args):
     from kbert.train.config import PretrainConfig
 
-    overrides = list(args.set or [])
+    overrides = []  # the flags, then --set (as fine-tuning does): `--set model.hidden_size=256` refines --model
     for key, value in (("data.source", args.corpus), ("data.tokenizer", args.tokenizer), ("output_dir", args.out),
                        ("model", args.model), ("trainer.steps", args.steps), ("trainer.batch_size", args.batch_size),
                        ("runtime.strategy", args.strategy), ("runtime.tpu", args.tpu),
@@ -269,7 +269,7 @@ def _pretrain(args):
             import json
 
             overrides.append(f"{key}={json.dumps(value, ensure_ascii=False) if isinstance(value, list) else value}")
-    config = PretrainConfig.load(args.config, overrides)
+    config = PretrainConfig.load(args.config, overrides + list(args.set or []))
     if args.print_config:
         return _print_config(config.to_dict())
     from kbert.train.loop import pretrain  # Keras and the backend: not needed to print the settings
@@ -990,7 +990,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("pretrain", help="pretrain a BERT/ALBERT (resumable; Ctrl-C or SIGTERM saves)")
     p.add_argument("--config", help="YAML or JSON config (every key and its default: --print-config)")
-    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override, e.g. optimizer.learning_rate=1e-4")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE",
+                   help="override, applied after the other flags, e.g. optimizer.learning_rate=1e-4 or "
+                        "model.hidden_size=256 (a field of --model's preset)")
     p.add_argument("--print-config", action="store_true",
                    help="print the resolved settings as YAML (a --config file to edit) and exit without training")
     p.add_argument("--corpus", nargs="+", help="data.source: corpus paths/names, a records dir, or dummy")

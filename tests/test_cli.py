@@ -285,6 +285,14 @@ def test_print_config_writes_every_setting_as_yaml_a_config_reads_back(tmp_path,
     assert main(["pretrain", "--config", str(path), "--print-config"]) == 0
     assert capsys.readouterr().out == printed
     assert not out.exists()
+    # --set comes after the flags: a field of --model's preset, which used to be dropped without a word
+    assert main(["pretrain", "--print-config", "--model", "albert-base", "--set", "model.hidden_size=128",
+                 "--set", "model.num_layers=2", "--steps", "5", "--set", "trainer.steps=7"]) == 0
+    values = yaml.safe_load(capsys.readouterr().out)
+    assert values["model"] == {"preset": "albert-base", "hidden_size": 128, "num_layers": 2}
+    assert values["trainer"]["steps"] == 7
+    assert main(["pretrain", "--print-config", "--model", str(tmp_path), "--set", "model.dropout=0.0"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["model"] == {"from": str(tmp_path), "dropout": 0.0}
 
     assert main(["finetune", "--print-config", "--model", "m", "--task", "sentence-embedding", "--train", "t.csv",
                  "--matryoshka-dims", "64,128", "--set", "epochs=2"]) == 0

@@ -1093,16 +1093,22 @@ def test_a_truncated_checkpoint_falls_back_to_the_newest_intact_one(tok_dir, tmp
 
 @pytest.mark.slow
 def test_cli_pretrains_from_a_records_dir(tok_dir, tmp_path, capsys):
-    """`kbert pretrain --corpus RECORDS_DIR` (what --help and README document): --corpus arrives as a list."""
+    """`kbert pretrain --corpus RECORDS_DIR` (what --help and README document): --corpus arrives as a list. The
+    records' objective and length stand where the run keeps the defaults: SOP records used to train an NSP
+    head on their labels, and the run called itself mlm+nsp."""
     from kbert.cli import main
 
     records = str(tmp_path / "records")
     assert main(["data", "prepare", "--corpus", "kolaw", "--tokenizer", tok_dir, "--out", records,
-                 "--max-length", "32", "--workers", "0"]) == 0
+                 "--max-length", "32", "--workers", "0", "--objective", "mlm+sop"]) == 0
     out = str(tmp_path / "run")
     assert main(["pretrain", "--corpus", records, "--tokenizer", tok_dir, "--out", out, "--steps", "3",
-                 "--batch-size", "8", "--strategy", "cpu", "--set", "data.max_length=32",
+                 "--batch-size", "8", "--strategy", "cpu",
                  "--set", f"model={json.dumps(dict(TINY))}"]) == 0, capsys.readouterr().err
+    assert "mlm+sop, 3 steps" in capsys.readouterr().err
+    with open(os.path.join(out, "config.json"), encoding="utf-8") as f:
+        data = json.load(f)["data"]
+    assert (data["objective"], data["max_length"]) == ("mlm+sop", 32)
     assert os.path.isdir(os.path.join(out, "model"))
     emb = kbert.Embedder.load(out)  # the run dir: its model/ (it said "config is missing required key(s)")
     assert emb.encode(["대한민국은 민주공화국이다."]).shape == (1, 64)

@@ -5,7 +5,9 @@ Unknown keys fail with the key named; the resolved config is written next to the
 
     model: bert-tiny                # a preset name, or a full ModelConfig mapping, or a model to continue
                                     # pretraining from: a model/run dir, a Hugging Face dir, a cached hub name
-                                    # ({from: klue/bert-base, dropout: 0.0} to change its dropouts)
+                                    # ({from: klue/bert-base, dropout: 0.0} to change its dropouts;
+                                    # {preset: albert-base, hidden_size: 256} to change a preset's fields,
+                                    # or --set model.hidden_size=256 beside --model albert-base)
     data: {source: [kolaw, kobill], tokenizer: out/tokenizer, objective: mlm+nsp, max_length: 128}
                                     # objective: mlm | mlm+nsp (BERT) | mlm+sop (ALBERT) | electra
     optimizer: {name: adamw, learning_rate: 1e-4, warmup_steps: 100}
@@ -139,12 +141,22 @@ def load_mapping(path: Optional[str] = None, overrides: Optional[List[str]] = No
             raise ValueError(f"Override {item!r}: its value is not valid YAML ({_yaml_problem(e)})") from None
         node = values
         parts = key.strip().split(".")
+        if len(parts) > 1 and parts[0] == "model" and isinstance(values.get("model"), str):
+            values["model"] = _model_mapping(values["model"])
         for p in parts[:-1]:
             node = node.setdefault(p, {})
             if not isinstance(node, dict):
                 raise ValueError(f"Override {item!r}: {p!r} is not a section")
         node[parts[-1]] = value
     return values
+
+
+def _model_mapping(name: str) -> dict:
+    """`model: albert-base` refined by `--set model.hidden_size=256`: the same choice in the mapping form that
+    takes field overrides (`preset:` for a preset, `from:` for a model to continue pretraining from)."""
+    from kbert.models.config import PRESETS
+
+    return {"preset" if name in PRESETS else "from": name}
 
 
 def _parse(text: str, path: str):

@@ -334,8 +334,12 @@ def pretrain(config: Union[PretrainConfig, dict, str], overrides=None, resume: b
     t, d, rt = config.trainer, config.data, config.runtime
     from kbert.data.records import read_manifest, records_dir
 
-    if records_dir(d.source) and d.max_length == DataConfig.max_length:  # the default: the records' length
-        d.max_length = read_manifest(records_dir(d.source))["max_length"]
+    if records_dir(d.source):  # what the records were prepared with stands where the config keeps the default
+        manifest = read_manifest(records_dir(d.source))
+        if d.max_length == DataConfig.max_length:
+            d.max_length = manifest["max_length"]
+        if d.objective == DataConfig.objective:  # SOP records built an NSP head, called "mlm+nsp" in the card
+            d.objective = manifest["objective"]
 
     # 1. where and in which precision
     backend = make_backend(rt)
