@@ -550,6 +550,12 @@ def test_planner_cpu_set_holds_on_the_cpu_points_the_gpu_set_misses():
     base = ModelConfig.preset("bert-base", vocab_size=32000)
     on_cpu, on_gpu = (plan_for_config(config, base, BF16, 1, d)["micro_batch"] for d in ("cpu", "gpu"))
     assert 0 < on_cpu < on_gpu
+    # without trainer.memory, the bytes the backend reports for its accelerator (a CPU's are not the limit)
+    config.trainer.memory = None
+    small, large = (plan_for_config(config, base, BF16, 1, "gpu", device_memory=m) for m in (6e9, 40e9))
+    assert 0 < small["micro_batch"] < large["micro_batch"] and small["memory"] == 6e9
+    assert plan_for_config(config, base, BF16, 1, "cpu", device_memory=40e9)["memory"] == "8GB"
+    assert plan_for_config(config, base, BF16, 1, "gpu")["memory"] == "16GB"  # nothing reported
 
 
 JAX_CPU_PLAN = """

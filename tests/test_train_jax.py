@@ -246,6 +246,14 @@ def test_pretraining_from_records_on_jax_never_imports_tensorflow(prepared, tmp_
     assert result == {"step": 3, "model": str(tmp_path / "run" / "model"), "tf": False}
     assert os.listdir(str(tmp_path / "run" / "logs"))
     assert kbert.load_model(result["model"]).config.num_layers == 2
+    # `trainer.batch_size: auto` plans from the JAX device, not TensorFlow's view (it imported TensorFlow first)
+    cfg = _config(prepared, str(tmp_path / "auto"), 1, runtime={"strategy": "cpu"},
+                  trainer={"batch_size": "auto", "log_every": 1})
+    result, _ = run_on_jax(
+        BLOCK_TENSORFLOW + "import kbert\n"
+        f"s = kbert.pretrain({cfg!r}, progress=False)\n"
+        "print(json.dumps(dict(step=s['step'], batch=s['global_batch'], tf='tensorflow' in sys.modules)))\n")
+    assert result == {"step": 1, "batch": 256, "tf": False}  # the tiny model fits the 256 cap in 8 GB
 
 
 @pytest.mark.slow

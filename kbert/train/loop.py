@@ -353,7 +353,8 @@ def pretrain(config: Union[PretrainConfig, dict, str], overrides=None, resume: b
     if t.batch_size == "auto":
         from kbert.train.memory import plan_for_config
 
-        plan = plan_for_config(config, model_config, precision, replicas, backend.kind)
+        plan = plan_for_config(config, model_config, precision, replicas, backend.kind,
+                               backend.device_memory() if t.memory is None else None)
         t.batch_size, t.accumulation = plan["global_batch"], plan["accumulation"]
     if not isinstance(t.batch_size, int) or t.batch_size < 1:
         raise ValueError(f"`trainer.batch_size` must be a positive integer or 'auto'. Received: {t.batch_size!r}")

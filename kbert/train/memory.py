@@ -222,18 +222,15 @@ def compiler_for(device: Optional[str]) -> str:
     return "xla-cpu" if device in (None, "cpu") else "xla"
 
 
-def plan_for_config(config, model_config, precision: str, replicas: int, device: str) -> Dict:
+def plan_for_config(config, model_config, precision: str, replicas: int, device: str,
+                    device_memory: Optional[int] = None) -> Dict:
     """`trainer.batch_size: auto`: the largest per-replica batch (at most 256) that the planner fits in
-    the device's memory less a 10% margin (`trainer.memory` when set, else the GPU's reported limit, else
-    8 GB on CPU / 16 GB elsewhere), times the replicas; no accumulation."""
-    import tensorflow as tf
-
+    the device's memory less a 10% margin (`trainer.memory` when set, else `device_memory`, the bytes the
+    backend reports for one accelerator, else 8 GB on CPU / 16 GB elsewhere), times the replicas; no
+    accumulation. Backend-neutral: a JAX host without TensorFlow plans too."""
     memory = config.trainer.memory
-    if memory is None and device == "gpu":
-        memory = tf.config.experimental.get_memory_info("GPU:0").get("limit") or None
-        if memory is None:
-            details = tf.config.experimental.get_device_details(tf.config.list_physical_devices("GPU")[0])
-            memory = details.get("memory_limit")
+    if memory is None and device != "cpu" and device_memory:
+        memory = int(device_memory)
     if memory is None:
         memory = "8GB" if device == "cpu" else "16GB"
     jit = config.runtime.jit

@@ -4,6 +4,7 @@
 
     backend = make_backend(config.runtime)      # from keras.backend.backend(): "tensorflow" or "jax"
     backend.replicas, backend.kind, backend.device_name
+    backend.device_memory()                     # bytes one accelerator offers (batch_size: auto), or None
     with backend.scope(): ...                   # build the model and optimizer (replicated as the backend does)
     batches = backend.batches(data_args, micro_batch, start_step, accumulation, records_cache)  # placed input
     step = backend.compile_step(model, optimizer, variables, accumulation)

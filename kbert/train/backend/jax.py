@@ -135,6 +135,13 @@ class JaxBackend:
         self._state = None
         self.compilation_cache = use_compilation_cache(getattr(runtime, "compilation_cache", "auto"))
 
+    def device_memory(self):
+        """Bytes JAX's allocator may use on the first accelerator (`bytes_limit`: the device's memory times
+        XLA_PYTHON_CLIENT_MEM_FRACTION); None on a CPU, or where the platform does not say."""
+        if self.kind == "cpu":
+            return None
+        return (self.devices[0].memory_stats() or {}).get("bytes_limit")
+
     def precision(self, requested: str) -> str:
         from kbert.train.strategy import choose_precision
 

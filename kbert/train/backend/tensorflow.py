@@ -34,6 +34,18 @@ class TensorFlowBackend:
             resolver.task_type == "worker" and resolver.task_id == 0)
         self.jit = None
 
+    def device_memory(self):
+        """Bytes of memory TensorFlow gives the first GPU; None elsewhere (a TPU's is not reported here)."""
+        if self.kind != "gpu":
+            return None
+        import tensorflow as tf
+
+        memory = tf.config.experimental.get_memory_info("GPU:0").get("limit") or None
+        if memory is None:
+            details = tf.config.experimental.get_device_details(tf.config.list_physical_devices("GPU")[0])
+            memory = details.get("memory_limit")
+        return memory
+
     def precision(self, requested: str) -> str:
         from kbert.train.strategy import resolve_precision
 
