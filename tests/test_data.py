@@ -68,7 +68,8 @@ def test_formats_compression_and_report(tmp_path):
 def test_a_text_per_line_reads_as_lines_and_a_run_on_text_file_is_cut_with_a_hint(tmp_path, monkeypatch):
     """A review dump without blank lines was one document: whole in memory, one worker's block, NSP/SOP pairs
     across unrelated reviews, no duplicate review dropped. `format="lines"` makes each line a document, and a
-    plain-text run is cut at MAX_DOCUMENT_LINES with a warning that names the option."""
+    plain-text file that starts with MAX_DOCUMENT_LINES lines and no blank line is cut into documents of that
+    many lines, with a warning that names the option."""
     import importlib
 
     corpus_module = importlib.import_module("kbert.data.corpus")  # the package's `corpus` is the function
@@ -87,9 +88,10 @@ def test_a_text_per_line_reads_as_lines_and_a_run_on_text_file_is_cut_with_a_hin
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # blank lines between documents, or a file that is one document: no hint
-        assert len(list(corpus(_write(str(tmp_path / "docs.txt"), "가.\n나.\n\n다.\n"), splitter="lines"))) == 2
+        docs = list(corpus(_write(str(tmp_path / "docs.txt"), "가.\n\n" + "\n".join(reviews)), splitter="lines"))
+        assert [len(d) for d in docs] == [1, 10]  # the file separates its documents: a long one stays whole
         law = list(corpus(path, splitter="lines", file_is_document=True))
-    assert [len(d) for d in law] == [4, 4, 2]  # cut too: memory stays bounded
+    assert [len(d) for d in law] == [10]
     from kbert.cli import build_parser
 
     assert build_parser().parse_args(["data", "prepare", "--corpus", path, "--tokenizer", "t", "--out", "o",

@@ -5,8 +5,9 @@
 sentences). Formats are detected from the file name (compression suffixes `.gz` / `.bz2` first):
 
 - plain text (`.txt`, anything unknown): one sentence or paragraph per line, a blank line between documents
-  (google-research/bert's format); a run of more than `MAX_DOCUMENT_LINES` lines without a blank line is cut
-  there, so a file with no blank lines is neither one document in memory nor one worker's shard;
+  (google-research/bert's format); a file that starts with `MAX_DOCUMENT_LINES` lines and no blank line is cut
+  into documents of that many lines, with a warning, so that it is neither one document in memory nor one
+  worker's shard;
 - lines (`format="lines"`, never detected): plain text with each line a document of its own (reviews,
   comments, questions; what KcBERT-style comment dumps look like);
 - JSONL (`.jsonl`, `.json` with one object per line): the `text_field` of each object is a document;
@@ -110,7 +111,8 @@ FORMATS = ("text", "lines", "jsonl", "tsv", "wiki")
 # Why a cap: a plain-text file without blank lines (a text per line, as comment and review dumps come) is one
 # document by the format's rule. Whole, it sits in one list in memory and goes to one worker as one block. Cut
 # at this many lines, it spreads over blocks and workers; pairs are drawn between neighbouring sentences, so a
-# cut every 1,000 lines moves only the pairs that would have crossed it.
+# cut every 1,000 lines moves only the pairs that would have crossed it. Only files whose first 1,000 lines
+# hold no blank line are cut: a long document in a file that separates its documents stays whole.
 MAX_DOCUMENT_LINES = 1000
 
 
@@ -205,24 +207,27 @@ class Corpus:
     @staticmethod
     def _read_text(path: str, file_is_document: bool) -> Iterator[List[str]]:
         with open_text(path) as f:
-            doc, cut = [], False
+            doc, blank_seen, cut = [], file_is_document, False
             for line in f:
                 line = line.strip()
                 if line:
                     doc.append(line)
-                    if len(doc) >= MAX_DOCUMENT_LINES:
-                        if not cut and not file_is_document:
+                    if not blank_seen and len(doc) >= MAX_DOCUMENT_LINES:  # a run-on file: no document ends
+                        if not cut:
                             warnings.warn(
                                 f"{path}: {MAX_DOCUMENT_LINES:,} lines without a blank line. Plain text takes a blank "
                                 f"line between documents, so these are read as documents of {MAX_DOCUMENT_LINES:,} "
-                                f"lines. If each line is a text of its own (reviews, comments), read it as format='lines' "
-                                f"(kbert data prepare --format lines; kbert.corpus(path, format='lines'))", stacklevel=2)
+                                f"lines. If each line is a text of its own (reviews, comments), read it as "
+                                f"format='lines' (kbert data prepare --format lines; kbert.corpus(path, "
+                                f"format='lines'))", stacklevel=2)
                         cut = True
                         yield doc
                         doc = []
-                elif doc and not file_is_document:
-                    yield doc
-                    doc = []
+                elif not file_is_document:
+                    blank_seen = True
+                    if doc:
+                        yield doc
+                        doc = []
             if doc:
                 yield doc
 
