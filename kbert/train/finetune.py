@@ -604,7 +604,7 @@ def _run(c: FinetuneConfig, task, before_training, distribution) -> dict:
                     if c.progress:
                         shown = " ".join(f"{k} {v:.4f}" for k, v in entry.items() if k not in ("step", "epoch"))
                         bar.write(f"epoch {entry['epoch']:g} step {step}: {shown}"
-                                  + (" (best, saved)" if improved else ""))
+                                  + ((" (best, saved)" if dev_ex is not None else " (saved)") if improved else ""))
                     if c.patience is not None and dev_ex is not None and bad >= c.patience:
                         stopped = "early_stopping"
                         break
