@@ -113,12 +113,14 @@ class PretrainConfig:
     @classmethod
     def load(cls, path: Optional[str] = None, overrides: Optional[List[str]] = None) -> "PretrainConfig":
         """Reads YAML or JSON (None: defaults) and applies `key.sub=value` overrides (values parsed as YAML)."""
-        return cls.from_dict(load_mapping(path, overrides))
+        return cls.from_dict(load_mapping(path, overrides, model_fields=True))
 
 
-def load_mapping(path: Optional[str] = None, overrides: Optional[List[str]] = None, base: Optional[dict] = None) -> dict:
+def load_mapping(path: Optional[str] = None, overrides: Optional[List[str]] = None, base: Optional[dict] = None,
+                 model_fields: bool = False) -> dict:
     """The mapping of a YAML/JSON config file (None: `base` or empty) with `key.sub=value` overrides applied
-    (values parsed as YAML, so `--set trainer.steps=100` is an int)."""
+    (values parsed as YAML, so `--set trainer.steps=100` is an int). `model_fields`: pretraining's `model`, a
+    name, takes `model.<field>` overrides by turning into its mapping form."""
     values = dict(base or {})
     if path:
         if not os.path.isfile(path):
@@ -141,7 +143,7 @@ def load_mapping(path: Optional[str] = None, overrides: Optional[List[str]] = No
             raise ValueError(f"Override {item!r}: its value is not valid YAML ({_yaml_problem(e)})") from None
         node = values
         parts = key.strip().split(".")
-        if len(parts) > 1 and parts[0] == "model" and isinstance(values.get("model"), str):
+        if model_fields and len(parts) > 1 and parts[0] == "model" and isinstance(values.get("model"), str):
             values["model"] = _model_mapping(values["model"])
         for p in parts[:-1]:
             node = node.setdefault(p, {})
