@@ -322,3 +322,16 @@ def test_data_prepare_warns_in_one_line_when_the_examples_are_mostly_padding(tmp
     proc = run("data", "prepare", "--corpus", str(reviews), "--tokenizer", tok, "--out", str(tmp_path / "j"),
                "--max-length", "128", "--workers", "0", "--join-documents")
     assert proc.returncode == 0 and "warning" not in proc.stderr, proc.stderr
+
+
+def test_corpus_stats_says_how_long_the_documents_are(tmp_path, capsys):
+    """What decides NSP pairs and padding before any records are written: one-sentence documents, per line."""
+    from kbert.cli import main
+
+    path = tmp_path / "reviews.txt"
+    path.write_text("재밌어요\n최고의 영화. 또 보고 싶다\n별로\n지루했다\n", encoding="utf-8")
+    assert main(["corpus", "stats", str(path), "--format", "lines"]) == 0
+    out = capsys.readouterr().out
+    assert "4 documents, 5 sentences" in out
+    assert "per document: sentences median 1, 90th percentile 2; characters median 4," in out
+    assert "75% of documents are one sentence" in out
