@@ -73,6 +73,7 @@ _EXPORTS = {
     "export": "kbert.embed.export",
     "export_onnx": "kbert.embed.onnx",
     "OnnxEmbedder": "kbert.embed.embedder",
+    "OnnxTaskModel": "kbert.embed.onnx_task",
     "serve": "kbert.server",
 }
 

@@ -586,8 +586,9 @@ def _export(args):
         with open(os.path.join(path, "kbert_onnx.json"), encoding="utf-8") as f:
             info = json.load(f)
         kind = f"{info['signature']}, {info['quantize'] or 'float32'}"
+        runner = "OnnxEmbedder" if info["signature"] == "embed" else "OnnxTaskModel"
         print(f"ONNX graph ({kind}) written to {path}/model.onnx with its tokenizer; checked against the Python "
-              f"API; load it with kbert.OnnxEmbedder.load({path!r}) or onnxruntime")
+              f"API; load it with kbert.{runner}.load({path!r}) or onnxruntime")
         return
     if args.quantize:
         raise SystemExit("--quantize applies to --format onnx")

@@ -131,7 +131,7 @@ def classifier(model, tmp_path_factory):
     return out, pair_out
 
 
-def test_classifier_graphs_give_predict_probabilities(classifier, tmp_path):
+def test_classifier_graphs_give_predict_probabilities(classifier, exported, tmp_path):
     import onnxruntime
 
     from kbert.data.features import pad, segment_ids
@@ -156,8 +156,28 @@ def test_classifier_graphs_give_predict_probabilities(classifier, tmp_path):
                 "token_type_ids": np.asarray(segments, np.int64)}
         got = onnxruntime.InferenceSession(os.path.join(out, "model.onnx")).run(["probabilities"], feed)[0]
         np.testing.assert_allclose(got, expected, atol=1e-5)
-        with pytest.raises(ValueError, match="OnnxEmbedder runs 'embed' exports"):
+        with pytest.raises(ValueError, match="OnnxEmbedder runs 'embed' exports: load a classifier's with "
+                                             "kbert.OnnxTaskModel"):
             kbert.OnnxEmbedder.load(out)
+        # kbert's runner: the same rows in input order, batched by length, one text one row
+        onnx = kbert.OnnxTaskModel.load(out)
+        assert onnx.labels == task.labels and onnx.task == task.task
+        np.testing.assert_allclose(onnx.predict(TEXTS, pairs=pairs, batch_size=2), expected, atol=1e-5)
+        one = onnx.predict(TEXTS[1], pairs=pairs[1] if pairs else None)
+        np.testing.assert_allclose(one, expected[1], atol=1e-5)
+        assert onnx.predict([], pairs=[] if pairs else None).shape == (0, len(task.labels))
+        if pairs is not None:  # a two-label pair classifier ranks as TaskModel does
+            docs = list(reversed(TEXTS))
+            got, want = onnx.rank(TEXTS[0], docs, top_k=3), task.rank(TEXTS[0], docs, top_k=3)
+            assert [r["corpus_id"] for r in got] == [r["corpus_id"] for r in want]
+            np.testing.assert_allclose([r["score"] for r in got], [r["score"] for r in want], atol=1e-5)
+        else:
+            with pytest.raises(ValueError, match="ranking needs one score per pair"):
+                onnx.rank(TEXTS[0], TEXTS)
+        with pytest.raises(ValueError, match="fixed at export"):
+            onnx.predict(TEXTS, pairs=pairs, activation="sigmoid")
+    with pytest.raises(ValueError, match="OnnxTaskModel runs 'classify' exports: load it with kbert.OnnxEmbedder"):
+        kbert.OnnxTaskModel.load(exported)
 
 
 def test_export_errors_name_the_problem(model, exported, classifier, tmp_path):
@@ -198,22 +218,25 @@ def test_cli_export_format_onnx(model, tmp_path):
     assert bad.returncode != 0 and "--quantize applies to --format onnx" in bad.stderr
 
 
-def test_onnx_embedder_needs_no_tensorflow(model, exported):
-    """On a host without TensorFlow (Keras on JAX) the export runs as it is; exporting needs TensorFlow's tracer
-    and says so."""
+def test_onnx_embedder_needs_no_tensorflow(model, exported, classifier, tmp_path):
+    """On a host without TensorFlow (Keras on JAX) the export runs as it is, a classifier's too; exporting needs
+    TensorFlow's tracer and says so."""
+    graph = kbert.export_onnx(classifier[0], str(tmp_path / "clf"))
     script = BLOCK_TENSORFLOW + (
         "import warnings; warnings.simplefilter('ignore')\n"
         "import kbert\n"
         f"texts = {TEXTS!r}\n"
         f"vectors = kbert.Embedder.load({exported!r}).encode(texts)\n"
+        f"probabilities = kbert.OnnxTaskModel.load({graph!r}).predict(texts).tolist()\n"
         "try:\n"
         f"    kbert.export_onnx({model!r}, 'never-written')\n"
         "    error = None\n"
         "except ValueError as e:\n"
         "    error = str(e)\n"
-        "print(json.dumps({'vectors': vectors.tolist(), 'error': error}))\n")
+        "print(json.dumps({'vectors': vectors.tolist(), 'probabilities': probabilities, 'error': error}))\n")
     out, _ = run_on_jax(script)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         np.testing.assert_allclose(out["vectors"], kbert.Embedder.load(model).encode(TEXTS), atol=1e-5)
+        np.testing.assert_allclose(out["probabilities"], kbert.TaskModel.load(classifier[0]).predict(TEXTS), atol=1e-5)
     assert "runs on Keras' TensorFlow backend" in out["error"]

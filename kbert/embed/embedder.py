@@ -931,8 +931,7 @@ class OnnxEmbedder(Embedder):
 
         if info.get("signature") != "embed":
             raise ValueError(f"this ONNX export is a {info.get('signature')!r} graph ({info.get('task')} model); "
-                             f"OnnxEmbedder runs 'embed' exports: run a classifier's graph with onnxruntime "
-                             f"(its inputs and outputs are in kbert_onnx.json)")
+                             f"OnnxEmbedder runs 'embed' exports: load a classifier's with kbert.OnnxTaskModel")
         self.session, self.tokenizer, self.info = graph, tokenizer, info
         self.backbone, self.config = None, ModelConfig.from_dict(info["config"])
         self.pooling, self.layers = info["pooling"], info["layers"]

@@ -45,7 +45,7 @@ import numpy as np
 from kbert.embed.embedder import Embedder, OnnxEmbedder
 from kbert.embed.export import CHECK_TEXTS, CLASSIFY_TASKS, SIGNATURES
 from kbert.embed.onnx_runtime import (DENSE_FILE, FORMAT_VERSION, GRAPH_FILE, INPUTS, META_FILE, TOKENIZER_DIR, feeds,
-                                      is_onnx_dir, onnxruntime, session, write_dense)
+                                      is_onnx_dir, onnxruntime, write_dense)
 
 QUANTIZE = (None, "int8")
 OPSET = 17  # LayerNormalization is a native op from 17 (ONNX Runtime >= 1.14)
@@ -283,19 +283,13 @@ def _self_check(path, source, info):
                 checks.append((onnx.encode(CHECK_TEXTS, normalize=False), emb.encode(CHECK_TEXTS, **options),
                                tolerance))
         else:
-            from kbert.data.features import features, pad, segment_ids
+            from kbert.embed.onnx_task import OnnxTaskModel
 
             model = copy.copy(source)
             model.max_length = info["max_length"]
             pairs = list(reversed(CHECK_TEXTS)) if info["pairs"] else None
             expected = model.predict(CHECK_TEXTS, pairs=pairs)
-            ids = [e.ids for e in model.tokenizer.encode_batch(CHECK_TEXTS, pairs=pairs, max_length=model.max_length)]
-            tok = model.tokenizer
-            # the inputs TaskModel.predict gives the network
-            x = features(pad(ids, tok.pad_id), pad([segment_ids(i, tok.sep_id) for i in ids], 0), tok.pad_id)
-            feed = feeds(x["token_ids"], x["padding_mask"], x["segment_ids"])
-            out = session(os.path.join(path, GRAPH_FILE)).run(info["outputs"], feed)[0]
-            checks = [(out, expected, tolerance)]
+            checks = [(OnnxTaskModel.load(path).predict(CHECK_TEXTS, pairs=pairs), expected, tolerance)]
     for got, expected, tol in checks:
         got = np.asarray(got, np.float32)
         if not np.isfinite(got).all():
