@@ -52,6 +52,10 @@ Routes (JSON in and out; errors are `{"error": {"message", "type", "code"}}` wit
     GET  /metrics         Prometheus text: requests by route and status, latency, batch sizes, queue depth,
                           XLA compilations pending
 
+The model: a model dir (vectors), a task dir (its head's routes and its backbone's vectors), a Hugging Face
+dir, or a `kbert export --format onnx` dir: an "embed" graph serves the vector routes, a classifier's graph
+(`kbert.OnnxTaskModel`) /v1/classify and, for a cross-encoder, /v1/rerank; its vector routes answer 404.
+
 Dynamic batching: the texts of concurrent requests wait in one bounded queue; a worker thread (the model runs
 off the event loop) takes them in arrival order into a batch until `max_batch_tokens` (tokens counted as
 characters + 2, an upper bound for Korean text, capped at the model's length), waiting up to `max_wait_ms`
@@ -108,23 +112,36 @@ class Engine:
     def __init__(self, model_dir: str, max_batch_tokens: int = 8192, max_wait_ms: float = 5.0,
                  max_queue: int = 4096, batch_size: int = 64, jit_compile: bool = True,
                  keywords_analyzer: str = "mecab", index: Optional[str] = None):
-        from kbert.embed.embedder import Embedder
-        from kbert.embed.task_model import TaskModel, task_meta
+        from kbert.embed.onnx_runtime import is_onnx_dir, read_info
 
         self.model_dir = str(model_dir)
-        meta = task_meta(self.model_dir)  # a task dir's, or a Hugging Face classifier's (a reranker)
-        self.task_model = TaskModel.load(self.model_dir) if meta and meta["task"] != "sentence-embedding" else None
-        # one copy of the weights: a task dir's model serves its vectors too
-        self.embedder = (self.task_model.embedder if self.task_model and self.task_model.embedder
-                         else Embedder.load(self.model_dir))
+        if is_onnx_dir(self.model_dir) and read_info(self.model_dir).get("signature") == "classify":
+            # a classifier's ONNX graph (kbert.OnnxTaskModel): its head's outputs, no sentence vectors
+            from kbert.embed.onnx_task import OnnxTaskModel
+
+            self.task_model, self.embedder = OnnxTaskModel.load(self.model_dir), None
+        else:
+            from kbert.embed.embedder import Embedder
+            from kbert.embed.task_model import TaskModel, task_meta
+
+            meta = task_meta(self.model_dir)  # a task dir's, or a Hugging Face classifier's (a reranker)
+            self.task_model = (TaskModel.load(self.model_dir) if meta and meta["task"] != "sentence-embedding"
+                               else None)
+            # one copy of the weights: a task dir's model serves its vectors too
+            self.embedder = (self.task_model.embedder if self.task_model and self.task_model.embedder
+                             else Embedder.load(self.model_dir))
         self.search_index = None  # /v1/search's index, checked against the model served (its probe sentence)
         if index is not None:  # before background compilation: a refused index leaves no compiling thread behind
+            if self.embedder is None:
+                raise ValueError(f"{self.model_dir} is a classifier's ONNX graph, which gives no sentence vectors: "
+                                 f"serve --index with the model that built the index")
             from kbert.embed.index import SearchIndex
 
             self.search_index = SearchIndex.load(index, model=self.embedder)
-        # XLA for sentence vectors, a new batch shape compiled off the request path (kbert.embed.embedder)
-        self.embedder.jit_compile = "background" if jit_compile else False
-        self.max_length = self.embedder.max_length or float("inf")  # a static model may keep every token
+        if self.embedder is not None:  # XLA for sentence vectors, new batch shapes compiled off the request path
+            self.embedder.jit_compile = "background" if jit_compile else False
+        # a static model may keep every token
+        self.max_length = (self.embedder if self.embedder is not None else self.task_model).max_length or float("inf")
         self.max_batch_tokens, self.max_wait = int(max_batch_tokens), float(max_wait_ms) / 1000.0
         self.max_queue, self.batch_size = int(max_queue), int(batch_size)
         self._jobs: "list[_Job]" = []
@@ -135,8 +152,8 @@ class Engine:
         self._paused = threading.Event()  # set: the worker holds off (tests of a busy server)
         self.ready = threading.Event()
         self.metrics = _Metrics()
-        self.metrics.compiling.set_function(lambda: self.embedder.compiling)
-        self.metrics.compiled.set_function(lambda: self.embedder.compiled_shapes)
+        self.metrics.compiling.set_function(lambda: self.embedder.compiling if self.embedder else 0)
+        self.metrics.compiled.set_function(lambda: self.embedder.compiled_shapes if self.embedder else 0)
         self._worker = threading.Thread(target=self._work, daemon=True, name="kbert-serve-batcher")
         # /v1/keywords' morpheme analyzer: named now (an unknown name fails at start), loaded by its first request
         # in the worker thread, so a server never asked for keywords never needs it installed
@@ -153,8 +170,9 @@ class Engine:
     def warm_up(self) -> None:
         """Runs the model once (tracing, first allocations, compiling a lone short text's shape), then
         reports ready."""
-        self.embedder.encode(["준비"], batch_size=1)
-        self.embedder.wait_compiled()
+        if self.embedder is not None:
+            self.embedder.encode(["준비"], batch_size=1)
+            self.embedder.wait_compiled()
         if self.task_model is not None and self.task_model.task == "question-answering":
             self.task_model.answer("준비", "준비")
         elif self.task_model is not None:
@@ -421,7 +439,13 @@ def build_app(model: str, max_batch_tokens: int = 8192, max_wait_ms: float = 5.0
             return _json_response(response)
         return handle
 
+    def need_vectors(route):
+        if engine.embedder is None:
+            raise HTTPError(404, f"{name} is a classifier's ONNX graph: it gives no sentence vectors, which {route} "
+                                 f"needs (serve the model dir, or an ONNX export of its vectors)", "not_found")
+
     async def embeddings(data, ticket=None):
+        need_vectors("/v1/embeddings")
         texts = _texts(data.get("input"), "input", max_texts, max_chars)
         options = {}
         if "pooling" in data:
@@ -460,6 +484,7 @@ def build_app(model: str, max_batch_tokens: int = 8192, max_wait_ms: float = 5.0
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
     async def similarity(data, ticket=None):
+        need_vectors("/v1/similarity")
         source = _texts(data.get("source_sentence"), "source_sentence", 1, max_chars)
         sentences = _texts(data.get("sentences"), "sentences", max_texts - 1, max_chars)
         vectors = await engine.run("embed", source + sentences, {}, timeout=timeout_s, ticket=ticket)
@@ -518,6 +543,7 @@ def build_app(model: str, max_batch_tokens: int = 8192, max_wait_ms: float = 5.0
     async def keywords(data, ticket=None):
         from kbert.embed.keywords import check_options
 
+        need_vectors("/v1/keywords")
         texts = _texts(data.get("input"), "input", max_texts, max_chars)
         options = {}
         for key in ("top_n", "diversity", "nr_candidates", "ngram_range", "stop_words", "candidates"):

@@ -473,6 +473,29 @@ def test_an_onnx_export_serves_its_vectors(dirs, tmp_path):
         assert bad.status_code == 400 and "fixed at export" in bad.json()["error"]["message"]
 
 
+def test_a_classifiers_onnx_export_serves_classify(dirs, tmp_path):
+    """`kbert serve` on a classifier's ONNX export (kbert.OnnxTaskModel): /v1/classify as the task dir gives it;
+    the vector routes answer 404 saying why, and --index is refused at start."""
+    from kbert.server import build_app
+
+    model_dir, task_dir = dirs
+    out = kbert.export_onnx(task_dir, str(tmp_path / "onnx-classify"))
+    expected = kbert.TaskModel.load(task_dir).predict(TEXTS[:3])
+    with Running(build_app(out)) as srv, httpx.Client(base_url=srv.url, timeout=60) as client:
+        assert client.get("/health").status_code == 200
+        body = client.post("/v1/classify", json={"input": TEXTS[:3]}).json()
+        assert body["task"] == "classification"
+        np.testing.assert_allclose([[row["probabilities"][label] for label in ("부정", "긍정")]
+                                    for row in body["data"]], expected, atol=1e-5)
+        for route, payload in (("/v1/embeddings", {"input": TEXTS[:1]}),
+                               ("/v1/similarity", {"source_sentence": TEXTS[0], "sentences": TEXTS[1:2]})):
+            r = client.post(route, json=payload)
+            assert r.status_code == 404 and "gives no sentence vectors" in r.json()["error"]["message"], route
+        assert "kbert_requests" in client.get("/metrics").text
+    with pytest.raises(ValueError, match="gives no sentence vectors"):
+        build_app(out, index=str(tmp_path / "any-index"))
+
+
 def test_search_serves_an_index_built_with_the_model(dirs, tmp_path):
     """`kbert serve --index DIR`: /v1/search answers as `SearchIndex.search` does, ids and metadata included;
     a server without an index says how to give one, and an index built by another model is refused at start."""
