@@ -115,11 +115,15 @@ class Engine:
         from kbert.embed.onnx_runtime import is_onnx_dir, read_info
 
         self.model_dir = str(model_dir)
-        if is_onnx_dir(self.model_dir) and read_info(self.model_dir).get("signature") == "classify":
-            # a classifier's ONNX graph (kbert.OnnxTaskModel): its head's outputs, no sentence vectors
-            from kbert.embed.onnx_task import OnnxTaskModel
+        if is_onnx_dir(self.model_dir):  # ONNX Runtime alone: no Keras backend is needed on the host
+            if read_info(self.model_dir).get("signature") == "classify":  # a head's outputs, no sentence vectors
+                from kbert.embed.onnx_task import OnnxTaskModel
 
-            self.task_model, self.embedder = OnnxTaskModel.load(self.model_dir), None
+                self.task_model, self.embedder = OnnxTaskModel.load(self.model_dir), None
+            else:
+                from kbert.embed.embedder import OnnxEmbedder
+
+                self.task_model, self.embedder = None, OnnxEmbedder.load(self.model_dir)
         else:
             from kbert.embed.embedder import Embedder
             from kbert.embed.task_model import TaskModel, task_meta

@@ -112,6 +112,15 @@ def max_abs_diff_valid(a, b, padding_mask):
 
 # the first lines of a `run_on_jax` script for a host without TensorFlow: importing it (or tensorflow-text)
 # fails from here on, as where it is not installed
+# the same for a host with no Keras backend at all (ONNX Runtime alone): Keras, JAX and torch fail too
+BLOCK_FRAMEWORKS = (
+    "import builtins, json, sys\n"
+    "real = builtins.__import__\n"
+    "def guard(name, *a, **k):\n"
+    "    if name.split('.')[0] in ('tensorflow', 'tensorflow_text', 'keras', 'jax', 'jaxlib', 'torch'):\n"
+    "        raise ImportError('No module named ' + name)\n"
+    "    return real(name, *a, **k)\n"
+    "builtins.__import__ = guard\n")
 BLOCK_TENSORFLOW = (
     "import builtins, json, sys\n"
     "real = builtins.__import__\n"

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import kbert
-from helpers import BLOCK_TENSORFLOW, run_on_jax, tiny_embedding_model
+from helpers import BLOCK_FRAMEWORKS, BLOCK_TENSORFLOW, run_on_jax, tiny_embedding_model
 
 TEXTS = ["대한민국은 민주공화국이다.", "", "국회의원의 임기는 4년으로 한다. " * 12, "ㅋㅋㅋ 최악의 영화",
          "모든 국민은 법 앞에 평등하다.", "English and 숫자 123 섞인 문장"]
@@ -240,3 +240,42 @@ def test_onnx_embedder_needs_no_tensorflow(model, exported, classifier, tmp_path
         np.testing.assert_allclose(out["vectors"], kbert.Embedder.load(model).encode(TEXTS), atol=1e-5)
         np.testing.assert_allclose(out["probabilities"], kbert.TaskModel.load(classifier[0]).predict(TEXTS), atol=1e-5)
     assert "runs on Keras' TensorFlow backend" in out["error"]
+
+
+def test_onnx_exports_run_and_serve_with_no_keras_backend_installed(model, exported, classifier, tmp_path):
+    """What the ONNX exports are for: a host with ONNX Runtime and kbert's base packages, no TensorFlow, JAX or
+    torch (so Keras cannot import): vectors, a classifier's probabilities, `kbert embed` and `kbert serve`'s
+    engine on either graph, the same numbers as the model dirs give."""
+    graph = kbert.export_onnx(classifier[0], str(tmp_path / "clf"))
+    lines = str(tmp_path / "texts.txt")
+    with open(lines, "w", encoding="utf-8") as f:
+        f.write(TEXTS[0] + "\n")
+    script = BLOCK_FRAMEWORKS + (
+        "import warnings; warnings.simplefilter('ignore')\n"
+        "import io, contextlib\n"
+        "import kbert\n"
+        "from kbert.cli import main\n"
+        "from kbert.server import Engine\n"
+        f"texts = {TEXTS!r}\n"
+        f"vectors = kbert.OnnxEmbedder.load({exported!r}).encode(texts).tolist()\n"
+        f"probabilities = kbert.OnnxTaskModel.load({graph!r}).predict(texts).tolist()\n"
+        "out = io.StringIO()\n"
+        "with contextlib.redirect_stdout(out):\n"
+        f"    status = main(['embed', '--model', {exported!r}, '--input', {lines!r}])\n"
+        "engines = []\n"
+        f"for path in ({exported!r}, {graph!r}):\n"
+        "    engine = Engine(path)\n"
+        "    engine.warm_up()\n"
+        "    engines.append([engine.embedder is not None, engine.task_model is not None])\n"
+        "print(json.dumps({'vectors': vectors, 'probabilities': probabilities, 'status': status,\n"
+        "                  'cli': json.loads(out.getvalue().splitlines()[0])['vector'], 'engines': engines,\n"
+        "                  'keras': 'keras' in sys.modules}))\n")
+    out, _ = run_on_jax(script)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        want = kbert.Embedder.load(model).encode(TEXTS)
+        np.testing.assert_allclose(out["vectors"], want, atol=1e-5)
+        np.testing.assert_allclose(out["probabilities"], kbert.TaskModel.load(classifier[0]).predict(TEXTS),
+                                   atol=1e-5)
+    np.testing.assert_allclose(out["cli"], want[0], atol=1e-5)
+    assert out["status"] == 0 and out["engines"] == [[True, False], [False, True]] and out["keras"] is False

@@ -108,13 +108,13 @@ class Embedder:
             >>> emb = kbert.Embedder.load("klue/bert-base")
             >>> emb.encode(["대한민국은 민주공화국이다."]).shape
         """
+        if is_onnx_dir(model_dir):  # `kbert.export_onnx`'s output: the graph on ONNX Runtime, no Keras backend
+            return OnnxEmbedder.load(model_dir, max_length=max_length)
         from kbert.models.st_dir import read_sentence_transformers
         from kbert.models.convert import check_vocabulary, load_model, model_dir_of, resolve_hub_name
         from kbert.models.tasks import read_task_meta
         from kbert.text.tokenizer import Tokenizer
 
-        if is_onnx_dir(model_dir):  # `kbert.export_onnx`'s output: the graph on ONNX Runtime
-            return OnnxEmbedder.load(model_dir, max_length=max_length)
         model_dir = model_dir_of(resolve_hub_name(model_dir))  # a hub name: its snapshot; a run dir: its model
         task = read_task_meta(model_dir)
         # a sentence-transformers dir: its own pooling, layers and length (and its transformer's folder)

@@ -1,7 +1,20 @@
-"""BERT and ALBERT in backend-agnostic Keras 3 (`keras.ops` only; no TensorFlow imports here)."""
+"""BERT and ALBERT in backend-agnostic Keras 3 (`keras.ops` only; no TensorFlow imports here).
 
-from kbert.models.backbone import AlbertBackbone, BertBackbone, Pretrainer, build_backbone
-from kbert.models.config import ModelConfig
-from kbert.models.electra import ElectraPretrainer
+The names below load on first use, so that `kbert.models.config` and the other Keras-free modules (what the
+ONNX runners read) import on a host where Keras has no backend installed."""
 
-__all__ = ["AlbertBackbone", "BertBackbone", "ElectraPretrainer", "ModelConfig", "Pretrainer", "build_backbone"]
+import importlib
+
+_EXPORTS = {"AlbertBackbone": "kbert.models.backbone", "BertBackbone": "kbert.models.backbone",
+            "Pretrainer": "kbert.models.backbone", "build_backbone": "kbert.models.backbone",
+            "ElectraPretrainer": "kbert.models.electra", "ModelConfig": "kbert.models.config"}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'kbert.models' has no attribute {name!r}")

@@ -1,11 +1,12 @@
 """Sentence pooling in `keras.ops`: one definition shared by `Embedder.encode`, the exported SavedModel and
-bi-encoder fine-tuning, so the three give the same vectors."""
+bi-encoder fine-tuning, so the three give the same vectors.
+
+Keras is imported inside the functions that compute: the names and checks here are also read where no Keras
+backend is installed (an ONNX export's runners)."""
 
 from __future__ import annotations
 
 from typing import List, Optional, Sequence, Union
-
-from keras import ops
 
 POOLINGS = ("mean", "cls", "max", "first_last_avg")
 
@@ -33,6 +34,8 @@ def pool(hidden_states, padding_mask, pooling: str = "mean", layers: Union[int, 
     max: maximum over real tokens; first_last_avg: mean pooling of the first layer's and the last layer's
     outputs averaged. `layers` (for all but first_last_avg) averages those layers before pooling.
     """
+    from keras import ops
+
     x = layer_average(hidden_states, pooling, layers)
     mask = ops.cast(padding_mask, "float32")[:, :, None]
     if pooling == "cls":
@@ -56,12 +59,16 @@ def pool_packed(hidden_states, weights, pooling: str = "mean", layers: Union[int
     token (cls), 0 elsewhere; the same vectors as `pool` gives each text alone."""
     if pooling not in PACKED_POOLINGS:
         raise ValueError(f"packed rows pool with one of {PACKED_POOLINGS}. Received: pooling={pooling!r}")
+    from keras import ops
+
     x = layer_average(hidden_states, pooling, layers)
     return ops.einsum("bts,bsh->bth", ops.cast(weights, "float32"), x)
 
 
 def layer_average(hidden_states, pooling: str, layers):
     """The float32 average of the layers a pooling reads: `layers`, or the first and last for first_last_avg."""
+    from keras import ops
+
     chosen = check_pooling(pooling, layers, len(hidden_states))
     if pooling == "first_last_avg":
         picked = [hidden_states[1], hidden_states[-1]] if len(hidden_states) > 1 else [hidden_states[-1]]
