@@ -561,10 +561,7 @@ def _distill_static(args):
 def _serve(args):
     from kbert.server import serve
 
-    print(f"serving {args.model} on http://{args.host}:{args.port} (POST /v1/embeddings, /v1/similarity, "
-          f"/v1/keywords, /v1/classify, /v1/answer, /v1/entities, /v1/rerank{', /v1/search' if args.index else ''}; "
-          f"GET /health, /metrics); Ctrl-C or "
-          f"SIGTERM drains and stops", file=sys.stderr, flush=True)
+    print(f"loading {args.model} ...", file=sys.stderr, flush=True)  # then the routes it answers (kbert.serve)
     serve(args.model, host=args.host, port=args.port, max_batch_tokens=args.max_batch_tokens,
           max_wait_ms=args.max_wait_ms, max_queue=args.max_queue, max_texts=args.max_texts,
           max_chars=args.max_chars, timeout_s=args.timeout, jit_compile=args.jit_compile == "on",

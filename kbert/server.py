@@ -86,6 +86,7 @@ import asyncio
 import base64
 import gc
 import json
+import sys
 import threading
 import time
 from typing import List, Optional
@@ -164,6 +165,26 @@ class Engine:
         from kbert.text.morphemes import morphemes
 
         self.analyzer = morphemes(keywords_analyzer)
+
+    def routes(self) -> List[str]:
+        """The POST routes this model answers; the others answer 404 saying what they need."""
+        out = ["/v1/embeddings", "/v1/similarity", "/v1/keywords"] if self.embedder is not None else []
+        model = self.task_model
+        if model is not None:
+            from kbert.embed.zero_shot import nli_indices
+
+            if model.task in ("classification", "pair-classification", "regression", "tagging"):
+                out.append("/v1/classify")
+            out += {"question-answering": ["/v1/answer"], "tagging": ["/v1/entities"]}.get(model.task, [])
+            for route, check in (("/v1/zero-shot", lambda: nli_indices(model.labels)),
+                                 ("/v1/rerank", model.check_rankable)):
+                if model.task in ("classification", "pair-classification", "regression"):
+                    try:
+                        check()
+                    except ValueError:
+                        continue
+                    out.append(route)
+        return out + (["/v1/search"] if self.search_index is not None else [])
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, warm: bool = True) -> None:
@@ -721,4 +742,6 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8080, **options) -> N
     import uvicorn
 
     app = build_app(model, **options)
+    print(f"serving {model} on http://{host}:{port}: POST {', '.join(app.state.engine.routes())}; GET /health, "
+          f"/metrics; Ctrl-C or SIGTERM drains and stops", file=sys.stderr, flush=True)
     uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=30)

@@ -264,7 +264,10 @@ def test_rerank_serves_a_hugging_face_reranker_in_cohere_s_form(dirs, tmp_path):
     reranker = xlmr_dir(tmp_path, model_class="XLMRobertaForSequenceClassification", num_labels=1)
     query, docs = TEXTS[0], TEXTS[1:]
     expected = kbert.TaskModel.load(reranker).rank(query, docs)
-    with Running(build_app(reranker)) as srv:
+    app = build_app(reranker)
+    assert {"/v1/classify", "/v1/rerank"} <= set(app.state.engine.routes())
+    assert "/v1/zero-shot" not in app.state.engine.routes()
+    with Running(app) as srv:
         body = httpx.post(srv.url + "/v1/rerank", json={"query": query, "documents": docs}, timeout=60).json()
         assert [r["index"] for r in body["results"]] == [e["corpus_id"] for e in expected]
         np.testing.assert_allclose([r["relevance_score"] for r in body["results"]],
@@ -481,7 +484,11 @@ def test_a_classifiers_onnx_export_serves_classify(dirs, tmp_path):
     model_dir, task_dir = dirs
     out = kbert.export_onnx(task_dir, str(tmp_path / "onnx-classify"))
     expected = kbert.TaskModel.load(task_dir).predict(TEXTS[:3])
-    with Running(build_app(out)) as srv, httpx.Client(base_url=srv.url, timeout=60) as client:
+    app = build_app(out)
+    assert app.state.engine.routes() == ["/v1/classify"]  # what `kbert serve` says it answers
+    assert build_app(task_dir, warm=False).state.engine.routes() == [
+        "/v1/embeddings", "/v1/similarity", "/v1/keywords", "/v1/classify"]  # a task dir serves its vectors too
+    with Running(app) as srv, httpx.Client(base_url=srv.url, timeout=60) as client:
         assert client.get("/health").status_code == 200
         body = client.post("/v1/classify", json={"input": TEXTS[:3]}).json()
         assert body["task"] == "classification"
