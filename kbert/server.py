@@ -157,8 +157,8 @@ class Engine:
         self._paused = threading.Event()  # set: the worker holds off (tests of a busy server)
         self.ready = threading.Event()
         self.metrics = _Metrics()
-        self.metrics.compiling.set_function(lambda: self.embedder.compiling if self.embedder else 0)
-        self.metrics.compiled.set_function(lambda: self.embedder.compiled_shapes if self.embedder else 0)
+        self.metrics.compiling.set_function(lambda: self.embedder.compiling if self.embedder is not None else 0)
+        self.metrics.compiled.set_function(lambda: self.embedder.compiled_shapes if self.embedder is not None else 0)
         self._worker = threading.Thread(target=self._work, daemon=True, name="kbert-serve-batcher")
         # /v1/keywords' morpheme analyzer: named now (an unknown name fails at start), loaded by its first request
         # in the worker thread, so a server never asked for keywords never needs it installed
