@@ -223,7 +223,7 @@ def _corpus_list(args):
 
 
 def _corpus_stats(args):
-    from kbert.data.corpus import Corpus
+    from kbert.data.corpus import Corpus, document_shape
     from kbert.utils import progress_bar
 
     corpus = Corpus(args.source, **_corpus_options(args))
@@ -237,17 +237,6 @@ def _corpus_stats(args):
     print(corpus.report)
     if sentences:
         print(document_shape(sentences, characters))
-
-
-def document_shape(sentences, characters) -> str:
-    """How long the documents are, in a line: what decides NSP/SOP pairs (one-sentence documents have no next
-    sentence) and padding (short documents fill little of a sequence: `kbert data prepare --join-documents`)."""
-    import numpy as np
-
-    n, c = np.asarray(sentences), np.asarray(characters)
-    return (f"per document: sentences median {np.median(n):,.0f}, 90th percentile {np.percentile(n, 90):,.0f}; "
-            f"characters median {np.median(c):,.0f}, 90th percentile {np.percentile(c, 90):,.0f}; "
-            f"{np.mean(n == 1):.0%} of documents are one sentence")
 
 
 def _corpus_download(args):

@@ -36,6 +36,8 @@ import re
 import warnings
 from typing import Iterator, List, Optional, Sequence, Union
 
+import numpy as np
+
 from kbert.data.recipes import RECIPES, download, movie_review_sentiment, recipe_named  # noqa: F401 (re-exported)
 from kbert.data.sentences import SPLITTERS, get_splitter, split_sentences_kiwi, split_sentences_rules  # noqa: F401
 from kbert.data.wiki import strip_wiki_markup, wiki_dump_articles  # noqa: F401
@@ -371,6 +373,15 @@ class Corpus:
     def __setstate__(self, state):
         self.__dict__.update(state)
         self._split = get_splitter(self.splitter)
+
+
+def document_shape(sentences: Sequence[int], characters: Sequence[int]) -> str:
+    """How long the documents are, in a line: what decides NSP/SOP pairs (one-sentence documents have no next
+    sentence) and padding (short documents fill little of a sequence: `kbert data prepare --join-documents`)."""
+    n, c = np.asarray(sentences), np.asarray(characters)
+    return (f"per document: sentences median {np.median(n):,.0f}, 90th percentile {np.percentile(n, 90):,.0f}; "
+            f"characters median {np.median(c):,.0f}, 90th percentile {np.percentile(c, 90):,.0f}; "
+            f"{np.mean(n == 1):.0%} of documents are one sentence")
 
 
 def corpus(sources, **options) -> Corpus:
