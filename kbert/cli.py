@@ -100,7 +100,7 @@ def _java_version() -> str:
 def _convert(args):
     import kbert
 
-    from kbert.models.convert import model_dir_of
+    from kbert.models.locate import model_dir_of
     from kbert.models.io import TOKENIZER_DIR
 
     source = model_dir_of(args.model)

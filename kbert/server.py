@@ -113,9 +113,11 @@ class Engine:
     def __init__(self, model_dir: str, max_batch_tokens: int = 8192, max_wait_ms: float = 5.0,
                  max_queue: int = 4096, batch_size: int = 64, jit_compile: bool = True,
                  keywords_analyzer: str = "mecab", index: Optional[str] = None):
+        from kbert.embed.embedder import load_static
         from kbert.embed.onnx_runtime import is_onnx_dir, read_info
 
         self.model_dir = str(model_dir)
+        static = None if is_onnx_dir(self.model_dir) else load_static(self.model_dir)
         if is_onnx_dir(self.model_dir):  # ONNX Runtime alone: no Keras backend is needed on the host
             if read_info(self.model_dir).get("signature") == "classify":  # a head's outputs, no sentence vectors
                 from kbert.embed.onnx_task import OnnxTaskModel
@@ -125,6 +127,8 @@ class Engine:
                 from kbert.embed.embedder import OnnxEmbedder
 
                 self.task_model, self.embedder = None, OnnxEmbedder.load(self.model_dir)
+        elif static is not None:  # a table of token vectors: numpy alone, no Keras backend either
+            self.task_model, self.embedder = None, static
         else:
             from kbert.embed.embedder import Embedder
             from kbert.embed.task_model import TaskModel, task_meta

@@ -10,7 +10,7 @@ import pytest
 import kbert
 from kbert.data.corpus import corpus
 
-from helpers import tiny_embedding_model, xlmr_dir
+from helpers import BLOCK_FRAMEWORKS, run_on_jax, tiny_embedding_model, xlmr_dir
 
 TEXTS = ["대한민국은 민주공화국이다.", "모든 국민은 법 앞에 평등하다.", "", "   ",
          "국회는 법률을 제정한다. 대통령은 국가를 대표한다. " * 3, "학교에서 공부했다"]
@@ -505,7 +505,7 @@ def test_hub_fetches_torch_weights_only_for_a_repo_without_safetensors(tmp_path,
 
     import huggingface_hub
 
-    from kbert.models.convert import resolve_hub_name
+    from kbert.models.locate import resolve_hub_name
 
     calls = []
     layouts = {"org/both": ["config.json", "model.safetensors", "pytorch_model.bin"],
@@ -1579,6 +1579,46 @@ def test_distill_static_command(emb, tmp_path, capsys):
     assert "written to" in capsys.readouterr().out
     np.testing.assert_allclose(kbert.Embedder.load(out).encode(TEXTS[:2]),
                                kbert.distill_static(model_dir, dim=12).encode(TEXTS[:2]), atol=5e-3)
+
+
+def test_static_models_load_encode_search_and_serve_with_no_keras_backend_installed(emb, tmp_path):
+    """What a static model is for: a host with numpy and kbert's base packages, no TensorFlow, JAX or torch (so
+    Keras cannot import), as Model2Vec runs. `Embedder.load`, encode, search, `kbert embed`, `kbert evaluate`
+    and `kbert serve`'s engine work there and give the vectors they give with a backend. Before, every one of
+    them failed at `import keras` (the loaders that find a model dir imported the backbone)."""
+    static_dir = str(tmp_path / "static")
+    kbert.export_sentence_transformers(kbert.distill_static(emb, dim=16), static_dir)
+    lines, pairs = str(tmp_path / "texts.txt"), str(tmp_path / "pairs.tsv")
+    with open(lines, "w", encoding="utf-8") as f:
+        f.write(TEXTS[0] + "\n")
+    with open(pairs, "w", encoding="utf-8") as f:
+        f.write("sentence1\tsentence2\tscore\n" + "".join(f"{a}\t{b}\t{s}\n" for a, b, s in (
+            (TEXTS[0], TEXTS[1], 1.0), (TEXTS[0], TEXTS[0], 5.0), (TEXTS[1], TEXTS[2], 2.0))))
+    script = BLOCK_FRAMEWORKS + (
+        "import warnings; warnings.simplefilter('ignore')\n"
+        "import io, contextlib\n"
+        "import kbert\n"
+        "from kbert.cli import main\n"
+        "from kbert.server import Engine\n"
+        f"static = kbert.Embedder.load({static_dir!r})\n"
+        f"vectors = static.encode({TEXTS!r}).tolist()\n"
+        f"hits = static.search([{TEXTS[1]!r}], {TEXTS!r}, top_k=1)[0]\n"
+        "out = io.StringIO()\n"
+        "with contextlib.redirect_stdout(out):\n"
+        f"    status = [main(['embed', '--model', {static_dir!r}, '--input', {lines!r}]),\n"
+        f"              main(['evaluate', '--model', {static_dir!r}, '--data', {pairs!r}])]\n"
+        "printed = out.getvalue().splitlines()\n"
+        f"engine = Engine({static_dir!r})\n"
+        "engine.warm_up()\n"
+        "print(json.dumps({'type': type(static).__name__, 'vectors': vectors, 'hit': hits[0][0], 'status': status,\n"
+        "                  'cli': json.loads(printed[0])['vector'], 'evaluated': 'spearman' in out.getvalue(),\n"
+        "                  'routes': engine.routes(), 'keras': 'keras' in sys.modules}))\n")
+    out, _ = run_on_jax(script)
+    assert out["type"] == "StaticEmbedder" and out["keras"] is False and out["status"] == [0, 0]
+    want = kbert.Embedder.load(static_dir).encode(TEXTS)
+    np.testing.assert_allclose(out["vectors"], want, atol=1e-6)
+    np.testing.assert_allclose(out["cli"], want[0], atol=1e-5)
+    assert out["hit"] == 1 and out["evaluated"] and "/v1/embeddings" in out["routes"]
 
 
 def test_long_texts_mean_averages_window_vectors_as_transformers_computes_them(emb, tmp_path):

@@ -110,23 +110,18 @@ class Embedder:
         """
         if is_onnx_dir(model_dir):  # `kbert.export_onnx`'s output: the graph on ONNX Runtime, no Keras backend
             return OnnxEmbedder.load(model_dir, max_length=max_length)
+        static = load_static(model_dir, max_length)  # numpy alone: Keras is imported only past this
+        if static is not None:
+            return static
+        from kbert.models.convert import check_vocabulary, load_model
+        from kbert.models.locate import model_dir_of, read_task_meta, resolve_hub_name
         from kbert.models.st_dir import read_sentence_transformers
-        from kbert.models.convert import check_vocabulary, load_model, model_dir_of, resolve_hub_name
-        from kbert.models.tasks import read_task_meta
         from kbert.text.tokenizer import Tokenizer
 
         model_dir = model_dir_of(resolve_hub_name(model_dir))  # a hub name: its snapshot; a run dir: its model
         task = read_task_meta(model_dir)
         # a sentence-transformers dir: its own pooling, layers and length (and its transformer's folder)
         st = None if task else read_sentence_transformers(model_dir, projections=True)
-        if st and st.get("static"):  # a Model2Vec / StaticEmbedding model: a table of token vectors
-            from kbert.models.st_dir import read_static
-
-            table = read_static(st["static"])
-            return StaticEmbedder(table["vectors"], Tokenizer.from_model_dir(st["static"]),
-                                  max_length or table["max_length"], table["weights"], table["mapping"],
-                                  prompts=st["prompts"], default_prompt_name=st["default_prompt_name"],
-                                  dense=st["dense"])
         weights_dir = st["model_dir"] if st else model_dir
         backbone = load_model(weights_dir, output_hidden_states=True, dtype=dtype)
         if max_length is None and task:  # a fine-tuned dir: the length it was tuned at
@@ -981,6 +976,27 @@ class OnnxEmbedder(Embedder):
     def encode_words(self, *args, **kwargs):
         raise ValueError("an ONNX export returns pooled vectors only, not hidden states: word vectors "
                          "(encode_words) need the model dir (kbert.Embedder.load)")
+
+
+def load_static(model_dir: str, max_length: Optional[int] = None) -> Optional[StaticEmbedder]:
+    """The `StaticEmbedder` of a static model, or None for any other model. A static model is a Model2Vec dir or
+    a sentence-transformers dir whose first module is a StaticEmbedding; `model_dir` may be a Hub name. Nothing
+    here imports Keras, so a static model loads, encodes and serves on a host with neither TensorFlow nor JAX,
+    as Model2Vec's numpy-only inference does."""
+    from kbert.models.locate import model_dir_of, read_task_meta, resolve_hub_name
+    from kbert.models.st_dir import read_sentence_transformers, read_static
+    from kbert.text.tokenizer import Tokenizer
+
+    model_dir = model_dir_of(resolve_hub_name(model_dir))
+    if read_task_meta(model_dir):  # a fine-tuned dir: a transformer
+        return None
+    st = read_sentence_transformers(model_dir, projections=True)
+    if not (st and st.get("static")):
+        return None
+    table = read_static(st["static"])
+    return StaticEmbedder(table["vectors"], Tokenizer.from_model_dir(st["static"]),
+                          max_length or table["max_length"], table["weights"], table["mapping"],
+                          prompts=st["prompts"], default_prompt_name=st["default_prompt_name"], dense=st["dense"])
 
 
 def check_dense(dense: list, width: int) -> list:

@@ -69,7 +69,8 @@ class MaskedLM:
         such as KoELECTRA's `*-generator`, a TF1 checkpoint) or a
         Hugging Face Hub name ("klue/bert-base"). A dir without the head (an encoder, a fine-tuned model) is a
         ValueError that says so."""
-        from kbert.models.convert import check_vocabulary, load_model, model_dir_of, resolve_hub_name
+        from kbert.models.convert import check_vocabulary, load_model
+        from kbert.models.locate import model_dir_of, resolve_hub_name
         from kbert.text.tokenizer import Tokenizer
 
         model_dir = model_dir_of(resolve_hub_name(model_dir))  # a hub name: its snapshot; a run dir: its model

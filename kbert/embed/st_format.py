@@ -153,7 +153,7 @@ def _export_static(embedder, directory: str, dtype: str) -> str:
 def _card(embedder, directory: str, source, pooling: str, weights, prompts: dict) -> None:
     """The sentence-transformers form of the model card, with the training section of the source dir's card."""
     from kbert.models.card import model_card, training_section, write_model_card
-    from kbert.models.tasks import read_task_meta
+    from kbert.models.locate import read_task_meta
 
     name = os.path.basename(os.path.abspath(directory))
     layers = [i for i, w in enumerate(weights) if w]

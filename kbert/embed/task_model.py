@@ -24,7 +24,8 @@ from kbert.embed.zero_shot import (DEFAULT_TEMPLATE, candidate_list, hypotheses,
                                    pair_ids, ranked)
 from kbert.utils import softmax
 from kbert.models.io import assign_weights
-from kbert.models.tasks import TASK_FILE, TaskNetwork, load_task_head, read_task_meta, save_task_head
+from kbert.models.locate import TASK_FILE, model_dir_of, read_task_meta, resolve_hub_name
+from kbert.models.tasks import TaskNetwork, load_task_head, save_task_head
 
 
 _ACTIVATIONS = ("identity", "sigmoid", "tanh")
@@ -34,8 +35,7 @@ def _resolve(model_dir: str):
     """(local dir, task meta or None, the Hugging Face classifier's head or None) of a task dir, a Hugging Face
     *ForSequenceClassification, *ForQuestionAnswering or *ForTokenClassification dir, a Hub name of one, or a
     `kbert pretrain` run dir."""
-    from kbert.models.convert import (model_dir_of, read_classifier, read_qa_head, read_token_classifier,
-                                      resolve_hub_name)
+    from kbert.models.convert import read_classifier, read_qa_head, read_token_classifier
 
     model_dir = model_dir_of(resolve_hub_name(model_dir))
     meta = read_task_meta(model_dir)

@@ -27,8 +27,9 @@ import numpy as np
 
 from kbert.models.backbone import Backbone, Pretrainer, build_backbone
 from kbert.models.config import ModelConfig
-from kbert.models.io import (assign_weights, build_pretrainer, check_masked_lm_head, is_kbert_dir, load_kbert_dir,
-                             read_safetensors, variables_by_path)
+from kbert.models.io import (assign_weights, build_pretrainer, check_masked_lm_head, load_kbert_dir, read_safetensors,
+                             variables_by_path)
+from kbert.models.locate import is_kbert_dir, model_dir_of, resolve_hub_name
 
 _HF_ACT = {"gelu": "gelu", "gelu_python": "gelu", "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh",
            "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu", "tanh": "tanh"}
@@ -571,55 +572,10 @@ def detect_format(directory: str) -> str:
         "model.safetensors (Hugging Face), or bert_config.json/albert_config.json + model.ckpt* (TF1)")
 
 
-# What a model needs from a Hugging Face Hub repo: configs, weights, vocabularies (not other frameworks' weights).
-HUB_FILES = ["*.json", "*.safetensors", "vocab.txt", "*.model", "*.txt", "*ckpt*"]
-# torch.save weights, fetched only for a repo without safetensors or TF1 weights (many hold both forms, each
-# hundreds of MB); shards ("pytorch_model-00001-of-00002.bin") and a sentence-transformers module's own weights
-# ("1_WeightedLayerPooling/pytorch_model.bin") included.
-HUB_TORCH_FILES = ["pytorch_model*.bin", "*/pytorch_model.bin"]
-
-
-def resolve_hub_name(name: str) -> str:
-    """A local directory for `name`: itself when it is a path, else the snapshot of the Hugging Face Hub repo
-    `name` ("klue/roberta-base") through `huggingface_hub`, the hub's own client: its cache (HF_HOME /
-    HF_HUB_CACHE), its offline mode (HF_HUB_OFFLINE=1 reads the cache only), revisions and tokens. Only
-    the files a model needs are fetched (HUB_FILES, then HUB_TORCH_FILES where those hold no weights)."""
-    if os.path.exists(name) or not isinstance(name, str):
-        return name
-    parts = name.split("/")
-    if len(parts) != 2 or not all(parts) or name.startswith((".", "~")):
-        return name  # not a repo id: the caller reports the missing directory
-    try:
-        import huggingface_hub
-    except ImportError:
-        raise ImportError(f"{name!r} is not a local directory; loading it from the Hugging Face Hub needs "
-                          f"huggingface_hub (pip install huggingface_hub)") from None
-    try:
-        path = huggingface_hub.snapshot_download(name, allow_patterns=HUB_FILES)
-        if not glob.glob(os.path.join(path, "*.safetensors")) and not glob.glob(os.path.join(path, "*ckpt*")):
-            path = huggingface_hub.snapshot_download(name, allow_patterns=HUB_FILES + HUB_TORCH_FILES)
-        return path
-    except Exception as e:  # offline without a cached copy, an unknown repo, no network
-        raise FileNotFoundError(f"{name!r} is neither a local directory nor a Hugging Face Hub model kbert could "
-                                f"fetch ({type(e).__name__}: {str(e).splitlines()[0][:200]}); with HF_HUB_OFFLINE=1 "
-                                f"only models already in the cache load") from None
-
-
 def check_vocabulary(config, vocab_size: int) -> None:
     """A tokenizer of `vocab_size` ids fits a model of `config` (a ModelConfig): every id has an embedding."""
     if vocab_size > config.vocab_size:
         raise ValueError(f"The tokenizer has {vocab_size} tokens but the model only {config.vocab_size} embeddings")
-
-
-def model_dir_of(directory: str) -> str:
-    """`directory`, or its `model/` subdir when `directory` is a run dir of `kbert pretrain` / `kbert quickstart`
-    (checkpoints, logs, the run's config.json and the final model in `model/`)."""
-    inner = os.path.join(directory, "model")
-    if os.path.isdir(directory) and not is_kbert_dir(directory) and is_kbert_dir(inner) and (
-            os.path.isdir(os.path.join(directory, "checkpoints"))
-            or not os.path.isfile(os.path.join(directory, "model.safetensors"))):
-        return inner
-    return directory
 
 
 # ------------------------------------------------------------------------------------ public API

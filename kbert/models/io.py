@@ -16,15 +16,11 @@ import numpy as np
 from kbert.models.backbone import Backbone, Pretrainer, build_backbone
 from kbert.models.config import ModelConfig
 from kbert.models.layers import frozen_kernel
+from kbert.models.locate import CONFIG_FILE
 
-CONFIG_FILE = "kbert_config.json"
 WEIGHTS_FILE = "kbert_weights.safetensors"
 TOKENIZER_DIR = "tokenizer"
 FORMAT_VERSION = 1
-
-
-def is_kbert_dir(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, CONFIG_FILE))
 
 
 def variables_by_path(model: keras.Model) -> Dict[str, "keras.Variable"]:

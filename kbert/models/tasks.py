@@ -16,24 +16,12 @@ from keras import ops
 import numpy as np
 
 from kbert.models.backbone import INPUT_NAMES
+from kbert.models.locate import TASK_FILE
 from kbert.models.pooling import pool
 
 TASKS = ("classification", "pair-classification", "regression", "tagging", "sentence-embedding", "question-answering")
 TOKEN_TASKS = ("tagging", "question-answering")  # heads on every token of the last layer
-TASK_FILE = "kbert_task.json"
 HEAD_FILE = "kbert_task.safetensors"
-
-
-def read_task_meta(model_dir: str) -> Optional[dict]:
-    """The `kbert_task.json` of a fine-tuned model dir (task, labels, max_length, ...), or None."""
-    path = os.path.join(model_dir, TASK_FILE)
-    if not os.path.isfile(path):
-        return None
-    with open(path, encoding="utf-8") as f:
-        try:
-            return json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path} is not valid JSON: {e}") from None
 
 
 def default_pooling(task: str) -> Optional[str]:

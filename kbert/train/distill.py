@@ -49,7 +49,7 @@ from kbert.data.features import bucketed_features, features, pad, unit_vectors_i
 from kbert.data.rows import read_rows, text_rows
 from kbert.compiled import backend, compiled
 from kbert.models.card import shown_name
-from kbert.models.tasks import read_task_meta
+from kbert.models.locate import read_task_meta
 from kbert.train.finetune_tasks import (ClassificationTask, Examples, FinetuneTask, PairClassificationTask,
                                         RegressionTask, SentenceEmbeddingTask)
 from kbert.train.metrics import spearman
@@ -574,7 +574,7 @@ def distill(teacher: str, student, data=None, out_dir: str = "distilled", mode: 
     if data is None and train is None:
         raise ValueError("distillation needs text: `data` (unlabeled text) and/or `train` (the task's rows)")
     if isinstance(teacher, (str, os.PathLike)):  # a Hub name: its snapshot; a `kbert pretrain` run dir: its model
-        from kbert.models.convert import model_dir_of, resolve_hub_name
+        from kbert.models.locate import model_dir_of, resolve_hub_name
 
         teacher = model_dir_of(resolve_hub_name(os.fspath(teacher)))
     meta = read_task_meta(teacher) or {}

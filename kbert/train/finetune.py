@@ -334,10 +334,10 @@ def _check_head_pooling(task, pooling, layers, num_hidden):
 def _load(config: FinetuneConfig):
     """(backbone with hidden states, tokenizer, max_length, backbone dropout, the sentence-transformers dir's
     settings or None, the model dir's kbert_task.json or None) of `config.model`."""
-    from kbert.models.convert import check_vocabulary, load_model, model_dir_of, resolve_hub_name
+    from kbert.models.convert import check_vocabulary, load_model
+    from kbert.models.locate import model_dir_of, read_task_meta, resolve_hub_name
     from kbert.models.io import with_dropout
     from kbert.models.st_dir import read_sentence_transformers
-    from kbert.models.tasks import read_task_meta
     from kbert.text.tokenizer import Tokenizer
 
     model_dir = model_dir_of(resolve_hub_name(os.fspath(config.model)))  # a hub name: its snapshot; a run dir: its model
@@ -394,7 +394,7 @@ def run(config: FinetuneConfig, task=None, before_training=None) -> dict:
 
 def _guide_dir(c: FinetuneConfig) -> Optional[str]:
     """The guide's model dir (a Hub name: its snapshot; a run dir: its model), checked before any loading."""
-    from kbert.models.convert import model_dir_of, resolve_hub_name
+    from kbert.models.locate import model_dir_of, resolve_hub_name
 
     if c.guide is None:
         return None

@@ -54,7 +54,8 @@ def source_model(config: PretrainConfig):
     name = model.get("from") if isinstance(model, dict) else model if isinstance(model, str) else None
     if name is None or (isinstance(model, str) and model in PRESETS):
         return None
-    from kbert.models.convert import load_model, model_dir_of, resolve_hub_name
+    from kbert.models.convert import load_model
+    from kbert.models.locate import model_dir_of, resolve_hub_name
 
     directory = model_dir_of(resolve_hub_name(str(name)))
     if not os.path.isdir(directory):

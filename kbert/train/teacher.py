@@ -17,7 +17,7 @@ import numpy as np
 from kbert.compiled import backend, compiled, signature
 from kbert.data.features import bucketed, build_network, features, pad, unit_vectors_in_batches
 from kbert.models.st_dir import apply_dense, dense_width
-from kbert.models.tasks import read_task_meta
+from kbert.models.locate import read_task_meta
 from kbert.utils import progress_bar
 
 
