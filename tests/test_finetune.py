@@ -904,13 +904,25 @@ def test_simcse_hard_negatives_and_matryoshka_train_a_bi_encoder(base, tmp_path)
                              max_length=32, progress=False)
     assert summary["steps"] == 3
     # both in one run (SimCSE on the raw texts, in-batch + hard negatives on the triplets), dev on KorSTS
-    summary = kbert.finetune(base, "sentence-embedding", None, sts, out_dir=str(tmp_path / "multi"),
-                             text_column="sentence1", pair_column="sentence2", label_column="score",
-                             datasets=[{"data": rows, "text_column": "sentence1", "objective": "simcse"},
-                                       {"data": triplets, "text_column": "a", "pair_column": "p",
-                                        "negative_column": "n", "weight": 2}],
-                             epochs=1, batch_size=32, max_length=32, progress=False)
+    multi = dict(text_column="sentence1", pair_column="sentence2", label_column="score",
+                 datasets=[{"data": rows, "text_column": "sentence1", "objective": "simcse", "name": "raw"},
+                           {"data": triplets, "text_column": "a", "pair_column": "p", "negative_column": "n",
+                            "weight": 2}],
+                 epochs=1, batch_size=32, max_length=32, progress=False)
+    summary = kbert.finetune(base, "sentence-embedding", None, sts, out_dir=str(tmp_path / "multi"), **multi)
     assert summary["steps"] == 7 + 2 * 7 and summary["metric"] == "spearman"  # 200 rows: 7 batches, twice
+    # each dataset's own mean train loss beside the mixed one (7 SimCSE batches and 14 triplet batches)
+    entry, = summary["history"]
+    assert entry["train_loss"] == pytest.approx((7 * entry["train_loss_raw"] + 14 * entry["train_loss_2"]) / 21)
+    with open(os.path.join(str(tmp_path / "multi"), "README.md"), encoding="utf-8") as f:
+        card = f.read()
+    assert "| step | epoch | train_loss | train_loss_raw | train_loss_2 |" in card and "| raw | " in card
+    # stopped after 10 of the 21 steps and resumed: the same figures, the first 10 steps' losses each in its own
+    kbert.finetune(base, "sentence-embedding", None, sts, out_dir=str(tmp_path / "multi-part"), stop_after=10, **multi)
+    rest, = kbert.finetune(base, "sentence-embedding", None, sts, out_dir=str(tmp_path / "multi-part"),
+                           **multi)["history"]
+    assert sorted(rest) == sorted(entry)
+    np.testing.assert_allclose([rest[k] for k in sorted(entry)], [entry[k] for k in sorted(entry)], rtol=1e-4)
     bad = dict(out_dir=str(tmp_path / "bad"), progress=False, max_steps=1)
     with pytest.raises(ValueError, match="no dropout"):
         kbert.finetune(base, "sentence-embedding", rows, objective="simcse", text_column="sentence1",
@@ -976,6 +988,19 @@ def test_multi_dataset_batches_keep_to_one_dataset_in_the_stated_proportion():
     assert [k for k, _ in robin][:6] == [0, 1, 0, 1, 0, 1] and [k for k, _ in robin][6:] == [0] * 7
     with pytest.raises(ValueError, match="`mix` must be one of"):
         task_for(config("random")).check()
+    # each dataset's mean train loss over a window of steps, by its loss key (a name each, default its number)
+    from kbert.train.finetune import losses_by_key
+
+    assert task.loss_names == ["train_loss_1", "train_loss_2"] and task_for(FinetuneConfig(
+        model="m", task="sentence-embedding", train="a.tsv", objective="simcse")).loss_names == []
+    assert losses_by_key(task.loss_names, [1.0, 3.0, 2.0, 6.0], [0, 1, 0, 1]) == {"train_loss_1": 1.5,
+                                                                                  "train_loss_2": 4.5}
+    assert losses_by_key(task.loss_names, [1.0], [1]) == {"train_loss_2": 1.0}  # none of dataset 1 in the window
+    same = FinetuneConfig(model="m", task="sentence-embedding", datasets=[
+        {"data": "a", "text_column": "t", "objective": "simcse", "name": "x"},
+        {"data": "b", "text_column": "t", "objective": "simcse", "name": "x"}])
+    with pytest.raises(ValueError, match="`datasets` names must differ"):
+        task_for(same)
     bad = FinetuneConfig(model="m", task="sentence-embedding", datasets=[{"data": "a", "text": "t"}])
     with pytest.raises(ValueError, match=r"`datasets\[0\]` has unknown key 'text'"):
         task_for(bad)

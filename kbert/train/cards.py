@@ -52,7 +52,8 @@ def training_text(c, task, train_ex, dev_ex, summary: dict) -> str:
     task_name = task.name
     lines = [TRAINING_START, "", "### Data and loss", ""]
     if c.datasets:
-        rows = [(i + 1, data_name(spec["data"]), f"{len(part):,}", f"{weight:g}", loss_text(sub.config, task_name))
+        rows = [(spec.get("name", i + 1), data_name(spec["data"]), f"{len(part):,}", f"{weight:g}",
+                 loss_text(sub.config, task_name))
                 for i, (spec, part, (sub, weight)) in enumerate(zip(c.datasets, train_ex.parts, task.parts))]
         lines += [f"{len(rows)} datasets in one run, every batch from one of them ({c.mix}):", "",
                   table(("", "data", "rows", "weight", "loss"), rows), ""]
@@ -86,7 +87,9 @@ def training_text(c, task, train_ex, dev_ex, summary: dict) -> str:
                      f"{summary['best_step']:,} (the model kept).")
     history = summary["history"]
     if history:
-        columns = ["step", "epoch", "train_loss"] + sorted({k for h in history for k in h if k.startswith("dev_")})
+        own = [name for name in task.loss_names if any(name in h for h in history)]  # each dataset's loss
+        columns = (["step", "epoch", "train_loss"] + own
+                   + sorted({k for h in history for k in h if k.startswith("dev_")}))
         shown = history if len(history) <= 30 else history[:10] + history[-20:]
         lines += ["", table(columns, [[_cell(h.get(k), k) for k in columns] for h in shown])]
     return "\n".join(lines + ["", TRAINING_END])

@@ -249,8 +249,10 @@ def finetune(model: str, task: str, train, dev=None, out_dir: str = "finetuned",
         matryoshka_dims: for sentence-embedding, e.g. [64, 128]: the loss also trains the vectors cut to those
             widths (renormalized), so they can be truncated and still rank well.
         datasets: for sentence-embedding, several training sets in one run, each a mapping with `data` (a file
-            or rows), its columns, `objective`, `similarity_loss` and `weight` (how many times an epoch sees
-            it); `train` is then unused. Every batch comes from one dataset and gets that dataset's loss.
+            or rows), its columns, `objective`, `similarity_loss`, `weight` (how many times an epoch sees
+            it) and `name` (default: its number from 1); `train` is then unused. Every batch comes from one
+            dataset and gets that dataset's loss, and each evaluation also records each dataset's own mean
+            train loss as `train_loss_<name>` (the overall `train_loss` mixes losses of different scales).
         mix: how the datasets' batches are ordered: "proportional" (shuffled together) or "round_robin".
         mini_batch_size: for sentence-embedding, the texts that go through the network at a time (gradient
             caching, as sentence-transformers' Cached losses): the batch's vectors are computed a chunk at a
@@ -307,6 +309,17 @@ def finetune(model: str, task: str, train, dev=None, out_dir: str = "finetuned",
     """
     settings = dict(locals())
     return run(FinetuneConfig(**settings))
+
+
+def losses_by_key(names: Sequence[str], losses: Sequence[float], keys: Sequence[int]) -> dict:
+    """{names[k]: the mean of the `losses` whose loss key is k} over a window of steps (a key with no step in
+    the window is left out; no names: {})."""
+    out = {}
+    for k, name in enumerate(names):
+        own = [loss for loss, key in zip(losses, keys) if key == k]
+        if own:
+            out[name] = float(np.mean(own))
+    return out
 
 
 def _check_head_pooling(task, pooling, layers, num_hidden):
@@ -549,13 +562,14 @@ def _run(c: FinetuneConfig, task, before_training, distribution) -> dict:
     saved = saver.restore()
     rng = np.random.default_rng(c.seed)
     if saved is None:
-        history, best, best_step, bad, losses, step = [], None, 0, 0, [], 0
+        history, best, best_step, bad, losses, loss_keys, step = [], None, 0, 0, [], [], 0
         baseline = evaluate(dev_ex) if dev_ex is not None else None
         if baseline is not None and c.progress:
             print("before training: dev " + " ".join(f"{k} {v:.4f}" for k, v in baseline.items()), flush=True)
     else:
         history, best, best_step, bad, losses, step, baseline = (
             saved[k] for k in ("history", "best", "best_step", "bad", "losses", "step", "baseline"))
+        loss_keys = saved.get("loss_keys") or [-1] * len(losses)  # -1: a checkpoint that did not keep them
         for _ in range(step // steps_per_epoch):  # the batch order of the finished epochs, drawn again
             task.epoch_batches(rng, train_ex, c.batch_size, c.group_by_length)
         if c.progress:
@@ -580,8 +594,9 @@ def _run(c: FinetuneConfig, task, before_training, distribution) -> dict:
                                              f"`learning_rate` (now {c.learning_rate})"
                                              + (f"; the checkpoint of step {saved_at} is kept" if saved_at else ""))
                 losses.append(loss)
+                loss_keys.append(loss_key)
                 if len(losses) > 2 * keep:  # the train loss is a mean over the last evaluation's window
-                    del losses[:-keep]
+                    del losses[:-keep], loss_keys[:-keep]
                 step += 1
                 bar.update(1)
                 bar.set_postfix(loss=f"{np.mean(losses[-50:]):.4f}")
@@ -589,6 +604,7 @@ def _run(c: FinetuneConfig, task, before_training, distribution) -> dict:
                 if evaluated:
                     entry = {"step": step, "epoch": round(step / steps_per_epoch, 3),
                              "train_loss": float(np.mean(losses[-eval_every:]))}
+                    entry.update(losses_by_key(task.loss_names, losses[-eval_every:], loss_keys[-eval_every:]))
                     improved = True
                     if dev_ex is not None:
                         metrics = evaluate(dev_ex)
@@ -614,7 +630,7 @@ def _run(c: FinetuneConfig, task, before_training, distribution) -> dict:
                     stopped = signals.received or "stop_after"
                 if stopped != "steps" or evaluated or (c.checkpoint_every and step % c.checkpoint_every == 0):
                     saver.save(step, dict(history=history, best=best, best_step=best_step, bad=bad,
-                                          losses=losses[-keep:], baseline=baseline))
+                                          losses=losses[-keep:], loss_keys=loss_keys[-keep:], baseline=baseline))
                     saved_at = step
                 if stopped != "steps":
                     break

@@ -133,6 +133,9 @@ class FinetuneTask:
     trains_pooler = True  # whether BERT's [CLS] pooler feeds this task's head
     label_pad = None  # labels per token ([b, s], padded with this where a batch is widened), or None: per row
     needs_pair = False
+    # the history's name of each loss key's own mean train loss, where a task has several losses (one per
+    # dataset of a multi-dataset run: their mean alone mixes losses of different scales); [] for one loss
+    loss_names: List[str] = []
 
     def __init__(self, config):
         self.config = config
@@ -851,7 +854,7 @@ class MultiExamples:
 
 
 DATASET_KEYS = ("data", "text_column", "pair_column", "label_column", "negative_column", "objective",
-                "similarity_loss", "weight", "prompts", "symmetric")
+                "similarity_loss", "weight", "prompts", "symmetric", "name")
 MIXES = ("proportional", "round_robin")
 
 
@@ -873,7 +876,7 @@ class MultiDatasetEmbeddingTask(SentenceEmbeddingTask):
             unknown = sorted(set(spec) - set(DATASET_KEYS))
             if unknown:
                 raise ValueError(f"`datasets[{i}]` has unknown key {unknown[0]!r}; keys are {DATASET_KEYS}")
-            fields = {k: v for k, v in spec.items() if k not in ("data", "weight")}
+            fields = {k: v for k, v in spec.items() if k not in ("data", "weight", "name")}
             fields.setdefault("label_column", None)
             if "symmetric" not in spec and fields["label_column"] and fields.get("objective", config.objective) != "simcse":
                 fields["symmetric"] = False  # the run's `symmetric` is for its in-batch sets, not the scored ones
@@ -883,6 +886,10 @@ class MultiDatasetEmbeddingTask(SentenceEmbeddingTask):
                 fields["prompts"] = {k: v for k, v in shared.items() if k in own}
             sub = dataclasses.replace(config, train=spec["data"], datasets=None, **fields)
             self.parts.append((SentenceEmbeddingTask(sub), float(spec.get("weight", 1))))
+        names = [str(spec.get("name", i + 1)) for i, spec in enumerate(config.datasets)]
+        if len(set(names)) < len(names):
+            raise ValueError(f"`datasets` names must differ (each names its train loss). Received: {names}")
+        self.loss_names = [f"train_loss_{name}" for name in names]
 
     def check(self):
         if self.config.task != "sentence-embedding":
