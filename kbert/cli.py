@@ -17,6 +17,8 @@ import warnings
 
 # Exit statuses of a run stopped by a signal, as shells report them (128 + the signal's number).
 _SIGNAL_EXIT = {"SIGINT": 130, "SIGTERM": 143}
+# kbert.data.corpus.FORMATS, spelled out so that building the parser imports nothing (a test keeps them equal)
+CORPUS_FORMATS = ("text", "lines", "jsonl", "tsv", "wiki")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -266,7 +268,8 @@ def _pretrain(args):
     from kbert.train.config import PretrainConfig
 
     overrides = []  # the flags, then --set (as fine-tuning does): `--set model.hidden_size=256` refines --model
-    for key, value in (("data.source", args.corpus), ("data.tokenizer", args.tokenizer), ("output_dir", args.out),
+    for key, value in (("data.source", args.corpus), ("data.format", args.format), ("data.tokenizer", args.tokenizer),
+                       ("output_dir", args.out),
                        ("model", args.model), ("trainer.steps", args.steps), ("trainer.batch_size", args.batch_size),
                        ("runtime.strategy", args.strategy), ("runtime.tpu", args.tpu),
                        ("runtime.precision", args.precision)):
@@ -900,7 +903,7 @@ def _add_self_mining_arguments(p):
 
 
 def _add_corpus_arguments(p):
-    p.add_argument("--format", choices=("text", "lines", "jsonl", "tsv", "wiki"),  # kbert.data.corpus.FORMATS
+    p.add_argument("--format", choices=CORPUS_FORMATS,
                    help="default: from the file name; lines: plain text with each line a document (reviews, comments)")
     p.add_argument("--text-field", help="JSONL field with the text (default: text)")
     p.add_argument("--column", nargs="+", help="TSV column name(s) or index")
@@ -919,6 +922,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("quickstart", help="tokenizer + tiny pretraining + embeddings on an embedded Korean corpus")
     p.add_argument("--corpus", nargs="+", help="your text instead of konlpy's kolaw + kobill (paths or names)")
+    p.add_argument("--format", choices=CORPUS_FORMATS, help="how --corpus is read (default: from the file name); "
+                                                           "lines: each line a text of its own (reviews, comments)")
     p.add_argument("--out", default="kbert-quickstart", help="output dir (rerun resumes)")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--vocab-size", type=int, default=8000, help="capped at what the corpus supports")
@@ -999,6 +1004,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--print-config", action="store_true",
                    help="print the resolved settings as YAML (a --config file to edit) and exit without training")
     p.add_argument("--corpus", nargs="+", help="data.source: corpus paths/names, a records dir, or dummy")
+    p.add_argument("--format", choices=CORPUS_FORMATS, help="data.format: how raw text is read (default: from the "
+                                                           "file name); lines: each line a document (reviews)")
     p.add_argument("--tokenizer", help="data.tokenizer")
     p.add_argument("--model", help="a preset name (bert-tiny, ..., albert-base), or a model to continue pretraining "
                                    "from: a kbert model/run dir, a Hugging Face dir or cached hub name (its "

@@ -30,15 +30,22 @@ def _train_tokenizer(corpus, vocab_size: int):
         return Tokenizer.train(corpus, vocab_size=int(m.group(1)), progress=False)
 
 
+# Documents shorter than this on average are joined into full sequences: about the 64 tokens of a quickstart
+# sequence, at a little over two characters a token on Korean text.
+SHORT_DOCUMENT_CHARS = 150
+
+
 def run(corpus_sources=("kolaw", "kobill"), out: str = "kbert-quickstart", steps: int = 300,
-        vocab_size: int = 8000, seed: int = 0, progress: bool = True) -> dict:
+        vocab_size: int = 8000, seed: int = 0, progress: bool = True, format: Optional[str] = None) -> dict:
+    """The four steps on `corpus_sources` read in `format` (kbert.data.corpus.FORMATS; None: from each file's
+    name; "lines" for a file with a text per line, such as reviews or comments)."""
     from kbert.data.corpus import Corpus
     from kbert.embed.embedder import Embedder
     from kbert.train.loop import pretrain
 
     t0 = time.perf_counter()
     os.makedirs(out, exist_ok=True)
-    corpus = Corpus(list(corpus_sources))
+    corpus = Corpus(list(corpus_sources), format=format)
     documents = list(corpus)
     print(f"[1/4] corpus {', '.join(corpus.sources)}: {corpus.report}")
     if not documents:
@@ -51,9 +58,14 @@ def run(corpus_sources=("kolaw", "kobill"), out: str = "kbert-quickstart", steps
     print(f"      {sample[:40]!r} -> {tok.tokenize(sample[:40])}")
 
     print(f"[3/4] pretraining a tiny BERT (2 layers, 128 wide) for {steps} steps on this CPU")
+    per_document = sum(len(s) for d in documents for s in d) / len(documents)
+    join = per_document < SHORT_DOCUMENT_CHARS  # reviews, comments: half of each sequence would be padding
+    if join:
+        print(f"      the documents are short ({per_document:.0f} characters on average): consecutive ones are "
+              f"joined until each fills a sequence (data.join_documents)")
     config = {"model": {"preset": "bert-tiny", "max_position": 128},
-              "data": {"source": list(corpus_sources), "tokenizer": tok_dir, "objective": "mlm+nsp",
-                       "max_length": 64, "workers": 0, "shuffle_buffer": 1000},
+              "data": {"source": list(corpus_sources), "format": format, "tokenizer": tok_dir, "objective": "mlm+nsp",
+                       "max_length": 64, "workers": 0, "shuffle_buffer": 1000, "join_documents": join},
               "optimizer": {"learning_rate": 2e-3, "warmup_steps": max(1, steps // 10)},
               # token embeddings start from the corpus's co-occurrence statistics (PPMI + SVD, seconds here):
               # with a few hundred steps, that is most of what the word and sentence vectors know
@@ -116,4 +128,5 @@ def word_neighbours(emb, sentences, queries: int = 3, top_k: int = 5, min_count:
 
 
 def main_args(args) -> Optional[dict]:
-    return run(args.corpus or ("kolaw", "kobill"), args.out, args.steps, args.vocab_size, args.seed)
+    return run(args.corpus or ("kolaw", "kobill"), args.out, args.steps, args.vocab_size, args.seed,
+               format=args.format)

@@ -257,6 +257,40 @@ def test_short_documents_are_named_in_a_warning_and_records_keep_the_joining(tok
         assert records.prepare(str(path), tok, plain, max_length=128, workers=0, progress=False)["resumed_shards"] >= 1
 
 
+def test_pretraining_reads_raw_text_in_data_format_and_records_keep_the_format(tok, tmp_path):
+    """`data.format` (`kbert pretrain --format`, `kbert quickstart --format`): a raw-text source read as a text a
+    line. Before, neither command could say so, and a review dump went in as documents of 1,000 lines with a
+    warning that named only `kbert data prepare`. Records keep the format they were made with, so preparing the
+    same text another way into the same dir starts over instead of resuming the other shards; a bad format, or
+    one given for records or dummy data, is refused by name."""
+    from kbert.cli import CORPUS_FORMATS, build_parser
+    from kbert.data.corpus import FORMATS, Corpus
+    from kbert.train.config import PretrainConfig
+    from kbert.train.loop import text_source
+
+    assert CORPUS_FORMATS == FORMATS
+    path = _write(str(tmp_path / "reviews.txt"), "\n".join(f"{i}번째 리뷰 정말 재밌어요" for i in range(300)) + "\n")
+    config = PretrainConfig.from_dict({"data": {"source": [path], "format": "lines", "tokenizer": "t"}})
+    source = text_source(config.data)
+    assert isinstance(source, Corpus) and source.format == "lines" and len(list(source)) == 300
+    assert text_source(PretrainConfig.from_dict({"data": {"source": [path]}}).data) == [path]  # unchanged
+    args = build_parser().parse_args(["pretrain", "--corpus", path, "--format", "lines"])
+    assert args.format == "lines"
+    assert build_parser().parse_args(["quickstart", "--corpus", path, "--format", "lines"]).format == "lines"
+    lines = str(tmp_path / "lines")
+    made = records.prepare(Corpus(path, format="lines"), tok, lines, max_length=64, workers=0, progress=False,
+                           join_documents=True)
+    assert made["format"] == "lines" and made["examples"] > 0
+    with pytest.raises(ValueError, match=r"different settings \(format: \['lines'\] vs \[None\]\)"):
+        records.prepare(path, tok, lines, max_length=64, workers=0, progress=False, join_documents=True)
+    run = dict(tokenizer="t", format="lines")
+    with pytest.raises(ValueError, match=r"`data.format` must be one of \('text', 'lines'"):
+        kbert.pretrain({"data": dict(run, source=[path], format="line")})
+    for source in (lines, "dummy"):
+        with pytest.raises(ValueError, match=r"`data.format` is how raw text is read.*is not raw text"):
+            kbert.pretrain({"data": dict(run, source=source)})
+
+
 # ---------------------------------------------------------------- masking
 def _mask_stats(tok, whole_word, ngram=1, batches=40, seq=128, seed=7):
     import tensorflow as tf

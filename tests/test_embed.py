@@ -309,6 +309,31 @@ def test_quickstart_runs_end_to_end(tmp_path, capsys):
     assert "already holds a finished run" in capsys.readouterr().out
 
 
+@pytest.mark.slow
+def test_quickstart_on_a_text_per_line_reads_lines_and_joins_the_short_ones(tmp_path, capsys):
+    """`kbert quickstart --corpus reviews.txt --format lines`: each review a document (before, the command had no
+    way to say so and read 1,000-line documents), and documents this short joined into full sequences."""
+    import os
+    import re
+
+    from kbert.cli import main
+    from kbert.data.recipes import movie_review_sentiment
+
+    from helpers import SHARED
+
+    rows = movie_review_sentiment(os.path.join(SHARED, "movie-reviews"), split="train", limit=2000)
+    reviews = str(tmp_path / "reviews.txt")
+    with open(reviews, "w", encoding="utf-8") as f:
+        f.write("\n".join(r["text"] for r in rows) + "\n")
+    assert main(["quickstart", "--corpus", reviews, "--format", "lines", "--out", str(tmp_path / "qs"),
+                 "--steps", "6", "--vocab-size", "2000"]) == 0
+    out, err = capsys.readouterr()
+    documents = int(re.search(r"\[1/4\] corpus .*?: ([\d,]+) documents", out).group(1).replace(",", ""))
+    assert documents == len({r["text"].strip() for r in rows if r["text"].strip()})  # a review a document
+    assert "are joined until each fills a sequence" in out and "read as lines" in out + err
+    assert "lines without a blank line" not in out + err and "done in" in out
+
+
 def test_wordpiece_tokenizer_exports_to_transformers(tmp_path):
     import transformers
 

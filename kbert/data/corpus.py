@@ -220,8 +220,9 @@ class Corpus:
                                 f"{path}: {MAX_DOCUMENT_LINES:,} lines without a blank line. Plain text takes a blank "
                                 f"line between documents, so these are read as documents of {MAX_DOCUMENT_LINES:,} "
                                 f"lines. If each line is a text of its own (reviews, comments), read it as "
-                                f"format='lines' (kbert data prepare --format lines; kbert.corpus(path, "
-                                f"format='lines'))", stacklevel=2)
+                                f"format='lines' (--format lines for kbert data prepare, pretrain and quickstart; "
+                                f"data.format: lines in a pretraining config; kbert.corpus(path, format='lines'))",
+                                stacklevel=2)
                         cut = True
                         yield doc
                         doc = []

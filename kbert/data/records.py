@@ -34,8 +34,9 @@ from kbert.workers import refuse_in_spawn_bootstrap
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
 SETTINGS = ("tokenizer", "vocab_size", "objective", "max_length", "short_seq_prob", "seed", "docs_per_shard",
-            "sources", "join_documents")
-SETTING_DEFAULTS = {"join_documents": False}  # what records written before a setting existed were made with
+            "sources", "format", "join_documents")
+# what records written before a setting existed were made with ("format": the corpus's, None = from file names)
+SETTING_DEFAULTS = {"join_documents": False, "format": None}
 
 
 def records_dir(source) -> Optional[str]:
@@ -159,7 +160,7 @@ def prepare(source, tokenizer, out_dir: str, objective: str = "mlm+nsp", max_len
     corpus = source if isinstance(source, Corpus) else Corpus(source)
     settings = {"tokenizer": tokenizer.fingerprint(), "vocab_size": tokenizer.vocab_size, "objective": objective,
                 "max_length": int(max_length), "short_seq_prob": float(short_seq_prob), "seed": int(seed),
-                "docs_per_shard": int(docs_per_shard), "sources": corpus.sources,
+                "docs_per_shard": int(docs_per_shard), "sources": corpus.sources, "format": corpus.format,
                 "join_documents": bool(join_documents)}
     os.makedirs(out_dir, exist_ok=True)
     manifest_path = os.path.join(out_dir, MANIFEST)

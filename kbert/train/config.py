@@ -27,6 +27,10 @@ from typing import Any, List, Optional, Union
 class DataConfig:
     RENAMED = {"max_seq_len": "max_length"}  # old key -> new key, accepted with a warning for one release
     source: Any = None  # corpus (paths / recipe names), a records dir, or "dummy"
+    # raw-text sources: kbert.data.corpus.FORMATS, None to detect each file's from its name; "lines" (a text per
+    # line: reviews, comments) is never detected, and a plain-text file without blank lines is otherwise read in
+    # documents of 1,000 lines
+    format: Optional[str] = None
     tokenizer: Optional[str] = None  # tokenizer dir / vocab.txt / .model
     objective: str = "mlm+nsp"  # mlm | mlm+nsp | mlm+sop | electra (replaced-token detection, MLM data)
     max_length: int = 128

@@ -159,6 +159,15 @@ def _model_config(config: PretrainConfig, tokenizer, source=None):
     return cfg.validate()
 
 
+def text_source(d):
+    """`data.source` as the input pipeline reads it: a Corpus in `data.format` when one is set (raw text only)."""
+    if d.format is None:
+        return d.source
+    from kbert.data.corpus import Corpus
+
+    return Corpus(d.source, format=d.format)
+
+
 def _validate(config: PretrainConfig):
     t, d = config.trainer, config.data
     if d.source is None:
@@ -175,7 +184,14 @@ def _validate(config: PretrainConfig):
                          f"Received: generator_size={e.generator_size!r}, rtd_weight={e.rtd_weight!r}")
     if t.embedding_init not in EMBEDDING_INITS:
         raise ValueError(f"`trainer.embedding_init` must be one of {EMBEDDING_INITS}. Received: {t.embedding_init!r}")
+    from kbert.data.corpus import FORMATS
     from kbert.data.records import records_dir
+
+    if d.format is not None and d.format not in FORMATS:
+        raise ValueError(f"`data.format` must be one of {FORMATS} or null. Received: {d.format!r}")
+    if d.format is not None and (d.source == "dummy" or records_dir(d.source)):
+        raise ValueError(f"`data.format` is how raw text is read, and data.source {d.source!r} is not raw text; "
+                         f"leave data.format out (records keep the format they were prepared with)")
 
     if t.embedding_init == "cooccurrence" and (d.source == "dummy" or records_dir(d.source)):
         raise ValueError("`trainer.embedding_init: cooccurrence` counts tokens in raw text, but `data.source` is "
@@ -367,7 +383,7 @@ def pretrain(config: Union[PretrainConfig, dict, str], overrides=None, resume: b
         print(f"pretrain: {model_config.architecture} L={model_config.num_layers} H={model_config.hidden_size} "
               f"A={model_config.num_heads} ({model_config.num_parameters() / 1e6:.1f}M parameters, vocab "
               f"{model_config.vocab_size}), {d.objective}, {t.steps} steps\n"
-              f"  data: {d.source!r}, {d.max_length} tokens per sequence\n"
+              f"  data: {d.source!r}{f' read as {d.format}' if d.format else ''}, {d.max_length} tokens per sequence\n"
               f"  batch: {t.batch_size} sequences per step" + (" (planned by batch_size: auto)" if plan else "")
               + f" = {replicas} replica(s) x {t.accumulation} micro-step(s) x {micro_batch // replicas}; "
               f"precision {precision} on {backend.kind} ({backend.name})\n  output: {config.output_dir}"
@@ -400,12 +416,12 @@ def pretrain(config: Union[PretrainConfig, dict, str], overrides=None, resume: b
     elif t.embedding_init == "cooccurrence":  # a fresh run (deterministic, so a restart from step 0 repeats it)
         from kbert.train.embedding_init import initialize_token_embeddings
 
-        initialize_token_embeddings(backbone, d.source, tokenizer, seed=rt.seed, progress=progress)
+        initialize_token_embeddings(backbone, text_source(d), tokenizer, seed=rt.seed, progress=progress)
     start = restored[0] if restored is not None else 0
     sync_iterations(optimizer, start, t.accumulation)
 
     # 4. data, skipped forward to the restored step
-    data_args = dict(source=d.source, tokenizer=tokenizer, objective=_data_objective(d.objective),
+    data_args = dict(source=text_source(d), tokenizer=tokenizer, objective=_data_objective(d.objective),
                      max_length=d.max_length, mask_rate=d.mask_rate, max_predictions=d.max_predictions,
                      whole_word=d.whole_word, ngram=d.ngram, short_seq_prob=d.short_seq_prob, seed=rt.seed,
                      shuffle_buffer=d.shuffle_buffer, workers=d.workers, join_documents=d.join_documents)
