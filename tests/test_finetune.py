@@ -917,12 +917,21 @@ def test_simcse_hard_negatives_and_matryoshka_train_a_bi_encoder(base, tmp_path)
     with open(os.path.join(str(tmp_path / "multi"), "README.md"), encoding="utf-8") as f:
         card = f.read()
     assert "| step | epoch | train_loss | train_loss_raw | train_loss_2 |" in card and "| raw | " in card
+    # TensorBoard curves in OUT/logs: the loss every 10 steps (each dataset's too), the dev metrics per evaluation
+    curves = kbert.read_scalars(str(tmp_path / "multi" / "logs"))
+    assert sorted(curves["train/loss"]) == [10, 20] and set(curves["train/loss_raw"]) | set(curves["train/loss_2"])
+    assert curves["dev/spearman"] == {21: pytest.approx(entry["dev_spearman"])}
     # stopped after 10 of the 21 steps and resumed: the same figures, the first 10 steps' losses each in its own
     kbert.finetune(base, "sentence-embedding", None, sts, out_dir=str(tmp_path / "multi-part"), stop_after=10, **multi)
     rest, = kbert.finetune(base, "sentence-embedding", None, sts, out_dir=str(tmp_path / "multi-part"),
                            **multi)["history"]
     assert sorted(rest) == sorted(entry)
     np.testing.assert_allclose([rest[k] for k in sorted(entry)], [entry[k] for k in sorted(entry)], rtol=1e-4)
+    resumed = kbert.read_scalars(str(tmp_path / "multi-part" / "logs"))
+    assert sorted(resumed) == sorted(curves)
+    for tag, points in curves.items():
+        assert sorted(resumed[tag]) == sorted(points), tag
+        np.testing.assert_allclose([resumed[tag][s] for s in points], list(points.values()), rtol=1e-4)
     bad = dict(out_dir=str(tmp_path / "bad"), progress=False, max_steps=1)
     with pytest.raises(ValueError, match="no dropout"):
         kbert.finetune(base, "sentence-embedding", rows, objective="simcse", text_column="sentence1",

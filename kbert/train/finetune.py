@@ -40,6 +40,10 @@ from kbert.train.checkpoints import CHECKPOINT_DIR, FinetuneCheckpoint, data_fin
 from kbert.train.cards import write_finetune_card
 from kbert.train.finetune_tasks import SIMILARITY_LOSSES, batch_text_ids, task_for
 from kbert.train.lora import check_lora, enable_lora, is_factor, lora_trainable
+from kbert.train.metrics import scalar_writer
+
+LOG_DIR = "logs"  # OUT/logs: TensorBoard scalars (kbert.read_scalars reads them)
+LOG_EVERY = 10  # steps between train-loss points
 
 
 @dataclasses.dataclass
@@ -190,7 +194,8 @@ def finetune(model: str, task: str, train, dev=None, out_dir: str = "finetuned",
             `dev`, the last model is saved.
         out_dir: the model dir written: the best model, and when the run ends a model card (README.md, the
             Hugging Face Hub's form: what the model is, how to load it, the data, loss, settings and dev figures
-            of the run; a README.md not written by kbert is left as it is).
+            of the run; a README.md not written by kbert is left as it is), and `logs/`, the run's TensorBoard
+            curves (train loss every LOG_EVERY steps, dev metrics at each evaluation; `kbert.read_scalars`).
         text_column, pair_column, label_column: column names (`pair_column` for pair tasks and bi-encoders;
             `label_column=None` for a bi-encoder trained on (anchor, positive) pairs).
         labels: class names in order (default: the sorted labels of `train`).
@@ -576,6 +581,9 @@ def _run(c: FinetuneConfig, task, before_training, distribution) -> dict:
             print(f"resumed at step {step} of {total} from {saver.path}", flush=True)
     keep = max(eval_every, 50)
     skip = step % steps_per_epoch  # batches of the current epoch that were trained before the restart
+    # TensorBoard curves in OUT/logs, as kbert.pretrain writes them (`tensorboard --logdir OUT/logs`): the train
+    # loss every LOG_EVERY steps (each dataset's too), the dev metrics at each evaluation
+    write_scalars = scalar_writer(os.path.join(c.out_dir, LOG_DIR))
     end = total if c.stop_after is None else min(total, step + c.stop_after)
     bar = progress_bar(total=total, desc=f"finetune {task.name}", unit=" steps", enabled=c.progress)
     bar.update(step)
@@ -600,6 +608,10 @@ def _run(c: FinetuneConfig, task, before_training, distribution) -> dict:
                 step += 1
                 bar.update(1)
                 bar.set_postfix(loss=f"{np.mean(losses[-50:]):.4f}")
+                if step % LOG_EVERY == 0:
+                    own = losses_by_key(task.loss_names, losses[-LOG_EVERY:], loss_keys[-LOG_EVERY:])
+                    write_scalars(step, {"train/loss": np.mean(losses[-LOG_EVERY:]),
+                                         **{"train/" + k[len("train_"):]: v for k, v in own.items()}})
                 evaluated = step % eval_every == 0 or step == total
                 if evaluated:
                     entry = {"step": step, "epoch": round(step / steps_per_epoch, 3),
@@ -612,6 +624,7 @@ def _run(c: FinetuneConfig, task, before_training, distribution) -> dict:
                         improved = best is None or (metrics[key] > best if task.higher_is_better
                                                     else metrics[key] < best)
                     history.append(entry)
+                    write_scalars(step, {f"dev/{k[4:]}": v for k, v in entry.items() if k.startswith("dev_")})
                     if improved:
                         best, best_step, bad = (entry.get(f"dev_{key}"), step, 0)
                         task.save(network, c.out_dir, tokenizer, meta)
@@ -629,6 +642,7 @@ def _run(c: FinetuneConfig, task, before_training, distribution) -> dict:
                 if signals.received or step >= end:
                     stopped = signals.received or "stop_after"
                 if stopped != "steps" or evaluated or (c.checkpoint_every and step % c.checkpoint_every == 0):
+                    write_scalars.flush()
                     saver.save(step, dict(history=history, best=best, best_step=best_step, bad=bad,
                                           losses=losses[-keep:], loss_keys=loss_keys[-keep:], baseline=baseline))
                     saved_at = step
@@ -636,6 +650,7 @@ def _run(c: FinetuneConfig, task, before_training, distribution) -> dict:
                     break
             skip = 0
     bar.close()
+    write_scalars.flush()
     finished = stopped in ("steps", "early_stopping")
     summary = {"task": task.name, "model_dir": c.out_dir, "steps": step, "stopped_by": stopped, "history": history,
                "baseline": baseline, "best_step": best_step, "metric": key if dev_ex is not None else None,

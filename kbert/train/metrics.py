@@ -60,8 +60,43 @@ def entity_figures(gold: Sequence[Sequence[str]], predicted: Sequence[Sequence[s
     return {"entity_precision": precision, "entity_recall": recall, "entity_f1": f1}
 
 
+def scalar_writer(logdir: str, enabled: bool = True):
+    """`write(step, {tag: value})`: TensorBoard scalars in `logdir` through `tensorboard`'s own event writer, which
+    needs no TensorFlow (the JAX backend and fine-tuning on either backend; `read_scalars` reads them back), or
+    `logdir/scalars.jsonl` where tensorboard is missing. `write.flush()` writes out what is buffered. `enabled`
+    False (a process other than the chief) gives a writer that writes nothing."""
+    import json
+    import os
+    import time
+
+    os.makedirs(logdir, exist_ok=True)
+    try:
+        from tensorboard.compat.proto.event_pb2 import Event
+        from tensorboard.compat.proto.summary_pb2 import Summary
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter
+    except ImportError:
+        path = os.path.join(logdir, "scalars.jsonl")
+
+        def write(step: int, scalars: dict):
+            if enabled:
+                with open(path, "a", encoding="utf-8") as f:
+                    f.write(json.dumps({"step": step, **{k: float(v) for k, v in scalars.items()}}) + "\n")
+
+        write.flush = lambda: None
+        return write
+    events = EventFileWriter(logdir) if enabled else None
+
+    def write(step: int, scalars: dict):
+        if events is not None:
+            summary = Summary(value=[Summary.Value(tag=k, simple_value=float(v)) for k, v in scalars.items()])
+            events.add_event(Event(step=step, wall_time=time.time(), summary=summary))
+
+    write.flush = (lambda: events.flush()) if events is not None else (lambda: None)
+    return write
+
+
 def read_scalars(logdir: str) -> dict:
-    """{tag: {step: value}} of the scalars a pretraining run logged (`OUT/logs` of `kbert.pretrain`),
+    """{tag: {step: value}} of the scalars a run logged (`OUT/logs` of `kbert.pretrain` and `kbert.finetune`),
     through tensorboard's event reader, without TensorFlow. Both ways kbert writes them are read: TensorFlow's
     `tf.summary` tensors and the JAX backend's simple values (or its `scalars.jsonl` where tensorboard is
     missing). A step logged twice (a resumed run repeats the steps after its last checkpoint) keeps the

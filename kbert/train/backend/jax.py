@@ -31,9 +31,7 @@ checkpoint and at the end). TensorBoard scalars go through `tensorboard`'s own e
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import time
 
 import numpy as np
 
@@ -334,28 +332,7 @@ class JaxBackend:
 
     # ------------------------------------------------------------------ logs
     def scalar_writer(self, logdir: str):
-        """TensorBoard scalars through `tensorboard`'s event writer; without it, `logdir/scalars.jsonl`."""
-        os.makedirs(logdir, exist_ok=True)
-        try:
-            from tensorboard.compat.proto.event_pb2 import Event
-            from tensorboard.compat.proto.summary_pb2 import Summary
-            from tensorboard.summary.writer.event_file_writer import EventFileWriter
-        except ImportError:
-            path = os.path.join(logdir, "scalars.jsonl")
+        """TensorBoard scalars through `tensorboard`'s event writer (kbert.train.metrics.scalar_writer)."""
+        from kbert.train.metrics import scalar_writer
 
-            def write(step: int, scalars: dict):
-                if self.writer:
-                    with open(path, "a", encoding="utf-8") as f:
-                        f.write(json.dumps({"step": step, **{k: float(v) for k, v in scalars.items()}}) + "\n")
-
-            write.flush = lambda: None
-            return write
-        events = EventFileWriter(logdir) if self.writer else None
-
-        def write(step: int, scalars: dict):
-            if events is not None:
-                summary = Summary(value=[Summary.Value(tag=k, simple_value=float(v)) for k, v in scalars.items()])
-                events.add_event(Event(step=step, wall_time=time.time(), summary=summary))
-
-        write.flush = (lambda: events.flush()) if events is not None else (lambda: None)
-        return write
+        return scalar_writer(logdir, enabled=self.writer)
