@@ -185,6 +185,11 @@ def test_embedding_mode_student_learns_the_teachers_geometry(tok, sts_teacher, t
     assert history[-1]["dev_teacher_agreement"] > summary["baseline"]["teacher_agreement"] + 0.1, (summary["baseline"], history)
     vectors = kbert.Embedder.load(out).encode(["오늘 날씨가 좋다", "날씨가 맑다"])
     assert vectors.shape == (2, 32)
+    # its sentence-transformers export names the teacher it was distilled from (it said "fine-tuned from" the
+    # dir the student started from)
+    card = os.path.join(kbert.export_sentence_transformers(out, str(tmp_path / "st")), "README.md")
+    with open(card, encoding="utf-8") as f:
+        assert f"distilled from `{os.path.basename(sts_teacher)}`" in f.read()
 
 
 @pytest.fixture(scope="module")
@@ -290,8 +295,11 @@ def test_interrupted_distillation_resumes_to_the_same_result(tok, teacher, tmp_p
     out = str(tmp_path / "part")
     part = kbert.distill(teacher[1], student, out_dir=out, stop_after=cut, **args)
     assert (part["steps"], part["stopped_by"]) == (cut, "stop_after")
+    assert part["student_init"] == os.path.join(out, "student-init") and os.path.isdir(part["student_init"])
     rest = kbert.distill(teacher[1], student, out_dir=out, **args)
     assert (rest["steps"], rest["checkpoint"]) == (2 * per_epoch, None)
+    # finished: the preset student's starting copy (as large as the model) leaves the model dir
+    assert rest["student_init"] is None and not os.path.exists(os.path.join(out, "student-init"))
     for key in ("train_loss", "dev_accuracy", "dev_teacher_agreement"):
         np.testing.assert_allclose([h[key] for h in rest["history"]], [h[key] for h in full["history"]],
                                    rtol=1e-4, atol=1e-4)

@@ -172,9 +172,12 @@ def _card(embedder, directory: str, source, pooling: str, weights, prompts: dict
              f'# or with kbert: kbert.Embedder.load("{name}").encode([...])')
     source_dir = os.fspath(source) if source is not None and os.path.isdir(os.fspath(source)) else None
     training = training_section(source_dir) if source_dir else None
-    base = (read_task_meta(source_dir) or {}).get("base_model") if source_dir else source  # a Hub name: its own
+    meta = (read_task_meta(source_dir) or {}) if source_dir else {}
+    teacher = meta.get("distilled_from")  # a distilled student comes from its teacher, not from its start copy
+    base = teacher or meta.get("base_model") if source_dir else source  # a Hub name: its own
     text = model_card(name, embedder.backbone.config, "sentence-embedding", library="sentence-transformers",
                       base_model=base, details=details, usage=usage,
+                      origin="distilled from" if teacher else "fine-tuned from",
                       training=training, tags=["sentence-transformers", "feature-extraction", "sentence-similarity"])
     write_model_card(directory, text)
 

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 from typing import Optional
 
 import numpy as np
@@ -543,7 +544,9 @@ def distill(teacher: str, student, data=None, out_dir: str = "distilled", mode: 
             resume: bool = True, checkpoint_every: Optional[int] = 1000, stop_after: Optional[int] = None) -> dict:
     """Distils `teacher` (a model dir) into `student` (a preset name, a `kbert.ModelConfig` or a model dir);
     returns the fine-tuning
-    summary (`kbert.finetune`'s) with `mode` and `student_init` added. See the module docstring for the modes.
+    summary (`kbert.finetune`'s) with `mode` and `student_init` added (the dir the student started from: the
+    `student` dir, or OUT/student-init for a preset until the run finishes, then None, the copy removed). See the
+    module docstring for the modes.
 
     Args:
         data: unlabeled in-domain text (a list of strings, a text file with a line per text, or rows with
@@ -633,5 +636,10 @@ def distill(teacher: str, student, data=None, out_dir: str = "distilled", mode: 
         task.setup(t, temperature, seed, Tokenizer.from_model_dir(student_dir))
     # task and embedding modes scored every text before training: the teacher can go
     summary = run(config, task=task, before_training=None if mode == "general" else t.release)
+    if summary["checkpoint"] is None and student_dir == os.path.join(out_dir, STUDENT_INIT_DIR):
+        # finished: only a resumed run starts from it, and a model dir is what gets uploaded (the copy of a
+        # preset student is as large as the model itself)
+        shutil.rmtree(student_dir, ignore_errors=True)
+        student_dir = None
     summary.update(mode=mode, student_init=student_dir)
     return summary
