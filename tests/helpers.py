@@ -121,6 +121,13 @@ BLOCK_FRAMEWORKS = (
     "        raise ImportError('No module named ' + name)\n"
     "    return real(name, *a, **k)\n"
     "builtins.__import__ = guard\n")
+# a script's start on a host with no Keras backend (ONNX exports, static models): kbert, its CLI and its server
+NO_BACKEND_PRELUDE = BLOCK_FRAMEWORKS + (
+    "import warnings; warnings.simplefilter('ignore')\n"
+    "import io, contextlib\n"
+    "import kbert\n"
+    "from kbert.cli import main\n"
+    "from kbert.server import Engine\n")
 BLOCK_TENSORFLOW = (
     "import builtins, json, sys\n"
     "real = builtins.__import__\n"

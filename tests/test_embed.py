@@ -10,7 +10,7 @@ import pytest
 import kbert
 from kbert.data.corpus import corpus
 
-from helpers import BLOCK_FRAMEWORKS, run_on_jax, tiny_embedding_model, xlmr_dir
+from helpers import NO_BACKEND_PRELUDE, run_on_jax, tiny_embedding_model, xlmr_dir
 
 TEXTS = ["대한민국은 민주공화국이다.", "모든 국민은 법 앞에 평등하다.", "", "   ",
          "국회는 법률을 제정한다. 대통령은 국가를 대표한다. " * 3, "학교에서 공부했다"]
@@ -1619,12 +1619,7 @@ def test_static_models_load_encode_search_and_serve_with_no_keras_backend_instal
     with open(pairs, "w", encoding="utf-8") as f:
         f.write("sentence1\tsentence2\tscore\n" + "".join(f"{a}\t{b}\t{s}\n" for a, b, s in (
             (TEXTS[0], TEXTS[1], 1.0), (TEXTS[0], TEXTS[0], 5.0), (TEXTS[1], TEXTS[2], 2.0))))
-    script = BLOCK_FRAMEWORKS + (
-        "import warnings; warnings.simplefilter('ignore')\n"
-        "import io, contextlib\n"
-        "import kbert\n"
-        "from kbert.cli import main\n"
-        "from kbert.server import Engine\n"
+    script = NO_BACKEND_PRELUDE + (
         f"static = kbert.Embedder.load({static_dir!r})\n"
         f"vectors = static.encode({TEXTS!r}).tolist()\n"
         f"hits = static.search([{TEXTS[1]!r}], {TEXTS!r}, top_k=1)[0]\n"

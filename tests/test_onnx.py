@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import kbert
-from helpers import BLOCK_FRAMEWORKS, BLOCK_TENSORFLOW, run_on_jax, tiny_embedding_model
+from helpers import BLOCK_TENSORFLOW, NO_BACKEND_PRELUDE, run_on_jax, tiny_embedding_model
 
 TEXTS = ["대한민국은 민주공화국이다.", "", "국회의원의 임기는 4년으로 한다. " * 12, "ㅋㅋㅋ 최악의 영화",
          "모든 국민은 법 앞에 평등하다.", "English and 숫자 123 섞인 문장"]
@@ -247,12 +247,7 @@ def test_onnx_exports_run_and_serve_with_no_keras_backend_installed(model, expor
     lines = str(tmp_path / "texts.txt")
     with open(lines, "w", encoding="utf-8") as f:
         f.write(TEXTS[0] + "\n")
-    script = BLOCK_FRAMEWORKS + (
-        "import warnings; warnings.simplefilter('ignore')\n"
-        "import io, contextlib\n"
-        "import kbert\n"
-        "from kbert.cli import main\n"
-        "from kbert.server import Engine\n"
+    script = NO_BACKEND_PRELUDE + (
         f"texts = {TEXTS!r}\n"
         f"vectors = kbert.OnnxEmbedder.load({exported!r}).encode(texts).tolist()\n"
         f"probabilities = kbert.OnnxTaskModel.load({graph!r}).predict(texts).tolist()\n"
