@@ -291,6 +291,36 @@ def test_pretraining_reads_raw_text_in_data_format_and_records_keep_the_format(t
             kbert.pretrain({"data": dict(run, source=source)})
 
 
+def test_conllu_treebanks_read_as_a_row_per_sentence_with_a_tag_per_word(tmp_path):
+    """CoNLL-U (Universal Dependencies, the Korean UD treebanks): a row per sentence, the words joined by single
+    spaces (punctuation split off, as the treebank splits it), so kbert's tagging task tags exactly the
+    treebank's words; multiword ranges and empty nodes left out; a bad line named."""
+    from kbert.data.rows import read_rows
+
+    text = ("# sent_id = s1\n# text = 학교에서 공부했다.\n"
+            "1\t학교에서\t학교+에서\tNOUN\tNNG+JKB\t_\t2\tobl\t_\t_\n"
+            "2-3\t공부했다.\t_\t_\t_\t_\t_\t_\t_\t_\n"  # a multiword range: its words follow
+            "2\t공부했다\t공부+하+었+다\tVERB\tNNG+XSV+EP+EF\t_\t0\troot\t_\tSpaceAfter=No\n"
+            "2.1\t있다\t있다\tVERB\tVV\t_\t_\t_\t0:root\t_\n"  # an empty node
+            "3\t.\t.\tPUNCT\tSF\t_\t2\tpunct\t_\t_\n\n"
+            "# text = 좋다\n1\t좋다\t좋+다\tADJ\tVA+EF\t_\t0\troot\t_\t_\n")
+    path = _write(str(tmp_path / "t.conllu"), text)
+    first, second = read_rows(path, ["text", "upos"])
+    assert first == {"text": "학교에서 공부했다 .", "sentence": "학교에서 공부했다.", "sent_id": "s1",
+                     "upos": "NOUN VERB PUNCT", "xpos": "NNG+JKB NNG+XSV+EP+EF SF",
+                     "lemma": "학교+에서 공부+하+었+다 .", "deprel": "obl root punct", "head": "2 0 2"}
+    assert second["text"] == "좋다" and second["sent_id"] == "2" and second["upos"] == "ADJ"
+    _write(str(tmp_path / "bad.conllu"), "1\t학교\tNOUN\n")
+    with pytest.raises(ValueError, match=r"bad.conllu:1 has 3 tab-separated fields; a CoNLL-U word line has 10"):
+        read_rows(str(tmp_path / "bad.conllu"), ["text"])
+    # the Korean GSD treebank: every sentence, a tag per whitespace word
+    gsd = os.path.join(SHARED, "ud-korean-gsd", "ko_gsd-ud-dev.conllu")
+    rows = read_rows(gsd, ["text", "upos"])
+    with open(gsd, encoding="utf-8") as f:
+        assert len(rows) == sum(line.startswith("# sent_id") for line in f)
+    assert all(len(r["text"].split()) == len(r["upos"].split()) == len(r["head"].split()) for r in rows)
+
+
 # ---------------------------------------------------------------- masking
 def _mask_stats(tok, whole_word, ngram=1, batches=40, seq=128, seed=7):
     import tensorflow as tf

@@ -285,6 +285,22 @@ def test_regression_pair_classification_and_tagging(base, tmp_path):
     assert [w for w, _ in tagged] == ["학교에서", "친구를", "만났다"] and all(t in ("J", "O") for _, t in tagged)
 
 
+def test_tagging_trains_on_a_ud_treebank_as_it_is(base, tmp_path):
+    """`kbert finetune ... --task tagging --train ko_gsd-ud-*.conllu --label-column upos`: the treebank's words
+    get their UPOS tags, above the majority tag on sentences it did not train on."""
+    gsd = os.path.join(SHARED, "ud-korean-gsd")
+    summary = kbert.finetune(base, "tagging", os.path.join(gsd, "ko_gsd-ud-dev.conllu"),
+                             os.path.join(gsd, "ko_gsd-ud-test.conllu"), out_dir=str(tmp_path / "pos"),
+                             label_column="upos", epochs=2, learning_rate=2e-3, max_length=64, progress=False)
+    from kbert.data.rows import read_rows
+
+    test_tags = [t for r in read_rows(os.path.join(gsd, "ko_gsd-ud-test.conllu"), ["upos"]) for t in r["upos"].split()]
+    majority = max(test_tags.count(t) for t in set(test_tags)) / len(test_tags)
+    assert summary["best"] > majority + 0.1, (majority, summary["history"])
+    tagged = kbert.TaskModel.load(str(tmp_path / "pos")).predict("학교에서 공부했다 .")
+    assert [w for w, _ in tagged] == ["학교에서", "공부했다", "."] and tagged[-1][1] == "PUNCT"
+
+
 def test_tagging_with_entity_spans_learns_where_an_entity_ends_inside_a_word(base, tmp_path):
     """Entities given as character spans: a word's stem before its object or topic particle (책을 -> 책), which no
     word-level tag can mark; every token trains on its BIO tag, dev is scored by entity F1, and the saved model's

@@ -1,5 +1,6 @@
 """Labelled rows for fine-tuning: TSV / CSV / JSONL files (UTF-8, gzip allowed; a .json file may be one
-array) or lists of dicts, and their cells.
+array), CoNLL-U treebanks (`.conllu`, Universal Dependencies' format: a row per sentence) or lists of dicts, and
+their cells.
 
 Every reader names the file, row and column of a bad value, so a mislabelled row is found without a debugger.
 """
@@ -17,7 +18,8 @@ from kbert.utils import read_utf8_text
 def read_rows(source, columns: Sequence[str]) -> List[dict]:
     """Rows of a TSV/CSV/JSONL file (or a list of dicts), checked to have every column in `columns` (None
     entries are skipped). A TSV has a header row and no quoting; a .json file is JSON lines, one array of
-    objects, or a SQuAD-format document (KorQuAD's; one row per question, `kbert.data.qa.squad_rows`)."""
+    objects, or a SQuAD-format document (KorQuAD's; one row per question, `kbert.data.qa.squad_rows`); a .conllu
+    file is a row per sentence (`conllu_rows`: `text` and its words' `upos`, `xpos`, ... tags)."""
     if isinstance(source, (list, tuple)):
         rows = list(source)
         name = "the given rows"
@@ -45,6 +47,8 @@ def read_rows(source, columns: Sequence[str]) -> List[dict]:
                         rows.append(json.loads(line))
                     except json.JSONDecodeError as e:
                         raise ValueError(f"{source}:{n} is not valid JSON: {e}") from None
+        elif base.endswith(".conllu"):
+            rows = conllu_rows(text, source)
         elif base.endswith(".csv"):
             rows = list(csv.DictReader(text.splitlines()))
         else:
@@ -57,6 +61,56 @@ def read_rows(source, columns: Sequence[str]) -> List[dict]:
     missing = [c for c in columns if c is not None and c not in rows[0]]
     if missing:
         raise ValueError(f"{name} has no column {missing[0]!r}; its columns are {sorted(rows[0])}")
+    return rows
+
+
+# CoNLL-U's ten fields; a row keeps these of each word, space-separated, beside the sentence's text
+CONLLU_FIELDS = ("id", "form", "lemma", "upos", "xpos", "feats", "head", "deprel", "deps", "misc")
+CONLLU_COLUMNS = ("upos", "xpos", "lemma", "deprel", "head")
+
+
+def conllu_rows(text: str, source: str = "the CoNLL-U text") -> List[dict]:
+    """A row per sentence of a CoNLL-U treebank (Universal Dependencies): `text`, its words joined by single
+    spaces, so that kbert's tagging task (a tag per whitespace word) tags exactly the treebank's words (in the
+    Korean treebanks a word is an eojeol, and punctuation is a word of its own); `sentence`, the `# text =` line as
+    written; `sent_id`; and per word, space-separated, `upos`, `xpos`, `lemma`, `deprel` and `head`.
+    Multiword-token ranges (`1-2`) and empty nodes (`1.1`) are left out, as UD's word-level tags are.
+
+    Example:
+        >>> kbert.finetune("klue/bert-base", "tagging", "ko_gsd-ud-train.conllu", "ko_gsd-ud-dev.conllu",
+        ...                label_column="upos")"""
+    rows, words, comments = [], [], {}
+
+    def end_sentence():
+        if words:
+            row = {"text": " ".join(w["form"] for w in words), "sentence": comments.get("text", ""),
+                   "sent_id": comments.get("sent_id", str(len(rows) + 1))}
+            row.update({c: " ".join(w[c] for w in words) for c in CONLLU_COLUMNS})
+            rows.append(row)
+        words.clear()
+        comments.clear()
+
+    for n, line in enumerate(text.splitlines(), 1):
+        line = line.rstrip("\r\n")
+        if not line.strip():
+            end_sentence()
+        elif line.startswith("#"):
+            key, sep, value = line[1:].partition("=")
+            if sep:
+                comments[key.strip()] = value.strip()
+        else:
+            fields = line.split("\t")
+            if len(fields) != len(CONLLU_FIELDS):
+                raise ValueError(f"{source}:{n} has {len(fields)} tab-separated fields; a CoNLL-U word line has 10 "
+                                 f"({', '.join(CONLLU_FIELDS)})")
+            word = dict(zip(CONLLU_FIELDS, fields))
+            if not word["id"].isdigit():  # `1-2` multiword token, `1.1` empty node
+                continue
+            if not word["form"] or any(ch.isspace() for ch in word["form"]):
+                raise ValueError(f"{source}:{n}: the word {word['form']!r} is empty or holds a space, so the "
+                                 f"sentence's words cannot be told apart by whitespace")
+            words.append({k: (v.replace(" ", "_") or "_") for k, v in word.items()})
+    end_sentence()
     return rows
 
 
