@@ -321,6 +321,30 @@ def test_conllu_treebanks_read_as_a_row_per_sentence_with_a_tag_per_word(tmp_pat
     assert all(len(r["text"].split()) == len(r["upos"].split()) == len(r["head"].split()) for r in rows)
 
 
+def test_klue_ner_files_read_as_sentences_with_entity_spans(tmp_path):
+    """KLUE-NER's TSV as the KLUE repo ships it (a `## id<TAB>marked sentence` line, a character and its BIO tag
+    a line, spaces included): a row per sentence with its entities as character spans; an I- tag after O starts
+    an entity (CoNLL's reading); a line that is not a character and a tag is named."""
+    from kbert.data.rows import read_rows
+
+    sentence = ("\ufeff## klue-ner-v1_train_00001_nsmc\t<삼성전자:OG>가 <오후 3시:TI>에\n"
+                + "".join(f"{c}\t{t}\n" for c, t in zip("삼성전자가 오후 3시에",
+                                                         ["B-OG", "I-OG", "I-OG", "I-OG", "O", "O", "B-TI", "I-TI",
+                                                          "I-TI", "I-TI", "I-TI", "O"]))
+                + "\n## klue-ner-v1_train_00002_nsmc\t좋다 서울\n좋\tO\n다\tO\n \tO\n서\tI-LC\n울\tI-LC\n")
+    path = _write(str(tmp_path / "klue-ner-v1.1_train.tsv"), sentence)
+    first, second = read_rows(path, ["text", "label"])
+    assert first == {"text": "삼성전자가 오후 3시에", "label": [[0, 4, "OG"], [6, 11, "TI"]],
+                     "id": "klue-ner-v1_train_00001_nsmc"}
+    assert second["text"] == "좋다 서울" and second["label"] == [[3, 5, "LC"]]
+    _write(str(tmp_path / "bad.tsv"), "## x\t가\n가\tO\n나나\tO\n")
+    with pytest.raises(ValueError, match=r"bad.tsv:3: expected a character, a tab and its tag"):
+        read_rows(str(tmp_path / "bad.tsv"), ["text"])
+    _write(str(tmp_path / "tag.tsv"), "## x\t가\n가\tPER\n")
+    with pytest.raises(ValueError, match=r"tag.tsv:2: tag 'PER' is not O, B-TYPE or I-TYPE"):
+        read_rows(str(tmp_path / "tag.tsv"), ["text"])
+
+
 # ---------------------------------------------------------------- masking
 def _mask_stats(tok, whole_word, ngram=1, batches=40, seq=128, seed=7):
     import tensorflow as tf

@@ -316,8 +316,27 @@ def test_tagging_with_entity_spans_learns_where_an_entity_ends_inside_a_word(bas
                 spans.append([at, at + len(word) - 1, "N"])
             at += len(word) + 1
         rows_out.append({"text": text, "label": spans})
+    # written in KLUE-NER's layout (`## id<TAB>marked sentence`, a character and its BIO tag a line), which
+    # `kbert finetune` reads as it ships
+    paths = {}
+    for split, part in (("train", rows_out[:1200]), ("dev", rows_out[1200:])):
+        lines = []
+        for i, r in enumerate(part):
+            tags = ["O"] * len(r["text"])
+            marked = r["text"]
+            for a, b, kind in reversed(r["label"]):
+                tags[a:b] = [f"B-{kind}"] + [f"I-{kind}"] * (b - a - 1)
+                marked = f"{marked[:a]}<{marked[a:b]}:{kind}>{marked[b:]}"
+            lines += [f"## klue-ner-v1_{split}_{i:05d}\t{marked}"] + [f"{c}\t{t}" for c, t in zip(r["text"], tags)] + [""]
+        paths[split] = str(tmp_path / f"klue-ner-{split}.tsv")
+        with open(paths[split], "w", encoding="utf-8") as f:
+            f.write("\n".join(lines))
+    from kbert.data.rows import read_rows
+
+    assert [(r["text"], r["label"]) for r in read_rows(paths["train"], ["text", "label"])] == [
+        (r["text"], r["label"]) for r in rows_out[:1200]]
     out = str(tmp_path / "spans")
-    summary = kbert.finetune(base, "tagging", rows_out[:1200], rows_out[1200:], out_dir=out, epochs=3,
+    summary = kbert.finetune(base, "tagging", paths["train"], paths["dev"], out_dir=out, epochs=3,
                              learning_rate=2e-3, max_length=64, progress=False)
     assert summary["metric"] == "entity_f1"
     assert summary["best"] > summary["baseline"]["entity_f1"] + 0.3, (summary["baseline"], summary["history"])

@@ -19,7 +19,9 @@ def read_rows(source, columns: Sequence[str]) -> List[dict]:
     """Rows of a TSV/CSV/JSONL file (or a list of dicts), checked to have every column in `columns` (None
     entries are skipped). A TSV has a header row and no quoting; a .json file is JSON lines, one array of
     objects, or a SQuAD-format document (KorQuAD's; one row per question, `kbert.data.qa.squad_rows`); a .conllu
-    file is a row per sentence (`conllu_rows`: `text` and its words' `upos`, `xpos`, ... tags)."""
+    file is a row per sentence (`conllu_rows`: `text` and its words' `upos`, `xpos`, ... tags); a file in
+    KLUE-NER's layout (`## id<TAB>sentence` lines, then a character and its tag a line) is a row per sentence
+    with its entity spans (`char_tag_rows`)."""
     if isinstance(source, (list, tuple)):
         rows = list(source)
         name = "the given rows"
@@ -49,6 +51,8 @@ def read_rows(source, columns: Sequence[str]) -> List[dict]:
                         raise ValueError(f"{source}:{n} is not valid JSON: {e}") from None
         elif base.endswith(".conllu"):
             rows = conllu_rows(text, source)
+        elif text.lstrip("\ufeff").startswith("## ") and "\t" in text.partition("\n")[0]:
+            rows = char_tag_rows(text, source)  # KLUE-NER's layout
         elif base.endswith(".csv"):
             rows = list(csv.DictReader(text.splitlines()))
         else:
@@ -110,6 +114,52 @@ def conllu_rows(text: str, source: str = "the CoNLL-U text") -> List[dict]:
                 raise ValueError(f"{source}:{n}: the word {word['form']!r} is empty or holds a space, so the "
                                  f"sentence's words cannot be told apart by whitespace")
             words.append({k: (v.replace(" ", "_") or "_") for k, v in word.items()})
+    end_sentence()
+    return rows
+
+
+def char_tag_rows(text: str, source: str = "the tagged text") -> List[dict]:
+    """A row per sentence of KLUE-NER's TSV (`klue-ner-v1.1_train.tsv`, as the KLUE repo ships it): a sentence is
+    a `## id<TAB>sentence with <entity:TYPE> marks` line, then a line per character, `character<TAB>tag` (BIO
+    tags: B-PS, I-PS, ..., O; a space is a character too), and a blank line. The row holds `text` (the characters
+    joined), `label`, its entities as `[start, end, type]` character spans read from the tags (what span-labelled
+    tagging trains on, so an entity may end before the particle written onto it), and `id`. An I- tag that
+    does not continue an entity of its type starts one, as CoNLL's scorer reads it."""
+    rows, chars, tags, ident = [], [], [], None
+
+    def end_sentence():
+        if ident is not None or chars:
+            spans = []
+            for k, tag in enumerate(tags):
+                kind = tag[2:] if tag[:2] in ("B-", "I-") else None
+                if kind is None:
+                    continue
+                if tag.startswith("I-") and spans and spans[-1][2] == kind and spans[-1][1] == k:
+                    spans[-1][1] = k + 1
+                else:
+                    spans.append([k, k + 1, kind])
+            rows.append({"text": "".join(chars), "label": spans, "id": ident or str(len(rows) + 1)})
+        chars.clear()
+        tags.clear()
+
+    for n, line in enumerate(text.lstrip("\ufeff").split("\n"), 1):
+        line = line.rstrip("\r")
+        if line.startswith("## "):
+            end_sentence()
+            ident = line[3:].partition("\t")[0].strip()
+        elif not line.strip() and "\t" not in line:
+            end_sentence()
+            ident = None
+        else:
+            char, sep, tag = line.rpartition("\t")
+            if not sep or len(char) != 1:
+                raise ValueError(f"{source}:{n}: expected a character, a tab and its tag (KLUE-NER's layout); "
+                                 f"got {line[:40]!r}")
+            tag = tag.strip()
+            if tag != "O" and not (tag[:2] in ("B-", "I-") and len(tag) > 2):
+                raise ValueError(f"{source}:{n}: tag {tag!r} is not O, B-TYPE or I-TYPE")
+            chars.append(char)
+            tags.append(tag)
     end_sentence()
     return rows
 
