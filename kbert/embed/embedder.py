@@ -110,15 +110,16 @@ class Embedder:
         """
         if is_onnx_dir(model_dir):  # `kbert.export_onnx`'s output: the graph on ONNX Runtime, no Keras backend
             return OnnxEmbedder.load(model_dir, max_length=max_length)
+        from kbert.models.locate import model_dir_of, read_task_meta, resolve_hub_name
+
+        model_dir = model_dir_of(resolve_hub_name(model_dir))  # a hub name: its snapshot; a run dir: its model
         static = load_static(model_dir, max_length)  # numpy alone: Keras is imported only past this
         if static is not None:
             return static
         from kbert.models.convert import check_vocabulary, load_model
-        from kbert.models.locate import model_dir_of, read_task_meta, resolve_hub_name
         from kbert.models.st_dir import read_sentence_transformers
         from kbert.text.tokenizer import Tokenizer
 
-        model_dir = model_dir_of(resolve_hub_name(model_dir))  # a hub name: its snapshot; a run dir: its model
         task = read_task_meta(model_dir)
         # a sentence-transformers dir: its own pooling, layers and length (and its transformer's folder)
         st = None if task else read_sentence_transformers(model_dir, projections=True)
