@@ -62,7 +62,13 @@ def test_formats_compression_and_report(tmp_path):
     grouped = list(corpus(tsv, column="text", group_by="movie"))
     assert grouped == [["좋아요", "별로"], ["최고"], ["또 A"]]  # adjacent rows only
     c = corpus(str(tmp_path))  # a directory: every file, format by name
-    assert len(list(c)) == 4 + 5  # tsv without a column name: column 0 of every row, header included
+    assert len(list(c)) == 4 + 4  # tsv without a column name: its header's `text` column
+    # several columns, no `text` header: an error naming the first line (column 0 took ids and the header as text)
+    sts = _write(str(tmp_path / "s.tsv"), "genre\tscore\tsentence1\nnews\t5.0\t비행기가 이륙한다.\n")
+    with pytest.raises(ValueError, match=r"s.tsv: a TSV of 3 columns needs the column\(s\) to read .*'genre'"):
+        list(corpus(sts))
+    assert list(corpus(sts, column="sentence1")) == [["비행기가 이륙한다."]]
+    assert list(corpus(_write(str(tmp_path / "one.tsv"), "첫째\n둘째\n"))) == [["첫째"], ["둘째"]]  # one column
     assert c.report.files == 3 and c.report.sentences > 0 and c.report.characters > 0
 
 def test_a_text_per_line_reads_as_lines_and_a_run_on_text_file_is_cut_with_a_hint(tmp_path, monkeypatch):

@@ -11,8 +11,8 @@ sentences). Formats are detected from the file name (compression suffixes `.gz` 
 - lines (`format="lines"`, never detected): plain text with each line a document of its own (reviews,
   comments, questions; what KcBERT-style comment dumps look like);
 - JSONL (`.jsonl`, `.json` with one object per line): the `text_field` of each object is a document;
-- TSV (`.tsv`): the `column` (name or 0-based index) of each row; rows that share `group_by` and are
-  adjacent form one document;
+- TSV (`.tsv`): the `column` (name or 0-based index; default the header's `text` column) of each row; rows
+  that share `group_by` and are adjacent form one document;
 - a Wikipedia XML dump (`*.xml`, `*-pages-articles*.xml.bz2`): each article in the main namespace is a
   document, markup stripped, redirects skipped.
 
@@ -118,6 +118,20 @@ FORMATS = ("text", "lines", "jsonl", "tsv", "wiki")
 MAX_DOCUMENT_LINES = 1000
 
 
+def _default_tsv_column(path: str):
+    """The column a TSV is read from when none is named: its `text` column when its first line is a header that
+    has one; column 0 of every line for a file of one column. A file of several columns and no `text` header is
+    an error naming its first line: reading column 0 there took ids or labels (and the header) as text."""
+    with open_text(path) as f:
+        first = f.readline().rstrip("\r\n").split("\t")
+    if len(first) == 1:
+        return 0
+    if "text" in first:
+        return "text"
+    raise ValueError(f"{path}: a TSV of {len(first)} columns needs the column(s) to read (column=, --column NAME); "
+                     f"its first line is {first[:10]}")
+
+
 class Corpus:
     """Documents (lists of sentences) from files, folders, globs or named recipes.
 
@@ -127,7 +141,8 @@ class Corpus:
             plain text, is never detected: name it).
         text_field: JSONL field holding the text (default "text").
         column: TSV column name(s) or 0-based index; several columns give several documents per row
-            unless `group_by` joins them.
+            unless `group_by` joins them. None: the header's `text` column, or every line of a one-column
+            file; a file of several columns without a `text` header is an error that names them.
         group_by: TSV column whose value, when equal on adjacent rows, puts the rows in one document.
         splitter: "rules" (default, fast), "kiwi", "lines" (each line is one sentence) or a callable.
         normalize: normalize sentences with `kbert.normalize` (True, or a dict of its options).
@@ -262,7 +277,9 @@ class Corpus:
 
     @staticmethod
     def _read_tsv(path: str, column, group_by) -> Iterator[List[str]]:
-        columns = list(column) if isinstance(column, (list, tuple)) else [0 if column is None else column]
+        if column is None:
+            column = _default_tsv_column(path)
+        columns = list(column) if isinstance(column, (list, tuple)) else [column]
         with open_text(path) as f:
             header = None
             if any(isinstance(c, str) for c in columns) or group_by is not None:
