@@ -18,7 +18,7 @@ import warnings
 # Exit statuses of a run stopped by a signal, as shells report them (128 + the signal's number).
 _SIGNAL_EXIT = {"SIGINT": 130, "SIGTERM": 143}
 # kbert.data.corpus.FORMATS, spelled out so that building the parser imports nothing (a test keeps them equal)
-CORPUS_FORMATS = ("text", "lines", "jsonl", "tsv", "wiki")
+CORPUS_FORMATS = ("text", "lines", "jsonl", "tsv", "csv", "wiki")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -906,8 +906,8 @@ def _add_corpus_arguments(p):
     p.add_argument("--format", choices=CORPUS_FORMATS,
                    help="default: from the file name; lines: plain text with each line a document (reviews, comments)")
     p.add_argument("--text-field", help="JSONL field with the text (default: text)")
-    p.add_argument("--column", nargs="+", help="TSV column name(s) or index")
-    p.add_argument("--group-by", help="TSV column: adjacent rows with the same value form one document")
+    p.add_argument("--column", nargs="+", help="TSV or CSV column name(s) or index (default: the header's text column)")
+    p.add_argument("--group-by", help="TSV or CSV column: adjacent rows with the same value form one document")
     p.add_argument("--splitter", choices=("rules", "kiwi", "lines"), help="sentence splitter (default: rules)")
     p.add_argument("--dedupe", choices=("document", "sentence", "none"), help="exact-duplicate removal")
     p.add_argument("--path", help="for a named corpus: where its files are")

@@ -69,6 +69,11 @@ def test_formats_compression_and_report(tmp_path):
         list(corpus(sts))
     assert list(corpus(sts, column="sentence1")) == [["비행기가 이륙한다."]]
     assert list(corpus(_write(str(tmp_path / "one.tsv"), "첫째\n둘째\n"))) == [["첫째"], ["둘째"]]  # one column
+    # CSV as spreadsheets and the Hub's datasets write it: quoted cells hold commas and line breaks
+    csv_path = _write(str(tmp_path / "comments.csv"), 'id,text,label\n1,"좋다, 정말",1\n2,"첫 줄\n둘째 줄",0\n')
+    assert list(corpus(csv_path)) == [["좋다, 정말"], ["첫 줄 둘째 줄"]]  # a cell is one text
+    with pytest.raises(ValueError, match=r"pairs.csv: a CSV of 3 columns needs the column"):
+        list(corpus(_write(str(tmp_path / "pairs.csv"), "id,question1,question2\n1,가,나\n")))
     assert c.report.files == 3 and c.report.sentences > 0 and c.report.characters > 0
 
 def test_a_text_per_line_reads_as_lines_and_a_run_on_text_file_is_cut_with_a_hint(tmp_path, monkeypatch):
@@ -104,7 +109,7 @@ def test_a_text_per_line_reads_as_lines_and_a_run_on_text_file_is_cut_with_a_hin
                                       "--format", "lines"]).format == "lines"
     assert build_parser().parse_args(["tokenizer", "train", "--input", path, "--vocab-size", "9", "--out", "o",
                                       "--format", "lines"]).format == "lines"
-    assert corpus_module.FORMATS == ("text", "lines", "jsonl", "tsv", "wiki")  # the CLI's --format choices
+    assert corpus_module.FORMATS == ("text", "lines", "jsonl", "tsv", "csv", "wiki")  # the CLI's --format choices
 
 
 

@@ -11,8 +11,9 @@ sentences). Formats are detected from the file name (compression suffixes `.gz` 
 - lines (`format="lines"`, never detected): plain text with each line a document of its own (reviews,
   comments, questions; what KcBERT-style comment dumps look like);
 - JSONL (`.jsonl`, `.json` with one object per line): the `text_field` of each object is a document;
-- TSV (`.tsv`): the `column` (name or 0-based index; default the header's `text` column) of each row; rows
-  that share `group_by` and are adjacent form one document;
+- TSV (`.tsv`) and CSV (`.csv`, quoted cells as spreadsheets write them): the `column` (name or 0-based
+  index; default the header's `text` column) of each row; rows that share `group_by` and are adjacent form one
+  document;
 - a Wikipedia XML dump (`*.xml`, `*-pages-articles*.xml.bz2`): each article in the main namespace is a
   document, markup stripped, redirects skipped.
 
@@ -105,10 +106,12 @@ def _detect_format(path: str) -> str:
         return "jsonl"
     if name.endswith(".tsv"):
         return "tsv"
+    if name.endswith(".csv"):
+        return "csv"
     return "text"
 
 
-FORMATS = ("text", "lines", "jsonl", "tsv", "wiki")
+FORMATS = ("text", "lines", "jsonl", "tsv", "csv", "wiki")
 
 # Why a cap: a plain-text file without blank lines (a text per line, as comment and review dumps come) is one
 # document by the format's rule. Whole, it sits in one list in memory and goes to one worker as one block. Cut
@@ -118,18 +121,28 @@ FORMATS = ("text", "lines", "jsonl", "tsv", "wiki")
 MAX_DOCUMENT_LINES = 1000
 
 
-def _default_tsv_column(path: str):
-    """The column a TSV is read from when none is named: its `text` column when its first line is a header that
-    has one; column 0 of every line for a file of one column. A file of several columns and no `text` header is
-    an error naming its first line: reading column 0 there took ids or labels (and the header) as text."""
+def _table_rows(f, csv_file: bool) -> Iterator[List[str]]:
+    """The cells of each row of an open TSV (split at tabs) or CSV (Python's csv reader) file."""
+    if csv_file:
+        import csv
+
+        return iter(csv.reader(f))
+    return (line.rstrip("\r\n").split("\t") for line in f)
+
+
+def _default_column(path: str, csv_file: bool = False):
+    """The column a TSV or CSV is read from when none is named: its `text` column when its first line is a
+    header that has one; column 0 of every line for a file of one column. A file of several columns and no
+    `text` header is an error naming its first line: reading column 0 there took ids or labels (and the header)
+    as text."""
     with open_text(path) as f:
-        first = f.readline().rstrip("\r\n").split("\t")
+        first = next(_table_rows(f, csv_file), [""])
     if len(first) == 1:
         return 0
     if "text" in first:
         return "text"
-    raise ValueError(f"{path}: a TSV of {len(first)} columns needs the column(s) to read (column=, --column NAME); "
-                     f"its first line is {first[:10]}")
+    raise ValueError(f"{path}: a {'CSV' if csv_file else 'TSV'} of {len(first)} columns needs the column(s) to read "
+                     f"(column=, --column NAME); its first line is {first[:10]}")
 
 
 class Corpus:
@@ -140,7 +153,7 @@ class Corpus:
         format: one of `FORMATS`, or None to detect it from each file name ("lines", a document per line of
             plain text, is never detected: name it).
         text_field: JSONL field holding the text (default "text").
-        column: TSV column name(s) or 0-based index; several columns give several documents per row
+        column: TSV / CSV column name(s) or 0-based index; several columns give several documents per row
             unless `group_by` joins them. None: the header's `text` column, or every line of a one-column
             file; a file of several columns without a `text` header is an error that names them.
         group_by: TSV column whose value, when equal on adjacent rows, puts the rows in one document.
@@ -213,9 +226,9 @@ class Corpus:
                 yield from self._read_jsonl(path, options.get("text_field", self.text_field), report)
             elif fmt == "lines":
                 yield from self._read_lines(path)
-            elif fmt == "tsv":
+            elif fmt in ("tsv", "csv"):
                 yield from self._read_tsv(path, options.get("column", self.column),
-                                          options.get("group_by", self.group_by))
+                                          options.get("group_by", self.group_by), csv_file=fmt == "csv")
             else:
                 yield from self._read_text(path, options.get("file_is_document", self.file_is_document))
         except (OSError, EOFError, UnicodeError) as e:  # truncated gzip, unreadable file
@@ -276,22 +289,24 @@ class Corpus:
                 yield [p for p in str(text).split("\n") if p.strip()]
 
     @staticmethod
-    def _read_tsv(path: str, column, group_by) -> Iterator[List[str]]:
+    def _read_tsv(path: str, column, group_by, csv_file: bool = False) -> Iterator[List[str]]:
+        """Rows of a TSV (a tab between cells, no quoting) or, with `csv_file`, a CSV (quoted cells may hold
+        commas and line breaks, as spreadsheets write them)."""
         if column is None:
-            column = _default_tsv_column(path)
+            column = _default_column(path, csv_file)
         columns = list(column) if isinstance(column, (list, tuple)) else [column]
         with open_text(path) as f:
+            rows = _table_rows(f, csv_file)
             header = None
             if any(isinstance(c, str) for c in columns) or group_by is not None:
-                header = f.readline().rstrip("\n").split("\t")
+                header = next(rows, [])
                 for c in columns + ([group_by] if group_by else []):
                     if isinstance(c, str) and c not in header:
                         raise ValueError(f"{path}: no column {c!r}; the header has {header}")
             index = [header.index(c) if isinstance(c, str) else int(c) for c in columns]
             key_index = header.index(group_by) if group_by else None
             doc, key = [], None
-            for line in f:
-                row = line.rstrip("\n").split("\t")
+            for row in rows:
                 texts = [row[i] for i in index if i < len(row) and row[i].strip()]
                 if key_index is None:
                     for t in texts:
