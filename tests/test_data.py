@@ -74,6 +74,8 @@ def test_formats_compression_and_report(tmp_path):
     assert list(corpus(csv_path)) == [["좋다, 정말"], ["첫 줄 둘째 줄"]]  # a cell is one text
     with pytest.raises(ValueError, match=r"pairs.csv: a CSV of 3 columns needs the column"):
         list(corpus(_write(str(tmp_path / "pairs.csv"), "id,question1,question2\n1,가,나\n")))
+    excel = _write(str(tmp_path / "excel.csv"), "\ufefftext,label\n좋다,1\n")  # Excel's "CSV UTF-8": a BOM
+    assert list(corpus(excel)) == list(corpus(excel, column="text")) == [["좋다"]]
     assert c.report.files == 3 and c.report.sentences > 0 and c.report.characters > 0
 
 def test_a_text_per_line_reads_as_lines_and_a_run_on_text_file_is_cut_with_a_hint(tmp_path, monkeypatch):

@@ -122,12 +122,15 @@ MAX_DOCUMENT_LINES = 1000
 
 
 def _table_rows(f, csv_file: bool) -> Iterator[List[str]]:
-    """The cells of each row of an open TSV (split at tabs) or CSV (Python's csv reader) file."""
-    if csv_file:
-        import csv
+    """The cells of each row of an open TSV (split at tabs) or CSV (Python's csv reader) file, without the byte
+    order mark Excel's "CSV UTF-8" puts before the first header cell (which then matched no column name)."""
+    import csv
 
-        return iter(csv.reader(f))
-    return (line.rstrip("\r\n").split("\t") for line in f)
+    rows = csv.reader(f) if csv_file else (line.rstrip("\r\n").split("\t") for line in f)
+    for i, row in enumerate(rows):
+        if i == 0 and row:
+            row[0] = row[0].lstrip("\ufeff")
+        yield row
 
 
 def _default_column(path: str, csv_file: bool = False):
