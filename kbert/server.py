@@ -117,8 +117,9 @@ class Engine:
         from kbert.embed.onnx_runtime import is_onnx_dir, read_info
 
         self.model_dir = str(model_dir)
-        static = None if is_onnx_dir(self.model_dir) else load_static(self.model_dir)
-        if is_onnx_dir(self.model_dir):  # ONNX Runtime alone: no Keras backend is needed on the host
+        onnx = is_onnx_dir(self.model_dir)
+        static = None if onnx else load_static(self.model_dir)
+        if onnx:  # ONNX Runtime alone: no Keras backend is needed on the host
             if read_info(self.model_dir).get("signature") == "classify":  # a head's outputs, no sentence vectors
                 from kbert.embed.onnx_task import OnnxTaskModel
 

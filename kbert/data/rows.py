@@ -95,7 +95,6 @@ def conllu_rows(text: str, source: str = "the CoNLL-U text") -> List[dict]:
         comments.clear()
 
     for n, line in enumerate(text.splitlines(), 1):
-        line = line.rstrip("\r\n")
         if not line.strip():
             end_sentence()
         elif line.startswith("#"):

@@ -650,7 +650,7 @@ def _run(c: FinetuneConfig, task, before_training, distribution) -> dict:
                     break
             skip = 0
     bar.close()
-    write_scalars.flush()
+    write_scalars.close()
     finished = stopped in ("steps", "early_stopping")
     summary = {"task": task.name, "model_dir": c.out_dir, "steps": step, "stopped_by": stopped, "history": history,
                "baseline": baseline, "best_step": best_step, "metric": key if dev_ex is not None else None,

@@ -63,7 +63,8 @@ def entity_figures(gold: Sequence[Sequence[str]], predicted: Sequence[Sequence[s
 def scalar_writer(logdir: str, enabled: bool = True):
     """`write(step, {tag: value})`: TensorBoard scalars in `logdir` through `tensorboard`'s own event writer, which
     needs no TensorFlow (the JAX backend and fine-tuning on either backend; `read_scalars` reads them back), or
-    `logdir/scalars.jsonl` where tensorboard is missing. `write.flush()` writes out what is buffered. `enabled`
+    `logdir/scalars.jsonl` where tensorboard is missing. `write.flush()` writes out what is buffered and
+    `write.close()` ends the event file and its writer thread (one a run: a process may run many). `enabled`
     False (a process other than the chief) gives a writer that writes nothing."""
     import json
     import os
@@ -82,7 +83,7 @@ def scalar_writer(logdir: str, enabled: bool = True):
                 with open(path, "a", encoding="utf-8") as f:
                     f.write(json.dumps({"step": step, **{k: float(v) for k, v in scalars.items()}}) + "\n")
 
-        write.flush = lambda: None
+        write.flush = write.close = lambda: None
         return write
     events = EventFileWriter(logdir) if enabled else None
 
@@ -92,6 +93,7 @@ def scalar_writer(logdir: str, enabled: bool = True):
             events.add_event(Event(step=step, wall_time=time.time(), summary=summary))
 
     write.flush = (lambda: events.flush()) if events is not None else (lambda: None)
+    write.close = (lambda: events.close()) if events is not None else (lambda: None)
     return write
 
 
