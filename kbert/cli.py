@@ -606,13 +606,13 @@ def _utf8_lines(path):
 
 
 def _mine_negatives(args):
-    from kbert.data.rows import write_rows
+    from kbert.data.rows import text_lines, write_rows
     from kbert.embed.mining import mine_hard_negatives
     from kbert.utils import read_utf8_text
 
     corpus = None
     if args.corpus:
-        corpus = [line for line in read_utf8_text(args.corpus).splitlines() if line.strip()]
+        corpus = [line for line in text_lines(read_utf8_text(args.corpus)) if line.strip()]
     relative = None if args.relative_margin < 0 else args.relative_margin
     rows = mine_hard_negatives(args.model, args.pairs, corpus, anchor_column=args.anchor_column,
                                positive_column=args.positive_column, negative_column=args.negative_column,

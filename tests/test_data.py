@@ -906,6 +906,31 @@ def test_labelled_rows_are_strict_utf8_and_name_a_cp949_file(tmp_path):
         read_rows(["좋다", "싫다"], ["text"])
 
 
+def test_labelled_rows_keep_line_breaks_inside_cells_and_refuse_shifted_cells(tmp_path):
+    """A quoted CSV cell's line break was dropped ("좋은\n영화" read as "좋은영화", so `write_rows` -> `read_rows`
+    changed the text), and U+2028 / U+0085, which scraped web text holds inside sentences, split a row in two
+    with its cells shifted (str.splitlines). A TSV row with a tab in its text trained with a piece of the text
+    as its label; now that is an error naming the line."""
+    from kbert.data.rows import read_rows, text_rows, write_rows
+
+    rows = [{"text": "좋은\n영화, 정말", "label": "1"}, {"text": "나쁜\u2028영화", "label": "0"}]
+    write_rows(rows, str(tmp_path / "rows.csv"))
+    assert read_rows(str(tmp_path / "rows.csv"), ["text", "label"]) == rows
+    (tmp_path / "rows.tsv").write_bytes("text\tlabel\r\n나쁜\u2028영화\t0\r\n이상한\x85글\t1\r\n\n짧은\n".encode())
+    assert read_rows(str(tmp_path / "rows.tsv"), ["text", "label"]) == [
+        {"text": "나쁜\u2028영화", "label": "0"}, {"text": "이상한\x85글", "label": "1"}, {"text": "짧은", "label": None}]
+    (tmp_path / "rows.jsonl").write_text(json.dumps({"text": "a\u2028b"}, ensure_ascii=False) + "\n", encoding="utf-8")
+    assert read_rows(str(tmp_path / "rows.jsonl"), ["text"]) == [{"text": "a\u2028b"}]
+    (tmp_path / "lines.txt").write_text("첫\u2028줄\n둘째 줄\n", encoding="utf-8")
+    assert text_rows(str(tmp_path / "lines.txt"), "text") == [{"text": "첫\u2028줄"}, {"text": "둘째 줄"}]
+    (tmp_path / "tab.tsv").write_text("text\tlabel\n좋은\t영화\t1\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"tab.tsv:2 has 3 tab-separated cells where the header has 2 \(text, label\)"):
+        read_rows(str(tmp_path / "tab.tsv"), ["text"])
+    (tmp_path / "comma.csv").write_text('text,label\n"a\nb",1\n좋은, 영화,1\n', encoding="utf-8")
+    with pytest.raises(ValueError, match=r"comma.csv:4 has 3 comma-separated cells.*quote a cell"):
+        read_rows(str(tmp_path / "comma.csv"), ["text"])
+
+
 @pytest.mark.slow
 def test_the_short_documents_benchmark_runs_and_joining_fills_the_sequences(tmp_path):
     """benchmarks/short_documents.py end to end at toy size (its figures are in benchmarks/README.md): the

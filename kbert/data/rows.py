@@ -8,6 +8,7 @@ Every reader names the file, row and column of a bad value, so a mislabelled row
 from __future__ import annotations
 
 import csv
+import io
 import json
 import os
 from typing import List, Optional, Sequence, Tuple
@@ -43,7 +44,7 @@ def read_rows(source, columns: Sequence[str]) -> List[dict]:
             rows = squad  # SQuAD / KorQuAD layout: one row per question
         elif base.endswith((".jsonl", ".json")):
             rows = []
-            for n, line in enumerate(text.splitlines(), 1):
+            for n, line in enumerate(text.split("\n"), 1):
                 if line.strip():
                     try:
                         rows.append(json.loads(line))
@@ -53,10 +54,8 @@ def read_rows(source, columns: Sequence[str]) -> List[dict]:
             rows = conllu_rows(text, source)
         elif text.lstrip("\ufeff").startswith("## ") and "\t" in text.partition("\n")[0]:
             rows = char_tag_rows(text, source)  # KLUE-NER's layout
-        elif base.endswith(".csv"):
-            rows = list(csv.DictReader(text.splitlines()))
         else:
-            rows = list(csv.DictReader(text.splitlines(), delimiter="\t", quoting=csv.QUOTE_NONE))
+            rows = table_rows(text, source, csv_file=base.endswith(".csv"))
     if not rows:
         raise ValueError(f"{name} holds no examples")
     bad = next((i for i, r in enumerate(rows) if not isinstance(r, dict)), None)
@@ -71,6 +70,39 @@ def read_rows(source, columns: Sequence[str]) -> List[dict]:
 # CoNLL-U's ten fields; a row keeps these of each word, space-separated, beside the sentence's text
 CONLLU_FIELDS = ("id", "form", "lemma", "upos", "xpos", "feats", "head", "deprel", "deps", "misc")
 CONLLU_COLUMNS = ("upos", "xpos", "lemma", "deprel", "head")
+
+
+def text_lines(text: str) -> List[str]:
+    """The lines of a file's text, split at line feeds only (CRLF ends too). Not `str.splitlines`: that also
+    splits at U+2028, U+0085 and the other Unicode line breaks, which scraped Korean web text holds inside a
+    sentence (and JSON may hold raw inside a string), so one row became two, its cells shifted."""
+    return [line[:-1] if line.endswith("\r") else line for line in text.split("\n")]
+
+
+def table_rows(text: str, source: str, csv_file: bool) -> List[dict]:
+    """The rows of a CSV (quoted cells may hold commas and line breaks, kept as written) or a TSV (a header row,
+    no quoting), as dicts by the header's names. A row with more cells than the header is an error naming its
+    line: a tab inside a TSV's text shifted its cells, and the row would have trained with a piece of its text as
+    its label. A row with fewer cells gets None for the missing ones (an empty cell, named where it is used)."""
+    if csv_file:
+        reader = csv.reader(io.StringIO(text, newline=""))
+        numbered = ((reader.line_num, cells) for cells in reader)
+    else:  # a TSV cell is whatever lies between tabs (a lone CR or a quote mark is text)
+        numbered = ((n, line.split("\t")) for n, line in enumerate(text_lines(text), 1))
+    header, rows = None, []
+    for n, cells in numbered:
+        if not cells or (len(cells) == 1 and not cells[0].strip()):
+            continue
+        if header is None:
+            header = cells
+            continue
+        if len(cells) > len(header):
+            raise ValueError(f"{source}:{n} has {len(cells)} {'comma' if csv_file else 'tab'}-separated "
+                             f"cells where the header has {len(header)} ({', '.join(header)}): "
+                             + ("quote a cell that holds a comma" if csv_file else
+                                "a tab inside a text? write the file as .jsonl or .csv"))
+        rows.append(dict(zip(header, cells + [None] * (len(header) - len(cells)))))
+    return rows
 
 
 def conllu_rows(text: str, source: str = "the CoNLL-U text") -> List[dict]:
@@ -94,7 +126,8 @@ def conllu_rows(text: str, source: str = "the CoNLL-U text") -> List[dict]:
         words.clear()
         comments.clear()
 
-    for n, line in enumerate(text.splitlines(), 1):
+    for n, line in enumerate(text.split("\n"), 1):
+        line = line.rstrip("\r")
         if not line.strip():
             end_sentence()
         elif line.startswith("#"):
@@ -175,7 +208,7 @@ def text_rows(data, column: str) -> List[dict]:
             return [{column: x} for x in data if x.strip()]
         return read_rows(list(data), [column])
     if isinstance(data, str) and os.path.isfile(data) and data.endswith((".txt", ".txt.gz")):
-        lines = [line.strip() for line in read_utf8_text(data).splitlines() if line.strip()]
+        lines = [line.strip() for line in text_lines(read_utf8_text(data)) if line.strip()]
         if lines and column in lines[0].lstrip("\ufeff").split("\t"):
             return read_rows(data, [column])
         return [{column: line} for line in lines]
