@@ -634,8 +634,10 @@ def test_finetune_config_file_overrides_and_a_registered_task(base, tmp_path, ca
                                       "learning_rate": "1e-3", "progress": False}), encoding="utf-8")
     loaded = FinetuneConfig.load(str(config), ["max_steps=3", "pooling=mean"])
     assert (loaded.max_steps, loaded.epochs, loaded.learning_rate, loaded.pooling) == (3, 2.0, 1e-3, "mean")
-    with pytest.raises(ValueError, match="Unknown config key `max_step`"):
+    with pytest.raises(ValueError, match=r"Unknown config key `max_step` \(did you mean `max_steps`\?\)"):
         FinetuneConfig.load(str(config), ["max_step=3"])
+    with pytest.raises(ValueError, match=r"Unknown config key `out` \(did you mean `out_dir`\?\)"):
+        FinetuneConfig.load(str(config), ["out=elsewhere"])
     with pytest.raises(ValueError, match="`train` is required"):
         kbert.train.finetune.run(FinetuneConfig(model=base, task="classification"))
     assert main(["finetune", "--config", str(config), "--max-steps", "4", "--set", "eval_every=2"]) == 0

@@ -316,7 +316,7 @@ def test_mirrored_two_cpus_matches_one_device(tok_dir, tmp_path):
 
 
 def test_bad_configs_name_the_key(tok_dir, tmp_path):
-    with pytest.raises(ValueError, match="Unknown config key `trainer.stepz`"):
+    with pytest.raises(ValueError, match=r"Unknown config key `trainer.stepz` \(did you mean `trainer.steps`\?\)"):
         PretrainConfig.from_dict({"trainer": {"stepz": 3}})
     with pytest.raises(ValueError, match="Unknown config key `optimiser`"):
         PretrainConfig.from_dict({"optimiser": {}})

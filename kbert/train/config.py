@@ -213,7 +213,12 @@ def build_dataclass(cls, values: dict, prefix: str = ""):
             values = {(new if k == old else k): v for k, v in values.items()}
     unknown = sorted(set(values) - set(fields))
     if unknown:
-        raise ValueError(f"Unknown config key `{prefix}{unknown[0]}`; valid keys under "
+        import difflib
+
+        # a flag's name as a key (`out` for --out's `out_dir`) or a typo: name the key meant first
+        close = difflib.get_close_matches(unknown[0], list(fields), n=1, cutoff=0.6)
+        hint = f" (did you mean `{prefix}{close[0]}`?)" if close else ""
+        raise ValueError(f"Unknown config key `{prefix}{unknown[0]}`{hint}; valid keys under "
                          f"`{prefix.rstrip('.') or 'the top level'}`: {sorted(fields)}")
     kwargs = {}
     for name, value in values.items():
