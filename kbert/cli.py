@@ -177,12 +177,13 @@ def _convert(args):
 def _tokenizer_train(args):
     from kbert.text.tokenizer import Tokenizer
 
-    options = _corpus_options(args)
-    if not options and all(os.path.isfile(source) for source in args.input):
-        inputs = args.input  # plain files: every line is a training line, as Tokenizer.train reads them
-    else:  # folders, globs, corpus names (kolaw, movie-reviews, ...) or a --format: kbert's corpus reader
-        from kbert.data.corpus import Corpus
+    from kbert.data.corpus import Corpus, file_format
 
+    options = _corpus_options(args)
+    if not options and all(os.path.isfile(s) and file_format(s) == "text" for s in args.input):
+        inputs = args.input  # plain files: every line is a training line, as Tokenizer.train reads them
+    else:  # JSONL/TSV/CSV/XML files (their text, as `kbert data prepare` reads it, not their raw lines),
+        # folders, globs, corpus names (kolaw, movie-reviews, ...) or a --format: kbert's corpus reader
         inputs = Corpus(args.input, **options)
     tok = Tokenizer.train(inputs, vocab_size=args.vocab_size, algorithm=args.algorithm,
                           morphemes=args.morphemes, repeat=args.repeat, lowercase=args.lowercase,
@@ -946,8 +947,8 @@ def build_parser() -> argparse.ArgumentParser:
     tsub = tp.add_subparsers(dest="tokenizer_command", metavar="ACTION", parser_class=_Parser, required=True)
     p = tsub.add_parser("train", help="learn a vocabulary from text files or a corpus")
     p.add_argument("--input", nargs="+", required=True,
-                   help="text files (.txt, .gz, .bz2; each line a training line), or folders, globs and corpus "
-                        "names (`kbert corpus list`) read as `kbert data prepare` reads them")
+                   help="text files (.txt, .gz, .bz2; each line a training line), or JSONL/TSV/CSV files, folders, "
+                        "globs and corpus names (`kbert corpus list`) read as `kbert data prepare` reads them")
     p.add_argument("--vocab-size", type=int, required=True)
     p.add_argument("--algorithm", choices=("unigram", "bpe", "wordpiece"), default="unigram")
     p.add_argument("--morphemes", choices=("mecab", "kiwi", "okt", "komoran", "hannanum", "kkma", "konlpy-mecab"),

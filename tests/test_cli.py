@@ -106,6 +106,29 @@ def test_tokenizer_train_reads_corpus_names_and_folders_and_names_a_missing_inpu
     assert "Traceback" not in proc.stderr and not (tmp_path / "m").exists()
 
 
+def test_tokenizer_train_reads_a_jsonl_files_text_field_not_its_raw_lines(tmp_path):
+    """`--input docs.jsonl.gz` trained the vocabulary on the raw JSON lines: pieces such as `{`, `"}` and `\\`
+    (escaped line breaks), and the id field's text, none of which `kbert data prepare` (the text field) feeds the
+    model. Now it reads the file as the corpus reader does; `Tokenizer.train` given such a path says how."""
+    import gzip
+    import json
+
+    import kbert
+
+    from test_text import TRAIN_FILES
+
+    docs = [{"id": f"doc-{i}", "text": open(f, encoding="utf-8").read()} for i, f in enumerate(TRAIN_FILES)]
+    path = tmp_path / "docs.jsonl.gz"
+    path.write_bytes(gzip.compress("".join(json.dumps(d, ensure_ascii=False) + "\n" for d in docs).encode()))
+    proc = run("tokenizer", "train", "--input", str(path), "--vocab-size", "1500", "--out", str(tmp_path / "t"))
+    assert proc.returncode == 0, proc.stderr
+    tok = kbert.Tokenizer.load(str(tmp_path / "t"))
+    assert not [p for p in tok.vocab if any(c in p for c in "{}\\") or "doc" in p]
+    assert tok.tokenize("대한민국은 민주공화국이다.")[0].startswith("▁")
+    with pytest.raises(ValueError, match=r"docs.jsonl.gz is a JSON lines file.*kbert.corpus"):
+        kbert.Tokenizer.train([str(path)], vocab_size=1500, progress=False)
+
+
 def test_commands_start_without_tensorflow_log_noise_and_info_lists_the_text_stack():
     proc = run("info")
     assert proc.returncode == 0, proc.stderr

@@ -95,7 +95,9 @@ def _looks_binary(text: str) -> bool:
 
 
 # --------------------------------------------------------------------------- the corpus
-def _detect_format(path: str) -> str:
+def file_format(path: str) -> str:
+    """The corpus format a file's name implies (`FORMATS`; .gz / .bz2 looked through): "wiki" for .xml,
+    "jsonl", "tsv", "csv", else "text"."""
     name = path.lower()
     for suffix in (".gz", ".bz2"):
         if name.endswith(suffix):
@@ -221,7 +223,7 @@ class Corpus:
 
     # ------------------------------------------------------------- stage 1: read
     def _read_file(self, path: str, options: dict, report: CorpusReport) -> Iterator[List[str]]:
-        fmt = options.get("format") or self.format or _detect_format(path)
+        fmt = options.get("format") or self.format or file_format(path)
         try:
             if fmt == "wiki":
                 yield from wiki_dump_articles(path)

@@ -110,6 +110,23 @@ def _file_lines(path: str):
         warnings.warn(message + "; those lines were left out", stacklevel=4)
 
 
+# Files whose raw lines are markup, not text: a vocabulary learnt on them spends pieces on `{"text": "`, `\\n`
+# escapes, tags and id/label columns that no training example holds.
+_STRUCTURED = {".jsonl": "JSON lines", ".json": "JSON", ".ndjson": "JSON lines", ".tsv": "TSV", ".csv": "CSV",
+               ".xml": "XML (a wiki dump?)"}
+
+
+def _refuse_structured(path: str) -> None:
+    name = path.lower()
+    for suffix in (".gz", ".bz2"):
+        name = name[: -len(suffix)] if name.endswith(suffix) else name
+    kind = next((k for suffix, k in _STRUCTURED.items() if name.endswith(suffix)), None)
+    if kind:
+        raise ValueError(f"{path} is a {kind} file: training on its raw lines would learn its syntax as text; "
+                         f"pass kbert.corpus({path!r}) (its text field or column, as pretraining reads it), or "
+                         f"a plain-text file of one text per line")
+
+
 def text_lines(inputs):
     """Lines of training text from a path, a list of paths (plain, .gz, .bz2), a kbert `Corpus`, or an
     iterable of strings; files are read as UTF-8 with undecodable lines left out (see `_file_lines`)."""
@@ -123,6 +140,7 @@ def text_lines(inputs):
     single = paths and len(inputs) == 1
     for item in inputs:
         if paths and isinstance(item, (str, os.PathLike)) and os.path.isfile(item):
+            _refuse_structured(os.fspath(item))
             yield from _file_lines(os.fspath(item))
         elif isinstance(item, str):
             if single and not any(c.isspace() for c in item) and ("/" in item or item.endswith(".txt")):
