@@ -892,6 +892,11 @@ def test_a_finished_run_writes_a_model_card_and_the_sentence_transformers_export
     assert f"**{summary['best']:.4f}** at step {summary['best_step']}" in card
     assert f"{summary['baseline']['spearman']:.4f} before training" in card
     assert "fine-tuned from `" + os.path.basename(base) + "`" in card and str(tmp_path) not in card
+    # a pretraining run's model dir is OUT/model: the card names the run, not "model"
+    from kbert.models.card import shown_name
+
+    assert shown_name(str(tmp_path / "run-ko" / "model")) == "`run-ko/model`" and shown_name("klue/bert-base") == \
+        "`klue/bert-base`" and shown_name(str(tmp_path / "run-ko")) == "`run-ko`"
     rows = re.findall(r"^\| (\d+) \| [\d.]+ \| [\d.]+ \|", card, flags=re.M)
     assert [int(r) for r in rows] == [h["step"] for h in summary["history"]] == [1, 2, 3]
     # the sentence-transformers export: its own YAML block, the same training section

@@ -43,7 +43,12 @@ def shown_name(name) -> str:
     """How a card names a model: a Hub id as it is, a path by its last part (a card is for others to read, and
     this machine's paths mean nothing to them)."""
     text = os.fspath(name)
-    return f"`{text if is_hub_name(text) else os.path.basename(text.rstrip('/')) or text}`"
+    if is_hub_name(text):
+        return f"`{text}`"
+    parent, last = os.path.split(os.path.abspath(text))
+    if last == "model" and os.path.basename(parent):  # a pretraining run's OUT/model: "model" names nothing
+        last = f"{os.path.basename(parent)}/model"
+    return f"`{last or text}`"
 
 
 def training_section(directory: str) -> Optional[str]:
