@@ -1434,16 +1434,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# Commands whose input pipeline is tf.data whenever TensorFlow is installed, on every Keras backend
-# (`kbert data prepare` frames its records by hand and never imports TensorFlow).
-_TF_DATA_COMMANDS = ("quickstart", "pretrain")
+# Commands that start TensorFlow whenever it is installed, on every Keras backend: quickstart and pretrain feed
+# tf.data; finetune and distill seed their run with keras.utils.set_random_seed, which seeds TensorFlow too when it
+# can be imported (`kbert data prepare` frames its records by hand; embed, serve, ... never import it on JAX).
+_TF_DATA_COMMANDS = ("quickstart", "pretrain", "finetune", "distill")
 
 
 def _quiet_tensorflow_start(command: str) -> None:
     """Imports TensorFlow and enumerates its devices with file descriptor 2 pointed at /dev/null: its C++
     runtime writes 6-8 start-up lines there (oneDNN, CUDA stubs, `failed call to cuInit` on a CPU machine)
     before any log level applies, so TF_CPP_MIN_LOG_LEVEL cannot hide them. On another Keras backend only for
-    the commands that feed tf.data (TensorFlow would start there anyway, with those lines); skipped when
+    `_TF_DATA_COMMANDS` (TensorFlow would start there anyway, with those lines); skipped when
     TensorFlow is already imported, or when the user asked for TensorFlow's logs (TF_CPP_MIN_LOG_LEVEL=0 or 1)."""
     if (((os.environ.get("KERAS_BACKEND") or "tensorflow") != "tensorflow" and command not in _TF_DATA_COMMANDS)
             or "tensorflow" in sys.modules or os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2") in ("0", "1")):

@@ -138,7 +138,7 @@ def test_commands_start_without_tensorflow_log_noise_and_info_lists_the_text_sta
         assert name in proc.stdout
 
 
-def test_pretraining_on_the_jax_backend_starts_without_tensorflow_log_noise(tmp_path):
+def test_pretraining_and_finetuning_on_the_jax_backend_start_without_tensorflow_log_noise(tmp_path):
     """On JAX the raw-text pipeline is still tf.data when TensorFlow is installed; its C++ start-up lines
     (`failed call to cuInit` on a CPU machine) must not reach the user there either."""
     import json
@@ -160,6 +160,29 @@ def test_pretraining_on_the_jax_backend_starts_without_tensorflow_log_noise(tmp_
     for noise in ("cuInit", "port.cc", "cudart_stub", "absl::InitializeLog"):
         assert noise not in proc.stderr, proc.stderr[-3000:]
     assert os.path.isdir(tmp_path / "run" / "model")
+    # fine-tuning seeds TensorFlow too (keras.utils.set_random_seed) and was as noisy. Its dev pairs here are
+    # KorSTS' with the scores turned around (5 - score), as question-pair marks paraphrases 0: the untrained
+    # model's cosine falls as that label rises, and the run says the labels look inverted
+    from helpers import SHARED
+
+    with open(os.path.join(SHARED, "korsts", "sts-dev.tsv"), encoding="utf-8") as f:
+        head, *lines = [line.rstrip("\n").split("\t") for line in f][:301]
+    rows = [dict(zip(head, cells)) for cells in lines]
+    with open(tmp_path / "pairs.jsonl", "w", encoding="utf-8") as f:
+        for r in rows:
+            f.write(json.dumps({"a": r["sentence1"], "b": r["sentence2"], "far": 5 - float(r["score"])},
+                               ensure_ascii=False) + "\n")
+    proc = subprocess.run([sys.executable, "-m", "kbert.cli", "finetune", "--model", str(tmp_path / "run" / "model"),
+                           "--task", "sentence-embedding", "--train", str(tmp_path / "pairs.jsonl"), "--dev",
+                           str(tmp_path / "pairs.jsonl"), "--text-column", "a", "--pair-column", "b",
+                           "--label-column", "far", "--out", str(tmp_path / "ft"), "--max-steps", "1",
+                           "--batch-size", "8", "--max-length", "32"],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for noise in ("cuInit", "port.cc", "cudart_stub", "absl::InitializeLog"):
+        assert noise not in proc.stderr, proc.stderr[-3000:]
+    assert "the model's cosine falls as the dev label `far` rises" in proc.stderr and "invert the labels" in \
+        proc.stderr, proc.stderr[-3000:]
 
 
 def test_plan_says_when_the_model_does_not_fit():

@@ -397,6 +397,24 @@ def _optimizer(config: FinetuneConfig, total: int, variables):
     return optimizer
 
 
+# How far below zero the untrained model's dev Spearman must be to suggest inverted labels: any backbone's cosine
+# rises with word overlap, which rises with similarity, so a clear negative figure before training means the
+# higher label marks the less similar pair (question-pair's `is_duplicate` marks paraphrases 0), and training
+# would learn the data's convention backwards while the dev figures look like a hard task.
+INVERTED_SPEARMAN = -0.1
+
+
+def _warn_if_labels_look_inverted(baseline: Optional[dict], task_name: str, label_column: Optional[str]) -> None:
+    rho = (baseline or {}).get("spearman")
+    if task_name == "sentence-embedding" and rho is not None and rho < INVERTED_SPEARMAN:
+        import warnings
+
+        warnings.warn(f"before training, the model's cosine falls as the dev label `{label_column}` rises (Spearman "
+                      f"{rho:.2f}): a higher label is read as more similar. If your data marks a matching pair with "
+                      f"the lower value (question-pair's is_duplicate marks paraphrases 0), invert the labels "
+                      f"first", stacklevel=3)
+
+
 def run(config: FinetuneConfig, task=None, before_training=None) -> dict:
     """Fine-tunes as `config` says; returns the summary `kbert.finetune` documents.
 
@@ -571,6 +589,7 @@ def _run(c: FinetuneConfig, task, before_training, distribution) -> dict:
         baseline = evaluate(dev_ex) if dev_ex is not None else None
         if baseline is not None and c.progress:
             print("before training: dev " + " ".join(f"{k} {v:.4f}" for k, v in baseline.items()), flush=True)
+        _warn_if_labels_look_inverted(baseline, task.name, c.label_column)
     else:
         history, best, best_step, bad, losses, step, baseline = (
             saved[k] for k in ("history", "best", "best_step", "bad", "losses", "step", "baseline"))
