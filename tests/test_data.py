@@ -926,6 +926,8 @@ def test_labelled_rows_keep_line_breaks_inside_cells_and_refuse_shifted_cells(tm
     (tmp_path / "tab.tsv").write_text("text\tlabel\n좋은\t영화\t1\n", encoding="utf-8")
     with pytest.raises(ValueError, match=r"tab.tsv:2 has 3 tab-separated cells where the header has 2 \(text, label\)"):
         read_rows(str(tmp_path / "tab.tsv"), ["text"])
+    (tmp_path / "stray.csv").write_text("text,label\n좋은 영화,1,,\n", encoding="utf-8")
+    assert read_rows(str(tmp_path / "stray.csv"), ["text", "label"]) == [{"text": "좋은 영화", "label": "1"}]
     (tmp_path / "comma.csv").write_text('text,label\n"a\nb",1\n좋은, 영화,1\n', encoding="utf-8")
     with pytest.raises(ValueError, match=r"comma.csv:4 has 3 comma-separated cells.*quote a cell"):
         read_rows(str(tmp_path / "comma.csv"), ["text"])

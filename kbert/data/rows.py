@@ -83,7 +83,8 @@ def table_rows(text: str, source: str, csv_file: bool) -> List[dict]:
     """The rows of a CSV (quoted cells may hold commas and line breaks, kept as written) or a TSV (a header row,
     no quoting), as dicts by the header's names. A row with more cells than the header is an error naming its
     line: a tab inside a TSV's text shifted its cells, and the row would have trained with a piece of its text as
-    its label. A row with fewer cells gets None for the missing ones (an empty cell, named where it is used)."""
+    its label (extra cells that are all empty are dropped). A row with fewer cells gets None for the missing ones
+    (an empty cell, named where it is used)."""
     if csv_file:
         reader = csv.reader(io.StringIO(text, newline=""))
         numbered = ((reader.line_num, cells) for cells in reader)
@@ -96,6 +97,8 @@ def table_rows(text: str, source: str, csv_file: bool) -> List[dict]:
         if header is None:
             header = cells
             continue
+        if len(cells) > len(header) and not any(c.strip() for c in cells[len(header):]):
+            cells = cells[:len(header)]  # trailing empty cells (a spreadsheet's stray commas) hold nothing
         if len(cells) > len(header):
             raise ValueError(f"{source}:{n} has {len(cells)} {'comma' if csv_file else 'tab'}-separated "
                              f"cells where the header has {len(header)} ({', '.join(header)}): "
