@@ -983,7 +983,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--corpus", nargs="+", required=True, help="files, folders, globs or corpus names")
     p.add_argument("--tokenizer", required=True, help="tokenizer dir, vocab.txt or .model")
     p.add_argument("--out", required=True, help="records directory (rerun to resume)")
-    p.add_argument("--objective", choices=("mlm", "mlm+nsp", "mlm+sop"), default="mlm+nsp")
+    p.add_argument("--objective", choices=("mlm", "mlm+nsp", "mlm+sop"), default="mlm+nsp",
+                   help="segment pairs for next-sentence prediction (BERT) or sentence-order prediction (ALBERT: "
+                        "mlm+sop); a pretraining run on these records uses their objective")
     p.add_argument("--max-length", "--max-seq-len", dest="max_length", type=int, default=128,
                    help="tokens per sequence with [CLS]/[SEP] (--max-seq-len: its old name)")
     p.add_argument("--short-seq-prob", type=float, default=0.1)

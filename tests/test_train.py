@@ -1123,6 +1123,25 @@ def test_cli_pretrains_from_a_records_dir(tok_dir, tmp_path, capsys):
                                                                      "max_length": 32}), progress=False)
 
 
+def test_albert_pretrains_with_sentence_order_prediction_unless_told_otherwise(tok_dir, tmp_path, capsys):
+    """`--model albert-base` on raw text trained next-sentence prediction (data.objective's default was mlm+nsp for
+    every architecture); ALBERT was published with sentence-order prediction. Unset, the objective is now the
+    architecture's; ALBERT with NSP asked for trains so, with a warning."""
+    albert = dict(TINY, architecture="albert", embedding_size=32, dropout=0.0, attention_dropout=0.0)
+    out = str(tmp_path / "albert")
+    pretrain(_config(tok_dir, out, 2, model=albert), progress=True)
+    assert "pretrain: albert L=2 H=64 A=2" in capsys.readouterr().err
+    with open(os.path.join(out, "config.json"), encoding="utf-8") as f:
+        assert json.load(f)["data"]["objective"] == "mlm+sop"
+    with open(os.path.join(out, "model", "README.md"), encoding="utf-8") as f:
+        assert "sentence-order prediction" in f.read()
+    with pytest.warns(UserWarning, match=r"ALBERT pretrains with sentence-order prediction \(mlm\+sop\)"):
+        pretrain(_config(tok_dir, str(tmp_path / "nsp"), 2, model=albert, data={"objective": "mlm+nsp"}),
+                 progress=False)
+    with open(os.path.join(tmp_path, "nsp", "config.json"), encoding="utf-8") as f:
+        assert json.load(f)["data"]["objective"] == "mlm+nsp"
+
+
 def test_pretrain_prints_what_it_will_do_and_refuses_a_file_as_output(tok_dir, tmp_path, capsys):
     pretrain(_config(tok_dir, str(tmp_path / "run"), 2), progress=True)
     err = capsys.readouterr().err

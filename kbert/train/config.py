@@ -9,7 +9,8 @@ Unknown keys fail with the key named; the resolved config is written next to the
                                     # {preset: albert-base, hidden_size: 256} to change a preset's fields,
                                     # or --set model.hidden_size=256 beside --model albert-base)
     data: {source: [kolaw, kobill], tokenizer: out/tokenizer, objective: mlm+nsp, max_length: 128}
-                                    # objective: mlm | mlm+nsp (BERT) | mlm+sop (ALBERT) | electra
+                                    # objective: mlm | mlm+nsp (BERT) | mlm+sop (ALBERT) | electra;
+                                    # unset: the records' own, else nsp for BERT and sop for ALBERT
     optimizer: {name: adamw, learning_rate: 1e-4, warmup_steps: 100}
     trainer: {steps: 1000, batch_size: 32}
     runtime: {strategy: auto, precision: auto}   # compilation_cache: auto | none | a dir (JAX)
@@ -32,7 +33,9 @@ class DataConfig:
     # documents of 1,000 lines
     format: Optional[str] = None
     tokenizer: Optional[str] = None  # tokenizer dir / vocab.txt / .model
-    objective: str = "mlm+nsp"  # mlm | mlm+nsp | mlm+sop | electra (replaced-token detection, MLM data)
+    # mlm | mlm+nsp | mlm+sop | electra (replaced-token detection, MLM data); None: a records dir's own, else the
+    # architecture's (BERT's next-sentence prediction, ALBERT's sentence-order prediction, as each was published)
+    objective: Optional[str] = None
     max_length: int = 128
     max_predictions: Optional[int] = None
     mask_rate: float = 0.15

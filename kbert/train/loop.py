@@ -174,7 +174,7 @@ def _validate(config: PretrainConfig):
         raise ValueError("`data.source` is missing: a corpus (paths or names), a records dir, or 'dummy'")
     if d.tokenizer is None:
         raise ValueError("`data.tokenizer` is missing: a tokenizer dir (`kbert tokenizer train`), vocab.txt or .model")
-    if d.objective not in OBJECTIVES:
+    if d.objective is not None and d.objective not in OBJECTIVES:
         raise ValueError(f"`data.objective` must be one of {OBJECTIVES}. Received: {d.objective!r}")
     if isinstance(d.mask_rate, bool) or not isinstance(d.mask_rate, (int, float)) or not 0 < d.mask_rate < 1:
         raise ValueError(f"`data.mask_rate` must be in (0, 1). Received: {d.mask_rate!r}")
@@ -225,6 +225,23 @@ def _flat(values, prefix=""):
         else:  # a one-item list is the item (`--corpus DIR` gives a list)
             out[prefix + key] = value[0] if isinstance(value, list) and len(value) == 1 else value
     return out
+
+
+def _resolve_objective(d, architecture: str) -> None:
+    """`data.objective` left unset is the architecture's published one: next-sentence prediction for BERT,
+    sentence-order prediction for ALBERT (Lan et al. found NSP too easy to teach ALBERT coherence). ALBERT on
+    records prepared for NSP (`kbert data prepare`'s default) trains as asked, with a word on what to prepare."""
+    if d.objective is None:
+        d.objective = "mlm+sop" if architecture == "albert" else "mlm+nsp"
+    elif architecture == "albert" and d.objective == "mlm+nsp":
+        import warnings
+
+        from kbert.data.records import records_dir
+
+        warnings.warn("ALBERT pretrains with sentence-order prediction (mlm+sop) as published; this run uses "
+                      "next-sentence prediction" + (" because its records were prepared for it: prepare them with "
+                                                    "`kbert data prepare --objective mlm+sop`"
+                                                    if records_dir(d.source) else ""), stacklevel=3)
 
 
 def check_resumable(saved_path: str, config: PretrainConfig) -> None:
@@ -355,7 +372,7 @@ def pretrain(config: Union[PretrainConfig, dict, str], overrides=None, resume: b
         manifest = read_manifest(records_dir(d.source))
         if d.max_length == DataConfig.max_length:
             d.max_length = manifest["max_length"]
-        if d.objective == DataConfig.objective:  # SOP records built an NSP head, called "mlm+nsp" in the card
+        if d.objective is None:  # unset: the records' pairs decide the head (SOP records built an NSP head once)
             d.objective = manifest["objective"]
 
     # 1. where and in which precision
@@ -366,6 +383,7 @@ def pretrain(config: Union[PretrainConfig, dict, str], overrides=None, resume: b
     if source is not None and not own_vocabulary:  # a tokenizer the user named: the model's ids must mean the same
         _same_vocabulary(tokenizer, source[0])
     model_config = _model_config(config, tokenizer, source)
+    _resolve_objective(d, model_config.architecture)
     plan = None
     if t.batch_size == "auto":
         from kbert.train.memory import plan_for_config
