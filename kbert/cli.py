@@ -421,8 +421,11 @@ def _embed(args):
                          f"--ranges for every chunk (or --format npy: ranges from all the vectors written)")
     # int8/uint8 without --ranges: float vectors first, quantized once all are known (one set of ranges)
     chunk_precision = "float32" if scalar and ranges is None else args.precision
+    from kbert.utils import progress_bar
+
     chunks = []
     lines = _utf8_lines(args.input)
+    bar = progress_bar(desc="embedding", unit=" lines")  # on stderr: the vectors go to stdout or --out
     while True:  # streaming: a chunk of lines at a time
         chunk = list(itertools.islice(lines, args.chunk))
         if not chunk:
@@ -432,6 +435,7 @@ def _embed(args):
                 print(json.dumps({"text": text, "words": [{"word": w, "start": s, "end": e,
                                                            "vector": [round(float(x), 6) for x in v]}
                                                           for w, s, e, v in words]}, ensure_ascii=False))
+            bar.update(len(chunk))
             continue
         vectors = emb.encode(chunk, pooling=args.pooling, progress=False, prompt_name=args.prompt_name,
                              prompt=args.prompt, truncate_dim=args.truncate_dim, precision=chunk_precision,
@@ -442,6 +446,8 @@ def _embed(args):
             for text, v in zip(chunk, vectors):
                 values = [round(float(x), 6) for x in v] if v.dtype.kind == "f" else v.tolist()
                 print(json.dumps({"text": text, "vector": values}, ensure_ascii=False))
+        bar.update(len(chunk))
+    bar.close()
     if args.format == "npy":
         from kbert.embed.quantize import quantization_ranges, quantize_embeddings
 
@@ -453,8 +459,13 @@ def _embed(args):
             np.save(ranges_path, ranges)
             print(f"wrote the {args.precision} ranges to {ranges_path} (pass them as --ranges for queries and "
                   f"later texts)", file=sys.stderr)
-        np.save(args.out, out)
-        print(f"wrote {len(out)} vectors to {args.out}", file=sys.stderr)
+        # whole or not at all: a stopped save must not leave a truncated file that np.load fails on later
+        # (named as np.save names it: .npy added when missing)
+        path = args.out if args.out.endswith(".npy") else args.out + ".npy"
+        with open(path + ".tmp", "wb") as f:
+            np.save(f, out)
+        os.replace(path + ".tmp", path)
+        print(f"wrote {len(out)} vectors to {path}", file=sys.stderr)
 
 
 def _finetune(args):

@@ -1,6 +1,7 @@
 """kbert.Embedder: pooling, order, batching, edge cases, word vectors, similarity and search."""
 
 import json
+import os
 import warnings
 
 import keras
@@ -274,6 +275,12 @@ def test_embed_command(emb, tmp_path, capsys):
     assert main(["embed", "--model", model_dir, "--input", str(src), "--format", "npy",
                  "--out", str(tmp_path / "v.npy")]) == 0
     assert np.load(str(tmp_path / "v.npy")).shape == (2, 32)
+    # a progress bar of lines on stderr; the file is written whole (no .tmp left), named as np.save names it
+    assert "embedding: 2 lines" in capsys.readouterr().err and not os.path.exists(tmp_path / "v.npy.tmp")
+    assert main(["embed", "--model", model_dir, "--input", str(src), "--format", "npy",
+                 "--out", str(tmp_path / "w")]) == 0
+    assert np.load(str(tmp_path / "w.npy")).shape == (2, 32) and "to " + str(tmp_path / "w.npy") in \
+        capsys.readouterr().err
     assert main(["embed", "--model", model_dir, "--input", str(src), "--words"]) == 0
     words = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
     assert [w["word"] for w in words[-1]["words"]] == ["학교에서", "공부했다"]
@@ -313,7 +320,6 @@ def test_quickstart_runs_end_to_end(tmp_path, capsys):
 def test_quickstart_on_a_text_per_line_reads_lines_and_joins_the_short_ones(tmp_path, capsys):
     """`kbert quickstart --corpus reviews.txt --format lines`: each review a document (before, the command had no
     way to say so and read 1,000-line documents), and documents this short joined into full sequences."""
-    import os
     import re
 
     from kbert.cli import main
@@ -353,7 +359,6 @@ def test_wordpiece_tokenizer_exports_to_transformers(tmp_path):
 def _review_texts(n):
     import csv
     import gzip
-    import os
 
     from helpers import SHARED
 
@@ -499,7 +504,6 @@ def test_hub_names_load_through_huggingface_hub_and_its_cache(tmp_path):
     own snapshot_download. Nothing can be downloaded here: the test lays out a hub cache holding a tiny model
     and runs offline (HF_HUB_OFFLINE=1), which is also how users run against their cache."""
     import json
-    import os
     import subprocess
     import sys
 
@@ -526,7 +530,6 @@ def test_hub_names_load_through_huggingface_hub_and_its_cache(tmp_path):
 def test_hub_fetches_torch_weights_only_for_a_repo_without_safetensors(tmp_path, monkeypatch):
     """A repo holding model.safetensors and pytorch_model.bin gets the safetensors only (each form can be
     hundreds of MB); a repo with only the .bin (KcBERT-era uploads) gets it, shards included."""
-    import os
 
     import huggingface_hub
 
@@ -639,7 +642,6 @@ def test_weak_pairs_match_numbered_issues_to_holdings_and_statute_titles_to_thei
     import gzip
     import importlib.util
     import json
-    import os
 
     path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "quality.py")
     spec = importlib.util.spec_from_file_location("quality_benchmark", path)
@@ -671,7 +673,6 @@ def test_quality_ensemble_averages_cosines_and_plans_its_members():
     steps."""
     import argparse
     import importlib.util
-    import os
 
     import numpy as np
 
@@ -743,7 +744,6 @@ def test_sentence_transformers_dirs_kbert_cannot_match_are_refused_by_name(emb, 
     than the dir's own model: refused,
     not read with a default pooling. `kbert convert --to sentence-transformers` writes the dir from the CLI."""
     import json
-    import os
     import subprocess
     import sys
 
@@ -809,7 +809,6 @@ def test_a_sentence_transformers_dir_with_a_dense_layer_gives_its_vectors_everyw
     written by sentence-transformers: `Embedder.load` applies the layers (its vectors equal the dir's own),
     `export_sentence_transformers` writes them back, the SavedModel export carries them (its self-check
     compares it with `encode`), and fine-tuning refuses the dir by name."""
-    import os
 
     import torch
     import transformers
@@ -884,7 +883,6 @@ def test_a_hugging_face_wordpiece_tokenizer_json_alone_loads(tmp_path, lowercase
     """transformers >= 5 saves BERT-style tokenizers as tokenizer.json only (no vocab.txt): kbert reads its
     WordPiece vocabulary and lowercasing and gives the same ids; a tokenizer.json of another model is named."""
     import json
-    import os
 
     import transformers
 
@@ -1072,7 +1070,6 @@ def test_an_xlm_roberta_tokenizer_gives_the_checkpoints_ids_from_its_model_or_it
     """XLM-RoBERTa's SentencePiece model numbered as fairseq's dictionary (<s> 0, <pad> 1, </s> 2, <unk> 3, the
     pieces one place later, <mask> last): kbert's ids equal transformers' on Korean and odd text, from the
     `.model` and from a tokenizer.json alone, in Python and in the graph."""
-    import os
     import shutil
 
     import tensorflow as tf
@@ -1112,7 +1109,6 @@ def test_an_xlm_roberta_tokenizer_gives_the_checkpoints_ids_from_its_model_or_it
 
 
 def test_hugging_face_sentencepiece_files_kbert_cannot_reproduce_are_refused_by_name(tmp_path):
-    import os
 
     import transformers
 
