@@ -530,7 +530,6 @@ def test_hub_names_load_through_huggingface_hub_and_its_cache(tmp_path):
 def test_hub_fetches_torch_weights_only_for_a_repo_without_safetensors(tmp_path, monkeypatch):
     """A repo holding model.safetensors and pytorch_model.bin gets the safetensors only (each form can be
     hundreds of MB); a repo with only the .bin (KcBERT-era uploads) gets it, shards included."""
-
     import huggingface_hub
 
     from kbert.models.locate import resolve_hub_name
@@ -809,7 +808,6 @@ def test_a_sentence_transformers_dir_with_a_dense_layer_gives_its_vectors_everyw
     written by sentence-transformers: `Embedder.load` applies the layers (its vectors equal the dir's own),
     `export_sentence_transformers` writes them back, the SavedModel export carries them (its self-check
     compares it with `encode`), and fine-tuning refuses the dir by name."""
-
     import torch
     import transformers
     from sentence_transformers import SentenceTransformer
@@ -1109,7 +1107,6 @@ def test_an_xlm_roberta_tokenizer_gives_the_checkpoints_ids_from_its_model_or_it
 
 
 def test_hugging_face_sentencepiece_files_kbert_cannot_reproduce_are_refused_by_name(tmp_path):
-
     import transformers
 
     from kbert.text.hf_sentencepiece import fairseq_layout, unigram_from_json
