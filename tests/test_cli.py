@@ -176,13 +176,17 @@ def test_pretraining_and_finetuning_on_the_jax_backend_start_without_tensorflow_
                            "--task", "sentence-embedding", "--train", str(tmp_path / "pairs.jsonl"), "--dev",
                            str(tmp_path / "pairs.jsonl"), "--text-column", "a", "--pair-column", "b",
                            "--label-column", "far", "--out", str(tmp_path / "ft"), "--max-steps", "1",
-                           "--batch-size", "8", "--max-length", "32"],
-                          capture_output=True, text=True, timeout=300, env=env)
+                           "--batch-size", "9", "--max-length", "32"],
+                          capture_output=True, text=True, timeout=300,
+                          env=dict(env, XLA_FLAGS="--xla_force_host_platform_device_count=2"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     for noise in ("cuInit", "port.cc", "cudart_stub", "absl::InitializeLog"):
         assert noise not in proc.stderr, proc.stderr[-3000:]
     assert "the model's cosine falls as the dev label `far` rises" in proc.stderr and "invert the labels" in \
         proc.stderr, proc.stderr[-3000:]
+    # on two devices a batch of 9 cannot be split: every batch ran whole on each device, and nothing said so
+    assert "training sentence-embedding: 1 steps, batch 9 on jax" in proc.stdout, proc.stdout[-2000:]
+    assert "batch_size 9 does not divide among the 2 devices" in proc.stderr and "8 or 10" in proc.stderr
 
 
 def test_plan_says_when_the_model_does_not_fit():

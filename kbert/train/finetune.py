@@ -415,6 +415,22 @@ def _warn_if_labels_look_inverted(baseline: Optional[dict], task_name: str, labe
                       f"first", stacklevel=3)
 
 
+def _say_devices(c: FinetuneConfig, distribution, total: int) -> None:
+    """Where the run trains, as pretraining says it; a batch that does not divide among several devices is
+    warned about: `place` then puts every batch whole on each device, so they all repeat one device's work."""
+    devices = int(distribution.device_mesh.devices.size) if distribution is not None else 1
+    if devices > 1 and c.batch_size % devices:
+        import warnings
+
+        lower = c.batch_size - c.batch_size % devices
+        warnings.warn(f"batch_size {c.batch_size} does not divide among the {devices} devices, so every batch runs "
+                      f"whole on each of them (no speed-up); use a multiple of {devices}: "
+                      f"{lower or devices} or {lower + devices}", stacklevel=4)
+    if c.progress:
+        split = f" = {devices} devices x {c.batch_size // devices}" if devices > 1 and not c.batch_size % devices else ""
+        print(f"training {c.task}: {total} steps, batch {c.batch_size}{split} on {backend()}", flush=True)
+
+
 def run(config: FinetuneConfig, task=None, before_training=None) -> dict:
     """Fine-tunes as `config` says; returns the summary `kbert.finetune` documents.
 
@@ -549,6 +565,7 @@ def _run(c: FinetuneConfig, task, before_training, distribution) -> dict:
                                    variables, optimizer, read=task.other_variables())
     if distribution is not None:  # a teacher built before this scope: its weights onto every device too
         replicate(distribution, task.other_variables())
+    _say_devices(c, distribution, total)
 
     def finetune_inference(feats):  # named: kbert.compiled quiets TensorFlow's retracing alarm for this name
         return network(feats, training=False)
