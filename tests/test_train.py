@@ -1123,23 +1123,30 @@ def test_cli_pretrains_from_a_records_dir(tok_dir, tmp_path, capsys):
                                                                      "max_length": 32}), progress=False)
 
 
-def test_albert_pretrains_with_sentence_order_prediction_unless_told_otherwise(tok_dir, tmp_path, capsys):
-    """`--model albert-base` on raw text trained next-sentence prediction (data.objective's default was mlm+nsp for
-    every architecture); ALBERT was published with sentence-order prediction. Unset, the objective is now the
-    architecture's; ALBERT with NSP asked for trains so, with a warning."""
+def test_albert_pretrains_with_sentence_order_prediction_and_ngram_masks_unless_told_otherwise(tok_dir, tmp_path, capsys):
+    """`--model albert-base` on raw text trained next-sentence prediction with single-word masks (data.objective's
+    and data.ngram's defaults were BERT's for every architecture); ALBERT was published with sentence-order
+    prediction and n-gram masks of up to 3 words. Unset, both are now the architecture's; ALBERT with NSP asked
+    for trains so, with a warning."""
     albert = dict(TINY, architecture="albert", embedding_size=32, dropout=0.0, attention_dropout=0.0)
     out = str(tmp_path / "albert")
     pretrain(_config(tok_dir, out, 2, model=albert), progress=True)
     assert "pretrain: albert L=2 H=64 A=2" in capsys.readouterr().err
     with open(os.path.join(out, "config.json"), encoding="utf-8") as f:
-        assert json.load(f)["data"]["objective"] == "mlm+sop"
+        assert {k: v for k, v in json.load(f)["data"].items() if k in ("objective", "ngram")} == \
+            {"objective": "mlm+sop", "ngram": 3}  # google-research/albert's n-gram masks, too
     with open(os.path.join(out, "model", "README.md"), encoding="utf-8") as f:
-        assert "sentence-order prediction" in f.read()
+        card = f.read()
+    assert "sentence-order prediction" in card and "spans up to 3 words" in card
     with pytest.warns(UserWarning, match=r"ALBERT pretrains with sentence-order prediction \(mlm\+sop\)"):
         pretrain(_config(tok_dir, str(tmp_path / "nsp"), 2, model=albert, data={"objective": "mlm+nsp"}),
                  progress=False)
     with open(os.path.join(tmp_path, "nsp", "config.json"), encoding="utf-8") as f:
         assert json.load(f)["data"]["objective"] == "mlm+nsp"
+    pretrain(_config(tok_dir, str(tmp_path / "bert"), 1), progress=False)  # BERT: as published, one word a mask
+    with open(os.path.join(tmp_path, "bert", "config.json"), encoding="utf-8") as f:
+        assert {k: v for k, v in json.load(f)["data"].items() if k in ("objective", "ngram")} == \
+            {"objective": "mlm+nsp", "ngram": 1}
 
 
 def test_pretrain_prints_what_it_will_do_and_refuses_a_file_as_output(tok_dir, tmp_path, capsys):

@@ -40,7 +40,7 @@ class DataConfig:
     max_predictions: Optional[int] = None
     mask_rate: float = 0.15
     whole_word: bool = True
-    ngram: int = 1
+    ngram: Optional[int] = None  # mask runs of 1..n whole words; None: the architecture's (BERT 1, ALBERT 3)
     short_seq_prob: float = 0.1
     shuffle_buffer: int = 10_000
     workers: Optional[int] = None

@@ -227,10 +227,14 @@ def _flat(values, prefix=""):
     return out
 
 
-def _resolve_objective(d, architecture: str) -> None:
-    """`data.objective` left unset is the architecture's published one: next-sentence prediction for BERT,
-    sentence-order prediction for ALBERT (Lan et al. found NSP too easy to teach ALBERT coherence). ALBERT on
-    records prepared for NSP (`kbert data prepare`'s default) trains as asked, with a word on what to prepare."""
+def _architecture_defaults(d, architecture: str) -> None:
+    """`data.objective` and `data.ngram` left unset are the architecture's published ones: next-sentence
+    prediction and single masked words for BERT; sentence-order prediction (Lan et al. found NSP too easy to teach
+    ALBERT coherence) and n-gram masks of up to 3 words for ALBERT, as google-research/albert prepares its data.
+    ALBERT on records prepared for NSP (`kbert data prepare`'s default) trains as asked, with a word on what to
+    prepare."""
+    if d.ngram is None:
+        d.ngram = 3 if architecture == "albert" else 1
     if d.objective is None:
         d.objective = "mlm+sop" if architecture == "albert" else "mlm+nsp"
     elif architecture == "albert" and d.objective == "mlm+nsp":
@@ -383,7 +387,7 @@ def pretrain(config: Union[PretrainConfig, dict, str], overrides=None, resume: b
     if source is not None and not own_vocabulary:  # a tokenizer the user named: the model's ids must mean the same
         _same_vocabulary(tokenizer, source[0])
     model_config = _model_config(config, tokenizer, source)
-    _resolve_objective(d, model_config.architecture)
+    _architecture_defaults(d, model_config.architecture)
     plan = None
     if t.batch_size == "auto":
         from kbert.train.memory import plan_for_config
