@@ -78,6 +78,30 @@ def test_formats_compression_and_report(tmp_path):
     assert list(corpus(excel)) == list(corpus(excel, column="text")) == [["좋다"]]
     assert c.report.files == 3 and c.report.sentences > 0 and c.report.characters > 0
 
+
+def test_json_corpora_read_one_array_and_count_lines_that_are_not_json(tmp_path):
+    """A .json file holding one array (a dataset's export) read as nothing: each line failed to parse and was
+    counted as "binary", so the corpus was empty; on one line it said "no field 'text' (fields: list)". A cut-off
+    last line of a JSON-lines dump also counted as binary. Now the array is read, and lines that are not JSON are
+    counted as such, or, when most are, the file is an error naming the first."""
+    rows = [{"text": "대한민국은 민주공화국이다."}, {"text": "상고를 기각한다."}]
+    pretty = _write(str(tmp_path / "pretty.json"), json.dumps(rows, ensure_ascii=False, indent=2))
+    one_line = _write(str(tmp_path / "one.json.gz"), json.dumps(rows, ensure_ascii=False))
+    strings = _write(str(tmp_path / "strings.json"), json.dumps([r["text"] for r in rows], ensure_ascii=False))
+    for path in (pretty, one_line, strings):
+        assert list(corpus(path)) == [["대한민국은 민주공화국이다."], ["상고를 기각한다."]], path
+    cut = _write(str(tmp_path / "dump.jsonl"), "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+                 + '{"text": "잘린 줄')
+    c = corpus(cut)
+    assert len(list(c)) == 2 and c.report.malformed_dropped == 1 and c.report.binary_dropped == 0
+    assert "1 not JSON" in str(c.report)
+    logs = _write(str(tmp_path / "log.jsonl"), "INFO start\nINFO more\n" + json.dumps(rows[0], ensure_ascii=False))
+    with pytest.raises(ValueError, match=r"log.jsonl: 2 of 3 lines are not JSON \(first: line 1\)"):
+        list(corpus(logs))
+    with pytest.raises(ValueError, match=r"pretty.json: item 1: no field 'body'"):
+        list(corpus(pretty, text_field="body"))
+
+
 def test_a_text_per_line_reads_as_lines_and_a_run_on_text_file_is_cut_with_a_hint(tmp_path, monkeypatch):
     """A review dump without blank lines was one document: whole in memory, one worker's block, NSP/SOP pairs
     across unrelated reviews, no duplicate review dropped. `format="lines"` makes each line a document, and a

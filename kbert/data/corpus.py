@@ -62,6 +62,7 @@ class CorpusReport:
     binary_dropped: int = 0
     short_dropped: int = 0
     long_dropped: int = 0
+    malformed_dropped: int = 0  # JSON-lines lines that are not JSON (a cut-off last line, a stray log line)
     files_skipped: List[str] = dataclasses.field(default_factory=list)
 
     def add(self, other: "CorpusReport"):
@@ -77,7 +78,8 @@ class CorpusReport:
         return (f"{self.documents:,} documents, {self.sentences:,} sentences, {self.characters:,} characters "
                 f"from {self.files:,} files; dropped {self.duplicates_dropped:,} duplicates, "
                 f"{self.empty_dropped:,} empty, {self.binary_dropped:,} binary, {self.short_dropped:,} too short, "
-                f"{self.long_dropped:,} too long{skipped}")
+                f"{self.long_dropped:,} too long"
+                + (f", {self.malformed_dropped:,} not JSON" if self.malformed_dropped else "") + skipped)
 
     def to_dict(self):
         return dataclasses.asdict(self)
@@ -277,21 +279,49 @@ class Corpus:
 
     @staticmethod
     def _read_jsonl(path: str, field: str, report: CorpusReport) -> Iterator[List[str]]:
+        """JSON lines (an object a line, its `field` a document), or a .json file holding one array of such objects
+        (or of strings), as datasets are often exported; that file is read whole. A line that is not JSON is
+        counted and left out; when most are, the file is not JSON lines, and that is an error naming the first."""
+        name = path.lower()
+        name = name[:-len(".gz")] if name.endswith(".gz") else name[:-len(".bz2")] if name.endswith(".bz2") else name
+        with open_text(path) as f:
+            head = f.read(1 << 12).lstrip()
+        if name.endswith(".json") and head.startswith("["):
+            with open_text(path) as f:
+                try:
+                    items = json.load(f)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path} is not valid JSON: {e}") from None
+            for n, obj in enumerate(items, 1):
+                text = obj if isinstance(obj, str) else Corpus._json_text(obj, field, f"{path}: item {n}")
+                yield [p for p in str(text).split("\n") if p.strip()]
+            return
+        bad = total = 0
+        first = None
         with open_text(path) as f:
             for n, line in enumerate(f, 1):
                 line = line.strip()
                 if not line:
                     continue
+                total += 1
                 try:
                     obj = json.loads(line)
                 except json.JSONDecodeError:
-                    report.binary_dropped += 1
+                    bad, first = bad + 1, first or n
+                    report.malformed_dropped += 1
                     continue
-                text = obj.get(field) if isinstance(obj, dict) else None
-                if text is None:
-                    raise ValueError(f"{path}:{n}: no field {field!r} (fields: {sorted(obj)[:10] if isinstance(obj, dict) else type(obj).__name__}); "
-                                     f"pass text_field=...")
-                yield [p for p in str(text).split("\n") if p.strip()]
+                yield [p for p in str(Corpus._json_text(obj, field, f"{path}:{n}")).split("\n") if p.strip()]
+        if bad * 2 > total:
+            raise ValueError(f"{path}: {bad:,} of {total:,} lines are not JSON (first: line {first}); a JSON-lines "
+                             f"corpus holds one object a line (a .json file may hold one array of them)")
+
+    @staticmethod
+    def _json_text(obj, field: str, where: str):
+        text = obj.get(field) if isinstance(obj, dict) else None
+        if text is None:
+            fields = sorted(obj)[:10] if isinstance(obj, dict) else type(obj).__name__
+            raise ValueError(f"{where}: no field {field!r} (fields: {fields}); pass text_field=...")
+        return text
 
     @staticmethod
     def _read_tsv(path: str, column, group_by, csv_file: bool = False) -> Iterator[List[str]]:
