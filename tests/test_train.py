@@ -1064,7 +1064,7 @@ def test_cli_stop_exits_non_zero_and_the_rerun_says_where_it_resumes(tok_dir, tm
 
 
 @pytest.mark.slow
-def test_resume_with_other_settings_is_refused_by_name(tok_dir, tmp_path):
+def test_resume_with_other_settings_is_refused_by_name(tok_dir, tmp_path, capsys):
     out = str(tmp_path / "run")
     pretrain(_config(tok_dir, out, 3), progress=False)
     saved = open(os.path.join(out, "config.json"), encoding="utf-8").read()
@@ -1077,8 +1077,12 @@ def test_resume_with_other_settings_is_refused_by_name(tok_dir, tmp_path):
         pretrain(_config(tok_dir, out, 6, data={"source": "kolaw"}), progress=False)
     assert open(os.path.join(out, "config.json"), encoding="utf-8").read() == saved  # never overwritten first
     # the allowed changes: more steps, other logging/checkpoint cadence, micro-batching
+    capsys.readouterr()
     summary = pretrain(_config(tok_dir, out, 5, trainer={"log_every": 1, "accumulation": 2}), progress=False)
     assert summary["finished"] and summary["step"] == 5
+    # a run given more steps says its learning-rate schedule is stretched (a decayed rate rises again)
+    assert "trainer.steps 3 -> 5: the learning-rate schedule (warm-up, linear decay) now spans 5 steps" in \
+        capsys.readouterr().err
 
 
 @pytest.mark.slow

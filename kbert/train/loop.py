@@ -259,6 +259,11 @@ def check_resumable(saved_path: str, config: PretrainConfig) -> None:
     current = _flat(json.loads(json.dumps(config.to_dict())))
     differences = [f"{key}: {saved.get(key)!r} -> {current.get(key)!r}" for key in sorted(set(saved) | set(current))
                    if key not in RESUMABLE_CHANGES and saved.get(key) != current.get(key)]
+    steps = saved.get("trainer.steps"), current.get("trainer.steps")
+    if not differences and steps[0] != steps[1] and steps[0] is not None:
+        # the schedule is a function of the step and the total: a longer run re-opens a decayed rate
+        print(f"trainer.steps {steps[0]} -> {steps[1]}: the learning-rate schedule (warm-up, "
+              f"{current.get('optimizer.decay')} decay) now spans {steps[1]} steps", file=sys.stderr, flush=True)
     if differences:
         out = os.path.dirname(saved_path)
         raise ValueError(f"{out!r} holds checkpoints of a run with other settings ({'; '.join(differences)}). "
