@@ -175,9 +175,8 @@ def _convert(args):
 
 
 def _tokenizer_train(args):
-    from kbert.text.tokenizer import Tokenizer
-
     from kbert.data.corpus import Corpus, file_format
+    from kbert.text.tokenizer import Tokenizer
 
     options = _corpus_options(args)
     if not options and all(os.path.isfile(s) and file_format(s) == "text" for s in args.input):
@@ -398,6 +397,7 @@ def _embed(args):
     import numpy as np
 
     from kbert.embed.embedder import Embedder
+    from kbert.utils import progress_bar
 
     emb = Embedder.load(args.model, max_length=args.max_length, strategy=args.strategy)
     if args.format == "npy" and not args.out:
@@ -421,8 +421,6 @@ def _embed(args):
                          f"--ranges for every chunk (or --format npy: ranges from all the vectors written)")
     # int8/uint8 without --ranges: float vectors first, quantized once all are known (one set of ranges)
     chunk_precision = "float32" if scalar and ranges is None else args.precision
-    from kbert.utils import progress_bar
-
     chunks = []
     lines = _utf8_lines(args.input)
     bar = progress_bar(desc="embedding", unit=" lines")  # on stderr: the vectors go to stdout or --out

@@ -427,7 +427,7 @@ def _say_devices(c: FinetuneConfig, distribution, total: int) -> None:
                       f"whole on each of them (no speed-up); use a multiple of {devices}: "
                       f"{lower or devices} or {lower + devices}", stacklevel=4)
     if c.progress:
-        split = f" = {devices} devices x {c.batch_size // devices}" if devices > 1 and not c.batch_size % devices else ""
+        split = "" if devices == 1 or c.batch_size % devices else f" = {devices} devices x {c.batch_size // devices}"
         print(f"training {c.task}: {total} steps, batch {c.batch_size}{split} on {backend()}", flush=True)
 
 
