@@ -169,21 +169,13 @@ def paraphrases(rows):
             if r["is_duplicate"].strip() == "0" and r["question1"].strip() != r["question2"].strip()]
 
 
-def nli_triplets(path):
-    """KorNLI XNLI dev as (premise, entailed hypothesis, contradicting hypothesis): each premise has one
-    hypothesis of each label; the contradiction is the hard negative."""
-    by_premise = {}
-    for r in read_tsv(path):
-        by_premise.setdefault(r["sentence1"], {})[r["gold_label"]] = r["sentence2"]
-    return [{"anchor": p, "positive": h["entailment"], "negative": h["contradiction"]}
-            for p, h in by_premise.items() if "entailment" in h and "contradiction" in h]
-
-
 def embedding_sets(shared, text, simcse_lines, seed, small):
     """Everything the embedding stages train and score on. Train side: KorSTS train less its selection part,
     question-pair train paraphrases less theirs, KorNLI triplets, SimCSE lines (pretraining text plus the
     training-side sentences). Scored: the selection parts (recipe choice), KorSTS dev and question-pair dev."""
     import random
+
+    import kbert
 
     sts_all = read_sts(os.path.join(shared, "korsts", "sts-train.tsv"))
     qp_all = read_tsv(os.path.join(shared, "question-pair", "train.txt"))
@@ -194,7 +186,8 @@ def embedding_sets(shared, text, simcse_lines, seed, small):
         "qp_fit": [r for r in qp_all if not selected(r["question1"])],
         "qp_select": [r for r in qp_all if selected(r["question1"])],
         "qp_dev": read_tsv(os.path.join(shared, "question-pair", "validation.txt")),
-        "nli": nli_triplets(os.path.join(shared, "kornli", "xnli.dev.ko.tsv")),
+        # KorNLI XNLI dev: each premise has one hypothesis of each label; the contradiction is the hard negative
+        "nli": kbert.nli_triplets(os.path.join(shared, "kornli", "xnli.dev.ko.tsv")),
     }
     if small:
         sets = {k: v[:400] for k, v in sets.items()}

@@ -42,6 +42,7 @@ _EXPORTS = {
     "corpus": "kbert.data.corpus",
     "Corpus": "kbert.data.corpus",
     "pretraining_dataset": "kbert.data.pretraining",
+    "nli_triplets": "kbert.data.recipes",
     "pretrain": "kbert.train.loop",
     "read_scalars": "kbert.train.metrics",
     "PretrainConfig": "kbert.train.config",

@@ -102,6 +102,26 @@ def test_json_corpora_read_one_array_and_count_lines_that_are_not_json(tmp_path)
         list(corpus(pretty, text_field="body"))
 
 
+def test_nli_triplets_pair_each_entailment_with_a_contradiction_of_its_premise(tmp_path):
+    """KorNLI as a bi-encoder's NLI rows (the quality benchmark and tutorial 04 each built them by hand): a row
+    per entailed hypothesis, its premise's contradictions taken in turn, premises without both labels left out."""
+    import kbert
+    from helpers import SHARED
+
+    tsv = _write(str(tmp_path / "snli_1.0_train.ko.tsv"), "sentence1\tsentence2\tgold_label\n"
+                 "남자가 달린다.\t사람이 움직인다.\tentailment\n남자가 달린다.\t남자가 잔다.\tcontradiction\n"
+                 "남자가 달린다.\t남자가 뛰고 있다.\tentailment\n남자가 달린다.\t남자가 빠르다.\tneutral\n"
+                 "개가 짖는다.\t개가 소리를 낸다.\tentailment\n")
+    assert kbert.nli_triplets(tsv) == kbert.nli_triplets(str(tmp_path)) == [
+        {"anchor": "남자가 달린다.", "positive": "사람이 움직인다.", "negative": "남자가 잔다."},
+        {"anchor": "남자가 달린다.", "positive": "남자가 뛰고 있다.", "negative": "남자가 잔다."}]
+    assert len(kbert.nli_triplets(tsv, limit=1)) == 1
+    xnli = kbert.nli_triplets(os.path.join(SHARED, "kornli", "xnli.dev.ko.tsv"))
+    assert len(xnli) == 830 and all(r["positive"] != r["negative"] for r in xnli)
+    with pytest.raises(ValueError, match=r"sts.tsv is not a KorNLI TSV: no column 'gold_label'"):
+        kbert.nli_triplets(_write(str(tmp_path / "sts.tsv"), "sentence1\tsentence2\tscore\n가\t나\t5\n"))
+
+
 def test_a_text_per_line_reads_as_lines_and_a_run_on_text_file_is_cut_with_a_hint(tmp_path, monkeypatch):
     """A review dump without blank lines was one document: whole in memory, one worker's block, NSP/SOP pairs
     across unrelated reviews, no duplicate review dropped. `format="lines"` makes each line a document, and a

@@ -3,7 +3,8 @@ are, how `Corpus` reads them, and the one explicit download (`kbert corpus downl
 
 Nothing is downloaded implicitly: a recipe's files come from konlpy's bundled corpora, `path=...`, or
 `$KBERT_DATA/NAME` (default ~/.cache/kbert/corpora/NAME). `movie_review_sentiment` builds the labelled
-sentiment set of the tutorials and benchmarks from the movie-review recipe.
+sentiment set of the tutorials and benchmarks from the movie-review recipe; `nli_triplets` the (anchor, positive,
+hard negative) rows of a bi-encoder's NLI stage from the KorNLI recipe.
 """
 
 from __future__ import annotations
@@ -174,3 +175,42 @@ def movie_review_sentiment(path: Optional[str] = None, split: str = "train", lim
     rows = [{"text": t, "label": label} for label, texts in by_label.items() for t in rng.sample(texts, size)]
     rng.shuffle(rows)
     return rows
+
+
+KORNLI_TRAIN_FILES = ("multinli.train.ko.tsv", "snli_1.0_train.ko.tsv")
+
+
+def nli_triplets(path: Optional[str] = None, limit: Optional[int] = None) -> List[dict]:
+    """KorNLI as the rows of a bi-encoder's NLI stage: `{"anchor": premise, "positive": an entailed hypothesis,
+    "negative": a contradicting one}`, the contradiction a hard negative for in-batch training (the recipe behind
+    sentence-transformers' NLI models and the Korean ones trained like them).
+
+    `path`: a KorNLI TSV (`sentence1`, `sentence2`, `gold_label`, as kakaobrain's files) or a folder holding the
+    training files (multinli, snli), else the recipe's download dir. A premise gives a row per entailed hypothesis,
+    each with one of its contradictions in turn (SNLI writes several of each for one premise); a premise without
+    both labels gives none. Rows keep the files' order; `limit` keeps the first ones."""
+    import csv
+
+    files = find_files("kornli", KORNLI_TRAIN_FILES, path)
+    by_premise = {}  # insertion-ordered: premise -> {label: [hypotheses]}
+    for file in files:
+        with open_text(file) as f:
+            reader = csv.DictReader(f, delimiter="\t", quoting=csv.QUOTE_NONE)
+            missing = {"sentence1", "sentence2", "gold_label"} - set(reader.fieldnames or ())
+            if missing:
+                raise ValueError(f"{file} is not a KorNLI TSV: no column {sorted(missing)[0]!r}; its columns are "
+                                 f"{reader.fieldnames}")
+            for row in reader:
+                premise, hypothesis = (row["sentence1"] or "").strip(), (row["sentence2"] or "").strip()
+                label = (row["gold_label"] or "").strip()
+                if premise and hypothesis:
+                    by_premise.setdefault(premise, {}).setdefault(label, []).append(hypothesis)
+    rows = []
+    for premise, labels in by_premise.items():
+        positives, negatives = labels.get("entailment", []), labels.get("contradiction", [])
+        for i, positive in enumerate(positives if negatives else []):
+            rows.append({"anchor": premise, "positive": positive, "negative": negatives[i % len(negatives)]})
+            if limit is not None and len(rows) >= limit:
+                return rows
+    return rows
+
