@@ -43,7 +43,7 @@ sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.append(os.path.dirname(os.path.abspath(__file__)))
 
 # the same cache, selection rule and readers as the quality benchmark
-from quality import dev_movie, read_sts, restore_dropout, selected, stage  # noqa: E402
+from quality import dev_movie, read_sts, restore_dropout, stage  # noqa: E402
 
 
 def timed(fn, repeats=3):
@@ -102,16 +102,15 @@ def main():
 
     reviews = os.path.join(args.shared, "movie-reviews", "reviews.tsv.gz")
     rows = movie_review_sentiment(reviews, "train", limit=2 * args.train + 4000, seed=args.seed)
-    select = [r for r in rows if selected(r["text"])][:2000]
-    pool = [r for r in rows if not selected(r["text"])]
+    pool, select = kbert.selection_split(rows, "text")
+    select = select[:2000]
     labelled, unlabelled = pool[:args.train], [r["text"] for r in pool[args.train:2 * args.train]]
     if args.unlabelled:
         unlabelled += more_reviews(reviews, {r["text"] for r in rows}, args.unlabelled, args.seed)
     dev = movie_review_sentiment(reviews, "dev", limit=10000, seed=args.seed)
     korsts = os.path.join(args.shared, "korsts")
     sts_all = read_sts(os.path.join(korsts, "sts-train.tsv"))
-    sts_fit = [r for r in sts_all if not selected(r["sentence1"])]
-    sts_select = [r for r in sts_all if selected(r["sentence1"])]
+    sts_fit, sts_select = kbert.selection_split(sts_all, "sentence1")
     sts_dev = read_sts(os.path.join(korsts, "sts-dev.tsv"))
     path = lambda name: os.path.join(args.out, name)  # noqa: E731
     sentiment = dict(epochs=args.sentiment_epochs, batch_size=32, max_length=64, patience=None, seed=args.seed,

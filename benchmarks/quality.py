@@ -149,13 +149,6 @@ def tfidf_sts(train, dev):
 
 
 # ---------------------------------------------------------------- issue 43: sentence embeddings on unseen data
-def selected(key, fraction=0.1):
-    """The fixed selection split: rows whose key hashes under `fraction` (a salt of its own, so it is not the
-    sentiment split's movie rule). Recipes are chosen on this part of the *training* data only; KorSTS dev
-    and question-pair dev are reported, never tuned on."""
-    return hashlib.md5(("selection:" + key).encode("utf-8")).digest()[0] / 256.0 < fraction
-
-
 def read_tsv(path):
     with open(path, encoding="utf-8-sig") as f:
         return [dict(r) for r in csv.DictReader(f, delimiter="\t", quoting=csv.QUOTE_NONE)]
@@ -172,7 +165,8 @@ def paraphrases(rows):
 def embedding_sets(shared, text, simcse_lines, seed, small):
     """Everything the embedding stages train and score on. Train side: KorSTS train less its selection part,
     question-pair train paraphrases less theirs, KorNLI triplets, SimCSE lines (pretraining text plus the
-    training-side sentences). Scored: the selection parts (recipe choice), KorSTS dev and question-pair dev."""
+    training-side sentences). Scored: the selection parts (`kbert.selection_split`: recipes are chosen on this
+    part of the *training* data only), KorSTS dev and question-pair dev (reported, never tuned on)."""
     import random
 
     import kbert
@@ -180,11 +174,9 @@ def embedding_sets(shared, text, simcse_lines, seed, small):
     sts_all = read_sts(os.path.join(shared, "korsts", "sts-train.tsv"))
     qp_all = read_tsv(os.path.join(shared, "question-pair", "train.txt"))
     sets = {
-        "sts_fit": [r for r in sts_all if not selected(r["sentence1"])],
-        "sts_select": [r for r in sts_all if selected(r["sentence1"])],
+        **dict(zip(("sts_fit", "sts_select"), kbert.selection_split(sts_all, "sentence1"))),
         "sts_dev": read_sts(os.path.join(shared, "korsts", "sts-dev.tsv")),
-        "qp_fit": [r for r in qp_all if not selected(r["question1"])],
-        "qp_select": [r for r in qp_all if selected(r["question1"])],
+        **dict(zip(("qp_fit", "qp_select"), kbert.selection_split(qp_all, "question1"))),
         "qp_dev": read_tsv(os.path.join(shared, "question-pair", "validation.txt")),
         # KorNLI XNLI dev: each premise has one hypothesis of each label; the contradiction is the hard negative
         "nli": kbert.nli_triplets(os.path.join(shared, "kornli", "xnli.dev.ko.tsv")),

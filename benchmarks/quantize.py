@@ -62,13 +62,13 @@ def quality(model_dir: str, shared: str) -> list:
     import kbert
     from kbert.embed.quantize import dequantize_embeddings
     from kbert.train.metrics import spearman
-    from quality import read_sts, read_tsv, selected
+    from quality import read_sts, read_tsv
 
     emb = kbert.Embedder.load(model_dir)
     queries, candidates, gold = question_pair_retrieval(shared)
     q_vectors = emb.encode(queries, progress=False)
     c_vectors = emb.encode(candidates, progress=False)
-    train_qp = [r for r in read_tsv(os.path.join(shared, "question-pair", "train.txt")) if not selected(r["question1"])]
+    train_qp = kbert.selection_split(read_tsv(os.path.join(shared, "question-pair", "train.txt")), "question1")[0]
     sts_train = read_sts(os.path.join(shared, "korsts", "sts-train.tsv"))
     calibration = sorted({r[c] for r in train_qp for c in ("question1", "question2")}
                          | {r[c] for r in sts_train for c in ("sentence1", "sentence2")})

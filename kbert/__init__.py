@@ -43,6 +43,7 @@ _EXPORTS = {
     "Corpus": "kbert.data.corpus",
     "pretraining_dataset": "kbert.data.pretraining",
     "nli_triplets": "kbert.data.recipes",
+    "selection_split": "kbert.data.rows",
     "pretrain": "kbert.train.loop",
     "read_scalars": "kbert.train.metrics",
     "PretrainConfig": "kbert.train.config",

@@ -122,6 +122,26 @@ def test_nli_triplets_pair_each_entailment_with_a_contradiction_of_its_premise(t
         kbert.nli_triplets(_write(str(tmp_path / "sts.tsv"), "sentence1\tsentence2\tscore\n가\t나\t5\n"))
 
 
+def test_selection_split_is_a_fixed_hash_cut_that_keeps_a_keys_rows_together():
+    """The part of the training data recipes are chosen on (issue 43's discipline, benchmarks/quality.py's split):
+    about `fraction` of the rows, the same on every call, rows sharing a key on one side."""
+    import hashlib
+
+    import kbert
+
+    rows = [{"s1": f"문장 {i // 2}", "s2": f"짝 {i}"} for i in range(4000)]
+    fit, select = kbert.selection_split(rows, "s1")
+    assert len(fit) + len(select) == 4000 and 0.07 < len(select) / 4000 < 0.13
+    assert {r["s1"] for r in fit}.isdisjoint(r["s1"] for r in select)
+    assert (fit, select) == kbert.selection_split(list(rows), lambda r: r["s1"])  # a column or a function
+    assert select == [r for r in rows if hashlib.md5(("selection:" + r["s1"]).encode()).digest()[0] / 256 < 0.1]
+    assert len(kbert.selection_split(rows, "s1", fraction=0.5)[1]) > 1500
+    with pytest.raises(ValueError, match="row 1 has no 'text' to split on"):
+        kbert.selection_split(rows, "text")
+    with pytest.raises(ValueError, match="`fraction` must be in"):
+        kbert.selection_split(rows, "s1", fraction=1.0)
+
+
 def test_a_text_per_line_reads_as_lines_and_a_run_on_text_file_is_cut_with_a_hint(tmp_path, monkeypatch):
     """A review dump without blank lines was one document: whole in memory, one worker's block, NSP/SOP pairs
     across unrelated reviews, no duplicate review dropped. `format="lines"` makes each line a document, and a

@@ -259,6 +259,30 @@ def write_rows(rows: Sequence[dict], path: str) -> None:
     os.replace(tmp, path)
 
 
+def selection_split(rows: Sequence[dict], key, fraction: float = 0.1) -> Tuple[List[dict], List[dict]]:
+    """`(fit, select)`: the rows split by a hash of `row[key]` (a column name, or a function of the row), with
+    about `fraction` of them in `select`, the part of the *training* data to choose a recipe on (epochs, learning
+    rate, which stage helps), so that the dev or test set stays a figure never tuned on.
+
+    The split is fixed (MD5 of "selection:" + the key, not a random draw): the same on every run, machine and
+    seed, and rows sharing a key (KorSTS pairs with one first sentence, a question with two paraphrases) fall on
+    one side. It is the split behind benchmarks/quality.py's selection figures."""
+    import hashlib
+
+    if not 0 < fraction < 1:
+        raise ValueError(f"`fraction` must be in (0, 1). Received: {fraction!r}")
+    value = key if callable(key) else (lambda row: row[key])
+    fit, select = [], []
+    for i, row in enumerate(rows):
+        try:
+            text = str(value(row))
+        except (KeyError, TypeError):
+            raise ValueError(f"row {i + 1} has no {key!r} to split on") from None
+        digest = hashlib.md5(("selection:" + text).encode("utf-8")).digest()[0]
+        (select if digest / 256.0 < fraction else fit).append(row)
+    return fit, select
+
+
 def text_cell(row: dict, column: str, where: str) -> str:
     value = row.get(column)
     if value is None:
