@@ -227,7 +227,7 @@ def _flat(values, prefix=""):
     return out
 
 
-def _architecture_defaults(d, architecture: str) -> None:
+def _architecture_defaults(d, architecture: str, warn: bool = True) -> None:
     """`data.objective` and `data.ngram` left unset are the architecture's published ones: next-sentence
     prediction and single masked words for BERT; sentence-order prediction (Lan et al. found NSP too easy to teach
     ALBERT coherence) and n-gram masks of up to 3 words for ALBERT, as google-research/albert prepares its data.
@@ -237,7 +237,7 @@ def _architecture_defaults(d, architecture: str) -> None:
         d.ngram = 3 if architecture == "albert" else 1
     if d.objective is None:
         d.objective = "mlm+sop" if architecture == "albert" else "mlm+nsp"
-    elif architecture == "albert" and d.objective == "mlm+nsp":
+    elif warn and architecture == "albert" and d.objective == "mlm+nsp":
         import warnings
 
         from kbert.data.records import records_dir
@@ -304,6 +304,7 @@ def build_model_and_optimizer(config: PretrainConfig, model_config, precision: s
     from kbert.train.optimizers import make_optimizer
 
     t, d, rt = config.trainer, config.data, config.runtime
+    _architecture_defaults(d, model_config.architecture, warn=False)  # unset for a caller other than `pretrain`
     keras.utils.set_random_seed(rt.seed)
     keras.mixed_precision.set_dtype_policy(precision)
     try:
