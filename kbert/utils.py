@@ -39,6 +39,15 @@ def undecodable_hint(raw: bytes) -> str:
     return "convert the file to UTF-8 first (e.g. `iconv -f ENCODING -t utf-8 IN > OUT`)"
 
 
+def uncompressed_name(path: str) -> str:
+    """The file's name in lower case without a .gz / .bz2 suffix (what its format is read from)."""
+    name = path.lower()
+    for suffix in (".gz", ".bz2"):
+        if name.endswith(suffix):
+            name = name[: -len(suffix)]
+    return name
+
+
 def read_utf8_text(path: str) -> str:
     """A whole file's text (.gz / .bz2 too), strictly UTF-8; a byte-order mark, as Excel's "CSV UTF-8" writes,
     is dropped. For files a user prepared (labelled rows, candidate texts), where a CP949 file (what Korean

@@ -43,7 +43,7 @@ from kbert.data.recipes import RECIPES, download, movie_review_sentiment, recipe
 from kbert.data.sentences import SPLITTERS, get_splitter, split_sentences_kiwi, split_sentences_rules  # noqa: F401
 from kbert.data.wiki import strip_wiki_markup, wiki_dump_articles  # noqa: F401
 from kbert.text.normalize import normalize as _normalize
-from kbert.utils import open_text
+from kbert.utils import open_text, uncompressed_name
 
 DEDUPE = ("document", "sentence", None)
 
@@ -100,10 +100,7 @@ def _looks_binary(text: str) -> bool:
 def file_format(path: str) -> str:
     """The corpus format a file's name implies (`FORMATS`; .gz / .bz2 looked through): "wiki" for .xml,
     "jsonl", "tsv", "csv", else "text"."""
-    name = path.lower()
-    for suffix in (".gz", ".bz2"):
-        if name.endswith(suffix):
-            name = name[: -len(suffix)]
+    name = uncompressed_name(path)
     if name.endswith(".xml"):
         return "wiki"
     if name.endswith((".jsonl", ".json", ".ndjson")):
@@ -282,11 +279,9 @@ class Corpus:
         """JSON lines (an object a line, its `field` a document), or a .json file holding one array of such objects
         (or of strings), as datasets are often exported; that file is read whole. A line that is not JSON is
         counted and left out; when most are, the file is not JSON lines, and that is an error naming the first."""
-        name = path.lower()
-        name = name[:-len(".gz")] if name.endswith(".gz") else name[:-len(".bz2")] if name.endswith(".bz2") else name
         with open_text(path) as f:
             head = f.read(1 << 12).lstrip()
-        if name.endswith(".json") and head.startswith("["):
+        if uncompressed_name(path).endswith(".json") and head.startswith("["):
             with open_text(path) as f:
                 try:
                     items = json.load(f)

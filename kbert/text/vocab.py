@@ -117,9 +117,9 @@ _STRUCTURED = {".jsonl": "JSON lines", ".json": "JSON", ".ndjson": "JSON lines",
 
 
 def _refuse_structured(path: str) -> None:
-    name = path.lower()
-    for suffix in (".gz", ".bz2"):
-        name = name[: -len(suffix)] if name.endswith(suffix) else name
+    from kbert.utils import uncompressed_name
+
+    name = uncompressed_name(path)
     kind = next((k for suffix, k in _STRUCTURED.items() if name.endswith(suffix)), None)
     if kind:
         raise ValueError(f"{path} is a {kind} file: training on its raw lines would learn its syntax as text; "
