@@ -489,6 +489,8 @@ def _finetune(args):
         values["layers"] = parse_layers(args.layers)
     if args.matryoshka_dims:
         values["matryoshka_dims"] = [int(x) for x in args.matryoshka_dims.split(",")]
+    if args.columns:
+        values["columns"] = [name.strip() for name in args.columns.split(",")]
     for flag, key, value in (("no_label", "label_column", None), ("no_group_by_length", "group_by_length", False),
                              ("no_resume", "resume", False), ("symmetric", "symmetric", True)):
         if getattr(args, flag):
@@ -1080,6 +1082,8 @@ def build_parser() -> argparse.ArgumentParser:
                                          "context, default context)")
     p.add_argument("--label-column", help="label, score, or space-separated tags (default: label; "
                                           "question-answering: answers)")
+    p.add_argument("--columns", help="a TSV/CSV without a header line: its columns' names in order, e.g. "
+                                     "label,text (its first line is then a row)")
     p.add_argument("--no-label", action="store_true", help="sentence-embedding from (anchor, positive) pairs")
     p.add_argument("--similarity-loss", choices=("cosine", "cosent", "contrastive"),
                    help="sentence-embedding with scores: cosine regression (default) or CoSENT's ranking loss; "

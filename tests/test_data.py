@@ -997,6 +997,35 @@ def test_labelled_rows_keep_line_breaks_inside_cells_and_refuse_shifted_cells(tm
         read_rows(str(tmp_path / "comma.csv"), ["text"])
 
 
+def test_a_headerless_table_reads_by_the_column_names_given(tmp_path):
+    """3i4k ships `label<TAB>text` lines with no header (as google-research/bert's GLUE processors read by
+    position): its first row was taken for the header, so fine-tuning said the file had columns '0' and '만화'.
+    `names` reads every line as a row; without it, the missing-column error says how to name them."""
+    from kbert.data.rows import read_rows, text_rows
+
+    (tmp_path / "i4k.txt").write_text("0\t만화\n2\t밥 먹었어?\n\n5\t빨리 와\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"no column 'text'; its columns are \['0', '만화'\]; if its first line is "
+                                         r"a row, not a header, give the columns' names in order .*--columns"):
+        read_rows(str(tmp_path / "i4k.txt"), ["text", "label"])
+    rows = read_rows(str(tmp_path / "i4k.txt"), ["text", "label"], names=["label", "text"])
+    assert rows == [{"label": "0", "text": "만화"}, {"label": "2", "text": "밥 먹었어?"}, {"label": "5", "text": "빨리 와"}]
+    assert text_rows(str(tmp_path / "i4k.txt"), "text", names=("label", "text"))[0] == {"label": "0", "text": "만화"}
+    (tmp_path / "i4k.csv").write_text('0,"만화, 책"\n1,밥\n', encoding="utf-8")
+    assert read_rows(str(tmp_path / "i4k.csv"), ["text"], names=["label", "text"])[0] == {"label": "0",
+                                                                                          "text": "만화, 책"}
+    with pytest.raises(ValueError, match=r"i4k.txt:1 has 2 tab-separated cells where the column names have 1"):
+        read_rows(str(tmp_path / "i4k.txt"), ["text"], names=["text"])
+    with pytest.raises(ValueError, match="must be distinct"):
+        read_rows(str(tmp_path / "i4k.txt"), ["text"], names=["text", "text"])
+    (tmp_path / "rows.jsonl").write_text('{"text": "a"}\n', encoding="utf-8")
+    with pytest.raises(ValueError, match="rows.jsonl names its own"):
+        read_rows(str(tmp_path / "rows.jsonl"), ["text"], names=["text"])
+    with pytest.raises(ValueError, match="these rows are a list"):
+        read_rows([{"text": "a"}], ["text"], names=["text"])
+    with pytest.raises(ValueError, match=r"its columns are \['text'\]$"):  # JSON names its columns: no hint
+        read_rows(str(tmp_path / "rows.jsonl"), ["label"])
+
+
 @pytest.mark.slow
 def test_the_short_documents_benchmark_runs_and_joining_fills_the_sequences(tmp_path):
     """benchmarks/short_documents.py end to end at toy size (its figures are in benchmarks/README.md): the

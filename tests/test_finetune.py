@@ -210,6 +210,24 @@ def test_classification_head_on_mean_pooled_layers(base, tmp_path):
         kbert.finetune(base, "classification", train, pooling="sum", progress=False)
 
 
+def test_fine_tuning_reads_a_headerless_file_by_the_columns_given(base, tmp_path, capsys):
+    """`columns` (`--columns label,text`) names a header-less TSV's cells for train and dev, as 3i4k ships."""
+    from kbert.cli import main
+
+    rows = movie_review_sentiment(REVIEWS, "train", limit=64)
+    for name in ("train.txt", "dev.txt"):
+        (tmp_path / name).write_text("".join(f"{r['label']}\t{r['text']}\n" for r in rows), encoding="utf-8")
+    summary = kbert.finetune(base, "classification", str(tmp_path / "train.txt"), str(tmp_path / "dev.txt"),
+                             columns=["label", "text"], out_dir=str(tmp_path / "out"), max_steps=1, progress=False)
+    assert summary["labels"] == ["0", "1"] and summary["baseline"]["accuracy"] > 0
+    args = ["finetune", "--model", base, "--task", "classification", "--train", str(tmp_path / "train.txt"),
+            "--out", str(tmp_path / "cli")]
+    assert main(args + ["--columns", "label, text", "--print-config"]) == 0
+    assert "columns:\n- label\n- text\n" in capsys.readouterr().out
+    assert main(args + ["--max-steps", "1"]) == 1
+    assert "if its first line is a row, not a header" in capsys.readouterr().err
+
+
 def test_spearman_and_pearson_against_hand_values():
     assert list(rank(np.array([10.0, 20.0, 20.0, 5.0]))) == [2.0, 3.5, 3.5, 1.0]  # ties share the mean rank
     assert spearman([1, 2, 3, 4], [10, 20, 30, 1000]) == pytest.approx(1.0)

@@ -16,14 +16,23 @@ from typing import List, Optional, Sequence, Tuple
 from kbert.utils import read_utf8_text
 
 
-def read_rows(source, columns: Sequence[str]) -> List[dict]:
+def read_rows(source, columns: Sequence[str], names: Optional[Sequence[str]] = None) -> List[dict]:
     """Rows of a TSV/CSV/JSONL file (or a list of dicts), checked to have every column in `columns` (None
-    entries are skipped). A TSV has a header row and no quoting; a .json file is JSON lines, one array of
+    entries are skipped). A TSV has a header row and no quoting, unless `names` gives its columns' names in
+    order: then its first line is a row too (a header-less file, as 3i4k's `label<TAB>text` and
+    google-research/bert's processors read); a .json file is JSON lines, one array of
     objects, or a SQuAD-format document (KorQuAD's; one row per question, `kbert.data.qa.squad_rows`); a .conllu
     file is a row per sentence (`conllu_rows`: `text` and its words' `upos`, `xpos`, ... tags); a file in
     KLUE-NER's layout (`## id<TAB>sentence` lines, then a character and its tag a line) is a row per sentence
     with its entity spans (`char_tag_rows`)."""
+    if names is not None:
+        names = [str(n) for n in ([names] if isinstance(names, str) else names)]
+        if not names or len(set(names)) < len(names):
+            raise ValueError(f"column names must be distinct and at least one. Received: {names}")
+    headed_table = False  # a TSV/CSV read with its first line as the header
     if isinstance(source, (list, tuple)):
+        if names is not None:
+            raise ValueError("column names are for a TSV/CSV file without a header line; these rows are a list")
         rows = list(source)
         name = "the given rows"
     else:
@@ -35,6 +44,8 @@ def read_rows(source, columns: Sequence[str]) -> List[dict]:
             raise ValueError(f"{source} is an Excel workbook; save it as CSV UTF-8 (Excel: Save As > CSV UTF-8) "
                              f"and pass the .csv")
         text = read_utf8_text(source)
+        if names is not None and base.lower().endswith((".json", ".jsonl", ".conllu")):
+            raise ValueError(f"column names are for a TSV/CSV file without a header line; {source} names its own")
         if base.endswith(".json") and text.lstrip().startswith("["):  # one JSON array of rows
             try:
                 rows = json.loads(text)
@@ -52,10 +63,11 @@ def read_rows(source, columns: Sequence[str]) -> List[dict]:
                         raise ValueError(f"{source}:{n} is not valid JSON: {e}") from None
         elif base.endswith(".conllu"):
             rows = conllu_rows(text, source)
-        elif text.lstrip("\ufeff").startswith("## ") and "\t" in text.partition("\n")[0]:
+        elif names is None and text.lstrip("\ufeff").startswith("## ") and "\t" in text.partition("\n")[0]:
             rows = char_tag_rows(text, source)  # KLUE-NER's layout
         else:
-            rows = table_rows(text, source, csv_file=base.endswith(".csv"))
+            rows = table_rows(text, source, csv_file=base.endswith(".csv"), names=names)
+            headed_table = names is None
     if not rows:
         raise ValueError(f"{name} holds no examples")
     bad = next((i for i, r in enumerate(rows) if not isinstance(r, dict)), None)
@@ -63,7 +75,9 @@ def read_rows(source, columns: Sequence[str]) -> List[dict]:
         raise ValueError(f"{name}: row {bad + 1} is {type(rows[bad]).__name__}, not a mapping of column to value")
     missing = [c for c in columns if c is not None and c not in rows[0]]
     if missing:
-        raise ValueError(f"{name} has no column {missing[0]!r}; its columns are {sorted(rows[0])}")
+        hint = ("; if its first line is a row, not a header, give the columns' names in order (`columns=[...]`, "
+                "`--columns label,text`)") if headed_table else ""
+        raise ValueError(f"{name} has no column {missing[0]!r}; its columns are {sorted(rows[0])}{hint}")
     return rows
 
 
@@ -79,9 +93,10 @@ def text_lines(text: str) -> List[str]:
     return [line[:-1] if line.endswith("\r") else line for line in text.split("\n")]
 
 
-def table_rows(text: str, source: str, csv_file: bool) -> List[dict]:
+def table_rows(text: str, source: str, csv_file: bool, names: Optional[Sequence[str]] = None) -> List[dict]:
     """The rows of a CSV (quoted cells may hold commas and line breaks, kept as written) or a TSV (a header row,
-    no quoting), as dicts by the header's names. A row with more cells than the header is an error naming its
+    no quoting), as dicts by the header's names (or by `names`, in order, when the file has no header
+    line). A row with more cells than the header is an error naming its
     line: a tab inside a TSV's text shifted its cells, and the row would have trained with a piece of its text as
     its label (extra cells that are all empty are dropped). A row with fewer cells gets None for the missing ones
     (an empty cell, named where it is used)."""
@@ -90,7 +105,7 @@ def table_rows(text: str, source: str, csv_file: bool) -> List[dict]:
         numbered = ((reader.line_num, cells) for cells in reader)
     else:  # a TSV cell is whatever lies between tabs (a lone CR or a quote mark is text)
         numbered = ((n, line.split("\t")) for n, line in enumerate(text_lines(text), 1))
-    header, rows = None, []
+    header, rows = (list(names) if names is not None else None), []
     for n, cells in numbered:
         if not cells or (len(cells) == 1 and not cells[0].strip()):
             continue
@@ -101,7 +116,8 @@ def table_rows(text: str, source: str, csv_file: bool) -> List[dict]:
             cells = cells[:len(header)]  # trailing empty cells (a spreadsheet's stray commas) hold nothing
         if len(cells) > len(header):
             raise ValueError(f"{source}:{n} has {len(cells)} {'comma' if csv_file else 'tab'}-separated "
-                             f"cells where the header has {len(header)} ({', '.join(header)}): "
+                             f"cells where the {'header' if names is None else 'column names'} have {len(header)} "
+                             f"({', '.join(header)}): "
                              + ("quote a cell that holds a comma" if csv_file else
                                 "a tab inside a text? write the file as .jsonl or .csv"))
         rows.append(dict(zip(header, cells + [None] * (len(header) - len(cells)))))
@@ -199,13 +215,16 @@ def char_tag_rows(text: str, source: str = "the tagged text") -> List[dict]:
     return rows
 
 
-def text_rows(data, column: str) -> List[dict]:
+def text_rows(data, column: str, names: Optional[Sequence[str]] = None) -> List[dict]:
     """Unlabelled texts as rows `{column: text}`: a list of strings, a list of dicts, a TSV/CSV/JSONL file
     with `column` (`read_rows`), or a plain-text file (.txt, .txt.gz): a line per text, blank lines skipped.
     A .txt whose first line is a tab-separated header naming `column` is read as the TSV it is, so a
-    labelled .txt file (question-pair's) gives its column, never whole tab-joined lines."""
+    labelled .txt file (question-pair's) gives its column, never whole tab-joined lines. With `names` (a
+    header-less file's column names, in order) a file is read as that TSV/CSV."""
     if data is None:
         return []
+    if names is not None and not isinstance(data, (list, tuple)):
+        return read_rows(data, [column], names=names)
     if isinstance(data, (list, tuple)):
         if all(isinstance(x, str) for x in data):
             return [{column: x} for x in data if x.strip()]

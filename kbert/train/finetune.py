@@ -58,6 +58,7 @@ class FinetuneConfig:
     text_column: str = "text"
     pair_column: Optional[str] = None
     label_column: Optional[str] = "label"
+    columns: Optional[List[str]] = None  # a header-less TSV/CSV's column names, in order (train and dev)
     labels: Optional[List[str]] = None
     epochs: float = 3
     batch_size: int = 32
@@ -170,7 +171,8 @@ class FinetuneConfig:
 
 def finetune(model: str, task: str, train, dev=None, out_dir: str = "finetuned", text_column: str = "text",
              pair_column: Optional[str] = None, label_column: Optional[str] = "label",
-             labels: Optional[Sequence[str]] = None, epochs: float = 3, batch_size: int = 32,
+             columns: Optional[Sequence[str]] = None, labels: Optional[Sequence[str]] = None,
+             epochs: float = 3, batch_size: int = 32,
              learning_rate: float = 5e-5, warmup: float = 0.1, weight_decay: float = 0.01,
              max_length: Optional[int] = None, dropout: float = 0.1, patience: Optional[int] = 2,
              eval_every: Optional[int] = None, max_steps: Optional[int] = None, seed: int = 0,
@@ -198,6 +200,8 @@ def finetune(model: str, task: str, train, dev=None, out_dir: str = "finetuned",
             curves (train loss every LOG_EVERY steps, dev metrics at each evaluation; `kbert.read_scalars`).
         text_column, pair_column, label_column: column names (`pair_column` for pair tasks and bi-encoders;
             `label_column=None` for a bi-encoder trained on (anchor, positive) pairs).
+        columns: for TSV/CSV files without a header line (3i4k's `label<TAB>text`, google-research/bert's
+            GLUE files), their columns' names in order, e.g. ["label", "text"]; the first line is then a row.
         labels: class names in order (default: the sorted labels of `train`).
         epochs, batch_size, learning_rate, warmup (fraction of steps), weight_decay, max_length (tokens per
             input; default 128, or the model's limit when lower; beyond the model's positions is an error).
@@ -518,7 +522,7 @@ def _run(c: FinetuneConfig, task, before_training, distribution) -> dict:
         pooling, layers = _check_head_pooling(task.name, pooling or default_pooling(task.name), layers,
                                               backbone.config.num_layers + 1)
     train_rows = task.read_train()
-    dev_rows = read_rows(c.dev, task.columns) if c.dev is not None else None
+    dev_rows = read_rows(c.dev, task.columns, names=c.columns) if c.dev is not None else None
     task.labels = task.label_set(train_rows, c.progress)
     train_ex = task.encode(train_rows, tokenizer, max_length, "train")
     dev_ex = task.encode(dev_rows, tokenizer, max_length, "dev") if dev_rows else None

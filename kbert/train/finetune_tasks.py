@@ -195,7 +195,7 @@ class FinetuneTask:
     # ------------------------------------------------------------------ examples
     def read_train(self) -> list:
         """The training rows (the file or list `config.train`), checked to have the task's columns."""
-        return read_rows(self.config.train, self.train_columns)
+        return read_rows(self.config.train, self.train_columns, names=getattr(self.config, "columns", None))
 
     @property
     def train_columns(self):
@@ -638,7 +638,7 @@ class SentenceEmbeddingTask(FinetuneTask):
     def read_train(self) -> list:
         """SimCSE reads texts as `kbert.distill` does: a .txt of lines or a list of strings too."""
         if self.config.objective == "simcse":
-            return text_rows(self.config.train, self.config.text_column)
+            return text_rows(self.config.train, self.config.text_column, getattr(self.config, "columns", None))
         return super().read_train()
 
     def encode(self, rows, tokenizer, max_length, split):
@@ -853,7 +853,7 @@ class MultiExamples:
         return sum(len(p) for p in self.parts)
 
 
-DATASET_KEYS = ("data", "text_column", "pair_column", "label_column", "negative_column", "objective",
+DATASET_KEYS = ("data", "columns", "text_column", "pair_column", "label_column", "negative_column", "objective",
                 "similarity_loss", "weight", "prompts", "symmetric", "name")
 MIXES = ("proportional", "round_robin")
 
