@@ -228,6 +228,28 @@ def test_fine_tuning_reads_a_headerless_file_by_the_columns_given(base, tmp_path
     assert "if its first line is a row, not a header" in capsys.readouterr().err
 
 
+def test_the_dev_metric_that_picks_the_best_checkpoint_can_be_chosen(base, tmp_path):
+    """`metric` picks the best checkpoint by any dev figure the evaluation reports (macro-F1 for classes of very
+    different sizes; mse, better lower, for a regression); a figure the task does not report is refused by name."""
+    rows = movie_review_sentiment(REVIEWS, "train", limit=96)
+    run = dict(max_steps=4, eval_every=1, patience=None, learning_rate=1e-3, progress=False)
+    summary = kbert.finetune(base, "classification", rows[:64], rows[64:], metric="macro_f1",
+                             out_dir=str(tmp_path / "f1"), **run)
+    figures = [h["dev_macro_f1"] for h in summary["history"]]
+    assert summary["metric"] == "macro_f1" and summary["best"] == max(figures)
+    assert summary["best_step"] == summary["history"][figures.index(max(figures))]["step"]
+    sts = os.path.join(KORSTS, "sts-dev.tsv")
+    pairs = dict(text_column="sentence1", pair_column="sentence2", label_column="score")
+    summary = kbert.finetune(base, "regression", sts, sts, metric="mse", max_length=32, batch_size=64,
+                             out_dir=str(tmp_path / "mse"), **pairs, **run)
+    assert summary["best"] == min(h["dev_mse"] for h in summary["history"])
+    with pytest.raises(ValueError, match=r"`metric` must be a dev figure of classification: one of \['accuracy', "
+                                         r"'macro_f1'\]. Received: 'f1'"):
+        kbert.finetune(base, "classification", rows[:64], rows[64:], metric="f1", out_dir=str(tmp_path / "x"), **run)
+    with pytest.raises(ValueError, match="picks the best checkpoint by a dev figure; give `dev`"):
+        kbert.finetune(base, "classification", rows, metric="macro_f1", out_dir=str(tmp_path / "y"), **run)
+
+
 def test_spearman_and_pearson_against_hand_values():
     assert list(rank(np.array([10.0, 20.0, 20.0, 5.0]))) == [2.0, 3.5, 3.5, 1.0]  # ties share the mean rank
     assert spearman([1, 2, 3, 4], [10, 20, 30, 1000]) == pytest.approx(1.0)

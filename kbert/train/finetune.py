@@ -44,6 +44,8 @@ from kbert.train.metrics import scalar_writer
 
 LOG_DIR = "logs"  # OUT/logs: TensorBoard scalars (kbert.read_scalars reads them)
 LOG_EVERY = 10  # steps between train-loss points
+LOWER_IS_BETTER = ("mse",)  # dev figures a better model makes smaller (`metric`)
+NOT_SCORES = ("f1_threshold",)  # dev figures that rank nothing: the cosine at which a bi-encoder's F1 peaks
 
 
 @dataclasses.dataclass
@@ -68,6 +70,7 @@ class FinetuneConfig:
     max_length: Optional[int] = None
     dropout: float = 0.1
     patience: Optional[int] = 2
+    metric: Optional[str] = None  # the dev figure that picks the best checkpoint (None: the task's own)
     eval_every: Optional[int] = None
     max_steps: Optional[int] = None
     seed: int = 0
@@ -125,6 +128,8 @@ class FinetuneConfig:
         for name in ("model", "task", "train"):
             if getattr(self, name) is None and not (name == "train" and self.datasets):
                 raise ValueError(f"`{name}` is required (a config key, or the --{name} flag)")
+        if self.metric is not None and not isinstance(self.metric, str):
+            raise ValueError(f"`metric` must be the name of a dev figure, e.g. 'macro_f1'. Received: {self.metric!r}")
         if self.similarity_loss not in SIMILARITY_LOSSES:
             raise ValueError(f"`similarity_loss` must be one of {SIMILARITY_LOSSES}. "
                              f"Received: {self.similarity_loss!r}")
@@ -175,7 +180,8 @@ def finetune(model: str, task: str, train, dev=None, out_dir: str = "finetuned",
              epochs: float = 3, batch_size: int = 32,
              learning_rate: float = 5e-5, warmup: float = 0.1, weight_decay: float = 0.01,
              max_length: Optional[int] = None, dropout: float = 0.1, patience: Optional[int] = 2,
-             eval_every: Optional[int] = None, max_steps: Optional[int] = None, seed: int = 0,
+             metric: Optional[str] = None, eval_every: Optional[int] = None, max_steps: Optional[int] = None,
+             seed: int = 0,
              progress: bool = True, dtype: Optional[str] = None, group_by_length: bool = True,
              similarity_loss: str = "cosine", pooling: Optional[str] = None,
              layers: Union[int, Sequence[int], str] = -1, backbone_dropout: Optional[float] = None,
@@ -212,6 +218,10 @@ def finetune(model: str, task: str, train, dev=None, out_dir: str = "finetuned",
             the comparison), the model's own rates otherwise (in-batch-negative bi-encoders and the heads keep
             dropout as a regularizer). The model dir written keeps the rate it was tuned with.
         patience: stop after this many evaluations without a better dev score (None: never).
+        metric: the dev figure that picks the best checkpoint and counts for `patience`, any the evaluation
+            prints, e.g. "macro_f1" for classes of very different sizes (as KLUE's topic and hate-speech
+            benchmarks rank) instead of classification's "accuracy"; "mse" is better lower. Default: the task's
+            (accuracy, spearman, entity_f1, f1 for question answering, recall@1 or ap for bi-encoder pairs).
         eval_every: evaluate every N steps (default: once per epoch).
         max_steps: cap on optimizer steps.
         dtype: dtype policy for the backbone (e.g. "mixed_bfloat16").
@@ -588,6 +598,11 @@ def _run(c: FinetuneConfig, task, before_training, distribution) -> dict:
         return task.evaluate(outputs, examples, c.batch_size, tokenizer.pad_id)
 
     key = task.dev_metric(dev_ex)
+    higher_is_better = task.higher_is_better
+    if c.metric is not None:
+        if dev_ex is None:
+            raise ValueError(f"`metric` ({c.metric!r}) picks the best checkpoint by a dev figure; give `dev`")
+        key, higher_is_better = c.metric, c.metric not in LOWER_IS_BETTER
     base_model = os.path.abspath(c.model) if isinstance(c.model, str) else None
     meta = {"task": task.name, "labels": task.labels, "max_length": max_length, "text_column": c.text_column,
             "pair_column": c.pair_column, "label_column": c.label_column, "pooling": pooling,
@@ -611,6 +626,9 @@ def _run(c: FinetuneConfig, task, before_training, distribution) -> dict:
         if baseline is not None and c.progress:
             print("before training: dev " + " ".join(f"{k} {v:.4f}" for k, v in baseline.items()), flush=True)
         _warn_if_labels_look_inverted(baseline, task.name, c.label_column)
+        if baseline is not None and (key not in baseline or key in NOT_SCORES):
+            raise ValueError(f"`metric` must be a dev figure of {task.name}: one of "
+                             f"{[k for k in baseline if k not in NOT_SCORES]}. Received: {key!r}")
     else:
         history, best, best_step, bad, losses, step, baseline = (
             saved[k] for k in ("history", "best", "best_step", "bad", "losses", "step", "baseline"))
@@ -661,8 +679,7 @@ def _run(c: FinetuneConfig, task, before_training, distribution) -> dict:
                     if dev_ex is not None:
                         metrics = evaluate(dev_ex)
                         entry.update({f"dev_{k}": v for k, v in metrics.items()})
-                        improved = best is None or (metrics[key] > best if task.higher_is_better
-                                                    else metrics[key] < best)
+                        improved = best is None or (metrics[key] > best if higher_is_better else metrics[key] < best)
                     history.append(entry)
                     write_scalars(step, {f"dev/{k[4:]}": v for k, v in entry.items() if k.startswith("dev_")})
                     if improved:
