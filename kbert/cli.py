@@ -740,6 +740,26 @@ def _zero_shot(args):
           + (f", written to {args.out}" if args.out else ""), file=sys.stderr)
 
 
+def _predict(args):
+    import json
+
+    from kbert.embed.prediction import predict_rows
+    from kbert.embed.task_model import TaskModel
+
+    model = TaskModel.load(args.model)
+    if args.max_length:
+        model.max_length = args.max_length
+    names = [name.strip() for name in args.columns.split(",")] if args.columns else None
+    out, figures = predict_rows(model, args.input, args.text_column, args.pair_column, args.label_column, names,
+                                batch_size=args.batch_size)
+    _write_json_lines(out, args.out)
+    print(f"{len(out)} rows predicted by the {model.task} model" + (f", written to {args.out}" if args.out else ""),
+          file=sys.stderr)
+    if figures:
+        column = figures.pop("label_column")
+        print(f"figures against its {column!r} column: {json.dumps(figures)}", file=sys.stderr)
+
+
 def _evaluate(args):
     import json
 
@@ -1239,6 +1259,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=64, help="pairs a forward pass (default 64)")
     p.set_defaults(func=_zero_shot)
 
+    p = sub.add_parser("predict", help="a fine-tuned model's prediction for each row of a file (a test set), as "
+                                       "JSON lines, and its figures when the file has the labels (accuracy, "
+                                       "macro-F1, Spearman, exact match and F1)")
+    p.add_argument("--model", required=True, help="a `kbert finetune` dir, or a Hugging Face classifier, "
+                                                  "cross-encoder, reader or tagger (dir or Hub name)")
+    p.add_argument("--input", required=True, help="TSV (header), CSV, JSONL or SQuAD .json file, or a .txt of "
+                                                  "texts a line (one-text tasks)")
+    p.add_argument("--columns", help="a TSV/CSV without a header line: its columns' names in order, e.g. label,text")
+    p.add_argument("--text-column", help="default: the model's fine-tuning column (else text; question-answering: "
+                                         "question)")
+    p.add_argument("--pair-column", help="the second text (pair tasks; question-answering: the context); default: "
+                                         "the model's")
+    p.add_argument("--label-column", help="the gold labels to score against (default: the model's, when the file "
+                                          "has it); named, every row must have one")
+    p.add_argument("--out", help="JSON lines file to write (default: stdout); the figures go to stderr")
+    p.add_argument("--max-length", type=int, help="tokens an input (default: the model's)")
+    p.add_argument("--batch-size", type=int, default=64, help="inputs a forward pass (default 64)")
+    p.set_defaults(func=_predict)
+
     p = sub.add_parser("evaluate", help="how good a model's sentence vectors are on a labelled file: STS "
                                         "correlations, paraphrase classification or retrieval figures (JSON)")
     p.add_argument("--model", required=True, help="model dir or Hub name (kbert.Embedder.load)")
@@ -1526,6 +1565,9 @@ def main(argv=None) -> int:
         warnings.showwarning = functools.partial(_show_warning, args.command)
     try:
         status = args.func(args)
+    except BrokenPipeError:  # the reader of stdout left (`kbert predict ... | head`): stop quietly, as cat does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
+        return 141  # 128 + SIGPIPE, the status a shell gives a writer whose pipe closed
     except KeyboardInterrupt as e:
         by = "SIGTERM" if isinstance(e, _Terminated) else "SIGINT"
         resume = getattr(args, "resumes", None) or _RESUMES.get(args.command, "")

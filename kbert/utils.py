@@ -222,6 +222,26 @@ def spearman(a, b) -> float:
     return pearson(rank(np.asarray(a, np.float64)), rank(np.asarray(b, np.float64)))
 
 
+def accuracy(y, p) -> float:
+    import numpy as np
+
+    return float(np.mean(np.asarray(y) == np.asarray(p))) if len(y) else 0.0
+
+
+def macro_f1(y, p, num_classes: int) -> float:
+    """The mean F1 over the classes (indices below `num_classes`) that occur in `y` or `p`."""
+    import numpy as np
+
+    y, p = np.asarray(y), np.asarray(p)
+    scores = []
+    for c in range(num_classes):
+        tp = np.sum((p == c) & (y == c))
+        denom = np.sum(p == c) + np.sum(y == c)
+        if denom:
+            scores.append(2 * tp / denom)
+    return float(np.mean(scores)) if scores else 0.0
+
+
 def pair_classification_figures(scores, labels) -> dict:
     """Accuracy, F1, precision, recall, AP and MCC of classifying pairs by `scores` (higher: label 1; `labels`
     1 / 0, both present), at the thresholds sentence-transformers' BinaryClassificationEvaluator picks: each

@@ -1010,6 +1010,10 @@ def test_a_headerless_table_reads_by_the_column_names_given(tmp_path):
     rows = read_rows(str(tmp_path / "i4k.txt"), ["text", "label"], names=["label", "text"])
     assert rows == [{"label": "0", "text": "만화"}, {"label": "2", "text": "밥 먹었어?"}, {"label": "5", "text": "빨리 와"}]
     assert text_rows(str(tmp_path / "i4k.txt"), "text", names=("label", "text"))[0] == {"label": "0", "text": "만화"}
+    with pytest.raises(ValueError, match=r"i4k.txt's lines are 2 tab-separated cells each, a TSV without a header"):
+        text_rows(str(tmp_path / "i4k.txt"), "text")  # not "0<TAB>만화" as one text
+    (tmp_path / "some.txt").write_text("한 줄\t탭\n둘째 줄\n", encoding="utf-8")
+    assert text_rows(str(tmp_path / "some.txt"), "text") == [{"text": "한 줄\t탭"}, {"text": "둘째 줄"}]
     (tmp_path / "i4k.csv").write_text('0,"만화, 책"\n1,밥\n', encoding="utf-8")
     assert read_rows(str(tmp_path / "i4k.csv"), ["text"], names=["label", "text"])[0] == {"label": "0",
                                                                                           "text": "만화, 책"}

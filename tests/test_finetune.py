@@ -250,6 +250,54 @@ def test_the_dev_metric_that_picks_the_best_checkpoint_can_be_chosen(base, tmp_p
         kbert.finetune(base, "classification", rows, metric="macro_f1", out_dir=str(tmp_path / "y"), **run)
 
 
+def test_predict_gives_each_rows_prediction_and_the_test_figures_fine_tuning_reports(base, tmp_path, capsys):
+    """`kbert predict` (`kbert.embed.prediction.predict_rows`): TaskModel's probabilities and values a row, in the
+    columns the model was tuned on, and against the file's labels the very figures fine-tuning printed for the
+    same rows as its dev set (run_classifier.py's --do_predict, with the evaluation)."""
+    from kbert.cli import main
+    from kbert.embed.prediction import predict_rows
+
+    rows = movie_review_sentiment(REVIEWS, "train", limit=96)
+    train = [{"review": r["text"], "y": r["label"]} for r in rows[:64]]
+    test = [{"review": r["text"], "y": r["label"]} for r in rows[64:]]
+    summary = kbert.finetune(base, "classification", train, test, text_column="review", label_column="y",
+                             out_dir=str(tmp_path / "cls"), max_steps=2, learning_rate=1e-3, progress=False)
+    model = kbert.TaskModel.load(str(tmp_path / "cls"))
+    out, figures = predict_rows(model, test)
+    probs = model.predict([r["review"] for r in test])
+    assert [o["label"] for o in out] == [model.labels[i] for i in np.argmax(probs, axis=1)]
+    assert [o["row"] for o in out] == list(range(1, 33))
+    np.testing.assert_allclose([o["scores"]["1"] for o in out], probs[:, 1], atol=1e-6)
+    best = next(h for h in summary["history"] if h["step"] == summary["best_step"])
+    assert figures["label_column"] == "y" and figures["rows"] == 32
+    assert figures["accuracy"] == pytest.approx(best["dev_accuracy"]) and \
+        figures["macro_f1"] == pytest.approx(best["dev_macro_f1"])
+    assert predict_rows(model, [{"review": r["review"]} for r in test])[1] is None  # no labels: predictions only
+    with pytest.raises(ValueError, match=r"row 2's 'y' is '3', not one of the model's labels \['0', '1'\]"):
+        predict_rows(model, [test[0], {"review": "좋다", "y": "3"}])
+    with pytest.raises(ValueError, match="row 1 has no 'gold' to score"):
+        predict_rows(model, [{"review": "좋다", "gold": ""}], label_column="gold")
+    # a regression on pairs, its figures against the scores; and the command line on a header-less file
+    sts = os.path.join(KORSTS, "sts-dev.tsv")
+    pairs = dict(text_column="sentence1", pair_column="sentence2", label_column="score")
+    summary = kbert.finetune(base, "regression", sts, sts, out_dir=str(tmp_path / "reg"), max_steps=1,
+                             max_length=32, batch_size=64, progress=False, **pairs)
+    _, figures = predict_rows(kbert.TaskModel.load(str(tmp_path / "reg")), sts)
+    # (predict packs rows of mixed lengths, fine-tuning's evaluation pads them: float rounding apart, the same values;
+    # after one step they lie close together, so a rank correlation moves in its fourth digit)
+    assert figures["spearman"] == pytest.approx(summary["best"], abs=1e-3)
+    assert figures["mse"] == pytest.approx(summary["history"][-1]["dev_mse"], rel=1e-4)
+    (tmp_path / "test.txt").write_text("".join(f"{r['y']}\t{r['review']}\n" for r in test), encoding="utf-8")
+    assert main(["predict", "--model", str(tmp_path / "cls"), "--input", str(tmp_path / "test.txt"),
+                 "--columns", "y,review", "--out", str(tmp_path / "pred.jsonl")]) == 0
+    with open(tmp_path / "pred.jsonl", encoding="utf-8") as f:
+        assert [json.loads(line)["label"] for line in f] == [o["label"] for o in out]
+    err = capsys.readouterr().err
+    assert "32 rows predicted by the classification model" in err and "against its 'y' column" in err
+    assert main(["predict", "--model", str(tmp_path / "cls"), "--input", str(tmp_path / "test.txt")]) == 1
+    assert "lines are 2 tab-separated cells each, a TSV without a header line" in capsys.readouterr().err
+
+
 def test_spearman_and_pearson_against_hand_values():
     assert list(rank(np.array([10.0, 20.0, 20.0, 5.0]))) == [2.0, 3.5, 3.5, 1.0]  # ties share the mean rank
     assert spearman([1, 2, 3, 4], [10, 20, 30, 1000]) == pytest.approx(1.0)

@@ -209,6 +209,19 @@ def test_a_hugging_face_reader_answers_as_transformers_and_exports_back(tmp_path
     both = model.answer([QUESTION, "국회는 무엇을 하는가"], CONTEXT, max_answer_length=10, doc_stride=stride)
     assert both[0] == model.answer(QUESTION, CONTEXT, max_answer_length=10, doc_stride=stride)
     assert model.answer(QUESTION, "") == {"score": 0.0, "start": 0, "end": 0, "answer": ""}
+    # `kbert predict` on a SQuAD-style file: the answers of `answer`, keyed by id, and KorQuAD's figures
+    from kbert.embed.prediction import predict_rows
+
+    first, second = model.answer([QUESTION, "국회는 무엇을 하는가"], CONTEXT)
+    rows = [{"id": "q1", "question": QUESTION, "context": CONTEXT,
+             "answers": {"text": [first["answer"]], "answer_start": [first["start"]]}},
+            {"id": "q2", "question": "국회는 무엇을 하는가", "context": CONTEXT, "answers": CONTEXT[:6]}]
+    out, figures = predict_rows(model, rows)
+    assert [(o["id"], o["answer"], o["start"]) for o in out] == [("q1", first["answer"], first["start"]),
+                                                                 ("q2", second["answer"], second["start"])]
+    assert figures == pytest.approx({"label_column": "answers", "rows": 2,
+                                     "exact_match": 50 * (1 + qa.exact_match(second["answer"], [CONTEXT[:6]])),
+                                     "f1": 50 * (1 + qa.f1(second["answer"], [CONTEXT[:6]]))})
     with pytest.raises(ValueError, match="one context per question"):
         model.answer([QUESTION] * 3, [CONTEXT] * 2)
     if architecture != "bert":

@@ -219,7 +219,8 @@ def text_rows(data, column: str, names: Optional[Sequence[str]] = None) -> List[
     """Unlabelled texts as rows `{column: text}`: a list of strings, a list of dicts, a TSV/CSV/JSONL file
     with `column` (`read_rows`), or a plain-text file (.txt, .txt.gz): a line per text, blank lines skipped.
     A .txt whose first line is a tab-separated header naming `column` is read as the TSV it is, so a
-    labelled .txt file (question-pair's) gives its column, never whole tab-joined lines. With `names` (a
+    labelled .txt file (question-pair's) gives its column, never whole tab-joined lines; a .txt whose every line
+    has the same number of tabs (a TSV without its header) is an error asking for its columns. With `names` (a
     header-less file's column names, in order) a file is read as that TSV/CSV."""
     if data is None:
         return []
@@ -233,6 +234,11 @@ def text_rows(data, column: str, names: Optional[Sequence[str]] = None) -> List[
         lines = [line.strip() for line in text_lines(read_utf8_text(data)) if line.strip()]
         if lines and column in lines[0].lstrip("\ufeff").split("\t"):
             return read_rows(data, [column])
+        tabs = {line.count("\t") for line in lines}
+        if len(tabs) == 1 and 0 not in tabs:  # every line the same number of cells: a TSV without its header
+            raise ValueError(f"{data}'s lines are {tabs.pop() + 1} tab-separated cells each, a TSV without a header "
+                             f"line naming {column!r}: add one, or give the columns' names in order (`columns=[...]`, "
+                             f"`--columns label,text`)")
         return [{column: line} for line in lines]
     return read_rows(data, [column])
 

@@ -29,7 +29,8 @@ import numpy as np
 from kbert.data import rows as cells
 from kbert.data.rows import read_rows, text_rows
 from kbert.data.features import features, first_pieces, pad, segment_ids, unit_vectors_in_batches
-from kbert.train.metrics import entity_figures, macro_f1, pair_classification_figures, pearson, spearman
+from kbert.train.metrics import entity_figures, pair_classification_figures, pearson, spearman
+from kbert.utils import macro_f1
 
 SIMILARITY_LOSSES = ("cosent", "cosine", "contrastive")
 CONTRASTIVE_MARGIN = 0.5  # sentence-transformers' OnlineContrastiveLoss default: a non-pair's cosine distance

@@ -1,5 +1,6 @@
-"""Evaluation metrics of fine-tuning, in numpy: correlations for scores and similarities, accuracy and macro-F1,
-entity-level F1 of BIO tags; and `read_scalars`, a run's training curves from its TensorBoard logs.
+"""Evaluation metrics of fine-tuning, in numpy: entity-level F1 of BIO tags (correlations, accuracy and macro-F1
+live in kbert.utils, shared with `kbert predict`); and `read_scalars`, a run's training curves from its
+TensorBoard logs.
 
 The metrics are small enough to write out (scikit-learn is not a dependency of kbert); `rank` matches
 `scipy.stats.rankdata`'s average ranks, which the tests check on ties.
@@ -9,25 +10,7 @@ from __future__ import annotations
 
 from typing import Dict, Sequence
 
-import numpy as np
-
 from kbert.utils import pair_classification_figures, pearson, rank, spearman  # noqa: F401  (for fine-tuning)
-
-
-def accuracy(y, p) -> float:
-    return float(np.mean(np.asarray(y) == np.asarray(p))) if len(y) else 0.0
-
-
-def macro_f1(y, p, num_classes: int) -> float:
-    """The mean F1 over the classes that occur in `y` or `p`."""
-    y, p = np.asarray(y), np.asarray(p)
-    scores = []
-    for c in range(num_classes):
-        tp = np.sum((p == c) & (y == c))
-        denom = np.sum(p == c) + np.sum(y == c)
-        if denom:
-            scores.append(2 * tp / denom)
-    return float(np.mean(scores)) if scores else 0.0
 
 
 def entity_runs(tags) -> set:
