@@ -242,6 +242,21 @@ def macro_f1(y, p, num_classes: int) -> float:
     return float(np.mean(scores)) if scores else 0.0
 
 
+def entity_scores(gold, predicted) -> dict:
+    """Entity-level precision, recall and F1 of `predicted` against `gold`, each a sequence (one item a text) of
+    sets of entities (any hashable: (start, end, type) spans): an entity counts when it is in both, span and type
+    exact (CoNLL's and seqeval's scoring)."""
+    hits = found = wanted = 0
+    for g, p in zip(gold, predicted):
+        hits += len(set(g) & set(p))
+        found += len(set(p))
+        wanted += len(set(g))
+    precision = hits / found if found else 0.0
+    recall = hits / wanted if wanted else 0.0
+    f1 = 2 * precision * recall / (precision + recall) if precision + recall else 0.0
+    return {"entity_precision": precision, "entity_recall": recall, "entity_f1": f1}
+
+
 def pair_classification_figures(scores, labels) -> dict:
     """Accuracy, F1, precision, recall, AP and MCC of classifying pairs by `scores` (higher: label 1; `labels`
     1 / 0, both present), at the thresholds sentence-transformers' BinaryClassificationEvaluator picks: each

@@ -387,6 +387,13 @@ def test_tagging_trains_on_a_ud_treebank_as_it_is(base, tmp_path):
     assert summary["best"] > majority + 0.1, (majority, summary["history"])
     tagged = kbert.TaskModel.load(str(tmp_path / "pos")).predict("학교에서 공부했다 .")
     assert [w for w, _ in tagged] == ["학교에서", "공부했다", "."] and tagged[-1][1] == "PUNCT"
+    # `kbert predict` on the test treebank: each word's tag, and the dev figure fine-tuning printed for it
+    from kbert.embed.prediction import predict_rows
+
+    test = os.path.join(gsd, "ko_gsd-ud-test.conllu")
+    out, figures = predict_rows(kbert.TaskModel.load(str(tmp_path / "pos")), test)
+    assert figures["label_column"] == "upos" and figures["accuracy"] == pytest.approx(summary["best"], abs=0.005)
+    assert out[0]["tags"][0][0] == read_rows(test, ["text"])[0]["text"].split()[0]
 
 
 def test_tagging_with_entity_spans_learns_where_an_entity_ends_inside_a_word(base, tmp_path):
@@ -449,6 +456,18 @@ def test_tagging_with_entity_spans_learns_where_an_entity_ends_inside_a_word(bas
     # at least the dev figure: a lone "▁" piece reads as the character after it, so a run that differs from
     # the gold run by that piece alone is the same span of the text
     assert 2 * hits / (sum(map(len, found)) + n_gold) >= summary["best"] - 0.01
+    # `kbert predict` on the KLUE-NER file: the entities `entities` gives, scored as KLUE scores them (exact
+    # character spans: "책" of "책을", where fine-tuning's figure above counted whole tokens)
+    from kbert.embed.prediction import predict_rows
+    from kbert.utils import entity_scores
+
+    out, figures = predict_rows(model, paths["dev"])
+    assert [[(e["start"], e["end"]) for e in o["entities"]] for o in out] == [[(e["start"], e["end"]) for e in f]
+                                                                           for f in found]
+    char_level = entity_scores([{tuple(x) for x in r["label"]} for r in dev],
+                               [{(e["start"], e["end"], e["entity_group"]) for e in f} for f in found])
+    assert figures == pytest.approx({"label_column": "label", "rows": 300, **char_level})
+    assert 0 < figures["entity_f1"] <= 1
     with pytest.raises(ValueError, match="mix entity spans and word tags"):
         kbert.finetune(base, "tagging", [rows_out[0], {"text": "두 단어", "label": "O O"}], progress=False)
 

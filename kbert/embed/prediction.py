@@ -15,12 +15,12 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from kbert.data.qa import answer_list, qa_scores
-from kbert.data.rows import class_label, number, read_rows, text_cell, text_rows
-from kbert.utils import accuracy, macro_f1, pearson, spearman
+from kbert.data.rows import class_label, entity_spans, number, read_rows, tags, text_cell, text_rows
+from kbert.utils import accuracy, entity_scores, macro_f1, pearson, spearman
 
 # the columns of a model without a record of its own (a Hugging Face classifier or reader)
 DEFAULT_COLUMNS = {"question-answering": ("question", "context", "answers")}
-FIGURES_OF = ("classification", "pair-classification", "regression", "question-answering")
+FIGURES_OF = ("classification", "pair-classification", "regression", "question-answering", "tagging")
 
 
 def task_columns(model, text_column: Optional[str] = None, pair_column: Optional[str] = None,
@@ -47,9 +47,12 @@ def predict_rows(model, data, text_column: Optional[str] = None, pair_column: Op
     `TaskModel.entities`); question answering `answer`, `score`, `start`, `end` (as `TaskModel.answer`).
 
     The figures (with `label_column` and `rows`) are computed when every row has a label in `label_column` (named
-    or the model's own): accuracy
-    and macro-F1 (classes), Spearman, Pearson and MSE (regression), KorQuAD's exact match and F1 (question
-    answering); tagging rows get predictions only. A label the model does not have is an error naming its row.
+    or the model's own): accuracy and macro-F1 (classes), Spearman, Pearson and MSE (regression), KorQuAD's exact
+    match and F1 (question answering); for a tagger of word tags (UD's `upos`) accuracy and macro-F1 over the
+    words it tagged, and for an entity tagger entity precision, recall and F1 over character spans, an entity
+    counting when its span and type are exact (KLUE-NER's entity-level measure; fine-tuning's dev figure counts
+    whole tokens instead, so the two may differ where an entity ends inside a token). A class label the model
+    does not have is an error naming its row.
     """
     if model.task == "sentence-embedding":
         raise ValueError("a sentence-embedding model gives vectors, not predictions: use `kbert embed` or "
@@ -85,13 +88,36 @@ def predict_rows(model, data, text_column: Optional[str] = None, pair_column: Op
             truths = {str(i): [t for t, _ in answer_list(g, c, f"row {i + 1}")]
                       for i, (g, c) in enumerate(zip(gold, pairs))}
             figures = qa_scores({str(i): o["answer"] for i, o in enumerate(out)}, truths)
+    elif model.task == "tagging" and (model.meta or {}).get("aggregation"):  # an entity tagger: its spans
+        found = model.entities(texts, batch_size=batch_size)
+        for o, entities in zip(out, found):
+            o["entities"] = [{k: (round(float(v), 6) if k == "score" else v) for k, v in e.items()} for e in entities]
+        if labelled:
+            gold_spans = []
+            for i, g in enumerate(gold):
+                spans = entity_spans(g, "data", i)
+                if spans is None:
+                    raise ValueError(f"row {i + 1}'s {label_col!r} is word tags, not entity spans; this model "
+                                     "tags entities")
+                gold_spans.append(set(spans))
+            figures = entity_scores(gold_spans, [{(e["start"], e["end"], e["entity_group"]) for e in entities}
+                                                 for entities in found])
     elif model.task == "tagging":
-        if (model.meta or {}).get("aggregation"):  # an entity tagger (span-labelled training): its entities
-            for o, found in zip(out, model.entities(texts, batch_size=batch_size)):
-                o["entities"] = [{k: (round(float(v), 6) if k == "score" else v) for k, v in e.items()} for e in found]
-        else:
-            for o, tagged in zip(out, model.predict(texts, batch_size=batch_size)):
-                o["tags"] = [list(t) for t in tagged]
+        tagged = model.predict(texts, batch_size=batch_size)
+        for o, words in zip(out, tagged):
+            o["tags"] = [list(t) for t in words]
+        if labelled:  # the words the model tagged (a text cut at max_length: its first words)
+            index = {k: j for j, k in enumerate(model.labels)}
+            unknown = len(model.labels)  # a gold tag the model never learnt: a class of its own, never predicted
+            y, p = [], []
+            for i, (g, words) in enumerate(zip(gold, tagged)):
+                gold_tags = tags(g, "data", i)
+                if len(gold_tags) < len(words):
+                    raise ValueError(f"row {i + 1} has {len(gold_tags)} tags in {label_col!r} for "
+                                     f"{len(words)} words")
+                y += [index.get(t, unknown) for t in gold_tags[:len(words)]]
+                p += [index[t] for _, t in words]
+            figures = {"accuracy": accuracy(y, p), "macro_f1": macro_f1(y, p, unknown + 1)}
     elif model.task == "regression":
         values = np.asarray(model.predict(texts, pairs, batch_size=batch_size), np.float64)
         for o, v in zip(out, values):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Dict, Sequence
 
+from kbert.utils import entity_scores
 from kbert.utils import pair_classification_figures, pearson, rank, spearman  # noqa: F401  (for fine-tuning)
 
 
@@ -31,16 +32,7 @@ def entity_runs(tags) -> set:
 def entity_figures(gold: Sequence[Sequence[str]], predicted: Sequence[Sequence[str]]) -> Dict[str, float]:
     """Entity-level precision, recall and F1 over sequences of BIO tags: an entity counts when its span and type
     are both exact (CoNLL's and seqeval's scoring)."""
-    hits = found = wanted = 0
-    for g, p in zip(gold, predicted):
-        g, p = entity_runs(g), entity_runs(p)
-        hits += len(g & p)
-        found += len(p)
-        wanted += len(g)
-    precision = hits / found if found else 0.0
-    recall = hits / wanted if wanted else 0.0
-    f1 = 2 * precision * recall / (precision + recall) if precision + recall else 0.0
-    return {"entity_precision": precision, "entity_recall": recall, "entity_f1": f1}
+    return entity_scores([entity_runs(g) for g in gold], [entity_runs(p) for p in predicted])
 
 
 def scalar_writer(logdir: str, enabled: bool = True):
