@@ -492,6 +492,7 @@ def _finetune(args):
     if args.columns:
         values["columns"] = [name.strip() for name in args.columns.split(",")]
     for flag, key, value in (("no_label", "label_column", None), ("no_group_by_length", "group_by_length", False),
+                             ("multi_label", "multi_label", True),
                              ("no_resume", "resume", False), ("symmetric", "symmetric", True)):
         if getattr(args, flag):
             values[key] = value
@@ -1105,6 +1106,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--columns", help="a TSV/CSV without a header line: its columns' names in order, e.g. "
                                      "label,text (its first line is then a row)")
     p.add_argument("--no-label", action="store_true", help="sentence-embedding from (anchor, positive) pairs")
+    p.add_argument("--multi-label", action="store_true",
+                   help="classification: each row any number of the labels (a JSON list or a comma-separated cell; "
+                        "empty: none), a sigmoid each")
     p.add_argument("--similarity-loss", choices=("cosine", "cosent", "contrastive"),
                    help="sentence-embedding with scores: cosine regression (default) or CoSENT's ranking loss; "
                         "with 1 / 0 labels (paraphrase or not) also contrastive (OnlineContrastiveLoss)")

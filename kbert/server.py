@@ -17,7 +17,7 @@ Routes (JSON in and out; errors are `{"error": {"message", "type", "code"}}` wit
     POST /v1/similarity   {"source_sentence": str, "sentences": [str]} -> {"similarities": [cosine, ...]}
     POST /v1/classify     task dirs (`kbert finetune` output, a Hugging Face classifier): {"input": str | [str],
                           "pairs"?: [str]} -> {"data": [{"index", "label", "probabilities": {label: p}}]}
-                          (regression: "value")
+                          (regression: "value"; a multi-label classifier adds "labels", those over 0.5)
     POST /v1/answer       question-answering models (a `kbert finetune` reader, a Hugging Face
                           *ForQuestionAnswering dir: KorQuAD readers): {"question": str | [str], "context": str |
                           [str] (one per question, or one for all), "top_k"?: int, "max_answer_length"?: int,
@@ -542,6 +542,8 @@ def build_app(model: str, max_batch_tokens: int = 8192, max_wait_ms: float = 5.0
                 probs = np.asarray(row, np.float64)
                 out.append({"index": i, "label": model.labels[int(np.argmax(probs))],
                             "probabilities": {label: float(p) for label, p in zip(model.labels, probs)}})
+                if getattr(model, "multi_label", False):  # every label that holds (its own probability > 0.5)
+                    out[-1]["labels"] = [label for label, p in zip(model.labels, probs) if p > 0.5]
         return {"task": model.task, "data": out}
 
     async def answer(data, ticket=None):

@@ -242,6 +242,20 @@ def macro_f1(y, p, num_classes: int) -> float:
     return float(np.mean(scores)) if scores else 0.0
 
 
+def multi_label_figures(gold, predicted) -> dict:
+    """Figures of multi-label decisions, `gold` and `predicted` `[n, k]` 0/1 (a row may hold any number of labels):
+    micro-F1 (over every (row, label) decision), macro-F1 (the mean over the labels present in either) and
+    subset accuracy (rows whose labels are all right), as scikit-learn's f1_score and accuracy_score give them."""
+    import numpy as np
+
+    y, p = np.asarray(gold).astype(bool), np.asarray(predicted).astype(bool)
+    tp, fp, fn = (y & p).sum(axis=0), (~y & p).sum(axis=0), (y & ~p).sum(axis=0)
+    micro = 2 * tp.sum() / max(2 * tp.sum() + fp.sum() + fn.sum(), 1)
+    present = (tp + fp + fn) > 0
+    macro = float(np.mean(2 * tp[present] / (2 * tp[present] + fp[present] + fn[present]))) if present.any() else 0.0
+    return {"micro_f1": float(micro), "macro_f1": macro, "subset_accuracy": float(np.mean((y == p).all(axis=1)))}
+
+
 def entity_scores(gold, predicted) -> dict:
     """Entity-level precision, recall and F1 of `predicted` against `gold`, each a sequence (one item a text) of
     sets of entities (any hashable: (start, end, type) spans): an entity counts when it is in both, span and type

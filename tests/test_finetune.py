@@ -298,6 +298,71 @@ def test_predict_gives_each_rows_prediction_and_the_test_figures_fine_tuning_rep
     assert "lines are 2 tab-separated cells each, a TSV without a header line" in capsys.readouterr().err
 
 
+def test_multi_label_classification_trains_predicts_exports_and_reads_back(base, tmp_path):
+    """`multi_label=True`: rows with any number of labels (a list, a JSON list or a comma-separated cell; none at
+    all too) train a sigmoid a label with binary cross-entropy; dev is scored by micro-F1; `TaskModel.predict`,
+    `kbert predict`, the SavedModel and ONNX exports give each label's own probability; the transformers export
+    is a multi_label_classification model with the same probabilities, and reads back as one."""
+    import torch
+    import transformers
+
+    from kbert.embed.prediction import predict_rows
+    from kbert.utils import multi_label_figures
+
+    with open(os.path.join(KORSTS, "sts-train.tsv"), encoding="utf-8") as f:
+        texts = [line.rstrip("\n").split("\t")[5] for line in f][1:1601]
+    words = ("남자", "여자")  # which of them a sentence holds: 0, 1 or 2 labels a row
+    rows = [{"text": t, "tags": [w for w in words if w in t]} for t in texts]
+    rows[1]["tags"] = ",".join(rows[1]["tags"])  # a TSV cell's form
+    rows[2]["tags"] = json.dumps(rows[2]["tags"], ensure_ascii=False)
+    out = str(tmp_path / "ml")
+    summary = kbert.finetune(base, "classification", rows[:1300], rows[1300:], label_column="tags", multi_label=True,
+                             out_dir=out, epochs=4, learning_rate=1e-3, max_length=48, pooling="mean", progress=False)
+    assert summary["metric"] == "micro_f1" and summary["labels"] == sorted(words)
+    # (on BERT's pooler this random 2-layer model sits on the labels' prior for several epochs first)
+    assert summary["best"] > 0.85, summary["history"]
+    dev = rows[1300:]
+    model = kbert.TaskModel.load(out)
+    assert model.multi_label
+    probs = model.predict([r["text"] for r in dev])
+    assert probs.shape == (300, 2) and not np.allclose(probs.sum(axis=1), 1.0)  # a sigmoid each, not a softmax
+    gold = np.array([[w in r["tags"] for w in sorted(words)] for r in dev])
+    best = next(h for h in summary["history"] if h["step"] == summary["best_step"])
+    assert multi_label_figures(gold, probs > 0.5)["micro_f1"] == pytest.approx(best["dev_micro_f1"], abs=1e-6)
+    found, figures = predict_rows(model, dev)
+    assert found[0]["labels"] == [w for w, p in zip(sorted(words), probs[0]) if p > 0.5]
+    assert figures["micro_f1"] == pytest.approx(best["dev_micro_f1"], abs=1e-6)
+    kbert.export(out, str(tmp_path / "serving"), signature="classify")  # checks it against predict() at 1e-5
+    onnx_dir = kbert.export_onnx(out, str(tmp_path / "onnx"))  # checks it against predict() too
+    np.testing.assert_allclose(kbert.OnnxTaskModel.load(onnx_dir).predict([r["text"] for r in dev[:8]]), probs[:8],
+                               atol=1e-4)
+    hf_dir = str(tmp_path / "hf")  # transformers' classifiers read BERT's pooler: a head on it, two steps
+    kbert.finetune(base, "classification", rows[:64], label_column="tags", multi_label=True, out_dir=out + "-pooler",
+                   max_steps=2, max_length=48, progress=False)
+    model = kbert.TaskModel.load(out + "-pooler")
+    probs = model.predict([r["text"] for r in dev[:8]])
+    kbert.export_transformers(model, hf_dir)
+    hf = transformers.AutoModelForSequenceClassification.from_pretrained(hf_dir).eval()
+    assert hf.config.problem_type == "multi_label_classification"
+    batch = transformers.AutoTokenizer.from_pretrained(hf_dir)([r["text"] for r in dev[:8]], padding=True,
+                                                               return_tensors="pt")
+    with torch.no_grad():
+        np.testing.assert_allclose(torch.sigmoid(hf(**batch).logits).numpy(), probs[:8], atol=1e-4)
+    again = kbert.TaskModel.load(hf_dir)
+    assert again.multi_label and again.labels == sorted(words)
+    np.testing.assert_allclose(again.predict([r["text"] for r in dev[:8]]), probs[:8], atol=1e-5)
+    bad = dict(out_dir=str(tmp_path / "bad"), max_steps=1, progress=False)
+    with pytest.raises(ValueError, match=r"train row 1: the label is a list .*pass multi_label=True"):
+        kbert.finetune(base, "classification", [{"text": "a", "label": ["x"]}, {"text": "b", "label": ["y"]}], **bad)
+    with pytest.raises(ValueError, match="`multi_label` .* goes with task='classification'"):
+        kbert.finetune(base, "regression", rows, label_column="tags", multi_label=True, **bad)
+    with pytest.raises(ValueError, match="dev row 1 has labels not seen in training: \\['개'\\]"):
+        kbert.finetune(base, "classification", rows[:50], [{"text": "개", "tags": "개"}], label_column="tags",
+                       multi_label=True, **bad)
+    with pytest.raises(ValueError, match="is a multi-label classifier"):
+        kbert.distill(out, "bert-tiny", [r["text"] for r in dev], out_dir=str(tmp_path / "student"), progress=False)
+
+
 def test_spearman_and_pearson_against_hand_values():
     assert list(rank(np.array([10.0, 20.0, 20.0, 5.0]))) == [2.0, 3.5, 3.5, 1.0]  # ties share the mean rank
     assert spearman([1, 2, 3, 4], [10, 20, 30, 1000]) == pytest.approx(1.0)

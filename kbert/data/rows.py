@@ -324,6 +324,25 @@ def class_label(value, split: str, i: int) -> str:
     return label
 
 
+def label_list(value, split: str, i: int) -> List[str]:
+    """A multi-label row's labels: a list, a JSON list in a cell ('["분노", "슬픔"]'), or a comma-separated
+    cell ("분노,슬픔"); an empty cell or list is a row with none of the labels. A missing cell is an error."""
+    if value is None:
+        raise ValueError(f"{split} row {i + 1}: the labels are missing; an empty cell or [] is a row with none")
+    if isinstance(value, str):
+        text = value.strip()
+        if text.startswith("["):
+            try:
+                value = json.loads(text)
+            except json.JSONDecodeError:
+                raise ValueError(f"{split} row {i + 1}: labels {value!r} are not a JSON list") from None
+        else:
+            value = text.split(",")
+    if not isinstance(value, (list, tuple)):
+        value = [value]
+    return sorted({str(x).strip() for x in value if str(x).strip()})
+
+
 def number(value, split: str, i: int) -> float:
     try:
         return float(value)

@@ -127,6 +127,8 @@ def _head_outputs(module, x, task):
         activation = module.head["activation"]
         return {"predictions": tf.sigmoid(value) if activation == "sigmoid" else
                 tf.tanh(value) if activation == "tanh" else value}
+    if module.head.get("multi_label"):  # each label's own probability, as TaskModel.predict gives it
+        return {"probabilities": tf.sigmoid(logits)}
     return {"probabilities": tf.nn.softmax(logits, axis=-1)}
 
 
@@ -209,7 +211,7 @@ def export(model_dir: str, out_dir: str, signature: Optional[str] = None, poolin
         _check_tokenizer(tokenizer)
         limit = model.network.backbone.config.check_length(max_length or model.max_length)
         head = {"network": model.network, "pairs": bool(meta.get("pair_column") or meta.get("pairs")),
-                "activation": model.activation}
+                "activation": model.activation, "multi_label": model.multi_label}
         module = _module(model.network.backbone, tokenizer, signature, limit, None, -1, False, head, meta["task"])
     os.makedirs(out_dir, exist_ok=True)
     tmp = target + ".tmp"

@@ -52,7 +52,7 @@ OPSET = 17  # LayerNormalization is a native op from 17 (ONNX Runtime >= 1.14)
 
 
 def _graph_model(backbone, pooling=None, layers=-1, dense=(), normalize=True, network=None, task=None,
-                 activation="identity"):
+                 activation="identity", multi_label=False):
     """A keras.Model over the dict of transformers-named int64 inputs: the traced function of the export."""
     import keras
     from keras import ops
@@ -70,8 +70,8 @@ def _graph_model(backbone, pooling=None, layers=-1, dense=(), normalize=True, ne
                  "padding_mask": ops.cast(inputs["attention_mask"], "int32")}
             if self.network is not None:
                 logits = ops.cast(self.network(x, training=False), "float32")
-                if task != "regression":
-                    return {"probabilities": ops.softmax(logits, axis=-1)}
+                if task != "regression":  # a multi-label classifier: each label's own sigmoid
+                    return {"probabilities": ops.sigmoid(logits) if multi_label else ops.softmax(logits, axis=-1)}
                 value = logits[:, 0]
                 value = ops.sigmoid(value) if activation == "sigmoid" else ops.tanh(value) \
                     if activation == "tanh" else value
@@ -217,8 +217,10 @@ def export_onnx(model_dir: Union[str, Embedder], out_dir: str, signature: Option
         model = TaskModel.load(model_dir)
         tokenizer, config = model.tokenizer, model.network.backbone.config
         limit = config.check_length(max_length or model.max_length)
-        graph = _graph_model(model.network.backbone, network=model.network, task=task, activation=model.activation)
+        graph = _graph_model(model.network.backbone, network=model.network, task=task, activation=model.activation,
+                             multi_label=model.multi_label)
         info.update(task=task, labels=model.labels, max_length=limit, activation=model.activation,
+                    multi_label=model.multi_label,
                     pairs=bool(meta.get("pair_column") or meta.get("pairs")),
                     outputs=["predictions" if task == "regression" else "probabilities"])
         dense = []

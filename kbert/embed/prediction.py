@@ -15,8 +15,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from kbert.data.qa import answer_list, qa_scores
-from kbert.data.rows import class_label, entity_spans, number, read_rows, tags, text_cell, text_rows
-from kbert.utils import accuracy, entity_scores, macro_f1, pearson, spearman
+from kbert.data.rows import class_label, entity_spans, label_list, number, read_rows, tags, text_cell, text_rows
+from kbert.utils import accuracy, entity_scores, macro_f1, multi_label_figures, pearson, spearman
 
 # the columns of a model without a record of its own (a Hugging Face classifier or reader)
 DEFAULT_COLUMNS = {"question-answering": ("question", "context", "answers")}
@@ -42,13 +42,14 @@ def predict_rows(model, data, text_column: Optional[str] = None, pair_column: Op
     dicts).
 
     A prediction is `{"row": n}` (from 1, in the file's order; a question-answering row's `id` too) with:
-    classification and pair-classification `label`, `score` (its probability) and `scores` (every label's);
+    classification and pair-classification `label`, `score` (its probability) and `scores` (every label's; a
+    multi-label classifier: `labels`, those over 0.5, and `scores`);
     regression `score`; tagging `tags` ([word, tag] pairs) or, for an entity tagger, `entities` (as
     `TaskModel.entities`); question answering `answer`, `score`, `start`, `end` (as `TaskModel.answer`).
 
     The figures (with `label_column` and `rows`) are computed when every row has a label in `label_column` (named
-    or the model's own): accuracy and macro-F1 (classes), Spearman, Pearson and MSE (regression), KorQuAD's exact
-    match and F1 (question answering); for a tagger of word tags (UD's `upos`) accuracy and macro-F1 over the
+    or the model's own): accuracy and macro-F1 (classes; multi-label: micro-F1, macro-F1, subset accuracy),
+    Spearman, Pearson and MSE (regression), KorQuAD's exact match and F1 (question answering); for a tagger of word tags (UD's `upos`) accuracy and macro-F1 over the
     words it tagged, and for an entity tagger entity precision, recall and F1 over character spans, an entity
     counting when its span and type are exact (KLUE-NER's entity-level measure; fine-tuning's dev figure counts
     whole tokens instead, so the two may differ where an entity ends inside a token). A class label the model
@@ -126,6 +127,23 @@ def predict_rows(model, data, text_column: Optional[str] = None, pair_column: Op
             y = np.array([number(g, "data", i) for i, g in enumerate(gold)], np.float64)
             figures = {"spearman": spearman(values, y), "pearson": pearson(values, y),
                        "mse": float(np.mean((values - y) ** 2))}
+    elif getattr(model, "multi_label", False):  # each label its own probability; those over 0.5 hold
+        labels = [str(x) for x in model.labels]
+        probs = np.asarray(model.predict(texts, pairs, batch_size=batch_size))
+        for o, p in zip(out, probs):
+            o.update(labels=[k for k, x in zip(labels, p) if x > 0.5],
+                     scores={k: round(float(x), 6) for k, x in zip(labels, p)})
+        if labelled:
+            index = {k: j for j, k in enumerate(labels)}
+            y = np.zeros(probs.shape, bool)
+            for i, g in enumerate(gold):
+                row = label_list(g, "data", i)
+                unknown = [x for x in row if x not in index]
+                if unknown:
+                    raise ValueError(f"row {i + 1}'s {label_col!r} has {unknown[0]!r}, not one of the model's labels "
+                                     f"{labels}")
+                y[i, [index[x] for x in row]] = True
+            figures = multi_label_figures(y, probs > 0.5)
     else:
         labels = [str(x) for x in model.labels]
         probs = model.predict(texts, pairs, batch_size=batch_size)

@@ -71,6 +71,8 @@ class TaskModel(Ranking):
         self.network, self.tokenizer, self.meta = network, tokenizer, meta
         self.jit_compile = bool(jit_compile) or backend() == "jax"  # JAX compiles every (bucketed) shape
         self.task, self.labels = meta["task"], meta.get("labels")
+        # a multi-label classifier: a sigmoid a label (any number may hold), not one softmax over them
+        self.multi_label = bool(meta.get("multi_label", False))
         self.max_length = meta.get("max_length", 128)
         # a regression's output function: "identity" for kbert's regressors (their values on the label
         # scale), "sigmoid" for a Hugging Face cross-encoder with one logit, as sentence-transformers applies
@@ -185,7 +187,8 @@ class TaskModel(Ranking):
         return logits[where[:, 0], where[:, 1]]
 
     def predict(self, texts, pairs=None, batch_size: int = 64, activation: Optional[str] = None):
-        """classification / pair-classification: probabilities `[n, labels]`; regression: values `[n]`;
+        """classification / pair-classification: probabilities `[n, labels]` (a multi-label classifier's: each
+        label's own, a sigmoid, the label holding above 0.5); regression: values `[n]`;
         tagging: for each text a list of `(word, tag)`; sentence-embedding: unit vectors `[n, hidden]`.
 
         activation: a regression's output function, default the model's own (`self.activation`): "identity"
@@ -208,7 +211,12 @@ class TaskModel(Ranking):
         encodings = self.tokenizer.encode_batch(texts, pairs=pairs, max_length=self.max_length)
         if self.task != "tagging":
             logits = self._sequence_logits([e.ids for e in encodings], batch_size)
-            out = logits[:, 0] if self.task == "regression" else softmax(logits, axis=1).astype(np.float32)
+            if self.task == "regression":
+                out = logits[:, 0]
+            elif self.multi_label:
+                out = (1.0 / (1.0 + np.exp(-logits))).astype(np.float32)
+            else:
+                out = softmax(logits, axis=1).astype(np.float32)
         else:
             out = [None] * len(encodings)
             # batches of similar length (little padding), results put back in input order

@@ -412,6 +412,8 @@ def read_classifier(directory: str) -> Optional[dict]:
     labels = [str(id2label.get(str(i), id2label.get(i, i))) for i in range(num)]
     meta = {"task": "regression" if num == 1 else "classification", "labels": None if num == 1 else labels,
             "pooling": "pooler", "target": [0.0, 1.0], "source": architectures[0]}
+    if num > 1 and hf.get("problem_type") == "multi_label_classification":  # a sigmoid a label (KOTE, UnSmile)
+        meta["multi_label"] = True
     if num == 1:  # a cross-encoder: it scores (query, document) pairs
         meta.update(activation=activation, pairs=True)
     from kbert.models.st_dir import configured_max_length
@@ -751,10 +753,12 @@ def _export_classifier(task_model, directory: str, tokenizer) -> str:
                      label2id={str(label): i for i, label in enumerate(labels)}, classifier_dropout=None)
     if network.task == "regression":
         hf_config["problem_type"] = "regression"
+    elif meta.get("multi_label"):  # transformers' pipeline then gives each label its own sigmoid, as kbert does
+        hf_config["problem_type"] = "multi_label_classification"
     # kbert's classifiers give probabilities (CrossEncoder: predict(..., apply_softmax=True)); a regression its
     # own output function, which CrossEncoder reads from either place (sentence-transformers >= 5, and 4)
     activation = _TORCH_ACTIVATIONS[getattr(task_model, "activation", "identity")] if network.task == "regression" \
-        else _TORCH_ACTIVATIONS["identity"]
+        else _TORCH_ACTIVATIONS["sigmoid" if meta.get("multi_label") else "identity"]  # multi-label: per label
     hf_config["sentence_transformers"] = {"activation_fn": activation}
     st_config = {"model_type": "CrossEncoder", "activation_fn": activation, "prompts": {}, "default_prompt_name": None}
     return _write_hf_task(task_model, directory, tokenizer, hf, hf_config,

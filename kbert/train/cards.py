@@ -22,6 +22,8 @@ def data_name(data) -> str:
 def loss_text(c, task_name: str) -> str:
     """One dataset's loss, in words (a `FinetuneConfig` or a dataset's config)."""
     if task_name != "sentence-embedding":
+        if getattr(c, "multi_label", False):
+            return "binary cross-entropy, a sigmoid a label (multi-label: a label holds above 0.5)"
         return {"classification": "cross-entropy", "pair-classification": "cross-entropy",
                 "regression": "mean squared error on the standardized target",
                 "tagging": "cross-entropy on each word's first piece",

@@ -98,6 +98,10 @@ def teacher_mode(teacher_dir: str, mode: str) -> str:
         raise ValueError(f"`mode` must be one of {MODES}. Received: mode={mode!r}")
     meta = read_task_meta(teacher_dir)
     task = meta.get("task") if meta else None
+    if meta and meta.get("multi_label") and mode in ("auto", "task"):
+        raise ValueError(f"{teacher_dir!r} is a multi-label classifier (a sigmoid a label), whose head task mode's "
+                         f"softmax KL loss does not fit; distil its encoder with mode='embedding' or 'general', then "
+                         f"fine-tune the student with multi_label=True")
     if mode == "auto":
         if task in TASK_MODE_TASKS:
             return "task"

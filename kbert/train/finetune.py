@@ -62,6 +62,7 @@ class FinetuneConfig:
     label_column: Optional[str] = "label"
     columns: Optional[List[str]] = None  # a header-less TSV/CSV's column names, in order (train and dev)
     labels: Optional[List[str]] = None
+    multi_label: bool = False  # classification: each row any number of the labels (a sigmoid each)
     epochs: float = 3
     batch_size: int = 32
     learning_rate: float = 5e-5
@@ -128,6 +129,10 @@ class FinetuneConfig:
         for name in ("model", "task", "train"):
             if getattr(self, name) is None and not (name == "train" and self.datasets):
                 raise ValueError(f"`{name}` is required (a config key, or the --{name} flag)")
+        if not isinstance(self.multi_label, bool) or (
+                self.multi_label and self.task not in ("classification", "pair-classification")):
+            raise ValueError(f"`multi_label` (True or False) goes with task='classification' or "
+                             f"'pair-classification'. Received: multi_label={self.multi_label!r}, task={self.task!r}")
         if self.metric is not None and not isinstance(self.metric, str):
             raise ValueError(f"`metric` must be the name of a dev figure, e.g. 'macro_f1'. Received: {self.metric!r}")
         if self.similarity_loss not in SIMILARITY_LOSSES:
@@ -177,7 +182,7 @@ class FinetuneConfig:
 def finetune(model: str, task: str, train, dev=None, out_dir: str = "finetuned", text_column: str = "text",
              pair_column: Optional[str] = None, label_column: Optional[str] = "label",
              columns: Optional[Sequence[str]] = None, labels: Optional[Sequence[str]] = None,
-             epochs: float = 3, batch_size: int = 32,
+             multi_label: bool = False, epochs: float = 3, batch_size: int = 32,
              learning_rate: float = 5e-5, warmup: float = 0.1, weight_decay: float = 0.01,
              max_length: Optional[int] = None, dropout: float = 0.1, patience: Optional[int] = 2,
              metric: Optional[str] = None, eval_every: Optional[int] = None, max_steps: Optional[int] = None,
@@ -209,6 +214,11 @@ def finetune(model: str, task: str, train, dev=None, out_dir: str = "finetuned",
         columns: for TSV/CSV files without a header line (3i4k's `label<TAB>text`, google-research/bert's
             GLUE files), their columns' names in order, e.g. ["label", "text"]; the first line is then a row.
         labels: class names in order (default: the sorted labels of `train`).
+        multi_label: for classification and pair-classification, each row holds any number of the labels (a list,
+            a JSON list or a comma-separated cell; empty: none): a sigmoid a label trained with binary
+            cross-entropy (transformers' problem_type "multi_label_classification"), a label predicted when its
+            probability is over 0.5. The dev figures are micro-F1 (picks the best checkpoint), macro-F1 and subset
+            accuracy; `TaskModel.predict` gives each label's own probability.
         epochs, batch_size, learning_rate, warmup (fraction of steps), weight_decay, max_length (tokens per
             input; default 128, or the model's limit when lower; beyond the model's positions is an error).
         dropout: dropout on the head's input (classification, pair-classification, regression, tagging).

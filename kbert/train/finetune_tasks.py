@@ -4,7 +4,9 @@ A task builds its network (a head on the backbone), turns rows into encoded `Exa
 into the network's features and targets, gives the training loss (in `keras.ops`), and scores a dev split. This is Model Garden's `Task` idea: the loop
 knows none of it, and a new task is one class added to `TASKS`.
 
-    classification        one text -> one of N labels (head on the pooled [CLS] output)
+    classification        one text -> one of N labels (head on the pooled [CLS] output); with `multi_label`, any
+                          number of them (a sigmoid a label, binary cross-entropy: transformers'
+                          multi_label_classification)
     pair-classification   two texts (`[CLS] a [SEP] b [SEP]`) -> one of N labels (NLI, paraphrase)
     regression            one text or a pair -> a number (MSE on standardized targets)
     tagging               whitespace words -> one tag each (head on each word's first subword)
@@ -30,7 +32,7 @@ from kbert.data import rows as cells
 from kbert.data.rows import read_rows, text_rows
 from kbert.data.features import features, first_pieces, pad, segment_ids, unit_vectors_in_batches
 from kbert.train.metrics import entity_figures, pair_classification_figures, pearson, spearman
-from kbert.utils import macro_f1
+from kbert.utils import macro_f1, multi_label_figures
 
 SIMILARITY_LOSSES = ("cosent", "cosine", "contrastive")
 CONTRASTIVE_MARGIN = 0.5  # sentence-transformers' OnlineContrastiveLoss default: a non-pair's cosine distance
@@ -274,13 +276,34 @@ class FinetuneTask:
 class ClassificationTask(FinetuneTask):
     name = "classification"
 
+    @property
+    def multi_label(self) -> bool:
+        return bool(getattr(self.config, "multi_label", False))
+
+    @property
+    def metric(self) -> str:  # multi-label: F1 over every (row, label) decision, as GoEmotions' and KOTE's tables
+        return "micro_f1" if self.multi_label else "accuracy"
+
+    @property
+    def extra_meta(self) -> dict:
+        return {"multi_label": True} if self.multi_label else {}
+
     def label_set(self, rows, progress):
         import sys
 
         c = self.config
-        counts = collections.Counter(cells.class_label(r[c.label_column], "train", i) for i, r in enumerate(rows))
+        if self.multi_label:
+            counts = collections.Counter(x for i, r in enumerate(rows)
+                                         for x in cells.label_list(r[c.label_column], "train", i))
+        else:
+            list_cell = next((i for i, r in enumerate(rows) if isinstance(r[c.label_column], (list, tuple))), None)
+            if list_cell is not None:
+                raise ValueError(f"train row {list_cell + 1}: the label is a list "
+                                 f"{rows[list_cell][c.label_column]!r}; for rows with any number of labels pass "
+                                 f"multi_label=True (--multi-label)")
+            counts = collections.Counter(cells.class_label(r[c.label_column], "train", i) for i, r in enumerate(rows))
         labels = [str(x).strip() for x in (c.labels or sorted(counts))]
-        if len(labels) < 2:
+        if len(labels) < 2 and not (self.multi_label and labels):
             raise ValueError(f"Classification needs at least 2 labels; the training data has {labels}")
         if progress:  # the label set before training: an unexpected class shows here, not in the scores
             print(f"{len(labels)} labels: " + ", ".join(f"{k!r} ({counts[k]} rows)" for k in labels),
@@ -289,6 +312,16 @@ class ClassificationTask(FinetuneTask):
 
     def targets(self, raw, encodings, split):
         index = {label: k for k, label in enumerate(self.labels)}
+        if self.multi_label:  # [n, k] multi-hot
+            out = np.zeros((len(raw), len(self.labels)), np.float32)
+            for i, v in enumerate(raw):
+                row = cells.label_list(v, split, i)
+                unknown = sorted(set(row) - set(index))
+                if unknown:
+                    raise ValueError(f"{split} row {i + 1} has labels not seen in training: {unknown[:5]} "
+                                     f"(training labels: {self.labels})")
+                out[i, [index[x] for x in row]] = 1.0
+            return out
         raw = [cells.class_label(v, split, i) for i, v in enumerate(raw)]
         unknown = sorted(set(raw) - set(index))
         if unknown:
@@ -299,9 +332,14 @@ class ClassificationTask(FinetuneTask):
         import keras
 
         logits = network(feats, training=True)  # [b, k]
+        if self.multi_label:  # a sigmoid a label: the mean binary cross-entropy over the [b, k] decisions
+            y = keras.ops.cast(y, logits.dtype)
+            return keras.ops.mean(keras.ops.binary_crossentropy(y, logits, from_logits=True))
         return keras.ops.mean(keras.losses.sparse_categorical_crossentropy(y, logits, from_logits=True))
 
     def scores(self, outputs, examples):
+        if self.multi_label:
+            return multi_label_figures(examples.labels, np.stack(outputs) > 0)  # sigmoid > 0.5
         pred = np.argmax(np.stack(outputs), axis=1)
         return {"accuracy": float(np.mean(pred == examples.labels)),
                 "macro_f1": macro_f1(examples.labels, pred, len(self.labels))}
