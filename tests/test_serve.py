@@ -549,3 +549,31 @@ def test_search_serves_an_index_built_with_the_model(dirs, tmp_path):
                              tokenizer=index.embedder.tokenizer)
     with pytest.raises(ValueError, match="does not encode as the one that built this index"):
         build_app(other, index=out)
+
+
+def test_a_multi_label_classifier_serves_each_labels_own_probability(dirs, tmp_path):
+    """/v1/classify on a multi-label classifier (a task dir, and its ONNX export): each label's sigmoid, not a
+    softmax, and `labels`, every label over 0.5, beside the top `label`."""
+    from kbert.data.features import build_network
+    from kbert.embed.task_model import TaskModel
+    from kbert.models.tasks import TaskNetwork
+    from kbert.server import build_app
+
+    model_dir, _ = dirs
+    emb = kbert.Embedder.load(model_dir)
+    network = TaskNetwork(emb.backbone, "classification", 3, 0.0, (0.0, 1.0), "pooler", -1)
+    build_network(network, emb.tokenizer)
+    network.head.bias.assign(np.array([2.0, -2.0, 0.5], np.float32))  # a clear yes, a clear no, one in between
+    meta = {"task": "classification", "labels": ["분노", "슬픔", "기쁨"], "max_length": 64, "text_column": "text",
+            "pair_column": None, "label_column": "labels", "pooling": "pooler", "layers": -1, "multi_label": True}
+    task_dir = TaskModel(network, emb.tokenizer, meta).save(str(tmp_path / "multi"))
+    expected = kbert.TaskModel.load(task_dir).predict(TEXTS[:3])
+    assert expected.shape == (3, 3) and not np.allclose(expected.sum(axis=1), 1.0)
+    for served in (task_dir, kbert.export_onnx(task_dir, str(tmp_path / "multi-onnx"))):
+        with Running(build_app(served)) as srv, httpx.Client(base_url=srv.url, timeout=60) as client:
+            body = client.post("/v1/classify", json={"input": TEXTS[:3]}).json()
+        np.testing.assert_allclose([[row["probabilities"][k] for k in meta["labels"]] for row in body["data"]],
+                                   expected, atol=1e-5)
+        for row, p in zip(body["data"], expected):
+            assert row["labels"] == [k for k, x in zip(meta["labels"], p) if x > 0.5] and "분노" in row["labels"]
+            assert row["label"] == meta["labels"][int(np.argmax(p))]
