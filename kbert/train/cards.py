@@ -105,7 +105,8 @@ def write_finetune_card(c, task, config, meta: dict, train_ex, dev_ex, summary: 
     task_name = task.name
     name = os.path.basename(os.path.abspath(c.out_dir))
     prompts = meta.get("prompts")
-    details = [("task", task_name), ("labels", ", ".join(map(str, meta.get("labels") or [])) or None),
+    shown_task = task_name + (" (multi-label: a sigmoid a label)" if meta.get("multi_label") else "")
+    details = [("task", shown_task), ("labels", ", ".join(map(str, meta.get("labels") or [])) or None),
                ("max length", f"{meta.get('max_length')} tokens"), ("pooling", _pooling(meta)),
                ("vector width", config.hidden_size if task_name == "sentence-embedding" else None),
                ("prompts", ", ".join(f"{k}: `{v}`" for k, v in prompts.items()) if prompts else None)]
