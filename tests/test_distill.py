@@ -14,7 +14,7 @@ import pytest
 
 import kbert
 from kbert.data.recipes import movie_review_sentiment
-from kbert.train.distill import embedding_distill_loss, soft_target_loss, soft_target_task
+from kbert.train.distill import embedding_distill_loss, soft_label_loss, soft_target_loss, soft_target_task
 from helpers import SHARED, needs_shared
 
 pytestmark = needs_shared
@@ -109,6 +109,51 @@ def test_task_loss_mixes_gold_labels_only_where_rows_have_them(teacher):
     assert task.labels == ["0", "1"]
 
 
+def _multi_label_dir(base, out):
+    """A multi-label task dir on `base`: an untrained head of three sigmoid labels."""
+    from kbert.data.features import build_network
+    from kbert.embed.task_model import TaskModel
+    from kbert.models.tasks import TaskNetwork
+
+    emb = kbert.Embedder.load(base)
+    network = TaskNetwork(emb.backbone, "classification", 3, 0.0, (0.0, 1.0), "pooler", -1)
+    build_network(network, emb.tokenizer)
+    meta = {"task": "classification", "labels": ["a", "b", "c"], "max_length": 48, "text_column": "text",
+            "pair_column": None, "label_column": "label", "pooling": "pooler", "layers": -1, "multi_label": True}
+    return TaskModel(network, emb.tokenizer, meta).save(out)
+
+
+def test_a_multi_label_teachers_loss_is_per_label_by_hand(teacher, tmp_path):
+    """Task mode from a multi-label teacher: each label's soft target is the teacher's sigmoid at temperature T
+    (binary cross-entropy less its floor, times T^2: 0 where the student agrees), mixed with the gold labels'
+    binary cross-entropy at alpha where a row has them (NaN: none given)."""
+    from kbert.train.distill import Teacher
+    from kbert.train.finetune import FinetuneConfig
+
+    def bce(p, z):  # per element, of logits z against probabilities p
+        return np.logaddexp(0, z) - p * z
+
+    sigmoid = lambda z: 1 / (1 + np.exp(-z))  # noqa: E731
+    s = np.array([[0.5, -0.5, 2.0], [1.0, 2.0, -1.0]], np.float32)
+    t = np.array([[1.0, 0.0, -1.0], [3.0, -2.0, 0.5]], np.float32)
+    for temperature in (1.0, 2.0):
+        p = sigmoid(t / temperature)
+        want = (bce(p, s / temperature) - bce(p, t / temperature)).mean(axis=1) * temperature ** 2
+        np.testing.assert_allclose(np.asarray(soft_label_loss(s, t, temperature)), want, rtol=1e-5, atol=1e-6)
+    assert np.allclose(np.asarray(soft_label_loss(t, t, 2.0)), 0.0, atol=1e-6)
+    t_dir = _multi_label_dir(teacher[0], str(tmp_path / "multi"))
+    task = soft_target_task(FinetuneConfig(model=t_dir, task="classification", train=[]), Teacher(t_dir, "task"),
+                            2.0, 0.3)
+    assert task.multi_label and task.extra_meta["multi_label"] and task.labels == ["a", "b", "c"]
+    gold = task.targets(["a,c", "", ["b"]], None, "train")
+    assert np.array_equal(gold[[0, 2]], [[1, 0, 1], [0, 1, 0]]) and np.isnan(gold[1]).all()
+    y = np.concatenate([gold[:2], t], axis=1)
+    got = float(task.loss(lambda feats, training: s, None, y, 2))
+    soft = np.asarray(soft_label_loss(s, t, 2.0))
+    want = np.mean([0.7 * soft[0] + 0.3 * bce(gold[0], s[0]).mean(), soft[1]])
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
 def test_teacher_scoring_shows_a_bar_on_large_sets_only(teacher, capfd, monkeypatch):
     """Scoring a large transfer set (outputs in task mode, vectors in embedding mode) runs under a progress
     bar that counts texts; small sets (dev) and progress=False stay silent; the outputs are unchanged."""
@@ -164,6 +209,32 @@ def test_task_mode_student_learns_its_teacher(tok, teacher, tmp_path):
     with open(os.path.join(out, "README.md"), encoding="utf-8") as f:  # the card names the teacher and the loss
         card = f.read()
     assert f"distilled from `{os.path.basename(teacher[1])}`" in card and "- loss: distillation from `" in card
+
+
+@pytest.mark.slow
+def test_a_multi_label_teachers_student_learns_each_label(teacher, tok, tmp_path):
+    """A multi-label teacher (which of two words a KorSTS sentence holds) teaches a 1-layer student on text it
+    never labelled: the student is a multi-label classifier too (a sigmoid a label) and makes the teacher's
+    (row, label) decisions on dev."""
+    with open(os.path.join(KORSTS, "sts-train.tsv"), encoding="utf-8") as f:
+        texts = [line.rstrip("\n").split("\t")[5] for line in f][1:3001]
+    words = ("남자", "여자")
+    rows = [{"text": t, "tags": [w for w in words if w in t]} for t in texts]
+    t_dir = str(tmp_path / "teacher")
+    summary = kbert.finetune(teacher[0], "classification", rows[:1300], rows[1300:1600], label_column="tags",
+                             multi_label=True, out_dir=t_dir, epochs=4, learning_rate=1e-3, max_length=48,
+                             pooling="mean", progress=False)
+    assert summary["best"] > 0.85, summary["history"]
+    out = str(tmp_path / "student")
+    summary = kbert.distill(t_dir, small_config(tok, layers=1), data=texts[1600:], dev=rows[1300:1600],
+                            label_column="tags", out_dir=out, epochs=3, learning_rate=1e-3, max_length=48,
+                            progress=False)
+    assert summary["mode"] == "task" and summary["metric"] == "micro_f1"
+    history = summary["history"]
+    assert history[-1]["dev_teacher_agreement"] >= 0.9, (summary["baseline"], history)
+    student = kbert.TaskModel.load(out)
+    assert student.multi_label and student.labels == sorted(words)
+    assert not np.allclose(student.predict(texts[:4]).sum(axis=1), 1.0)
 
 
 @pytest.mark.slow

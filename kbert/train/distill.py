@@ -5,8 +5,9 @@ Modes (`mode="auto"` picks from the teacher dir's `kbert_task.json`):
     task        the teacher is a fine-tuned classification / pair-classification / regression dir. The student
                 learns its soft targets on the task's training text plus unlabeled in-domain text
                 (Hinton et al.: KL divergence between the temperature-softened distributions, times T^2),
-                mixed with the gold labels where a row has one (`alpha`). Teacher and student must share
-                the vocabulary (the student reads the same token ids).
+                mixed with the gold labels where a row has one (`alpha`); a multi-label teacher's student is
+                multi-label too, each label's soft target the teacher's tempered sigmoid (binary cross-
+                entropy). Teacher and student must share the vocabulary (the student reads the same token ids).
     embedding   the teacher is a sentence-embedding dir (or any model dir: mean pooling). The student's
                 pooled unit vectors regress onto the teacher's (MSE, as in Reimers & Gurevych's
                 multilingual distillation) when their widths match, and always match the batch's cosine
@@ -74,6 +75,19 @@ def soft_target_loss(student_logits, teacher_logits, temperature: float):
     return kl * temperature ** 2
 
 
+def soft_label_loss(student_logits, teacher_logits, temperature: float):
+    """A multi-label teacher's soft targets: per row the mean over labels of the binary cross-entropy of
+    sigmoid(s / T) against sigmoid(t / T), less its value at s = t (so 0 when they agree, as the KL above),
+    times T^2 (`[b]`)."""
+    import keras
+
+    t = keras.ops.cast(teacher_logits, "float32") / temperature
+    s = keras.ops.cast(student_logits, "float32") / temperature
+    p = keras.ops.sigmoid(t)
+    own = keras.ops.binary_crossentropy(p, t, from_logits=True)  # the teacher's own entropy: the floor
+    return keras.ops.mean(keras.ops.binary_crossentropy(p, s, from_logits=True) - own, axis=-1) * temperature ** 2
+
+
 def embedding_distill_loss(student, teacher):
     """Student pooled vectors `[b, h_s]` against the teacher's unit vectors `[b, h_t]`: the mean squared
     difference of the two batch cosine matrices `[b, b]`, plus, when h_s == h_t, the mean over rows of the
@@ -98,10 +112,6 @@ def teacher_mode(teacher_dir: str, mode: str) -> str:
         raise ValueError(f"`mode` must be one of {MODES}. Received: mode={mode!r}")
     meta = read_task_meta(teacher_dir)
     task = meta.get("task") if meta else None
-    if meta and meta.get("multi_label") and mode in ("auto", "task"):
-        raise ValueError(f"{teacher_dir!r} is a multi-label classifier (a sigmoid a label), whose head task mode's "
-                         f"softmax KL loss does not fit; distil its encoder with mode='embedding' or 'general', then "
-                         f"fine-tune the student with multi_label=True")
     if mode == "auto":
         if task in TASK_MODE_TASKS:
             return "task"
@@ -194,8 +204,13 @@ def same_vocabulary(teacher: Teacher, student_dir: str, mode: str) -> None:
 # ------------------------------------------------------------------------------------------ tasks
 class SoftTargets:
     """Task mode, mixed into the teacher's task class: training rows carry `[n, 1 + k]` labels (the gold
-    class index, or -1 / NaN where a row has none, then the teacher's k outputs); dev rows keep their gold
+    class index, or -1 / NaN where a row has none, then the teacher's k outputs; a multi-label teacher's rows
+    `[n, 2k]`: the gold multi-hot row, NaN where a row has none, then the k logits); dev rows keep their gold
     labels, and the dev scores add the student's agreement with the teacher."""
+
+    @property
+    def multi_label(self) -> bool:  # the student predicts as its teacher: a sigmoid a label, or one softmax
+        return bool(self.teacher.meta.get("multi_label"))
 
     def setup(self, teacher: Teacher, temperature: float, alpha: float):
         self.teacher, self.temperature, self.alpha = teacher, float(temperature), float(alpha)
@@ -203,12 +218,17 @@ class SoftTargets:
         if self.name == "regression":
             self.target = tuple(teacher.meta.get("target") or (0.0, 1.0))
         self.dev_teacher = None
-        self.extra_meta = {"distilled_from": os.path.abspath(teacher.dir), "distill_mode": "task"}
+
+    @property
+    def extra_meta(self) -> dict:  # what the student's kbert_task.json adds
+        return {"distilled_from": os.path.abspath(self.teacher.dir), "distill_mode": "task",
+                **({"multi_label": True} if self.multi_label else {})}
 
     @property
     def loss_description(self) -> str:  # the model card's loss line
         soft = ("squared error to the teacher's output" if self.name == "regression"
-                else f"the teacher's soft targets at temperature {self.temperature:g}")
+                else f"the teacher's soft targets at temperature {self.temperature:g}"
+                + (" (a sigmoid a label)" if self.multi_label else ""))
         gold = f", mixed with the gold labels at alpha {self.alpha:g}" if self.alpha else ""
         return f"distillation from {shown_name(self.teacher.dir)}: {soft}{gold}"
 
@@ -226,8 +246,13 @@ class SoftTargets:
     def targets(self, raw, encodings, split):
         if split != "train":
             return super().targets(raw, encodings, split)
-        missing = [v is None or str(v).strip() == "" for v in raw]
+        missing = [v is None or (not isinstance(v, (list, tuple)) and str(v).strip() == "") for v in raw]
         known = [v for v, m in zip(raw, missing) if not m]
+        if self.multi_label:  # a row without labels (a cell left empty) learns from the teacher alone
+            gold = np.full((len(raw), len(self.labels)), np.nan, np.float32)
+            if known:
+                gold[~np.array(missing)] = super().targets(known, None, split)
+            return gold
         gold = np.full(len(raw), np.nan if self.name == "regression" else -1, np.float32)
         if known:
             gold[~np.array(missing)] = super().targets(known, None, split)
@@ -237,7 +262,8 @@ class SoftTargets:
         ex = super().encode(rows, tokenizer, max_length, split)
         out = self.teacher.outputs(ex.token_ids, ex.segment_ids)
         if split == "train":
-            ex.labels = np.concatenate([ex.labels[:, None].astype(np.float32), out], axis=1)
+            gold = ex.labels if ex.labels.ndim == 2 else ex.labels[:, None]
+            ex.labels = np.concatenate([gold.astype(np.float32), out], axis=1)
         else:
             self.dev_teacher = out
         return ex
@@ -249,6 +275,15 @@ class SoftTargets:
         import keras
 
         out = keras.ops.cast(network(feats, training=True), "float32")  # [b, k]
+        if self.multi_label:  # y [b, 2k]: gold multi-hot (NaN: none given), the teacher's logits
+            k = out.shape[-1]
+            gold, teacher = y[:, :k], y[:, k:]
+            soft = soft_label_loss(out, teacher, self.temperature)
+            has = keras.ops.logical_not(keras.ops.isnan(gold[:, 0]))
+            hard = keras.ops.mean(keras.ops.binary_crossentropy(keras.ops.where(keras.ops.isnan(gold), 0.0, gold),
+                                                                out, from_logits=True), axis=-1)
+            a = keras.ops.where(has, self.alpha, 0.0)
+            return keras.ops.mean((1.0 - a) * soft + a * hard)
         gold, teacher = y[:, 0], y[:, 1:]
         if self.name == "regression":
             std = self.target[1]
@@ -269,6 +304,8 @@ class SoftTargets:
             mine = np.stack(outputs)
             if self.name == "regression":
                 scores["teacher_agreement"] = spearman(mine[:, 0], self.dev_teacher[:, 0])
+            elif self.multi_label:  # the share of (row, label) decisions the two make alike
+                scores["teacher_agreement"] = float(np.mean((mine > 0) == (self.dev_teacher > 0)))
             else:
                 scores["teacher_agreement"] = float(np.mean(np.argmax(mine, 1) == np.argmax(self.dev_teacher, 1)))
         return scores
