@@ -752,7 +752,7 @@ def _predict(args):
         model.max_length = args.max_length
     names = [name.strip() for name in args.columns.split(",")] if args.columns else None
     out, figures = predict_rows(model, args.input, args.text_column, args.pair_column, args.label_column, names,
-                                batch_size=args.batch_size)
+                                batch_size=args.batch_size, progress=True)
     _write_json_lines(out, args.out)
     print(f"{len(out)} rows predicted by the {model.task} model" + (f", written to {args.out}" if args.out else ""),
           file=sys.stderr)

@@ -250,7 +250,8 @@ def test_the_dev_metric_that_picks_the_best_checkpoint_can_be_chosen(base, tmp_p
         kbert.finetune(base, "classification", rows, metric="macro_f1", out_dir=str(tmp_path / "y"), **run)
 
 
-def test_predict_gives_each_rows_prediction_and_the_test_figures_fine_tuning_reports(base, tmp_path, capsys):
+def test_predict_gives_each_rows_prediction_and_the_test_figures_fine_tuning_reports(base, tmp_path, capsys,
+                                                                                        monkeypatch):
     """`kbert predict` (`kbert.embed.prediction.predict_rows`): TaskModel's probabilities and values a row, in the
     columns the model was tuned on, and against the file's labels the very figures fine-tuning printed for the
     same rows as its dev set (run_classifier.py's --do_predict, with the evaluation)."""
@@ -273,6 +274,14 @@ def test_predict_gives_each_rows_prediction_and_the_test_figures_fine_tuning_rep
     assert figures["accuracy"] == pytest.approx(best["dev_accuracy"]) and \
         figures["macro_f1"] == pytest.approx(best["dev_macro_f1"])
     assert predict_rows(model, [{"review": r["review"]} for r in test])[1] is None  # no labels: predictions only
+    from kbert.embed import prediction
+
+    monkeypatch.setattr(prediction, "CHUNK", 5)  # a large file runs a chunk at a time (the bar's steps): the same
+    chunked, again = predict_rows(model, test, progress=True)
+    assert again == figures and [o["label"] for o in chunked] == [o["label"] for o in out]
+    np.testing.assert_allclose([o["score"] for o in chunked], [o["score"] for o in out], atol=1e-5)
+    assert "predict classification" in capsys.readouterr().err
+    monkeypatch.undo()
     with pytest.raises(ValueError, match=r"row 2's 'y' is '3', not one of the model's labels \['0', '1'\]"):
         predict_rows(model, [test[0], {"review": "좋다", "y": "3"}])
     with pytest.raises(ValueError, match="row 1 has no 'gold' to score"):

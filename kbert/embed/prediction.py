@@ -16,7 +16,7 @@ import numpy as np
 
 from kbert.data.qa import answer_list, qa_scores
 from kbert.data.rows import class_label, entity_spans, label_list, number, read_rows, tags, text_cell, text_rows
-from kbert.utils import accuracy, entity_scores, macro_f1, multi_label_figures, pearson, spearman
+from kbert.utils import accuracy, entity_scores, macro_f1, multi_label_figures, pearson, progress_bar, spearman
 
 # the columns of a model without a record of its own (a Hugging Face classifier or reader)
 DEFAULT_COLUMNS = {"question-answering": ("question", "context", "answers")}
@@ -34,12 +34,28 @@ def task_columns(model, text_column: Optional[str] = None, pair_column: Optional
             label_column or meta.get("label_column") or label_d)
 
 
+CHUNK = 1024  # rows a call of the model's method: the progress bar moves a chunk at a time
+
+
+def _in_chunks(method, texts, pairs, bar, **options):
+    """`method(texts, pairs)` over chunks of CHUNK rows, joined (arrays stacked, lists concatenated)."""
+    parts = []
+    for start in range(0, len(texts), CHUNK):
+        args = (texts[start:start + CHUNK],) + ((pairs[start:start + CHUNK],) if pairs is not None else ())
+        part = method(*args, **options)
+        parts.append([part] if isinstance(part, dict) else part)  # `answer` of one question: its dict
+        bar.update(len(args[0]))
+    if parts and isinstance(parts[0], np.ndarray):
+        return np.concatenate(parts)
+    return [x for part in parts for x in part]
+
+
 def predict_rows(model, data, text_column: Optional[str] = None, pair_column: Optional[str] = None,
                  label_column: Optional[str] = None, names: Optional[Sequence[str]] = None,
-                 batch_size: int = 64) -> Tuple[List[dict], Optional[Dict[str, float]]]:
+                 batch_size: int = 64, progress: bool = False) -> Tuple[List[dict], Optional[Dict[str, float]]]:
     """(one prediction a row, the figures against the rows' labels or None) of a `TaskModel` on `data` (a
     TSV/CSV/JSONL/SQuAD file, a header-less one with `names`, a .txt of lines for one-text tasks, or a list of
-    dicts).
+    dicts). `progress`: a bar of rows on stderr.
 
     A prediction is `{"row": n}` (from 1, in the file's order; a question-answering row's `id` too) with:
     classification and pair-classification `label`, `score` (its probability) and `scores` (every label's; a
@@ -78,9 +94,9 @@ def predict_rows(model, data, text_column: Optional[str] = None, pair_column: Op
         raise ValueError(f"row {empty + 1} has no {label_column!r} to score the prediction against")
     out = [{"row": i + 1} for i in range(len(rows))]
     figures = None
+    bar = progress_bar(total=len(rows), desc=f"predict {model.task}", unit=" rows", enabled=progress)
     if model.task == "question-answering":
-        found = model.answer(texts, pairs, batch_size=batch_size)
-        found = [found] if isinstance(found, dict) else found
+        found = _in_chunks(model.answer, texts, pairs, bar, batch_size=batch_size)
         for o, r, a in zip(out, rows, found):
             if r.get("id") is not None:
                 o["id"] = r["id"]
@@ -90,7 +106,7 @@ def predict_rows(model, data, text_column: Optional[str] = None, pair_column: Op
                       for i, (g, c) in enumerate(zip(gold, pairs))}
             figures = qa_scores({str(i): o["answer"] for i, o in enumerate(out)}, truths)
     elif model.task == "tagging" and (model.meta or {}).get("aggregation"):  # an entity tagger: its spans
-        found = model.entities(texts, batch_size=batch_size)
+        found = _in_chunks(model.entities, texts, None, bar, batch_size=batch_size)
         for o, entities in zip(out, found):
             o["entities"] = [{k: (round(float(v), 6) if k == "score" else v) for k, v in e.items()} for e in entities]
         if labelled:
@@ -104,7 +120,7 @@ def predict_rows(model, data, text_column: Optional[str] = None, pair_column: Op
             figures = entity_scores(gold_spans, [{(e["start"], e["end"], e["entity_group"]) for e in entities}
                                                  for entities in found])
     elif model.task == "tagging":
-        tagged = model.predict(texts, batch_size=batch_size)
+        tagged = _in_chunks(model.predict, texts, None, bar, batch_size=batch_size)
         for o, words in zip(out, tagged):
             o["tags"] = [list(t) for t in words]
         if labelled:  # the words the model tagged (a text cut at max_length: its first words)
@@ -120,7 +136,7 @@ def predict_rows(model, data, text_column: Optional[str] = None, pair_column: Op
                 p += [index[t] for _, t in words]
             figures = {"accuracy": accuracy(y, p), "macro_f1": macro_f1(y, p, unknown + 1)}
     elif model.task == "regression":
-        values = np.asarray(model.predict(texts, pairs, batch_size=batch_size), np.float64)
+        values = np.asarray(_in_chunks(model.predict, texts, pairs, bar, batch_size=batch_size), np.float64)
         for o, v in zip(out, values):
             o["score"] = round(float(v), 6)
         if labelled:
@@ -129,7 +145,7 @@ def predict_rows(model, data, text_column: Optional[str] = None, pair_column: Op
                        "mse": float(np.mean((values - y) ** 2))}
     elif getattr(model, "multi_label", False):  # each label its own probability; those over 0.5 hold
         labels = [str(x) for x in model.labels]
-        probs = np.asarray(model.predict(texts, pairs, batch_size=batch_size))
+        probs = np.asarray(_in_chunks(model.predict, texts, pairs, bar, batch_size=batch_size))
         for o, p in zip(out, probs):
             o.update(labels=[k for k, x in zip(labels, p) if x > 0.5],
                      scores={k: round(float(x), 6) for k, x in zip(labels, p)})
@@ -146,7 +162,7 @@ def predict_rows(model, data, text_column: Optional[str] = None, pair_column: Op
             figures = multi_label_figures(y, probs > 0.5)
     else:
         labels = [str(x) for x in model.labels]
-        probs = model.predict(texts, pairs, batch_size=batch_size)
+        probs = _in_chunks(model.predict, texts, pairs, bar, batch_size=batch_size)
         best = np.argmax(probs, axis=1)
         for o, p, b in zip(out, probs, best):
             o.update(label=labels[b], score=round(float(p[b]), 6),
@@ -161,6 +177,7 @@ def predict_rows(model, data, text_column: Optional[str] = None, pair_column: Op
                                      f"{labels}")
                 y.append(index[value])
             figures = {"accuracy": accuracy(y, best), "macro_f1": macro_f1(y, best, len(labels))}
+    bar.close()
     if figures is not None:
         figures = {"label_column": label_col, "rows": len(rows), **figures}
     return out, figures
