@@ -478,6 +478,7 @@ def _finetune(args):
              "similarity_loss": "similarity_loss", "pooling": "pooling", "backbone_dropout": "backbone_dropout",
              "epochs": "epochs", "batch_size": "batch_size", "learning_rate": "learning_rate",
              "max_length": "max_length", "patience": "patience", "metric": "metric", "eval_every": "eval_every",
+             "class_weights": "class_weights",
              "max_steps": "max_steps", "seed": "seed", "checkpoint_every": "checkpoint_every",
              "objective": "objective", "negative_column": "negative_column", "temperature": "temperature",
              "mini_batch_size": "mini_batch_size", "guide": "guide", "guide_margin": "guide_margin",
@@ -1131,6 +1132,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-answer-length", type=int, help="question-answering: longest answer decoded, in tokens "
                                                          "(default 30)")
     p.add_argument("--patience", type=int, help="evaluations without improvement before stopping (default: 2)")
+    p.add_argument("--class-weights", choices=("balanced",),
+                   help="classification: weigh each class's rows by n / (k * n_c) in the loss (for classes of very "
+                        "different sizes; a mapping of label to weight goes in --config)")
     p.add_argument("--metric", help="the dev figure that picks the best checkpoint, e.g. macro_f1 (default: the "
                                     "task's: accuracy, spearman, entity_f1, ...)")
     p.add_argument("--eval-every", type=int, help="steps between dev evaluations (default: each epoch)")

@@ -372,6 +372,56 @@ def test_multi_label_classification_trains_predicts_exports_and_reads_back(base,
         kbert.distill(out, "bert-tiny", [r["text"] for r in dev], out_dir=str(tmp_path / "student"), progress=False)
 
 
+def test_class_weights_weigh_the_loss_as_scikit_learn_and_torch_define_them(base, tmp_path, capsys):
+    """`class_weights="balanced"`: scikit-learn's compute_class_weight for classes, n_neg / n_pos per label for a
+    multi-label task; the batch loss is torch's weighted cross-entropy (and BCEWithLogitsLoss's pos_weight)."""
+    import torch
+    from sklearn.utils.class_weight import compute_class_weight
+
+    from kbert.cli import main
+    from kbert.train.finetune import FinetuneConfig
+    from kbert.train.finetune_tasks import task_for
+
+    rows = [{"text": f"문장 {i}", "label": label} for i, label in enumerate(["a"] * 7 + ["b"] * 2 + ["c"])]
+    task = task_for(FinetuneConfig(model=base, task="classification", train=rows, class_weights="balanced"))
+    task.labels = task.label_set(rows, False)
+    np.testing.assert_allclose(task.weights, compute_class_weight("balanced", classes=np.array(["a", "b", "c"]),
+                                                                  y=np.array([r["label"] for r in rows])), rtol=1e-6)
+    logits = np.array([[0.5, -1.0, 2.0], [1.0, 0.0, -1.0], [0.2, 0.3, 0.1]], np.float32)
+    y = np.array([2, 0, 1])
+    got = float(task.loss(lambda feats, training: logits, None, y, 3))
+    want = torch.nn.functional.cross_entropy(torch.tensor(logits), torch.tensor(y), weight=torch.tensor(task.weights))
+    assert got == pytest.approx(float(want), rel=1e-5)
+    multi = [{"text": "x", "label": ["a", "b"]}, {"text": "y", "label": ["a"]}, {"text": "z", "label": []},
+             {"text": "w", "label": ["a"]}]
+    task = task_for(FinetuneConfig(model=base, task="classification", train=multi, multi_label=True,
+                                   class_weights="balanced"))
+    task.labels = task.label_set(multi, False)
+    np.testing.assert_allclose(task.weights, [1 / 3, 3.0])  # a: 3 of 4 rows, b: 1 of 4
+    y = np.array([[1, 1], [1, 0], [0, 0]], np.float32)
+    got = float(task.loss(lambda feats, training: logits[:, :2], None, y, 3))
+    want = torch.nn.functional.binary_cross_entropy_with_logits(torch.tensor(logits[:, :2]), torch.tensor(y),
+                                                                pos_weight=torch.tensor(task.weights))
+    assert got == pytest.approx(float(want), rel=1e-5)
+    task = task_for(FinetuneConfig(model=base, task="classification", train=rows, class_weights={"c": 4}))
+    task.labels = task.label_set(rows, False)
+    assert task.weights.tolist() == [1.0, 1.0, 4.0]
+    for bad, match in (({"d": 2}, "names labels the training data lacks"), ({"c": 0}, "must be a positive number")):
+        with pytest.raises(ValueError, match=match):
+            task_for(FinetuneConfig(model=base, task="classification", train=rows, class_weights=bad)).label_set(
+                rows, False)
+    with pytest.raises(ValueError, match="`class_weights` goes with task='classification'"):
+        kbert.finetune(base, "regression", rows, class_weights="balanced", progress=False)
+    reviews = movie_review_sentiment(REVIEWS, "train", limit=64)
+    uneven = [r for r in reviews if r["label"] == "1"] + [r for r in reviews if r["label"] == "0"][:8]
+    path = tmp_path / "uneven.jsonl"
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in uneven), encoding="utf-8")
+    assert main(["finetune", "--model", base, "--task", "classification", "--train", str(path), "--out",
+                 str(tmp_path / "out"), "--class-weights", "balanced", "--max-steps", "1"]) == 0
+    n1 = len(uneven) - 8
+    assert f"class weights: '0' {len(uneven) / 16:.3g}, '1' {len(uneven) / (2 * n1):.3g}" in capsys.readouterr().err
+
+
 def test_spearman_and_pearson_against_hand_values():
     assert list(rank(np.array([10.0, 20.0, 20.0, 5.0]))) == [2.0, 3.5, 3.5, 1.0]  # ties share the mean rank
     assert spearman([1, 2, 3, 4], [10, 20, 30, 1000]) == pytest.approx(1.0)

@@ -63,6 +63,7 @@ class FinetuneConfig:
     columns: Optional[List[str]] = None  # a header-less TSV/CSV's column names, in order (train and dev)
     labels: Optional[List[str]] = None
     multi_label: bool = False  # classification: each row any number of the labels (a sigmoid each)
+    class_weights: Any = None  # classification: "balanced" or {label: weight}; a rare class counts more
     epochs: float = 3
     batch_size: int = 32
     learning_rate: float = 5e-5
@@ -133,6 +134,13 @@ class FinetuneConfig:
                 self.multi_label and self.task not in ("classification", "pair-classification")):
             raise ValueError(f"`multi_label` (True or False) goes with task='classification' or "
                              f"'pair-classification'. Received: multi_label={self.multi_label!r}, task={self.task!r}")
+        if self.class_weights is not None and self.task not in ("classification", "pair-classification"):
+            raise ValueError(f"`class_weights` goes with task='classification' or 'pair-classification'. "
+                             f"Received: task={self.task!r}")
+        if self.class_weights is not None and not (self.class_weights == "balanced"
+                                                   or isinstance(self.class_weights, dict)):
+            raise ValueError(f"`class_weights` must be 'balanced' or a mapping of label to weight. "
+                             f"Received: {self.class_weights!r}")
         if self.metric is not None and not isinstance(self.metric, str):
             raise ValueError(f"`metric` must be the name of a dev figure, e.g. 'macro_f1'. Received: {self.metric!r}")
         if self.similarity_loss not in SIMILARITY_LOSSES:
@@ -182,7 +190,7 @@ class FinetuneConfig:
 def finetune(model: str, task: str, train, dev=None, out_dir: str = "finetuned", text_column: str = "text",
              pair_column: Optional[str] = None, label_column: Optional[str] = "label",
              columns: Optional[Sequence[str]] = None, labels: Optional[Sequence[str]] = None,
-             multi_label: bool = False, epochs: float = 3, batch_size: int = 32,
+             multi_label: bool = False, class_weights=None, epochs: float = 3, batch_size: int = 32,
              learning_rate: float = 5e-5, warmup: float = 0.1, weight_decay: float = 0.01,
              max_length: Optional[int] = None, dropout: float = 0.1, patience: Optional[int] = 2,
              metric: Optional[str] = None, eval_every: Optional[int] = None, max_steps: Optional[int] = None,
@@ -219,6 +227,11 @@ def finetune(model: str, task: str, train, dev=None, out_dir: str = "finetuned",
             cross-entropy (transformers' problem_type "multi_label_classification"), a label predicted when its
             probability is over 0.5. The dev figures are micro-F1 (picks the best checkpoint), macro-F1 and subset
             accuracy; `TaskModel.predict` gives each label's own probability.
+        class_weights: for classification and pair-classification, how much each class's rows count in the
+            loss: "balanced" (scikit-learn's n / (k * n_c), so a class of 1% weighs as much in all as one of
+            50%; for multi-label, each label's positives n_neg / n_pos, torch's pos_weight) or {label: weight}
+            (others 1). The batch loss is the weighted mean (torch's CrossEntropyLoss(weight=...)). For classes
+            of very different sizes (3i4k's, hate speech's); pair it with `metric="macro_f1"`.
         epochs, batch_size, learning_rate, warmup (fraction of steps), weight_decay, max_length (tokens per
             input; default 128, or the model's limit when lower; beyond the model's positions is an error).
         dropout: dropout on the head's input (classification, pair-classification, regression, tagging).

@@ -273,6 +273,32 @@ class FinetuneTask:
         return self.metric
 
 
+def class_weight_vector(spec, labels: List[str], counts, rows: int, multi_label: bool) -> Optional[np.ndarray]:
+    """`[k]` float32 loss weights of `labels` from `class_weights`, or None (all 1). "balanced": scikit-learn's
+    n / (k * n_c) for classes; for a multi-label task each label's positives n_neg / n_pos (torch's pos_weight).
+    A mapping gives weights by label (others 1); a label the training data lacks is an error."""
+    if spec is None:
+        return None
+    if spec == "balanced":
+        if multi_label:
+            return np.array([(rows - counts[k]) / max(counts[k], 1) for k in labels], np.float32)
+        total = sum(counts[k] for k in labels)
+        return np.array([total / (len(labels) * max(counts[k], 1)) for k in labels], np.float32)
+    if not isinstance(spec, dict):
+        raise ValueError(f"`class_weights` must be 'balanced' or a mapping of label to weight. Received: {spec!r}")
+    unknown = sorted(str(k) for k in spec if str(k).strip() not in labels)
+    if unknown:
+        raise ValueError(f"`class_weights` names labels the training data lacks: {unknown[:5]} (labels: {labels})")
+    given = {str(k).strip(): v for k, v in spec.items()}
+    out = []
+    for k in labels:
+        w = given.get(k, 1.0)
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not w > 0:
+            raise ValueError(f"`class_weights[{k!r}]` must be a positive number. Received: {w!r}")
+        out.append(float(w))
+    return np.array(out, np.float32)
+
+
 class ClassificationTask(FinetuneTask):
     name = "classification"
 
@@ -305,9 +331,14 @@ class ClassificationTask(FinetuneTask):
         labels = [str(x).strip() for x in (c.labels or sorted(counts))]
         if len(labels) < 2 and not (self.multi_label and labels):
             raise ValueError(f"Classification needs at least 2 labels; the training data has {labels}")
+        self.weights = class_weight_vector(getattr(c, "class_weights", None), labels, counts, len(rows),
+                                           self.multi_label)
         if progress:  # the label set before training: an unexpected class shows here, not in the scores
             print(f"{len(labels)} labels: " + ", ".join(f"{k!r} ({counts[k]} rows)" for k in labels),
                   file=sys.stderr, flush=True)
+            if self.weights is not None:
+                print(("positive weights: " if self.multi_label else "class weights: ")
+                      + ", ".join(f"{k!r} {w:.3g}" for k, w in zip(labels, self.weights)), file=sys.stderr, flush=True)
         return labels
 
     def targets(self, raw, encodings, split):
@@ -332,10 +363,20 @@ class ClassificationTask(FinetuneTask):
         import keras
 
         logits = network(feats, training=True)  # [b, k]
+        weights = getattr(self, "weights", None)
         if self.multi_label:  # a sigmoid a label: the mean binary cross-entropy over the [b, k] decisions
-            y = keras.ops.cast(y, logits.dtype)
-            return keras.ops.mean(keras.ops.binary_crossentropy(y, logits, from_logits=True))
-        return keras.ops.mean(keras.losses.sparse_categorical_crossentropy(y, logits, from_logits=True))
+            z, y = keras.ops.cast(logits, "float32"), keras.ops.cast(y, "float32")
+            if weights is None:
+                return keras.ops.mean(keras.ops.binary_crossentropy(y, z, from_logits=True))
+            # each label's positives weighted (torch's BCEWithLogitsLoss pos_weight): -(w y log s + (1-y) log(1-s))
+            w = keras.ops.convert_to_tensor(weights, "float32")
+            return keras.ops.mean((1.0 - y) * z + (1.0 + (w - 1.0) * y) * keras.ops.softplus(-z))
+        ce = keras.losses.sparse_categorical_crossentropy(y, logits, from_logits=True)  # [b]
+        if weights is None:
+            return keras.ops.mean(ce)
+        # the weighted mean over the batch, as torch's CrossEntropyLoss(weight=...) reduces it
+        w = keras.ops.take(keras.ops.convert_to_tensor(weights, "float32"), keras.ops.cast(y, "int32"))
+        return keras.ops.sum(w * keras.ops.cast(ce, "float32")) / keras.ops.sum(w)
 
     def scores(self, outputs, examples):
         if self.multi_label:
