@@ -71,6 +71,7 @@ _EXPORTS = {
     "finetune": "kbert.train.finetune",
     "distill": "kbert.train.distill",
     "TaskModel": "kbert.embed.task_model",
+    "predict_rows": "kbert.embed.prediction",
     "MaskedLM": "kbert.embed.masked_lm",
     "export": "kbert.embed.export",
     "export_onnx": "kbert.embed.onnx",

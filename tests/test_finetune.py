@@ -341,6 +341,9 @@ def test_multi_label_classification_trains_predicts_exports_and_reads_back(base,
     found, figures = predict_rows(model, dev)
     assert found[0]["labels"] == [w for w, p in zip(sorted(words), probs[0]) if p > 0.5]
     assert figures["micro_f1"] == pytest.approx(best["dev_micro_f1"], abs=1e-6)
+    as_tsv = tmp_path / "dev.tsv"  # a TSV's empty cell: a row with none of the labels, still scored
+    as_tsv.write_text("text\ttags\n" + "".join(f"{r['text']}\t{','.join(r['tags'])}\n" for r in dev), encoding="utf-8")
+    assert predict_rows(model, str(as_tsv))[1] == figures
     kbert.export(out, str(tmp_path / "serving"), signature="classify")  # checks it against predict() at 1e-5
     onnx_dir = kbert.export_onnx(out, str(tmp_path / "onnx"))  # checks it against predict() too
     np.testing.assert_allclose(kbert.OnnxTaskModel.load(onnx_dir).predict([r["text"] for r in dev[:8]]), probs[:8],

@@ -63,13 +63,13 @@ def predict_rows(model, data, text_column: Optional[str] = None, pair_column: Op
     regression `score`; tagging `tags` ([word, tag] pairs) or, for an entity tagger, `entities` (as
     `TaskModel.entities`); question answering `answer`, `score`, `start`, `end` (as `TaskModel.answer`).
 
-    The figures (with `label_column` and `rows`) are computed when every row has a label in `label_column` (named
-    or the model's own): accuracy and macro-F1 (classes; multi-label: micro-F1, macro-F1, subset accuracy),
-    Spearman, Pearson and MSE (regression), KorQuAD's exact match and F1 (question answering); for a tagger of word tags (UD's `upos`) accuracy and macro-F1 over the
-    words it tagged, and for an entity tagger entity precision, recall and F1 over character spans, an entity
-    counting when its span and type are exact (KLUE-NER's entity-level measure; fine-tuning's dev figure counts
-    whole tokens instead, so the two may differ where an entity ends inside a token). A class label the model
-    does not have is an error naming its row.
+    The figures (with `label_column` and `rows`) are computed when every row has a label in `label_column` (named or
+    the model's own): accuracy and macro-F1 (classes; multi-label: micro-F1, macro-F1, subset accuracy), Spearman,
+    Pearson and MSE (regression), KorQuAD's exact match and F1 (question answering); for a tagger of word tags (UD's
+    `upos`) accuracy and macro-F1 over the words it tagged, and for an entity tagger entity precision, recall and F1
+    over character spans, an entity counting when its span and type are exact (KLUE-NER's entity-level measure;
+    fine-tuning's dev figure counts whole tokens instead, so the two may differ where an entity ends inside a
+    token). A class label the model does not have is an error naming its row.
     """
     if model.task == "sentence-embedding":
         raise ValueError("a sentence-embedding model gives vectors, not predictions: use `kbert embed` or "
@@ -88,9 +88,14 @@ def predict_rows(model, data, text_column: Optional[str] = None, pair_column: Op
     texts = [text_cell(r, text_col, f"row {i + 1}") for i, r in enumerate(rows)]
     pairs = [text_cell(r, pair_col, f"row {i + 1}") for i, r in enumerate(rows)] if needs_pair else None
     gold = [r.get(label_col) for r in rows]
-    labelled = all(g is not None and g != "" for g in gold) and model.task in FIGURES_OF
+    multi_label = getattr(model, "multi_label", False)  # an empty cell is a row with none of the labels
+
+    def given(g):
+        return g is not None and (g != "" or multi_label)
+
+    labelled = all(given(g) for g in gold) and model.task in FIGURES_OF
     if label_column and not labelled and model.task in FIGURES_OF:
-        empty = next(i for i, g in enumerate(gold) if g is None or g == "")
+        empty = next(i for i, g in enumerate(gold) if not given(g))
         raise ValueError(f"row {empty + 1} has no {label_column!r} to score the prediction against")
     out = [{"row": i + 1} for i in range(len(rows))]
     figures = None
@@ -143,7 +148,7 @@ def predict_rows(model, data, text_column: Optional[str] = None, pair_column: Op
             y = np.array([number(g, "data", i) for i, g in enumerate(gold)], np.float64)
             figures = {"spearman": spearman(values, y), "pearson": pearson(values, y),
                        "mse": float(np.mean((values - y) ** 2))}
-    elif getattr(model, "multi_label", False):  # each label its own probability; those over 0.5 hold
+    elif multi_label:  # each label its own probability; those over 0.5 hold
         labels = [str(x) for x in model.labels]
         probs = np.asarray(_in_chunks(model.predict, texts, pairs, bar, batch_size=batch_size))
         for o, p in zip(out, probs):
