@@ -116,7 +116,7 @@ def table_rows(text: str, source: str, csv_file: bool, names: Optional[Sequence[
             cells = cells[:len(header)]  # trailing empty cells (a spreadsheet's stray commas) hold nothing
         if len(cells) > len(header):
             raise ValueError(f"{source}:{n} has {len(cells)} {'comma' if csv_file else 'tab'}-separated "
-                             f"cells where the {'header' if names is None else 'column names'} have {len(header)} "
+                             f"cells where the {'header has' if names is None else 'column names have'} {len(header)} "
                              f"({', '.join(header)}): "
                              + ("quote a cell that holds a comma" if csv_file else
                                 "a tab inside a text? write the file as .jsonl or .csv"))
