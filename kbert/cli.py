@@ -947,6 +947,11 @@ def _add_corpus_arguments(p):
     p.add_argument("--path", help="for a named corpus: where its files are")
 
 
+def _columns_flag(p):
+    p.add_argument("--columns", help="a TSV/CSV without a header line: its columns' names in order, e.g. "
+                                     "label,text (its first line is then a row)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from kbert.embed.zero_shot import DEFAULT_TEMPLATE
 
@@ -1104,8 +1109,7 @@ def build_parser() -> argparse.ArgumentParser:
                                          "context, default context)")
     p.add_argument("--label-column", help="label, score, or space-separated tags (default: label; "
                                           "question-answering: answers)")
-    p.add_argument("--columns", help="a TSV/CSV without a header line: its columns' names in order, e.g. "
-                                     "label,text (its first line is then a row)")
+    _columns_flag(p)
     p.add_argument("--no-label", action="store_true", help="sentence-embedding from (anchor, positive) pairs")
     p.add_argument("--multi-label", action="store_true",
                    help="classification: each row any number of the labels (a JSON list or a comma-separated cell; "
@@ -1274,7 +1278,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                   "cross-encoder, reader or tagger (dir or Hub name)")
     p.add_argument("--input", required=True, help="TSV (header), CSV, JSONL or SQuAD .json file, or a .txt of "
                                                   "texts a line (one-text tasks)")
-    p.add_argument("--columns", help="a TSV/CSV without a header line: its columns' names in order, e.g. label,text")
+    _columns_flag(p)
     p.add_argument("--text-column", help="default: the model's fine-tuning column (else text; question-answering: "
                                          "question)")
     p.add_argument("--pair-column", help="the second text (pair tasks; question-answering: the context); default: "
