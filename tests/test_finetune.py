@@ -371,8 +371,6 @@ def test_multi_label_classification_trains_predicts_exports_and_reads_back(base,
     with pytest.raises(ValueError, match="dev row 1 has labels not seen in training: \\['개'\\]"):
         kbert.finetune(base, "classification", rows[:50], [{"text": "개", "tags": "개"}], label_column="tags",
                        multi_label=True, **bad)
-    with pytest.raises(ValueError, match="is a multi-label classifier"):
-        kbert.distill(out, "bert-tiny", [r["text"] for r in dev], out_dir=str(tmp_path / "student"), progress=False)
 
 
 def test_class_weights_weigh_the_loss_as_scikit_learn_and_torch_define_them(base, tmp_path, capsys):
