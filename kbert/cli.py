@@ -758,8 +758,11 @@ def _predict(args):
     print(f"{len(out)} rows predicted by the {model.task} model" + (f", written to {args.out}" if args.out else ""),
           file=sys.stderr)
     if figures:
-        column = figures.pop("label_column")
+        column, per_label = figures.pop("label_column"), figures.pop("per_label", None)
         print(f"figures against its {column!r} column: {json.dumps(figures)}", file=sys.stderr)
+        for label, f in (per_label or {}).items():  # scikit-learn's classification_report, a line a label
+            print(f"  {label}: precision {f['precision']:.4f} recall {f['recall']:.4f} f1 {f['f1']:.4f} "
+                  f"support {f['support']}", file=sys.stderr)
 
 
 def _evaluate(args):

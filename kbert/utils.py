@@ -242,6 +242,26 @@ def macro_f1(y, p, num_classes: int) -> float:
     return float(np.mean(scores)) if scores else 0.0
 
 
+def per_label_figures(gold, predicted, labels) -> dict:
+    """{label: {"precision", "recall", "f1", "support"}} of `[n, k]` 0/1 decisions (a class index per row turns
+    into its one-hot row first), as scikit-learn's classification_report gives them (0 where undefined)."""
+    import numpy as np
+
+    y, p = np.asarray(gold), np.asarray(predicted)
+    if y.ndim == 1:
+        y, p = (np.eye(len(labels), dtype=bool)[np.asarray(v, np.int64)] for v in (y, p))
+    y, p = y.astype(bool), p.astype(bool)
+    tp, found, wanted = (y & p).sum(axis=0), p.sum(axis=0), y.sum(axis=0)
+    out = {}
+    for j, label in enumerate(labels):
+        precision = tp[j] / found[j] if found[j] else 0.0
+        recall = tp[j] / wanted[j] if wanted[j] else 0.0
+        f1 = 2 * precision * recall / (precision + recall) if precision + recall else 0.0
+        out[str(label)] = {"precision": float(precision), "recall": float(recall), "f1": float(f1),
+                           "support": int(wanted[j])}
+    return out
+
+
 def multi_label_figures(gold, predicted) -> dict:
     """Figures of multi-label decisions, `gold` and `predicted` `[n, k]` 0/1 (a row may hold any number of labels):
     micro-F1 (over every (row, label) decision), macro-F1 (the mean over the labels present in either) and

@@ -273,6 +273,12 @@ def test_predict_gives_each_rows_prediction_and_the_test_figures_fine_tuning_rep
     assert figures["label_column"] == "y" and figures["rows"] == 32
     assert figures["accuracy"] == pytest.approx(best["dev_accuracy"]) and \
         figures["macro_f1"] == pytest.approx(best["dev_macro_f1"])
+    from sklearn.metrics import precision_recall_fscore_support
+
+    gold = [r["y"] for r in test]  # each class's figures, as scikit-learn's classification_report
+    p, r, f1, n = precision_recall_fscore_support(gold, [o["label"] for o in out], labels=["0", "1"], zero_division=0)
+    assert figures["per_label"] == {k: pytest.approx({"precision": p[j], "recall": r[j], "f1": f1[j], "support": n[j]})
+                                    for j, k in enumerate(["0", "1"])}
     assert predict_rows(model, [{"review": r["review"]} for r in test])[1] is None  # no labels: predictions only
     from kbert.embed import prediction
 
@@ -303,6 +309,7 @@ def test_predict_gives_each_rows_prediction_and_the_test_figures_fine_tuning_rep
         assert [json.loads(line)["label"] for line in f] == [o["label"] for o in out]
     err = capsys.readouterr().err
     assert "32 rows predicted by the classification model" in err and "against its 'y' column" in err
+    assert f"  1: precision {p[1]:.4f} recall {r[1]:.4f} f1 {f1[1]:.4f} support {n[1]}" in err
     assert main(["predict", "--model", str(tmp_path / "cls"), "--input", str(tmp_path / "test.txt")]) == 1
     assert "lines are 2 tab-separated cells each, a TSV without a header line" in capsys.readouterr().err
 
@@ -341,6 +348,11 @@ def test_multi_label_classification_trains_predicts_exports_and_reads_back(base,
     found, figures = predict_rows(model, dev)
     assert found[0]["labels"] == [w for w, p in zip(sorted(words), probs[0]) if p > 0.5]
     assert figures["micro_f1"] == pytest.approx(best["dev_micro_f1"], abs=1e-6)
+    from sklearn.metrics import precision_recall_fscore_support
+
+    p, r, f, n = precision_recall_fscore_support(gold, probs > 0.5, zero_division=0)  # multi-label: per label
+    assert figures["per_label"] == {k: pytest.approx({"precision": p[j], "recall": r[j], "f1": f[j], "support": n[j]})
+                                    for j, k in enumerate(sorted(words))}
     as_tsv = tmp_path / "dev.tsv"  # a TSV's empty cell: a row with none of the labels, still scored
     as_tsv.write_text("text\ttags\n" + "".join(f"{r['text']}\t{','.join(r['tags'])}\n" for r in dev), encoding="utf-8")
     assert predict_rows(model, str(as_tsv))[1] == figures

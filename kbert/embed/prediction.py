@@ -16,7 +16,8 @@ import numpy as np
 
 from kbert.data.qa import answer_list, qa_scores
 from kbert.data.rows import class_label, entity_spans, label_list, number, read_rows, tags, text_cell, text_rows
-from kbert.utils import accuracy, entity_scores, macro_f1, multi_label_figures, pearson, progress_bar, spearman
+from kbert.utils import (accuracy, entity_scores, macro_f1, multi_label_figures, pearson, per_label_figures,
+                         progress_bar, spearman)
 
 # the columns of a model without a record of its own (a Hugging Face classifier or reader)
 DEFAULT_COLUMNS = {"question-answering": ("question", "context", "answers")}
@@ -69,7 +70,8 @@ def predict_rows(model, data, text_column: Optional[str] = None, pair_column: Op
     `upos`) accuracy and macro-F1 over the words it tagged, and for an entity tagger entity precision, recall and F1
     over character spans, an entity counting when its span and type are exact (KLUE-NER's entity-level measure;
     fine-tuning's dev figure counts whole tokens instead, so the two may differ where an entity ends inside a
-    token). A class label the model does not have is an error naming its row.
+    token). Classes (and multi-label labels) add `per_label`: each label's precision, recall, F1 and support, as
+    scikit-learn's classification_report. A class label the model does not have is an error naming its row.
     """
     if model.task == "sentence-embedding":
         raise ValueError("a sentence-embedding model gives vectors, not predictions: use `kbert embed` or "
@@ -164,7 +166,7 @@ def predict_rows(model, data, text_column: Optional[str] = None, pair_column: Op
                     raise ValueError(f"row {i + 1}'s {label_col!r} has {unknown[0]!r}, not one of the model's labels "
                                      f"{labels}")
                 y[i, [index[x] for x in row]] = True
-            figures = multi_label_figures(y, probs > 0.5)
+            figures = {**multi_label_figures(y, probs > 0.5), "per_label": per_label_figures(y, probs > 0.5, labels)}
     else:
         labels = [str(x) for x in model.labels]
         probs = _in_chunks(model.predict, texts, pairs, bar, batch_size=batch_size)
@@ -181,7 +183,8 @@ def predict_rows(model, data, text_column: Optional[str] = None, pair_column: Op
                     raise ValueError(f"row {i + 1}'s {label_col!r} is {value!r}, not one of the model's labels "
                                      f"{labels}")
                 y.append(index[value])
-            figures = {"accuracy": accuracy(y, best), "macro_f1": macro_f1(y, best, len(labels))}
+            figures = {"accuracy": accuracy(y, best), "macro_f1": macro_f1(y, best, len(labels)),
+                       "per_label": per_label_figures(y, best, labels)}
     bar.close()
     if figures is not None:
         figures = {"label_column": label_col, "rows": len(rows), **figures}
