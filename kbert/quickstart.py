@@ -90,13 +90,21 @@ def run(corpus_sources=("kolaw", "kobill"), out: str = "kbert-quickstart", steps
         print(f"  {pool[i][:60]}")
         for j, score in emb.search(vectors[i], vectors, top_k=4)[0][1:]:
             print(f"     {score:.3f}  {pool[j][:60]}")
-    words = emb.encode_words(pool[0], unit="eojeol")
-    print(f"  word vectors of {pool[0][:40]!r}: " + ", ".join(f"{w}[{s}:{e}]" for w, s, e, _ in words[:6]))
+    demo = next((t for t in pool if _plain_words(t)), pool[0])
+    words = emb.encode_words(demo, unit="eojeol")
+    print(f"  word vectors of {demo[:40]!r}: " + ", ".join(f"{w}[{s}:{e}]" for w, s, e, _ in words[:6]))
     for word, neighbours in word_neighbours(emb, pool):
         print(f"  words nearest {word!r}: " + ", ".join(f"{w} {score:.2f}" for w, score in neighbours))
     print(f"done in {time.perf_counter() - t0:.0f}s. Next: `kbert embed --model {summary['model_dir']} < texts.txt`, "
           f"or kbert.Embedder.load({summary['model_dir']!r})")
     return summary
+
+
+def _plain_words(text: str) -> bool:
+    """A sentence that shows word vectors well: 4-8 words, each starting with a Hangul syllable and of 2+
+    characters (bills' lines such as '발 의 자 : 한선교' are spaced letters and names)."""
+    words = text.split()
+    return 4 <= len(words) <= 8 and all(len(w) >= 2 and "\uac00" <= w[0] <= "\ud7a3" for w in words)
 
 
 def word_neighbours(emb, sentences, queries: int = 3, top_k: int = 5, min_count: int = 3):
