@@ -13,7 +13,9 @@ import json
 import os
 from typing import List, Optional, Sequence, Tuple
 
-from kbert.utils import read_utf8_text
+import numpy as np
+
+from kbert.utils import read_utf8_text, uncompressed_name
 
 
 def read_rows(source, columns: Sequence[str], names: Optional[Sequence[str]] = None) -> List[dict]:
@@ -38,13 +40,13 @@ def read_rows(source, columns: Sequence[str], names: Optional[Sequence[str]] = N
     else:
         if not os.path.isfile(source):
             raise FileNotFoundError(f"Data file not found: {source!r}")
-        base = source[:-3] if source.endswith(".gz") else source
+        base = uncompressed_name(source)  # lower case, without .gz / .bz2: the format's suffix
         name = source
-        if base.lower().endswith((".xlsx", ".xls")):
+        if base.endswith((".xlsx", ".xls")):
             raise ValueError(f"{source} is an Excel workbook; save it as CSV UTF-8 (Excel: Save As > CSV UTF-8) "
                              f"and pass the .csv")
         text = read_utf8_text(source)
-        if names is not None and base.lower().endswith((".json", ".jsonl", ".conllu")):
+        if names is not None and base.endswith((".json", ".jsonl", ".conllu")):
             raise ValueError(f"column names are for a TSV/CSV file without a header line; {source} names its own")
         if base.endswith(".json") and text.lstrip().startswith("["):  # one JSON array of rows
             try:
@@ -341,6 +343,26 @@ def label_list(value, split: str, i: int) -> List[str]:
     if not isinstance(value, (list, tuple)):
         value = [value]
     return sorted({str(x).strip() for x in value if str(x).strip()})
+
+
+def label_targets(values: Sequence, labels: Sequence[str], split: str, multi_label: bool = False) -> np.ndarray:
+    """Gold labels as a model's targets: `[n]` int32 indices into `labels`, or for a multi-label task `[n, k]`
+    float32 rows of 1 at each of the row's labels. A label outside `labels` (those the model was trained on) is
+    an error naming its row."""
+    index = {label: k for k, label in enumerate(labels)}
+    hot = np.zeros((len(values), len(labels)), np.float32)
+    out = np.zeros(len(values), np.int32)
+    for i, v in enumerate(values):
+        row = label_list(v, split, i) if multi_label else [class_label(v, split, i)]
+        unknown = [x for x in row if x not in index]
+        if unknown:
+            raise ValueError(f"{split} row {i + 1} has labels not seen in training: {unknown[:5]} "
+                             f"(training labels: {list(labels)})")
+        if multi_label:
+            hot[i, [index[x] for x in row]] = 1.0
+        else:
+            out[i] = index[row[0]]
+    return hot if multi_label else out
 
 
 def number(value, split: str, i: int) -> float:

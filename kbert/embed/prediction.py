@@ -15,7 +15,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from kbert.data.qa import answer_list, qa_scores
-from kbert.data.rows import class_label, entity_spans, label_list, number, read_rows, tags, text_cell, text_rows
+from kbert.data.rows import entity_spans, label_targets, number, read_rows, tags, text_cell, text_rows
 from kbert.utils import (accuracy, entity_scores, macro_f1, multi_label_figures, pearson, per_label_figures,
                          progress_bar, spearman)
 
@@ -157,15 +157,7 @@ def predict_rows(model, data, text_column: Optional[str] = None, pair_column: Op
             o.update(labels=[k for k, x in zip(labels, p) if x > 0.5],
                      scores={k: round(float(x), 6) for k, x in zip(labels, p)})
         if labelled:
-            index = {k: j for j, k in enumerate(labels)}
-            y = np.zeros(probs.shape, bool)
-            for i, g in enumerate(gold):
-                row = label_list(g, "data", i)
-                unknown = [x for x in row if x not in index]
-                if unknown:
-                    raise ValueError(f"row {i + 1}'s {label_col!r} has {unknown[0]!r}, not one of the model's labels "
-                                     f"{labels}")
-                y[i, [index[x] for x in row]] = True
+            y = label_targets(gold, labels, "data", multi_label=True) > 0
             figures = {**multi_label_figures(y, probs > 0.5), "per_label": per_label_figures(y, probs > 0.5, labels)}
     else:
         labels = [str(x) for x in model.labels]
@@ -175,14 +167,7 @@ def predict_rows(model, data, text_column: Optional[str] = None, pair_column: Op
             o.update(label=labels[b], score=round(float(p[b]), 6),
                      scores={k: round(float(x), 6) for k, x in zip(labels, p)})
         if labelled:
-            index = {k: j for j, k in enumerate(labels)}
-            y = []
-            for i, g in enumerate(gold):
-                value = class_label(g, "data", i)
-                if value not in index:
-                    raise ValueError(f"row {i + 1}'s {label_col!r} is {value!r}, not one of the model's labels "
-                                     f"{labels}")
-                y.append(index[value])
+            y = label_targets(gold, labels, "data")
             figures = {"accuracy": accuracy(y, best), "macro_f1": macro_f1(y, best, len(labels)),
                        "per_label": per_label_figures(y, best, labels)}
     bar.close()

@@ -144,6 +144,7 @@ class FinetuneTask:
         self.config = config
         self.labels: Optional[List[str]] = None
         self.target = (0.0, 1.0)  # (mean, std) a regression head is trained on
+        self.weights: Optional[np.ndarray] = None  # per-class loss weights (`class_weights`); None: all 1
 
     # ------------------------------------------------------------------ checks and labels
     def check(self) -> None:
@@ -341,29 +342,14 @@ class ClassificationTask(FinetuneTask):
                       + ", ".join(f"{k!r} {w:.3g}" for k, w in zip(labels, self.weights)), file=sys.stderr, flush=True)
         return labels
 
-    def targets(self, raw, encodings, split):
-        index = {label: k for k, label in enumerate(self.labels)}
-        if self.multi_label:  # [n, k] multi-hot
-            out = np.zeros((len(raw), len(self.labels)), np.float32)
-            for i, v in enumerate(raw):
-                row = cells.label_list(v, split, i)
-                unknown = sorted(set(row) - set(index))
-                if unknown:
-                    raise ValueError(f"{split} row {i + 1} has labels not seen in training: {unknown[:5]} "
-                                     f"(training labels: {self.labels})")
-                out[i, [index[x] for x in row]] = 1.0
-            return out
-        raw = [cells.class_label(v, split, i) for i, v in enumerate(raw)]
-        unknown = sorted(set(raw) - set(index))
-        if unknown:
-            raise ValueError(f"{split} has labels not seen in training: {unknown[:5]} (training labels: {self.labels})")
-        return np.array([index[v] for v in raw], np.int32)
+    def targets(self, raw, encodings, split):  # [n] class indices, or [n, k] multi-hot rows
+        return cells.label_targets(raw, self.labels, split, self.multi_label)
 
     def loss(self, network, feats, y, n, key: int = 0):
         import keras
 
         logits = network(feats, training=True)  # [b, k]
-        weights = getattr(self, "weights", None)
+        weights = self.weights
         if self.multi_label:  # a sigmoid a label: the mean binary cross-entropy over the [b, k] decisions
             z, y = keras.ops.cast(logits, "float32"), keras.ops.cast(y, "float32")
             if weights is None:
