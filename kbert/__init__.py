@@ -73,6 +73,7 @@ _EXPORTS = {
     "TaskModel": "kbert.embed.task_model",
     "predict_rows": "kbert.embed.prediction",
     "MaskedLM": "kbert.embed.masked_lm",
+    "SparseEncoder": "kbert.embed.sparse",
     "export": "kbert.embed.export",
     "export_onnx": "kbert.embed.onnx",
     "OnnxEmbedder": "kbert.embed.embedder",

@@ -55,6 +55,24 @@ def tiny_hf_pretraining_model(architecture="bert", seed=0, **overrides):
     return model
 
 
+def hf_masked_lm_dir(tmp_path, texts, architecture="bert"):
+    """A Hugging Face *ForPreTraining dir with a character WordPiece vocab.txt of `texts`, and transformers'
+    masked-LM model and fast tokenizer on it: (dir, model, tokenizer)."""
+    import transformers
+
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    chars = sorted({c for t in texts for c in t if not c.isspace()})
+    vocab += chars + [f"##{c}" for c in chars]
+    out = tmp_path / architecture
+    out.mkdir()
+    (out / "vocab.txt").write_text("\n".join(vocab) + "\n", encoding="utf-8")
+    tiny_hf_pretraining_model(architecture, vocab_size=len(vocab)).save_pretrained(out)
+    cls = transformers.BertForMaskedLM if architecture == "bert" else transformers.AlbertForMaskedLM
+    hf = cls.from_pretrained(str(out)).eval()
+    tok = transformers.BertTokenizerFast(str(out / "vocab.txt"), do_lower_case=False, strip_accents=False)
+    return str(out), hf, tok
+
+
 def tiny_embedding_model(path: str, max_position: int = 64) -> str:
     """Saves at `path` a random bert-tiny 32 wide (2 heads) with a 1,500-piece vocabulary learned on konlpy's
     kolaw and kobill, the same weights every call; returns `path`."""

@@ -10,27 +10,13 @@ import warnings
 import numpy as np
 import pytest
 
-from helpers import run_on_jax, tiny_hf_pretraining_model, xlmr_dir
+from helpers import hf_masked_lm_dir, run_on_jax, xlmr_dir
 
 TEXTS = ["서울은 한국의 수도이다.", "나는 오늘 학교에 간다.", "이 영화 정말 재밌다", "국회는 법률을 만든다."]
 
 
 def _hf_dir(tmp_path, architecture="bert"):
-    """A Hugging Face *ForPreTraining dir with a character WordPiece vocab.txt of TEXTS, and transformers'
-    masked-LM model and fast tokenizer on it."""
-    import transformers
-
-    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-    chars = sorted({c for t in TEXTS for c in t if not c.isspace()})
-    vocab += chars + [f"##{c}" for c in chars]
-    out = tmp_path / architecture
-    out.mkdir()
-    (out / "vocab.txt").write_text("\n".join(vocab) + "\n", encoding="utf-8")
-    tiny_hf_pretraining_model(architecture, vocab_size=len(vocab)).save_pretrained(out)
-    cls = transformers.BertForMaskedLM if architecture == "bert" else transformers.AlbertForMaskedLM
-    hf = cls.from_pretrained(str(out)).eval()
-    tok = transformers.BertTokenizerFast(str(out / "vocab.txt"), do_lower_case=False, strip_accents=False)
-    return str(out), hf, tok
+    return hf_masked_lm_dir(tmp_path, TEXTS, architecture)
 
 
 @pytest.mark.parametrize("architecture", ["bert", "albert"])

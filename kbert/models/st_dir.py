@@ -85,10 +85,49 @@ def read_sentence_transformers(directory: str, projections: bool = False):
             found["static"] = folder
         elif kind == "Normalize":
             continue  # Embedder.encode returns unit vectors by default
+        elif kind in SPARSE_MODULES:
+            raise ValueError(f"{directory} is a sentence-transformers SparseEncoder (SPLADE): its vectors are a weight "
+                             f"per vocabulary token; load it with kbert.SparseEncoder.load")
         else:
             raise ValueError(f"{directory}: its module {module.get('type')!r} has no kbert equivalent; kbert reads "
                              f"sentence-transformers dirs of Transformer, WeightedLayerPooling, Pooling, Dense, "
                              f"StaticEmbedding and Normalize")
+    return found
+
+
+SPARSE_MODULES = ("MLMTransformer", "SpladePooling")  # a SPLADE SparseEncoder's two modules
+
+
+def read_sparse_encoder(directory: str):
+    """For a sentence-transformers SparseEncoder dir of SPLADE (a masked-LM transformer + SpladePooling): {"model_dir",
+    "pooling", "activation", "max_length", "prompts"} that make `kbert.SparseEncoder` give its vectors; None for
+    a dir without `modules.json` or without a SpladePooling module. Other sparse modules (an inference-free
+    Router, SparseStaticEmbedding, CSR / top-k sparsity) raise ValueError naming them."""
+    path = os.path.join(directory, "modules.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        modules = json.load(f)
+    kinds = [m.get("type", "").rsplit(".", 1)[-1] for m in modules]
+    if "SpladePooling" not in kinds:
+        return None
+    found = {"model_dir": directory, "pooling": "max", "activation": "relu", "max_length": None,
+             "prompts": _prompts(directory)["prompts"]}
+    for module, kind in zip(modules, kinds):
+        folder = os.path.join(directory, module.get("path", ""))
+        if kind in ("MLMTransformer", "Transformer"):  # sentence-transformers 5; 6 (transformer_task "fill-mask")
+            found["model_dir"] = folder
+            found["max_length"] = configured_max_length(directory, folder)
+        elif kind == "SpladePooling":
+            config = {}
+            if os.path.isfile(os.path.join(folder, "config.json")):
+                with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
+                    config = json.load(f)
+            found["pooling"] = config.get("pooling_strategy", "max")
+            found["activation"] = config.get("activation_function", "relu")
+        else:
+            raise ValueError(f"{directory}: its module {module.get('type')!r} has no kbert equivalent; "
+                             f"kbert.SparseEncoder reads SPLADE dirs of MLMTransformer and SpladePooling")
     return found
 
 

@@ -1,0 +1,254 @@
+"""`kbert.SparseEncoder`: SPLADE sparse vectors, one weight per vocabulary token, from any model with a masked-LM
+head (Formal et al. 2021, "SPLADE v2"): sentence-transformers' `SparseEncoder` on the same dirs.
+
+    enc = kbert.SparseEncoder.load("my-pretraining-run")  # a kbert pretrain output, a Hugging Face *ForMaskedLM dir,
+    enc = kbert.SparseEncoder.load("splade-ko")           # or a sentence-transformers SparseEncoder dir (SPLADE)
+    docs = enc.encode_document(passages)                  # scipy.sparse.csr_matrix [n, vocab], float32
+    enc.decode(docs[0], top_k=8)                          # [("▁국회", 2.31), ("법률", 1.97), ...]
+    enc.search(["국회의 권한"], docs, top_k=5)              # [[(index, score), ...]]: dot products, best first
+
+Why: on Korean text, lexical match is a strong signal (character n-gram TF-IDF beats small dense models on
+this project's STS and question-pair sets, benchmarks/README.md), and a sparse vector keeps it while the
+masked-LM head adds the related words a text does not spell out (`국회` -> `의회`, `법률`); the weights are
+readable (`decode`) and serve from an inverted index. A text's vector is, for each vocabulary token, the max
+(or the sum) over the text's tokens of log(1 + relu(masked-LM logit)), padding left out: SpladePooling's
+formula, tested against sentence-transformers on the same weights.
+
+Vectors are scipy CSR matrices (scipy is a base dependency), the form scikit-learn, Pyserini-style inverted
+indexes and `sentence_transformers` (`.to_sparse_csr`) exchange; the search is scipy's sparse product.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import List, Optional, Sequence, Union
+
+import numpy as np
+
+from kbert.compiled import backend, compiled, signature
+from kbert.data.features import bucketed, features, str_list
+from kbert.embed.embedder import length_sorted
+from kbert.utils import progress_bar
+
+POOLINGS = ("max", "sum")  # SpladePooling's pooling_strategy
+ACTIVATIONS = ("relu", "log1p_relu")  # log(1 + relu(z)), or log(1 + log(1 + relu(z))) (OpenSearch's models)
+SEARCH_CHUNK = 256  # queries scored at once: a [256, corpus] dense block of scores
+
+
+class SparseEncoder:
+    """A masked-LM model read as a SPLADE encoder.
+
+    Args:
+        model: a `kbert.Pretrainer` whose masked-LM head is trained (`kbert.load_model(dir, require_heads=True)`).
+        tokenizer: its `kbert.Tokenizer`.
+        max_length: tokens per text, [CLS] and [SEP] included (default and limit: the model's positions); longer
+            texts are truncated, with one warning that counts them.
+        pooling: "max" (SPLADE v2 and later) or "sum" (the first SPLADE).
+        activation: "relu" (every SPLADE model) or "log1p_relu" (a second log, as OpenSearch's sparse models).
+        prompts: texts put before each input by name ({"query": "query: "}), as sentence-transformers' prompts.
+        jit_compile: run through XLA (rows and widths padded to a few bucketed shapes); always so on JAX.
+    """
+
+    def __init__(self, model, tokenizer, max_length: Optional[int] = None, pooling: str = "max",
+                 activation: str = "relu", prompts: Optional[dict] = None, jit_compile: bool = False):
+        if pooling not in POOLINGS:
+            raise ValueError(f"`pooling` must be one of {POOLINGS}. Received: {pooling!r}")
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"`activation` must be one of {ACTIVATIONS}. Received: {activation!r}")
+        limit = model.config.max_position
+        if max_length is not None and (not isinstance(max_length, int) or max_length < 3):
+            raise ValueError(f"`max_length` must be an int >= 3 ([CLS], a token, [SEP]). Received: {max_length!r}")
+        self.model, self.tokenizer = model, tokenizer
+        self.max_length = min(max_length or limit, limit)
+        self.pooling, self.activation = pooling, activation
+        self.prompts = dict(prompts or {})
+        self.jit_compile = bool(jit_compile) or backend() == "jax"  # JAX compiles every (bucketed) shape
+        self._fn = None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.vocab_size
+
+    @classmethod
+    def load(cls, model_dir: str, max_length: Optional[int] = None, dtype: Optional[str] = None,
+             jit_compile: bool = False) -> "SparseEncoder":
+        """A sentence-transformers SparseEncoder dir (MLMTransformer + SpladePooling: its pooling, activation,
+        length and prompts are read), or any dir `kbert.MaskedLM.load` reads (a `kbert pretrain` output, a
+        Hugging Face *ForMaskedLM / *ForPreTraining dir, a Hub name), read with max pooling and relu. A dir
+        without a masked-LM head is a ValueError that says so."""
+        from kbert.models.convert import check_vocabulary, load_model
+        from kbert.models.locate import model_dir_of, resolve_hub_name
+        from kbert.models.st_dir import read_sparse_encoder
+        from kbert.text.tokenizer import Tokenizer
+
+        model_dir = model_dir_of(resolve_hub_name(model_dir))
+        found = read_sparse_encoder(model_dir) or {"model_dir": model_dir, "pooling": "max", "activation": "relu",
+                                                   "max_length": None, "prompts": {}}
+        weights_dir = found["model_dir"]
+        model = load_model(weights_dir, require_heads=True, dtype=dtype)
+        tokenizer = Tokenizer.from_model_dir(weights_dir if os.path.isdir(weights_dir) else model_dir)
+        check_vocabulary(model.config, tokenizer.vocab_size)
+        if max_length is None and found["max_length"]:
+            max_length = min(found["max_length"], model.config.max_position)
+        return cls(model, tokenizer, max_length=max_length, pooling=found["pooling"],
+                   activation=found["activation"], prompts=found["prompts"], jit_compile=jit_compile)
+
+    # ------------------------------------------------------------------ encoding
+    def encode(self, texts: Union[str, Sequence[str]], batch_size: int = 16, max_active_dims: Optional[int] = None,
+               prompt_name: Optional[str] = None, prompt: Optional[str] = None, progress: bool = False):
+        """Sparse vectors `[n, vocab]` (scipy.sparse.csr_matrix, float32; `[1, vocab]` for one text).
+
+        Args:
+            batch_size: texts per forward pass. The head's logits are `[batch, tokens, vocab]` float32 before
+                pooling (16 x 128 x 32,000: 262 MB), so the default is smaller than `Embedder.encode`'s.
+            max_active_dims: keep each vector's this many largest weights (sentence-transformers'
+                `max_active_dims`): a smaller index and faster search for a little recall.
+            prompt_name / prompt: a prompt of the model's (`prompts`) or a text to put before each input.
+        """
+        from scipy.sparse import csr_matrix, vstack
+
+        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+            raise ValueError(f"`batch_size` must be an int >= 1. Received: batch_size={batch_size!r}")
+        if max_active_dims is not None and (not isinstance(max_active_dims, int) or max_active_dims < 1):
+            raise ValueError(f"`max_active_dims` must be an int >= 1 or None. Received: {max_active_dims!r}")
+        items = str_list(texts)
+        prefix = self._prompt(prompt_name, prompt)
+        if prefix:
+            items = [prefix + t for t in items]
+        room = self.max_length - 2
+        id_lists = self.tokenizer.ids_batch(items)
+        truncated = sum(len(ids) > room for ids in id_lists)
+        if truncated:
+            warnings.warn(f"{truncated} of {len(items)} texts are longer than {self.max_length} tokens and were "
+                          f"truncated", stacklevel=2)
+        rows = [[self.tokenizer.cls_id] + ids[:room] + [self.tokenizer.sep_id] for ids in id_lists]
+        parts, order = [], []
+        bar = progress_bar(total=len(rows), desc="sparse encode", unit="text", enabled=progress)
+        for index in length_sorted(rows, batch_size):
+            weights = self._pooled([rows[i] for i in index])  # [b, vocab]
+            if max_active_dims is not None and max_active_dims < weights.shape[1]:
+                cut = np.argpartition(-weights, max_active_dims - 1, axis=1)[:, max_active_dims:]
+                np.put_along_axis(weights, cut, 0.0, axis=1)
+            parts.append(csr_matrix(weights))
+            order.append(index)
+            bar.update(len(index))
+        bar.close()
+        if not parts:
+            return csr_matrix((0, self.vocab_size), dtype=np.float32)
+        stacked = vstack(parts, format="csr")
+        inverse = np.empty(len(rows), np.int64)
+        inverse[np.concatenate(order)] = np.arange(len(rows))
+        return stacked[inverse].astype(np.float32)
+
+    def encode_query(self, texts, **options):
+        """`encode` with the model's "query" prompt, when it has one (sentence-transformers' encode_query)."""
+        return self.encode(texts, **self._side("query", options))
+
+    def encode_document(self, texts, **options):
+        """`encode` with the model's "document" prompt, when it has one."""
+        return self.encode(texts, **self._side("document", options))
+
+    def _side(self, name: str, options: dict) -> dict:
+        if "prompt" not in options and "prompt_name" not in options and self.prompts.get(name):
+            options = dict(options, prompt_name=name)
+        return options
+
+    def _prompt(self, prompt_name, prompt) -> str:
+        if prompt is not None and prompt_name is not None:
+            raise ValueError("pass `prompt` or `prompt_name`, not both")
+        if prompt_name is not None:
+            if prompt_name not in self.prompts:
+                raise ValueError(f"prompt_name {prompt_name!r} is not one of the model's prompts {sorted(self.prompts)}")
+            return self.prompts[prompt_name]
+        return prompt or ""
+
+    def _forward(self, x):  # a method, not a lambda: AutoGraph reads its source
+        import keras
+
+        logits = keras.ops.cast(self.model(x, training=False)["mlm_logits"], "float32")  # [b, s, vocab]
+        mask = keras.ops.cast(x["padding_mask"], "float32")[:, :, None]
+        z = keras.ops.log1p(keras.ops.relu(logits * mask))  # padding: log(1 + 0) = 0, never a max
+        if self.activation == "log1p_relu":
+            z = keras.ops.log1p(z)
+        return keras.ops.max(z, axis=1) if self.pooling == "max" else keras.ops.sum(z, axis=1)
+
+    def _pooled(self, rows: List[List[int]]) -> np.ndarray:
+        """`[len(rows), vocab]` float32 SPLADE weights of rows of ids ([CLS] ... [SEP])."""
+        if self._fn is None:
+            self._fn = compiled(self._forward, self.model.variables,
+                                signature({"token_ids": 2, "segment_ids": 2, "padding_mask": 2, "mask_positions": 2}),
+                                jit_compile=self.jit_compile)
+        pad_id = self.tokenizer.pad_id
+        ids = np.full((len(rows), max(len(r) for r in rows)), pad_id, np.int32)
+        for k, r in enumerate(rows):
+            ids[k, :len(r)] = r
+        if self.jit_compile:
+            ids = bucketed(ids, pad_id, self.max_length, rows=True)
+        feats = features(ids, np.zeros_like(ids), pad_id)
+        feats["mask_positions"] = np.tile(np.arange(ids.shape[1], dtype=np.int32), (len(ids), 1))  # every token
+        return np.array(self._fn(feats), np.float32)[:len(rows)]
+
+    # ------------------------------------------------------------------ reading and scoring
+    def decode(self, vectors, top_k: Optional[int] = None):
+        """Each vector's tokens and weights, heaviest first: `[(token, weight), ...]` for one vector (a 1-D
+        array or a one-row matrix), a list of those for several. `top_k`: the first k only."""
+        from scipy.sparse import csr_matrix, issparse
+
+        if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
+            raise ValueError(f"`top_k` must be an int >= 1 or None. Received: {top_k!r}")
+        single = not issparse(vectors) and np.ndim(vectors) == 1 or issparse(vectors) and vectors.shape[0] == 1
+        matrix = csr_matrix(vectors if issparse(vectors) else np.atleast_2d(np.asarray(vectors, np.float32)))
+        self._check_width(matrix)
+        vocab = self.tokenizer.vocab
+        out = []
+        for i in range(matrix.shape[0]):
+            row = matrix.getrow(i)
+            order = np.argsort(-row.data, kind="stable")[:top_k]
+            out.append([(vocab[row.indices[j]], float(row.data[j])) for j in order])
+        return out[0] if single else out
+
+    @staticmethod
+    def similarity(a, b) -> np.ndarray:
+        """Dot products `[len(a), len(b)]` of two sets of sparse vectors (CSR matrices or dense arrays): the
+        score SPLADE is trained with (sentence-transformers' "dot")."""
+        from scipy.sparse import csr_matrix, issparse
+
+        a = csr_matrix(a if issparse(a) else np.atleast_2d(np.asarray(a, np.float32)))
+        b = csr_matrix(b if issparse(b) else np.atleast_2d(np.asarray(b, np.float32)))
+        if a.shape[1] != b.shape[1]:
+            raise ValueError(f"Vector sizes differ: {a.shape[1]} and {b.shape[1]}")
+        return np.asarray((a @ b.T).todense(), np.float32)
+
+    def search(self, queries, corpus, top_k: int = 10, **encode_options):
+        """For each query, `[(corpus index, score), ...]` best first (dot products; ties in corpus order).
+        `queries` and `corpus` are texts (encoded with `encode_query` / `encode_document`) or sparse vectors."""
+        from scipy.sparse import issparse
+
+        if not isinstance(top_k, int) or top_k < 1:
+            raise ValueError(f"`top_k` must be an int >= 1. Received: {top_k!r}")
+        q = queries if issparse(queries) else self.encode_query(queries, **encode_options)
+        d = corpus if issparse(corpus) else self.encode_document(corpus, **encode_options)
+        out = []
+        for start in range(0, q.shape[0], SEARCH_CHUNK):
+            scores = self.similarity(q[start:start + SEARCH_CHUNK], d)
+            best = np.argsort(-scores, axis=1, kind="stable")[:, :top_k]
+            out += [[(int(j), float(scores[i, j])) for j in row] for i, row in enumerate(best)]
+        return out
+
+    @staticmethod
+    def sparsity(vectors) -> dict:
+        """{"active_dims": mean non-zero weights per vector, "sparsity_ratio": the share of zeros}: what an
+        index of them costs (sentence-transformers' `sparsity`)."""
+        from scipy.sparse import csr_matrix
+
+        matrix = csr_matrix(vectors)
+        n, width = matrix.shape
+        active = matrix.getnnz() / max(n, 1)
+        return {"active_dims": float(active), "sparsity_ratio": float(1.0 - active / width) if width else 1.0}
+
+    def _check_width(self, matrix) -> None:
+        if matrix.shape[1] != self.vocab_size:
+            raise ValueError(f"these vectors have {matrix.shape[1]} dimensions; this model's vocabulary has "
+                             f"{self.vocab_size}")
+
