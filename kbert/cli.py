@@ -399,6 +399,10 @@ def _embed(args):
     from kbert.embed.embedder import Embedder
     from kbert.utils import progress_bar
 
+    if args.sparse:
+        return _embed_sparse(args)
+    if args.format == "npz" or args.max_active_dims is not None:
+        raise ValueError("--format npz and --max-active-dims go with --sparse (SPLADE vectors)")
     emb = Embedder.load(args.model, max_length=args.max_length, strategy=args.strategy)
     if args.format == "npy" and not args.out:
         raise ValueError("--format npy needs --out FILE.npy")
@@ -464,6 +468,44 @@ def _embed(args):
             np.save(f, out)
         os.replace(path + ".tmp", path)
         print(f"wrote {len(out)} vectors to {path}", file=sys.stderr)
+
+
+def _embed_sparse(args):
+    """`kbert embed --sparse`: a JSON line per text with its tokens' weights, heaviest first, or one scipy .npz."""
+    import itertools
+    import json
+
+    from kbert.embed.sparse import SparseEncoder, save_vectors
+    from kbert.utils import progress_bar
+
+    dense_only = {"--words": args.words, "--pooling": args.pooling, "--truncate-dim": args.truncate_dim,
+                  "--precision": args.precision != "float32", "--long-texts": args.long_texts != "truncate",
+                  "--format npy": args.format == "npy"}
+    given = [k for k, v in dense_only.items() if v]
+    if given:
+        raise ValueError(f"{', '.join(given)} go with dense vectors, not --sparse (a weight per vocabulary token)")
+    if args.format == "npz" and not args.out:
+        raise ValueError("--format npz needs --out FILE.npz")
+    enc = SparseEncoder.load(args.model, max_length=args.max_length)
+    options = {"prompt_name": args.prompt_name, "prompt": args.prompt, "max_active_dims": args.max_active_dims}
+    lines, parts = _utf8_lines(args.input), []
+    bar = progress_bar(desc="sparse vectors", unit=" lines")
+    while True:
+        chunk = list(itertools.islice(lines, args.chunk))
+        if not chunk:
+            break
+        vectors = enc.encode(chunk, **options)
+        if args.format == "npz":
+            parts.append(vectors)
+        else:
+            for text, weights in zip(chunk, enc.decode(vectors) if len(chunk) > 1 else [enc.decode(vectors)]):
+                print(json.dumps({"text": text, "weights": {t: round(w, 6) for t, w in weights}},
+                                 ensure_ascii=False))
+        bar.update(len(chunk))
+    bar.close()
+    if args.format == "npz":
+        path = save_vectors(args.out, parts, enc.vocab_size)
+        print(f"wrote {sum(p.shape[0] for p in parts)} sparse vectors to {path}", file=sys.stderr)
 
 
 def _finetune(args):
@@ -1077,9 +1119,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a line over --max-length tokens: its first tokens (default), or the mean of its "
                         "consecutive windows' vectors")
     p.add_argument("--words", action="store_true", help="word vectors instead of sentence vectors")
+    p.add_argument("--sparse", action="store_true",
+                   help="SPLADE sparse vectors (kbert.SparseEncoder: a model with its masked-LM head or a "
+                        "sentence-transformers SparseEncoder dir): each line's tokens and weights")
+    p.add_argument("--max-active-dims", type=int, help="with --sparse: keep each vector's N heaviest tokens")
     p.add_argument("--unit", choices=("eojeol", "morpheme", "subword"), default="eojeol", help="with --words")
-    p.add_argument("--format", choices=("jsonl", "npy"), default="jsonl")
-    p.add_argument("--out", help="output file for --format npy")
+    p.add_argument("--format", choices=("jsonl", "npy", "npz"), default="jsonl",
+                   help="npy: dense vectors as one array; npz: --sparse vectors as one scipy.sparse CSR matrix")
+    p.add_argument("--out", help="output file for --format npy / npz")
     p.add_argument("--precision", choices=("float32", "int8", "uint8", "binary", "ubinary"), default="float32",
                    help="quantized vectors in sentence-transformers' formats: int8/uint8 (256 buckets per "
                         "dimension over --ranges, or with --format npy the ranges of all the vectors written, "

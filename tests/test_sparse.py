@@ -115,7 +115,8 @@ def test_errors(tmp_path):
         kbert.SparseEncoder(enc.model, enc.tokenizer, pooling="mean")
     # a SparseEncoder of modules kbert does not compute is refused by name
     modules = json.loads((tmp_path / "st-max-relu" / "modules.json").read_text())
-    modules.append({"idx": 2, "name": "2", "path": "2_CSR", "type": "sentence_transformers.sparse_encoder.models.CSRSparsity"})
+    modules.append({"idx": 2, "name": "2", "path": "2_CSR",
+                    "type": "sentence_transformers.sparse_encoder.models.CSRSparsity"})
     (tmp_path / "st-max-relu" / "modules.json").write_text(json.dumps(modules))
     with pytest.raises(ValueError, match="CSRSparsity"):
         kbert.SparseEncoder.load(path)
@@ -136,3 +137,32 @@ def test_xla_and_jax_give_the_same_vectors(tmp_path):
               f"print(json.dumps(v.toarray().tolist()))")
     on_jax, _ = run_on_jax(script)
     np.testing.assert_allclose(np.asarray(on_jax), eager, rtol=1e-4, atol=1e-5)
+
+
+def test_cli_embed_sparse(tmp_path, capsys):
+    import scipy.sparse
+
+    import kbert
+    from kbert.cli import main
+
+    path, _, _ = hf_masked_lm_dir(tmp_path, TEXTS)
+    lines = tmp_path / "in.txt"
+    lines.write_text("\n".join(TEXTS[:3]) + "\n", encoding="utf-8")
+    assert main(["embed", "--model", path, "--sparse", "--input", str(lines), "--max-active-dims", "5",
+                 "--chunk", "2"]) == 0
+    rows = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    enc = kbert.SparseEncoder.load(path)
+    expected = enc.decode(enc.encode(TEXTS[:3], max_active_dims=5))
+    assert [r["text"] for r in rows] == TEXTS[:3]
+    for row, want in zip(rows, expected):  # heaviest first, 5 tokens each (a chunk of 2, then one line)
+        assert list(row["weights"]) == [t for t, _ in want]
+        np.testing.assert_allclose(list(row["weights"].values()), [w for _, w in want], atol=2e-6)
+    assert main(["embed", "--model", path, "--sparse", "--input", str(lines), "--format", "npz",
+                 "--out", str(tmp_path / "v")]) == 0
+    saved = scipy.sparse.load_npz(str(tmp_path / "v.npz"))
+    np.testing.assert_allclose(saved.toarray(), enc.encode(TEXTS[:3]).toarray(), rtol=1e-5, atol=1e-6)
+    capsys.readouterr()
+    assert main(["embed", "--model", path, "--sparse", "--words", "--input", str(lines)]) == 1
+    assert "--words go with dense vectors, not --sparse" in capsys.readouterr().err
+    assert main(["embed", "--model", path, "--format", "npz", "--out", str(tmp_path / "w"), "--input", str(lines)]) == 1
+    assert "go with --sparse" in capsys.readouterr().err

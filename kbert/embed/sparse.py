@@ -159,7 +159,8 @@ class SparseEncoder:
             raise ValueError("pass `prompt` or `prompt_name`, not both")
         if prompt_name is not None:
             if prompt_name not in self.prompts:
-                raise ValueError(f"prompt_name {prompt_name!r} is not one of the model's prompts {sorted(self.prompts)}")
+                raise ValueError(f"prompt_name {prompt_name!r} is not one of the model's prompts "
+                                 f"{sorted(self.prompts)}")
             return self.prompts[prompt_name]
         return prompt or ""
 
@@ -252,3 +253,16 @@ class SparseEncoder:
             raise ValueError(f"these vectors have {matrix.shape[1]} dimensions; this model's vocabulary has "
                              f"{self.vocab_size}")
 
+
+
+def save_vectors(path: str, parts, vocab_size: int) -> str:
+    """Writes CSR matrices, stacked in order, as one scipy .npz (`scipy.sparse.load_npz` reads it), whole or not
+    at all (a stopped write leaves no truncated file); returns the path (.npz added when missing)."""
+    from scipy.sparse import csr_matrix, save_npz, vstack
+
+    path = path if path.endswith(".npz") else path + ".npz"
+    matrix = vstack(parts, format="csr") if parts else csr_matrix((0, vocab_size), dtype=np.float32)
+    with open(path + ".tmp", "wb") as f:
+        save_npz(f, matrix)
+    os.replace(path + ".tmp", path)
+    return path
