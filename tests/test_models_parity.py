@@ -394,3 +394,26 @@ def test_load_google_tf1_electra_checkpoint(tmp_path):
     backbone = kbert.load_model(str(tmp_path), output_hidden_states=True)
     batch = random_batch()
     _assert_same_hidden(backbone, _electra_hidden_states(ref, batch), batch)
+
+
+def test_an_albert_as_wide_as_its_embeddings_goes_to_transformers_and_back(tmp_path):
+    """kbert's ALBERT has no embedding projection when embedding_size == hidden_size; transformers' always has
+    one. Export writes the identity there, import reads an identity one and refuses a learned one."""
+    ref_model = tiny_hf_pretraining_model("albert", embedding_size=32)  # hidden_size 32 too
+    mapping = ref_model.albert.encoder.embedding_hidden_mapping_in
+    with torch.no_grad():
+        mapping.weight.copy_(torch.eye(32))
+        mapping.bias.zero_()
+    ref_model.save_pretrained(tmp_path / "hf")
+    batch = random_batch()
+    model = kbert.load_model(str(tmp_path / "hf"), with_heads=True, output_hidden_states=True)
+    assert model.backbone.config.embedding_size == model.backbone.config.hidden_size == 32
+    _assert_same(_kbert_outputs(model, batch), hf_outputs(ref_model, batch), batch)
+    kbert.export_transformers(model, str(tmp_path / "out"))
+    again = transformers.AlbertForPreTraining.from_pretrained(str(tmp_path / "out")).eval()
+    _assert_same(_kbert_outputs(model, batch), hf_outputs(again, batch), batch)
+
+    learned = tiny_hf_pretraining_model("albert", embedding_size=32)  # a random mapping: not the identity
+    learned.save_pretrained(tmp_path / "learned")
+    with pytest.raises(ValueError, match="embedding_hidden_mapping_in"):
+        kbert.load_model(str(tmp_path / "learned"))

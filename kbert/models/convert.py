@@ -199,6 +199,12 @@ def hf_to_kbert(hf: Dict[str, np.ndarray], config: ModelConfig, pair_objective=N
     for hf_name, path, kind in pairs:
         if hf_name in hf:
             out[path] = hf[hf_name].T if kind == "linear" else hf[hf_name]
+    if _albert_without_projection(config) and "embeddings/projection/kernel" in out:
+        kernel, bias = out.pop("embeddings/projection/kernel"), out.pop("embeddings/projection/bias", 0.0)
+        if not (np.allclose(kernel, np.eye(len(kernel)), atol=1e-6) and np.allclose(bias, 0.0, atol=1e-6)):
+            raise ValueError(f"this ALBERT maps its {config.embedding_dim}-wide embeddings to the {config.hidden_size}-"
+                             f"wide encoder through a learned layer (embedding_hidden_mapping_in); kbert's ALBERT has "
+                             f"that layer only when embedding_size != hidden_size, so it cannot load these weights")
     blocks, sub = _hf_layout(config)
     for hf_prefix, name in blocks:
         names = [hf_prefix + sub[k] for k in ("q", "k", "v")]
@@ -209,9 +215,19 @@ def hf_to_kbert(hf: Dict[str, np.ndarray], config: ModelConfig, pair_objective=N
     return out
 
 
+def _albert_without_projection(config: ModelConfig) -> bool:
+    """transformers' ALBERT always maps its embeddings to the hidden size (embedding_hidden_mapping_in); kbert's
+    has no such layer when the two sizes are equal: it is the identity there."""
+    return config.architecture == "albert" and config.embedding_dim == config.hidden_size
+
+
 def kbert_to_hf(tensors: Dict[str, np.ndarray], config: ModelConfig, pair_objective=None, heads=False):
     out = {}
     for hf_name, path, kind in _pairs(config) + (_head_pairs(config, pair_objective) if heads else []):
+        if path.startswith("embeddings/projection/") and _albert_without_projection(config):
+            h = config.hidden_size
+            out[hf_name] = np.eye(h, dtype=np.float32) if path.endswith("kernel") else np.zeros(h, np.float32)
+            continue
         out[hf_name] = tensors[path].T if kind == "linear" else tensors[path]
     blocks, sub = _hf_layout(config)
     h = config.hidden_size
