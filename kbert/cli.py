@@ -526,7 +526,8 @@ def _finetune(args):
              "mini_batch_size": "mini_batch_size", "guide": "guide", "guide_margin": "guide_margin",
              "strategy": "strategy", "doc_stride": "doc_stride", "max_query_length": "max_query_length",
              "max_answer_length": "max_answer_length", "lora_rank": "lora_rank", "lora_alpha": "lora_alpha",
-             "lora_targets": "lora_targets"}
+             "lora_targets": "lora_targets", "query_regularizer_weight": "query_regularizer_weight",
+             "document_regularizer_weight": "document_regularizer_weight"}
     values.update({key: getattr(args, dest) for dest, key in flags.items() if getattr(args, dest) is not None})
     if args.layers is not None:
         values["layers"] = parse_layers(args.layers)
@@ -1149,7 +1150,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print the resolved settings as YAML (a --config file to edit) and exit without training")
     p.add_argument("--model", help="pretrained model dir with its tokenizer (required, here or in --config)")
     p.add_argument("--task", choices=("classification", "pair-classification", "regression", "tagging",
-                                      "sentence-embedding", "question-answering"), help="required, here or in --config")
+                                      "sentence-embedding", "question-answering", "sparse-embedding"),
+                   help="required, here or in --config; sparse-embedding: SPLADE from a model with its masked-LM head")
     p.add_argument("--train", help="TSV (header), CSV or JSONL file, or for question-answering a SQuAD-format .json "
                                    "(KorQuAD's) (required, here or in --config)")
     p.add_argument("--dev", help="dev file for metrics, early stopping and the best checkpoint")
@@ -1211,6 +1213,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--guide", help="sentence-embedding with in-batch negatives: a model dir whose vectors leave "
                                    "out of each row's negatives what it scores above the row's positive (GISTEmbed)")
     p.add_argument("--guide-margin", type=float, help="with --guide: the cosine margin (default 0)")
+    p.add_argument("--query-regularizer-weight", type=float,
+                   help="sparse-embedding: the FLOPS penalty on the anchors' vectors (5e-5; more: sparser)")
+    p.add_argument("--document-regularizer-weight", type=float,
+                   help="sparse-embedding: the FLOPS penalty on the positives' vectors (3e-5)")
     p.add_argument("--symmetric", action="store_true",
                    help="sentence-embedding with in-batch negatives: also rank each positive's anchor among the "
                         "batch's anchors (MultipleNegativesSymmetricRankingLoss)")

@@ -147,15 +147,18 @@ def first_pieces(enc) -> List[Optional[int]]:
     return out
 
 
-def unit_vectors_in_batches(call, id_lists, pad_id: int, batch_size: int) -> np.ndarray:
-    """`call(ids, segments)` over `id_lists` in batches of `batch_size`, rows scaled to unit length
-    (`[n, h]`)."""
+def vectors_in_batches(call, id_lists, pad_id: int, batch_size: int) -> np.ndarray:
+    """`call(ids, segments)` over `id_lists` in batches of `batch_size`, concatenated (`[n, h]`)."""
     vectors = []
     for start in range(0, len(id_lists), batch_size):
         ids = pad(id_lists[start:start + batch_size], pad_id)
         vectors.append(call(ids, np.zeros_like(ids)))
-    out = np.concatenate(vectors) if vectors else np.zeros((0, 0), np.float32)
-    return unit_rows(out)
+    return np.concatenate(vectors) if vectors else np.zeros((0, 0), np.float32)
+
+
+def unit_vectors_in_batches(call, id_lists, pad_id: int, batch_size: int) -> np.ndarray:
+    """`vectors_in_batches` with rows scaled to unit length."""
+    return unit_rows(vectors_in_batches(call, id_lists, pad_id, batch_size))
 
 
 def build_network(network, tokenizer) -> None:

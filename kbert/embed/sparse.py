@@ -29,10 +29,9 @@ import numpy as np
 from kbert.compiled import backend, compiled, signature
 from kbert.data.features import bucketed, features, str_list
 from kbert.embed.embedder import length_sorted
+from kbert.models.pooling import SPLADE_ACTIVATIONS, SPLADE_POOLINGS, splade_pool
 from kbert.utils import progress_bar
 
-POOLINGS = ("max", "sum")  # SpladePooling's pooling_strategy
-ACTIVATIONS = ("relu", "log1p_relu")  # log(1 + relu(z)), or log(1 + log(1 + relu(z))) (OpenSearch's models)
 SEARCH_CHUNK = 256  # queries scored at once: a [256, corpus] dense block of scores
 
 
@@ -52,10 +51,10 @@ class SparseEncoder:
 
     def __init__(self, model, tokenizer, max_length: Optional[int] = None, pooling: str = "max",
                  activation: str = "relu", prompts: Optional[dict] = None, jit_compile: bool = False):
-        if pooling not in POOLINGS:
-            raise ValueError(f"`pooling` must be one of {POOLINGS}. Received: {pooling!r}")
-        if activation not in ACTIVATIONS:
-            raise ValueError(f"`activation` must be one of {ACTIVATIONS}. Received: {activation!r}")
+        if pooling not in SPLADE_POOLINGS:
+            raise ValueError(f"`pooling` must be one of {SPLADE_POOLINGS}. Received: {pooling!r}")
+        if activation not in SPLADE_ACTIVATIONS:
+            raise ValueError(f"`activation` must be one of {SPLADE_ACTIVATIONS}. Received: {activation!r}")
         limit = model.config.max_position
         if max_length is not None and (not isinstance(max_length, int) or max_length < 3):
             raise ValueError(f"`max_length` must be an int >= 3 ([CLS], a token, [SEP]). Received: {max_length!r}")
@@ -165,14 +164,8 @@ class SparseEncoder:
         return prompt or ""
 
     def _forward(self, x):  # a method, not a lambda: AutoGraph reads its source
-        import keras
-
-        logits = keras.ops.cast(self.model(x, training=False)["mlm_logits"], "float32")  # [b, s, vocab]
-        mask = keras.ops.cast(x["padding_mask"], "float32")[:, :, None]
-        z = keras.ops.log1p(keras.ops.relu(logits * mask))  # padding: log(1 + 0) = 0, never a max
-        if self.activation == "log1p_relu":
-            z = keras.ops.log1p(z)
-        return keras.ops.max(z, axis=1) if self.pooling == "max" else keras.ops.sum(z, axis=1)
+        logits = self.model(x, training=False)["mlm_logits"]  # [b, s, vocab]: mask_positions is every token
+        return splade_pool(logits, x["padding_mask"], self.pooling, self.activation)
 
     def _pooled(self, rows: List[List[int]]) -> np.ndarray:
         """`[len(rows), vocab]` float32 SPLADE weights of rows of ids ([CLS] ... [SEP])."""

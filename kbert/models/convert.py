@@ -87,7 +87,7 @@ def config_from_hf(hf: dict, source: str = "config.json") -> ModelConfig:
     return ModelConfig(**fields)
 
 
-def _check_exportable(config: ModelConfig) -> None:
+def check_exportable(config: ModelConfig) -> None:
     if config.architecture == "bert" and config.embedding_dim != config.hidden_size:
         raise ValueError(f"This BERT model has embedding_size={config.embedding_dim} != hidden_size="
                          f"{config.hidden_size} (an ELECTRA-style projection); transformers' BERT has no such "
@@ -101,7 +101,7 @@ def _check_exportable(config: ModelConfig) -> None:
 def config_to_hf(config: ModelConfig, with_heads: bool, masked_lm: bool = False) -> dict:
     """transformers' config.json of `config`: a *ForPreTraining model `with_heads`, *ForMaskedLM with `masked_lm`,
     else the encoder (*Model)."""
-    _check_exportable(config)
+    check_exportable(config)
     arch = config.architecture
     name = "Bert" if arch == "bert" else "Albert"
     out = {
@@ -667,7 +667,7 @@ def export_transformers(model, directory: str, tokenizer=None) -> str:
         config, pair, heads = model.config, None, False
     else:
         raise TypeError(f"export_transformers expects a kbert backbone or Pretrainer. Received: {type(model).__name__}")
-    _check_exportable(config)  # before any tensor is converted
+    check_exportable(config)  # before any tensor is converted
     # transformers' pretraining classes hold the masked-LM head with the matching pair head (NSP for BERT, SOP for
     # ALBERT); without it, the masked-LM class holds the head alone
     masked_lm = heads and pair != ("nsp" if config.architecture == "bert" else "sop")

@@ -9,6 +9,8 @@ from __future__ import annotations
 from typing import List, Optional, Sequence, Union
 
 POOLINGS = ("mean", "cls", "max", "first_last_avg")
+SPLADE_POOLINGS = ("max", "sum")  # sentence-transformers' SpladePooling pooling_strategy
+SPLADE_ACTIVATIONS = ("relu", "log1p_relu")  # log(1 + relu(z)), or log(1 + log(1 + relu(z))) (OpenSearch's)
 
 
 def check_pooling(pooling: str, layers: Union[int, Sequence[int]], num_hidden: int) -> List[int]:
@@ -24,6 +26,19 @@ def check_pooling(pooling: str, layers: Union[int, Sequence[int]], num_hidden: i
             raise ValueError(f"`layers` entries must be in [{-num_hidden}, {num_hidden - 1}] (0 is the "
                              f"embedding output). Received: {l}")
     return chosen
+
+
+def splade_pool(logits, padding_mask, pooling: str = "max", activation: str = "relu"):
+    """SPLADE vectors `[b, v]` (float32) from masked-LM logits `[b, s, v]` at every token: for each vocabulary
+    token, the max (or sum) over the text's tokens of log(1 + relu(logit)), padding left out (SpladePooling's
+    formula, Formal et al. 2021)."""
+    from keras import ops
+
+    mask = ops.cast(padding_mask, "float32")[:, :, None]
+    z = ops.log1p(ops.relu(ops.cast(logits, "float32") * mask))  # padding: log(1 + 0) = 0, never a max
+    if activation == "log1p_relu":
+        z = ops.log1p(z)
+    return ops.max(z, axis=1) if pooling == "max" else ops.sum(z, axis=1)
 
 
 def pool(hidden_states, padding_mask, pooling: str = "mean", layers: Union[int, Sequence[int]] = -1,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Optional
 
 _POOLING_MODES = {"pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "mean",
                   "pooling_mode_max_tokens": "max"}
@@ -129,6 +130,29 @@ def read_sparse_encoder(directory: str):
             raise ValueError(f"{directory}: its module {module.get('type')!r} has no kbert equivalent; "
                              f"kbert.SparseEncoder reads SPLADE dirs of MLMTransformer and SpladePooling")
     return found
+
+
+def write_sparse_encoder(directory: str, pooling: str = "max", activation: str = "relu",
+                         max_length: Optional[int] = None) -> None:
+    """Adds sentence-transformers' SparseEncoder files (modules.json: MLMTransformer at the root, then
+    SpladePooling) to a transformers *ForMaskedLM dir, so sentence-transformers (5 and 6) and
+    `kbert.SparseEncoder` read it as one SPLADE model. (Dense sentence-transformers dirs: kbert.embed.st_format.)"""
+    modules = [{"idx": 0, "name": "0", "path": "",
+                "type": "sentence_transformers.sparse_encoder.models.MLMTransformer"},
+               {"idx": 1, "name": "1", "path": "1_SpladePooling",
+                "type": "sentence_transformers.sparse_encoder.models.SpladePooling"}]
+    files = {"modules.json": modules,
+             "1_SpladePooling/config.json": {"pooling_strategy": pooling, "activation_function": activation},
+             "config_sentence_transformers.json": {"model_type": "SparseEncoder", "similarity_fn_name": "dot",
+                                                   "prompts": {"query": "", "document": ""},
+                                                   "default_prompt_name": None}}
+    if max_length:
+        files["sentence_bert_config.json"] = {"max_seq_length": int(max_length), "do_lower_case": False}
+    os.makedirs(os.path.join(directory, "1_SpladePooling"), exist_ok=True)
+    for name, content in files.items():
+        with open(os.path.join(directory, name), "w", encoding="utf-8") as f:
+            json.dump(content, f, indent=2)
+            f.write("\n")
 
 
 def module_weights(folder: str) -> dict:

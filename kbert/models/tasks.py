@@ -111,6 +111,39 @@ class TaskNetwork(keras.Model):
         return cls(**config)
 
 
+class SpladeNetwork(keras.Model):
+    """Backbone + its masked-LM head read as SPLADE (`kbert.models.pooling.splade_pool`): `[b, vocab]` float32
+    sparse vectors of a batch of texts, what `kbert.SparseEncoder` computes. The head is built here and
+    `head_weights` (the starting model's head, in `MaskedLMHead.weights` order) are copied into it.
+
+    The head runs at every token ([b, s, vocab] logits), unlike pretraining's, which runs at the masked
+    positions only: a SPLADE vector reads each token's predicted vocabulary."""
+
+    def __init__(self, backbone, head_weights: Sequence = (), pooling: str = "max", activation: str = "relu",
+                 **kwargs):
+        from kbert.models.layers import MaskedLMHead
+
+        super().__init__(name=kwargs.pop("name", "splade"), **kwargs)
+        self.backbone, self.config = backbone, backbone.config
+        self.pooling, self.activation = pooling, activation
+        self.mlm_head = MaskedLMHead(self.config, backbone.token_embedding, dtype=backbone.dtype_policy,
+                                     name="mlm_head")
+        self.mlm_head.build((None, None, self.config.hidden_size))
+        if head_weights:
+            if len(head_weights) != len(self.mlm_head.weights):
+                raise ValueError(f"a masked-LM head has {len(self.mlm_head.weights)} weights; {len(head_weights)} "
+                                 f"were given")
+            for variable, value in zip(self.mlm_head.weights, head_weights):
+                variable.assign(value)
+
+    def call(self, features, training=None):
+        from kbert.models.pooling import splade_pool
+
+        out = self.backbone({k: features[k] for k in INPUT_NAMES}, training=training)
+        logits = self.mlm_head(out["sequence_output"], None)  # [b, s, vocab]
+        return splade_pool(logits, features["padding_mask"], self.pooling, self.activation)
+
+
 def save_task_head(network: TaskNetwork, meta: dict, model_dir: str) -> None:
     """Writes the head's weights (`HEAD_FILE`, when the task has a head) and `meta` (`TASK_FILE`) into
     `model_dir`, beside the backbone that `kbert.save_model` wrote there."""

@@ -21,6 +21,10 @@ def data_name(data) -> str:
 
 def loss_text(c, task_name: str) -> str:
     """One dataset's loss, in words (a `FinetuneConfig` or a dataset's config)."""
+    if task_name == "sparse-embedding":
+        return (f"SPLADE: in-batch negatives on dot products (SparseMultipleNegativesRankingLoss) + FLOPS "
+                f"penalties {c.query_regularizer_weight:g} (anchors) and {c.document_regularizer_weight:g} "
+                f"(positives{', hard negatives' if c.negative_column else ''})")
     if task_name != "sentence-embedding":
         if getattr(c, "multi_label", False):
             return "binary cross-entropy, a sigmoid a label (multi-label: a label holds above 0.5)"
@@ -115,13 +119,19 @@ def write_finetune_card(c, task, config, meta: dict, train_ex, dev_ex, summary: 
                  f'vectors = embedder.encode(["한국어 문장을 벡터로 바꿉니다.", "문장 임베딩 모델입니다."])  # unit vectors\n'
                  f'print(vectors @ vectors.T)  # cosine similarities\n\n'
                  f'# for sentence-transformers: kbert.export_sentence_transformers("{name}", "{name}-st")')
+    elif task_name == "sparse-embedding":
+        usage = (f'import kbert\n\nencoder = kbert.SparseEncoder.load("{name}")\n'
+                 f'vectors = encoder.encode(["한국어 문장을 벡터로 바꿉니다.", "희소 벡터 모델입니다."])  # scipy CSR\n'
+                 f'print(encoder.decode(vectors[0], top_k=10))  # its heaviest tokens\n\n'
+                 f'# sentence-transformers reads the same dir: SparseEncoder("{name}")')
     elif task_name == "question-answering":
         usage = (f'import kbert\n\nmodel = kbert.TaskModel.load("{name}")\n'
                  f'print(model.answer("대한민국의 수도는?", "대한민국의 수도는 서울이다."))  # {{"answer", "score", '
                  f'"start", "end"}}')
     else:
         usage = f'import kbert\n\nmodel = kbert.TaskModel.load("{name}")\nprint(model.predict(["정말 재밌어요"]))'
-    tags = ["feature-extraction", "sentence-similarity"] if task_name == "sentence-embedding" else []
+    tags = {"sentence-embedding": ["feature-extraction", "sentence-similarity"],
+            "sparse-embedding": ["sparse-encoder", "splade", "feature-extraction"]}.get(task_name, [])
     teacher = meta.get("distilled_from")  # a distilled student: its teacher is where it comes from
     base = teacher or (c.model if isinstance(c.model, (str, os.PathLike)) else None)
     text = model_card(name, config, task_name, base_model=base, details=details, usage=usage,

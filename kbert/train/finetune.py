@@ -45,7 +45,9 @@ from kbert.train.metrics import scalar_writer
 LOG_DIR = "logs"  # OUT/logs: TensorBoard scalars (kbert.read_scalars reads them)
 LOG_EVERY = 10  # steps between train-loss points
 LOWER_IS_BETTER = ("mse",)  # dev figures a better model makes smaller (`metric`)
-NOT_SCORES = ("f1_threshold",)  # dev figures that rank nothing: the cosine at which a bi-encoder's F1 peaks
+IN_BATCH_TASKS = ("sentence-embedding", "sparse-embedding")  # tasks with in-batch negatives (guide, symmetric)
+# dev figures that rank nothing: the cosine at which a bi-encoder's F1 peaks, a sparse model's active tokens
+NOT_SCORES = ("f1_threshold", "active_dims")
 
 
 @dataclasses.dataclass
@@ -98,6 +100,8 @@ class FinetuneConfig:
     guide: Optional[str] = None  # sentence-embedding: a model dir whose vectors filter in-batch false negatives
     guide_margin: float = 0.0  # ... those it scores above the anchor's positive less this
     symmetric: bool = False  # sentence-embedding in-batch losses: also rank each positive's anchor among the anchors
+    query_regularizer_weight: float = 5e-5  # sparse-embedding: the FLOPS penalty on the anchors' vectors
+    document_regularizer_weight: float = 3e-5  # ... and on the positives' and hard negatives'
     strategy: str = "auto"  # devices: auto | cpu | mirrored | tpu (several: Keras' JAX backend only)
     doc_stride: int = 128  # question-answering: context tokens shared by neighbouring windows
     max_query_length: int = 64  # question-answering: question tokens kept
@@ -165,16 +169,16 @@ class FinetuneConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
                 raise ValueError(f"`{name}` must be {rule}. Received: {name}={value!r}")
-        if self.guide is not None and (self.task != "sentence-embedding"
+        if self.guide is not None and (self.task not in IN_BATCH_TASKS
                                        or not isinstance(self.guide, (str, os.PathLike))):
             raise ValueError(f"`guide` (a model dir whose vectors filter in-batch negatives) goes with "
-                             f"task='sentence-embedding'. Received: guide={self.guide!r}, task={self.task!r}")
+                             f"task='sentence-embedding' or 'sparse-embedding'. Received: guide={self.guide!r}, task={self.task!r}")
         margin = self.guide_margin
         if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not -2 < margin < 2:
             raise ValueError(f"`guide_margin` must be a number in (-2, 2) (a cosine difference). "
                              f"Received: guide_margin={margin!r}")
-        if not isinstance(self.symmetric, bool) or (self.symmetric and self.task != "sentence-embedding"):
-            raise ValueError(f"`symmetric` (True or False) goes with task='sentence-embedding'. "
+        if not isinstance(self.symmetric, bool) or (self.symmetric and self.task not in IN_BATCH_TASKS):
+            raise ValueError(f"`symmetric` (True or False) goes with task='sentence-embedding' or 'sparse-embedding'. "
                              f"Received: symmetric={self.symmetric!r}, task={self.task!r}")
         for name in ("doc_stride", "max_query_length", "max_answer_length"):
             value = getattr(self, name)
@@ -205,7 +209,8 @@ def finetune(model: str, task: str, train, dev=None, out_dir: str = "finetuned",
              model_prompts: Optional[dict] = None, guide: Optional[str] = None, guide_margin: float = 0.0,
              symmetric: bool = False, strategy: str = "auto", doc_stride: int = 128, max_query_length: int = 64,
              max_answer_length: int = 30, lora_rank: Optional[int] = None, lora_alpha: Optional[float] = None,
-             lora_targets: str = "all") -> dict:
+             lora_targets: str = "all", query_regularizer_weight: float = 5e-5,
+             document_regularizer_weight: float = 3e-5) -> dict:
     """Fine-tunes the model dir `model` on `train`; returns a summary with the dev history.
 
     Args:
@@ -344,6 +349,9 @@ def finetune(model: str, task: str, train, dev=None, out_dir: str = "finetuned",
             holds state for a few percent of the weights, so large checkpoints fit small GPUs. LoRA usually
             wants a larger `learning_rate` than full fine-tuning (1e-4 to 1e-3). The model dir written has
             the update merged into each kernel: a plain model, loaded, exported and served as any other.
+        query_regularizer_weight, document_regularizer_weight: sparse-embedding (SPLADE) only: the weights of
+            the FLOPS penalty on the anchors' and on the positives' (and hard negatives') vectors, what makes
+            them sparse (sentence-transformers' SpladeLoss defaults); larger: fewer active tokens, less recall.
 
     Example:
         >>> kbert.finetune("my-model", "classification", "train.tsv", "dev.tsv", out_dir="sentiment",
@@ -386,20 +394,24 @@ def _check_head_pooling(task, pooling, layers, num_hidden):
     return pooling, layers
 
 
-def _load(config: FinetuneConfig):
+def _load(config: FinetuneConfig, task):
     """(backbone with hidden states, tokenizer, max_length, backbone dropout, the sentence-transformers dir's
     settings or None, the model dir's kbert_task.json or None) of `config.model`."""
-    from kbert.models.convert import check_vocabulary, load_model
+    from kbert.models.convert import check_vocabulary
     from kbert.models.locate import model_dir_of, read_task_meta, resolve_hub_name
     from kbert.models.io import with_dropout
-    from kbert.models.st_dir import read_sentence_transformers
+    from kbert.models.st_dir import read_sentence_transformers, read_sparse_encoder
     from kbert.text.tokenizer import Tokenizer
 
     model_dir = model_dir_of(resolve_hub_name(os.fspath(config.model)))  # a hub name: its snapshot; a run dir: its model
     meta = read_task_meta(model_dir)
-    st = None if meta else read_sentence_transformers(model_dir)
-    weights_dir = st["model_dir"] if st else model_dir  # a sentence-transformers dir: its transformer's folder
-    backbone = load_model(weights_dir, output_hidden_states=True, dtype=config.dtype)
+    if task.sparse:  # SPLADE: a masked-LM dir, or a SparseEncoder dir (its transformer's folder)
+        st = None
+        weights_dir = (read_sparse_encoder(model_dir) or {"model_dir": model_dir})["model_dir"]
+    else:
+        st = None if meta else read_sentence_transformers(model_dir)
+        weights_dir = st["model_dir"] if st else model_dir  # a sentence-transformers dir: its transformer's folder
+    backbone = task.load_backbone(weights_dir, config.dtype)
     tokenizer = Tokenizer.from_model_dir(weights_dir)  # sentence-transformers keep it beside the weights
     check_vocabulary(backbone.config, tokenizer.vocab_size)
     # 128 tokens by default (question answering: 384, SQuAD's windows), or the model's limit when it has fewer
@@ -542,7 +554,7 @@ def _run(c: FinetuneConfig, task, before_training, distribution) -> dict:
     task.check()
     guide_dir = _guide_dir(c)
     keras.utils.set_random_seed(c.seed)
-    backbone, tokenizer, max_length, backbone_dropout, st, start_meta = _load(c)
+    backbone, tokenizer, max_length, backbone_dropout, st, start_meta = _load(c, task)
     task.check_model(backbone)
     own = st or start_meta or {}  # the starting model's prompts, kept unless `model_prompts` replaces them
     model_prompts, default_prompt = check_prompts(

@@ -30,7 +30,7 @@ import numpy as np
 
 from kbert.data import rows as cells
 from kbert.data.rows import read_rows, text_rows
-from kbert.data.features import features, first_pieces, pad, segment_ids, unit_vectors_in_batches
+from kbert.data.features import features, first_pieces, pad, segment_ids, unit_vectors_in_batches, vectors_in_batches
 from kbert.train.metrics import entity_figures, pair_classification_figures, pearson, spearman
 from kbert.utils import macro_f1, multi_label_figures
 
@@ -164,6 +164,14 @@ class FinetuneTask:
         from kbert.models.tasks import TOKEN_TASKS
 
         return self.name in TOKEN_TASKS
+
+    sparse = False  # SPLADE: the model is loaded with its masked-LM head (`load_backbone`)
+
+    def load_backbone(self, weights_dir: str, dtype):
+        """The starting model's backbone, with every layer's hidden states (poolings may read any)."""
+        from kbert.models.convert import load_model
+
+        return load_model(weights_dir, output_hidden_states=True, dtype=dtype)
 
     def check_model(self, backbone) -> None:
         """Refuses settings the loaded backbone cannot serve (called once it is loaded, before any data)."""
@@ -1033,8 +1041,100 @@ class MultiDatasetEmbeddingTask(SentenceEmbeddingTask):
         return self.parts[key][0].embedding_loss(v, y, n)
 
 
+class SparseEmbeddingTask(SentenceEmbeddingTask):
+    """SPLADE (Formal et al. 2021): a model's masked-LM head read as a weight per vocabulary token
+    (`kbert.models.tasks.SpladeNetwork`), trained on (anchor, positive) pairs with in-batch negatives and hard
+    negatives from `negative_column` (sentence-transformers' SparseMultipleNegativesRankingLoss: dot products,
+    no temperature), plus the FLOPS penalty that makes the vectors sparse: for the anchors' `[b, v]` vectors
+    the sum over the vocabulary of the squared mean weight, times `query_regularizer_weight`, and the same of
+    the positives' and hard negatives' times `document_regularizer_weight` (SpladeLoss). The model must hold a
+    trained masked-LM head (a `kbert pretrain` output, a *ForMaskedLM dir, a SPLADE dir). The output dir is a
+    sentence-transformers SparseEncoder dir in transformers' format, which `kbert.SparseEncoder` reads too."""
+    name = "sparse-embedding"
+    metric = "recall@1"
+    sparse = True
+
+    @property
+    def token_head(self) -> bool:  # the head reads every token's logits: no pooling or layers to choose
+        return True
+
+    def check(self):
+        c = self.config
+        if c.objective is not None or c.label_column or not c.pair_column:
+            raise ValueError("task='sparse-embedding' trains (anchor, positive) pairs with in-batch negatives: give "
+                             "`pair_column`, leave `label_column` None (`--label-column ''`) and no `objective`")
+        if c.matryoshka_dims:
+            raise ValueError("`matryoshka_dims` cut dense vectors; a sparse vector has a weight per vocabulary token")
+        if c.pooling is not None or c.layers != -1:
+            raise ValueError(f"`pooling` and `layers` do not apply to task='sparse-embedding' (SPLADE pools every "
+                             f"token's masked-LM logits). Received: pooling={c.pooling!r}, layers={c.layers!r}")
+        for name in ("query_regularizer_weight", "document_regularizer_weight"):
+            value = getattr(c, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"`{name}` must be a number >= 0. Received: {value!r}")
+        super().check()
+
+    def load_backbone(self, weights_dir: str, dtype):
+        import keras
+
+        from kbert.models.convert import check_exportable, load_model
+
+        full = load_model(weights_dir, with_heads=True, require_heads=True, dtype=dtype)
+        check_exportable(full.config)  # the output is written in transformers' format
+        self.head_weights = [keras.ops.convert_to_numpy(w) for w in full.mlm_head.weights]
+        return full.backbone
+
+    def check_model(self, backbone):
+        pass  # no Matryoshka widths to check against
+
+    def network(self, backbone, dropout, pooling, layers):
+        from kbert.models.tasks import SpladeNetwork
+
+        return SpladeNetwork(backbone, self.head_weights)
+
+    def save(self, network, out_dir, tokenizer, meta):
+        """A SparseEncoder dir: the backbone and head as transformers' *ForMaskedLM, with sentence-transformers'
+        modules.json and SpladePooling config."""
+        from kbert.models.backbone import Pretrainer
+        from kbert.models.convert import export_transformers
+        from kbert.models.st_dir import write_sparse_encoder
+
+        model = Pretrainer(network.backbone, pair_objective=None)
+        ids = np.array([[tokenizer.cls_id, tokenizer.sep_id]], np.int32)
+        model(dict(features(ids, np.zeros_like(ids), tokenizer.pad_id), mask_positions=np.zeros((1, 1), np.int32)))
+        for variable, value in zip(model.mlm_head.weights, network.mlm_head.weights):
+            variable.assign(value)
+        export_transformers(model, out_dir, tokenizer=tokenizer)
+        write_sparse_encoder(out_dir, network.pooling, network.activation, meta.get("max_length"))
+
+    def _loss_at(self, v, y, n):
+        import keras
+
+        a, others = v[:n], v[n:]  # anchors [b, v]; positives [b, v] then hard negatives [b, v]
+        ids = y["text_ids"] if isinstance(y, dict) else y
+        guide = y.get("guide") if isinstance(y, dict) else None
+        ranking = in_batch_loss(a, others, 1.0, ids, guide, getattr(self.config, "guide_margin", 0.0))
+
+        def flops(x):  # sum over the vocabulary of the batch's mean weight, squared (Paria et al. 2020)
+            return keras.ops.sum(keras.ops.square(keras.ops.mean(x, axis=0)))
+
+        return (ranking + self.config.query_regularizer_weight * flops(a)
+                + self.config.document_regularizer_weight * flops(others))
+
+    def evaluate(self, infer, examples, batch_size, pad_id):
+        a = vectors_in_batches(infer, examples.token_ids, pad_id, batch_size)
+        b = vectors_in_batches(infer, examples.pair_token_ids, pad_id, batch_size)
+        scores = a @ b.T  # dot products, as SPLADE ranks
+        return {"recall@1": float(np.mean(np.argmax(scores, axis=1) == np.arange(len(a)))),
+                "active_dims": float(np.mean(np.count_nonzero(np.concatenate([a, b]), axis=1)))}
+
+    def dev_metric(self, dev):
+        return "recall@1"
+
+
 TASKS: Dict[str, type] = {t.name: t for t in (ClassificationTask, PairClassificationTask, RegressionTask,
-                                               TaggingTask, SentenceEmbeddingTask, QuestionAnsweringTask)}
+                                               TaggingTask, SentenceEmbeddingTask, QuestionAnsweringTask,
+                                               SparseEmbeddingTask)}
 
 
 def register_task(task: type) -> type:
