@@ -288,7 +288,8 @@ def test_predict_gives_each_rows_prediction_and_the_test_figures_fine_tuning_rep
     np.testing.assert_allclose([o["score"] for o in chunked], [o["score"] for o in out], atol=1e-5)
     assert "predict classification" in capsys.readouterr().err
     monkeypatch.undo()
-    with pytest.raises(ValueError, match=r"data row 2 has labels not seen in training: \['3'\] \(training labels: \['0', '1'\]\)"):
+    with pytest.raises(ValueError, match=r"data row 2 has labels not seen in training: \['3'\] "
+                                         r"\(training labels: \['0', '1'\]\)"):
         predict_rows(model, [test[0], {"review": "좋다", "y": "3"}])
     with pytest.raises(ValueError, match="row 1 has no 'gold' to score"):
         predict_rows(model, [{"review": "좋다", "gold": ""}], label_column="gold")

@@ -239,7 +239,7 @@ def test_sparse_fine_tuning_refuses_what_it_cannot_train(tmp_path):
     path, _, _ = hf_masked_lm_dir(tmp_path, TEXTS)
     rows = [{"a": TEXTS[i], "b": TEXTS[i + 1], "label": 1.0} for i in range(4)]
     common = dict(text_column="a", pair_column="b", out_dir=str(tmp_path / "out"), progress=False)
-    with pytest.raises(ValueError, match="leave `label_column` None"):
+    with pytest.raises(ValueError, match="`label_column=None` \(--no-label\)"):
         kbert.finetune(path, "sparse-embedding", rows, **common)  # scored pairs: label_column "label"
     with pytest.raises(ValueError, match="`matryoshka_dims` cut dense vectors"):
         kbert.finetune(path, "sparse-embedding", rows, label_column=None, matryoshka_dims=[8], **common)

@@ -172,7 +172,8 @@ class FinetuneConfig:
         if self.guide is not None and (self.task not in IN_BATCH_TASKS
                                        or not isinstance(self.guide, (str, os.PathLike))):
             raise ValueError(f"`guide` (a model dir whose vectors filter in-batch negatives) goes with "
-                             f"task='sentence-embedding' or 'sparse-embedding'. Received: guide={self.guide!r}, task={self.task!r}")
+                             f"task='sentence-embedding' or 'sparse-embedding'. Received: guide={self.guide!r}, "
+                             f"task={self.task!r}")
         margin = self.guide_margin
         if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not -2 < margin < 2:
             raise ValueError(f"`guide_margin` must be a number in (-2, 2) (a cosine difference). "

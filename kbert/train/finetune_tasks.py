@@ -15,6 +15,8 @@ knows none of it, and a new task is one class added to `TASKS`.
     sentence-embedding    a bi-encoder: both texts through the same backbone, pooled; pairs with a score
                           (cosine regression onto score / max score, or CoSENT's ranking loss) or, without
                           a score column, (anchor, positive) pairs with in-batch negatives
+    sparse-embedding      SPLADE: the masked-LM head's weight per vocabulary token, max-pooled, on (anchor,
+                          positive) pairs with in-batch negatives on dot products and a FLOPS sparsity penalty
 
 Shapes: b = batch, s = padded length, k = labels, h = hidden size.
 """
@@ -1062,7 +1064,7 @@ class SparseEmbeddingTask(SentenceEmbeddingTask):
         c = self.config
         if c.objective is not None or c.label_column or not c.pair_column:
             raise ValueError("task='sparse-embedding' trains (anchor, positive) pairs with in-batch negatives: give "
-                             "`pair_column`, leave `label_column` None (`--label-column ''`) and no `objective`")
+                             "`pair_column`, `label_column=None` (--no-label) and no `objective`")
         if c.matryoshka_dims:
             raise ValueError("`matryoshka_dims` cut dense vectors; a sparse vector has a weight per vocabulary token")
         if c.pooling is not None or c.layers != -1:
