@@ -17,28 +17,17 @@ import argparse
 import os
 import sys
 import tempfile
-import time
 
 import numpy as np
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from embed import timed  # noqa: E402  (benchmarks/embed.py: the best of n wall times)
 from fill_mask import korsts_sentences  # noqa: E402  (benchmarks/fill_mask.py)
 from random_model import random_model  # noqa: E402
 
 SHARED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared", "data")
-
-
-def timed(fn, repeats: int = 2):
-    """(the result, the best of `repeats` wall times after one warm-up call)."""
-    out = fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        out = fn()
-        best = min(best, time.perf_counter() - start)
-    return out, best
 
 
 def main(argv=None):
@@ -72,11 +61,16 @@ def main(argv=None):
     print(f"{len(texts)} KorSTS dev sentences; model {model_dir} (vocabulary {lm.tokenizer.vocab_size:,}); "
           f"torch {torch.__version__} on {torch.get_num_threads()} threads")
 
-    ref, t_ref = timed(lambda: st.encode(texts, batch_size=16).to_dense().numpy())
+    def best_after_warm_up(fn):
+        fn()  # compilation, first-call allocations
+        t, out = timed(fn, 2)
+        return out, t
+
+    ref, t_ref = best_after_warm_up(lambda: st.encode(texts, batch_size=16).to_dense().numpy())
     rows = [("sentence-transformers SparseEncoder (torch)", ref, t_ref)]
     for name, jit in (("kbert.SparseEncoder (TensorFlow graph)", False), ("kbert.SparseEncoder (XLA)", True)):
         enc = kbert.SparseEncoder.load(st_dir, jit_compile=jit)
-        got, t = timed(lambda: enc.encode(texts, batch_size=16).toarray())
+        got, t = best_after_warm_up(lambda: enc.encode(texts, batch_size=16).toarray())
         rows.append((name, got, t))
     width = max(len(r[0]) for r in rows)
     top = np.argsort(-ref, axis=1, kind="stable")[:, :10]
