@@ -15,6 +15,10 @@ Routes (JSON in and out; errors are `{"error": {"message", "type", "code"}}` wit
                           {"object": "list", "data": [{"object": "embedding", "index": i, "embedding": [...]}],
                           "model", "usage": {"prompt_tokens", "total_tokens"}}
     POST /v1/similarity   {"source_sentence": str, "sentences": [str]} -> {"similarities": [cosine, ...]}
+    POST /v1/sparse-embeddings   SPLADE dirs (`kbert finetune --task sparse-embedding`, a sentence-transformers
+                          SparseEncoder): {"input": str | [str], "max_active_dims"?: int, "return_tokens"?: bool}
+                          -> {"data": [{"object": "sparse_embedding", "index", "indices": [token ids], "values":
+                          [weights], "tokens"?: [...]}]}, heaviest first, as an inverted index takes them
     POST /v1/classify     task dirs (`kbert finetune` output, a Hugging Face classifier): {"input": str | [str],
                           "pairs"?: [str]} -> {"data": [{"index", "label", "probabilities": {label: p}}]}
                           (regression: "value"; a multi-label classifier adds "labels", those over 0.5)
@@ -54,7 +58,8 @@ Routes (JSON in and out; errors are `{"error": {"message", "type", "code"}}` wit
 
 The model: a model dir (vectors), a task dir (its head's routes and its backbone's vectors), a Hugging Face
 dir, or a `kbert export --format onnx` dir: an "embed" graph serves the vector routes, a classifier's graph
-(`kbert.OnnxTaskModel`) /v1/classify and, for a cross-encoder, /v1/rerank; its vector routes answer 404.
+(`kbert.OnnxTaskModel`) /v1/classify and, for a cross-encoder, /v1/rerank; its vector routes answer 404. A
+SPLADE dir serves /v1/sparse-embeddings alone.
 
 Dynamic batching: the texts of concurrent requests wait in one bounded queue; a worker thread (the model runs
 off the event loop) takes them in arrival order into a batch until `max_batch_tokens` (tokens counted as
@@ -86,6 +91,7 @@ import asyncio
 import base64
 import gc
 import json
+import os
 import sys
 import threading
 import time
@@ -116,10 +122,19 @@ class Engine:
         from kbert.embed.embedder import load_static
         from kbert.embed.onnx_runtime import is_onnx_dir, read_info
 
+        from kbert.models.st_dir import read_sparse_encoder
+
         self.model_dir = str(model_dir)
         onnx = is_onnx_dir(self.model_dir)
-        static = None if onnx else load_static(self.model_dir)
-        if onnx:  # ONNX Runtime alone: no Keras backend is needed on the host
+        self.sparse = None  # a SPLADE SparseEncoder dir: /v1/sparse-embeddings alone
+        sparse = not onnx and os.path.isdir(self.model_dir) and read_sparse_encoder(self.model_dir) is not None
+        static = None if onnx or sparse else load_static(self.model_dir)
+        if sparse:
+            from kbert.embed.sparse import SparseEncoder
+
+            self.sparse = SparseEncoder.load(self.model_dir, jit_compile=jit_compile)
+            self.task_model, self.embedder = None, None
+        elif onnx:  # ONNX Runtime alone: no Keras backend is needed on the host
             if read_info(self.model_dir).get("signature") == "classify":  # a head's outputs, no sentence vectors
                 from kbert.embed.onnx_task import OnnxTaskModel
 
@@ -151,7 +166,8 @@ class Engine:
         if self.embedder is not None:  # XLA for sentence vectors, new batch shapes compiled off the request path
             self.embedder.jit_compile = "background" if jit_compile else False
         # a static model may keep every token
-        self.max_length = (self.embedder if self.embedder is not None else self.task_model).max_length or float("inf")
+        model = self.embedder if self.embedder is not None else self.sparse or self.task_model
+        self.max_length = model.max_length or float("inf")
         self.max_batch_tokens, self.max_wait = int(max_batch_tokens), float(max_wait_ms) / 1000.0
         self.max_queue, self.batch_size = int(max_queue), int(batch_size)
         self._jobs: "list[_Job]" = []
@@ -174,6 +190,8 @@ class Engine:
     def routes(self) -> List[str]:
         """The POST routes this model answers; the others answer 404 saying what they need."""
         out = ["/v1/embeddings", "/v1/similarity", "/v1/keywords"] if self.embedder is not None else []
+        if self.sparse is not None:
+            out.append("/v1/sparse-embeddings")
         model = self.task_model
         if model is not None:
             from kbert.embed.zero_shot import nli_indices
@@ -203,6 +221,8 @@ class Engine:
         if self.embedder is not None:
             self.embedder.encode(["준비"], batch_size=1)
             self.embedder.wait_compiled()
+        if self.sparse is not None:
+            self.sparse.encode(["준비"], batch_size=1)
         if self.task_model is not None and self.task_model.task == "question-answering":
             self.task_model.answer("준비", "준비")
         elif self.task_model is not None:
@@ -328,6 +348,14 @@ class Engine:
                                         prompt_name=options.get("prompt_name"), truncate_dim=options.get("truncate_dim"),
                                         long_texts=options.get("long_texts", "truncate"), batch_size=self.batch_size,
                                         progress=False)
+        if kind == "sparse":  # each text's (token ids, weights), heaviest first
+            vectors = self.sparse.encode(texts, batch_size=self.batch_size, **options)
+            rows = []
+            for i in range(vectors.shape[0]):
+                row = vectors.getrow(i)
+                order = np.argsort(-row.data, kind="stable")
+                rows.append((row.indices[order].tolist(), row.data[order].tolist()))
+            return rows
         if kind == "query":  # /v1/search: the index's query prompt and encode settings
             return self.search_index.encode_queries(texts, batch_size=self.batch_size)
         if kind == "answer":
@@ -470,6 +498,9 @@ def build_app(model: str, max_batch_tokens: int = 8192, max_wait_ms: float = 5.0
         return handle
 
     def need_vectors(route):
+        if engine.sparse is not None:
+            raise HTTPError(404, f"{name} is a SPLADE model: its vectors are a weight per vocabulary token, served "
+                                 f"at /v1/sparse-embeddings, not {route}", "not_found")
         if engine.embedder is None:
             raise HTTPError(404, f"{name} is a classifier's ONNX graph: it gives no sentence vectors, which {route} "
                                  f"needs (serve the model dir, or an ONNX export of its vectors)", "not_found")
@@ -512,6 +543,30 @@ def build_app(model: str, max_batch_tokens: int = 8192, max_wait_ms: float = 5.0
         return {"object": "list", "model": data.get("model") or name,
                 "data": [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(vectors)],
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+    async def sparse_embeddings(data, ticket=None):
+        if engine.sparse is None:
+            raise HTTPError(404, f"{name} is not a SPLADE model: /v1/sparse-embeddings needs a SparseEncoder dir "
+                                 f"(`kbert finetune --task sparse-embedding`, or sentence-transformers')", "not_found")
+        texts = _texts(data.get("input"), "input", max_texts, max_chars)
+        options = {}
+        if data.get("max_active_dims") is not None:
+            value = data["max_active_dims"]
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise HTTPError(400, "`max_active_dims` must be a positive integer")
+            options["max_active_dims"] = value
+        tokens = data.get("return_tokens", False)
+        if not isinstance(tokens, bool):
+            raise HTTPError(400, "`return_tokens` must be true or false")
+        rows = await engine.run("sparse", texts, options, timeout=timeout_s, ticket=ticket)
+        engine.metrics.texts.labels("/v1/sparse-embeddings").inc(len(texts))
+        vocab = engine.sparse.tokenizer.vocab
+        used = sum(engine.cost(t) for t in texts)
+        return {"object": "list", "model": data.get("model") or name,
+                "data": [{"object": "sparse_embedding", "index": i, "indices": ids, "values": values,
+                          **({"tokens": [vocab[j] for j in ids]} if tokens else {})}
+                         for i, (ids, values) in enumerate(rows)],
+                "usage": {"prompt_tokens": used, "total_tokens": used}}
 
     async def similarity(data, ticket=None):
         need_vectors("/v1/similarity")
@@ -731,6 +786,7 @@ def build_app(model: str, max_batch_tokens: int = 8192, max_wait_ms: float = 5.0
 
     routes = [Route("/v1/embeddings", handler("/v1/embeddings", embeddings), methods=["POST"]),
               Route("/v1/similarity", handler("/v1/similarity", similarity), methods=["POST"]),
+              Route("/v1/sparse-embeddings", handler("/v1/sparse-embeddings", sparse_embeddings), methods=["POST"]),
               Route("/v1/classify", handler("/v1/classify", classify), methods=["POST"]),
               Route("/v1/answer", handler("/v1/answer", answer), methods=["POST"]),
               Route("/v1/keywords", handler("/v1/keywords", keywords), methods=["POST"]),

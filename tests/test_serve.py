@@ -577,3 +577,33 @@ def test_a_multi_label_classifier_serves_each_labels_own_probability(dirs, tmp_p
         for row, p in zip(body["data"], expected):
             assert row["labels"] == [k for k, x in zip(meta["labels"], p) if x > 0.5] and "분노" in row["labels"]
             assert row["label"] == meta["labels"][int(np.argmax(p))]
+
+
+def test_a_splade_model_serves_sparse_vectors(tmp_path):
+    """A SparseEncoder dir behind `kbert serve`: /v1/sparse-embeddings gives `SparseEncoder.encode`'s weights,
+    heaviest first, batched with other requests; the dense routes answer 404 naming the sparse one."""
+    from sentence_transformers import SparseEncoder
+    from sentence_transformers.sparse_encoder.models import MLMTransformer, SpladePooling
+
+    from helpers import hf_masked_lm_dir
+    from kbert.server import build_app
+
+    path, _, tok = hf_masked_lm_dir(tmp_path, TEXTS)
+    tok.save_pretrained(path)
+    out = str(tmp_path / "splade")
+    SparseEncoder(modules=[MLMTransformer(path), SpladePooling("max")]).save(out)
+    enc = kbert.SparseEncoder.load(out)
+    want = enc.encode(TEXTS[:3], max_active_dims=5)
+    with Running(build_app(out)) as srv, httpx.Client(base_url=srv.url, timeout=60) as client:
+        r = client.post("/v1/sparse-embeddings", json={"input": TEXTS[:3], "max_active_dims": 5,
+                                                       "return_tokens": True})
+        assert r.status_code == 200, r.text
+        for i, row in enumerate(r.json()["data"]):
+            expected = enc.decode(want[i])
+            assert row["index"] == i and row["tokens"] == [t for t, _ in expected]
+            np.testing.assert_allclose(row["values"], [w for _, w in expected], rtol=1e-5)
+            assert [enc.tokenizer.vocab[j] for j in row["indices"]] == row["tokens"]
+        r = client.post("/v1/embeddings", json={"input": TEXTS[:1]})
+        assert r.status_code == 404 and "/v1/sparse-embeddings" in r.json()["error"]["message"]
+        r = client.post("/v1/sparse-embeddings", json={"input": TEXTS[:1], "max_active_dims": 0})
+        assert r.status_code == 400 and "max_active_dims" in r.json()["error"]["message"]
