@@ -560,11 +560,10 @@ def build_app(model: str, max_batch_tokens: int = 8192, max_wait_ms: float = 5.0
             raise HTTPError(400, "`return_tokens` must be true or false")
         rows = await engine.run("sparse", texts, options, timeout=timeout_s, ticket=ticket)
         engine.metrics.texts.labels("/v1/sparse-embeddings").inc(len(texts))
-        vocab = engine.sparse.tokenizer.vocab
         used = sum(engine.cost(t) for t in texts)
         return {"object": "list", "model": data.get("model") or name,
                 "data": [{"object": "sparse_embedding", "index": i, "indices": ids, "values": values,
-                          **({"tokens": [vocab[j] for j in ids]} if tokens else {})}
+                          **({"tokens": [engine.sparse.token(j) for j in ids]} if tokens else {})}
                          for i, (ids, values) in enumerate(rows)],
                 "usage": {"prompt_tokens": used, "total_tokens": used}}
 

@@ -269,3 +269,19 @@ def test_sparse_fine_tuning_on_jax(tmp_path):
     assert all(np.isfinite(h["train_loss"]) for h in on_jax["history"])
     here = kbert.SparseEncoder.load(out).encode(TEXTS).toarray()
     np.testing.assert_allclose(here, np.asarray(on_jax["vectors"]), rtol=1e-4, atol=1e-5)
+
+
+def test_a_vocabulary_padded_past_the_tokenizer(tmp_path):
+    """Checkpoints often pad the embedding table past the tokenizer (to a multiple of 8): the vectors are as wide
+    as the model's vocabulary, and decode names an id past the tokenizer's as <id>."""
+    import kbert
+    from helpers import tiny_hf_pretraining_model
+
+    path, _, _ = hf_masked_lm_dir(tmp_path, TEXTS)
+    words = (tmp_path / "bert" / "vocab.txt").read_text(encoding="utf-8").split()
+    tiny_hf_pretraining_model("bert", vocab_size=len(words) + 3).save_pretrained(path)  # three rows no token has
+    enc = kbert.SparseEncoder.load(path)
+    vectors = enc.encode(TEXTS[:2])
+    assert enc.vocab_size == vectors.shape[1] == len(words) + 3
+    assert enc.token(len(words) + 1) == f"<{len(words) + 1}>" and enc.token(2) == "[CLS]"
+    assert len(enc.decode(vectors[0])) == vectors[0].getnnz()

@@ -67,7 +67,13 @@ class SparseEncoder:
 
     @property
     def vocab_size(self) -> int:
-        return self.tokenizer.vocab_size
+        """The vectors' width: the model's vocabulary (a checkpoint may pad it past the tokenizer's)."""
+        return self.model.config.vocab_size
+
+    def token(self, i: int) -> str:
+        """Vocabulary entry `i` as text; an id past the tokenizer's vocabulary (padded rows) as `<i>`."""
+        vocab = self.tokenizer.vocab
+        return vocab[i] if i < len(vocab) else f"<{i}>"
 
     @classmethod
     def load(cls, model_dir: str, max_length: Optional[int] = None, dtype: Optional[str] = None,
@@ -86,7 +92,7 @@ class SparseEncoder:
                                                    "max_length": None, "prompts": {}}
         weights_dir = found["model_dir"]
         model = load_model(weights_dir, require_heads=True, dtype=dtype)
-        tokenizer = Tokenizer.from_model_dir(weights_dir if os.path.isdir(weights_dir) else model_dir)
+        tokenizer = Tokenizer.from_model_dir(weights_dir)
         check_vocabulary(model.config, tokenizer.vocab_size)
         if max_length is None and found["max_length"]:
             max_length = min(found["max_length"], model.config.max_position)
@@ -194,12 +200,11 @@ class SparseEncoder:
         single = not issparse(vectors) and np.ndim(vectors) == 1 or issparse(vectors) and vectors.shape[0] == 1
         matrix = csr_matrix(vectors if issparse(vectors) else np.atleast_2d(np.asarray(vectors, np.float32)))
         self._check_width(matrix)
-        vocab = self.tokenizer.vocab
         out = []
         for i in range(matrix.shape[0]):
             row = matrix.getrow(i)
             order = np.argsort(-row.data, kind="stable")[:top_k]
-            out.append([(vocab[row.indices[j]], float(row.data[j])) for j in order])
+            out.append([(self.token(int(row.indices[j])), float(row.data[j])) for j in order])
         return out[0] if single else out
 
     @staticmethod
