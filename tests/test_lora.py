@@ -152,3 +152,32 @@ def test_the_gpu_script_lora_stage_runs_on_a_cpu():
     full, lora = rows[2], rows[3]
     assert lora["trained"] < 0.1 * full["trained"] and lora["arguments"] < 0.6 * full["arguments"]
     assert full["step_s"] > 0 and lora["step_s"] > 0 and "step_s" not in rows[0]
+
+
+def test_an_adapted_model_in_memory_exports_with_its_update_merged(tmp_path):
+    """`kbert.export_transformers` of a model whose projections carry LoRA factors (SPLADE fine-tuning writes
+    its output this way) writes the kernels with the update added, as `kbert.save_model` does; before, the
+    factors were dropped and the update silently lost."""
+    import keras
+    import torch
+    import transformers
+
+    from helpers import random_batch, tiny_hf_pretraining_model
+    from kbert.train.lora import enable_lora
+
+    tiny_hf_pretraining_model("bert").save_pretrained(tmp_path / "hf")
+    model = kbert.load_model(str(tmp_path / "hf"), with_heads=True)
+    adapted = enable_lora(model.backbone, 4)
+    rng = np.random.default_rng(0)
+    for dense in adapted:  # a non-zero update (B starts at zero)
+        dense.lora_kernel_b.assign(rng.normal(0, 0.05, dense.lora_kernel_b.shape).astype("float32"))
+    batch = random_batch()
+    ours = keras.ops.convert_to_numpy(model.backbone(batch)["sequence_output"])
+    kbert.export_transformers(model, str(tmp_path / "out"))
+    hf = transformers.AutoModel.from_pretrained(str(tmp_path / "out")).eval()
+    with torch.no_grad():
+        theirs = hf(input_ids=torch.tensor(batch["token_ids"], dtype=torch.long),
+                    token_type_ids=torch.tensor(batch["segment_ids"], dtype=torch.long),
+                    attention_mask=torch.tensor(batch["padding_mask"], dtype=torch.long)).last_hidden_state.numpy()
+    mask = batch["padding_mask"].astype(bool)
+    assert np.max(np.abs(ours[mask] - theirs[mask])) < 1e-4

@@ -27,8 +27,8 @@ import numpy as np
 
 from kbert.models.backbone import Backbone, Pretrainer, build_backbone
 from kbert.models.config import ModelConfig
-from kbert.models.io import (assign_weights, build_pretrainer, check_masked_lm_head, load_kbert_dir, read_safetensors,
-                             variables_by_path)
+from kbert.models.io import (assign_weights, build_pretrainer, check_masked_lm_head, load_kbert_dir, plain_tensors,
+                             read_safetensors)
 from kbert.models.locate import is_kbert_dir, model_dir_of, resolve_hub_name
 
 _HF_ACT = {"gelu": "gelu", "gelu_python": "gelu", "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh",
@@ -678,10 +678,9 @@ def export_transformers(model, directory: str, tokenizer=None) -> str:
                       "written as a masked-LM model without it", stacklevel=2)
     if masked_lm:
         pair = None
-    import keras
     from safetensors.numpy import save_file
 
-    tensors = {p: keras.ops.convert_to_numpy(v) for p, v in variables_by_path(model).items()}
+    tensors = plain_tensors(model, model.backbone if isinstance(model, Pretrainer) else model)  # LoRA merged
     hf = kbert_to_hf(tensors, config, pair_objective=pair, heads=heads)
     if masked_lm:  # transformers' masked-LM models are built without the pooler
         hf = {k: v for k, v in hf.items() if not k.startswith("pooler.")}
@@ -737,7 +736,7 @@ def _export_classifier(task_model, directory: str, tokenizer) -> str:
                          "classifiers read BERT's pooler over [CLS] (fine-tune with pooling='pooler' to export)")
     backbone = network.backbone
     config = backbone.config
-    tensors = {p: keras.ops.convert_to_numpy(v) for p, v in variables_by_path(backbone).items()}
+    tensors = plain_tensors(backbone, backbone)  # a LoRA run's updates merged
     prefix = "bert." if config.architecture == "bert" else "albert."
     hf = {prefix + k: v for k, v in kbert_to_hf(tensors, config).items()}
     kernel = np.asarray(keras.ops.convert_to_numpy(network.head.kernel), np.float32)  # [h, labels]

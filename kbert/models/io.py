@@ -45,6 +45,14 @@ def lora_merged(backbone) -> dict:
     return out
 
 
+def plain_tensors(model, backbone) -> Dict[str, np.ndarray]:
+    """{variable path: numpy array} of `model` (whose encoder is `backbone`) as a plain model: a LoRA run's
+    kernels with their low-rank updates merged, its factors left out (`lora_merged`)."""
+    merged = lora_merged(backbone)
+    return {path: np.ascontiguousarray(merged[path] if path in merged else keras.ops.convert_to_numpy(v))
+            for path, v in variables_by_path(model).items() if merged.get(path, True) is not None}
+
+
 def save_model(model, directory: str, tokenizer=None) -> str:
     """Writes a backbone or a `Pretrainer` (with its heads) to `directory`; returns the directory.
 
@@ -63,9 +71,7 @@ def save_model(model, directory: str, tokenizer=None) -> str:
     os.makedirs(directory, exist_ok=True)
     from safetensors.numpy import save_file
 
-    merged = lora_merged(backbone)
-    tensors = {path: np.ascontiguousarray(merged[path] if path in merged else keras.ops.convert_to_numpy(v))
-               for path, v in variables_by_path(model).items() if merged.get(path, True) is not None}
+    tensors = plain_tensors(model, backbone)
     meta = {"format_version": FORMAT_VERSION, "model": backbone.config.to_dict(),
             "heads": {"pretraining": has_heads, "pair_objective": pair_objective}}
     tmp = os.path.join(directory, WEIGHTS_FILE + ".tmp")
