@@ -352,7 +352,9 @@ def finetune(model: str, task: str, train, dev=None, out_dir: str = "finetuned",
             the update merged into each kernel: a plain model, loaded, exported and served as any other.
         query_regularizer_weight, document_regularizer_weight: sparse-embedding (SPLADE) only: the weights of
             the FLOPS penalty on the anchors' and on the positives' (and hard negatives') vectors, what makes
-            them sparse (sentence-transformers' SpladeLoss defaults); larger: fewer active tokens, less recall.
+            them sparse (sentence-transformers' SpladeLoss defaults, for heads of long pretraining). A weak head
+            (a short CPU pretraining) starts with thousands of active tokens, whose large dot products saturate
+            the in-batch softmax, and wants them far larger: choose them on a selection split (benchmarks/splade.py).
 
     Example:
         >>> kbert.finetune("my-model", "classification", "train.tsv", "dev.tsv", out_dir="sentiment",
