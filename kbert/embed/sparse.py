@@ -28,8 +28,9 @@ import numpy as np
 
 from kbert.compiled import backend, compiled, signature
 from kbert.data.features import bucketed, features, str_list
-from kbert.embed.embedder import length_sorted
-from kbert.models.pooling import SPLADE_ACTIVATIONS, SPLADE_POOLINGS, splade_pool
+from kbert.embed.embedder import best_hits, length_sorted
+from kbert.models.pooling import SPLADE_ACTIVATIONS, SPLADE_POOLINGS
+from kbert.models.tasks import splade_vectors
 from kbert.utils import progress_bar
 
 SEARCH_CHUNK = 256  # queries scored at once: a [256, corpus] dense block of scores
@@ -170,14 +171,13 @@ class SparseEncoder:
         return prompt or ""
 
     def _forward(self, x):  # a method, not a lambda: AutoGraph reads its source
-        logits = self.model(x, training=False)["mlm_logits"]  # [b, s, vocab]: mask_positions is every token
-        return splade_pool(logits, x["padding_mask"], self.pooling, self.activation)
+        return splade_vectors(self.model.backbone, self.model.mlm_head, x, self.pooling, self.activation, False)
 
     def _pooled(self, rows: List[List[int]]) -> np.ndarray:
         """`[len(rows), vocab]` float32 SPLADE weights of rows of ids ([CLS] ... [SEP])."""
         if self._fn is None:
             self._fn = compiled(self._forward, self.model.variables,
-                                signature({"token_ids": 2, "segment_ids": 2, "padding_mask": 2, "mask_positions": 2}),
+                                signature({"token_ids": 2, "segment_ids": 2, "padding_mask": 2}),
                                 jit_compile=self.jit_compile)
         pad_id = self.tokenizer.pad_id
         ids = np.full((len(rows), max(len(r) for r in rows)), pad_id, np.int32)
@@ -185,26 +185,36 @@ class SparseEncoder:
             ids[k, :len(r)] = r
         if self.jit_compile:
             ids = bucketed(ids, pad_id, self.max_length, rows=True)
-        feats = features(ids, np.zeros_like(ids), pad_id)
-        feats["mask_positions"] = np.tile(np.arange(ids.shape[1], dtype=np.int32), (len(ids), 1))  # every token
-        return np.array(self._fn(feats), np.float32)[:len(rows)]
+        return np.array(self._fn(features(ids, np.zeros_like(ids), pad_id)), np.float32)[:len(rows)]
 
     # ------------------------------------------------------------------ reading and scoring
-    def decode(self, vectors, top_k: Optional[int] = None):
-        """Each vector's tokens and weights, heaviest first: `[(token, weight), ...]` for one vector (a 1-D
-        array or a one-row matrix), a list of those for several. `top_k`: the first k only."""
+    def weights(self, vectors, top_k: Optional[int] = None) -> List[tuple]:
+        """Each row's `(token ids, weights)`, two numpy arrays heaviest first (ties in id order), one pair per
+        row of a matrix (or of a 1-D vector); `top_k`: the first k only. What `decode`, the server's sparse route
+        and `kbert embed --sparse` print."""
         from scipy.sparse import csr_matrix, issparse
 
         if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
             raise ValueError(f"`top_k` must be an int >= 1 or None. Received: {top_k!r}")
-        single = not issparse(vectors) and np.ndim(vectors) == 1 or issparse(vectors) and vectors.shape[0] == 1
         matrix = csr_matrix(vectors if issparse(vectors) else np.atleast_2d(np.asarray(vectors, np.float32)))
         self._check_width(matrix)
+        matrix.sort_indices()
         out = []
         for i in range(matrix.shape[0]):
-            row = matrix.getrow(i)
-            order = np.argsort(-row.data, kind="stable")[:top_k]
-            out.append([(self.token(int(row.indices[j])), float(row.data[j])) for j in order])
+            lo, hi = matrix.indptr[i], matrix.indptr[i + 1]
+            ids, values = matrix.indices[lo:hi], matrix.data[lo:hi]
+            order = np.argsort(-values, kind="stable")[:top_k]
+            out.append((ids[order], values[order]))
+        return out
+
+    def decode(self, vectors, top_k: Optional[int] = None):
+        """Each vector's tokens and weights, heaviest first: `[(token, weight), ...]` for one vector (a 1-D
+        array or a one-row matrix), a list of those for several. `top_k`: the first k only."""
+        from scipy.sparse import issparse
+
+        single = not issparse(vectors) and np.ndim(vectors) == 1 or issparse(vectors) and vectors.shape[0] == 1
+        out = [[(self.token(int(j)), float(w)) for j, w in zip(ids, values)]
+               for ids, values in self.weights(vectors, top_k)]
         return out[0] if single else out
 
     @staticmethod
@@ -230,9 +240,7 @@ class SparseEncoder:
         d = corpus if issparse(corpus) else self.encode_document(corpus, **encode_options)
         out = []
         for start in range(0, q.shape[0], SEARCH_CHUNK):
-            scores = self.similarity(q[start:start + SEARCH_CHUNK], d)
-            best = np.argsort(-scores, axis=1, kind="stable")[:, :top_k]
-            out += [[(int(j), float(scores[i, j])) for j in row] for i, row in enumerate(best)]
+            out += best_hits(self.similarity(q[start:start + SEARCH_CHUNK], d), top_k)
         return out
 
     @staticmethod
