@@ -498,9 +498,9 @@ def _embed_sparse(args):
         if args.format == "npz":
             parts.append(vectors)
         else:
-            for text, weights in zip(chunk, enc.decode(vectors) if len(chunk) > 1 else [enc.decode(vectors)]):
-                print(json.dumps({"text": text, "weights": {t: round(w, 6) for t, w in weights}},
-                                 ensure_ascii=False))
+            for text, (ids, values) in zip(chunk, enc.weights(vectors)):
+                weights = {enc.token(int(j)): round(float(w), 6) for j, w in zip(ids, values)}
+                print(json.dumps({"text": text, "weights": weights}, ensure_ascii=False))
         bar.update(len(chunk))
     bar.close()
     if args.format == "npz":

@@ -350,12 +350,7 @@ class Engine:
                                         progress=False)
         if kind == "sparse":  # each text's (token ids, weights), heaviest first
             vectors = self.sparse.encode(texts, batch_size=self.batch_size, **options)
-            rows = []
-            for i in range(vectors.shape[0]):
-                row = vectors.getrow(i)
-                order = np.argsort(-row.data, kind="stable")
-                rows.append((row.indices[order].tolist(), row.data[order].tolist()))
-            return rows
+            return [(ids.tolist(), values.tolist()) for ids, values in self.sparse.weights(vectors)]
         if kind == "query":  # /v1/search: the index's query prompt and encode settings
             return self.search_index.encode_queries(texts, batch_size=self.batch_size)
         if kind == "answer":
