@@ -747,7 +747,7 @@ class Embedder:
             scores, best = flat.search(np.ascontiguousarray(q, np.float32), k)
             hits = [[(int(j), float(v)) for j, v in zip(row, vals)] for row, vals in zip(best, scores)]
         else:
-            hits = _best(q @ c.T, k)
+            hits = best_hits(q @ c.T, k)
         return hits[0] if single else hits
 
     def _quantized_search(self, queries, corpus, quantized, top_k, index, precision, ranges, rescore_multiplier,
@@ -782,7 +782,7 @@ class Embedder:
             vectors = corpus_vectors if corpus_vectors is not None else corpus
             scores += (1 - lexical) * (unit_rows(self._as_vectors(queries, encode_options, "query"))
                                        @ unit_rows(self._as_vectors(vectors, encode_options, "document")).T)
-        hits = _best(scores, min(top_k, len(corpus)))
+        hits = best_hits(scores, min(top_k, len(corpus)))
         return hits[0] if single else hits
 
     def _reranked_search(self, queries, corpus, top_k, reranker, candidates, single, options):
@@ -1024,7 +1024,7 @@ def length_sorted(id_lists, batch_size: int):
     return [order[start:start + batch_size] for start in range(0, len(order), batch_size)]
 
 
-def _best(scores: np.ndarray, k: int):
+def best_hits(scores: np.ndarray, k: int):
     """Each row's `k` best `(column, score)` pairs of a `[queries, corpus]` score matrix, best first (ties in
     corpus order)."""
     best = np.argsort(-scores, axis=1, kind="stable")[:, :k]
