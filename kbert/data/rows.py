@@ -350,8 +350,7 @@ def label_targets(values: Sequence, labels: Sequence[str], split: str, multi_lab
     float32 rows of 1 at each of the row's labels. A label outside `labels` (those the model was trained on) is
     an error naming its row."""
     index = {label: k for k, label in enumerate(labels)}
-    hot = np.zeros((len(values), len(labels)), np.float32)
-    out = np.zeros(len(values), np.int32)
+    out = np.zeros((len(values), len(labels)) if multi_label else len(values), np.float32 if multi_label else np.int32)
     for i, v in enumerate(values):
         row = label_list(v, split, i) if multi_label else [class_label(v, split, i)]
         unknown = [x for x in row if x not in index]
@@ -359,10 +358,10 @@ def label_targets(values: Sequence, labels: Sequence[str], split: str, multi_lab
             raise ValueError(f"{split} row {i + 1} has labels not seen in training: {unknown[:5]} "
                              f"(training labels: {list(labels)})")
         if multi_label:
-            hot[i, [index[x] for x in row]] = 1.0
+            out[i, [index[x] for x in row]] = 1.0
         else:
             out[i] = index[row[0]]
-    return hot if multi_label else out
+    return out
 
 
 def number(value, split: str, i: int) -> float:

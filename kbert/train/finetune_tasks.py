@@ -1099,11 +1099,10 @@ class SparseEmbeddingTask(SentenceEmbeddingTask):
         modules.json and SpladePooling config."""
         from kbert.models.backbone import Pretrainer
         from kbert.models.convert import export_transformers
+        from kbert.models.io import build_pretrainer
         from kbert.models.st_dir import write_sparse_encoder
 
-        model = Pretrainer(network.backbone, pair_objective=None)
-        ids = np.array([[tokenizer.cls_id, tokenizer.sep_id]], np.int32)
-        model(dict(features(ids, np.zeros_like(ids), tokenizer.pad_id), mask_positions=np.zeros((1, 1), np.int32)))
+        model = build_pretrainer(Pretrainer(network.backbone, pair_objective=None))
         for variable, value in zip(model.mlm_head.weights, network.mlm_head.weights):
             variable.assign(value)
         export_transformers(model, out_dir, tokenizer=tokenizer)
