@@ -814,18 +814,25 @@ def _evaluate(args):
     from kbert.data.rows import number, read_rows, text_cell
     from kbert.embed import evaluation
     from kbert.embed.embedder import Embedder
+    from kbert.embed.sparse import SparseEncoder, is_sparse_dir
 
     label = None if args.task == "retrieval" else args.label_column
     if args.lexical and args.task != "retrieval":
         raise ValueError("--lexical mixes TF-IDF into retrieval scores; it goes with --task retrieval")
+    sparse = args.sparse or is_sparse_dir(args.model)
+    if args.max_active_dims is not None and not sparse:
+        raise ValueError("--max-active-dims goes with a SPLADE model (--sparse, or a sentence-transformers "
+                         "SparseEncoder dir)")
     rows = read_rows(args.data, [args.text_column, args.pair_column, label])
     if not rows:
         raise ValueError(f"{args.data} holds no rows")
     first = [text_cell(r, args.text_column, f"row {i + 1}") for i, r in enumerate(rows)]
     second = [text_cell(r, args.pair_column, f"row {i + 1}") for i, r in enumerate(rows)]
-    emb = Embedder.load(args.model, max_length=args.max_length)
+    emb = (SparseEncoder if sparse else Embedder).load(args.model, max_length=args.max_length)
     # both texts of a pair with the named prompt; retrieval gives queries and documents the model's own
     options = {"batch_size": args.batch_size, **({"prompt_name": args.prompt_name} if args.prompt_name else {})}
+    if args.max_active_dims is not None:
+        options["max_active_dims"] = args.max_active_dims
     if args.task == "sts":
         figures = evaluation.evaluate_sts(emb, first, second, [number(r.get(label), "data", i)
                                                                for i, r in enumerate(rows)], **options)
@@ -844,7 +851,8 @@ def _evaluate(args):
             corpus = list(dict.fromkeys(corpus + [line for line in _utf8_lines(args.corpus) if line.strip()]))
         where = {text: j for j, text in enumerate(corpus)}
         figures = evaluation.evaluate_retrieval(emb, first, corpus, [{where[t]} for t in second],
-                                                lexical=args.lexical, batch_size=args.batch_size)
+                                                lexical=args.lexical, **{k: v for k, v in options.items()
+                                                                         if k != "prompt_name"})
         figures["corpus"] = len(corpus)
     print(json.dumps({"model": args.model, "data": args.data, "task": args.task, "rows": len(rows), **figures},
                      ensure_ascii=False, indent=2))
@@ -1348,7 +1356,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("evaluate", help="how good a model's sentence vectors are on a labelled file: STS "
                                         "correlations, paraphrase classification or retrieval figures (JSON)")
-    p.add_argument("--model", required=True, help="model dir or Hub name (kbert.Embedder.load)")
+    p.add_argument("--model", required=True, help="model dir or Hub name (kbert.Embedder.load; a sentence-transformers "
+                                                  "SparseEncoder dir: kbert.SparseEncoder.load)")
     p.add_argument("--data", required=True, help="TSV (header), CSV or JSONL file of text pairs")
     p.add_argument("--task", choices=("sts", "pair-classification", "retrieval"), default="sts",
                    help="sts: scored pairs, Spearman/Pearson of the cosines (default); pair-classification: pairs "
@@ -1362,6 +1371,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--corpus", help="retrieval: more candidate documents, one a line")
     p.add_argument("--lexical", type=float, default=0.0, help="retrieval: hybrid score with this TF-IDF weight")
     p.add_argument("--prompt-name", help="sts / pair-classification: the model's prompt for both texts")
+    p.add_argument("--sparse", action="store_true",
+                   help="read the model as SPLADE (kbert.SparseEncoder: a model with its masked-LM head); figures "
+                        "on dot products, with active dimensions (a SparseEncoder dir is read so without it)")
+    p.add_argument("--max-active-dims", type=int, help="SPLADE: keep each vector's N heaviest tokens")
     p.add_argument("--max-length", type=int)
     p.add_argument("--batch-size", type=int, default=64)
     p.set_defaults(func=_evaluate)

@@ -169,6 +169,87 @@ def test_cli_embed_sparse(tmp_path, capsys):
     assert "go with --sparse" in capsys.readouterr().err
 
 
+QUERIES = {"q0": "한국의 수도", "q1": "법률을 만든다", "q2": "영화 재밌다", "q3": "오늘 학교에 간다", "q4": "정말 서울"}
+RELEVANT = {"q0": {"d0"}, "q1": {"d3", "d4"}, "q2": {"d2"}, "q3": {"d1", "d4"}, "q4": {"d4"}}
+STS_A = ["서울은 한국의 수도", "오늘 학교에 간다", "이 영화 정말", "국회는 법률을", "서울의 국회"]
+STS_B = ["한국의 수도는 서울", "나는 학교에", "영화 재밌다", "법률을 만든다", "정말 학교"]
+
+
+def test_evaluation_matches_sentence_transformers_sparse_evaluators(tmp_path):
+    """evaluate_retrieval / evaluate_sts / evaluate_pair_classification on a SPLADE dir: the figures of
+    sentence-transformers' SparseInformationRetrievalEvaluator, SparseEmbeddingSimilarityEvaluator and
+    SparseBinaryClassificationEvaluator on the same model, sparsity and FLOPS included."""
+    from sentence_transformers.sparse_encoder.evaluation import (SparseBinaryClassificationEvaluator,
+                                                                 SparseEmbeddingSimilarityEvaluator,
+                                                                 SparseInformationRetrievalEvaluator)
+
+    import kbert
+
+    path, st = _st_dir(tmp_path)
+    corpus = {f"d{i}": t for i, t in enumerate(TEXTS)}
+    for max_active_dims in (None, 8):
+        ref = SparseInformationRetrievalEvaluator(QUERIES, corpus, RELEVANT, name="ir",
+                                                  max_active_dims=max_active_dims)(st)
+        got = kbert.evaluate_retrieval(path, QUERIES, corpus, RELEVANT, batch_size=2, max_active_dims=max_active_dims)
+        assert got["queries"] == len(QUERIES)
+        assert 0.0 < got["mrr@10"] < 1.0  # not a trivial ranking
+        for key in ("accuracy@1", "recall@3", "precision@3", "mrr@10", "ndcg@10", "map@100"):
+            assert got[key] == pytest.approx(ref[f"ir_dot_{key}"], abs=1e-6), key
+        for key in ("query_active_dims", "corpus_active_dims", "query_sparsity_ratio", "corpus_sparsity_ratio",
+                    "avg_flops"):
+            assert got[key] == pytest.approx(ref[f"ir_{key}"], rel=1e-5), key
+        if max_active_dims:
+            assert got["query_active_dims"] <= max_active_dims and got["corpus_active_dims"] <= max_active_dims
+
+    scores = [4.5, 1.0, 2.5, 3.0, 0.5]
+    ref = SparseEmbeddingSimilarityEvaluator(STS_A, STS_B, scores, similarity_fn_names=["cosine", "dot"])(st)
+    enc = kbert.SparseEncoder.load(path)
+    got = kbert.evaluate_sts(enc, STS_A, STS_B, scores)
+    for ours, theirs in (("pearson", "pearson_cosine"), ("spearman", "spearman_cosine"), ("pearson_dot", "pearson_dot"),
+                         ("spearman_dot", "spearman_dot"), ("active_dims", "active_dims"),
+                         ("sparsity_ratio", "sparsity_ratio")):
+        assert got[ours] == pytest.approx(ref[theirs], abs=1e-5), ours
+
+    labels = [1, 0, 1, 1, 0]
+    for similarity in ("dot", "cosine", "euclidean", "manhattan"):
+        ref = SparseBinaryClassificationEvaluator(STS_A, STS_B, labels, similarity_fn_names=[similarity])(st)
+        got = kbert.evaluate_pair_classification(enc, STS_A, STS_B, labels,
+                                                 similarity=None if similarity == "dot" else similarity)
+        for key in ("accuracy", "accuracy_threshold", "f1", "f1_threshold", "precision", "recall", "ap", "mcc"):
+            assert got[key] == pytest.approx(ref[f"{similarity}_{key}"], rel=1e-4, abs=1e-5), (similarity, key)
+    assert got["active_dims"] == pytest.approx(ref["active_dims"], rel=1e-5)
+
+    with pytest.raises(ValueError, match="`lexical` and `reranker` go with a dense Embedder"):
+        kbert.evaluate_retrieval(enc, QUERIES, corpus, RELEVANT, lexical=0.3)
+
+
+def test_cli_evaluate_sparse(tmp_path, capsys):
+    from kbert.cli import main
+
+    path, _, _ = hf_masked_lm_dir(tmp_path, TEXTS)
+    data = tmp_path / "pairs.tsv"
+    data.write_text("sentence1\tsentence2\tscore\n" + "".join(f"{a}\t{b}\t{s}\n" for a, b, s in
+                                                             zip(STS_A, STS_B, [4.5, 1.0, 2.5, 3.0, 0.5])),
+                    encoding="utf-8")
+    import kbert
+
+    enc = kbert.SparseEncoder.load(path)
+    for task in ("sts", "retrieval"):
+        assert main(["evaluate", "--model", path, "--sparse", "--data", str(data), "--task", task,
+                     "--max-active-dims", "6"]) == 0
+        figures = json.loads(capsys.readouterr().out)
+        if task == "sts":
+            want = kbert.evaluate_sts(enc, STS_A, STS_B, [4.5, 1.0, 2.5, 3.0, 0.5], max_active_dims=6)
+            assert figures["spearman_dot"] == pytest.approx(want["spearman_dot"])
+            assert figures["active_dims"] <= 6
+        else:
+            assert figures["corpus"] == len(STS_B) and figures["corpus_active_dims"] <= 6
+            assert 0.0 < figures["avg_flops"] <= 6
+    # a masked-LM dir is dense unless asked; --max-active-dims names what it goes with
+    assert main(["evaluate", "--model", path, "--data", str(data), "--max-active-dims", "6"]) == 1
+    assert "--max-active-dims goes with a SPLADE model" in capsys.readouterr().err
+
+
 def _question_pairs(split: str, n: int):
     """(question1, question2) paraphrase rows of the shared question-pair set (the re-split marks them 0)."""
     import csv

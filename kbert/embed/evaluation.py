@@ -17,11 +17,17 @@ similarity as a yes/no score with the thresholds sentence-transformers' BinaryCl
 the best accuracy, the best F1 (with its precision and recall), average precision over every threshold and
 Matthews' correlation at the F1 threshold. Written here in NumPy rather than through scikit-learn's metrics, so
 evaluating needs no optional dependency. Tests compare every figure with sentence-transformers' on the same model.
+
+A `kbert.SparseEncoder` (SPLADE; a sentence-transformers SparseEncoder dir is recognised by its files) is measured
+by the same three functions, as sentence-transformers' Sparse*Evaluator measure it: retrieval ranks by the
+vectors' dot products and adds what an inverted index of them costs (`query_active_dims`, `corpus_active_dims`,
+their sparsity ratios and `avg_flops`, the expected number of weight products per query-document pair); STS adds
+the dot-product correlations; pair classification scores by dot product unless `similarity` says otherwise.
 """
 
 from __future__ import annotations
 
-from typing import Dict, Iterable, Sequence
+from typing import Dict, Iterable, Optional, Sequence
 
 import numpy as np
 
@@ -30,9 +36,20 @@ from kbert.utils import pair_classification_figures, pearson, spearman, unit_row
 
 
 def _embedder(model):
+    """`model` as an `Embedder` or, for a SPLADE model (a `SparseEncoder`, a sentence-transformers SparseEncoder
+    dir), a `SparseEncoder`."""
     from kbert.embed.embedder import Embedder
+    from kbert.embed.sparse import SparseEncoder, is_sparse_dir
 
-    return model if isinstance(model, Embedder) else Embedder.load(model)
+    if isinstance(model, (Embedder, SparseEncoder)):
+        return model
+    return SparseEncoder.load(model) if is_sparse_dir(model) else Embedder.load(model)
+
+
+def _is_sparse(model) -> bool:
+    from kbert.embed.sparse import SparseEncoder
+
+    return isinstance(model, SparseEncoder)
 
 
 def _ks(values, name) -> list:
@@ -95,13 +112,31 @@ def evaluate_retrieval(model, queries, corpus, relevant_docs, accuracy_at_k: Ite
     if not corpus_texts:
         raise ValueError("the corpus is empty")
     depth = max(k for values in ks.values() for k in values)
-    hits = _embedder(model).search([query_texts[i] for i in kept], corpus_texts, top_k=depth, lexical=lexical,
-                                   reranker=reranker, candidates=candidates, **encode_options)
+    emb = _embedder(model)
+    queries_kept = [query_texts[i] for i in kept]
+    if _is_sparse(emb):
+        if lexical or reranker is not None:
+            raise ValueError("a SparseEncoder ranks by its own dot products: `lexical` and `reranker` go with a "
+                             "dense Embedder")
+        q = emb.encode_query(queries_kept, **encode_options)
+        d = emb.encode_document(corpus_texts, **encode_options)
+        out = _retrieval_figures(emb.search(q, d, top_k=depth), [query_ids[i] for i in kept], corpus_ids,
+                                 relevant, ks, depth)
+        out.update(sparse_costs(q, d))
+        return out
+    hits = emb.search(queries_kept, corpus_texts, top_k=depth, lexical=lexical, reranker=reranker,
+                      candidates=candidates, **encode_options)
+    return _retrieval_figures(hits, [query_ids[i] for i in kept], corpus_ids, relevant, ks, depth)
+
+
+def _retrieval_figures(hits, query_ids, corpus_ids, relevant, ks, depth) -> Dict[str, float]:
+    """InformationRetrievalEvaluator's figures of ranked `hits` (per query, `(corpus position, score)` best
+    first) for queries that each have a relevant document."""
     totals = {f"{name}@{k}": 0.0 for name, key in (("accuracy", "accuracy_at_k"), ("precision", "precision_recall_at_k"),
                                                    ("recall", "precision_recall_at_k"), ("mrr", "mrr_at_k"),
                                                    ("ndcg", "ndcg_at_k"), ("map", "map_at_k")) for k in ks[key]}
-    for i, row in zip(kept, hits):
-        wanted = relevant[query_ids[i]]
+    for query, row in zip(query_ids, hits):
+        wanted = relevant[query]
         found = np.array([corpus_ids[j] in wanted for j, _ in row], np.float64)  # [depth]: 1 where relevant
         first = int(np.argmax(found)) if found.any() else None
         for k in ks["accuracy_at_k"]:
@@ -119,8 +154,25 @@ def evaluate_retrieval(model, queries, corpus, relevant_docs, accuracy_at_k: Ite
             top = found[:k]
             precision_at_hits = np.cumsum(top) / np.arange(1, len(top) + 1)
             totals[f"map@{k}"] += float((precision_at_hits * top).sum() / min(k, len(wanted)))
-    out = {name: float(value / len(kept)) for name, value in totals.items()}
-    out["queries"] = len(kept)
+    out = {name: float(value / len(query_ids)) for name, value in totals.items()}
+    out["queries"] = len(query_ids)
+    return out
+
+
+def sparse_costs(queries, corpus) -> Dict[str, float]:
+    """What searching `corpus` (CSR `[documents, vocab]`) with `queries` costs an inverted index: each side's mean
+    active dimensions and share of zeros, and `avg_flops`, the dot product of the two sides' per-dimension
+    shares of non-zero vectors (Paria et al. 2020; sentence-transformers' SparseInformationRetrievalEvaluator)."""
+    from kbert.embed.sparse import SparseEncoder
+
+    out = {}
+    shares = []
+    for side, matrix in (("query", queries), ("corpus", corpus)):
+        for key, value in SparseEncoder.sparsity(matrix).items():
+            out[f"{side}_{key}"] = value
+        counts = np.bincount(matrix.indices[matrix.data != 0], minlength=matrix.shape[1])  # [vocab]
+        shares.append(counts / max(matrix.shape[0], 1))
+    out["avg_flops"] = float(np.dot(shares[0], shares[1]))
     return out
 
 
@@ -129,7 +181,8 @@ def evaluate_sts(model, sentences1: Sequence[str], sentences2: Sequence[str], sc
     """Pearson and Spearman correlation of the cosine of each pair's vectors with its gold `scores` (KorSTS'
     0-5), as sentence-transformers' EmbeddingSimilarityEvaluator reports them ("pearson_cosine",
     "spearman_cosine"; here "pearson", "spearman"). Encode options (`prompt_name`, `pooling`, ...) as
-    `Embedder.encode`."""
+    `Embedder.encode`. A SparseEncoder's figures add those of the dot product ("pearson_dot", "spearman_dot": the
+    score SPLADE is trained on) and its vectors' "active_dims" and "sparsity_ratio"."""
     sentences1, sentences2 = text_list(sentences1), text_list(sentences2)
     gold = np.asarray(list(scores), np.float64)
     if not (len(sentences1) == len(sentences2) == len(gold)):
@@ -138,6 +191,15 @@ def evaluate_sts(model, sentences1: Sequence[str], sentences2: Sequence[str], sc
     if len(gold) < 2:
         raise ValueError("a correlation needs at least 2 scored pairs")
     emb = _embedder(model)
+    if _is_sparse(emb):
+        a = emb.encode(sentences1, batch_size=batch_size, **encode_options)
+        b = emb.encode(sentences2, batch_size=batch_size, **encode_options)
+        cosine, dot = sparse_pair_scores(a, b, "cosine"), sparse_pair_scores(a, b, "dot")
+        from scipy.sparse import vstack
+
+        return {"pearson": float(pearson(cosine, gold)), "spearman": float(spearman(cosine, gold)),
+                "pearson_dot": float(pearson(dot, gold)), "spearman_dot": float(spearman(dot, gold)),
+                **emb.sparsity(vstack([a, b])), "pairs": len(gold)}
     options = dict(batch_size=batch_size, normalize=True, **encode_options)
     a = emb.encode(sentences1, **options)
     b = emb.encode(sentences2, **options)
@@ -149,7 +211,7 @@ PAIR_SIMILARITIES = ("cosine", "dot", "euclidean", "manhattan")
 
 
 def evaluate_pair_classification(model, sentences1: Sequence[str], sentences2: Sequence[str], labels,
-                                 similarity: str = "cosine", batch_size: int = 64,
+                                 similarity: Optional[str] = None, batch_size: int = 64,
                                  **encode_options) -> Dict[str, float]:
     """How well a similarity of each pair's vectors tells the pairs labelled 1 (paraphrases, duplicates) from
     those labelled 0, by sentence-transformers' BinaryClassificationEvaluator's figures.
@@ -157,9 +219,10 @@ def evaluate_pair_classification(model, sentences1: Sequence[str], sentences2: S
     Args:
         sentences1, sentences2: the pairs' texts.
         labels: 1 / 0 (or True / False) per pair, both present.
-        similarity: "cosine" (default), "dot", or the distances "euclidean" and "manhattan" (a smaller distance
-            is the more similar pair; their thresholds are distances). The last three read the vectors as
-            `encode` returns them: unit length unless `normalize=False` is among the encode options.
+        similarity: "cosine" (a dense model's default), "dot" (a SparseEncoder's default: SPLADE's score), or
+            the distances "euclidean" and "manhattan" (a smaller distance is the more similar pair; their
+            thresholds are distances). The last three read the vectors as `encode` returns them: unit length
+            unless `normalize=False` is among the encode options (a SparseEncoder's are never normalized).
         batch_size, encode options (`prompt_name`, `pooling`, `truncate_dim`, `normalize`, ...): as
             `Embedder.encode`.
 
@@ -167,9 +230,9 @@ def evaluate_pair_classification(model, sentences1: Sequence[str], sentences2: S
         "pairs"}: the best accuracy over every threshold and that threshold (a pair is predicted 1 when its
         similarity is at least it, or its distance at most it); the best F1, its threshold and the precision and
         recall there; the average precision of ranking the pairs by similarity; Matthews' correlation of the
-        predictions at the F1 threshold.
+        predictions at the F1 threshold. A SparseEncoder's add its vectors' "active_dims" and "sparsity_ratio".
     """
-    if similarity not in PAIR_SIMILARITIES:
+    if similarity is not None and similarity not in PAIR_SIMILARITIES:
         raise ValueError(f"`similarity` must be one of {PAIR_SIMILARITIES}. Received: similarity={similarity!r}")
     sentences1, sentences2 = text_list(sentences1), text_list(sentences2)
     gold = _binary_labels(labels)
@@ -178,15 +241,24 @@ def evaluate_pair_classification(model, sentences1: Sequence[str], sentences2: S
                          f"{len(sentences2)}, {len(gold)}")
     emb = _embedder(model)
     options = dict(batch_size=batch_size, **encode_options)
-    a = np.asarray(emb.encode(sentences1, **options), np.float32)
-    b = np.asarray(emb.encode(sentences2, **options), np.float32)
-    scores = pair_scores(a, b, similarity)
+    costs = {}
+    if _is_sparse(emb):
+        from scipy.sparse import vstack
+
+        similarity = similarity or "dot"
+        a, b = emb.encode(sentences1, **options), emb.encode(sentences2, **options)
+        scores, costs = sparse_pair_scores(a, b, similarity), emb.sparsity(vstack([a, b]))
+    else:
+        similarity = similarity or "cosine"
+        a = np.asarray(emb.encode(sentences1, **options), np.float32)
+        b = np.asarray(emb.encode(sentences2, **options), np.float32)
+        scores = pair_scores(a, b, similarity)
     # a distance ranks the other way: classify its negation, then give the thresholds back as distances
     sign = 1.0 if similarity in ("cosine", "dot") else -1.0
     out = pair_classification_figures(sign * scores, gold)
     out["accuracy_threshold"] *= sign
     out["f1_threshold"] *= sign
-    out["pairs"] = len(gold)
+    out.update(costs, pairs=len(gold))
     return out
 
 
@@ -201,13 +273,28 @@ def pair_scores(a: np.ndarray, b: np.ndarray, similarity: str) -> np.ndarray:
     return np.sum(np.abs(a - b), axis=1)
 
 
+def sparse_pair_scores(a, b, similarity: str) -> np.ndarray:
+    """`pair_scores` of two `[pairs, vocab]` CSR matrices, row by row, without densifying them (float64)."""
+    dot = np.asarray(a.multiply(b).sum(axis=1), np.float64).ravel()
+    if similarity == "dot":
+        return dot
+    if similarity == "cosine":
+        norms = np.sqrt(np.asarray(a.multiply(a).sum(axis=1), np.float64).ravel()
+                        * np.asarray(b.multiply(b).sum(axis=1), np.float64).ravel())
+        return np.divide(dot, norms, out=np.zeros_like(dot), where=norms > 0)  # an empty vector scores 0
+    diff = (a - b).tocsr()
+    if similarity == "euclidean":
+        return np.sqrt(np.asarray(diff.multiply(diff).sum(axis=1), np.float64).ravel())
+    return np.asarray(abs(diff).sum(axis=1), np.float64).ravel()
+
+
 def _binary_labels(labels) -> np.ndarray:
     values = np.asarray(list(labels))
     if values.dtype == bool:
         values = values.astype(np.int64)
     if values.size == 0 or not np.all(np.isin(values, (0, 1))):
         bad = sorted({repr(v) for v in values.tolist() if v not in (0, 1)})[:5]
-        raise ValueError(f"`labels` must be 1 or 0 for each pair (True / False allowed)"
+        raise ValueError("`labels` must be 1 or 0 for each pair (True / False allowed)"
                          + (f". Received: {', '.join(bad)}" if bad else ": none given"))
     values = values.astype(np.int64)
     if values.min() == values.max():

@@ -260,6 +260,14 @@ class SparseEncoder:
                              f"{self.vocab_size}")
 
 
+def is_sparse_dir(model) -> bool:
+    """Whether `model` (a path) is a sentence-transformers SparseEncoder dir of SPLADE, which `SparseEncoder.load`
+    reads and `Embedder.load` refuses. A masked-LM dir is read as SPLADE only when asked (`SparseEncoder.load`)."""
+    from kbert.models.locate import model_dir_of
+    from kbert.models.st_dir import read_sparse_encoder
+
+    return isinstance(model, str) and os.path.isdir(model) and read_sparse_encoder(model_dir_of(model)) is not None
+
 
 def save_vectors(path: str, parts, vocab_size: int) -> str:
     """Writes CSR matrices, stacked in order, as one scipy .npz (`scipy.sparse.load_npz` reads it), whole or not
