@@ -63,6 +63,7 @@ _EXPORTS = {
     "quantization_ranges": "kbert.embed.quantize",
     "quantized_search": "kbert.embed.quantize",
     "SearchIndex": "kbert.embed.index",
+    "SparseIndex": "kbert.embed.sparse_index",
     "split_passages": "kbert.embed.passages",
     "split_documents": "kbert.embed.passages",
     "evaluate_retrieval": "kbert.embed.evaluation",

@@ -881,8 +881,11 @@ def _index_passages(args, model, texts, ids, metadata):
         return texts, ids, metadata
     from kbert.embed.embedder import Embedder
     from kbert.embed.passages import split_documents
+    from kbert.embed.sparse import SparseEncoder
 
-    emb = model if isinstance(model, Embedder) else Embedder.load(model)
+    # the model's tokenizer counts the tokens: an Embedder's, or a SPLADE model's for a sparse index
+    emb = model if not isinstance(model, str) else (SparseEncoder if getattr(args, "sparse", False)
+                                                     else Embedder).load(model)
     parts = split_documents(texts, emb, max_tokens=args.passages, overlap=args.passage_overlap, ids=ids,
                             metadata=metadata)
     print(f"{len(texts)} documents in {len(parts.texts)} passages of up to {args.passages} tokens", file=sys.stderr)
@@ -892,6 +895,10 @@ def _index_passages(args, model, texts, ids, metadata):
 def _index_build(args):
     from kbert.embed.index import SearchIndex
 
+    if args.sparse:
+        return _index_build_sparse(args)
+    if args.max_active_dims is not None:
+        raise ValueError("--max-active-dims goes with --sparse (an index of SPLADE vectors)")
     texts, ids, metadata = _index_passages(args, args.model, *_index_source(args))
     index = SearchIndex.build(args.model, texts, args.out, ids=ids, metadata=metadata, kind=args.kind,
                               precision=args.precision, hnsw_m=args.hnsw_m, nlist=args.nlist,
@@ -902,10 +909,32 @@ def _index_build(args):
     print(f"{index!r} written to {args.out}; search it with kbert index search --index {args.out}", file=sys.stderr)
 
 
-def _index_add(args):
-    from kbert.embed.index import SearchIndex
+def _index_build_sparse(args):
+    """`kbert index build --sparse`: a kbert.SparseIndex of a SPLADE model's vectors."""
+    from kbert.embed.sparse_index import SparseIndex
 
-    index = SearchIndex.load(args.index, model=args.model)
+    dense_only = {"--kind": args.kind != "flat", "--precision": args.precision != "float32",
+                  "--hnsw-m": args.hnsw_m != 32, "--nlist": args.nlist is not None, "--lexical": args.lexical,
+                  "--pooling": args.pooling is not None, "--truncate-dim": args.truncate_dim is not None,
+                  "--long-texts": args.long_texts != "truncate", "--prompt-name": args.prompt_name is not None,
+                  "--query-prompt-name": args.query_prompt_name is not None,
+                  "--max-length": args.max_length is not None}
+    given = [f"{k} {getattr(args, k[2:].replace('-', '_'))}" if k == "--kind" else k
+             for k, v in dense_only.items() if v]
+    if given:
+        raise ValueError(f"{', '.join(given)} goes with a dense index, not --sparse (SPLADE vectors: the model's "
+                         f"own prompts and length)")
+    texts, ids, metadata = _index_passages(args, args.model, *_index_source(args))
+    index = SparseIndex.build(args.model, texts, args.out, ids=ids, metadata=metadata,
+                              max_active_dims=args.max_active_dims, chunk_size=args.chunk_size,
+                              batch_size=min(args.batch_size, 16), resume=not args.no_resume, overwrite=args.overwrite)
+    print(f"{index!r} written to {args.out}; search it with kbert index search --index {args.out}", file=sys.stderr)
+
+
+def _index_add(args):
+    from kbert.embed.index import open_index
+
+    index = open_index(args.index, model=args.model)
     texts, ids, metadata = _index_source(args)
     if args.passages and ids is None:  # documents numbered on from those the index holds
         known = [index.get(p).metadata.get("document") for p in range(len(index) + len(index.deleted))]
@@ -933,9 +962,9 @@ def _where(conditions):
 
 
 def _index_search(args):
-    from kbert.embed.index import SearchIndex
+    from kbert.embed.index import open_index
 
-    index = SearchIndex.load(args.index, model=args.model)
+    index = open_index(args.index, model=args.model)
     reranker = None
     if args.reranker:
         from kbert.embed.task_model import TaskModel
@@ -951,9 +980,9 @@ def _index_search(args):
 
 
 def _index_delete(args):
-    from kbert.embed.index import SearchIndex
+    from kbert.embed.index import open_index
 
-    index = SearchIndex.load(args.index)
+    index = open_index(args.index)
     if bool(args.ids) == bool(args.where):
         raise ValueError("give --ids or --where (not both)")
     if args.ids:
@@ -967,9 +996,9 @@ def _index_delete(args):
 def _index_info(args):
     import json
 
-    from kbert.embed.index import SearchIndex
+    from kbert.embed.index import open_index
 
-    index = SearchIndex.load(args.index)
+    index = open_index(args.index)
     info = {k: v for k, v in index.info.items() if k != "probe"}
     print(json.dumps(info, ensure_ascii=False, indent=1))
 
@@ -1460,6 +1489,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--passages", type=int, metavar="N", help="index each document as passages of up to N tokens, "
                                                            "cut at sentence ends (kbert.split_documents)")
     p.add_argument("--passage-overlap", type=int, default=1, help="sentences each passage repeats (default 1)")
+    p.add_argument("--sparse", action="store_true",
+                   help="an index of SPLADE vectors (kbert.SparseIndex: --model a SPLADE / masked-LM model), searched "
+                        "as an inverted index by dot product")
+    p.add_argument("--max-active-dims", type=int, help="with --sparse: keep each text's N heaviest tokens")
     p.set_defaults(func=_index_build, resumes="the encoded chunks are kept: rerun the same command to resume")
 
     p = isub.add_parser("add", help="encode more texts into an index (the build's settings) and save it")

@@ -46,7 +46,8 @@ Routes (JSON in and out; errors are `{"error": {"message", "type", "code"}}` wit
                           "return_documents"?: bool} -> {"results": [{"index", "relevance_score",
                           "document"?: {"text"}}], best first} (the score is `TaskModel.rank`'s)
     POST /v1/search       a `kbert.SearchIndex` given at start (`kbert serve --index DIR`; the served model must
-                          encode as the one that built it): {"query": str | [str], "top_k"?: int (default 10),
+                          encode as the one that built it; a SPLADE model serves a `kbert.SparseIndex`, scored by
+                          dot product, without "ef_search", "nprobe" and "lexical"): {"query": str | [str], "top_k"?: int (default 10),
                           "ef_search"?: int, "nprobe"?: int, "lexical"?: number in [0, 1] (hybrid search, an
                           index built with lexical=True), "where"?: {metadata key: value or [values]},
                           "group_by"?: a metadata key ("document": one passage per document)} ->
@@ -59,7 +60,7 @@ Routes (JSON in and out; errors are `{"error": {"message", "type", "code"}}` wit
 The model: a model dir (vectors), a task dir (its head's routes and its backbone's vectors), a Hugging Face
 dir, or a `kbert export --format onnx` dir: an "embed" graph serves the vector routes, a classifier's graph
 (`kbert.OnnxTaskModel`) /v1/classify and, for a cross-encoder, /v1/rerank; its vector routes answer 404. A
-SPLADE dir serves /v1/sparse-embeddings alone.
+SPLADE dir serves /v1/sparse-embeddings (and /v1/search over a sparse index).
 
 Dynamic batching: the texts of concurrent requests wait in one bounded queue; a worker thread (the model runs
 off the event loop) takes them in arrival order into a batch until `max_batch_tokens` (tokens counted as
@@ -126,7 +127,7 @@ class Engine:
 
         self.model_dir = str(model_dir)
         onnx = is_onnx_dir(self.model_dir)
-        self.sparse = None  # a SPLADE SparseEncoder dir: /v1/sparse-embeddings alone
+        self.sparse = None  # a SPLADE SparseEncoder dir: /v1/sparse-embeddings (and /v1/search, sparse index)
         sparse = not onnx and os.path.isdir(self.model_dir) and read_sparse_encoder(self.model_dir) is not None
         static = None if onnx or sparse else load_static(self.model_dir)
         if sparse:
@@ -157,12 +158,13 @@ class Engine:
                              else Embedder.load(self.model_dir))
         self.search_index = None  # /v1/search's index, checked against the model served (its probe sentence)
         if index is not None:  # before background compilation: a refused index leaves no compiling thread behind
-            if self.embedder is None:
+            if self.embedder is None and self.sparse is None:
                 raise ValueError(f"{self.model_dir} is a classifier's ONNX graph, which gives no sentence vectors: "
                                  f"serve --index with the model that built the index")
-            from kbert.embed.index import SearchIndex
+            from kbert.embed.index import open_index
 
-            self.search_index = SearchIndex.load(index, model=self.embedder)
+            # a SPLADE model serves a kbert.SparseIndex, a dense one a SearchIndex; each checks the probe vector
+            self.search_index = open_index(index, model=self.embedder if self.embedder is not None else self.sparse)
         if self.embedder is not None:  # XLA for sentence vectors, new batch shapes compiled off the request path
             self.embedder.jit_compile = "background" if jit_compile else False
         # a static model may keep every token
@@ -727,6 +729,8 @@ def build_app(model: str, max_batch_tokens: int = 8192, max_wait_ms: float = 5.0
         return {"model": data.get("model") or name, "results": results}
 
     async def search(data, ticket=None):
+        from scipy.sparse import issparse
+
         found = engine.search_index
         if found is None:
             raise HTTPError(404, "no search index is served: start the server with --index DIR (a `kbert index "
@@ -753,7 +757,9 @@ def build_app(model: str, max_batch_tokens: int = 8192, max_wait_ms: float = 5.0
             raise HTTPError(400, "`lexical` needs an index built with lexical=True (kbert index build --lexical)")
         vectors = await engine.run("query", queries, {}, timeout=timeout_s, ticket=ticket)
         # off the event loop: FAISS frees the GIL while it searches
-        hits = await asyncio.to_thread(found.search, queries, query_vectors=np.asarray(vectors), lexical=weight,
+        if not issparse(vectors):  # a sparse index's query vectors stay a CSR matrix
+            vectors = np.asarray(vectors)
+        hits = await asyncio.to_thread(found.search, queries, query_vectors=vectors, lexical=weight,
                                        where=where, group_by=group_by, **settings)
         engine.metrics.texts.labels("/v1/search").inc(len(queries))
         return {"data": [{"index": i, "hits": [dict({"id": h.id, "score": h.score, "text": h.text},

@@ -607,3 +607,16 @@ def test_a_splade_model_serves_sparse_vectors(tmp_path):
         assert r.status_code == 404 and "/v1/sparse-embeddings" in r.json()["error"]["message"]
         r = client.post("/v1/sparse-embeddings", json={"input": TEXTS[:1], "max_active_dims": 0})
         assert r.status_code == 400 and "max_active_dims" in r.json()["error"]["message"]
+
+    # with a kbert.SparseIndex of its vectors: /v1/search answers as SparseIndex.search, queries batched as CSR rows
+    index_dir = str(tmp_path / "sparse-index")
+    index = kbert.SparseIndex.build(out, TEXTS, index_dir, metadata=[{"n": i % 2} for i in range(len(TEXTS))],
+                                    progress=False)
+    with Running(build_app(out, index=index_dir)) as srv, httpx.Client(base_url=srv.url, timeout=60) as client:
+        r = client.post("/v1/search", json={"query": TEXTS[:2], "top_k": 3, "where": {"n": 1}})
+        assert r.status_code == 200, r.text
+        for row, hits in zip(r.json()["data"], index.search(TEXTS[:2], top_k=3, where={"n": 1})):
+            assert [h["id"] for h in row["hits"]] == [h.id for h in hits] and hits
+            np.testing.assert_allclose([h["score"] for h in row["hits"]], [h.score for h in hits], rtol=1e-5)
+        r = client.post("/v1/search", json={"query": TEXTS[0], "nprobe": 4})
+        assert r.status_code == 400 and "settings of a dense index" in r.json()["error"]["message"]

@@ -122,7 +122,7 @@ def _embedder(model):
     return Embedder.load(model), os.path.abspath(model) if os.path.exists(model) else model
 
 
-def _positive_int(value, name):
+def positive_int(value, name):
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
         raise ValueError(f"`{name}` must be a positive integer. Received: {name}={value!r}")
     return int(value)
@@ -138,8 +138,8 @@ def factory_string(kind: str, precision: str, nlist: Optional[int] = None, hnsw_
     if kind == "flat":
         return storage
     if kind == "hnsw":
-        return f"HNSW{_positive_int(hnsw_m, 'hnsw_m')},{storage}"
-    return f"IVF{_positive_int(nlist, 'nlist')},{storage}"
+        return f"HNSW{positive_int(hnsw_m, 'hnsw_m')},{storage}"
+    return f"IVF{positive_int(nlist, 'nlist')},{storage}"
 
 
 def default_nlist(count: int) -> int:
@@ -154,21 +154,21 @@ def default_nprobe(nlist: int) -> int:
     return min(nlist, max(8, nlist // 8))
 
 
-def _write_atomic(path: str, write) -> None:
+def write_atomic(path: str, write) -> None:
     """`write(tmp_path)`, then the file renamed into place: a reader never sees half a file."""
     tmp = path + ".tmp"
     write(tmp)
     os.replace(tmp, path)
 
 
-def _write_json(path: str, value) -> None:
+def write_json(path: str, value) -> None:
     def write(tmp):
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump(value, f, ensure_ascii=False, indent=1)
-    _write_atomic(path, write)
+    write_atomic(path, write)
 
 
-def _save_npy(path: str, array: np.ndarray) -> None:
+def save_npy(path: str, array: np.ndarray) -> None:
     with open(path, "wb") as f:  # a file object: np.save would add ".npy" to a path ending in ".tmp"
         np.save(f, array)
 
@@ -191,7 +191,7 @@ def _record_lines(records) -> bytes:
     return b"".join(map(_record_line, records))
 
 
-class _Records:
+class Records:
     """The records of an index: those saved in `records.jsonl` (read by offset from a memory map, so a large
     collection's texts stay on disk) and those added since (in memory until `save`)."""
 
@@ -236,7 +236,7 @@ class _Records:
             f.write(b"".join(lines))
         sizes = np.array([len(line) for line in lines], np.int64)
         offsets = np.concatenate([self.offsets, self.offsets[-1] + np.cumsum(sizes)])
-        _write_atomic(os.path.join(path, OFFSETS), lambda tmp: _save_npy(tmp, offsets))
+        write_atomic(os.path.join(path, OFFSETS), lambda tmp: save_npy(tmp, offsets))
         self.close()
         self.path, self.offsets, self.pending = path, offsets, []
         if len(offsets) > 1:
@@ -249,7 +249,7 @@ class _Records:
             self._map = None
 
 
-def _records(texts, ids, metadata, start: int):
+def make_records(texts, ids, metadata, start: int):
     """Checked records `{"id", "text"[, "metadata"]}` of one batch of texts; ids default to positions."""
     texts = list(texts)
     for i, t in enumerate(texts):
@@ -301,19 +301,263 @@ def _chunks(texts, ids, metadata, size: int):
             return
 
 
-class SearchIndex:
-    """Texts, their vectors in a FAISS index, and the model and settings that encode queries for it."""
+def encode_chunks(out_dir: str, texts, ids, metadata, chunk_size: int, identity: dict, probe, same_model, encode,
+                  save, suffix: str, resume: bool, progress: bool, model_label: str, truncation_hint: str = ""):
+    """Encodes `texts` chunk by chunk into `out_dir/chunks/` (each chunk's records `NNNNN.jsonl` and vectors
+    `NNNNN{suffix}`, written by `save(path, vectors)`), picking up an unfinished build of the same `identity`
+    (its settings) and texts (each chunk fingerprinted) unless `resume` is False. Returns (the chunk files'
+    paths less their suffixes, the number of texts). `probe` (the model's vector of PROBE_TEXT, as JSON) is kept
+    with the build; `same_model(the kept probe)` says whether the chunks already written came from this model
+    (`model_label` names it). `encode(texts)` gives a chunk's vectors; the tokenizer's truncation warnings are
+    counted over the whole build and given once, with `truncation_hint` after them. Shared by `SearchIndex` and
+    `kbert.SparseIndex`."""
+    os.makedirs(out_dir, exist_ok=True)
+    chunk_dir = os.path.join(out_dir, CHUNKS)
+    state_path = os.path.join(chunk_dir, "progress.json")
+    state = None
+    if os.path.exists(state_path) and resume:
+        with open(state_path, encoding="utf-8") as f:
+            state = json.load(f)
+        differ = [k for k in identity if state.get(k) != identity[k]]
+        if differ:
+            raise ValueError(f"{chunk_dir} holds an unfinished build with other settings ({', '.join(differ)}: "
+                             f"{', '.join(f'{state.get(k)!r} now {identity[k]!r}' for k in differ)}); run it "
+                             f"with those settings to finish it, or pass resume=False (--no-resume) to start over")
+        if state["done"] and not same_model(state["probe"]):
+            raise ValueError(f"{chunk_dir} holds an unfinished build whose chunks another model encoded (the "
+                             f"model at {model_label} has changed since); pass resume=False (--no-resume) to "
+                             f"start over")
+    if state is None:
+        shutil.rmtree(chunk_dir, ignore_errors=True)
+        os.makedirs(chunk_dir)
+        state = dict(identity, probe=probe, done=[])
+        write_json(state_path, state)
+    elif state["done"]:
+        done_texts = sum(c["count"] for c in state["done"])
+        print(f"kbert: resuming the build in {out_dir}: {len(state['done'])} chunks ({done_texts} texts) "
+              f"already encoded", file=sys.stderr, flush=True)
 
-    def __init__(self, index, records: _Records, info: dict, embedder=None, path: Optional[str] = None):
-        self.index, self.records, self.info, self.path = index, records, info, path
-        self._embedder = embedder
+    total = len(texts) if hasattr(texts, "__len__") else None
+    bar = progress_bar(total=total, desc="index", unit=" texts", enabled=progress)
+    count, encoded, truncated, limit, ids_seen = 0, 0, 0, None, set() if ids is not None else None
+    for k, (chunk, chunk_ids, chunk_meta) in enumerate(_chunks(texts, ids, metadata, chunk_size)):
+        records = make_records(chunk, chunk_ids, chunk_meta, count)
+        if ids_seen is not None:
+            for r in records:
+                if r["id"] in ids_seen:
+                    raise ValueError(f"id {r['id']!r} is given twice; ids must be unique")
+                ids_seen.add(r["id"])
+        lines = _record_lines(records)
+        digest = hashlib.sha256(lines).hexdigest()
+        count += len(records)
+        if k < len(state["done"]):
+            if state["done"][k]["sha256"] != digest:
+                raise ValueError(f"the texts differ from those of the unfinished build in {chunk_dir} at chunk "
+                                 f"{k} (texts {count - len(records)}..{count - 1}); pass resume=False "
+                                 f"(--no-resume) to start over")
+            bar.update(len(records))
+            continue
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            vectors = encode(chunk)
+        for w in caught:
+            match = _TRUNCATED.match(str(w.message))
+            if match:
+                truncated, limit = truncated + int(match.group(1)), match.group(2)
+            else:
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        encoded += len(records)
+        base = os.path.join(chunk_dir, f"{k:05d}")
+        write_atomic(base + ".jsonl", lambda tmp: _save_bytes(tmp, lines))
+        write_atomic(base + suffix, lambda tmp: save(tmp, vectors))
+        state["done"].append({"count": len(records), "sha256": digest})
+        write_json(state_path, state)
+        bar.update(len(records))
+    bar.close()
+    if truncated:
+        warnings.warn(f"{truncated} of the {encoded} texts encoded were longer than {limit} tokens and were "
+                      f"truncated{truncation_hint}", stacklevel=3)
+    if count < sum(c["count"] for c in state["done"]):
+        raise ValueError(f"the texts end at {count}, before the unfinished build in {chunk_dir} did; pass "
+                         f"resume=False (--no-resume) to start over")
+    if count == 0:
+        raise ValueError("no texts to index")
+    return [os.path.join(chunk_dir, f"{k:05d}") for k in range(len(state["done"]))], count
+
+
+def write_records(out_dir: str, chunk_files: List[str]) -> None:
+    """The chunks' records, in order, as the index's records file and its byte offsets."""
+    with open(os.path.join(out_dir, RECORDS), "wb") as out:
+        offsets = [0]
+        for base in chunk_files:
+            with open(base + ".jsonl", "rb") as f:
+                for line in f:
+                    out.write(line)
+                    offsets.append(offsets[-1] + len(line))
+    write_atomic(os.path.join(out_dir, OFFSETS), lambda tmp: save_npy(tmp, np.array(offsets, np.int64)))
+
+
+class TextCollection:
+    """What every kbert index keeps beside its vectors: the texts' records (ids, texts, metadata), the positions
+    deleted, and the filters and lookups over them. `SearchIndex` (dense vectors in FAISS) and
+    `kbert.SparseIndex` (SPLADE vectors) add the vectors and the search."""
+
+    def __init__(self, records: Records, info: dict, path: Optional[str] = None):
+        self.records, self.info, self.path = records, info, path
         self._id_set = None
-        self._lexical = None  # (vectorizer, [count, n-grams] CSR rows) for hybrid search, read at first use
-        self._lexical_changed = False  # rows added since the lexical files were written
         self.deleted = set()  # positions left out of every search (`delete`)
-        self._masks = {}  # `where` filters (as JSON) -> (count, allowed positions [ntotal] bool)
+        self._masks = {}  # `where` filters (as JSON) -> (count, allowed positions [total] bool)
         self._positions = None  # id -> position, built by the first `delete` of an index with its own ids
         self._lock = threading.Lock()
+
+    def _total(self) -> int:
+        """Texts ever added (deleted ones included): the positions a search ranks."""
+        raise NotImplementedError
+
+    def __len__(self) -> int:
+        """The texts searched: all added, less those deleted."""
+        return self._total() - len(self.deleted)
+
+    def _read_deleted(self, index_dir: str) -> None:
+        if self.info.get("deleted") and os.path.exists(os.path.join(index_dir, DELETED)):
+            self.deleted = {int(p) for p in np.load(os.path.join(index_dir, DELETED)) if p < self.info["count"]}
+
+    def _write_records(self, out_dir: str) -> None:
+        """The records added since loading, the count and the deleted positions, into `out_dir` (the vectors and
+        the manifest are the subclass's to write, the manifest last)."""
+        self.records.write(out_dir)
+        self.info["count"] = self._total()
+        self.info["deleted"] = len(self.deleted)
+        deleted = np.array(sorted(self.deleted), np.int64)
+        write_atomic(os.path.join(out_dir, DELETED), lambda tmp: save_npy(tmp, deleted))
+
+    def _new_records(self, texts, ids, metadata) -> list:
+        """Checked records for texts being added: ids when (and only when) the index was built with ids, none
+        of them taken; positions otherwise."""
+        given = self.info["ids"] == "given"
+        if given != (ids is not None):
+            raise ValueError("this index was built with ids: pass ids= for the new texts" if given else
+                             "this index numbers its texts by position: add them without ids")
+        records = make_records(texts, ids, metadata, len(self.records))
+        if given:
+            if self._id_set is None:  # the ids in use: a deleted text's id may be taken again
+                self._id_set = {self.records[p]["id"] for p in range(len(self.records)) if p not in self.deleted}
+            new = [r["id"] for r in records]
+            clash = next((k for k in new if k in self._id_set), None)
+            if clash is not None or len(set(new)) < len(new):
+                raise ValueError(f"id {clash if clash is not None else 'in the new texts'!r} is already taken; "
+                                 f"ids must be unique")
+        return records
+
+    def _keep_records(self, records) -> None:
+        self.records.pending.extend(records)
+        if self.info["ids"] == "given":
+            self._id_set.update(r["id"] for r in records)
+
+    def delete(self, ids=None, where=None) -> int:
+        """Leaves texts out of every search from now on: those with these ids (positions, for an index without
+        its own ids), or those whose metadata match `where` (as `search`'s; `where={"document": 17}` for the
+        passages of one document). In memory: `save()` keeps it. Their records stay on disk; an id deleted may
+        be added again (an update: `delete([i])`, then `add([new text], ids=[i])`). Returns how many were
+        deleted; an id the index does not hold is a KeyError naming it."""
+        if (ids is None) == (where is None):
+            raise ValueError("pass `ids` or `where` (not both)")
+        if where is not None:
+            positions = np.flatnonzero(self._allowed(where)).tolist()
+        else:
+            if isinstance(ids, (str, bytes, int, np.integer)):
+                ids = [ids]
+            positions = [self._position(key) for key in ids]
+            if len(set(positions)) < len(positions):
+                raise KeyError("an id is given twice")
+        self.deleted.update(positions)
+        if self._id_set is not None:
+            self._id_set.difference_update(self.records[p]["id"] for p in positions)
+        return len(positions)
+
+    def _position(self, key) -> int:
+        if self.info["ids"] == "positions":
+            if isinstance(key, bool) or not isinstance(key, (int, np.integer)) or not 0 <= key < len(self.records):
+                raise KeyError(f"id {key!r}: this index numbers its texts 0..{len(self.records) - 1}")
+            position = int(key)
+        else:
+            if self._positions is None or len(self._positions) < len(self.records):
+                self._positions = {self.records[p]["id"]: p for p in range(len(self.records))}
+            if key not in self._positions:
+                raise KeyError(f"id {key!r} is not in this index")
+            position = self._positions[key]
+        if position in self.deleted:
+            raise KeyError(f"id {key!r} is already deleted")
+        return position
+
+    def _allowed(self, where) -> Optional[np.ndarray]:
+        """The positions a search may return `[ntotal]` (bool), or None for all: not deleted, and matching
+        `where` (a dict of metadata values, each a value or a list of values it may take, or a function of
+        the record dict)."""
+        total = self._total()
+        if where is None:
+            mask = None
+        elif callable(where):
+            mask = np.fromiter((bool(where(self.records[p])) for p in range(total)), bool, total)
+        elif isinstance(where, dict):
+            key = json.dumps(where, sort_keys=True, ensure_ascii=False, default=str)
+            cached = self._masks.get(key)
+            if cached is None or cached[0] != total:
+                wanted = {k: v if isinstance(v, (list, tuple, set)) else [v] for k, v in where.items()}
+
+                def matches(record):
+                    meta = record.get("metadata") or {}
+                    return all(k in meta and meta[k] in allowed for k, allowed in wanted.items())
+                cached = (total, np.fromiter((matches(self.records[p]) for p in range(total)), bool, total))
+                if len(self._masks) >= MASKS_KEPT:  # a server's clients choose the filters: the oldest goes
+                    self._masks.pop(next(iter(self._masks)))
+                self._masks[key] = cached
+            mask = cached[1]
+        else:
+            raise TypeError(f"`where` must be a dict of metadata values or a function of a record; "
+                            f"received a {type(where).__name__}")
+        if self.deleted:
+            mask = np.ones(total, bool) if mask is None else mask.copy()
+            mask[list(self.deleted)] = False
+        return mask
+
+    @staticmethod
+    def _rerank(query: str, hits: List[Hit], reranker, candidates: int) -> List[Hit]:
+        """`hits` with the first `candidates` re-scored and re-ordered by a cross-encoder (`kbert.TaskModel`);
+        deeper hits keep their first-stage order and scores."""
+        head, tail = hits[:candidates], hits[candidates:]
+        ranked = reranker.rank(query, [h.text for h in head]) if head else []
+        return [head[r["corpus_id"]]._replace(score=float(r["score"])) for r in ranked] + tail
+
+    def _hit(self, position, score) -> Hit:
+        record = self.records[int(position)]
+        return Hit(record["id"], float(score), record["text"], record.get("metadata"))
+
+    def get(self, position: int) -> Hit:
+        """The record at `position` (0-based, in the order texts were added) as a Hit with score None."""
+        if isinstance(position, bool) or not isinstance(position, (int, np.integer)) or \
+                not 0 <= position < len(self.records):
+            raise IndexError(f"position {position!r} is outside this index of {len(self.records)} texts")
+        record = self.records[int(position)]
+        return Hit(record["id"], None, record["text"], record.get("metadata"))
+
+    def close(self) -> None:
+        """Releases the memory map of the records file."""
+        self.records.close()
+
+
+class SearchIndex(TextCollection):
+    """Texts, their vectors in a FAISS index, and the model and settings that encode queries for it."""
+
+    def __init__(self, index, records: Records, info: dict, embedder=None, path: Optional[str] = None):
+        super().__init__(records, info, path)
+        self.index = index
+        self._embedder = embedder
+        self._lexical = None  # (vectorizer, [count, n-grams] CSR rows) for hybrid search, read at first use
+        self._lexical_changed = False  # rows added since the lexical files were written
+
+    def _total(self) -> int:
+        return int(self.index.ntotal)
 
     # ----------------------------------------------------------------- building
     @classmethod
@@ -358,10 +602,10 @@ class SearchIndex:
         factory_string("flat", precision)  # kind and precision checked before any encoding
         if kind not in KINDS:
             raise ValueError(f"`kind` must be one of {KINDS}. Received: kind={kind!r}")
-        chunk_size, batch_size = _positive_int(chunk_size, "chunk_size"), _positive_int(batch_size, "batch_size")
-        hnsw_m, ef_construction = _positive_int(hnsw_m, "hnsw_m"), _positive_int(ef_construction, "ef_construction")
+        chunk_size, batch_size = positive_int(chunk_size, "chunk_size"), positive_int(batch_size, "batch_size")
+        hnsw_m, ef_construction = positive_int(hnsw_m, "hnsw_m"), positive_int(ef_construction, "ef_construction")
         if nlist is not None:
-            _positive_int(nlist, "nlist")
+            positive_int(nlist, "nlist")
         if isinstance(texts, (str, bytes)):
             raise TypeError("`texts` must be a collection of texts, not one string")
         if manifest_exists(out_dir):
@@ -386,80 +630,15 @@ class SearchIndex:
         encode = dict(settings, prompt=document_prompt, batch_size=batch_size, progress=False)
         probe = emb.encode(PROBE_TEXT, **encode)  # what this model makes of the probe: kept, and checked on resume
 
-        os.makedirs(out_dir, exist_ok=True)
+        def same_model(saved):
+            return float(np.dot(probe, np.asarray(saved, np.float32))) >= PROBE_MIN_COSINE
+
+        chunk_files, count = encode_chunks(
+            out_dir, texts, ids, metadata, chunk_size, identity, [float(x) for x in probe], same_model,
+            lambda chunk: emb.encode(chunk, **encode).astype(np.float32), save_npy, ".npy", resume, progress,
+            model_name or "hand", "; long_texts='mean' (--long-texts mean) encodes the whole of each, as the mean of "
+                                  "its windows' vectors")
         chunk_dir = os.path.join(out_dir, CHUNKS)
-        state_path = os.path.join(chunk_dir, "progress.json")
-        state = None
-        if os.path.exists(state_path) and resume:
-            with open(state_path, encoding="utf-8") as f:
-                state = json.load(f)
-            differ = [k for k in identity if state.get(k) != identity[k]]
-            if differ:
-                raise ValueError(f"{chunk_dir} holds an unfinished build with other settings ({', '.join(differ)}: "
-                                 f"{', '.join(f'{state.get(k)!r} now {identity[k]!r}' for k in differ)}); run it "
-                                 f"with those settings to finish it, or pass resume=False (--no-resume) to start over")
-            if state["done"] and float(np.dot(probe, np.asarray(state["probe"], np.float32))) < PROBE_MIN_COSINE:
-                raise ValueError(f"{chunk_dir} holds an unfinished build whose chunks another model encoded (the "
-                                 f"model at {model_name or 'hand'} has changed since); pass resume=False "
-                                 f"(--no-resume) to start over")
-        if state is None:
-            shutil.rmtree(chunk_dir, ignore_errors=True)
-            os.makedirs(chunk_dir)
-            state = dict(identity, probe=[float(x) for x in probe], done=[])
-            _write_json(state_path, state)
-        elif state["done"]:
-            done_texts = sum(c["count"] for c in state["done"])
-            print(f"kbert: resuming the build in {out_dir}: {len(state['done'])} chunks ({done_texts} texts) "
-                  f"already encoded", file=sys.stderr, flush=True)
-
-        total = len(texts) if hasattr(texts, "__len__") else None
-        bar = progress_bar(total=total, desc="index", unit=" texts", enabled=progress)
-        count, encoded, truncated, limit, ids_seen = 0, 0, 0, None, set() if ids is not None else None
-        for k, (chunk, chunk_ids, chunk_meta) in enumerate(_chunks(texts, ids, metadata, chunk_size)):
-            records = _records(chunk, chunk_ids, chunk_meta, count)
-            if ids_seen is not None:
-                for r in records:
-                    if r["id"] in ids_seen:
-                        raise ValueError(f"id {r['id']!r} is given twice; ids must be unique")
-                    ids_seen.add(r["id"])
-            lines = _record_lines(records)
-            digest = hashlib.sha256(lines).hexdigest()
-            count += len(records)
-            if k < len(state["done"]):
-                if state["done"][k]["sha256"] != digest:
-                    raise ValueError(f"the texts differ from those of the unfinished build in {chunk_dir} at chunk "
-                                     f"{k} (texts {count - len(records)}..{count - 1}); pass resume=False "
-                                     f"(--no-resume) to start over")
-                bar.update(len(records))
-                continue
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                vectors = emb.encode(chunk, **encode)
-            for w in caught:
-                match = _TRUNCATED.match(str(w.message))
-                if match:
-                    truncated, limit = truncated + int(match.group(1)), match.group(2)
-                else:
-                    warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-            encoded += len(records)
-            base = os.path.join(chunk_dir, f"{k:05d}")
-            _write_atomic(base + ".jsonl", lambda tmp: _save_bytes(tmp, lines))
-            _write_atomic(base + ".npy", lambda tmp: _save_npy(tmp, vectors.astype(np.float32)))
-            state["done"].append({"count": len(records), "sha256": digest})
-            _write_json(state_path, state)
-            bar.update(len(records))
-        bar.close()
-        if truncated:
-            warnings.warn(f"{truncated} of the {encoded} texts encoded were longer than {limit} tokens and were "
-                          f"truncated; long_texts='mean' (--long-texts mean) encodes the whole of each, as the mean "
-                          f"of its windows' vectors", stacklevel=2)
-        if count < sum(c["count"] for c in state["done"]):
-            raise ValueError(f"the texts end at {count}, before the unfinished build in {chunk_dir} did; pass "
-                             f"resume=False (--no-resume) to start over")
-        if count == 0:
-            raise ValueError("no texts to index")
-
-        chunk_files = [os.path.join(chunk_dir, f"{k:05d}") for k in range(len(state["done"]))]
         nlist = nlist or default_nlist(count)
         if kind == "ivf" and nlist > count:
             raise ValueError(f"`nlist` {nlist} is more than the {count} texts; IVF needs fewer centroids than vectors")
@@ -471,14 +650,7 @@ class SearchIndex:
             index.train(_training_sample(chunk_files, count, nlist if kind == "ivf" else 1))
         for base in chunk_files:
             index.add(np.load(base + ".npy", mmap_mode="r").astype(np.float32))
-        with open(os.path.join(out_dir, RECORDS), "wb") as out:
-            offsets = [0]
-            for base in chunk_files:
-                with open(base + ".jsonl", "rb") as f:
-                    for line in f:
-                        out.write(line)
-                        offsets.append(offsets[-1] + len(line))
-        _write_atomic(os.path.join(out_dir, OFFSETS), lambda tmp: _save_npy(tmp, np.array(offsets, np.int64)))
+        write_records(out_dir, chunk_files)
         if lexical:
             _write_lexical(out_dir, [r["text"] for base in chunk_files for r in _read_json_lines(base + ".jsonl")])
         info = {"format": FORMAT, "model": model_name, "settings": settings, "document_prompt": document_prompt,
@@ -486,8 +658,8 @@ class SearchIndex:
                 "factory": factory_string(kind, precision, nlist, hnsw_m), "nlist": nlist if kind == "ivf" else None,
                 "hnsw_m": hnsw_m if kind == "hnsw" else None, "count": count, "ids": identity["ids"],
                 "lexical": bool(lexical), "probe": [round(float(x), 7) for x in probe]}
-        _write_atomic(os.path.join(out_dir, INDEX_FILE), lambda tmp: faiss.write_index(index, tmp))
-        _write_json(os.path.join(out_dir, MANIFEST), info)
+        write_atomic(os.path.join(out_dir, INDEX_FILE), lambda tmp: faiss.write_index(index, tmp))
+        write_json(os.path.join(out_dir, MANIFEST), info)
         shutil.rmtree(chunk_dir, ignore_errors=True)
         return cls.load(out_dir, model=emb)
 
@@ -505,7 +677,7 @@ class SearchIndex:
         if count == 0:
             raise ValueError("no vectors to index")
         texts = [""] * count if texts is None else text_list(texts)
-        records = _records(texts, ids, metadata, 0)  # checks the lengths and types
+        records = make_records(texts, ids, metadata, 0)  # checks the lengths and types
         if len(records) != count:
             raise ValueError(f"{count} vectors but {len(records)} texts")
         if ids is not None and len({r["id"] for r in records}) < count:
@@ -513,7 +685,7 @@ class SearchIndex:
         nlist = nlist or default_nlist(count)
         index = faiss.index_factory(width, factory_string(kind, precision, nlist, hnsw_m), faiss.METRIC_INNER_PRODUCT)
         if kind == "hnsw":
-            faiss.downcast_index(index).hnsw.efConstruction = _positive_int(ef_construction, "ef_construction")
+            faiss.downcast_index(index).hnsw.efConstruction = positive_int(ef_construction, "ef_construction")
         if not index.is_trained:
             index.train(vectors)
         index.add(vectors)
@@ -523,7 +695,7 @@ class SearchIndex:
                 "factory": factory_string(kind, precision, nlist, hnsw_m), "nlist": nlist if kind == "ivf" else None,
                 "hnsw_m": hnsw_m if kind == "hnsw" else None, "count": count,
                 "ids": "given" if ids is not None else "positions", "lexical": bool(lexical), "probe": None}
-        out = cls(index, _Records(), info)
+        out = cls(index, Records(), info)
         out.records.pending = records
         if emb is not None:
             out.use_model(emb)  # its width checked against the vectors'
@@ -543,15 +715,17 @@ class SearchIndex:
             raise FileNotFoundError(f"{index_dir} holds no kbert index ({MANIFEST} missing){hint}")
         with open(os.path.join(index_dir, MANIFEST), encoding="utf-8") as f:
             info = json.load(f)
+        if info.get("type") == "sparse":
+            raise ValueError(f"{index_dir} is a sparse index of SPLADE vectors: load it with kbert.SparseIndex.load "
+                             f"(kbert.embed.index.open_index reads either kind)")
         if info.get("format") != FORMAT:
             raise ValueError(f"{index_dir}: index format {info.get('format')!r}, this kbert reads {FORMAT}")
         index = faiss.read_index(os.path.join(index_dir, INDEX_FILE))
         if index.ntotal != info["count"]:
             raise ValueError(f"{index_dir}: {INDEX_FILE} holds {index.ntotal} vectors, {MANIFEST} {info['count']} "
                              f"(a save was interrupted); build the index again")
-        out = cls(index, _Records(index_dir, info["count"]), info, None, index_dir)
-        if info.get("deleted") and os.path.exists(os.path.join(index_dir, DELETED)):
-            out.deleted = {int(p) for p in np.load(os.path.join(index_dir, DELETED)) if p < info["count"]}
+        out = cls(index, Records(index_dir, info["count"]), info, None, index_dir)
+        out._read_deleted(index_dir)
         if model is not None:
             out.use_model(model)
         return out
@@ -601,21 +775,13 @@ class SearchIndex:
             vectorizer, rows = self.lexical_rows()
             _save_lexical(out_dir, vectorizer, rows)
             self._lexical_changed = False
-        self.records.write(out_dir)
-        self.info["count"] = int(self.index.ntotal)
-        self.info["deleted"] = len(self.deleted)
-        _write_atomic(os.path.join(out_dir, DELETED),
-                      lambda tmp: _save_npy(tmp, np.array(sorted(self.deleted), np.int64)))
-        _write_atomic(os.path.join(out_dir, INDEX_FILE), lambda tmp: faiss.write_index(self.index, tmp))
-        _write_json(os.path.join(out_dir, MANIFEST), self.info)
+        self._write_records(out_dir)
+        write_atomic(os.path.join(out_dir, INDEX_FILE), lambda tmp: faiss.write_index(self.index, tmp))
+        write_json(os.path.join(out_dir, MANIFEST), self.info)
         self.path = out_dir
         return out_dir
 
     # ----------------------------------------------------------------- using
-    def __len__(self) -> int:
-        """The texts searched: all added, less those deleted."""
-        return int(self.index.ntotal) - len(self.deleted)
-
     def __repr__(self) -> str:
         return (f"SearchIndex({len(self)} texts, {self.info['kind']} {self.info['precision']}, "
                 f"dim {self.info['dimension']}, model={self.info.get('model')!r})")
@@ -638,19 +804,7 @@ class SearchIndex:
         texts = list(texts)
         if not texts:
             return self
-        given = self.info["ids"] == "given"
-        if given != (ids is not None):
-            raise ValueError("this index was built with ids: pass ids= for the new texts" if given else
-                             "this index numbers its texts by position: add them without ids")
-        records = _records(texts, ids, metadata, len(self.records))
-        if given:
-            if self._id_set is None:  # the ids in use: a deleted text's id may be taken again
-                self._id_set = {self.records[p]["id"] for p in range(len(self.records)) if p not in self.deleted}
-            new = [r["id"] for r in records]
-            clash = next((k for k in new if k in self._id_set), None)
-            if clash is not None or len(set(new)) < len(new):
-                raise ValueError(f"id {clash if clash is not None else 'in the new texts'!r} is already taken; "
-                                 f"ids must be unique")
+        records = self._new_records(texts, ids, metadata)
         vectors = self.embedder.encode(texts, batch_size=batch_size, **dict(
             self._encode_settings(self.info["document_prompt"]), progress=progress))
         if self.info.get("lexical"):  # the collection's IDF as built weighs the new texts' n-grams
@@ -660,77 +814,8 @@ class SearchIndex:
             self._lexical = (vectorizer, scipy.sparse.vstack([rows, vectorizer.transform(texts)], format="csr"))
             self._lexical_changed = True
         self.index.add(unit_rows(np.atleast_2d(vectors)))
-        self.records.pending.extend(records)
-        if given:
-            self._id_set.update(r["id"] for r in records)
+        self._keep_records(records)
         return self
-
-    def delete(self, ids=None, where=None) -> int:
-        """Leaves texts out of every search from now on: those with these ids (positions, for an index without
-        its own ids), or those whose metadata match `where` (as `search`'s; `where={"document": 17}` for the
-        passages of one document). In memory: `save()` keeps it. Their records stay on disk; an id deleted may
-        be added again (an update: `delete([i])`, then `add([new text], ids=[i])`). Returns how many were
-        deleted; an id the index does not hold is a KeyError naming it."""
-        if (ids is None) == (where is None):
-            raise ValueError("pass `ids` or `where` (not both)")
-        if where is not None:
-            positions = np.flatnonzero(self._allowed(where)).tolist()
-        else:
-            if isinstance(ids, (str, bytes, int, np.integer)):
-                ids = [ids]
-            positions = [self._position(key) for key in ids]
-            if len(set(positions)) < len(positions):
-                raise KeyError("an id is given twice")
-        self.deleted.update(positions)
-        if self._id_set is not None:
-            self._id_set.difference_update(self.records[p]["id"] for p in positions)
-        return len(positions)
-
-    def _position(self, key) -> int:
-        if self.info["ids"] == "positions":
-            if isinstance(key, bool) or not isinstance(key, (int, np.integer)) or not 0 <= key < len(self.records):
-                raise KeyError(f"id {key!r}: this index numbers its texts 0..{len(self.records) - 1}")
-            position = int(key)
-        else:
-            if self._positions is None or len(self._positions) < len(self.records):
-                self._positions = {self.records[p]["id"]: p for p in range(len(self.records))}
-            if key not in self._positions:
-                raise KeyError(f"id {key!r} is not in this index")
-            position = self._positions[key]
-        if position in self.deleted:
-            raise KeyError(f"id {key!r} is already deleted")
-        return position
-
-    def _allowed(self, where) -> Optional[np.ndarray]:
-        """The positions a search may return `[ntotal]` (bool), or None for all: not deleted, and matching
-        `where` (a dict of metadata values, each a value or a list of values it may take, or a function of
-        the record dict)."""
-        total = int(self.index.ntotal)
-        if where is None:
-            mask = None
-        elif callable(where):
-            mask = np.fromiter((bool(where(self.records[p])) for p in range(total)), bool, total)
-        elif isinstance(where, dict):
-            key = json.dumps(where, sort_keys=True, ensure_ascii=False, default=str)
-            cached = self._masks.get(key)
-            if cached is None or cached[0] != total:
-                wanted = {k: v if isinstance(v, (list, tuple, set)) else [v] for k, v in where.items()}
-
-                def matches(record):
-                    meta = record.get("metadata") or {}
-                    return all(k in meta and meta[k] in allowed for k, allowed in wanted.items())
-                cached = (total, np.fromiter((matches(self.records[p]) for p in range(total)), bool, total))
-                if len(self._masks) >= MASKS_KEPT:  # a server's clients choose the filters: the oldest goes
-                    self._masks.pop(next(iter(self._masks)))
-                self._masks[key] = cached
-            mask = cached[1]
-        else:
-            raise TypeError(f"`where` must be a dict of metadata values or a function of a record; "
-                            f"received a {type(where).__name__}")
-        if self.deleted:
-            mask = np.ones(total, bool) if mask is None else mask.copy()
-            mask[list(self.deleted)] = False
-        return mask
 
     def search(self, queries, top_k: int = 10, ef_search: Optional[int] = None, nprobe: Optional[int] = None,
                lexical: float = 0.0, reranker=None, candidates: int = 100, batch_size: int = 64,
@@ -759,7 +844,7 @@ class SearchIndex:
             `top_k` documents; the search goes deeper until it has them.
         """
         faiss = _faiss()
-        top_k, candidates = _positive_int(top_k, "top_k"), _positive_int(candidates, "candidates")
+        top_k, candidates = positive_int(top_k, "top_k"), positive_int(candidates, "candidates")
         if isinstance(lexical, bool) or not isinstance(lexical, (int, float)) or not 0 <= lexical <= 1:
             raise ValueError(f"`lexical` must be a number in [0, 1]. Received: lexical={lexical!r}")
         if lexical and not self.info.get("lexical"):
@@ -808,32 +893,24 @@ class SearchIndex:
                 hits = [self._hit(position, score) for score, position in zip(score_row, position_row)
                         if position >= 0]  # IVF: -1 past the vectors in the buckets searched
                 if group_by is not None:
-                    hits = _best_of_groups(hits, group_by)
+                    hits = best_of_groups(hits, group_by)
                     if len(hits) < wanted and depth < live:
                         short.append(q)
                 rows[q] = hits
             pending = short
             depth = min(depth * 4, live)
-        out = []
-        for q, hits in enumerate(rows):
-            if reranker is not None:
-                head, tail = hits[:candidates], hits[candidates:]
-                ranked = reranker.rank(texts[q], [h.text for h in head]) if head else []
-                hits = [head[r["corpus_id"]]._replace(score=float(r["score"])) for r in ranked] + tail
-            out.append(hits[:top_k])
+        if reranker is not None:
+            rows = [self._rerank(texts[q], hits, reranker, candidates) for q, hits in enumerate(rows)]
+        out = [hits[:top_k] for hits in rows]
         return out[0] if single else out
-
-    def _hit(self, position, score) -> Hit:
-        record = self.records[int(position)]
-        return Hit(record["id"], float(score), record["text"], record.get("metadata"))
 
     def _search_params(self, faiss, depth, ef_search, nprobe, allowed):
         if self.info["kind"] == "hnsw":
             params = faiss.SearchParametersHNSW()
-            params.efSearch = max(depth, _positive_int(ef_search, "ef_search") if ef_search else DEFAULT_EF_SEARCH)
+            params.efSearch = max(depth, positive_int(ef_search, "ef_search") if ef_search else DEFAULT_EF_SEARCH)
         elif self.info["kind"] == "ivf":
             params = faiss.SearchParametersIVF()
-            params.nprobe = min(self.info["nlist"], _positive_int(nprobe, "nprobe") if nprobe
+            params.nprobe = min(self.info["nlist"], positive_int(nprobe, "nprobe") if nprobe
                                 else default_nprobe(self.info["nlist"]))
         else:
             params = faiss.SearchParameters()
@@ -905,20 +982,7 @@ class SearchIndex:
                     ivf.make_direct_map()  # IVF finds a vector by its position only through this map
         return self.index.reconstruct_batch(np.ascontiguousarray(positions, np.int64))
 
-    def get(self, position: int) -> Hit:
-        """The record at `position` (0-based, in the order texts were added) as a Hit with score None."""
-        if isinstance(position, bool) or not isinstance(position, (int, np.integer)) or \
-                not 0 <= position < len(self.records):
-            raise IndexError(f"position {position!r} is outside this index of {len(self.records)} texts")
-        record = self.records[int(position)]
-        return Hit(record["id"], None, record["text"], record.get("metadata"))
-
-    def close(self) -> None:
-        """Releases the memory map of the records file."""
-        self.records.close()
-
-
-def _best_of_groups(hits: List[Hit], key: str) -> List[Hit]:
+def best_of_groups(hits: List[Hit], key: str) -> List[Hit]:
     """The first (best) hit of each value of metadata `key`, in order."""
     seen, out = set(), []
     for hit in hits:
@@ -951,13 +1015,13 @@ def _save_lexical(out_dir: str, vectorizer, rows) -> None:
     import scipy.sparse
 
     vocabulary = {gram: int(col) for gram, col in vectorizer.vocabulary_.items()}
-    _write_json(os.path.join(out_dir, LEXICAL_VOCABULARY), vocabulary)
-    _write_atomic(os.path.join(out_dir, LEXICAL_IDF), lambda tmp: _save_npy(tmp, vectorizer.idf_))
+    write_json(os.path.join(out_dir, LEXICAL_VOCABULARY), vocabulary)
+    write_atomic(os.path.join(out_dir, LEXICAL_IDF), lambda tmp: save_npy(tmp, vectorizer.idf_))
 
     def write(tmp):
         with open(tmp, "wb") as f:
             scipy.sparse.save_npz(f, rows)
-    _write_atomic(os.path.join(out_dir, LEXICAL_MATRIX), write)
+    write_atomic(os.path.join(out_dir, LEXICAL_MATRIX), write)
 
 
 def _write_lexical(out_dir: str, texts: Sequence[str]) -> None:
@@ -995,8 +1059,12 @@ def _training_sample(chunk_files: List[str], count: int, centroids: int) -> np.n
     return np.ascontiguousarray(np.concatenate(parts))
 
 
-def open_index(index_dir_or_index: Union[str, SearchIndex], model=None) -> SearchIndex:
-    """A SearchIndex as given, or loaded from its dir."""
-    if isinstance(index_dir_or_index, SearchIndex):
+def open_index(index_dir_or_index: Union[str, TextCollection], model=None) -> TextCollection:
+    """An index as given, or loaded from its dir: a `SearchIndex`, or a `kbert.SparseIndex` for a sparse one."""
+    if isinstance(index_dir_or_index, TextCollection):
         return index_dir_or_index
+    from kbert.embed.sparse_index import SparseIndex, is_sparse_index
+
+    if is_sparse_index(index_dir_or_index):
+        return SparseIndex.load(index_dir_or_index, model=model)
     return SearchIndex.load(index_dir_or_index, model=model)
