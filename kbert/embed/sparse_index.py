@@ -96,6 +96,7 @@ class SparseIndex(TextCollection):
         super().__init__(records, info, path)
         self.matrix = matrix  # [count, vocab] CSR float32
         self._encoder = encoder
+        self._postings = None  # matrix.T as CSR [vocab, count]: each token's documents, built at the first search
 
     def _total(self) -> int:
         return int(self.matrix.shape[0])
@@ -246,6 +247,7 @@ class SparseIndex(TextCollection):
         vectors = self.encoder.encode_document(texts, batch_size=batch_size, progress=bool(progress),
                                                max_active_dims=self.info.get("max_active_dims"))
         self.matrix = vstack([self.matrix, vectors], format="csr").astype(np.float32)
+        self._postings = None
         self._keep_records(records)
         return self
 
@@ -283,7 +285,9 @@ class SparseIndex(TextCollection):
                              f"{self.info['dimension']}-wide vectors")
         allowed = self._allowed(where)
         wanted = max(top_k, candidates if reranker is not None else 0)
-        documents = self.matrix.T.tocsr()  # [vocab, count]: each token's posting list
+        if self._postings is None:
+            self._postings = self.matrix.T.tocsr()
+        documents = self._postings  # [vocab, count]: each token's posting list
         out = []
         for start in range(0, vectors.shape[0], QUERY_BLOCK):
             scores = (vectors[start:start + QUERY_BLOCK] @ documents).tocsr()  # [block, count], matches only
@@ -294,6 +298,9 @@ class SparseIndex(TextCollection):
                 if allowed is not None:
                     keep &= allowed[positions]
                 positions, values = positions[keep], values[keep]
+                if group_by is None and len(values) > wanted:  # the `wanted` best, and any tied with the last
+                    cut = values >= np.partition(values, len(values) - wanted)[len(values) - wanted]
+                    positions, values = positions[cut], values[cut]
                 order = np.lexsort((positions, -values))  # best first, then by position
                 if group_by is None:
                     out.append([self._hit(positions[j], values[j]) for j in order[:wanted]])
