@@ -250,6 +250,66 @@ def test_cli_evaluate_sparse(tmp_path, capsys):
     assert "--max-active-dims goes with a SPLADE model" in capsys.readouterr().err
 
 
+def _inference_free_dir(tmp_path):
+    """sentence-transformers' inference-free SPLADE (Router.for_query_document: SparseStaticEmbedding for queries,
+    a masked-LM transformer + SpladePooling for documents), saved; and it."""
+    import torch
+    from sentence_transformers import SparseEncoder
+    from sentence_transformers.models import Router
+    from sentence_transformers.sparse_encoder.models import MLMTransformer, SparseStaticEmbedding, SpladePooling
+
+    path, _, tok = hf_masked_lm_dir(tmp_path, TEXTS)
+    tok.save_pretrained(path)
+    mlm = MLMTransformer(path)
+    torch.manual_seed(0)
+    weights = torch.rand(len(mlm.tokenizer.get_vocab())) * 3.0
+    weights[weights < 0.6] = 0.0  # tokens a query keeps no weight for
+    static = SparseStaticEmbedding(tokenizer=mlm.tokenizer, weight=weights)
+    st = SparseEncoder(modules=[Router.for_query_document(query_modules=[static],
+                                                          document_modules=[mlm, SpladePooling("max")])],
+                       similarity_fn_name="dot")
+    out = str(tmp_path / "inference-free")
+    st.save(out)
+    return out, st
+
+
+def test_inference_free_splade_matches_sentence_transformers(tmp_path):
+    """Queries by the static weights of their tokens (no model), documents through SPLADE: sentence-transformers'
+    vectors on both sides, its retrieval figures, and a SparseIndex over it; a dense Embedder refuses it by name."""
+    from sentence_transformers.sparse_encoder.evaluation import SparseInformationRetrievalEvaluator
+
+    import kbert
+
+    path, st = _inference_free_dir(tmp_path)
+    enc = kbert.SparseEncoder.load(path)
+    assert enc.query_weights is not None and enc.query_weights.shape == (enc.vocab_size,)
+    queries = list(QUERIES.values())
+    for options in ({}, {"max_active_dims": 3}):
+        np.testing.assert_allclose(enc.encode_query(queries, **options).toarray(),
+                                   st.encode_query(queries, **options).to_dense().numpy(), rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(enc.encode_document(TEXTS, **options).toarray(),
+                                   st.encode_document(TEXTS, **options).to_dense().numpy(), rtol=1e-5, atol=1e-5)
+    static = enc.encode_query(queries[:1])  # the query's own tokens only, weighed by the table
+    ids = set(enc.tokenizer.ids_batch(queries[:1])[0])
+    assert set(static.indices) == {j for j in ids if enc.query_weights[j] != 0}
+    corpus = {f"d{i}": t for i, t in enumerate(TEXTS)}
+    ref = SparseInformationRetrievalEvaluator(QUERIES, corpus, RELEVANT, name="ir")(st)
+    got = kbert.evaluate_retrieval(path, QUERIES, corpus, RELEVANT)
+    for key in ("accuracy@1", "mrr@10", "ndcg@10", "query_active_dims", "corpus_active_dims", "avg_flops"):
+        assert got[key] == pytest.approx(ref[f"ir_dot_{key}" if "@" in key else f"ir_{key}"], rel=1e-5), key
+    index = kbert.SparseIndex.build(path, TEXTS, str(tmp_path / "index"), progress=False)
+    hits = index.search(queries, top_k=3)
+    scores = enc.similarity(enc.encode_query(queries), enc.encode_document(TEXTS))
+    for row, found in zip(scores, hits):
+        assert [h.id for h in found] == [j for j in np.argsort(-row, kind="stable")[:3] if row[j] > 0]
+    with pytest.raises(ValueError, match="load it with kbert.SparseEncoder.load"):
+        kbert.Embedder.load(path)
+    rows = [{"a": TEXTS[i], "b": TEXTS[i + 1]} for i in range(4)]
+    with pytest.raises(ValueError, match="is an inference-free SPLADE model .* start from its document model"):
+        kbert.finetune(path, "sparse-embedding", rows, text_column="a", pair_column="b", label_column=None,
+                       out_dir=str(tmp_path / "out"), progress=False)
+
+
 def _question_pairs(split: str, n: int):
     """(question1, question2) paraphrase rows of the shared question-pair set (the re-split marks them 0)."""
     import csv

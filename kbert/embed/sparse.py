@@ -14,6 +14,10 @@ readable (`decode`) and serve from an inverted index. A text's vector is, for ea
 (or the sum) over the text's tokens of log(1 + relu(masked-LM logit)), padding left out: SpladePooling's
 formula, tested against sentence-transformers on the same weights.
 
+Inference-free SPLADE (OpenSearch's doc-only sparse models; sentence-transformers' `Router.for_query_document`
+of SparseStaticEmbedding and SPLADE) is read too: documents go through the model, and a query's vector is a
+fixed weight for each token it holds, so queries cost a tokenization (`encode_query`).
+
 Vectors are scipy CSR matrices (scipy is a base dependency), the form scikit-learn, Pyserini-style inverted
 indexes and `sentence_transformers` (`.to_sparse_csr`) exchange; the search is scipy's sparse product.
 """
@@ -48,10 +52,16 @@ class SparseEncoder:
         activation: "relu" (every SPLADE model) or "log1p_relu" (a second log, as OpenSearch's sparse models).
         prompts: texts put before each input by name ({"query": "query: "}), as sentence-transformers' prompts.
         jit_compile: run through XLA (rows and widths padded to a few bucketed shapes); always so on JAX.
+        query_weights: inference-free SPLADE (OpenSearch's doc-only sparse models; sentence-transformers' Router of
+            SparseStaticEmbedding and SPLADE): one weight per vocabulary token `[vocab]`, and a query's vector is
+            the weight of each token it holds ([CLS] and [SEP] left out), so no model runs for a query
+            (`encode_query`); documents (`encode`, `encode_document`) go through the model.
+        query_max_length: the tokens of a query read with `query_weights` (default: `max_length`).
     """
 
     def __init__(self, model, tokenizer, max_length: Optional[int] = None, pooling: str = "max",
-                 activation: str = "relu", prompts: Optional[dict] = None, jit_compile: bool = False):
+                 activation: str = "relu", prompts: Optional[dict] = None, jit_compile: bool = False,
+                 query_weights=None, query_max_length: Optional[int] = None):
         if pooling not in SPLADE_POOLINGS:
             raise ValueError(f"`pooling` must be one of {SPLADE_POOLINGS}. Received: {pooling!r}")
         if activation not in SPLADE_ACTIVATIONS:
@@ -65,6 +75,11 @@ class SparseEncoder:
         self.prompts = dict(prompts or {})
         self.jit_compile = bool(jit_compile) or backend() == "jax"  # JAX compiles every (bucketed) shape
         self._fn = None
+        self.query_weights = None if query_weights is None else np.asarray(query_weights, np.float32)
+        if self.query_weights is not None and self.query_weights.shape != (self.vocab_size,):
+            raise ValueError(f"`query_weights` must hold one weight per vocabulary token ({self.vocab_size}). "
+                             f"Received shape {self.query_weights.shape}")
+        self.query_max_length = query_max_length or self.max_length
 
     @property
     def vocab_size(self) -> int:
@@ -98,7 +113,8 @@ class SparseEncoder:
         if max_length is None and found["max_length"]:
             max_length = min(found["max_length"], model.config.max_position)
         return cls(model, tokenizer, max_length=max_length, pooling=found["pooling"],
-                   activation=found["activation"], prompts=found["prompts"], jit_compile=jit_compile)
+                   activation=found["activation"], prompts=found["prompts"], jit_compile=jit_compile,
+                   query_weights=found.get("query_weights"), query_max_length=found.get("query_max_length"))
 
     # ------------------------------------------------------------------ encoding
     def encode(self, texts: Union[str, Sequence[str]], batch_size: int = 16, max_active_dims: Optional[int] = None,
@@ -148,8 +164,38 @@ class SparseEncoder:
         return stacked[inverse].astype(np.float32)
 
     def encode_query(self, texts, **options):
-        """`encode` with the model's "query" prompt, when it has one (sentence-transformers' encode_query)."""
-        return self.encode(texts, **self._side("query", options))
+        """`encode` with the model's "query" prompt, when it has one (sentence-transformers' encode_query); for an
+        inference-free model, the query weights of each query's tokens (no model runs)."""
+        options = self._side("query", options)
+        if self.query_weights is None:
+            return self.encode(texts, **options)
+        return self._static_query(texts, **options)
+
+    def _static_query(self, texts, batch_size: int = 16, max_active_dims: Optional[int] = None,
+                      prompt_name: Optional[str] = None, prompt: Optional[str] = None, progress: bool = False):
+        """`[n, vocab]` CSR: row i holds `query_weights` at each distinct token of text i (sentence-transformers'
+        SparseStaticEmbedding: the tokenizer without [CLS] / [SEP], truncated to `query_max_length`)."""
+        from scipy.sparse import csr_matrix
+
+        del batch_size, progress  # no batches: a lookup per token
+        if max_active_dims is not None and (not isinstance(max_active_dims, int) or max_active_dims < 1):
+            raise ValueError(f"`max_active_dims` must be an int >= 1 or None. Received: {max_active_dims!r}")
+        items = str_list(texts)
+        prefix = self._prompt(prompt_name, prompt)
+        rows, cols, values = [], [], []
+        for i, ids in enumerate(self.tokenizer.ids_batch([prefix + t for t in items])):
+            present = np.unique(np.asarray(ids[:self.query_max_length], np.int64))
+            weights = self.query_weights[present]
+            if max_active_dims is not None and max_active_dims < len(present):
+                keep = np.sort(np.argsort(-weights, kind="stable")[:max_active_dims])
+                present, weights = present[keep], weights[keep]
+            rows.append(np.full(len(present), i)), cols.append(present), values.append(weights)
+        if not items:
+            return csr_matrix((0, self.vocab_size), dtype=np.float32)
+        matrix = csr_matrix((np.concatenate(values), (np.concatenate(rows), np.concatenate(cols))),
+                            shape=(len(items), self.vocab_size), dtype=np.float32)
+        matrix.eliminate_zeros()
+        return matrix
 
     def encode_document(self, texts, **options):
         """`encode` with the model's "document" prompt, when it has one."""

@@ -86,7 +86,7 @@ def read_sentence_transformers(directory: str, projections: bool = False):
             found["static"] = folder
         elif kind == "Normalize":
             continue  # Embedder.encode returns unit vectors by default
-        elif kind in SPARSE_MODULES:
+        elif kind in SPARSE_MODULES or kind == "Router" and read_sparse_encoder(directory) is not None:
             raise ValueError(f"{directory} is a sentence-transformers SparseEncoder (SPLADE): its vectors are a weight "
                              f"per vocabulary token; load it with kbert.SparseEncoder.load")
         else:
@@ -101,34 +101,68 @@ SPARSE_MODULES = ("MLMTransformer", "SpladePooling")  # a SPLADE SparseEncoder's
 
 def read_sparse_encoder(directory: str):
     """For a sentence-transformers SparseEncoder dir of SPLADE (a masked-LM transformer + SpladePooling): {"model_dir",
-    "pooling", "activation", "max_length", "prompts"} that make `kbert.SparseEncoder` give its vectors; None for
-    a dir without `modules.json` or without a SpladePooling module. Other sparse modules (an inference-free
-    Router, SparseStaticEmbedding, CSR / top-k sparsity) raise ValueError naming them."""
+    "pooling", "activation", "max_length", "prompts", "query_weights", "query_max_length"} that make
+    `kbert.SparseEncoder` give its vectors; None for a dir without `modules.json` or without a SpladePooling module.
+    An inference-free SPLADE dir (a Router: SparseStaticEmbedding for queries, SPLADE for documents) gives its
+    query side's per-token weights `[vocab]` as "query_weights" (None otherwise). Other sparse modules (CSR / top-k
+    sparsity, another Router) raise ValueError naming them."""
     path = os.path.join(directory, "modules.json")
     if not os.path.isfile(path):
         return None
     with open(path, encoding="utf-8") as f:
         modules = json.load(f)
     kinds = [m.get("type", "").rsplit(".", 1)[-1] for m in modules]
+    found = {"model_dir": directory, "pooling": "max", "activation": "relu", "max_length": None,
+             "prompts": _prompts(directory)["prompts"], "query_weights": None, "query_max_length": None}
+    if kinds == ["Router"]:
+        return _read_inference_free(directory, found)
     if "SpladePooling" not in kinds:
         return None
-    found = {"model_dir": directory, "pooling": "max", "activation": "relu", "max_length": None,
-             "prompts": _prompts(directory)["prompts"]}
     for module, kind in zip(modules, kinds):
-        folder = os.path.join(directory, module.get("path", ""))
-        if kind in ("MLMTransformer", "Transformer"):  # sentence-transformers 5; 6 (transformer_task "fill-mask")
-            found["model_dir"] = folder
-            found["max_length"] = configured_max_length(directory, folder)
-        elif kind == "SpladePooling":
-            config = {}
-            if os.path.isfile(os.path.join(folder, "config.json")):
-                with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
-                    config = json.load(f)
-            found["pooling"] = config.get("pooling_strategy", "max")
-            found["activation"] = config.get("activation_function", "relu")
-        else:
-            raise ValueError(f"{directory}: its module {module.get('type')!r} has no kbert equivalent; "
-                             f"kbert.SparseEncoder reads SPLADE dirs of MLMTransformer and SpladePooling")
+        _read_sparse_module(directory, os.path.join(directory, module.get("path", "")), kind, module.get("type"),
+                            found)
+    return found
+
+
+def _read_sparse_module(directory: str, folder: str, kind: str, full_type, found: dict) -> None:
+    if kind in ("MLMTransformer", "Transformer"):  # sentence-transformers 5; 6 (transformer_task "fill-mask")
+        found["model_dir"] = folder
+        found["max_length"] = configured_max_length(directory, folder)
+    elif kind == "SpladePooling":
+        config = {}
+        if os.path.isfile(os.path.join(folder, "config.json")):
+            with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
+                config = json.load(f)
+        found["pooling"] = config.get("pooling_strategy", "max")
+        found["activation"] = config.get("activation_function", "relu")
+    else:
+        raise ValueError(f"{directory}: its module {full_type!r} has no kbert equivalent; kbert.SparseEncoder reads "
+                         f"SPLADE dirs of MLMTransformer and SpladePooling (an inference-free Router: "
+                         f"SparseStaticEmbedding for queries)")
+
+
+def _read_inference_free(directory: str, found: dict):
+    """An inference-free SPLADE dir (sentence-transformers' `Router.for_query_document`): documents through a
+    masked-LM transformer and SpladePooling, queries through SparseStaticEmbedding (a weight per vocabulary token,
+    given to each token the query holds: no model runs for a query). None for a Router of something else."""
+    import numpy as np
+
+    with open(os.path.join(directory, "router_config.json"), encoding="utf-8") as f:
+        config = json.load(f)
+    types = config.get("types", {})
+    structure = config.get("structure", {})
+    query, document = structure.get("query") or [], structure.get("document") or []
+    kinds = {name: types.get(name, "").rsplit(".", 1)[-1] for name in query + document}
+    if "SpladePooling" not in [kinds[n] for n in document]:
+        return None
+    if [kinds[n] for n in query] != ["SparseStaticEmbedding"]:
+        raise ValueError(f"{directory}: a Router whose query route is {[kinds[n] for n in query]}; kbert reads "
+                         f"inference-free SPLADE (SparseStaticEmbedding for queries, SPLADE for documents)")
+    for name in document:
+        _read_sparse_module(directory, os.path.join(directory, name), kinds[name], types.get(name), found)
+    folder = os.path.join(directory, query[0])
+    found["query_weights"] = np.asarray(module_weights(folder)["weight"], np.float32)  # [vocab]
+    found["query_max_length"] = configured_max_length(folder, folder)
     return found
 
 

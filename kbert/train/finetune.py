@@ -410,7 +410,12 @@ def _load(config: FinetuneConfig, task):
     meta = read_task_meta(model_dir)
     if task.sparse:  # SPLADE: a masked-LM dir, or a SparseEncoder dir (its transformer's folder)
         st = None
-        weights_dir = (read_sparse_encoder(model_dir) or {"model_dir": model_dir})["model_dir"]
+        found = read_sparse_encoder(model_dir) or {"model_dir": model_dir}
+        if found.get("query_weights") is not None:
+            raise ValueError(f"{model_dir} is an inference-free SPLADE model (its queries read a weight table, not the "
+                             f"model); sparse-embedding fine-tuning trains SPLADE on both sides and would drop that "
+                             f"table: start from its document model, {found['model_dir']}")
+        weights_dir = found["model_dir"]
     else:
         st = None if meta else read_sentence_transformers(model_dir)
         weights_dir = st["model_dir"] if st else model_dir  # a sentence-transformers dir: its transformer's folder
