@@ -814,7 +814,7 @@ def _evaluate(args):
     from kbert.data.rows import number, read_rows, text_cell
     from kbert.embed import evaluation
     from kbert.embed.embedder import Embedder
-    from kbert.embed.sparse import SparseEncoder, is_sparse_dir
+    from kbert.models.st_dir import is_sparse_dir
 
     label = None if args.task == "retrieval" else args.label_column
     if args.lexical and args.task != "retrieval":
@@ -828,7 +828,12 @@ def _evaluate(args):
         raise ValueError(f"{args.data} holds no rows")
     first = [text_cell(r, args.text_column, f"row {i + 1}") for i, r in enumerate(rows)]
     second = [text_cell(r, args.pair_column, f"row {i + 1}") for i, r in enumerate(rows)]
-    emb = (SparseEncoder if sparse else Embedder).load(args.model, max_length=args.max_length)
+    if sparse:
+        from kbert.embed.sparse import SparseEncoder
+
+        emb = SparseEncoder.load(args.model, max_length=args.max_length)
+    else:
+        emb = Embedder.load(args.model, max_length=args.max_length)
     # both texts of a pair with the named prompt; retrieval gives queries and documents the model's own
     options = {"batch_size": args.batch_size, **({"prompt_name": args.prompt_name} if args.prompt_name else {})}
     if args.max_active_dims is not None:

@@ -27,6 +27,7 @@ the dot-product correlations; pair classification scores by dot product unless `
 
 from __future__ import annotations
 
+import sys
 from typing import Dict, Iterable, Optional, Sequence
 
 import numpy as np
@@ -39,17 +40,21 @@ def _embedder(model):
     """`model` as an `Embedder` or, for a SPLADE model (a `SparseEncoder`, a sentence-transformers SparseEncoder
     dir), a `SparseEncoder`."""
     from kbert.embed.embedder import Embedder
-    from kbert.embed.sparse import SparseEncoder, is_sparse_dir
+    from kbert.models.st_dir import is_sparse_dir
 
-    if isinstance(model, (Embedder, SparseEncoder)):
+    if isinstance(model, Embedder) or _is_sparse(model):
         return model
-    return SparseEncoder.load(model) if is_sparse_dir(model) else Embedder.load(model)
+    if is_sparse_dir(model):
+        from kbert.embed.sparse import SparseEncoder
+
+        return SparseEncoder.load(model)
+    return Embedder.load(model)
 
 
 def _is_sparse(model) -> bool:
-    from kbert.embed.sparse import SparseEncoder
-
-    return isinstance(model, SparseEncoder)
+    # without importing kbert.embed.sparse, which needs Keras: a static model evaluates on a host without it
+    module = sys.modules.get("kbert.embed.sparse")
+    return module is not None and isinstance(model, module.SparseEncoder)
 
 
 def _ks(values, name) -> list:

@@ -75,6 +75,10 @@ LEXICAL_MATRIX = "lexical.npz"  # with lexical=True: the texts' character n-gram
 LEXICAL_VOCABULARY = "lexical_vocabulary.json"  # ... the n-grams' columns and their IDF: the vectorizer,
 LEXICAL_IDF = "lexical_idf.npy"  # rebuilt from data on load rather than unpickled
 DELETED = "deleted.npy"  # positions of deleted texts (int64), skipped by every search
+SPARSE_VECTORS = "vectors.npz"  # a kbert.SparseIndex's vectors (scipy CSR) where a SearchIndex has INDEX_FILE
+# every file an index dir may hold, removed before a build overwrites it
+INDEX_FILES = (MANIFEST, INDEX_FILE, SPARSE_VECTORS, RECORDS, OFFSETS, LEXICAL_MATRIX, LEXICAL_VOCABULARY,
+               LEXICAL_IDF, DELETED)
 # A filtered search on an approximate index scores the allowed vectors exactly when there are at most this many:
 # HNSW's and IVF's beams, sized for the whole collection, find too few neighbours among a small allowed subset.
 EXACT_FILTERED = 20_000
@@ -112,14 +116,43 @@ def _faiss():
 def _embedder(model):
     from kbert.embed.embedder import Embedder
 
-    if isinstance(model, Embedder):
+    return loaded_model(model, Embedder, "a model dir")
+
+
+def loaded_model(model, cls, what: str):
+    """(`model` as a `cls`, loaded with `cls.load` from a dir or Hub name; the name an index records for it: a
+    local dir's absolute path, since the index may be loaded from another working dir, a Hub name, or None for a
+    model given in memory). `what` names the dirs `cls` reads, for the error on anything else."""
+    if isinstance(model, cls):
         return model, None
     if not isinstance(model, (str, os.PathLike)):
-        raise TypeError(f"`model` must be a model dir, a Hugging Face Hub name or a kbert.Embedder. "
+        raise TypeError(f"`model` must be {what}, a Hugging Face Hub name or a kbert.{cls.__name__}. "
                         f"Received: {type(model).__name__}")
     model = os.fspath(model)
-    # a local dir is recorded by its absolute path (the index may be loaded from another working dir)
-    return Embedder.load(model), os.path.abspath(model) if os.path.exists(model) else model
+    return cls.load(model), os.path.abspath(model) if os.path.exists(model) else model
+
+
+def read_manifest(index_dir: str) -> dict:
+    """The index's `kbert_index.json`; a dir without one is a FileNotFoundError that says whether a build there is
+    unfinished."""
+    if not manifest_exists(index_dir):
+        hint = " (an unfinished build: run it again to resume)" if os.path.isdir(
+            os.path.join(index_dir, CHUNKS)) else ""
+        raise FileNotFoundError(f"{index_dir} holds no kbert index ({MANIFEST} missing){hint}")
+    with open(os.path.join(index_dir, MANIFEST), encoding="utf-8") as f:
+        return json.load(f)
+
+
+def clear_index(out_dir: str, overwrite: bool, kind: str) -> None:
+    """Before a build into `out_dir`: an index already there is an error, or with `overwrite` its files go."""
+    if not manifest_exists(out_dir):
+        return
+    if not overwrite:
+        raise FileExistsError(f"{out_dir} already holds an index; pass overwrite=True (--overwrite) to replace it, "
+                              f"or {kind}.load(...).add(...) to extend it")
+    for name in INDEX_FILES:
+        if os.path.exists(os.path.join(out_dir, name)):
+            os.remove(os.path.join(out_dir, name))
 
 
 def positive_int(value, name):
@@ -608,14 +641,7 @@ class SearchIndex(TextCollection):
             positive_int(nlist, "nlist")
         if isinstance(texts, (str, bytes)):
             raise TypeError("`texts` must be a collection of texts, not one string")
-        if manifest_exists(out_dir):
-            if not overwrite:
-                raise FileExistsError(f"{out_dir} already holds an index; pass overwrite=True (--overwrite) to "
-                                      f"replace it, or SearchIndex.load(...).add(...) to extend it")
-            for name in (MANIFEST, INDEX_FILE, RECORDS, OFFSETS, LEXICAL_MATRIX, LEXICAL_VOCABULARY, LEXICAL_IDF,
-                         DELETED):
-                if os.path.exists(os.path.join(out_dir, name)):
-                    os.remove(os.path.join(out_dir, name))
+        clear_index(out_dir, overwrite, "SearchIndex")
         emb, model_name = _embedder(model)
         pooling, layers = emb.resolve_pooling(pooling, layers)
         settings = {"pooling": pooling, "layers": layers, "max_length": max_length, "truncate_dim": truncate_dim,
@@ -709,12 +735,7 @@ class SearchIndex(TextCollection):
         """The index in `index_dir`. Text queries are encoded by `model` (a dir, Hub name or Embedder) or, by
         default, by the model recorded at build time (loaded at the first text query)."""
         faiss = _faiss()
-        if not manifest_exists(index_dir):
-            hint = " (an unfinished build: run it again to resume)" if os.path.isdir(
-                os.path.join(index_dir, CHUNKS)) else ""
-            raise FileNotFoundError(f"{index_dir} holds no kbert index ({MANIFEST} missing){hint}")
-        with open(os.path.join(index_dir, MANIFEST), encoding="utf-8") as f:
-            info = json.load(f)
+        info = read_manifest(index_dir)
         if info.get("type") == "sparse":
             raise ValueError(f"{index_dir} is a sparse index of SPLADE vectors: load it with kbert.SparseIndex.load "
                              f"(kbert.embed.index.open_index reads either kind)")

@@ -132,8 +132,7 @@ class SparseEncoder:
 
         if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
             raise ValueError(f"`batch_size` must be an int >= 1. Received: batch_size={batch_size!r}")
-        if max_active_dims is not None and (not isinstance(max_active_dims, int) or max_active_dims < 1):
-            raise ValueError(f"`max_active_dims` must be an int >= 1 or None. Received: {max_active_dims!r}")
+        _check_dims(max_active_dims)
         items = str_list(texts)
         prefix = self._prompt(prompt_name, prompt)
         if prefix:
@@ -178,8 +177,7 @@ class SparseEncoder:
         from scipy.sparse import csr_matrix
 
         del batch_size, progress  # no batches: a lookup per token
-        if max_active_dims is not None and (not isinstance(max_active_dims, int) or max_active_dims < 1):
-            raise ValueError(f"`max_active_dims` must be an int >= 1 or None. Received: {max_active_dims!r}")
+        _check_dims(max_active_dims)
         items = str_list(texts)
         prefix = self._prompt(prompt_name, prompt)
         rows, cols, values = [], [], []
@@ -306,13 +304,9 @@ class SparseEncoder:
                              f"{self.vocab_size}")
 
 
-def is_sparse_dir(model) -> bool:
-    """Whether `model` (a path) is a sentence-transformers SparseEncoder dir of SPLADE, which `SparseEncoder.load`
-    reads and `Embedder.load` refuses. A masked-LM dir is read as SPLADE only when asked (`SparseEncoder.load`)."""
-    from kbert.models.locate import model_dir_of
-    from kbert.models.st_dir import read_sparse_encoder
-
-    return isinstance(model, str) and os.path.isdir(model) and read_sparse_encoder(model_dir_of(model)) is not None
+def _check_dims(max_active_dims) -> None:
+    if max_active_dims is not None and (not isinstance(max_active_dims, int) or max_active_dims < 1):
+        raise ValueError(f"`max_active_dims` must be an int >= 1 or None. Received: {max_active_dims!r}")
 
 
 def save_vectors(path: str, parts, vocab_size: int) -> str:

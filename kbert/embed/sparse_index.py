@@ -35,28 +35,20 @@ from typing import Iterable, Optional, Sequence
 import numpy as np
 
 from kbert.data.features import text_list
-from kbert.embed.index import (CHUNKS, DELETED, FORMAT, GROUP_DEPTH, INDEX_FILE, LEXICAL_IDF, LEXICAL_MATRIX,
-                               LEXICAL_VOCABULARY, MANIFEST, OFFSETS, PROBE_MIN_COSINE, PROBE_TEXT, RECORDS, Records,
-                               TextCollection, best_of_groups, encode_chunks, manifest_exists, positive_int,
-                               write_atomic, write_json, write_records)
+from kbert.embed.index import (CHUNKS, FORMAT, GROUP_DEPTH, MANIFEST, PROBE_MIN_COSINE, PROBE_TEXT, SPARSE_VECTORS,
+                               Records, TextCollection, best_of_groups, clear_index, encode_chunks, loaded_model,
+                               manifest_exists, positive_int, read_manifest, write_atomic, write_json, write_records)
 
-VECTORS = "vectors.npz"
+VECTORS = SPARSE_VECTORS
 KIND = "sparse"  # the manifest's "type" (a dense SearchIndex's manifest has none)
 # query rows scored at once: their scores are as many sparse rows as the documents they touch
 QUERY_BLOCK = 256
 
 
 def _encoder(model):
-    """(a SparseEncoder, the name recorded for it: a local dir's absolute path, a Hub name, or None)."""
     from kbert.embed.sparse import SparseEncoder
 
-    if isinstance(model, SparseEncoder):
-        return model, None
-    if not isinstance(model, (str, os.PathLike)):
-        raise TypeError(f"`model` must be a SPLADE model dir, a Hugging Face Hub name or a kbert.SparseEncoder. "
-                        f"Received: {type(model).__name__}")
-    model = os.fspath(model)
-    return SparseEncoder.load(model), os.path.abspath(model) if os.path.exists(model) else model
+    return loaded_model(model, SparseEncoder, "a SPLADE model dir")
 
 
 def _save_csr(path: str, matrix) -> None:
@@ -81,12 +73,7 @@ def _cosine(a: dict, b: dict) -> float:
 
 def is_sparse_index(index_dir: str) -> bool:
     """Whether `index_dir` holds a finished SparseIndex (rather than a dense SearchIndex)."""
-    import json
-
-    if not manifest_exists(index_dir):
-        return False
-    with open(os.path.join(index_dir, MANIFEST), encoding="utf-8") as f:
-        return json.load(f).get("type") == KIND
+    return manifest_exists(index_dir) and read_manifest(index_dir).get("type") == KIND
 
 
 class SparseIndex(TextCollection):
@@ -126,14 +113,7 @@ class SparseIndex(TextCollection):
                 positive_int(value, name)
         if isinstance(texts, (str, bytes)):
             raise TypeError("`texts` must be a collection of texts, not one string")
-        if manifest_exists(out_dir):
-            if not overwrite:
-                raise FileExistsError(f"{out_dir} already holds an index; pass overwrite=True (--overwrite) to "
-                                      f"replace it, or SparseIndex.load(...).add(...) to extend it")
-            for name in (MANIFEST, VECTORS, INDEX_FILE, RECORDS, OFFSETS, DELETED, LEXICAL_MATRIX,
-                         LEXICAL_VOCABULARY, LEXICAL_IDF):
-                if os.path.exists(os.path.join(out_dir, name)):
-                    os.remove(os.path.join(out_dir, name))
+        clear_index(out_dir, overwrite, "SparseIndex")
         encoder, model_name = _encoder(model)
         identity = {"type": KIND, "model": model_name, "max_active_dims": max_active_dims,
                     "chunk_size": chunk_size, "ids": "given" if ids is not None else "positions"}
@@ -158,16 +138,9 @@ class SparseIndex(TextCollection):
     def load(cls, index_dir: str, model=None) -> "SparseIndex":
         """The index in `index_dir`. Text queries are encoded by `model` (a dir, Hub name or SparseEncoder) or,
         by default, by the model recorded at build time (loaded at the first text query)."""
-        import json
-
         from scipy.sparse import load_npz
 
-        if not manifest_exists(index_dir):
-            hint = " (an unfinished build: run it again to resume)" if os.path.isdir(
-                os.path.join(index_dir, CHUNKS)) else ""
-            raise FileNotFoundError(f"{index_dir} holds no kbert index ({MANIFEST} missing){hint}")
-        with open(os.path.join(index_dir, MANIFEST), encoding="utf-8") as f:
-            info = json.load(f)
+        info = read_manifest(index_dir)
         if info.get("type") != KIND:
             raise ValueError(f"{index_dir} is a dense index (kbert.SearchIndex), not a sparse one")
         if info.get("format") != FORMAT:

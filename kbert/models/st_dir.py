@@ -124,15 +124,21 @@ def read_sparse_encoder(directory: str):
     return found
 
 
+def is_sparse_dir(model) -> bool:
+    """Whether `model` (a path) is a sentence-transformers SparseEncoder dir of SPLADE, which `kbert.SparseEncoder`
+    reads and `Embedder.load` refuses (a masked-LM dir is read as SPLADE only when asked). Needs no Keras, as the
+    static models' paths that call it."""
+    from kbert.models.locate import model_dir_of
+
+    return isinstance(model, str) and os.path.isdir(model) and read_sparse_encoder(model_dir_of(model)) is not None
+
+
 def _read_sparse_module(directory: str, folder: str, kind: str, full_type, found: dict) -> None:
     if kind in ("MLMTransformer", "Transformer"):  # sentence-transformers 5; 6 (transformer_task "fill-mask")
         found["model_dir"] = folder
         found["max_length"] = configured_max_length(directory, folder)
     elif kind == "SpladePooling":
-        config = {}
-        if os.path.isfile(os.path.join(folder, "config.json")):
-            with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
-                config = json.load(f)
+        config = module_config(folder)
         found["pooling"] = config.get("pooling_strategy", "max")
         found["activation"] = config.get("activation_function", "relu")
     else:
@@ -189,6 +195,15 @@ def write_sparse_encoder(directory: str, pooling: str = "max", activation: str =
             f.write("\n")
 
 
+def module_config(folder: str) -> dict:
+    """A sentence-transformers module's `config.json` ({} when it has none)."""
+    path = os.path.join(folder, "config.json")
+    if not os.path.isfile(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
 def module_weights(folder: str) -> dict:
     """A sentence-transformers module's tensors: its model.safetensors, else its pytorch_model.bin (read
     without torch)."""
@@ -214,10 +229,7 @@ def read_static(folder: str) -> dict:
     if table is None:
         raise ValueError(f"{folder}: a static model's weights hold no 'embeddings' or 'embedding.weight' table "
                          f"(found {sorted(tensors)})")
-    config = {}
-    if os.path.isfile(os.path.join(folder, "config.json")):
-        with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
-            config = json.load(f)
+    config = module_config(folder)
     weights, mapping = tensors.get("weights"), tensors.get("mapping")
     return {"vectors": np.asarray(table, np.float32),
             "weights": None if weights is None else np.asarray(weights, np.float32),
