@@ -16,7 +16,9 @@ Routes (JSON in and out; errors are `{"error": {"message", "type", "code"}}` wit
                           "model", "usage": {"prompt_tokens", "total_tokens"}}
     POST /v1/similarity   {"source_sentence": str, "sentences": [str]} -> {"similarities": [cosine, ...]}
     POST /v1/sparse-embeddings   SPLADE dirs (`kbert finetune --task sparse-embedding`, a sentence-transformers
-                          SparseEncoder): {"input": str | [str], "max_active_dims"?: int, "return_tokens"?: bool}
+                          SparseEncoder): {"input": str | [str], "max_active_dims"?: int, "return_tokens"?: bool,
+                          "input_type"?: "document" (default) | "query" (the model's query prompt; an
+                          inference-free model's weight table)}
                           -> {"data": [{"object": "sparse_embedding", "index", "indices": [token ids], "values":
                           [weights], "tokens"?: [...]}]}, heaviest first, as an inverted index takes them
     POST /v1/classify     task dirs (`kbert finetune` output, a Hugging Face classifier): {"input": str | [str],
@@ -351,7 +353,10 @@ class Engine:
                                         long_texts=options.get("long_texts", "truncate"), batch_size=self.batch_size,
                                         progress=False)
         if kind == "sparse":  # each text's (token ids, weights), heaviest first
-            vectors = self.sparse.encode(texts, batch_size=self.batch_size, **options)
+            options = dict(options)
+            side = options.pop("input_type", None)  # a query: the model's query prompt, or its weight table
+            encode = self.sparse.encode_query if side == "query" else self.sparse.encode_document
+            vectors = encode(texts, batch_size=self.batch_size, **options)
             return [(ids.tolist(), values.tolist()) for ids, values in self.sparse.weights(vectors)]
         if kind == "query":  # /v1/search: the index's query prompt and encode settings
             return self.search_index.encode_queries(texts, batch_size=self.batch_size)
@@ -555,6 +560,9 @@ def build_app(model: str, max_batch_tokens: int = 8192, max_wait_ms: float = 5.0
         tokens = data.get("return_tokens", False)
         if not isinstance(tokens, bool):
             raise HTTPError(400, "`return_tokens` must be true or false")
+        if data.get("input_type", "document") not in ("query", "document"):
+            raise HTTPError(400, "`input_type` must be \"query\" or \"document\"")
+        options["input_type"] = data.get("input_type", "document")
         rows = await engine.run("sparse", texts, options, timeout=timeout_s, ticket=ticket)
         engine.metrics.texts.labels("/v1/sparse-embeddings").inc(len(texts))
         used = sum(engine.cost(t) for t in texts)

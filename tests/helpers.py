@@ -73,6 +73,29 @@ def hf_masked_lm_dir(tmp_path, texts, architecture="bert"):
     return str(out), hf, tok
 
 
+def inference_free_splade_dir(tmp_path, texts):
+    """sentence-transformers' inference-free SPLADE (Router.for_query_document: SparseStaticEmbedding for queries,
+    a masked-LM transformer + SpladePooling for documents), saved; and it."""
+    import torch
+    from sentence_transformers import SparseEncoder
+    from sentence_transformers.models import Router
+    from sentence_transformers.sparse_encoder.models import MLMTransformer, SparseStaticEmbedding, SpladePooling
+
+    path, _, tok = hf_masked_lm_dir(tmp_path, texts)
+    tok.save_pretrained(path)
+    mlm = MLMTransformer(path)
+    torch.manual_seed(0)
+    weights = torch.rand(len(mlm.tokenizer.get_vocab())) * 3.0
+    weights[weights < 0.6] = 0.0  # tokens a query keeps no weight for
+    static = SparseStaticEmbedding(tokenizer=mlm.tokenizer, weight=weights)
+    st = SparseEncoder(modules=[Router.for_query_document(query_modules=[static],
+                                                          document_modules=[mlm, SpladePooling("max")])],
+                       similarity_fn_name="dot")
+    out = str(tmp_path / "inference-free")
+    st.save(out)
+    return out, st
+
+
 def tiny_embedding_model(path: str, max_position: int = 64) -> str:
     """Saves at `path` a random bert-tiny 32 wide (2 heads) with a 1,500-piece vocabulary learned on konlpy's
     kolaw and kobill, the same weights every call; returns `path`."""

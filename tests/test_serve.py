@@ -620,3 +620,18 @@ def test_a_splade_model_serves_sparse_vectors(tmp_path):
             np.testing.assert_allclose([h["score"] for h in row["hits"]], [h.score for h in hits], rtol=1e-5)
         r = client.post("/v1/search", json={"query": TEXTS[0], "nprobe": 4})
         assert r.status_code == 400 and "settings of a dense index" in r.json()["error"]["message"]
+
+    # an inference-free model: "input_type": "query" reads its weight table, documents go through the model
+    from helpers import inference_free_splade_dir
+
+    (tmp_path / "free").mkdir()
+    free_dir, _ = inference_free_splade_dir(tmp_path / "free", TEXTS)
+    free = kbert.SparseEncoder.load(free_dir)
+    with Running(build_app(free_dir)) as srv, httpx.Client(base_url=srv.url, timeout=60) as client:
+        for side, want in (("query", free.encode_query(TEXTS[:2])), ("document", free.encode_document(TEXTS[:2]))):
+            r = client.post("/v1/sparse-embeddings", json={"input": TEXTS[:2], "input_type": side})
+            assert r.status_code == 200, r.text
+            for row, (ids, values) in zip(r.json()["data"], free.weights(want)):
+                assert row["indices"] == ids.tolist()
+                np.testing.assert_allclose(row["values"], values, rtol=1e-5, atol=1e-6)
+        assert client.post("/v1/sparse-embeddings", json={"input": "x", "input_type": "q"}).status_code == 400

@@ -9,7 +9,7 @@ import os
 import numpy as np
 import pytest
 
-from helpers import hf_masked_lm_dir, needs_shared, run_on_jax
+from helpers import hf_masked_lm_dir, inference_free_splade_dir, needs_shared, run_on_jax
 
 TEXTS = ["서울은 한국의 수도이다.", "나는 오늘 학교에 간다.", "이 영화 정말 재밌다", "국회는 법률을 만든다.",
          "서울의 국회는 오늘 법률을 만든다 재밌다 정말 학교"]
@@ -250,29 +250,6 @@ def test_cli_evaluate_sparse(tmp_path, capsys):
     assert "--max-active-dims goes with a SPLADE model" in capsys.readouterr().err
 
 
-def _inference_free_dir(tmp_path):
-    """sentence-transformers' inference-free SPLADE (Router.for_query_document: SparseStaticEmbedding for queries,
-    a masked-LM transformer + SpladePooling for documents), saved; and it."""
-    import torch
-    from sentence_transformers import SparseEncoder
-    from sentence_transformers.models import Router
-    from sentence_transformers.sparse_encoder.models import MLMTransformer, SparseStaticEmbedding, SpladePooling
-
-    path, _, tok = hf_masked_lm_dir(tmp_path, TEXTS)
-    tok.save_pretrained(path)
-    mlm = MLMTransformer(path)
-    torch.manual_seed(0)
-    weights = torch.rand(len(mlm.tokenizer.get_vocab())) * 3.0
-    weights[weights < 0.6] = 0.0  # tokens a query keeps no weight for
-    static = SparseStaticEmbedding(tokenizer=mlm.tokenizer, weight=weights)
-    st = SparseEncoder(modules=[Router.for_query_document(query_modules=[static],
-                                                          document_modules=[mlm, SpladePooling("max")])],
-                       similarity_fn_name="dot")
-    out = str(tmp_path / "inference-free")
-    st.save(out)
-    return out, st
-
-
 def test_inference_free_splade_matches_sentence_transformers(tmp_path):
     """Queries by the static weights of their tokens (no model), documents through SPLADE: sentence-transformers'
     vectors on both sides, its retrieval figures, and a SparseIndex over it; a dense Embedder refuses it by name."""
@@ -280,7 +257,7 @@ def test_inference_free_splade_matches_sentence_transformers(tmp_path):
 
     import kbert
 
-    path, st = _inference_free_dir(tmp_path)
+    path, st = inference_free_splade_dir(tmp_path, TEXTS)
     enc = kbert.SparseEncoder.load(path)
     assert enc.query_weights is not None and enc.query_weights.shape == (enc.vocab_size,)
     queries = list(QUERIES.values())
