@@ -399,6 +399,8 @@ def _embed(args):
     from kbert.embed.embedder import Embedder
     from kbert.utils import progress_bar
 
+    if args.query and not args.sparse:
+        raise ValueError("--query goes with --sparse (a dense model takes --prompt-name query)")
     if args.sparse:
         return _embed_sparse(args)
     if args.format == "npz" or args.max_active_dims is not None:
@@ -494,7 +496,7 @@ def _embed_sparse(args):
         chunk = list(itertools.islice(lines, args.chunk))
         if not chunk:
             break
-        vectors = enc.encode(chunk, **options)
+        vectors = (enc.encode_query if args.query else enc.encode)(chunk, **options)
         if args.format == "npz":
             parts.append(vectors)
         else:
@@ -937,9 +939,9 @@ def _index_build_sparse(args):
 
 
 def _index_add(args):
-    from kbert.embed.index import open_index
+    from kbert.embed.sparse_index import load_index
 
-    index = open_index(args.index, model=args.model)
+    index = load_index(args.index, model=args.model)
     texts, ids, metadata = _index_source(args)
     if args.passages and ids is None:  # documents numbered on from those the index holds
         known = [index.get(p).metadata.get("document") for p in range(len(index) + len(index.deleted))]
@@ -967,9 +969,9 @@ def _where(conditions):
 
 
 def _index_search(args):
-    from kbert.embed.index import open_index
+    from kbert.embed.sparse_index import load_index
 
-    index = open_index(args.index, model=args.model)
+    index = load_index(args.index, model=args.model)
     reranker = None
     if args.reranker:
         from kbert.embed.task_model import TaskModel
@@ -985,9 +987,9 @@ def _index_search(args):
 
 
 def _index_delete(args):
-    from kbert.embed.index import open_index
+    from kbert.embed.sparse_index import load_index
 
-    index = open_index(args.index)
+    index = load_index(args.index)
     if bool(args.ids) == bool(args.where):
         raise ValueError("give --ids or --where (not both)")
     if args.ids:
@@ -1001,9 +1003,9 @@ def _index_delete(args):
 def _index_info(args):
     import json
 
-    from kbert.embed.index import open_index
+    from kbert.embed.sparse_index import load_index
 
-    index = open_index(args.index)
+    index = load_index(args.index)
     info = {k: v for k, v in index.info.items() if k != "probe"}
     print(json.dumps(info, ensure_ascii=False, indent=1))
 
@@ -1166,6 +1168,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="SPLADE sparse vectors (kbert.SparseEncoder: a model with its masked-LM head or a "
                         "sentence-transformers SparseEncoder dir): each line's tokens and weights")
     p.add_argument("--max-active-dims", type=int, help="with --sparse: keep each vector's N heaviest tokens")
+    p.add_argument("--query", action="store_true",
+                   help="with --sparse: encode the lines as queries (the model's query prompt; an inference-free "
+                        "model's weight table)")
     p.add_argument("--unit", choices=("eojeol", "morpheme", "subword"), default="eojeol", help="with --words")
     p.add_argument("--format", choices=("jsonl", "npy", "npz"), default="jsonl",
                    help="npy: dense vectors as one array; npz: --sparse vectors as one scipy.sparse CSR matrix")

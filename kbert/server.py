@@ -163,10 +163,10 @@ class Engine:
             if self.embedder is None and self.sparse is None:
                 raise ValueError(f"{self.model_dir} is a classifier's ONNX graph, which gives no sentence vectors: "
                                  f"serve --index with the model that built the index")
-            from kbert.embed.index import open_index
+            from kbert.embed.sparse_index import load_index
 
             # a SPLADE model serves a kbert.SparseIndex, a dense one a SearchIndex; each checks the probe vector
-            self.search_index = open_index(index, model=self.embedder if self.embedder is not None else self.sparse)
+            self.search_index = load_index(index, model=self.embedder if self.embedder is not None else self.sparse)
         if self.embedder is not None:  # XLA for sentence vectors, new batch shapes compiled off the request path
             self.embedder.jit_compile = "background" if jit_compile else False
         # a static model may keep every token

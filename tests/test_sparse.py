@@ -281,6 +281,16 @@ def test_inference_free_splade_matches_sentence_transformers(tmp_path):
         assert [h.id for h in found] == [j for j in np.argsort(-row, kind="stable")[:3] if row[j] > 0]
     with pytest.raises(ValueError, match="load it with kbert.SparseEncoder.load"):
         kbert.Embedder.load(path)
+    from kbert.cli import main  # kbert embed --sparse --query: the queries' table lookups
+
+    lines = tmp_path / "q.txt"
+    lines.write_text("\n".join(queries) + "\n", encoding="utf-8")
+    assert main(["embed", "--model", path, "--sparse", "--query", "--input", str(lines), "--format", "npz",
+                 "--out", str(tmp_path / "q")]) == 0
+    import scipy.sparse
+
+    np.testing.assert_allclose(scipy.sparse.load_npz(str(tmp_path / "q.npz")).toarray(),
+                               enc.encode_query(queries).toarray())
     rows = [{"a": TEXTS[i], "b": TEXTS[i + 1]} for i in range(4)]
     with pytest.raises(ValueError, match="is an inference-free SPLADE model .* start from its document model"):
         kbert.finetune(path, "sparse-embedding", rows, text_column="a", pair_column="b", label_column=None,

@@ -738,7 +738,7 @@ class SearchIndex(TextCollection):
         info = read_manifest(index_dir)
         if info.get("type") == "sparse":
             raise ValueError(f"{index_dir} is a sparse index of SPLADE vectors: load it with kbert.SparseIndex.load "
-                             f"(kbert.embed.index.open_index reads either kind)")
+                             f"(kbert.embed.sparse_index.load_index reads either kind)")
         if info.get("format") != FORMAT:
             raise ValueError(f"{index_dir}: index format {info.get('format')!r}, this kbert reads {FORMAT}")
         index = faiss.read_index(os.path.join(index_dir, INDEX_FILE))
@@ -1080,12 +1080,8 @@ def _training_sample(chunk_files: List[str], count: int, centroids: int) -> np.n
     return np.ascontiguousarray(np.concatenate(parts))
 
 
-def open_index(index_dir_or_index: Union[str, TextCollection], model=None) -> TextCollection:
-    """An index as given, or loaded from its dir: a `SearchIndex`, or a `kbert.SparseIndex` for a sparse one."""
-    if isinstance(index_dir_or_index, TextCollection):
+def open_index(index_dir_or_index: Union[str, SearchIndex], model=None) -> SearchIndex:
+    """A SearchIndex as given, or loaded from its dir (`kbert.embed.sparse_index.load_index` reads either kind)."""
+    if isinstance(index_dir_or_index, SearchIndex):
         return index_dir_or_index
-    from kbert.embed.sparse_index import SparseIndex, is_sparse_index
-
-    if is_sparse_index(index_dir_or_index):
-        return SparseIndex.load(index_dir_or_index, model=model)
     return SearchIndex.load(index_dir_or_index, model=model)

@@ -71,6 +71,16 @@ def _cosine(a: dict, b: dict) -> float:
     return float(dot / norms) if norms > 0 else float(x == y)
 
 
+def load_index(index_dir: str, model=None):
+    """The index in `index_dir`, whichever kind: a `kbert.SparseIndex` or a `kbert.SearchIndex` (`model`, when
+    given, encodes its queries). Here rather than in kbert.embed.index, which this module builds on."""
+    from kbert.embed.index import SearchIndex
+
+    if is_sparse_index(index_dir):
+        return SparseIndex.load(index_dir, model=model)
+    return SearchIndex.load(index_dir, model=model)
+
+
 def is_sparse_index(index_dir: str) -> bool:
     """Whether `index_dir` holds a finished SparseIndex (rather than a dense SearchIndex)."""
     return manifest_exists(index_dir) and read_manifest(index_dir).get("type") == KIND
