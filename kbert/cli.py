@@ -1462,8 +1462,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=1024, help="tokens run through the model at a time")
     p.set_defaults(func=_distill_static)
 
-    ip = sub.add_parser("index", help="a semantic-search index on disk (FAISS): build once over a collection "
-                                      "(resumable), add to it, search it")
+    ip = sub.add_parser("index", help="a semantic-search index on disk (dense vectors in FAISS, or SPLADE vectors "
+                                      "with --sparse): build once over a collection (resumable), add to it, search it")
     isub = ip.add_subparsers(dest="index_command", required=True)
     p = isub.add_parser("build", help="encode a collection and write a search index (Ctrl-C keeps the finished "
                                       "chunks; the same command resumes)")

@@ -143,6 +143,14 @@ def read_manifest(index_dir: str) -> dict:
         return json.load(f)
 
 
+def check_probe(cosine: float) -> None:
+    """A model whose vector of PROBE_TEXT is this far (cosine) from the builder's is another model: an error."""
+    if cosine < PROBE_MIN_COSINE:
+        raise ValueError(f"the model does not encode as the one that built this index did (cosine {cosine:.3f} on a "
+                         f"probe sentence, needs {PROBE_MIN_COSINE}): queries would be compared in another vector "
+                         f"space; load it with the model that built it")
+
+
 def clear_index(out_dir: str, overwrite: bool, kind: str) -> None:
     """Before a build into `out_dir`: an index already there is an error, or with `overwrite` its files go."""
     if not manifest_exists(out_dir):
@@ -450,6 +458,14 @@ class TextCollection:
     def __len__(self) -> int:
         """The texts searched: all added, less those deleted."""
         return self._total() - len(self.deleted)
+
+    def _load_recorded_model(self, what: str) -> None:
+        """`use_model` of the model recorded at build time (the first text query's), or an error saying how to
+        give one when the index was built from `what` in memory."""
+        if not self.info.get("model"):
+            raise ValueError(f"this index was built from {what} in memory: pass model= to {type(self).__name__}"
+                             f".load (or call use_model) to search it with texts, or search with vectors")
+        self.use_model(self.info["model"])
 
     def _read_deleted(self, index_dir: str) -> None:
         if self.info.get("deleted") and os.path.exists(os.path.join(index_dir, DELETED)):
@@ -762,10 +778,7 @@ class SearchIndex(TextCollection):
                 raise ValueError(f"the model gives {mine.shape[-1]}-wide vectors; this index holds {len(probe)}-wide "
                                  f"ones: load it with the model that built it")
             cosine = float(np.dot(mine, np.asarray(probe, np.float32)))
-            if cosine < PROBE_MIN_COSINE:
-                raise ValueError(f"the model does not encode as the one that built this index did (cosine {cosine:.3f} "
-                                 f"on a probe sentence, needs {PROBE_MIN_COSINE}): queries would be compared in "
-                                 f"another vector space; load it with the model that built it")
+            check_probe(cosine)
         elif emb.dimension != self.info["dimension"] and not self.info["settings"].get("truncate_dim"):
             raise ValueError(f"the model gives {emb.dimension}-wide vectors; this index holds "
                              f"{self.info['dimension']}-wide ones")
@@ -776,11 +789,7 @@ class SearchIndex(TextCollection):
     def embedder(self):
         """The Embedder that encodes text queries (loaded from the recorded model at first use)."""
         if self._embedder is None:
-            if not self.info.get("model"):
-                raise ValueError("this index was built from vectors or an Embedder in memory: pass "
-                                 "model= to SearchIndex.load (or call use_model) to search it with texts, or "
-                                 "search with vectors")
-            self.use_model(self.info["model"])
+            self._load_recorded_model("vectors or an Embedder")
         return self._embedder
 
     def save(self, out_dir: Optional[str] = None) -> str:

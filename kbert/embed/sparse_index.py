@@ -36,8 +36,9 @@ import numpy as np
 
 from kbert.data.features import text_list
 from kbert.embed.index import (CHUNKS, FORMAT, GROUP_DEPTH, MANIFEST, PROBE_MIN_COSINE, PROBE_TEXT, SPARSE_VECTORS,
-                               Records, TextCollection, best_of_groups, clear_index, encode_chunks, loaded_model,
-                               manifest_exists, positive_int, read_manifest, write_atomic, write_json, write_records)
+                               Records, TextCollection, best_of_groups, check_probe, clear_index, encode_chunks,
+                               loaded_model, manifest_exists, positive_int, read_manifest, write_atomic, write_json,
+                               write_records)
 
 VECTORS = SPARSE_VECTORS
 KIND = "sparse"  # the manifest's "type" (a dense SearchIndex's manifest has none)
@@ -172,10 +173,7 @@ class SparseIndex(TextCollection):
         if encoder.vocab_size != self.info["dimension"]:
             raise ValueError(f"the model's vectors are {encoder.vocab_size} wide (its vocabulary); this index holds "
                              f"{self.info['dimension']}-wide ones: load it with the model that built it")
-        cosine = _cosine(_probe(encoder), self.info["probe"])
-        if cosine < PROBE_MIN_COSINE:
-            raise ValueError(f"the model does not encode as the one that built this index did (cosine {cosine:.3f} "
-                             f"on a probe sentence, needs {PROBE_MIN_COSINE}): load it with the model that built it")
+        check_probe(_cosine(_probe(encoder), self.info["probe"]))
         self._encoder = encoder
         return self
 
@@ -183,10 +181,7 @@ class SparseIndex(TextCollection):
     def encoder(self):
         """The SparseEncoder that encodes text queries (loaded from the recorded model at first use)."""
         if self._encoder is None:
-            if not self.info.get("model"):
-                raise ValueError("this index was built with a SparseEncoder in memory: pass model= to "
-                                 "SparseIndex.load (or call use_model) to search it with texts")
-            self.use_model(self.info["model"])
+            self._load_recorded_model("a SparseEncoder")
         return self._encoder
 
     embedder = encoder  # the name SearchIndex's callers read (`kbert index add --passages` splits with it)
