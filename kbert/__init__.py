@@ -64,6 +64,7 @@ _EXPORTS = {
     "quantized_search": "kbert.embed.quantize",
     "SearchIndex": "kbert.embed.index",
     "SparseIndex": "kbert.embed.sparse_index",
+    "hybrid_search": "kbert.embed.hybrid",
     "split_passages": "kbert.embed.passages",
     "split_documents": "kbert.embed.passages",
     "evaluate_retrieval": "kbert.embed.evaluation",

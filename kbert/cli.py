@@ -978,9 +978,17 @@ def _index_search(args):
 
         reranker = TaskModel.load(args.reranker)
     queries = _numbered_lines(args.input)[1]
-    hits = index.search(queries, top_k=args.top_k, ef_search=args.ef_search, nprobe=args.nprobe, lexical=args.lexical,
-                        reranker=reranker, candidates=args.candidates, where=_where(args.where),
-                        group_by=args.group_by)
+    options = dict(top_k=args.top_k, reranker=reranker, candidates=args.candidates, where=_where(args.where),
+                   group_by=args.group_by)
+    if args.hybrid:
+        from kbert.embed.hybrid import hybrid_search
+
+        if args.ef_search or args.nprobe or args.lexical:
+            raise ValueError("--ef-search, --nprobe and --lexical are not taken with --hybrid")
+        hits = hybrid_search(index, load_index(args.hybrid), queries, weight=args.weight, fusion=args.fusion,
+                             **options)
+    else:
+        hits = index.search(queries, ef_search=args.ef_search, nprobe=args.nprobe, lexical=args.lexical, **options)
     _write_json_lines(({"query": q, "hits": [dict({"id": h.id, "score": round(h.score, 6), "text": h.text},
                                                   **({"metadata": h.metadata} if h.metadata else {}))
                                              for h in found]} for q, found in zip(queries, hits)), args.out)
@@ -1528,6 +1536,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lexical", type=float, default=0.0,
                    help="hybrid search (an index built with --lexical): (1 - W) x cosine + W x character n-gram "
                         "TF-IDF cosine (0.6 did best on this project's Korean question pairs); default 0")
+    p.add_argument("--hybrid", metavar="SPARSE_INDEX",
+                   help="a sparse (SPLADE) index of the same texts: one ranking fused from both (--index dense)")
+    p.add_argument("--weight", type=float, default=0.5, help="--hybrid: the sparse side's share, 0..1 (default 0.5)")
+    p.add_argument("--fusion", choices=["zscore", "rrf"], default="zscore",
+                   help="--hybrid: standardized scores added (default) or reciprocal ranks added")
     p.add_argument("--reranker", help="a cross-encoder dir that re-scores each query's first --candidates hits")
     p.add_argument("--candidates", type=int, default=100,
                    help="texts each part of a hybrid search proposes, and the reranker re-scores (default 100)")

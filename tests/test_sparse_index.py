@@ -174,3 +174,71 @@ def test_cli_sparse_index(model_dir, tmp_path, capsys):
     assert main(["index", "build", "--model", model_dir, "--input", str(lines), "--out", str(tmp_path / "x"),
                  "--sparse", "--kind", "hnsw"]) == 1
     assert "--kind hnsw goes with a dense index" in capsys.readouterr().err
+
+
+def test_hybrid_search_fuses_a_dense_and_a_sparse_index(model_dir, tmp_path):
+    """kbert.hybrid_search against the fusion computed by hand from Embedder and SparseEncoder vectors: z-scores
+    over every text (candidates >= the collection), reciprocal ranks of each side's list, filters, refusals."""
+    import kbert
+
+    meta = [{"doc": i // 2} for i in range(len(TEXTS))]
+    dense = kbert.SearchIndex.build(model_dir, TEXTS, str(tmp_path / "dense"), metadata=meta, progress=False)
+    sparse = kbert.SparseIndex.build(model_dir, TEXTS, str(tmp_path / "sparse"), metadata=meta, progress=False)
+    emb, enc = kbert.Embedder.load(model_dir), kbert.SparseEncoder.load(model_dir)
+    cosine = emb.encode(QUERIES, normalize=True) @ emb.encode(TEXTS, normalize=True).T
+    dot = (enc.encode_query(QUERIES) @ enc.encode_document(TEXTS).T).toarray()
+    z = lambda m: (m - m.mean(axis=1, keepdims=True)) / m.std(axis=1, keepdims=True)
+    n = len(TEXTS)
+    for weight in (0.3, 0.5, 1.0):
+        fused = (1 - weight) * z(cosine) + weight * z(dot)
+        got = kbert.hybrid_search(dense, sparse, QUERIES, top_k=n, weight=weight, candidates=n)
+        for q, hits in enumerate(got):
+            assert sorted(h.id for h in hits) == list(range(n))  # every text: the dense side proposes them all
+            assert all(h.text == TEXTS[h.id] and h.metadata == meta[h.id] for h in hits)
+            np.testing.assert_allclose([h.score for h in hits], fused[q][[h.id for h in hits]], atol=1e-4)
+            assert all(a.score >= b.score for a, b in zip(hits, hits[1:]))
+    # weight 0: the dense ranking alone
+    assert ([[h.id for h in hits] for hits in kbert.hybrid_search(dense, sparse, QUERIES, weight=0.0, top_k=4)]
+            == [[h.id for h in hits] for hits in dense.search(QUERIES, top_k=4)])
+
+    # reciprocal rank fusion over each side's first 3 (dirs work as well as loaded indexes)
+    got = kbert.hybrid_search(str(tmp_path / "dense"), str(tmp_path / "sparse"), QUERIES, fusion="rrf",
+                              candidates=3, top_k=3)
+    for q, hits in enumerate(got):
+        want = {}
+        for side in (dense.search(QUERIES[q], top_k=3), sparse.search(QUERIES[q], top_k=3)):
+            for rank, h in enumerate(side, 1):
+                want[h.id] = want.get(h.id, 0.0) + 1 / (60 + rank)
+        assert len(hits) == 3 and all(abs(h.score - want[h.id]) < 1e-9 for h in hits)
+        np.testing.assert_allclose([h.score for h in hits], sorted(want.values(), reverse=True)[:3], rtol=1e-9)
+
+    from kbert.cli import main
+
+    queries = tmp_path / "q.txt"
+    queries.write_text("\n".join(QUERIES) + "\n", encoding="utf-8")
+    out = tmp_path / "hits.jsonl"
+    assert main(["index", "search", "--index", str(tmp_path / "dense"), "--hybrid", str(tmp_path / "sparse"),
+                 "--fusion", "rrf", "--candidates", "3", "--top-k", "3", "--input", str(queries),
+                 "--out", str(out)]) == 0
+    rows = [json.loads(x) for x in out.read_text(encoding="utf-8").splitlines()]
+    assert [[h["id"] for h in r["hits"]] for r in rows] == [[h.id for h in hits] for hits in got]
+    assert main(["index", "search", "--index", str(tmp_path / "dense"), "--hybrid", str(tmp_path / "sparse"),
+                 "--lexical", "0.5", "--input", str(queries)]) == 1
+
+    hits = kbert.hybrid_search(dense, sparse, QUERIES[1], where={"doc": [1, 2]}, top_k=5)
+    assert hits and all(h.metadata["doc"] in (1, 2) for h in hits)
+    grouped = kbert.hybrid_search(dense, sparse, QUERIES[1], group_by="doc", top_k=3)
+    assert len(grouped) == 3 and len({h.metadata["doc"] for h in grouped}) == 3
+
+    with pytest.raises(TypeError, match="the dense side must be a kbert.SearchIndex"):
+        kbert.hybrid_search(sparse, dense, QUERIES)
+    with pytest.raises(ValueError, match="`fusion` must be one of"):
+        kbert.hybrid_search(dense, sparse, QUERIES, fusion="sum")
+    with pytest.raises(ValueError, match="`weight` must be a number in"):
+        kbert.hybrid_search(dense, sparse, QUERIES, weight=2)
+    fewer = kbert.SparseIndex.build(model_dir, TEXTS[:-1], str(tmp_path / "fewer"), progress=False)
+    with pytest.raises(ValueError, match="different collections"):
+        kbert.hybrid_search(dense, fewer, QUERIES)
+    shuffled = kbert.SparseIndex.build(model_dir, TEXTS[::-1], str(tmp_path / "shuffled"), progress=False)
+    with pytest.raises(ValueError, match="different texts under id"):
+        kbert.hybrid_search(dense, shuffled, QUERIES, candidates=2)

@@ -57,6 +57,14 @@ def _is_sparse(model) -> bool:
     return module is not None and isinstance(model, module.SparseEncoder)
 
 
+def _pair_sparsity(encoder, a, b) -> dict:
+    """`encoder.sparsity` over both sides' CSR vectors: sentence-transformers' sparse evaluators count the active
+    dimensions of every vector of the pairs together."""
+    from scipy.sparse import vstack  # scipy.sparse only where a SPLADE model is measured
+
+    return encoder.sparsity(vstack([a, b]))
+
+
 def _ks(values, name) -> list:
     values = [values] if isinstance(values, int) else list(values or [])
     if any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in values):
@@ -200,11 +208,9 @@ def evaluate_sts(model, sentences1: Sequence[str], sentences2: Sequence[str], sc
         a = emb.encode(sentences1, batch_size=batch_size, **encode_options)
         b = emb.encode(sentences2, batch_size=batch_size, **encode_options)
         cosine, dot = sparse_pair_scores(a, b, "cosine"), sparse_pair_scores(a, b, "dot")
-        from scipy.sparse import vstack
-
         return {"pearson": float(pearson(cosine, gold)), "spearman": float(spearman(cosine, gold)),
                 "pearson_dot": float(pearson(dot, gold)), "spearman_dot": float(spearman(dot, gold)),
-                **emb.sparsity(vstack([a, b])), "pairs": len(gold)}
+                **_pair_sparsity(emb, a, b), "pairs": len(gold)}
     options = dict(batch_size=batch_size, normalize=True, **encode_options)
     a = emb.encode(sentences1, **options)
     b = emb.encode(sentences2, **options)
@@ -248,11 +254,9 @@ def evaluate_pair_classification(model, sentences1: Sequence[str], sentences2: S
     options = dict(batch_size=batch_size, **encode_options)
     costs = {}
     if _is_sparse(emb):
-        from scipy.sparse import vstack
-
         similarity = similarity or "dot"
         a, b = emb.encode(sentences1, **options), emb.encode(sentences2, **options)
-        scores, costs = sparse_pair_scores(a, b, similarity), emb.sparsity(vstack([a, b]))
+        scores, costs = sparse_pair_scores(a, b, similarity), _pair_sparsity(emb, a, b)
     else:
         similarity = similarity or "cosine"
         a = np.asarray(emb.encode(sentences1, **options), np.float32)

@@ -570,13 +570,10 @@ class TextCollection:
             mask[list(self.deleted)] = False
         return mask
 
-    @staticmethod
-    def _rerank(query: str, hits: List[Hit], reranker, candidates: int) -> List[Hit]:
-        """`hits` with the first `candidates` re-scored and re-ordered by a cross-encoder (`kbert.TaskModel`);
-        deeper hits keep their first-stage order and scores."""
-        head, tail = hits[:candidates], hits[candidates:]
-        ranked = reranker.rank(query, [h.text for h in head]) if head else []
-        return [head[r["corpus_id"]]._replace(score=float(r["score"])) for r in ranked] + tail
+    def positions_of(self, ids) -> np.ndarray:
+        """The positions of the texts with these ids (positions themselves for an index built without ids);
+        a KeyError names an id the index does not hold, or holds deleted."""
+        return np.fromiter((self._position(key) for key in ids), np.int64)
 
     def _hit(self, position, score) -> Hit:
         record = self.records[int(position)]
@@ -930,7 +927,7 @@ class SearchIndex(TextCollection):
             pending = short
             depth = min(depth * 4, live)
         if reranker is not None:
-            rows = [self._rerank(texts[q], hits, reranker, candidates) for q, hits in enumerate(rows)]
+            rows = [rerank_hits(texts[q], hits, reranker, candidates) for q, hits in enumerate(rows)]
         out = [hits[:top_k] for hits in rows]
         return out[0] if single else out
 
@@ -963,6 +960,15 @@ class SearchIndex(TextCollection):
                 return np.take_along_axis(scores, best, axis=1), positions[best]
             return exact
         return lambda vectors, k: self.index.search(vectors, k, params=params)
+
+    def similarities(self, query_vector: np.ndarray, ids) -> np.ndarray:
+        """The cosine of one query vector `[dim]` with the stored vectors of the texts `ids` `[len(ids)]`: the
+        scores `search` gives them, for texts a search did not return (`kbert.hybrid_search`)."""
+        query = unit_rows(np.atleast_2d(np.asarray(query_vector, np.float32)))[0]
+        positions = self.positions_of(ids)
+        if not len(positions):
+            return np.zeros(0, np.float32)
+        return self._vectors(positions) @ query
 
     def lexical_rows(self):
         """(the fitted character n-gram TF-IDF vectorizer, its CSR rows of the texts `[count, n-grams]`) of an
@@ -1011,6 +1017,14 @@ class SearchIndex(TextCollection):
                 if ivf.direct_map.type == faiss.DirectMap.NoMap:
                     ivf.make_direct_map()  # IVF finds a vector by its position only through this map
         return self.index.reconstruct_batch(np.ascontiguousarray(positions, np.int64))
+
+def rerank_hits(query: str, hits: List[Hit], reranker, candidates: int) -> List[Hit]:
+    """`hits` with the first `candidates` re-scored and re-ordered by a cross-encoder (`kbert.TaskModel`);
+    deeper hits keep their first-stage order and scores."""
+    head, tail = hits[:candidates], hits[candidates:]
+    ranked = reranker.rank(query, [h.text for h in head]) if head else []
+    return [head[r["corpus_id"]]._replace(score=float(r["score"])) for r in ranked] + tail
+
 
 def best_of_groups(hits: List[Hit], key: str) -> List[Hit]:
     """The first (best) hit of each value of metadata `key`, in order."""

@@ -37,10 +37,9 @@ import numpy as np
 from kbert.data.features import text_list
 from kbert.embed.index import (CHUNKS, FORMAT, GROUP_DEPTH, MANIFEST, PROBE_MIN_COSINE, PROBE_TEXT, SPARSE_VECTORS,
                                Records, TextCollection, best_of_groups, check_probe, clear_index, encode_chunks,
-                               loaded_model, manifest_exists, positive_int, read_manifest, write_atomic, write_json,
-                               write_records)
+                               loaded_model, manifest_exists, positive_int, read_manifest, rerank_hits, write_atomic,
+                               write_json, write_records)
 
-VECTORS = SPARSE_VECTORS
 KIND = "sparse"  # the manifest's "type" (a dense SearchIndex's manifest has none)
 # query rows scored at once: their scores are as many sparse rows as the documents they touch
 QUERY_BLOCK = 256
@@ -135,7 +134,7 @@ class SparseIndex(TextCollection):
             lambda chunk: encoder.encode_document(chunk, batch_size=batch_size, max_active_dims=max_active_dims),
             _save_csr, ".npz", resume, progress, model_name or "hand")
         matrix = vstack([load_npz(base + ".npz") for base in chunk_files], format="csr").astype(np.float32)
-        write_atomic(os.path.join(out_dir, VECTORS), lambda tmp: _save_csr(tmp, matrix))
+        write_atomic(os.path.join(out_dir, SPARSE_VECTORS), lambda tmp: _save_csr(tmp, matrix))
         write_records(out_dir, chunk_files)
         info = {"format": FORMAT, "type": KIND, "model": model_name, "max_active_dims": max_active_dims,
                 "query_max_active_dims": query_max_active_dims, "dimension": int(matrix.shape[1]), "count": count,
@@ -156,10 +155,10 @@ class SparseIndex(TextCollection):
             raise ValueError(f"{index_dir} is a dense index (kbert.SearchIndex), not a sparse one")
         if info.get("format") != FORMAT:
             raise ValueError(f"{index_dir}: index format {info.get('format')!r}, this kbert reads {FORMAT}")
-        matrix = load_npz(os.path.join(index_dir, VECTORS)).tocsr()
+        matrix = load_npz(os.path.join(index_dir, SPARSE_VECTORS)).tocsr()
         if matrix.shape[0] < info["count"]:
-            raise ValueError(f"{index_dir}: {VECTORS} holds {matrix.shape[0]} vectors, {MANIFEST} {info['count']} "
-                             f"(a save was interrupted); build the index again")
+            raise ValueError(f"{index_dir}: {SPARSE_VECTORS} holds {matrix.shape[0]} vectors, {MANIFEST} "
+                             f"{info['count']} (a save was interrupted); build the index again")
         out = cls(matrix[:info["count"]], Records(index_dir, info["count"]), info, None, index_dir)
         out._read_deleted(index_dir)
         if model is not None:
@@ -193,7 +192,7 @@ class SparseIndex(TextCollection):
         if out_dir is None:
             raise ValueError("this index has no dir yet: pass save(out_dir)")
         os.makedirs(out_dir, exist_ok=True)
-        write_atomic(os.path.join(out_dir, VECTORS), lambda tmp: _save_csr(tmp, self.matrix))
+        write_atomic(os.path.join(out_dir, SPARSE_VECTORS), lambda tmp: _save_csr(tmp, self.matrix))
         self._write_records(out_dir)
         write_json(os.path.join(out_dir, MANIFEST), self.info)
         self.path = out_dir
@@ -292,6 +291,12 @@ class SparseIndex(TextCollection):
                         break
                 out.append(best_of_groups(hits, group_by)[:wanted])
         if reranker is not None:
-            out = [self._rerank(texts[q], hits, reranker, candidates) for q, hits in enumerate(out)]
+            out = [rerank_hits(texts[q], hits, reranker, candidates) for q, hits in enumerate(out)]
         out = [hits[:top_k] for hits in out]
         return out[0] if single else out
+
+    def similarities(self, query_vector, ids) -> np.ndarray:
+        """The dot product of one query vector (a CSR row `[1, vocab]`) with the texts `ids` `[len(ids)]`: the
+        scores `search` gives them (0 for a text sharing no token), for texts a search did not return."""
+        positions = self.positions_of(ids)
+        return np.asarray((self.matrix[positions] @ query_vector.T).todense(), np.float32).reshape(-1)
