@@ -76,6 +76,7 @@ _EXPORTS = {
     "predict_rows": "kbert.embed.prediction",
     "MaskedLM": "kbert.embed.masked_lm",
     "SparseEncoder": "kbert.embed.sparse",
+    "OnnxSparseEncoder": "kbert.embed.sparse",
     "export": "kbert.embed.export",
     "export_onnx": "kbert.embed.onnx",
     "OnnxEmbedder": "kbert.embed.embedder",

@@ -634,7 +634,7 @@ def _export(args):
         with open(os.path.join(path, "kbert_onnx.json"), encoding="utf-8") as f:
             info = json.load(f)
         kind = f"{info['signature']}, {info['quantize'] or 'float32'}"
-        runner = "OnnxEmbedder" if info["signature"] == "embed" else "OnnxTaskModel"
+        runner = {"embed": "OnnxEmbedder", "sparse": "SparseEncoder"}.get(info["signature"], "OnnxTaskModel")
         print(f"ONNX graph ({kind}) written to {path}/model.onnx with its tokenizer; checked against the Python "
               f"API; load it with kbert.{runner}.load({path!r}) or onnxruntime")
         return
@@ -816,12 +816,12 @@ def _evaluate(args):
     from kbert.data.rows import number, read_rows, text_cell
     from kbert.embed import evaluation
     from kbert.embed.embedder import Embedder
-    from kbert.models.st_dir import is_sparse_dir
+    from kbert.embed.sparse import is_sparse_model
 
     label = None if args.task == "retrieval" else args.label_column
     if args.lexical and args.task != "retrieval":
         raise ValueError("--lexical mixes TF-IDF into retrieval scores; it goes with --task retrieval")
-    sparse = args.sparse or is_sparse_dir(args.model)
+    sparse = args.sparse or is_sparse_model(args.model)
     if args.max_active_dims is not None and not sparse:
         raise ValueError("--max-active-dims goes with a SPLADE model (--sparse, or a sentence-transformers "
                          "SparseEncoder dir)")
@@ -1593,8 +1593,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="savedmodel (TensorFlow Serving, strings in) or onnx (ONNX Runtime, token ids in; "
                         "kbert.OnnxEmbedder tokenizes)")
     p.add_argument("--quantize", choices=("int8",), help="onnx: int8 weights (dynamic quantization)")
-    p.add_argument("--signature", choices=("embed", "classify"),
-                   help="default: classify for a fine-tuned classifier/regressor dir, embed otherwise")
+    p.add_argument("--signature", choices=("embed", "classify", "sparse"),
+                   help="default: sparse for a SPLADE (SparseEncoder) dir (onnx only), classify for a fine-tuned "
+                        "classifier/regressor dir, embed otherwise")
     p.add_argument("--pooling", choices=("mean", "cls", "max", "first_last_avg"), help="embed: default mean")
     p.add_argument("--max-length", type=int, help="longest input in tokens (default: the model's)")
     p.add_argument("--model-version", type=int, default=1, help="the numbered subdir TF Serving loads")

@@ -94,7 +94,6 @@ import asyncio
 import base64
 import gc
 import json
-import os
 import sys
 import threading
 import time
@@ -125,12 +124,13 @@ class Engine:
         from kbert.embed.embedder import load_static
         from kbert.embed.onnx_runtime import is_onnx_dir, read_info
 
-        from kbert.models.st_dir import read_sparse_encoder
+        from kbert.embed.sparse import is_sparse_model
 
         self.model_dir = str(model_dir)
         onnx = is_onnx_dir(self.model_dir)
-        self.sparse = None  # a SPLADE SparseEncoder dir: /v1/sparse-embeddings (and /v1/search, sparse index)
-        sparse = not onnx and os.path.isdir(self.model_dir) and read_sparse_encoder(self.model_dir) is not None
+        # a SPLADE SparseEncoder dir or its ONNX export: /v1/sparse-embeddings (and /v1/search, sparse index)
+        self.sparse = None
+        sparse = is_sparse_model(self.model_dir)
         static = None if onnx or sparse else load_static(self.model_dir)
         if sparse:
             from kbert.embed.sparse import SparseEncoder

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 import kbert
-from helpers import BLOCK_TENSORFLOW, NO_BACKEND_PRELUDE, run_on_jax, tiny_embedding_model
+from helpers import (BLOCK_TENSORFLOW, NO_BACKEND_PRELUDE, hf_masked_lm_dir, inference_free_splade_dir, run_on_jax,
+                     tiny_embedding_model)
 
 TEXTS = ["대한민국은 민주공화국이다.", "", "국회의원의 임기는 4년으로 한다. " * 12, "ㅋㅋㅋ 최악의 영화",
          "모든 국민은 법 앞에 평등하다.", "English and 숫자 123 섞인 문장"]
@@ -271,3 +272,62 @@ def test_onnx_exports_run_and_serve_with_no_keras_backend_installed(model, expor
                                    atol=1e-5)
     np.testing.assert_allclose(out["cli"], want[0], atol=1e-5)
     assert out["status"] == 0 and out["engines"] == [[True, False], [False, True]] and out["keras"] is False
+
+
+def test_splade_exports_give_the_sparse_encoders_vectors_with_no_keras_backend(tmp_path):
+    """A SPLADE model as a "sparse" graph: `SparseEncoder.load` runs it as OnnxSparseEncoder with the model's
+    vectors (queries and documents, an inference-free model's query table with it), int8 within the export's
+    cosine check, indexed and evaluated from the dir, and on a host with no Keras backend (vectors, `kbert
+    serve`'s engine)."""
+    from kbert.embed.sparse import OnnxSparseEncoder
+
+    corpus = [t for t in TEXTS if t]
+    (tmp_path / "mlm").mkdir(); (tmp_path / "free").mkdir()
+    masked, _, _ = hf_masked_lm_dir(tmp_path / "mlm", TEXTS)
+    graph = kbert.export_onnx(masked, str(tmp_path / "splade-onnx"), signature="sparse")
+    enc, onnx = kbert.SparseEncoder.load(masked), kbert.SparseEncoder.load(graph)
+    assert isinstance(onnx, OnnxSparseEncoder) and onnx.max_length == enc.max_length
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the long text is truncated
+        want = enc.encode_document(TEXTS).toarray()
+        got = onnx.encode_document(TEXTS)
+    np.testing.assert_allclose(got.toarray(), want, atol=1e-5 * max(1.0, want.max()))
+    assert onnx.decode(got[0], top_k=3)[0][0] == enc.decode(want[0], top_k=3)[0][0]
+
+    # an inference-free dir: the default signature is "sparse", and the query table travels with the graph
+    free, _ = inference_free_splade_dir(tmp_path / "free", corpus)
+    free_graph = kbert.export_onnx(free, str(tmp_path / "free-onnx"))
+    free_enc, free_onnx = kbert.SparseEncoder.load(free), kbert.SparseEncoder.load(free_graph)
+    assert (free_enc.encode_query(corpus) != free_onnx.encode_query(corpus)).nnz == 0
+    np.testing.assert_allclose(free_onnx.encode_document(corpus).toarray(),
+                               free_enc.encode_document(corpus).toarray(), atol=1e-4)
+
+    small = kbert.export_onnx(enc, str(tmp_path / "splade-int8"), quantize="int8")  # an encoder in memory
+    assert os.path.getsize(os.path.join(small, "model.onnx")) < os.path.getsize(os.path.join(graph, "model.onnx"))
+
+    # the dir goes wherever a SPLADE dir goes: an index, the evaluators
+    index = kbert.SparseIndex.build(graph, corpus, str(tmp_path / "index"), progress=False)
+    direct = kbert.SparseIndex.build(enc, corpus, str(tmp_path / "direct"), progress=False)
+    assert [h.id for h in index.search(corpus[0], top_k=3)] == [h.id for h in direct.search(corpus[0], top_k=3)]
+    relevant = {"q0": {"d0"}, "q1": {"d3"}}
+    queries, docs = {"q0": corpus[0], "q1": corpus[3]}, {f"d{i}": t for i, t in enumerate(corpus)}
+    figures = kbert.evaluate_retrieval(graph, queries, docs, relevant)
+    assert figures["ndcg@10"] == pytest.approx(kbert.evaluate_retrieval(enc, queries, docs, relevant)["ndcg@10"])
+
+    with pytest.raises(ValueError, match="exports with signature='sparse'"):
+        kbert.export_onnx(enc, str(tmp_path / "x"), signature="embed")
+    with pytest.raises(ValueError, match="pooling and layers are a dense model's"):
+        kbert.export_onnx(masked, str(tmp_path / "x"), signature="sparse", pooling="cls")
+    with pytest.raises(ValueError, match="with kbert.SparseEncoder"):
+        kbert.Embedder.load(graph)
+
+    script = NO_BACKEND_PRELUDE + (
+        f"texts = {TEXTS!r}\n"
+        f"vectors = kbert.SparseEncoder.load({graph!r}).encode_document(texts).toarray().tolist()\n"
+        f"engine = Engine({graph!r})\n"
+        "engine.warm_up()\n"
+        "print(json.dumps({'vectors': vectors, 'engine': engine.sparse is not None,\n"
+        "                  'keras': 'keras' in sys.modules}))\n")
+    out, _ = run_on_jax(script)
+    np.testing.assert_allclose(out["vectors"], want, atol=1e-5 * max(1.0, want.max()))
+    assert out["engine"] is True and out["keras"] is False

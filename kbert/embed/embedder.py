@@ -927,7 +927,8 @@ class OnnxEmbedder(Embedder):
 
         if info.get("signature") != "embed":
             raise ValueError(f"this ONNX export is a {info.get('signature')!r} graph ({info.get('task')} model); "
-                             f"OnnxEmbedder runs 'embed' exports: load a classifier's with kbert.OnnxTaskModel")
+                             f"OnnxEmbedder runs 'embed' exports: load a classifier's with kbert.OnnxTaskModel, a "
+                             f"SPLADE model's ('sparse') with kbert.SparseEncoder")
         self.session, self.tokenizer, self.info = graph, tokenizer, info
         self.backbone, self.config = None, ModelConfig.from_dict(info["config"])
         self.pooling, self.layers = info["pooling"], info["layers"]

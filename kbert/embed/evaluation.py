@@ -27,7 +27,6 @@ the dot-product correlations; pair classification scores by dot product unless `
 
 from __future__ import annotations
 
-import sys
 from typing import Dict, Iterable, Optional, Sequence
 
 import numpy as np
@@ -38,23 +37,21 @@ from kbert.utils import pair_classification_figures, pearson, spearman, unit_row
 
 def _embedder(model):
     """`model` as an `Embedder` or, for a SPLADE model (a `SparseEncoder`, a sentence-transformers SparseEncoder
-    dir), a `SparseEncoder`."""
+    dir or its ONNX export), a `SparseEncoder`."""
     from kbert.embed.embedder import Embedder
-    from kbert.models.st_dir import is_sparse_dir
+    from kbert.embed.sparse import SparseEncoder, is_sparse_model
 
-    if isinstance(model, Embedder) or _is_sparse(model):
+    if isinstance(model, (Embedder, SparseEncoder)):
         return model
-    if is_sparse_dir(model):
-        from kbert.embed.sparse import SparseEncoder
-
+    if is_sparse_model(model):
         return SparseEncoder.load(model)
     return Embedder.load(model)
 
 
 def _is_sparse(model) -> bool:
-    # without importing kbert.embed.sparse, which needs Keras: a static model evaluates on a host without it
-    module = sys.modules.get("kbert.embed.sparse")
-    return module is not None and isinstance(model, module.SparseEncoder)
+    from kbert.embed.sparse import SparseEncoder  # imports no Keras: a static model evaluates on a host without it
+
+    return isinstance(model, SparseEncoder)
 
 
 def _pair_sparsity(encoder, a, b) -> dict:

@@ -23,7 +23,9 @@ Graph inputs (int64, `[batch, sequence]`): `input_ids`, `attention_mask`, `token
 names). Outputs: for "embed", `embeddings` `[batch, dimension]` (pooled, projected, unit length when exported
 with normalize=True) and `pooled` `[batch, hidden]` (before projections and normalization: what `OnnxEmbedder`
 reads, so its `encode` options apply as `Embedder.encode`'s); for "classify", `probabilities` `[batch, labels]`
-(or `predictions` `[batch]` for regression), as `TaskModel.predict`.
+(or `predictions` `[batch]` for regression), as `TaskModel.predict`; for "sparse" (SPLADE),
+`sparse_embedding` `[batch, vocab]`, every vocabulary weight, zeros included (ONNX Runtime has no sparse
+output): `OnnxSparseEncoder` keeps the non-zero ones as CSR rows, as `SparseEncoder.encode` does.
 
 The export checks itself: the graph and `OnnxEmbedder` (or the classifier graph) must equal the Python API on
 sample Korean texts to 1e-5 (float32; vectors through projections to 1e-5 times the projections' gain), or it
@@ -44,11 +46,42 @@ import numpy as np
 
 from kbert.embed.embedder import Embedder, OnnxEmbedder
 from kbert.embed.export import CHECK_TEXTS, CLASSIFY_TASKS, SIGNATURES
-from kbert.embed.onnx_runtime import (DENSE_FILE, FORMAT_VERSION, GRAPH_FILE, INPUTS, META_FILE, TOKENIZER_DIR, feeds,
-                                      is_onnx_dir, onnxruntime, write_dense)
+from kbert.embed.onnx_runtime import (DENSE_FILE, FORMAT_VERSION, GRAPH_FILE, INPUTS, META_FILE, QUERY_WEIGHTS_FILE,
+                                      SPARSE_OUTPUT, SPARSE_SIGNATURE, TOKENIZER_DIR, feeds, is_onnx_dir, onnxruntime,
+                                      write_dense)
 
+ONNX_SIGNATURES = SIGNATURES + (SPARSE_SIGNATURE,)  # "sparse": a SPLADE model's weights over the vocabulary
 QUANTIZE = (None, "int8")
 OPSET = 17  # LayerNormalization is a native op from 17 (ONNX Runtime >= 1.14)
+
+
+def _features(inputs) -> dict:
+    """kbert's model inputs (int32) from the graph's transformers-named int64 inputs."""
+    from keras import ops
+
+    return {"token_ids": ops.cast(inputs["input_ids"], "int32"),
+            "segment_ids": ops.cast(inputs["token_type_ids"], "int32"),
+            "padding_mask": ops.cast(inputs["attention_mask"], "int32")}
+
+
+def _sparse_graph(encoder):
+    """A keras.Model over the transformers-named inputs giving a SparseEncoder's SPLADE weights `[b, vocab]`:
+    the same `splade_vectors` the encoder and the sparse-embedding trainer run."""
+    import keras
+
+    from kbert.models.tasks import splade_vectors
+
+    class Graph(keras.Model):
+        def __init__(self):
+            super().__init__(name="kbert_onnx_sparse")
+            self.backbone, self.mlm_head = encoder.model.backbone, encoder.model.mlm_head
+
+        def call(self, inputs):
+            # ONNX has no Log1p op (tf2onnx would emit one that no runtime runs)
+            return {SPARSE_OUTPUT: splade_vectors(self.backbone, self.mlm_head, _features(inputs), encoder.pooling,
+                                                  encoder.activation, False, log1p=False)}
+
+    return Graph()
 
 
 def _graph_model(backbone, pooling=None, layers=-1, dense=(), normalize=True, network=None, task=None,
@@ -65,9 +98,7 @@ def _graph_model(backbone, pooling=None, layers=-1, dense=(), normalize=True, ne
             self.backbone, self.network = backbone, network
 
         def call(self, inputs):
-            x = {"token_ids": ops.cast(inputs["input_ids"], "int32"),
-                 "segment_ids": ops.cast(inputs["token_type_ids"], "int32"),
-                 "padding_mask": ops.cast(inputs["attention_mask"], "int32")}
+            x = _features(inputs)
             if self.network is not None:
                 logits = ops.cast(self.network(x, training=False), "float32")
                 if task != "regression":  # a multi-label classifier: each label's own sigmoid
@@ -137,7 +168,7 @@ def _quantize(path: str) -> None:
     os.replace(tmp, path)
 
 
-def export_onnx(model_dir: Union[str, Embedder], out_dir: str, signature: Optional[str] = None,
+def export_onnx(model_dir, out_dir: str, signature: Optional[str] = None,
                 pooling: Optional[str] = None,
                 layers: Union[int, List[int], None] = None, normalize: bool = True,
                 max_length: Optional[int] = None, quantize: Optional[str] = None, overwrite: bool = False,
@@ -148,8 +179,11 @@ def export_onnx(model_dir: Union[str, Embedder], out_dir: str, signature: Option
         model_dir: a dir `kbert.Embedder.load` reads (for "classify": a `kbert finetune` classification,
             pair-classification or regression dir, or a Hugging Face classifier / cross-encoder), or a
             `kbert.Embedder` as it is in memory (with a whitening fitted, prompts or pooling set on it).
-        signature: "embed" (vectors) or "classify"; default as `kbert.export`: "classify" for a fine-tuned
-            classifier or regressor, "embed" otherwise.
+        signature: "embed" (vectors), "classify", or "sparse" (a SPLADE model: a `kbert.SparseEncoder`, a
+            sentence-transformers SparseEncoder dir, or a masked-LM dir read as SPLADE; its graph outputs
+            `sparse_embedding` `[batch, vocab]` and `kbert.SparseEncoder.load` runs it as `OnnxSparseEncoder`,
+            an inference-free model's query table beside it). Default: "sparse" for a SparseEncoder or its dir,
+            as `kbert.export` otherwise: "classify" for a fine-tuned classifier or regressor, "embed" for the rest.
         pooling, layers, normalize: the graph's pooling and whether its `embeddings` are unit length (default:
             the model's own pooling, as `Embedder.encode`). Prompts are not in the graph: they are text, put
             before the text before tokenization (`OnnxEmbedder` keeps the model's prompts).
@@ -176,18 +210,27 @@ def export_onnx(model_dir: Union[str, Embedder], out_dir: str, signature: Option
         raise ImportError("ONNX export needs tf2onnx and onnx: pip install tf2onnx onnx onnxruntime "
                           "(or kbert[onnx])") from None
     onnxruntime()
+    from kbert.embed.sparse import OnnxSparseEncoder, SparseEncoder, is_sparse_model
     from kbert.embed.task_model import TaskModel, task_meta
 
-    given = model_dir if isinstance(model_dir, Embedder) else None
-    if given is not None and (given.backbone is None or isinstance(given, OnnxEmbedder)):
+    given = model_dir if isinstance(model_dir, (Embedder, SparseEncoder)) else None
+    if isinstance(given, Embedder) and (given.backbone is None or isinstance(given, OnnxEmbedder)):
         raise ValueError(f"export_onnx takes an Embedder with its network; this is a {type(given).__name__} (a "
                          f"static model has no network; an OnnxEmbedder is an export already)")
+    if isinstance(given, OnnxSparseEncoder):
+        raise ValueError("export_onnx takes a SparseEncoder with its model; an OnnxSparseEncoder is an export "
+                         "already")
     meta = None if given is not None else task_meta(model_dir)
     task = (meta or {}).get("task")
     if signature is None:
-        signature = "classify" if task in CLASSIFY_TASKS else "embed"
-    if signature not in SIGNATURES:
-        raise ValueError(f"`signature` must be one of {SIGNATURES}. Received: signature={signature!r}")
+        sparse = isinstance(given, SparseEncoder) or (given is None and is_sparse_model(model_dir))
+        signature = SPARSE_SIGNATURE if sparse else "classify" if task in CLASSIFY_TASKS else "embed"
+    if signature not in ONNX_SIGNATURES:
+        raise ValueError(f"`signature` must be one of {ONNX_SIGNATURES}. Received: signature={signature!r}")
+    if isinstance(given, SparseEncoder) != (signature == SPARSE_SIGNATURE) and given is not None:
+        raise ValueError(f"a {type(given).__name__} exports with signature="
+                         f"{SPARSE_SIGNATURE if isinstance(given, SparseEncoder) else 'embed'!r}; received "
+                         f"signature={signature!r}")
     if signature == "classify" and task not in CLASSIFY_TASKS:
         raise ValueError(f"signature='classify' needs a classification, pair-classification or regression model "
                          f"from `kbert finetune`; {'this Embedder' if given is not None else repr(model_dir)} is "
@@ -198,7 +241,22 @@ def export_onnx(model_dir: Union[str, Embedder], out_dir: str, signature: Option
         if not is_onnx_dir(out_dir) and os.listdir(out_dir):
             raise FileExistsError(f"{out_dir} holds something other than a kbert ONNX export; not replacing it")
     info = {"signature": signature, "format_version": FORMAT_VERSION, "quantize": quantize, "inputs": list(INPUTS)}
-    if signature == "embed":
+    query_weights = None
+    if signature == SPARSE_SIGNATURE:
+        if pooling is not None or layers is not None:
+            raise ValueError("pooling and layers are a dense model's: a SPLADE graph pools the masked-LM head's "
+                             "weights as its model says (max or sum over the tokens)")
+        source = given if given is not None else SparseEncoder.load(model_dir, max_length=max_length)
+        if given is not None and max_length is not None:
+            source = copy.copy(given)  # the caller's encoder keeps its own length
+            source.max_length = source.config.check_length(max_length)
+        tokenizer, config, query_weights = source.tokenizer, source.config, source.query_weights
+        graph = _sparse_graph(source)
+        info.update(pooling=source.pooling, activation=source.activation, max_length=source.max_length,
+                    prompts=source.prompts, vocab_size=source.vocab_size, outputs=[SPARSE_OUTPUT],
+                    query_max_length=None if query_weights is None else source.query_max_length)
+        dense = []
+    elif signature == "embed":
         emb = given if given is not None else Embedder.load(model_dir, max_length=max_length)
         if given is not None and max_length is not None:
             emb = copy.copy(given)  # the caller's Embedder keeps its own length
@@ -206,7 +264,7 @@ def export_onnx(model_dir: Union[str, Embedder], out_dir: str, signature: Option
         if emb.backbone is None:
             raise ValueError(f"{model_dir}: a static model (a table of token vectors) has no network to export; "
                              f"serve it with `kbert serve` or kbert.Embedder")
-        tokenizer, config = emb.tokenizer, emb.config
+        tokenizer, config, source = emb.tokenizer, emb.config, emb
         pooling, layers = emb.resolve_pooling(pooling, layers)
         graph = _graph_model(emb.backbone, pooling, layers, emb.dense, normalize)
         info.update(pooling=pooling, layers=layers, normalize=bool(normalize), max_length=emb.max_length,
@@ -214,7 +272,7 @@ def export_onnx(model_dir: Union[str, Embedder], out_dir: str, signature: Option
                     outputs=["embeddings", "pooled"], dimension=emb.dimension)
         dense = emb.dense
     else:
-        model = TaskModel.load(model_dir)
+        model = source = TaskModel.load(model_dir)
         tokenizer, config = model.tokenizer, model.network.backbone.config
         limit = config.check_length(max_length or model.max_length)
         graph = _graph_model(model.network.backbone, network=model.network, task=task, activation=model.activation,
@@ -241,10 +299,12 @@ def export_onnx(model_dir: Union[str, Embedder], out_dir: str, signature: Option
             info["transformers_tokenizer_note"] = str(e)
         if dense:
             write_dense(os.path.join(tmp, DENSE_FILE), dense)
+        if query_weights is not None:  # an inference-free model's queries: a table lookup, no graph
+            np.save(os.path.join(tmp, QUERY_WEIGHTS_FILE), query_weights)
         with open(os.path.join(tmp, META_FILE), "w", encoding="utf-8") as f:
             json.dump(info, f, ensure_ascii=False, indent=2)
         if check:
-            _self_check(tmp, emb if signature == "embed" else model, info)
+            _self_check(tmp, source, info)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -284,6 +344,14 @@ def _self_check(path, source, info):
                 options["normalize"] = False
                 checks.append((onnx.encode(CHECK_TEXTS, normalize=False), emb.encode(CHECK_TEXTS, **options),
                                tolerance))
+        elif info["signature"] == SPARSE_SIGNATURE:
+            from kbert.embed.sparse import OnnxSparseEncoder
+
+            onnx, encoder = OnnxSparseEncoder.load(path), copy.copy(source)
+            encoder.max_length = info["max_length"]
+            expected = encoder.encode(CHECK_TEXTS).toarray()
+            # weights reach the tens: the float32 graph is held to 1e-5 of the largest
+            checks = [(onnx.encode(CHECK_TEXTS).toarray(), expected, tolerance * max(1.0, float(expected.max())))]
         else:
             from kbert.embed.onnx_task import OnnxTaskModel
 
@@ -296,8 +364,9 @@ def _self_check(path, source, info):
         got = np.asarray(got, np.float32)
         if not np.isfinite(got).all():
             raise RuntimeError(f"the ONNX graph at {path} gives non-finite values on sample texts")
-        if int8 and info["signature"] == "embed":
-            cos = np.diag(Embedder.similarity(got, expected))
+        if int8 and info["signature"] in ("embed", SPARSE_SIGNATURE):
+            # a SPLADE row may be all zeros (no token above 0) on both sides: no direction to compare
+            cos = np.diag(Embedder.similarity(got, expected))[np.abs(expected).max(axis=1) > 0]
             if cos.min() < 0.99:
                 raise RuntimeError(f"the int8 graph's vectors drift from the float model's (lowest cosine "
                                    f"{cos.min():.4f} on sample texts, below 0.99): export without quantize")

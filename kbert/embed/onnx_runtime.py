@@ -20,6 +20,9 @@ DENSE_FILE = "dense.npz"
 TOKENIZER_DIR = "tokenizer"  # kbert's own tokenizer (its config file is also named tokenizer.json)
 INPUTS = ("input_ids", "attention_mask", "token_type_ids")  # transformers' names, int64 [batch, sequence]
 FORMAT_VERSION = 1
+SPARSE_SIGNATURE = "sparse"  # a SPLADE model's graph: one output, SPARSE_OUTPUT
+SPARSE_OUTPUT = "sparse_embedding"  # float32 [batch, vocab]: the SPLADE weights, zeros included
+QUERY_WEIGHTS_FILE = "query_weights.npy"  # an inference-free SPLADE model's query weights [vocab]
 
 
 def onnxruntime():
@@ -34,6 +37,14 @@ def onnxruntime():
 def is_onnx_dir(path: str) -> bool:
     """True for a dir `kbert.export_onnx` wrote."""
     return os.path.isfile(os.path.join(path, META_FILE)) and os.path.isfile(os.path.join(path, GRAPH_FILE))
+
+
+def is_sparse_export(path) -> bool:
+    """True for a dir `kbert.export_onnx` wrote from a SPLADE model (`kbert.SparseEncoder` reads it)."""
+    if not isinstance(path, str) or not is_onnx_dir(path):
+        return False
+    with open(os.path.join(path, META_FILE), encoding="utf-8") as f:
+        return json.load(f).get("signature") == SPARSE_SIGNATURE
 
 
 def read_info(path: str) -> dict:

@@ -33,8 +33,10 @@ import numpy as np
 from kbert.compiled import backend, compiled, signature
 from kbert.data.features import bucketed, features, str_list
 from kbert.embed.embedder import best_hits, length_sorted
+from kbert.embed.onnx_runtime import (GRAPH_FILE, QUERY_WEIGHTS_FILE, SPARSE_OUTPUT, TOKENIZER_DIR, feeds,
+                                      is_sparse_export, read_info)
+from kbert.embed.onnx_runtime import session as onnx_session
 from kbert.models.pooling import SPLADE_ACTIVATIONS, SPLADE_POOLINGS
-from kbert.models.tasks import splade_vectors
 from kbert.utils import progress_bar
 
 SEARCH_CHUNK = 256  # queries scored at once: a [256, corpus] dense block of scores
@@ -61,19 +63,21 @@ class SparseEncoder:
 
     def __init__(self, model, tokenizer, max_length: Optional[int] = None, pooling: str = "max",
                  activation: str = "relu", prompts: Optional[dict] = None, jit_compile: bool = False,
-                 query_weights=None, query_max_length: Optional[int] = None):
+                 query_weights=None, query_max_length: Optional[int] = None, config=None):
         if pooling not in SPLADE_POOLINGS:
             raise ValueError(f"`pooling` must be one of {SPLADE_POOLINGS}. Received: {pooling!r}")
         if activation not in SPLADE_ACTIVATIONS:
             raise ValueError(f"`activation` must be one of {SPLADE_ACTIVATIONS}. Received: {activation!r}")
-        limit = model.config.max_position
+        self.config = config if config is not None else model.config  # config: without a model (an ONNX graph)
+        limit = self.config.max_position
         if max_length is not None and (not isinstance(max_length, int) or max_length < 3):
             raise ValueError(f"`max_length` must be an int >= 3 ([CLS], a token, [SEP]). Received: {max_length!r}")
         self.model, self.tokenizer = model, tokenizer
         self.max_length = min(max_length or limit, limit)
         self.pooling, self.activation = pooling, activation
         self.prompts = dict(prompts or {})
-        self.jit_compile = bool(jit_compile) or backend() == "jax"  # JAX compiles every (bucketed) shape
+        # JAX compiles every (bucketed) shape; an ONNX graph (no model) needs no Keras backend at all
+        self.jit_compile = model is not None and (bool(jit_compile) or backend() == "jax")
         self._fn = None
         self.query_weights = None if query_weights is None else np.asarray(query_weights, np.float32)
         if self.query_weights is not None and self.query_weights.shape != (self.vocab_size,):
@@ -84,7 +88,7 @@ class SparseEncoder:
     @property
     def vocab_size(self) -> int:
         """The vectors' width: the model's vocabulary (a checkpoint may pad it past the tokenizer's)."""
-        return self.model.config.vocab_size
+        return self.config.vocab_size
 
     def token(self, i: int) -> str:
         """Vocabulary entry `i` as text; an id past the tokenizer's vocabulary (padded rows) as `<i>`."""
@@ -97,8 +101,11 @@ class SparseEncoder:
         """A sentence-transformers SparseEncoder dir (MLMTransformer + SpladePooling: its pooling, activation,
         length and prompts are read), or any dir `kbert.MaskedLM.load` reads (a `kbert pretrain` output, a
         Hugging Face *ForMaskedLM / *ForPreTraining dir, a Hub name), read with max pooling and relu. A dir
-        without a masked-LM head is a ValueError that says so."""
-        from kbert.models.convert import check_vocabulary, load_model
+        without a masked-LM head is a ValueError that says so. A `kbert.export_onnx` dir of a SPLADE model
+        gives an `OnnxSparseEncoder` (no Keras backend needed)."""
+        if is_sparse_export(model_dir):
+            return OnnxSparseEncoder.load(model_dir, max_length=max_length)
+        from kbert.models.convert import check_vocabulary, load_model  # Keras: only where a model is loaded
         from kbert.models.locate import model_dir_of, resolve_hub_name
         from kbert.models.st_dir import read_sparse_encoder
         from kbert.text.tokenizer import Tokenizer
@@ -215,6 +222,8 @@ class SparseEncoder:
         return prompt or ""
 
     def _forward(self, x):  # a method, not a lambda: AutoGraph reads its source
+        from kbert.models.tasks import splade_vectors  # Keras: imported where a model runs, not by an ONNX host
+
         return splade_vectors(self.model.backbone, self.model.mlm_head, x, self.pooling, self.activation, False)
 
     def _pooled(self, rows: List[List[int]]) -> np.ndarray:
@@ -302,6 +311,54 @@ class SparseEncoder:
         if matrix.shape[1] != self.vocab_size:
             raise ValueError(f"these vectors have {matrix.shape[1]} dimensions; this model's vocabulary has "
                              f"{self.vocab_size}")
+
+
+class OnnxSparseEncoder(SparseEncoder):
+    """`SparseEncoder` on a `kbert.export_onnx` dir of a SPLADE model, run by ONNX Runtime (no TensorFlow, JAX or
+    Keras backend needed): `encode`, `encode_query` (an inference-free model's weight table travels with the
+    export), `encode_document`, `decode`, `search`, `kbert.SparseIndex` and `kbert serve` work as on the model,
+    with its vectors (to 1e-5 for a float32 export). `SparseEncoder.load` returns one for such a dir."""
+
+    def __init__(self, graph, tokenizer, info: dict, max_length: Optional[int] = None, query_weights=None):
+        """graph: an onnxruntime.InferenceSession on the export's model.onnx; info: its kbert_onnx.json."""
+        from kbert.models.config import ModelConfig
+
+        if info.get("signature") != "sparse":
+            raise ValueError(f"this ONNX export is a {info.get('signature')!r} graph; OnnxSparseEncoder runs the "
+                             f"'sparse' exports of SPLADE models (kbert.OnnxEmbedder runs 'embed' ones)")
+        super().__init__(None, tokenizer, max_length=max_length or info["max_length"], pooling=info["pooling"],
+                         activation=info["activation"], prompts=info.get("prompts"), query_weights=query_weights,
+                         query_max_length=info.get("query_max_length"), config=ModelConfig.from_dict(info["config"]))
+        self.session, self.info = graph, info
+
+    @classmethod
+    def load(cls, model_dir: str, max_length: Optional[int] = None, threads: Optional[int] = None,
+             **ignored) -> "OnnxSparseEncoder":
+        """An OnnxSparseEncoder for an export dir. threads: ONNX Runtime's intra-op threads (default: one per
+        core). `SparseEncoder.load`'s dtype and jit_compile do not apply and are ignored."""
+        from kbert.text.tokenizer import Tokenizer
+
+        info = read_info(model_dir)
+        weights = os.path.join(model_dir, QUERY_WEIGHTS_FILE)
+        return cls(onnx_session(os.path.join(model_dir, GRAPH_FILE), threads),
+                   Tokenizer.load(os.path.join(model_dir, TOKENIZER_DIR)), info, max_length,
+                   np.load(weights) if os.path.isfile(weights) else None)
+
+    def _pooled(self, rows: List[List[int]]) -> np.ndarray:
+        ids = np.full((len(rows), max(len(r) for r in rows)), self.tokenizer.pad_id, np.int64)
+        mask = np.zeros_like(ids)
+        for k, r in enumerate(rows):
+            ids[k, :len(r)], mask[k, :len(r)] = r, 1
+        return np.asarray(self.session.run([SPARSE_OUTPUT], feeds(ids, mask))[0], np.float32)
+
+
+def is_sparse_model(path) -> bool:
+    """Whether `path` is a SPLADE model dir `SparseEncoder.load` reads and `Embedder.load` does not: a
+    sentence-transformers SparseEncoder dir, or a `kbert.export_onnx` of one. (A masked-LM dir is read as
+    SPLADE only when asked.)"""
+    from kbert.models.st_dir import is_sparse_dir
+
+    return is_sparse_dir(path) or is_sparse_export(path)
 
 
 def _check_dims(max_active_dims) -> None:

@@ -28,16 +28,18 @@ def check_pooling(pooling: str, layers: Union[int, Sequence[int]], num_hidden: i
     return chosen
 
 
-def splade_pool(logits, padding_mask, pooling: str = "max", activation: str = "relu"):
+def splade_pool(logits, padding_mask, pooling: str = "max", activation: str = "relu", log1p: bool = True):
     """SPLADE vectors `[b, v]` (float32) from masked-LM logits `[b, s, v]` at every token: for each vocabulary
     token, the max (or sum) over the text's tokens of log(1 + relu(logit)), padding left out (SpladePooling's
-    formula, Formal et al. 2021)."""
+    formula, Formal et al. 2021). log1p=False writes log(1 + x) as a log of a sum, for graphs whose runtime
+    has no log1p op (ONNX); it differs from log1p only for x below float32's epsilon, by less than x."""
     from keras import ops
 
+    log = ops.log1p if log1p else (lambda x: ops.log(x + 1.0))
     mask = ops.cast(padding_mask, "float32")[:, :, None]
-    z = ops.log1p(ops.relu(ops.cast(logits, "float32") * mask))  # padding: log(1 + 0) = 0, never a max
+    z = log(ops.relu(ops.cast(logits, "float32") * mask))  # padding: log(1 + 0) = 0, never a max
     if activation == "log1p_relu":
-        z = ops.log1p(z)
+        z = log(z)
     return ops.max(z, axis=1) if pooling == "max" else ops.sum(z, axis=1)
 
 

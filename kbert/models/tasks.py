@@ -140,15 +140,16 @@ class SpladeNetwork(keras.Model):
         return splade_vectors(self.backbone, self.mlm_head, features, self.pooling, self.activation, training)
 
 
-def splade_vectors(backbone, mlm_head, features, pooling: str = "max", activation: str = "relu", training=None):
+def splade_vectors(backbone, mlm_head, features, pooling: str = "max", activation: str = "relu", training=None,
+                   log1p: bool = True):
     """`[b, vocab]` float32 SPLADE vectors of a batch: the masked-LM head at every token of the last layer
     (`[b, s, vocab]` logits, no mask-position gather), pooled over the real tokens. What `SpladeNetwork` trains
-    and `kbert.SparseEncoder` encodes with, so both read a text the same way."""
+    and `kbert.SparseEncoder` encodes with, so both read a text the same way (log1p: as `splade_pool`'s)."""
     from kbert.models.pooling import splade_pool
 
     out = backbone({k: features[k] for k in INPUT_NAMES}, training=training)
     logits = mlm_head(out["sequence_output"], None)  # [b, s, vocab]
-    return splade_pool(logits, features["padding_mask"], pooling, activation)
+    return splade_pool(logits, features["padding_mask"], pooling, activation, log1p)
 
 
 def save_task_head(network: TaskNetwork, meta: dict, model_dir: str) -> None:
