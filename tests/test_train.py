@@ -809,8 +809,9 @@ from kbert.train.probe import (CompiledStep, build_trainer, compiled_step_bytes,
 cfg = kbert.ModelConfig.preset("bert-tiny", vocab_size=300, hidden_size=32, num_heads=2, intermediate_size=64,
                                max_position=64)
 out = {}
+step = CompiledStep(build_trainer(cfg), cfg, 32)  # the 6e6 search's executables, reused by the probe below
 for budget in (2.5e6, 6e6):
-    found = exact_batch_size(cfg, 32, memory=budget)
+    found = exact_batch_size(cfg, 32, memory=budget, step=step if budget == 6e6 else None)
     b = found["max_batch"]
     trainer = build_trainer(cfg)
     trainer.train_on_batch(*synthetic_batch(cfg, 2, 32, 6))
@@ -837,8 +838,7 @@ out["shallow"] = dict(batch=early["max_batch"], plain=plain["max_batch"], compil
                       full=early["tried"], layers=sorted({n for n, _, _ in early["shallow"]["tried"]}),
                       default=exact_batch_size(deep, 32, memory=6e6, step=deep_step)["shallow"])  # off on CPU
 # the probe confirms the exact answer with two real steps when the device holds exactly that batch
-step = CompiledStep(build_trainer(cfg), cfg, 32)
-b = exact_batch_size(cfg, 32, memory=6e6, step=step)["max_batch"]
+b = out["6000000.0"]["batch"]
 compiled = step.compiled_batches
 faults.simulate_out_of_memory_above(b)
 probed = probe_batch_size(cfg, 32, start=b, step=step)
