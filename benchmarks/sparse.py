@@ -1,6 +1,7 @@
 """SPLADE sparse vectors: `kbert.SparseEncoder` beside sentence-transformers' `SparseEncoder` on the same weights,
 in one run: speed (texts a second, both batching 16 texts), the largest difference between their vectors, and
-how many vectors have the same 10 heaviest tokens.
+how many vectors have the same 10 heaviest tokens. kbert runs the model as a TensorFlow graph, through XLA, and
+as its `kbert.export_onnx` graph on ONNX Runtime (float32 and int8).
 
 The model is exported with `kbert.export_transformers` and wrapped the way sentence-transformers 6 builds a SPLADE
 model (`Transformer(transformer_task="fill-mask")` + `SpladePooling("max")`), then saved; kbert loads that saved
@@ -70,6 +71,11 @@ def main(argv=None):
     rows = [("sentence-transformers SparseEncoder (torch)", ref, t_ref)]
     for name, jit in (("kbert.SparseEncoder (TensorFlow graph)", False), ("kbert.SparseEncoder (XLA)", True)):
         enc = kbert.SparseEncoder.load(st_dir, jit_compile=jit)
+        got, t = best_after_warm_up(lambda: enc.encode(texts, batch_size=16).toarray())
+        rows.append((name, got, t))
+    for name, quantize in (("kbert.SparseEncoder (ONNX Runtime)", None), ("... ONNX Runtime, int8", "int8")):
+        graph = kbert.export_onnx(st_dir, os.path.join(tmp, f"onnx-{quantize}"), quantize=quantize)
+        enc = kbert.SparseEncoder.load(graph)  # an OnnxSparseEncoder
         got, t = best_after_warm_up(lambda: enc.encode(texts, batch_size=16).toarray())
         rows.append((name, got, t))
     width = max(len(r[0]) for r in rows)
