@@ -1018,6 +1018,7 @@ class SearchIndex(TextCollection):
                     ivf.make_direct_map()  # IVF finds a vector by its position only through this map
         return self.index.reconstruct_batch(np.ascontiguousarray(positions, np.int64))
 
+
 def rerank_hits(query: str, hits: List[Hit], reranker, candidates: int) -> List[Hit]:
     """`hits` with the first `candidates` re-scored and re-ordered by a cross-encoder (`kbert.TaskModel`);
     deeper hits keep their first-stage order and scores."""

@@ -227,9 +227,9 @@ def export_onnx(model_dir, out_dir: str, signature: Optional[str] = None,
         signature = SPARSE_SIGNATURE if sparse else "classify" if task in CLASSIFY_TASKS else "embed"
     if signature not in ONNX_SIGNATURES:
         raise ValueError(f"`signature` must be one of {ONNX_SIGNATURES}. Received: signature={signature!r}")
-    if isinstance(given, SparseEncoder) != (signature == SPARSE_SIGNATURE) and given is not None:
-        raise ValueError(f"a {type(given).__name__} exports with signature="
-                         f"{SPARSE_SIGNATURE if isinstance(given, SparseEncoder) else 'embed'!r}; received "
+    if given is not None and isinstance(given, SparseEncoder) != (signature == SPARSE_SIGNATURE):
+        wanted = SPARSE_SIGNATURE if isinstance(given, SparseEncoder) else "embed"
+        raise ValueError(f"a {type(given).__name__} exports with signature={wanted!r}; received "
                          f"signature={signature!r}")
     if signature == "classify" and task not in CLASSIFY_TASKS:
         raise ValueError(f"signature='classify' needs a classification, pair-classification or regression model "
@@ -347,9 +347,8 @@ def _self_check(path, source, info):
         elif info["signature"] == SPARSE_SIGNATURE:
             from kbert.embed.sparse import OnnxSparseEncoder
 
-            onnx, encoder = OnnxSparseEncoder.load(path), copy.copy(source)
-            encoder.max_length = info["max_length"]
-            expected = encoder.encode(CHECK_TEXTS).toarray()
+            onnx = OnnxSparseEncoder.load(path)
+            expected = source.encode(CHECK_TEXTS).toarray()  # the exporter gave `source` the export's length
             # weights reach the tens: the float32 graph is held to 1e-5 of the largest
             checks = [(onnx.encode(CHECK_TEXTS).toarray(), expected, tolerance * max(1.0, float(expected.max())))]
         else:

@@ -41,10 +41,7 @@ def is_onnx_dir(path: str) -> bool:
 
 def is_sparse_export(path) -> bool:
     """True for a dir `kbert.export_onnx` wrote from a SPLADE model (`kbert.SparseEncoder` reads it)."""
-    if not isinstance(path, str) or not is_onnx_dir(path):
-        return False
-    with open(os.path.join(path, META_FILE), encoding="utf-8") as f:
-        return json.load(f).get("signature") == SPARSE_SIGNATURE
+    return isinstance(path, str) and is_onnx_dir(path) and read_info(path).get("signature") == SPARSE_SIGNATURE
 
 
 def read_info(path: str) -> dict:
