@@ -616,7 +616,7 @@ def _serve(args):
     serve(args.model, host=args.host, port=args.port, max_batch_tokens=args.max_batch_tokens,
           max_wait_ms=args.max_wait_ms, max_queue=args.max_queue, max_texts=args.max_texts,
           max_chars=args.max_chars, timeout_s=args.timeout, jit_compile=args.jit_compile == "on",
-          keywords_analyzer=args.keywords_analyzer, index=args.index)
+          keywords_analyzer=args.keywords_analyzer, index=args.index, hybrid=args.hybrid)
 
 
 def _export(args):
@@ -983,10 +983,10 @@ def _index_search(args):
     if args.hybrid:
         from kbert.embed.hybrid import hybrid_search
 
-        if args.ef_search or args.nprobe or args.lexical:
-            raise ValueError("--ef-search, --nprobe and --lexical are not taken with --hybrid")
+        if args.lexical:
+            raise ValueError("--lexical is not taken with --hybrid (the sparse side is the --hybrid index)")
         hits = hybrid_search(index, load_index(args.hybrid), queries, weight=args.weight, fusion=args.fusion,
-                             **options)
+                             ef_search=args.ef_search, nprobe=args.nprobe, **options)
     else:
         hits = index.search(queries, ef_search=args.ef_search, nprobe=args.nprobe, lexical=args.lexical, **options)
     _write_json_lines(({"query": q, "hits": [dict({"id": h.id, "score": round(h.score, 6), "text": h.text},
@@ -1582,6 +1582,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keywords-analyzer", default="mecab",
                    help="morpheme analyzer of /v1/keywords: mecab (default), kiwi, okt, komoran, hannanum, kkma")
     p.add_argument("--index", help="a `kbert index build` dir that POST /v1/search searches (built with this model)")
+    p.add_argument("--hybrid", help="with --index: an index of the other kind (dense or SPLADE) over the same texts; "
+                                    "/v1/search fuses both (kbert.hybrid_search), loading the model that built it")
     p.set_defaults(func=_serve)
 
     p = sub.add_parser("export", help="a SavedModel that takes raw strings (TF Serving layout DIR/VERSION/), or an "

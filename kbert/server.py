@@ -54,7 +54,12 @@ Routes (JSON in and out; errors are `{"error": {"message", "type", "code"}}` wit
                           index built with lexical=True), "where"?: {metadata key: value or [values]},
                           "group_by"?: a metadata key ("document": one passage per document)} ->
                           {"data": [{"index", "hits": [{"id", "score",
-                          "text", "metadata"?}]}]}, best first; the queries are batched with other requests' texts
+                          "text", "metadata"?}]}]}, best first; the queries are batched with other requests' texts.
+                          Hybrid (`kbert serve --index DIR --hybrid DIR2`: a dense and a SPLADE index of the same
+                          texts, DIR2's queries encoded by the model that built it, loaded beside the served one):
+                          `kbert.hybrid_search`, with "weight"?: the sparse side's share in [0, 1] (default 0.5),
+                          "fusion"?: "zscore" (default) | "rrf", "candidates"?: int (each side's, default 100);
+                          the score is the fused one; "lexical" is not taken
     GET  /health          200 {"status": "ok"} once the model has run once; 503 {"status": "loading"} before
     GET  /metrics         Prometheus text: requests by route and status, latency, batch sizes, queue depth,
                           XLA compilations pending
@@ -120,7 +125,7 @@ class Engine:
 
     def __init__(self, model_dir: str, max_batch_tokens: int = 8192, max_wait_ms: float = 5.0,
                  max_queue: int = 4096, batch_size: int = 64, jit_compile: bool = True,
-                 keywords_analyzer: str = "mecab", index: Optional[str] = None):
+                 keywords_analyzer: str = "mecab", index: Optional[str] = None, hybrid: Optional[str] = None):
         from kbert.embed.embedder import load_static
         from kbert.embed.onnx_runtime import is_onnx_dir, read_info
 
@@ -167,6 +172,9 @@ class Engine:
 
             # a SPLADE model serves a kbert.SparseIndex, a dense one a SearchIndex; each checks the probe vector
             self.search_index = load_index(index, model=self.embedder if self.embedder is not None else self.sparse)
+        # /v1/search's other half (kbert.hybrid_search): the other kind of index over the same texts, its queries
+        # encoded by the model that built it (named in the index), batched here like the served model's
+        self.hybrid_index = None if hybrid is None else self._hybrid(hybrid, jit_compile)
         if self.embedder is not None:  # XLA for sentence vectors, new batch shapes compiled off the request path
             self.embedder.jit_compile = "background" if jit_compile else False
         # a static model may keep every token
@@ -190,6 +198,26 @@ class Engine:
         from kbert.text.morphemes import morphemes
 
         self.analyzer = morphemes(keywords_analyzer)
+
+    def _hybrid(self, hybrid: str, jit_compile: bool):
+        from kbert.embed.index import SearchIndex
+        from kbert.embed.sparse_index import SparseIndex, load_index
+
+        if self.search_index is None:
+            raise ValueError("--hybrid names the second index of a hybrid search: give the served model's own index "
+                             "with --index too")
+        other = load_index(hybrid)
+        kinds = {type(self.search_index), type(other)}
+        if kinds != {SearchIndex, SparseIndex}:
+            raise ValueError(f"a hybrid search fuses a dense kbert.SearchIndex with a SPLADE kbert.SparseIndex; "
+                             f"--index and --hybrid are both a {type(other).__name__}")
+        if len(other) != len(self.search_index):
+            raise ValueError(f"--index holds {len(self.search_index)} texts and --hybrid {len(other)}: build both "
+                             f"indexes from the same texts and ids")
+        other.encode_queries(["준비"])  # loads the model the index names now, so a missing one fails at start
+        if isinstance(other, SearchIndex):  # as the served model's: new batch shapes compiled off the request path
+            other.embedder.jit_compile = "background" if jit_compile else False
+        return other
 
     def routes(self) -> List[str]:
         """The POST routes this model answers; the others answer 404 saying what they need."""
@@ -227,6 +255,10 @@ class Engine:
             self.embedder.wait_compiled()
         if self.sparse is not None:
             self.sparse.encode(["준비"], batch_size=1)
+        if self.hybrid_index is not None:
+            self.hybrid_index.encode_queries(["준비"], batch_size=1)
+            if self.embedder is None:  # a SPLADE model served: the hybrid's other index is the dense one
+                self.hybrid_index.embedder.wait_compiled()
         if self.task_model is not None and self.task_model.task == "question-answering":
             self.task_model.answer("준비", "준비")
         elif self.task_model is not None:
@@ -360,6 +392,8 @@ class Engine:
             return [(ids.tolist(), values.tolist()) for ids, values in self.sparse.weights(vectors)]
         if kind == "query":  # /v1/search: the index's query prompt and encode settings
             return self.search_index.encode_queries(texts, batch_size=self.batch_size)
+        if kind == "hybrid-query":  # the same queries for the hybrid's other index, by the model that built it
+            return self.hybrid_index.encode_queries(texts, batch_size=self.batch_size)
         if kind == "answer":
             contexts = [p for j in group for p in j.pairs]
             return self.task_model.answer(texts, contexts, batch_size=self.batch_size, **options)
@@ -440,12 +474,15 @@ def _texts(value, field: str, max_texts: int, max_chars: int) -> List[str]:
 
 def build_app(model: str, max_batch_tokens: int = 8192, max_wait_ms: float = 5.0, max_queue: int = 4096,
               max_texts: int = 512, max_chars: int = 20000, timeout_s: float = 30.0, warm: bool = True,
-              jit_compile: bool = True, keywords_analyzer: str = "mecab", index: Optional[str] = None):
+              jit_compile: bool = True, keywords_analyzer: str = "mecab", index: Optional[str] = None,
+              hybrid: Optional[str] = None):
     """The Starlette app serving `model` (a kbert model dir, a fine-tuned task dir, or a Hugging Face dir);
     `app.state.engine` is its `Engine`. `warm=False` leaves /health at 503 until `engine.warm_up()`.
     `jit_compile`: sentence vectors through XLA (`Embedder(jit_compile="background")`), else the graph.
     `keywords_analyzer`: the `kbert.morphemes` analyzer of /v1/keywords. `index`: a `kbert.SearchIndex` dir that
-    /v1/search searches."""
+    /v1/search searches (a `kbert.SparseIndex` for a SPLADE model). `hybrid`: an index of the other kind over the
+    same texts (built by its own model, which the server loads too): /v1/search then fuses both
+    (`kbert.hybrid_search`)."""
     import contextlib
 
     from starlette.applications import Starlette
@@ -453,7 +490,7 @@ def build_app(model: str, max_batch_tokens: int = 8192, max_wait_ms: float = 5.0
     from starlette.routing import Route
 
     engine = Engine(model, max_batch_tokens, max_wait_ms, max_queue, jit_compile=jit_compile,
-                    keywords_analyzer=keywords_analyzer, index=index)
+                    keywords_analyzer=keywords_analyzer, index=index, hybrid=hybrid)
     name = str(model).rstrip("/").rsplit("/", 1)[-1]
 
     def error(e: HTTPError, route: str) -> JSONResponse:
@@ -761,6 +798,15 @@ def build_app(model: str, max_batch_tokens: int = 8192, max_wait_ms: float = 5.0
         group_by = data.get("group_by")
         if group_by is not None and not isinstance(group_by, str):
             raise HTTPError(400, "`group_by` must be a metadata key (a string)")
+        if engine.hybrid_index is not None:
+            if weight:
+                raise HTTPError(400, "`lexical` (character n-grams mixed into a dense index) is not taken by a "
+                                     "hybrid search; its sparse side is the --hybrid index")
+            return await hybrid(data, queries, where, group_by, settings, ticket)
+        fused = [k for k in ("weight", "fusion", "candidates") if k in data]
+        if fused:
+            raise HTTPError(400, f"`{fused[0]}` sets a hybrid search: start the server with --hybrid DIR (an index of "
+                                 f"the other kind over the same texts)")
         if weight and not found.info.get("lexical"):
             raise HTTPError(400, "`lexical` needs an index built with lexical=True (kbert index build --lexical)")
         vectors = await engine.run("query", queries, {}, timeout=timeout_s, ticket=ticket)
@@ -769,6 +815,35 @@ def build_app(model: str, max_batch_tokens: int = 8192, max_wait_ms: float = 5.0
             vectors = np.asarray(vectors)
         hits = await asyncio.to_thread(found.search, queries, query_vectors=vectors, lexical=weight,
                                        where=where, group_by=group_by, **settings)
+        return found_hits(queries, hits)
+
+    async def hybrid(data, queries, where, group_by, settings, ticket):
+        from kbert.embed.hybrid import FUSIONS, hybrid_search
+        from kbert.embed.index import SearchIndex
+
+        weight = data.get("weight", 0.5)
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 <= weight <= 1:
+            raise HTTPError(400, "`weight` (the sparse side's share of a hybrid search) must be a number in [0, 1]")
+        fusion = data.get("fusion", "zscore")
+        if fusion not in FUSIONS:
+            raise HTTPError(400, f"`fusion` must be one of {list(FUSIONS)}")
+        candidates = data.get("candidates", 100)
+        if isinstance(candidates, bool) or not isinstance(candidates, int) or not 1 <= candidates <= 10_000:
+            raise HTTPError(400, "`candidates` must be an integer in [1, 10000]")
+        # both sides' queries wait in the queue together (the other side's first: the ticket, which lets a batch
+        # close, goes with the last), so one batch of the worker encodes both
+        other, own = await asyncio.gather(
+            engine.run("hybrid-query", queries, {}, timeout=timeout_s),
+            engine.run("query", queries, {}, timeout=timeout_s, ticket=ticket))
+        indexes, vectors = (engine.search_index, engine.hybrid_index), (own, other)
+        if not isinstance(engine.search_index, SearchIndex):  # a SPLADE model served: its index is the sparse side
+            indexes, vectors = indexes[::-1], vectors[::-1]
+        hits = await asyncio.to_thread(hybrid_search, *indexes, queries, weight=weight, fusion=fusion,
+                                       candidates=candidates, where=where, group_by=group_by,
+                                       query_vectors=vectors, **settings)
+        return found_hits(queries, hits)
+
+    def found_hits(queries, hits):
         engine.metrics.texts.labels("/v1/search").inc(len(queries))
         return {"data": [{"index": i, "hits": [dict({"id": h.id, "score": h.score, "text": h.text},
                                                     **({"metadata": h.metadata} if h.metadata else {}))

@@ -635,3 +635,53 @@ def test_a_splade_model_serves_sparse_vectors(tmp_path):
                 assert row["indices"] == ids.tolist()
                 np.testing.assert_allclose(row["values"], values, rtol=1e-5, atol=1e-6)
         assert client.post("/v1/sparse-embeddings", json={"input": "x", "input_type": "q"}).status_code == 400
+
+
+def test_search_fuses_a_dense_and_a_sparse_index(tmp_path):
+    """`kbert serve --index DIR --hybrid DIR2`: /v1/search answers as `kbert.hybrid_search` over the two indexes,
+    whichever of the two models is served (the other index's model is loaded from its dir); the fusion's options
+    are checked, and refused on a server without a hybrid index; mismatched indexes are refused at start."""
+    from sentence_transformers import SparseEncoder
+    from sentence_transformers.sparse_encoder.models import MLMTransformer, SpladePooling
+
+    from helpers import hf_masked_lm_dir
+    from kbert.server import build_app
+
+    path, _, tok = hf_masked_lm_dir(tmp_path, TEXTS)
+    tok.save_pretrained(path)
+    splade = str(tmp_path / "splade")
+    SparseEncoder(modules=[MLMTransformer(path), SpladePooling("max")]).save(splade)
+    meta = [{"n": i % 2} for i in range(len(TEXTS))]
+    dense = kbert.SearchIndex.build(path, TEXTS, str(tmp_path / "dense"), metadata=meta, progress=False)
+    sparse = kbert.SparseIndex.build(splade, TEXTS, str(tmp_path / "sparse"), metadata=meta, progress=False)
+    queries = ["국회의 법률", TEXTS[4]]
+    requests = [({"top_k": 4}, {}), ({"top_k": 3, "weight": 0.8, "fusion": "rrf", "candidates": 4},
+                                     {"weight": 0.8, "fusion": "rrf", "candidates": 4}),
+                ({"top_k": 5, "weight": 0.3, "where": {"n": 1}}, {"weight": 0.3, "where": {"n": 1}})]
+    for served, own, other in ((path, dense, sparse), (splade, sparse, dense)):
+        with Running(build_app(served, index=own.path, hybrid=other.path)) as srv, \
+                httpx.Client(base_url=srv.url, timeout=60) as client:
+            for payload, options in requests:
+                r = client.post("/v1/search", json={"query": queries, **payload})
+                assert r.status_code == 200, r.text
+                want = kbert.hybrid_search(dense, sparse, queries, top_k=payload["top_k"], **options)
+                for row, hits in zip(r.json()["data"], want):
+                    assert [h["id"] for h in row["hits"]] == [h.id for h in hits] and len(hits) > 1
+                    np.testing.assert_allclose([h["score"] for h in row["hits"]], [h.score for h in hits],
+                                               rtol=1e-5, atol=1e-6)
+                    assert all(h["text"] == TEXTS[h["id"]] for h in row["hits"])
+            for payload, message in (({"weight": 2}, "`weight` (the sparse side's share"),
+                                     ({"fusion": "sum"}, "`fusion` must be one of"),
+                                     ({"candidates": 0}, "`candidates` must be an integer"),
+                                     ({"lexical": 0.5}, "not taken by a hybrid search")):
+                r = client.post("/v1/search", json={"query": queries[0], **payload})
+                assert r.status_code == 400 and message in r.json()["error"]["message"], (payload, r.text)
+    with Running(build_app(path, index=dense.path)) as srv, httpx.Client(base_url=srv.url, timeout=60) as client:
+        r = client.post("/v1/search", json={"query": queries[0], "weight": 0.5})
+        assert r.status_code == 400 and "start the server with --hybrid" in r.json()["error"]["message"]
+    fewer = kbert.SparseIndex.build(splade, TEXTS[:-1], str(tmp_path / "fewer"), progress=False)
+    for options, message in ((dict(index=dense.path, hybrid=fewer.path), "build both indexes from the same texts"),
+                             (dict(index=dense.path, hybrid=dense.path), "are both a SearchIndex"),
+                             (dict(hybrid=sparse.path), "give the served model's own index with --index")):
+        with pytest.raises(ValueError, match=message):
+            build_app(path, **options)

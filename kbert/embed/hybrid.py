@@ -46,7 +46,8 @@ RANK_CONSTANT = 60  # RRF's k: Cormack et al.'s value, the default of Elasticsea
 
 def hybrid_search(dense, sparse, queries, top_k: int = 10, weight: float = 0.5, fusion: str = "zscore",
                   candidates: int = 100, where=None, group_by: Optional[str] = None, reranker=None,
-                  rank_constant: int = RANK_CONSTANT, batch_size: int = 16):
+                  rank_constant: int = RANK_CONSTANT, batch_size: int = 16, ef_search: Optional[int] = None,
+                  nprobe: Optional[int] = None, query_vectors=None):
     """The `top_k` texts of the fused dense + sparse ranking for each query, best first, as
     `Hit(id, score, text, metadata)` (the score is the fused one, or the reranker's). One query (a string) gives
     one list, several give a list per query.
@@ -59,6 +60,9 @@ def hybrid_search(dense, sparse, queries, top_k: int = 10, weight: float = 0.5, 
     where, group_by: as `SearchIndex.search`, applied by both sides (`group_by` again to the fused hits).
     reranker: a cross-encoder (`kbert.TaskModel`) that re-scores each query's first `candidates` fused hits.
     rank_constant: RRF's k (default 60).
+    ef_search, nprobe: the dense side's search settings (an HNSW or IVF index), as `SearchIndex.search`.
+    query_vectors: the queries already encoded, as `(dense, sparse)`: each index's `encode_queries` of the texts
+        (`kbert serve` encodes them in its batches); by default both indexes encode them here.
     """
     dense, sparse = _index(dense, "dense", SearchIndex), _index(sparse, "sparse", SparseIndex)
     if len(dense) != len(sparse):
@@ -72,11 +76,15 @@ def hybrid_search(dense, sparse, queries, top_k: int = 10, weight: float = 0.5, 
     rank_constant = positive_int(rank_constant, "rank_constant")
     single = isinstance(queries, str)
     texts = text_list(queries)
-    dense_vectors = dense.encode_queries(texts, batch_size)
-    sparse_vectors = sparse.encode_queries(texts, batch_size)
+    if query_vectors is None:
+        query_vectors = dense.encode_queries(texts, batch_size), sparse.encode_queries(texts, batch_size)
+    dense_vectors, sparse_vectors = np.atleast_2d(np.asarray(query_vectors[0])), query_vectors[1]
+    if dense_vectors.shape[0] != len(texts) or sparse_vectors.shape[0] != len(texts):
+        raise ValueError(f"`query_vectors` must hold one dense and one sparse vector per query ({len(texts)}); "
+                         f"received {dense_vectors.shape[0]} and {sparse_vectors.shape[0]}")
     depth = max(top_k, candidates)
     options = dict(top_k=depth, where=where, group_by=group_by)
-    dense_hits = dense.search(texts, query_vectors=dense_vectors, **options)
+    dense_hits = dense.search(texts, query_vectors=dense_vectors, ef_search=ef_search, nprobe=nprobe, **options)
     sparse_hits = sparse.search(texts, query_vectors=sparse_vectors, **options)
     out = []
     for q, text in enumerate(texts):
