@@ -529,7 +529,8 @@ def _finetune(args):
              "strategy": "strategy", "doc_stride": "doc_stride", "max_query_length": "max_query_length",
              "max_answer_length": "max_answer_length", "lora_rank": "lora_rank", "lora_alpha": "lora_alpha",
              "lora_targets": "lora_targets", "query_regularizer_weight": "query_regularizer_weight",
-             "document_regularizer_weight": "document_regularizer_weight"}
+             "document_regularizer_weight": "document_regularizer_weight",
+             "query_learning_rate": "query_learning_rate"}
     values.update({key: getattr(args, dest) for dest, key in flags.items() if getattr(args, dest) is not None})
     if args.layers is not None:
         values["layers"] = parse_layers(args.layers)
@@ -539,7 +540,8 @@ def _finetune(args):
         values["columns"] = [name.strip() for name in args.columns.split(",")]
     for flag, key, value in (("no_label", "label_column", None), ("no_group_by_length", "group_by_length", False),
                              ("multi_label", "multi_label", True),
-                             ("no_resume", "resume", False), ("symmetric", "symmetric", True)):
+                             ("no_resume", "resume", False), ("symmetric", "symmetric", True),
+                             ("inference_free", "inference_free", True)):
         if getattr(args, flag):
             values[key] = value
     config = FinetuneConfig.load(None, args.set, base=values)
@@ -1272,6 +1274,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sparse-embedding: the FLOPS penalty on the anchors' vectors (5e-5; more: sparser)")
     p.add_argument("--document-regularizer-weight", type=float,
                    help="sparse-embedding: the FLOPS penalty on the positives' vectors (3e-5)")
+    p.add_argument("--inference-free", action="store_true",
+                   help="sparse-embedding: inference-free SPLADE, queries read a trained weight per token (starting "
+                        "at the documents' IDF), documents run the model")
+    p.add_argument("--query-learning-rate", type=float,
+                   help="--inference-free: the query table's learning rate (1e-3)")
     p.add_argument("--symmetric", action="store_true",
                    help="sentence-embedding with in-batch negatives: also rank each positive's anchor among the "
                         "batch's anchors (MultipleNegativesSymmetricRankingLoss)")

@@ -296,6 +296,49 @@ def test_inference_free_splade_matches_sentence_transformers(tmp_path):
         kbert.finetune(path, "sparse-embedding", rows, text_column="a", pair_column="b", label_column=None,
                        out_dir=str(tmp_path / "out"), progress=False)
 
+    # inference_free=True trains it on from its own table (a learning rate too small to move it here): the dir
+    # written is an inference-free model again, read alike by sentence-transformers and kbert
+    from sentence_transformers import SparseEncoder
+
+    out = str(tmp_path / "again")
+    kbert.finetune(path, "sparse-embedding", rows, text_column="a", pair_column="b", label_column=None,
+                   out_dir=out, inference_free=True, query_learning_rate=1e-12, epochs=1, batch_size=2,
+                   progress=False)
+    again = kbert.SparseEncoder.load(out)
+    np.testing.assert_allclose(again.query_weights, enc.query_weights, rtol=1e-4, atol=1e-6)
+    theirs = SparseEncoder(out, device="cpu")
+    np.testing.assert_allclose(again.encode_query(queries).toarray(),
+                               theirs.encode_query(queries).to_dense().numpy(), rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(again.encode_document(TEXTS).toarray(),
+                               theirs.encode_document(TEXTS).to_dense().numpy(), rtol=1e-4, atol=1e-5)
+
+
+def test_inference_free_training_starts_from_the_documents_idf(tmp_path):
+    """From a masked-LM dir, `kbert finetune --inference-free` starts the query table at the BM25 IDF of each token
+    over the distinct training documents ([CLS], [SEP] and [PAD] at 0): with a query learning rate too small to
+    move it, the table written is that IDF, computed here with transformers' tokenizer."""
+    import kbert
+
+    path, _, tok = hf_masked_lm_dir(tmp_path, TEXTS)
+    rows = [{"a": TEXTS[i], "b": TEXTS[(i + 1) % len(TEXTS)]} for i in range(len(TEXTS))]
+    rows.append({"a": TEXTS[0], "b": TEXTS[1]})  # a document twice counts once
+    out, data = str(tmp_path / "free"), tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    from kbert.cli import main
+
+    assert main(["finetune", "--model", path, "--task", "sparse-embedding", "--train", str(data), "--out", out,
+                 "--text-column", "a", "--pair-column", "b", "--no-label", "--inference-free",
+                 "--query-learning-rate", "1e-12", "--epochs", "1", "--batch-size", "3"]) == 0
+    table = kbert.SparseEncoder.load(out).query_weights
+    documents = sorted({r["b"] for r in rows})
+    df = np.zeros(len(table))
+    for text in documents:
+        df[sorted(set(tok(text)["input_ids"]))] += 1
+    want = np.log1p((len(documents) - df + 0.5) / (df + 0.5))
+    want[[tok.pad_token_id, tok.cls_token_id, tok.sep_token_id]] = 0.0
+    np.testing.assert_allclose(table, want, rtol=1e-4)
+    assert table[tok.convert_tokens_to_ids("서")] < table[tok.convert_tokens_to_ids("##화")]  # 4 of 5 against 1
+
 
 def _question_pairs(split: str, n: int):
     """(question1, question2) paraphrase rows of the shared question-pair set (the re-split marks them 0)."""
@@ -341,6 +384,39 @@ def test_sparse_fine_tuning_learns_and_writes_a_sparse_encoder_dir(tmp_path):
     assert "kbert.SparseEncoder.load" in card and "FLOPS penalties 5e-05 (anchors) and 3e-05" in card
 
 
+@needs_shared
+def test_inference_free_fine_tuning_learns_its_query_table(tmp_path):
+    """Inference-free SPLADE on Korean paraphrase pairs: the questions read a trained table, the paraphrases run
+    the model; dev recall@1 rises, the table moves off its IDF start, and the dir written ranks as the summary
+    says through kbert.SparseEncoder, which gives sentence-transformers' vectors on both sides."""
+    from sentence_transformers import SparseEncoder
+
+    import kbert
+
+    train, dev = _question_pairs("train", 600), _question_pairs("validation", 200)
+    path, _, _ = hf_masked_lm_dir(tmp_path, [r[k] for r in train + dev for k in ("question1", "question2")])
+    out = str(tmp_path / "free")
+    summary = kbert.finetune(path, "sparse-embedding", train, dev, out_dir=out, text_column="question1",
+                             pair_column="question2", label_column=None, epochs=4, batch_size=16,
+                             learning_rate=3e-3, max_length=48, inference_free=True, query_regularizer_weight=0,
+                             progress=False)
+    assert summary["baseline"]["recall@1"] < 0.03 and summary["best"] > 0.2, summary["history"]
+    enc = kbert.SparseEncoder.load(out)
+    questions, answers = [r["question1"] for r in dev], [r["question2"] for r in dev]
+    q, d = enc.encode_query(questions), enc.encode_document(answers)
+    hits = enc.search(q, d, top_k=1)
+    assert np.mean([h[0][0] == i for i, h in enumerate(hits)]) == pytest.approx(summary["best"], abs=1e-9)
+    theirs = SparseEncoder(out, device="cpu")
+    np.testing.assert_allclose(q.toarray(), theirs.encode_query(questions).to_dense().numpy(), rtol=1e-6)
+    np.testing.assert_allclose(d.toarray(), theirs.encode_document(answers).to_dense().numpy(), rtol=1e-4, atol=1e-5)
+    start = kbert.finetune(path, "sparse-embedding", train[:32], out_dir=str(tmp_path / "start"),
+                           text_column="question1", pair_column="question2", label_column=None, max_steps=1,
+                           batch_size=16, inference_free=True, query_learning_rate=1e-12, progress=False)
+    assert start["steps"] == 1
+    moved = enc.query_weights - kbert.SparseEncoder.load(str(tmp_path / "start")).query_weights
+    assert np.abs(moved).max() > 0.05  # the table trained (its IDF start here: 600 documents, not 32)
+
+
 def test_sparse_loss_against_a_hand_computation():
     """In-batch cross-entropy of raw dot products (no temperature), plus each side's FLOPS penalty."""
     import keras
@@ -375,28 +451,48 @@ def test_sparse_fine_tuning_refuses_what_it_cannot_train(tmp_path):
         kbert.finetune(path, "sparse-embedding", rows, label_column=None, pooling="mean", **common)
     with pytest.raises(ValueError, match="query_regularizer_weight"):
         kbert.finetune(path, "sparse-embedding", rows, label_column=None, query_regularizer_weight=-1, **common)
+    with pytest.raises(ValueError, match="`mini_batch_size` \(gradient caching\) and `lora_rank` do not apply"):
+        kbert.finetune(path, "sparse-embedding", rows, label_column=None, inference_free=True, mini_batch_size=2,
+                       **common)
+    with pytest.raises(ValueError, match="`inference_free` \(True or False\) goes with task='sparse-embedding'"):
+        kbert.finetune(path, "sentence-embedding", rows, inference_free=True, **common)
+    with pytest.raises(ValueError, match="`query_learning_rate` must be a number > 0"):
+        kbert.finetune(path, "sparse-embedding", rows, label_column=None, inference_free=True,
+                       query_learning_rate=0, **common)
     kbert.save_model(kbert.load_model(path), str(tmp_path / "encoder"), tokenizer=kbert.Tokenizer.from_model_dir(path))
     with pytest.raises(ValueError, match="holds no masked-LM head"):
         kbert.finetune(str(tmp_path / "encoder"), "sparse-embedding", rows, label_column=None, **common)
 
 
 def test_sparse_fine_tuning_on_jax(tmp_path):
-    """The same task on Keras' JAX backend: it trains, and writes a dir kbert reads back on TensorFlow."""
+    """The same task on Keras' JAX backend, SPLADE on both sides and inference-free: it trains, and writes a dir
+    kbert reads back on TensorFlow (an inference-free one's query table moved off its start)."""
     import kbert
 
     path, _, _ = hf_masked_lm_dir(tmp_path, TEXTS)
     rows = [{"a": TEXTS[i], "b": TEXTS[(i + 1) % len(TEXTS)]} for i in range(len(TEXTS))]
-    out = str(tmp_path / "jax-splade")
-    script = (f"import json, kbert\ns = kbert.finetune({path!r}, 'sparse-embedding', {rows!r}, {rows!r}, "
-              f"out_dir={out!r}, text_column='a', pair_column='b', label_column=None, epochs=2, batch_size=4, "
-              f"learning_rate=1e-3, progress=False)\n"
+    out, free = str(tmp_path / "jax-splade"), str(tmp_path / "jax-free")
+    common = (f"{rows!r}, {rows!r}, text_column='a', pair_column='b', label_column=None, epochs=2, batch_size=4, "
+              f"learning_rate=1e-3, progress=False")
+    script = (f"import json, kbert\ns = kbert.finetune({path!r}, 'sparse-embedding', {common}, out_dir={out!r})\n"
+              f"f = kbert.finetune({path!r}, 'sparse-embedding', {common}, out_dir={free!r}, inference_free=True)\n"
               f"v = kbert.SparseEncoder.load({out!r}).encode({TEXTS!r})\n"
-              f"print(json.dumps({{'history': s['history'], 'vectors': v.toarray().tolist()}}))")
+              f"q = kbert.SparseEncoder.load({free!r}).encode_query({TEXTS!r})\n"
+              f"print(json.dumps({{'history': s['history'], 'free': f['history'], 'vectors': v.toarray().tolist(), "
+              f"'queries': q.toarray().tolist()}}))")
     on_jax, _ = run_on_jax(script)
-    assert [h["step"] for h in on_jax["history"]] == [2, 4]
-    assert all(np.isfinite(h["train_loss"]) for h in on_jax["history"])
+    for history in (on_jax["history"], on_jax["free"]):
+        assert [h["step"] for h in history] == [2, 4]
+        assert all(np.isfinite(h["train_loss"]) for h in history)
     here = kbert.SparseEncoder.load(out).encode(TEXTS).toarray()
     np.testing.assert_allclose(here, np.asarray(on_jax["vectors"]), rtol=1e-4, atol=1e-5)
+    table = kbert.SparseEncoder.load(free)
+    np.testing.assert_allclose(table.encode_query(TEXTS).toarray(), np.asarray(on_jax["queries"]), rtol=1e-6)
+    start = kbert.finetune(path, "sparse-embedding", rows, text_column="a", pair_column="b", label_column=None,
+                           out_dir=str(tmp_path / "start"), max_steps=1, inference_free=True,
+                           query_learning_rate=1e-12, progress=False)
+    assert start["steps"] == 1
+    assert np.abs(table.query_weights - kbert.SparseEncoder.load(str(tmp_path / "start")).query_weights).max() > 1e-3
 
 
 def test_a_vocabulary_padded_past_the_tokenizer(tmp_path):

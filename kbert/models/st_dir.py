@@ -195,6 +195,58 @@ def write_sparse_encoder(directory: str, pooling: str = "max", activation: str =
             f.write("\n")
 
 
+INFERENCE_FREE_QUERY = "query_0_SparseStaticEmbedding"  # sentence-transformers' Router folder names
+INFERENCE_FREE_DOCUMENT = "document_0_MLMTransformer"
+INFERENCE_FREE_POOLING = "document_1_SpladePooling"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt")
+
+
+def document_folder(directory: str) -> str:
+    """Where an inference-free SPLADE dir keeps its document model (a transformers *ForMaskedLM dir)."""
+    return os.path.join(directory, INFERENCE_FREE_DOCUMENT)
+
+
+def write_inference_free_encoder(directory: str, query_weights, pooling: str = "max", activation: str = "relu",
+                                 max_length: Optional[int] = None) -> None:
+    """Makes `directory`, whose `document_folder` holds the document model in transformers' format, an
+    inference-free SPLADE dir as sentence-transformers' `Router.for_query_document` saves one: queries through
+    SparseStaticEmbedding (`query_weights` `[vocab]`, with a copy of the document model's tokenizer, as its
+    module holds one), documents through the masked-LM transformer and SpladePooling."""
+    import shutil
+
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    query = os.path.join(directory, INFERENCE_FREE_QUERY)
+    os.makedirs(query, exist_ok=True)
+    os.makedirs(os.path.join(directory, INFERENCE_FREE_POOLING), exist_ok=True)
+    for name in TOKENIZER_FILES:
+        if os.path.isfile(os.path.join(document_folder(directory), name)):
+            shutil.copyfile(os.path.join(document_folder(directory), name), os.path.join(query, name))
+    save_file({"weight": np.ascontiguousarray(query_weights, np.float32)}, os.path.join(query, "model.safetensors"))
+    types = {INFERENCE_FREE_QUERY: "sentence_transformers.sparse_encoder.models.SparseStaticEmbedding",
+             INFERENCE_FREE_DOCUMENT: "sentence_transformers.sparse_encoder.models.MLMTransformer",
+             INFERENCE_FREE_POOLING: "sentence_transformers.sparse_encoder.models.SpladePooling"}
+    files = {"modules.json": [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Router"}],
+             "router_config.json": {"types": types,
+                                    "structure": {"query": [INFERENCE_FREE_QUERY],
+                                                  "document": [INFERENCE_FREE_DOCUMENT, INFERENCE_FREE_POOLING]},
+                                    "parameters": {"default_route": "document", "allow_empty_key": True,
+                                                   "route_mappings": {}}},
+             f"{INFERENCE_FREE_QUERY}/config.json": {"frozen": False},
+             f"{INFERENCE_FREE_POOLING}/config.json": {"pooling_strategy": pooling, "activation_function": activation},
+             "config_sentence_transformers.json": {"model_type": "SparseEncoder", "similarity_fn_name": "dot",
+                                                   "prompts": {"query": "", "document": ""},
+                                                   "default_prompt_name": None}}
+    if max_length:
+        files[f"{INFERENCE_FREE_DOCUMENT}/sentence_bert_config.json"] = {"max_seq_length": int(max_length),
+                                                                         "do_lower_case": False}
+    for name, content in files.items():
+        with open(os.path.join(directory, name), "w", encoding="utf-8") as f:
+            json.dump(content, f, indent=2)
+            f.write("\n")
+
+
 def module_config(folder: str) -> dict:
     """A sentence-transformers module's `config.json` ({} when it has none)."""
     path = os.path.join(folder, "config.json")

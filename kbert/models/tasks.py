@@ -117,10 +117,17 @@ class SpladeNetwork(keras.Model):
     `head_weights` (the starting model's head, in `MaskedLMHead.weights` order) are copied into it.
 
     The head runs at every token ([b, s, vocab] logits), unlike pretraining's, which runs at the masked
-    positions only: a SPLADE vector reads each token's predicted vocabulary."""
+    positions only: a SPLADE vector reads each token's predicted vocabulary.
+
+    Inference-free SPLADE (`query_weights`, `[vocab]`): queries do not run the model; `query_vectors` gives each
+    query token its entry of a trained table (sentence-transformers' SparseStaticEmbedding). The table trains
+    `query_scale` times faster than the other weights: its variable `raw` holds the table / `query_scale`, and
+    reads back as `query_scale x raw` with the gradient of `raw` unscaled (`query_weights`). Adam's step on `raw` is about the learning rate whatever the gradient's size, so the table moves
+    `query_scale` times as far per step (sentence-transformers trains it at its own learning rate, 1e-3 beside
+    the model's 2e-5), while gradient clipping and the optimizer see its plain gradient."""
 
     def __init__(self, backbone, head_weights: Sequence = (), pooling: str = "max", activation: str = "relu",
-                 **kwargs):
+                 query_weights=None, query_scale: float = 1.0, **kwargs):
         from kbert.models.layers import MaskedLMHead
 
         super().__init__(name=kwargs.pop("name", "splade"), **kwargs)
@@ -135,9 +142,46 @@ class SpladeNetwork(keras.Model):
                                  f"were given")
             for variable, value in zip(self.mlm_head.weights, head_weights):
                 variable.assign(value)
+        self.query_scale = float(query_scale)
+        self.query_table = None  # the inference-free query side's `[vocab]` table / query_scale
+        if query_weights is not None:
+            init = np.asarray(query_weights, np.float32) / self.query_scale
+            if init.shape != (self.config.vocab_size,):
+                raise ValueError(f"`query_weights` must hold one weight per vocabulary token "
+                                 f"({self.config.vocab_size}). Received shape {init.shape}")
+            self.query_table = self.add_weight(shape=init.shape, initializer=keras.initializers.Constant(init),
+                                               dtype="float32", name="query_weights")
 
     def call(self, features, training=None):
         return splade_vectors(self.backbone, self.mlm_head, features, self.pooling, self.activation, training)
+
+    def query_weights(self):
+        """The inference-free query table `[vocab]` as it is read (the variable times `query_scale`)."""
+        raw = ops.convert_to_tensor(self.query_table)
+        # exactly query_scale x raw (the second term is 0), with d/d raw = 1; `raw + stop_gradient((scale - 1)
+        # raw)` would cancel to 0 in float32 when the scale is far below 1
+        return self.query_scale * ops.stop_gradient(raw) + (raw - ops.stop_gradient(raw))
+
+    def query_vectors(self, token_ids, keep):
+        """Inference-free queries' `[b, vocab]` float32 vectors: the table's weight at each distinct token of a
+        row where `keep` `[b, s]` is true (padding and [CLS] / [SEP] left out by the caller), 0 elsewhere, as
+        sentence-transformers' SparseStaticEmbedding gives a query (a token twice counts once)."""
+        return static_query_vectors(self.query_weights(), token_ids, keep)
+
+
+def static_query_vectors(table, token_ids, keep):
+    """`[b, vocab]`: `table[t]` at each distinct token t of row i of `token_ids` `[b, s]` where `keep` is true.
+    A token repeated in a row is kept at its first position only (a `[b, s, s]` comparison), so the scatter's
+    sum over a row's positions writes each token's weight once."""
+    ids = ops.cast(token_ids, "int32")
+    b, s = ops.shape(ids)[0], ops.shape(ids)[1]
+    earlier = ops.tril(ops.ones((s, s), "int32"), k=-1) > 0  # [s, s]: position j before position i
+    repeated = ops.any(ops.logical_and(ops.equal(ids[:, :, None], ids[:, None, :]), earlier[None]), axis=-1)
+    first = ops.logical_and(ops.cast(keep, "bool"), ops.logical_not(repeated))  # [b, s]
+    values = ops.take(table, ids) * ops.cast(first, "float32")  # [b, s]
+    rows = ops.broadcast_to(ops.arange(b, dtype="int32")[:, None], (b, s))
+    indices = ops.reshape(ops.stack([rows, ids], axis=-1), (-1, 2))
+    return ops.scatter(indices, ops.reshape(values, (-1,)), (b, ops.shape(table)[0]))
 
 
 def splade_vectors(backbone, mlm_head, features, pooling: str = "max", activation: str = "relu", training=None,

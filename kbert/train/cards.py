@@ -22,7 +22,10 @@ def data_name(data) -> str:
 def loss_text(c, task_name: str) -> str:
     """One dataset's loss, in words (a `FinetuneConfig` or a dataset's config)."""
     if task_name == "sparse-embedding":
-        return (f"SPLADE: in-batch negatives on dot products (SparseMultipleNegativesRankingLoss) + FLOPS "
+        free = (f"inference-free (the anchors read a per-token table trained at learning rate "
+                f"{c.query_learning_rate:g}, from the documents' IDF or the starting model's table), "
+                if getattr(c, "inference_free", False) else "")
+        return (f"SPLADE, {free}in-batch negatives on dot products (SparseMultipleNegativesRankingLoss) + FLOPS "
                 f"penalties {c.query_regularizer_weight:g} (anchors) and {c.document_regularizer_weight:g} "
                 f"(positives{', hard negatives' if c.negative_column else ''})")
     if task_name != "sentence-embedding":

@@ -102,6 +102,8 @@ class FinetuneConfig:
     symmetric: bool = False  # sentence-embedding in-batch losses: also rank each positive's anchor among the anchors
     query_regularizer_weight: float = 5e-5  # sparse-embedding: the FLOPS penalty on the anchors' vectors
     document_regularizer_weight: float = 3e-5  # ... and on the positives' and hard negatives'
+    inference_free: bool = False  # sparse-embedding: queries read a trained per-token table, not the model
+    query_learning_rate: float = 1e-3  # ... that table's learning rate (sentence-transformers' recipe)
     strategy: str = "auto"  # devices: auto | cpu | mirrored | tpu (several: Keras' JAX backend only)
     doc_stride: int = 128  # question-answering: context tokens shared by neighbouring windows
     max_query_length: int = 64  # question-answering: question tokens kept
@@ -178,6 +180,12 @@ class FinetuneConfig:
         if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not -2 < margin < 2:
             raise ValueError(f"`guide_margin` must be a number in (-2, 2) (a cosine difference). "
                              f"Received: guide_margin={margin!r}")
+        if not isinstance(self.inference_free, bool) or (self.inference_free and self.task != "sparse-embedding"):
+            raise ValueError(f"`inference_free` (True or False) goes with task='sparse-embedding'. "
+                             f"Received: inference_free={self.inference_free!r}, task={self.task!r}")
+        rate = self.query_learning_rate
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or rate <= 0:
+            raise ValueError(f"`query_learning_rate` must be a number > 0. Received: query_learning_rate={rate!r}")
         if not isinstance(self.symmetric, bool) or (self.symmetric and self.task not in IN_BATCH_TASKS):
             raise ValueError(f"`symmetric` (True or False) goes with task='sentence-embedding' or 'sparse-embedding'. "
                              f"Received: symmetric={self.symmetric!r}, task={self.task!r}")
@@ -211,7 +219,8 @@ def finetune(model: str, task: str, train, dev=None, out_dir: str = "finetuned",
              symmetric: bool = False, strategy: str = "auto", doc_stride: int = 128, max_query_length: int = 64,
              max_answer_length: int = 30, lora_rank: Optional[int] = None, lora_alpha: Optional[float] = None,
              lora_targets: str = "all", query_regularizer_weight: float = 5e-5,
-             document_regularizer_weight: float = 3e-5) -> dict:
+             document_regularizer_weight: float = 3e-5, inference_free: bool = False,
+             query_learning_rate: float = 1e-3) -> dict:
     """Fine-tunes the model dir `model` on `train`; returns a summary with the dev history.
 
     Args:
@@ -355,6 +364,16 @@ def finetune(model: str, task: str, train, dev=None, out_dir: str = "finetuned",
             them sparse (sentence-transformers' SpladeLoss defaults, for heads of long pretraining). A weak head
             (a short CPU pretraining) starts with thousands of active tokens, whose large dot products saturate
             the in-batch softmax, and wants them far larger: choose them on a selection split (benchmarks/splade.py).
+        inference_free, query_learning_rate: sparse-embedding only: inference-free SPLADE (OpenSearch's doc-only
+            sparse models; sentence-transformers' Router of SparseStaticEmbedding and SPLADE). Documents (the
+            positives and hard negatives) go through the model; a query (the anchor) is a trained weight per
+            vocabulary token, given to each token it holds, so searching runs no model at all. The table starts
+            as the training documents' BM25 IDF of each token (or as the starting model's table, when it is an
+            inference-free model itself) and trains at `query_learning_rate` (sentence-transformers' 1e-3),
+            beside the model's `learning_rate`. sentence-transformers' recipe puts no FLOPS penalty on such
+            queries: set `query_regularizer_weight=0` to follow it. The output is an inference-free
+            SparseEncoder dir that sentence-transformers and `kbert.SparseEncoder` read (`encode_query` reads
+            the table).
 
     Example:
         >>> kbert.finetune("my-model", "classification", "train.tsv", "dev.tsv", out_dir="sentiment",
@@ -411,10 +430,11 @@ def _load(config: FinetuneConfig, task):
     if task.sparse:  # SPLADE: a masked-LM dir, or a SparseEncoder dir (its transformer's folder)
         st = None
         found = read_sparse_encoder(model_dir) or {"model_dir": model_dir}
-        if found.get("query_weights") is not None:
+        if found.get("query_weights") is not None and not config.inference_free:
             raise ValueError(f"{model_dir} is an inference-free SPLADE model (its queries read a weight table, not the "
-                             f"model); sparse-embedding fine-tuning trains SPLADE on both sides and would drop that "
-                             f"table: start from its document model, {found['model_dir']}")
+                             f"model); give inference_free=True (--inference-free) to train it on, table and all, or "
+                             f"start from its document model, {found['model_dir']}, to train SPLADE on both sides")
+        task.start_query_weights = found.get("query_weights")  # the inference-free table to go on from
         weights_dir = found["model_dir"]
     else:
         st = None if meta else read_sentence_transformers(model_dir)
@@ -611,7 +631,7 @@ def _run(c: FinetuneConfig, task, before_training, distribution) -> dict:
     # one update: tf.function + GradientTape on TensorFlow, jax.jit of the stateless update on JAX; the batch's
     # split point n and the loss key are static (a compiled step per value: full and last batches, few keys)
     if c.mini_batch_size:  # gradient caching: the vectors a chunk at a time, then each chunk's backward pass
-        if not hasattr(task, "embedding_loss") or task.other_variables():
+        if not hasattr(task, "embedding_loss") or task.other_variables() or c.inference_free:
             raise ValueError(f"`mini_batch_size` (gradient caching) applies to task='sentence-embedding'. "
                              f"Received: task={task.name!r}")
         train_step = cached_training_step(lambda feats: task.embed(network, feats),

@@ -16,7 +16,8 @@ knows none of it, and a new task is one class added to `TASKS`.
                           (cosine regression onto score / max score, or CoSENT's ranking loss) or, without
                           a score column, (anchor, positive) pairs with in-batch negatives
     sparse-embedding      SPLADE: the masked-LM head's weight per vocabulary token, max-pooled, on (anchor,
-                          positive) pairs with in-batch negatives on dot products and a FLOPS sparsity penalty
+                          positive) pairs with in-batch negatives on dot products and a FLOPS sparsity penalty;
+                          inference-free: the anchors read a trained per-token table instead of the model
 
 Shapes: b = batch, s = padded length, k = labels, h = hidden size.
 """
@@ -1051,10 +1052,18 @@ class SparseEmbeddingTask(SentenceEmbeddingTask):
     the sum over the vocabulary of the squared mean weight, times `query_regularizer_weight`, and the same of
     the positives' and hard negatives' times `document_regularizer_weight` (SpladeLoss). The model must hold a
     trained masked-LM head (a `kbert pretrain` output, a *ForMaskedLM dir, a SPLADE dir). The output dir is a
-    sentence-transformers SparseEncoder dir in transformers' format, which `kbert.SparseEncoder` reads too."""
+    sentence-transformers SparseEncoder dir in transformers' format, which `kbert.SparseEncoder` reads too.
+
+    `config.inference_free`: the anchors (queries) do not run the model; each reads the network's query table at
+    its distinct tokens (`SpladeNetwork.query_vectors`), which trains beside the model, from the documents'
+    BM25 IDF (`idf`) or the starting model's table. The output is then sentence-transformers' inference-free
+    Router dir (`kbert.models.st_dir.write_inference_free_encoder`)."""
     name = "sparse-embedding"
     metric = "recall@1"
     sparse = True
+    start_query_weights = None  # an inference-free starting model's query table (finetune's `_load` sets it)
+    query_init = None  # inference-free: the query table training starts from (`fit`)
+    network_built = None  # the network `network` built: `evaluate` reads its query table
 
     @property
     def token_head(self) -> bool:  # the head reads every token's logits: no pooling or layers to choose
@@ -1074,7 +1083,41 @@ class SparseEmbeddingTask(SentenceEmbeddingTask):
             value = getattr(c, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
                 raise ValueError(f"`{name}` must be a number >= 0. Received: {value!r}")
+        if getattr(c, "inference_free", False) and (c.mini_batch_size or c.lora_rank):
+            raise ValueError("inference-free SPLADE trains the query table beside the model: `mini_batch_size` "
+                             "(gradient caching) and `lora_rank` do not apply to it")
         super().check()
+
+    @property
+    def inference_free(self) -> bool:
+        return bool(getattr(self.config, "inference_free", False))
+
+    def encode(self, rows, tokenizer, max_length, split):
+        self.skip_ids = (tokenizer.pad_id, tokenizer.cls_id, tokenizer.sep_id)  # not query tokens (inference-free)
+        return super().encode(rows, tokenizer, max_length, split)
+
+    def fit(self, train):
+        super().fit(train)
+        if self.inference_free:
+            self.query_init = (self.start_query_weights if self.start_query_weights is not None
+                               else self.idf(train, self.vocab_size))
+
+    def idf(self, train, vocab_size: int) -> np.ndarray:
+        """`[vocab]` BM25 IDF of each token over the training documents (positives and hard negatives, each
+        distinct text once): log(1 + (N - df + 0.5) / (df + 0.5)), 0 for [PAD], [CLS] and [SEP]. Rare tokens
+        weigh most, as in BM25, which is where an inference-free query table starts (OpenSearch's doc-only
+        models read such a table, sentence-transformers' SparseStaticEmbedding.from_json loads one)."""
+        documents = list(train.pair_token_ids or [])
+        if train.negative_token_ids is not None:
+            documents += train.negative_token_ids
+        documents = list({tuple(ids) for ids in documents})
+        df = np.zeros(vocab_size, np.float64)
+        for ids in documents:
+            df[np.unique(np.asarray(ids, np.int64))] += 1
+        n = len(documents)
+        out = np.log1p((n - df + 0.5) / (df + 0.5)).astype(np.float32)
+        out[list(self.skip_ids)] = 0.0
+        return out
 
     def load_backbone(self, weights_dir: str, dtype):
         import keras
@@ -1084,6 +1127,7 @@ class SparseEmbeddingTask(SentenceEmbeddingTask):
         full = load_model(weights_dir, with_heads=True, require_heads=True, dtype=dtype)
         check_exportable(full.config)  # the output is written in transformers' format
         self.head_weights = [keras.ops.convert_to_numpy(w) for w in full.mlm_head.weights]
+        self.vocab_size = full.config.vocab_size
         return full.backbone
 
     def check_model(self, backbone):
@@ -1092,7 +1136,31 @@ class SparseEmbeddingTask(SentenceEmbeddingTask):
     def network(self, backbone, dropout, pooling, layers):
         from kbert.models.tasks import SpladeNetwork
 
-        return SpladeNetwork(backbone, self.head_weights)
+        c = self.config
+        scale = c.query_learning_rate / c.learning_rate if self.inference_free else 1.0
+        self.network_built = SpladeNetwork(backbone, self.head_weights, query_weights=self.query_init,
+                                           query_scale=scale)
+        return self.network_built
+
+    def loss(self, network, feats, y, n, key: int = 0):
+        if not self.inference_free:
+            return super().loss(network, feats, y, n, key)
+        import keras
+
+        # the anchors (queries) read the table; the positives and hard negatives run through the model
+        documents = network({k: v[n:] for k, v in feats.items()}, training=True)
+        ids = feats["token_ids"][:n]
+        return self.embedding_loss(keras.ops.concatenate([network.query_vectors(ids, self.query_mask(ids)),
+                                                          documents], axis=0), y, n, key)
+
+    def query_mask(self, ids):
+        """`[b, s]` bool: the positions of `ids` that are query tokens (not [PAD], [CLS] or [SEP])."""
+        import keras
+
+        keep = keras.ops.ones_like(ids, dtype="bool")
+        for i in self.skip_ids:
+            keep = keras.ops.logical_and(keep, keras.ops.not_equal(ids, i))
+        return keep
 
     def save(self, network, out_dir, tokenizer, meta):
         """A SparseEncoder dir: the backbone and head as transformers' *ForMaskedLM, with sentence-transformers'
@@ -1105,8 +1173,17 @@ class SparseEmbeddingTask(SentenceEmbeddingTask):
         model = build_pretrainer(Pretrainer(network.backbone, pair_objective=None))
         for variable, value in zip(model.mlm_head.weights, network.mlm_head.weights):
             variable.assign(value)
-        export_transformers(model, out_dir, tokenizer=tokenizer)
-        write_sparse_encoder(out_dir, network.pooling, network.activation, meta.get("max_length"))
+        if not self.inference_free:
+            export_transformers(model, out_dir, tokenizer=tokenizer)
+            write_sparse_encoder(out_dir, network.pooling, network.activation, meta.get("max_length"))
+            return
+        import keras
+
+        from kbert.models.st_dir import document_folder, write_inference_free_encoder
+
+        export_transformers(model, document_folder(out_dir), tokenizer=tokenizer)
+        write_inference_free_encoder(out_dir, keras.ops.convert_to_numpy(network.query_weights()),
+                                     network.pooling, network.activation, meta.get("max_length"))
 
     def _loss_at(self, v, y, n):
         import keras
@@ -1123,7 +1200,18 @@ class SparseEmbeddingTask(SentenceEmbeddingTask):
                 + self.config.document_regularizer_weight * flops(others))
 
     def evaluate(self, infer, examples, batch_size, pad_id):
-        a = vectors_in_batches(infer, examples.token_ids, pad_id, batch_size)
+        if self.inference_free:  # the queries read the table as it is now
+            import keras
+
+            network = self.network_built
+
+            def infer_queries(ids, segments):
+                del segments
+                return keras.ops.convert_to_numpy(network.query_vectors(ids, self.query_mask(ids)))
+
+            a = vectors_in_batches(infer_queries, examples.token_ids, pad_id, batch_size)
+        else:
+            a = vectors_in_batches(infer, examples.token_ids, pad_id, batch_size)
         b = vectors_in_batches(infer, examples.pair_token_ids, pad_id, batch_size)
         scores = a @ b.T  # dot products, as SPLADE ranks
         return {"recall@1": float(np.mean(np.argmax(scores, axis=1) == np.arange(len(a)))),
