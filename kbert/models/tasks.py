@@ -122,9 +122,10 @@ class SpladeNetwork(keras.Model):
     Inference-free SPLADE (`query_weights`, `[vocab]`): queries do not run the model; `query_vectors` gives each
     query token its entry of a trained table (sentence-transformers' SparseStaticEmbedding). The table trains
     `query_scale` times faster than the other weights: its variable `raw` holds the table / `query_scale`, and
-    reads back as `query_scale x raw` with the gradient of `raw` unscaled (`query_weights`). Adam's step on `raw` is about the learning rate whatever the gradient's size, so the table moves
-    `query_scale` times as far per step (sentence-transformers trains it at its own learning rate, 1e-3 beside
-    the model's 2e-5), while gradient clipping and the optimizer see its plain gradient."""
+    reads back as `query_scale x raw` with the gradient of `raw` unscaled (`query_weights`). Adam's step on
+    `raw` is about the learning rate whatever the gradient's size, so the table moves `query_scale` times as
+    far per step (sentence-transformers trains it at its own learning rate, 1e-3 beside the model's 2e-5),
+    while gradient clipping and the optimizer see its plain gradient."""
 
     def __init__(self, backbone, head_weights: Sequence = (), pooling: str = "max", activation: str = "relu",
                  query_weights=None, query_scale: float = 1.0, **kwargs):
