@@ -8,7 +8,13 @@ batch and seeds; its best epoch kept by recall@1 on the selection split):
 - a dense bi-encoder (`task="sentence-embedding"`, mean pooling, cosine / temperature 0.05);
 - SPLADE (`task="sparse-embedding"`: dot products, FLOPS penalties 5e-5 / 3e-5 times a scale the selection
   split picks);
-- the dense and SPLADE models' scores added after each is standardized per query (a hybrid of the two).
+- inference-free SPLADE (`inference_free=True`: the questions read a trained per-token table that starts at the
+  documents' IDF, the paraphrases run the model; no FLOPS penalty on the queries, as sentence-transformers'
+  recipe; the document penalty times a scale the selection split picks);
+- the dense and SPLADE models' scores added after each is standardized per query (a hybrid of the two), over
+  every candidate; then the same two models through `kbert.hybrid_search` over a `kbert.SearchIndex` and a
+  `kbert.SparseIndex` of the candidates, as a user searches (each side proposes its first 100, the union is
+  standardized; and reciprocal rank fusion).
 
 Sets as `benchmarks/quality.py --only embeddings` cuts them: question-pair train paraphrases less a fixed 10%
 selection part (`kbert.selection_split`), which picks each row's epoch and the learning rates; question-pair
@@ -26,7 +32,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -82,8 +90,20 @@ def main(argv=None):
         emb = kbert.Embedder.load(directory, max_length=64)
         return lambda texts: emb.encode(texts, progress=False)
 
-    def figures(encode, active=None):
-        return {"select": retrieval_recall(encode, sets["qp_select"]), "dev": retrieval_recall(encode, sets["qp_dev"]),
+    def free_first(directory):
+        """Inference-free retrieval: the queries' table lookups against the documents' SPLADE vectors."""
+        enc = kbert.SparseEncoder.load(directory, max_length=64)
+        active = []
+
+        def first(queries, candidates):
+            documents = enc.encode_document(candidates)
+            active.append(documents.getnnz() / max(documents.shape[0], 1))
+            return np.asarray((enc.encode_query(queries) @ documents.T).argmax(axis=1)).reshape(-1)
+        return first, active
+
+    def figures(encode, active=None, first=None):
+        return {"select": retrieval_recall(encode, sets["qp_select"], first),
+                "dev": retrieval_recall(encode, sets["qp_dev"], first),
                 **({"active_dims": float(np.mean(active))} if active else {})}
 
     def cached(name, fn):
@@ -102,30 +122,36 @@ def main(argv=None):
                "masked-LM head as SPLADE, no fine-tuning": [
                    cached("zero-shot", lambda: figures(*splade_encode(model_dir)))]}
     chosen = {}  # kind -> the name of the settings the selection split picked on seed 0
-    for kind, task in (("dense", "sentence-embedding"), ("splade", "sparse-embedding")):
+    for kind, task in (("dense", "sentence-embedding"), ("splade", "sparse-embedding"),
+                       ("inference-free", "sparse-embedding")):
         for seed in range(args.seeds):
             def tuned(lr, scale=1, kind=kind, task=task, seed=seed):
                 name = f"{kind}-lr{lr:g}" + (f"-reg{scale:g}" if scale != 1 else "")
                 directory = os.path.join(out, f"{name}-seed{seed}")
                 options = dict(DENSE) if kind == "dense" else {
                     "query_regularizer_weight": 5e-5 * scale, "document_regularizer_weight": 3e-5 * scale}
+                if kind == "inference-free":
+                    options.update(inference_free=True, query_regularizer_weight=0.0)
 
                 def run():
                     summary = kbert.finetune(model_dir, task, train, select_pairs, out_dir=directory,
                                              text_column="anchor", pair_column="positive", label_column=None,
                                              epochs=args.epochs, batch_size=args.batch_size, learning_rate=lr,
                                              max_length=64, patience=None, seed=seed, progress=False, **options)
+                    if kind == "inference-free":
+                        first, active = free_first(directory)
+                        return {"best_step": summary["best_step"], **figures(None, active, first)}
                     made = splade_encode(directory) if kind == "splade" else (dense_encode(directory),)
                     return {"best_step": summary["best_step"], **figures(*made)}
                 return dict(cached(f"{name}-seed{seed}", run), name=name, lr=lr, scale=scale)
             if seed == 0:  # settings picked by selection recall on seed 0 serve every seed
                 best = max((tuned(lr) for lr in LEARNING_RATES), key=lambda r: r["select"])
-                if kind == "splade":  # then the FLOPS penalty at that learning rate
+                if kind != "dense":  # then the FLOPS penalty at that learning rate
                     best = max([best] + [tuned(best["lr"], k) for k in PENALTY_SCALES[1:]], key=lambda r: r["select"])
                 chosen[kind] = best
                 print(f"{kind}: {best['name']} chosen on the selection split", flush=True)
             best = chosen[kind]
-            label = f"{kind} ({task}, lr {best['lr']:g}" + (f", FLOPS x{best['scale']:g}" if kind == "splade" else "")
+            label = f"{kind} ({task}, lr {best['lr']:g}" + (f", FLOPS x{best['scale']:g}" if kind != "dense" else "")
             results.setdefault(label + ")", []).append(tuned(best["lr"], best["scale"]))
 
     def hybrid(seed):
@@ -139,6 +165,27 @@ def main(argv=None):
                 "dev": retrieval_recall(None, sets["qp_dev"], first)}
     results["dense + SPLADE, standardized scores added"] = [cached(f"hybrid-seed{k}", lambda k=k: hybrid(k))
                                                            for k in range(args.seeds)]
+
+    def indexed(seed, fusion):
+        """kbert.hybrid_search over a SearchIndex and a SparseIndex of each split's candidates (built afresh,
+        in a temporary dir): each side proposes its first 100, the union is fused."""
+        dirs = [os.path.join(out, f"{chosen[kind]['name']}-seed{seed}") for kind in ("dense", "splade")]
+
+        def first(queries, candidates):
+            tmp = tempfile.mkdtemp(dir=out)
+            try:
+                dense = kbert.SearchIndex.build(dirs[0], candidates, os.path.join(tmp, "dense"), progress=False)
+                sparse = kbert.SparseIndex.build(dirs[1], candidates, os.path.join(tmp, "sparse"), progress=False)
+                hits = kbert.hybrid_search(dense, sparse, queries, top_k=1, fusion=fusion, candidates=100)
+            finally:
+                shutil.rmtree(tmp)
+            return np.array([found[0].id if found else -1 for found in hits])
+        return {"select": retrieval_recall(None, sets["qp_select"], first),
+                "dev": retrieval_recall(None, sets["qp_dev"], first)}
+    for fusion, label in (("zscore", "standardized over the union"), ("rrf", "reciprocal ranks")):
+        results[f"the same through kbert.hybrid_search (two indexes, 100 candidates a side, {label})"] = [
+            cached(f"hybrid-index-{fusion}-seed{k}", lambda k=k, fusion=fusion: indexed(k, fusion))
+            for k in range(args.seeds)]
 
     print(f"\n| question-pair retrieval (mean of {args.seeds} fine-tuning seeds) | selection recall@1 | "
           f"**dev recall@1** (reported only) | SPLADE active dims |\n|---|---:|---:|---:|")
