@@ -172,6 +172,11 @@ def _read_inference_free(directory: str, found: dict):
     return found
 
 
+# config_sentence_transformers.json of a SPLADE model
+SPARSE_ENCODER_CONFIG = {"model_type": "SparseEncoder", "similarity_fn_name": "dot",
+                         "prompts": {"query": "", "document": ""}, "default_prompt_name": None}
+
+
 def write_sparse_encoder(directory: str, pooling: str = "max", activation: str = "relu",
                          max_length: Optional[int] = None) -> None:
     """Adds sentence-transformers' SparseEncoder files (modules.json: MLMTransformer at the root, then
@@ -181,16 +186,27 @@ def write_sparse_encoder(directory: str, pooling: str = "max", activation: str =
                 "type": "sentence_transformers.sparse_encoder.models.MLMTransformer"},
                {"idx": 1, "name": "1", "path": "1_SpladePooling",
                 "type": "sentence_transformers.sparse_encoder.models.SpladePooling"}]
-    files = {"modules.json": modules,
-             "1_SpladePooling/config.json": {"pooling_strategy": pooling, "activation_function": activation},
-             "config_sentence_transformers.json": {"model_type": "SparseEncoder", "similarity_fn_name": "dot",
-                                                   "prompts": {"query": "", "document": ""},
-                                                   "default_prompt_name": None}}
+    files = {"modules.json": modules, "1_SpladePooling/config.json": _splade_pooling_config(pooling, activation),
+             "config_sentence_transformers.json": SPARSE_ENCODER_CONFIG}
     if max_length:
-        files["sentence_bert_config.json"] = {"max_seq_length": int(max_length), "do_lower_case": False}
-    os.makedirs(os.path.join(directory, "1_SpladePooling"), exist_ok=True)
+        files["sentence_bert_config.json"] = _length_config(max_length)
+    _write_json_files(directory, files)
+
+
+def _splade_pooling_config(pooling: str, activation: str) -> dict:
+    return {"pooling_strategy": pooling, "activation_function": activation}
+
+
+def _length_config(max_length: int) -> dict:
+    return {"max_seq_length": int(max_length), "do_lower_case": False}
+
+
+def _write_json_files(directory: str, files: dict) -> None:
+    """Writes each {relative path: content} as indented JSON under `directory`, making its folders."""
     for name, content in files.items():
-        with open(os.path.join(directory, name), "w", encoding="utf-8") as f:
+        path = os.path.join(directory, name)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w", encoding="utf-8") as f:
             json.dump(content, f, indent=2)
             f.write("\n")
 
@@ -219,7 +235,6 @@ def write_inference_free_encoder(directory: str, query_weights, pooling: str = "
 
     query = os.path.join(directory, INFERENCE_FREE_QUERY)
     os.makedirs(query, exist_ok=True)
-    os.makedirs(os.path.join(directory, INFERENCE_FREE_POOLING), exist_ok=True)
     for name in TOKENIZER_FILES:
         if os.path.isfile(os.path.join(document_folder(directory), name)):
             shutil.copyfile(os.path.join(document_folder(directory), name), os.path.join(query, name))
@@ -234,17 +249,11 @@ def write_inference_free_encoder(directory: str, query_weights, pooling: str = "
                                     "parameters": {"default_route": "document", "allow_empty_key": True,
                                                    "route_mappings": {}}},
              f"{INFERENCE_FREE_QUERY}/config.json": {"frozen": False},
-             f"{INFERENCE_FREE_POOLING}/config.json": {"pooling_strategy": pooling, "activation_function": activation},
-             "config_sentence_transformers.json": {"model_type": "SparseEncoder", "similarity_fn_name": "dot",
-                                                   "prompts": {"query": "", "document": ""},
-                                                   "default_prompt_name": None}}
+             f"{INFERENCE_FREE_POOLING}/config.json": _splade_pooling_config(pooling, activation),
+             "config_sentence_transformers.json": SPARSE_ENCODER_CONFIG}
     if max_length:
-        files[f"{INFERENCE_FREE_DOCUMENT}/sentence_bert_config.json"] = {"max_seq_length": int(max_length),
-                                                                         "do_lower_case": False}
-    for name, content in files.items():
-        with open(os.path.join(directory, name), "w", encoding="utf-8") as f:
-            json.dump(content, f, indent=2)
-            f.write("\n")
+        files[f"{INFERENCE_FREE_DOCUMENT}/sentence_bert_config.json"] = _length_config(max_length)
+    _write_json_files(directory, files)
 
 
 def module_config(folder: str) -> dict:

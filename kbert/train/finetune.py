@@ -631,7 +631,7 @@ def _run(c: FinetuneConfig, task, before_training, distribution) -> dict:
     # one update: tf.function + GradientTape on TensorFlow, jax.jit of the stateless update on JAX; the batch's
     # split point n and the loss key are static (a compiled step per value: full and last batches, few keys)
     if c.mini_batch_size:  # gradient caching: the vectors a chunk at a time, then each chunk's backward pass
-        if not hasattr(task, "embedding_loss") or task.other_variables() or c.inference_free:
+        if not hasattr(task, "embedding_loss") or task.other_variables():
             raise ValueError(f"`mini_batch_size` (gradient caching) applies to task='sentence-embedding'. "
                              f"Received: task={task.name!r}")
         train_step = cached_training_step(lambda feats: task.embed(network, feats),
