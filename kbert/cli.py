@@ -618,7 +618,7 @@ def _serve(args):
     serve(args.model, host=args.host, port=args.port, max_batch_tokens=args.max_batch_tokens,
           max_wait_ms=args.max_wait_ms, max_queue=args.max_queue, max_texts=args.max_texts,
           max_chars=args.max_chars, timeout_s=args.timeout, jit_compile=args.jit_compile == "on",
-          keywords_analyzer=args.keywords_analyzer, index=args.index, hybrid=args.hybrid)
+          keywords_analyzer=args.keywords_analyzer, index=args.index, hybrid=args.hybrid, reranker=args.reranker)
 
 
 def _export(args):
@@ -1591,6 +1591,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--index", help="a `kbert index build` dir that POST /v1/search searches (built with this model)")
     p.add_argument("--hybrid", help="with --index: an index of the other kind (dense or SPLADE) over the same texts; "
                                     "/v1/search fuses both (kbert.hybrid_search), loading the model that built it")
+    p.add_argument("--reranker", help="with --index: a cross-encoder dir (a reranker, a `kbert finetune` pair "
+                                      "regression, or its ONNX export) that re-scores each /v1/search query's first "
+                                      "hits (the request's \"candidates\", default 100)")
     p.set_defaults(func=_serve)
 
     p = sub.add_parser("export", help="a SavedModel that takes raw strings (TF Serving layout DIR/VERSION/), or an "

@@ -59,7 +59,13 @@ Routes (JSON in and out; errors are `{"error": {"message", "type", "code"}}` wit
                           texts, DIR2's queries encoded by the model that built it, loaded beside the served one):
                           `kbert.hybrid_search`, with "weight"?: the sparse side's share in [0, 1] (default 0.5),
                           "fusion"?: "zscore" (default) | "rrf", "candidates"?: int (each side's, default 100);
-                          the score is the fused one; "lexical" is not taken
+                          the score is the fused one; "lexical" is not taken.
+                          Retrieve and rerank (`kbert serve --index DIR --reranker DIR3`: a cross-encoder, loaded
+                          beside the served model, its pairs batched like every other text): each query's first
+                          "candidates"?: int (default 100) hits are re-scored by it and re-ordered, deeper ones
+                          keep their order (`SearchIndex.search(reranker=...)`); the score is the reranker's;
+                          "rerank"?: false skips it for a request. With --hybrid too, "candidates" is both each
+                          side's proposals and the hits re-scored, as in `kbert.hybrid_search(reranker=...)`
     GET  /health          200 {"status": "ok"} once the model has run once; 503 {"status": "loading"} before
     GET  /metrics         Prometheus text: requests by route and status, latency, batch sizes, queue depth,
                           XLA compilations pending
@@ -125,7 +131,8 @@ class Engine:
 
     def __init__(self, model_dir: str, max_batch_tokens: int = 8192, max_wait_ms: float = 5.0,
                  max_queue: int = 4096, batch_size: int = 64, jit_compile: bool = True,
-                 keywords_analyzer: str = "mecab", index: Optional[str] = None, hybrid: Optional[str] = None):
+                 keywords_analyzer: str = "mecab", index: Optional[str] = None, hybrid: Optional[str] = None,
+                 reranker: Optional[str] = None):
         from kbert.embed.embedder import load_static
         from kbert.embed.onnx_runtime import is_onnx_dir, read_info
 
@@ -175,6 +182,8 @@ class Engine:
         # /v1/search's other half (kbert.hybrid_search): the other kind of index over the same texts, its queries
         # encoded by the model that built it (named in the index), batched here like the served model's
         self.hybrid_index = None if hybrid is None else self._hybrid(hybrid, jit_compile)
+        # retrieve, then rerank: a cross-encoder re-scores /v1/search's first hits, its pairs batched here too
+        self.reranker = None if reranker is None else self._reranker(reranker)
         if self.embedder is not None:  # XLA for sentence vectors, new batch shapes compiled off the request path
             self.embedder.jit_compile = "background" if jit_compile else False
         # a static model may keep every token
@@ -219,6 +228,26 @@ class Engine:
             other.embedder.jit_compile = "background" if jit_compile else False
         return other
 
+    def _reranker(self, path: str):
+        from kbert.embed.onnx_runtime import is_onnx_dir
+
+        if self.search_index is None:
+            raise ValueError("--reranker re-scores /v1/search's hits: give the index it searches with --index too (a "
+                             "cross-encoder alone is served with --model, on /v1/rerank)")
+        if is_onnx_dir(path):
+            from kbert.embed.onnx_task import OnnxTaskModel
+
+            model = OnnxTaskModel.load(path)
+        else:
+            from kbert.embed.task_model import TaskModel
+
+            model = TaskModel.load(path)
+        try:
+            model.check_rankable()
+        except ValueError as e:
+            raise ValueError(f"--reranker {path} is not a cross-encoder: {e}") from None
+        return model
+
     def routes(self) -> List[str]:
         """The POST routes this model answers; the others answer 404 saying what they need."""
         out = ["/v1/embeddings", "/v1/similarity", "/v1/keywords"] if self.embedder is not None else []
@@ -259,6 +288,8 @@ class Engine:
             self.hybrid_index.encode_queries(["준비"], batch_size=1)
             if self.embedder is None:  # a SPLADE model served: the hybrid's other index is the dense one
                 self.hybrid_index.embedder.wait_compiled()
+        if self.reranker is not None:
+            self.reranker.predict(["준비"], pairs=["준비"])
         if self.task_model is not None and self.task_model.task == "question-answering":
             self.task_model.answer("준비", "준비")
         elif self.task_model is not None:
@@ -305,6 +336,8 @@ class Engine:
             cost += sum(len(p) + 2 for p in pairs)
         if kind == "zero-shot":  # each text runs once beside each candidate label's hypothesis
             cost *= len(options["candidate_labels"])
+        if kind == "rerank":  # each query runs beside each of its hits' texts
+            cost += sum(self.cost(p) for p in pairs)
         job = _Job(kind, texts, pairs, options, future, loop, cost)
         with self._cond:
             if self._queued + len(texts) > self.max_queue:
@@ -394,6 +427,9 @@ class Engine:
             return self.search_index.encode_queries(texts, batch_size=self.batch_size)
         if kind == "hybrid-query":  # the same queries for the hybrid's other index, by the model that built it
             return self.hybrid_index.encode_queries(texts, batch_size=self.batch_size)
+        if kind == "rerank":  # /v1/search's (query, hit) pairs through the --reranker cross-encoder
+            pairs = [p for j in group for p in j.pairs]
+            return self.reranker.scores(self.reranker.predict(texts, pairs=pairs, batch_size=self.batch_size))
         if kind == "answer":
             contexts = [p for j in group for p in j.pairs]
             return self.task_model.answer(texts, contexts, batch_size=self.batch_size, **options)
@@ -475,14 +511,15 @@ def _texts(value, field: str, max_texts: int, max_chars: int) -> List[str]:
 def build_app(model: str, max_batch_tokens: int = 8192, max_wait_ms: float = 5.0, max_queue: int = 4096,
               max_texts: int = 512, max_chars: int = 20000, timeout_s: float = 30.0, warm: bool = True,
               jit_compile: bool = True, keywords_analyzer: str = "mecab", index: Optional[str] = None,
-              hybrid: Optional[str] = None):
+              hybrid: Optional[str] = None, reranker: Optional[str] = None):
     """The Starlette app serving `model` (a kbert model dir, a fine-tuned task dir, or a Hugging Face dir);
     `app.state.engine` is its `Engine`. `warm=False` leaves /health at 503 until `engine.warm_up()`.
     `jit_compile`: sentence vectors through XLA (`Embedder(jit_compile="background")`), else the graph.
     `keywords_analyzer`: the `kbert.morphemes` analyzer of /v1/keywords. `index`: a `kbert.SearchIndex` dir that
     /v1/search searches (a `kbert.SparseIndex` for a SPLADE model). `hybrid`: an index of the other kind over the
     same texts (built by its own model, which the server loads too): /v1/search then fuses both
-    (`kbert.hybrid_search`)."""
+    (`kbert.hybrid_search`). `reranker`: a cross-encoder dir (a `kbert.TaskModel` that `rank`s, or its ONNX
+    export) that re-scores each /v1/search query's first "candidates" hits."""
     import contextlib
 
     from starlette.applications import Starlette
@@ -490,7 +527,7 @@ def build_app(model: str, max_batch_tokens: int = 8192, max_wait_ms: float = 5.0
     from starlette.routing import Route
 
     engine = Engine(model, max_batch_tokens, max_wait_ms, max_queue, jit_compile=jit_compile,
-                    keywords_analyzer=keywords_analyzer, index=index, hybrid=hybrid)
+                    keywords_analyzer=keywords_analyzer, index=index, hybrid=hybrid, reranker=reranker)
     name = str(model).rstrip("/").rsplit("/", 1)[-1]
 
     def error(e: HTTPError, route: str) -> JSONResponse:
@@ -798,26 +835,58 @@ def build_app(model: str, max_batch_tokens: int = 8192, max_wait_ms: float = 5.0
         group_by = data.get("group_by")
         if group_by is not None and not isinstance(group_by, str):
             raise HTTPError(400, "`group_by` must be a metadata key (a string)")
+        rerank = data.get("rerank", engine.reranker is not None)
+        if not isinstance(rerank, bool):
+            raise HTTPError(400, "`rerank` must be true or false")
+        if rerank and engine.reranker is None:
+            raise HTTPError(400, "`rerank` needs a cross-encoder: start the server with --reranker DIR")
+        candidates = data.get("candidates", 100)
+        if isinstance(candidates, bool) or not isinstance(candidates, int) or not 1 <= candidates <= 10_000:
+            raise HTTPError(400, "`candidates` must be an integer in [1, 10000]")
+        top_k = settings["top_k"]
+        if rerank:  # the first stage finds the hits the reranker re-scores, as `SearchIndex.search(reranker=...)`
+            settings["top_k"] = max(top_k, candidates)
         if engine.hybrid_index is not None:
             if weight:
                 raise HTTPError(400, "`lexical` (character n-grams mixed into a dense index) is not taken by a "
                                      "hybrid search; its sparse side is the --hybrid index")
-            return await hybrid(data, queries, where, group_by, settings, ticket)
-        fused = [k for k in ("weight", "fusion", "candidates") if k in data]
-        if fused:
-            raise HTTPError(400, f"`{fused[0]}` sets a hybrid search: start the server with --hybrid DIR (an index of "
-                                 f"the other kind over the same texts)")
-        if weight and not found.info.get("lexical"):
-            raise HTTPError(400, "`lexical` needs an index built with lexical=True (kbert index build --lexical)")
-        vectors = await engine.run("query", queries, {}, timeout=timeout_s, ticket=ticket)
-        # off the event loop: FAISS frees the GIL while it searches
-        if not issparse(vectors):  # a sparse index's query vectors stay a CSR matrix
-            vectors = np.asarray(vectors)
-        hits = await asyncio.to_thread(found.search, queries, query_vectors=vectors, lexical=weight,
-                                       where=where, group_by=group_by, **settings)
-        return found_hits(queries, hits)
+            hits = await hybrid(data, queries, where, group_by, settings, candidates, ticket)
+        else:
+            fused = [k for k in ("weight", "fusion") if k in data]
+            if fused or ("candidates" in data and not rerank):
+                raise HTTPError(400, f"`{(fused or ['candidates'])[0]}` sets a hybrid search (or, for `candidates`, "
+                                     f"the hits a reranker re-scores): start the server with --hybrid DIR (an index "
+                                     f"of the other kind over the same texts)"
+                                     + ("" if fused else " or --reranker DIR (a cross-encoder)"))
+            if weight and not found.info.get("lexical"):
+                raise HTTPError(400, "`lexical` needs an index built with lexical=True (kbert index build --lexical)")
+            vectors = await engine.run("query", queries, {}, timeout=timeout_s, ticket=ticket)
+            # off the event loop: FAISS frees the GIL while it searches
+            if not issparse(vectors):  # a sparse index's query vectors stay a CSR matrix
+                vectors = np.asarray(vectors)
+            hits = await asyncio.to_thread(found.search, queries, query_vectors=vectors, lexical=weight,
+                                           candidates=candidates, where=where, group_by=group_by, **settings)
+        if rerank:
+            hits = await reranked(queries, hits, candidates)
+        return found_hits(queries, [row[:top_k] for row in hits])
 
-    async def hybrid(data, queries, where, group_by, settings, ticket):
+    async def reranked(queries, hits, candidates):
+        """Each query's first `candidates` hits re-scored by the --reranker, all queries' pairs in one job."""
+        from kbert.embed.index import reorder_hits
+
+        heads = [row[:candidates] for row in hits]
+        texts = [q for q, head in zip(queries, heads) for _ in head]
+        if not texts:  # no hits at all (a filter that keeps nothing)
+            return hits
+        scores = await engine.run("rerank", texts, {}, pairs=[h.text for head in heads for h in head],
+                                  timeout=timeout_s)
+        out, start = [], 0
+        for row, head in zip(hits, heads):
+            out.append(reorder_hits(row, scores[start:start + len(head)]))
+            start += len(head)
+        return out
+
+    async def hybrid(data, queries, where, group_by, settings, candidates, ticket):
         from kbert.embed.hybrid import FUSIONS, hybrid_search
         from kbert.embed.index import SearchIndex
 
@@ -827,9 +896,6 @@ def build_app(model: str, max_batch_tokens: int = 8192, max_wait_ms: float = 5.0
         fusion = data.get("fusion", "zscore")
         if fusion not in FUSIONS:
             raise HTTPError(400, f"`fusion` must be one of {list(FUSIONS)}")
-        candidates = data.get("candidates", 100)
-        if isinstance(candidates, bool) or not isinstance(candidates, int) or not 1 <= candidates <= 10_000:
-            raise HTTPError(400, "`candidates` must be an integer in [1, 10000]")
         # both sides' queries wait in the queue together (the other side's first: the ticket, which lets a batch
         # close, goes with the last), so one batch of the worker encodes both
         other, own = await asyncio.gather(
@@ -838,10 +904,9 @@ def build_app(model: str, max_batch_tokens: int = 8192, max_wait_ms: float = 5.0
         indexes, vectors = (engine.search_index, engine.hybrid_index), (own, other)
         if not isinstance(engine.search_index, SearchIndex):  # a SPLADE model served: its index is the sparse side
             indexes, vectors = indexes[::-1], vectors[::-1]
-        hits = await asyncio.to_thread(hybrid_search, *indexes, queries, weight=weight, fusion=fusion,
+        return await asyncio.to_thread(hybrid_search, *indexes, queries, weight=weight, fusion=fusion,
                                        candidates=candidates, where=where, group_by=group_by,
                                        query_vectors=vectors, **settings)
-        return found_hits(queries, hits)
 
     def found_hits(queries, hits):
         engine.metrics.texts.labels("/v1/search").inc(len(queries))

@@ -551,6 +551,62 @@ def test_search_serves_an_index_built_with_the_model(dirs, tmp_path):
         build_app(other, index=out)
 
 
+def test_search_reranks_its_first_hits_with_a_cross_encoder(dirs, tmp_path):
+    """`kbert serve --index DIR --reranker DIR2`: /v1/search answers as `SearchIndex.search(reranker=...)` (the
+    reranker's scores and order over the first "candidates" hits, deeper hits as found), with filters and groups;
+    "rerank": false is the plain search; an ONNX export reranks alike; its fields are checked, and a reranker
+    without an index, or one that is not a cross-encoder, is refused at start."""
+    from helpers import xlmr_dir
+    from kbert.server import build_app
+
+    model_dir, task_dir = dirs
+    law = list(dict.fromkeys(line for doc in corpus("kolaw") for line in doc if line.strip()))[:40]
+    index = kbert.SearchIndex.build(model_dir, law, str(tmp_path / "index"), metadata=[{"n": i % 3} for i in
+                                                                                    range(len(law))], progress=False)
+    reranker_dir = xlmr_dir(tmp_path, model_class="XLMRobertaForSequenceClassification", num_labels=1)
+    reranker = kbert.TaskModel.load(reranker_dir)
+    queries = ["국회의원의 임기", law[7], "대통령"]
+    requests = [({"top_k": 3}, {"top_k": 3}),  # the default candidates: all 40 texts re-scored
+                ({"top_k": 6, "candidates": 4}, {"top_k": 6, "candidates": 4}),  # hits 5-6 keep their place
+                ({"top_k": 3, "candidates": 5, "where": {"n": [0, 2]}}, {"top_k": 3, "candidates": 5,
+                                                                        "where": {"n": [0, 2]}}),
+                ({"top_k": 2, "candidates": 6, "group_by": "n"}, {"top_k": 2, "candidates": 6, "group_by": "n"})]
+    with Running(build_app(model_dir, index=index.path, reranker=reranker_dir)) as srv, \
+            httpx.Client(base_url=srv.url, timeout=60) as client:
+        for payload, options in requests:
+            r = client.post("/v1/search", json={"query": queries, **payload})
+            assert r.status_code == 200, r.text
+            want = index.search(queries, reranker=reranker, **options)
+            plain = index.search(queries, **options)
+            for row, hits, first in zip(r.json()["data"], want, plain):
+                assert [h["id"] for h in row["hits"]] == [h.id for h in hits] and len(hits) > 1
+                np.testing.assert_allclose([h["score"] for h in row["hits"]], [h.score for h in hits], atol=1e-5)
+                assert [h["metadata"] for h in row["hits"]] == [h.metadata for h in hits]
+            assert [[h.id for h in row] for row in want] != [[h.id for h in row] for row in plain]
+        assert client.post("/v1/search", json={"query": law[7], "where": {"n": 9}}).json()["data"][0]["hits"] == []
+        r = client.post("/v1/search", json={"query": queries, "top_k": 3, "rerank": False})
+        assert [[h["id"] for h in row["hits"]] for row in r.json()["data"]] == \
+            [[h.id for h in row] for row in index.search(queries, top_k=3)]
+        r = client.post("/v1/search", json={"query": queries[0], "rerank": "yes"})
+        assert r.status_code == 400 and "`rerank` must be true or false" in r.json()["error"]["message"]
+    onnx = kbert.export_onnx(reranker_dir, str(tmp_path / "onnx-reranker"))  # ONNX Runtime's cross-encoder too
+    with Running(build_app(model_dir, index=index.path, reranker=onnx)) as srv:
+        r = httpx.post(srv.url + "/v1/search", json={"query": queries, "top_k": 4, "candidates": 6}, timeout=60)
+        want = index.search(queries, top_k=4, candidates=6, reranker=kbert.OnnxTaskModel.load(onnx))
+        for row, hits in zip(r.json()["data"], want):
+            assert [h["id"] for h in row["hits"]] == [h.id for h in hits]
+            np.testing.assert_allclose([h["score"] for h in row["hits"]], [h.score for h in hits], atol=1e-5)
+    with Running(build_app(model_dir, index=index.path)) as srv, httpx.Client(base_url=srv.url, timeout=60) as client:
+        for payload, message in (({"rerank": True}, "start the server with --reranker DIR"),
+                                 ({"candidates": 5}, "or --reranker DIR (a cross-encoder)")):
+            r = client.post("/v1/search", json={"query": queries[0], **payload})
+            assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
+    for options, message in ((dict(reranker=reranker_dir), "give the index it searches with --index too"),
+                             (dict(index=index.path, reranker=task_dir), "is not a cross-encoder")):
+        with pytest.raises(ValueError, match=message):
+            build_app(model_dir, **options)
+
+
 def test_a_multi_label_classifier_serves_each_labels_own_probability(dirs, tmp_path):
     """/v1/classify on a multi-label classifier (a task dir, and its ONNX export): each label's sigmoid, not a
     softmax, and `labels`, every label over 0.5, beside the top `label`."""
@@ -585,7 +641,7 @@ def test_a_splade_model_serves_sparse_vectors(tmp_path):
     from sentence_transformers import SparseEncoder
     from sentence_transformers.sparse_encoder.models import MLMTransformer, SpladePooling
 
-    from helpers import hf_masked_lm_dir
+    from helpers import hf_masked_lm_dir, xlmr_dir
     from kbert.server import build_app
 
     path, _, tok = hf_masked_lm_dir(tmp_path, TEXTS)
@@ -640,11 +696,12 @@ def test_a_splade_model_serves_sparse_vectors(tmp_path):
 def test_search_fuses_a_dense_and_a_sparse_index(tmp_path):
     """`kbert serve --index DIR --hybrid DIR2`: /v1/search answers as `kbert.hybrid_search` over the two indexes,
     whichever of the two models is served (the other index's model is loaded from its dir); the fusion's options
-    are checked, and refused on a server without a hybrid index; mismatched indexes are refused at start."""
+    are checked, and refused on a server without a hybrid index; mismatched indexes are refused at start; with a
+    --reranker too, the fused hits are reranked as `kbert.hybrid_search(reranker=...)` does."""
     from sentence_transformers import SparseEncoder
     from sentence_transformers.sparse_encoder.models import MLMTransformer, SpladePooling
 
-    from helpers import hf_masked_lm_dir
+    from helpers import hf_masked_lm_dir, xlmr_dir
     from kbert.server import build_app
 
     path, _, tok = hf_masked_lm_dir(tmp_path, TEXTS)
@@ -676,6 +733,15 @@ def test_search_fuses_a_dense_and_a_sparse_index(tmp_path):
                                      ({"lexical": 0.5}, "not taken by a hybrid search")):
                 r = client.post("/v1/search", json={"query": queries[0], **payload})
                 assert r.status_code == 400 and message in r.json()["error"]["message"], (payload, r.text)
+    reranker = xlmr_dir(tmp_path, model_class="XLMRobertaForSequenceClassification", num_labels=1)
+    with Running(build_app(path, index=dense.path, hybrid=sparse.path, reranker=reranker)) as srv, \
+            httpx.Client(base_url=srv.url, timeout=60) as client:  # fused, then reranked: as the library does
+        r = client.post("/v1/search", json={"query": queries, "top_k": 3, "weight": 0.3, "candidates": 4})
+        want = kbert.hybrid_search(dense, sparse, queries, top_k=3, weight=0.3, candidates=4,
+                                   reranker=kbert.TaskModel.load(reranker))
+        for row, hits in zip(r.json()["data"], want):
+            assert [h["id"] for h in row["hits"]] == [h.id for h in hits] and len(hits) == 3
+            np.testing.assert_allclose([h["score"] for h in row["hits"]], [h.score for h in hits], atol=1e-5)
     with Running(build_app(path, index=dense.path)) as srv, httpx.Client(base_url=srv.url, timeout=60) as client:
         r = client.post("/v1/search", json={"query": queries[0], "weight": 0.5})
         assert r.status_code == 400 and "start the server with --hybrid" in r.json()["error"]["message"]

@@ -1027,6 +1027,14 @@ def rerank_hits(query: str, hits: List[Hit], reranker, candidates: int) -> List[
     return [head[r["corpus_id"]]._replace(score=float(r["score"])) for r in ranked] + tail
 
 
+def reorder_hits(hits: List[Hit], scores) -> List[Hit]:
+    """`hits` with the first `len(scores)` given those scores (a cross-encoder's, one per hit, computed elsewhere: a
+    server's batch) and sorted by them as `rerank_hits` sorts, ties in first-stage order; deeper hits follow."""
+    head, tail = hits[:len(scores)], hits[len(scores):]
+    order = np.argsort(-np.asarray(scores, np.float64), kind="stable")
+    return [head[i]._replace(score=float(scores[i])) for i in order] + tail
+
+
 def best_of_groups(hits: List[Hit], key: str) -> List[Hit]:
     """The first (best) hit of each value of metadata `key`, in order."""
     seen, out = set(), []
