@@ -641,7 +641,7 @@ def test_a_splade_model_serves_sparse_vectors(tmp_path):
     from sentence_transformers import SparseEncoder
     from sentence_transformers.sparse_encoder.models import MLMTransformer, SpladePooling
 
-    from helpers import hf_masked_lm_dir, xlmr_dir
+    from helpers import hf_masked_lm_dir
     from kbert.server import build_app
 
     path, _, tok = hf_masked_lm_dir(tmp_path, TEXTS)
