@@ -4,8 +4,6 @@ draining the requests in flight."""
 
 import asyncio
 import base64
-import json
-import os
 import signal
 import socket
 import subprocess
