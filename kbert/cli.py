@@ -1587,7 +1587,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sentence vectors through XLA, each batch shape compiled in the background the first "
                         "time it is met (on), or the graph only (off)")
     p.add_argument("--keywords-analyzer", default="mecab",
-                   help="morpheme analyzer of /v1/keywords: mecab (default), kiwi, okt, komoran, hannanum, kkma")
+                   help="morpheme analyzer of /v1/keywords and /v1/word-embeddings (unit \"morpheme\"): mecab "
+                        "(default), kiwi, okt, komoran, hannanum, kkma")
     p.add_argument("--index", help="a `kbert index build` dir that POST /v1/search searches (built with this model)")
     p.add_argument("--hybrid", help="with --index: an index of the other kind (dense or SPLADE) over the same texts; "
                                     "/v1/search fuses both (kbert.hybrid_search), loading the model that built it")

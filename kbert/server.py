@@ -14,6 +14,13 @@ Routes (JSON in and out; errors are `{"error": {"message", "type", "code"}}` wit
                           floats as JSON; what OpenAI's Python client asks for unless told otherwise) ->
                           {"object": "list", "data": [{"object": "embedding", "index": i, "embedding": [...]}],
                           "model", "usage": {"prompt_tokens", "total_tokens"}}
+    POST /v1/word-embeddings   a vector in context for each word (`Embedder.encode_words`; a transformer model
+                          dir, not a static table or an ONNX graph): {"input": str | [str], "unit"?: "eojeol"
+                          (default, whitespace words) | "morpheme" (by the server's `keywords_analyzer`) |
+                          "subword", "pooling"?: "mean" | "first" (of a word's subwords), "layers"?: int | [int]
+                          (their mean; default -1, the last), "encoding_format"?} -> {"data": [{"object":
+                          "word_embeddings", "index", "words": [{"word", "start", "end", "embedding"}]}]} (offsets
+                          index the normalized text, `kbert.normalize`)
     POST /v1/similarity   {"source_sentence": str, "sentences": [str]} -> {"similarities": [cosine, ...]}
     POST /v1/sparse-embeddings   SPLADE dirs (`kbert finetune --task sparse-embedding`, a sentence-transformers
                           SparseEncoder): {"input": str | [str], "max_active_dims"?: int, "return_tokens"?: bool,
@@ -170,6 +177,8 @@ class Engine:
             # one copy of the weights: a task dir's model serves its vectors too
             self.embedder = (self.task_model.embedder if self.task_model and self.task_model.embedder
                              else Embedder.load(self.model_dir))
+        # vectors in context for each word: a network's hidden states (a static table or a pooled ONNX graph has none)
+        self.words = not (sparse or onnx or static is not None) and self.embedder is not None
         self.search_index = None  # /v1/search's index, checked against the model served (its probe sentence)
         if index is not None:  # before background compilation: a refused index leaves no compiling thread behind
             if self.embedder is None and self.sparse is None:
@@ -251,6 +260,8 @@ class Engine:
     def routes(self) -> List[str]:
         """The POST routes this model answers; the others answer 404 saying what they need."""
         out = ["/v1/embeddings", "/v1/similarity", "/v1/keywords"] if self.embedder is not None else []
+        if self.words:
+            out.insert(1, "/v1/word-embeddings")
         if self.sparse is not None:
             out.append("/v1/sparse-embeddings")
         model = self.task_model
@@ -437,6 +448,8 @@ class Engine:
             return self.task_model.entities(texts, batch_size=self.batch_size, **options)
         if kind == "zero-shot":
             return self.task_model.zero_shot(texts, batch_size=self.batch_size, **options)
+        if kind == "words":  # each text's [(word, start, end, vector)], morphemes by the server's analyzer
+            return self.embedder.encode_words(texts, morphemes=self.analyzer, batch_size=self.batch_size, **options)
         if kind == "keywords":
             from kbert.embed.keywords import keywords
 
@@ -515,9 +528,9 @@ def build_app(model: str, max_batch_tokens: int = 8192, max_wait_ms: float = 5.0
     """The Starlette app serving `model` (a kbert model dir, a fine-tuned task dir, or a Hugging Face dir);
     `app.state.engine` is its `Engine`. `warm=False` leaves /health at 503 until `engine.warm_up()`.
     `jit_compile`: sentence vectors through XLA (`Embedder(jit_compile="background")`), else the graph.
-    `keywords_analyzer`: the `kbert.morphemes` analyzer of /v1/keywords. `index`: a `kbert.SearchIndex` dir that
-    /v1/search searches (a `kbert.SparseIndex` for a SPLADE model). `hybrid`: an index of the other kind over the
-    same texts (built by its own model, which the server loads too): /v1/search then fuses both
+    `keywords_analyzer`: the `kbert.morphemes` analyzer of /v1/keywords and /v1/word-embeddings' morphemes.
+    `index`: a `kbert.SearchIndex` dir that /v1/search searches (a `kbert.SparseIndex` for a SPLADE model).
+    `hybrid`: an index of the other kind over the same texts (built by its own model, which the server loads too): /v1/search then fuses both
     (`kbert.hybrid_search`). `reranker`: a cross-encoder dir (a `kbert.TaskModel` that `rank`s, or its ONNX
     export) that re-scores each /v1/search query's first "candidates" hits."""
     import contextlib
@@ -618,6 +631,40 @@ def build_app(model: str, max_batch_tokens: int = 8192, max_wait_ms: float = 5.0
             vectors = [base64.b64encode(np.asarray(v, "<f4").tobytes()).decode("ascii") for v in vectors]
         return {"object": "list", "model": data.get("model") or name,
                 "data": [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(vectors)],
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+    async def word_embeddings(data, ticket=None):
+        from kbert.embed.embedder import UNITS, WORD_POOLINGS
+        from kbert.models.pooling import check_pooling
+
+        need_vectors("/v1/word-embeddings")
+        if not engine.words:
+            raise HTTPError(404, f"{name} gives no word vectors in context (a static model's table, or an ONNX graph "
+                                 f"that pools inside): /v1/word-embeddings needs the model dir", "not_found")
+        texts = _texts(data.get("input"), "input", max_texts, max_chars)
+        options = {"unit": data.get("unit", "eojeol"), "pooling": data.get("pooling", "mean")}
+        if options["unit"] not in UNITS:
+            raise HTTPError(400, f"`unit` must be one of {list(UNITS)}")
+        if options["pooling"] not in WORD_POOLINGS:
+            raise HTTPError(400, f"`pooling` (of a word's subwords) must be one of {list(WORD_POOLINGS)}")
+        layers = data.get("layers", -1)
+        layer_list = layers if isinstance(layers, list) and layers else [layers]
+        if any(isinstance(x, bool) or not isinstance(x, int) for x in layer_list):
+            raise HTTPError(400, "`layers` must be a layer index or a non-empty list of them (-1: the last)")
+        check_pooling("mean", layers, engine.embedder.config.num_layers + 1)  # in range: a 400 before the queue
+        options["layers"] = layers
+        encoding = data.get("encoding_format") or "float"
+        if encoding not in ("float", "base64"):
+            raise HTTPError(400, f"`encoding_format` must be 'float' or 'base64'. Received: {encoding!r}")
+        rows = await engine.run("words", texts, options, timeout=timeout_s, ticket=ticket)
+        engine.metrics.texts.labels("/v1/word-embeddings").inc(len(texts))
+        tokens = sum(engine.cost(t) for t in texts)
+        vector = ((lambda v: base64.b64encode(np.asarray(v, "<f4").tobytes()).decode("ascii"))
+                  if encoding == "base64" else (lambda v: v))
+        return {"object": "list", "model": data.get("model") or name,
+                "data": [{"object": "word_embeddings", "index": i,
+                          "words": [{"word": w, "start": a, "end": b, "embedding": vector(v)} for w, a, b, v in row]}
+                         for i, row in enumerate(rows)],
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
     async def sparse_embeddings(data, ticket=None):
@@ -934,6 +981,7 @@ def build_app(model: str, max_batch_tokens: int = 8192, max_wait_ms: float = 5.0
 
     routes = [Route("/v1/embeddings", handler("/v1/embeddings", embeddings), methods=["POST"]),
               Route("/v1/similarity", handler("/v1/similarity", similarity), methods=["POST"]),
+              Route("/v1/word-embeddings", handler("/v1/word-embeddings", word_embeddings), methods=["POST"]),
               Route("/v1/sparse-embeddings", handler("/v1/sparse-embeddings", sparse_embeddings), methods=["POST"]),
               Route("/v1/classify", handler("/v1/classify", classify), methods=["POST"]),
               Route("/v1/answer", handler("/v1/answer", answer), methods=["POST"]),

@@ -387,6 +387,41 @@ def test_keywords_serve_kbert_keywords_of_each_document(dirs):
         build_app(dirs[0], keywords_analyzer="nltk")
 
 
+def test_word_embeddings_serve_encode_words(dirs, tmp_path):
+    """/v1/word-embeddings: each word's span and vector in context as `Embedder.encode_words` gives them, for
+    whitespace words, morphemes of the server's analyzer and subwords, chosen layers, base64; bad settings 400
+    before they queue; a static model (no context) answers 404."""
+    from kbert.server import build_app
+
+    emb = kbert.Embedder.load(dirs[0])
+    with Running(build_app(dirs[0], keywords_analyzer="kiwi")) as srv, \
+            httpx.Client(base_url=srv.url, timeout=60) as client:
+        assert "/v1/word-embeddings" in srv.server.config.app.state.engine.routes()
+        for payload, options in (({}, {}), ({"unit": "morpheme"}, {"unit": "morpheme", "morphemes": "kiwi"}),
+                                 ({"unit": "subword", "pooling": "first", "layers": [-1, -2]},
+                                  {"unit": "subword", "pooling": "first", "layers": [-1, -2]})):
+            r = client.post("/v1/word-embeddings", json={"input": TEXTS[:3], **payload})
+            assert r.status_code == 200, r.text
+            want = emb.encode_words(TEXTS[:3], **options)
+            for row, words in zip(r.json()["data"], want):
+                assert [(w["word"], w["start"], w["end"]) for w in row["words"]] == [w[:3] for w in words]
+                np.testing.assert_allclose([w["embedding"] for w in row["words"]], [w[3] for w in words], atol=1e-5)
+        morphs = client.post("/v1/word-embeddings", json={"input": TEXTS[1], "unit": "morpheme"}).json()["data"]
+        assert len(morphs) == 1 and len(morphs[0]["words"]) > len(TEXTS[1].split())  # 국민 + 은, ...
+        packed = client.post("/v1/word-embeddings", json={"input": TEXTS[0], "encoding_format": "base64"}).json()
+        np.testing.assert_allclose(
+            [np.frombuffer(base64.b64decode(w["embedding"]), "<f4") for w in packed["data"][0]["words"]],
+            [w[3] for w in emb.encode_words(TEXTS[0])], atol=1e-5)
+        for bad, word in (({"unit": "syllable"}, "`unit` must be one of"), ({"pooling": "max"}, "`pooling`"),
+                          ({"layers": "all"}, "`layers` must be"), ({"layers": [9]}, "`layers` entries must be in")):
+            r = client.post("/v1/word-embeddings", json={"input": TEXTS[:2], **bad})
+            assert r.status_code == 400 and word in r.json()["error"]["message"], (bad, r.text)
+    static = kbert.export_sentence_transformers(kbert.distill_static(dirs[0], dim=16), str(tmp_path / "static"))
+    with Running(build_app(static)) as srv:
+        r = httpx.post(srv.url + "/v1/word-embeddings", json={"input": TEXTS[0]}, timeout=60)
+        assert r.status_code == 404 and "no word vectors in context" in r.json()["error"]["message"]
+
+
 @pytest.mark.slow
 def test_sigterm_drains_the_requests_in_flight(dirs):
     model_dir, _ = dirs
@@ -485,7 +520,7 @@ def test_a_classifiers_onnx_export_serves_classify(dirs, tmp_path):
     app = build_app(out)
     assert app.state.engine.routes() == ["/v1/classify"]  # what `kbert serve` says it answers
     assert build_app(task_dir, warm=False).state.engine.routes() == [
-        "/v1/embeddings", "/v1/similarity", "/v1/keywords", "/v1/classify"]  # a task dir serves its vectors too
+        "/v1/embeddings", "/v1/word-embeddings", "/v1/similarity", "/v1/keywords", "/v1/classify"]  # its vectors too
     with Running(app) as srv, httpx.Client(base_url=srv.url, timeout=60) as client:
         assert client.get("/health").status_code == 200
         body = client.post("/v1/classify", json={"input": TEXTS[:3]}).json()

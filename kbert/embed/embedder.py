@@ -617,11 +617,12 @@ class Embedder:
         return self.encode(texts, **options)
 
     def encode_words(self, texts: Union[str, Sequence[str]], unit: str = "eojeol", pooling: str = "mean",
-                     layers: Union[int, List[int]] = -1, morphemes: str = "mecab", batch_size: int = 64,
+                     layers: Union[int, List[int]] = -1, morphemes="mecab", batch_size: int = 64,
                      max_length: Optional[int] = None):
         """For each text, a list of `(word, start, end, vector)`: subword vectors aggregated to whitespace
         words (`unit="eojeol"`), to morphemes of a kbert morpheme backend (`unit="morpheme"`), or left as
-        subwords. Offsets index the normalized text (`kbert.normalize`)."""
+        subwords. Offsets index the normalized text (`kbert.normalize`). `morphemes`: the analyzer's name
+        (`kbert.morphemes`) or the analyzer itself."""
         if unit not in UNITS:
             raise ValueError(f"`unit` must be one of {UNITS}. Received: unit={unit!r}")
         if pooling not in WORD_POOLINGS:
@@ -630,10 +631,12 @@ class Embedder:
         texts = text_list(texts)
         encodings = self._encode_texts(texts, max_length)
         analyzer = None
-        if unit == "morpheme":
+        if unit == "morpheme" and isinstance(morphemes, str):
             from kbert.text.morphemes import morphemes as get_analyzer
 
             analyzer = get_analyzer(morphemes)
+        elif unit == "morpheme":  # an analyzer already loaded (a server's, reused for every request)
+            analyzer = morphemes
         results = [None] * len(texts)
         for index, hidden in self._hidden_batches([e.ids for e in encodings], batch_size):
             x = self._layers(hidden, layers)
