@@ -73,6 +73,8 @@ Routes (JSON in and out; errors are `{"error": {"message", "type", "code"}}` wit
                           keep their order (`SearchIndex.search(reranker=...)`); the score is the reranker's;
                           "rerank"?: false skips it for a request. With --hybrid too, "candidates" is both each
                           side's proposals and the hits re-scored, as in `kbert.hybrid_search(reranker=...)`
+    GET  /v1/models       OpenAI's model list: the served model's "id" (its dir's name), "routes", "max_length",
+                          "dimension" (of its vectors)
     GET  /health          200 {"status": "ok"} once the model has run once; 503 {"status": "loading"} before
     GET  /metrics         Prometheus text: requests by route and status, latency, batch sizes, queue depth,
                           XLA compilations pending
@@ -542,6 +544,7 @@ def build_app(model: str, max_batch_tokens: int = 8192, max_wait_ms: float = 5.0
     engine = Engine(model, max_batch_tokens, max_wait_ms, max_queue, jit_compile=jit_compile,
                     keywords_analyzer=keywords_analyzer, index=index, hybrid=hybrid, reranker=reranker)
     name = str(model).rstrip("/").rsplit("/", 1)[-1]
+    created = int(time.time())
 
     def error(e: HTTPError, route: str) -> JSONResponse:
         engine.metrics.requests.labels(route, str(e.status)).inc()
@@ -961,6 +964,18 @@ def build_app(model: str, max_batch_tokens: int = 8192, max_wait_ms: float = 5.0
                                                     **({"metadata": h.metadata} if h.metadata else {}))
                                                for h in row]} for i, row in enumerate(hits)]}
 
+    async def models(request):
+        """OpenAI's model list (its clients and gateways such as LiteLLM ask for it), the one model served, with
+        what a client needs to use it: the routes it answers, its length and, for vectors, their width."""
+        row = {"id": name, "object": "model", "created": created, "owned_by": "kbert", "routes": engine.routes(),
+               "max_length": None if engine.max_length == float("inf") else int(engine.max_length)}
+        if engine.embedder is not None:
+            try:
+                row["dimension"] = int(engine.embedder.dimension)
+            except (AttributeError, TypeError):  # an ONNX graph that records no width
+                pass
+        return JSONResponse({"object": "list", "data": [row]})
+
     async def health(request):
         if engine.ready.is_set():
             return JSONResponse({"status": "ok", "model": name})
@@ -990,7 +1005,7 @@ def build_app(model: str, max_batch_tokens: int = 8192, max_wait_ms: float = 5.0
               Route("/v1/zero-shot", handler("/v1/zero-shot", zero_shot), methods=["POST"]),
               Route("/v1/rerank", handler("/v1/rerank", rerank), methods=["POST"]),
               Route("/v1/search", handler("/v1/search", search), methods=["POST"]),
-              Route("/health", health), Route("/metrics", metrics)]
+              Route("/v1/models", models), Route("/health", health), Route("/metrics", metrics)]
     app = Starlette(routes=routes, lifespan=lifespan)
     app.state.engine = engine
     return app

@@ -83,6 +83,12 @@ def test_health_waits_for_warm_up_and_embeddings_equal_encode(dirs):
         assert early.status_code == 503 and early.headers["retry-after"] == "1"
         app.state.engine.warm_up()
         assert client.get("/health").json()["status"] == "ok"
+        listed = client.get("/v1/models").json()  # OpenAI's model list: the one model, what it answers
+        assert listed["object"] == "list" and len(listed["data"]) == 1
+        assert {k: listed["data"][0][k] for k in ("id", "object", "owned_by", "max_length", "dimension")} == {
+            "id": "model", "object": "model", "owned_by": "kbert", "max_length": emb.max_length,
+            "dimension": emb.dimension}
+        assert listed["data"][0]["routes"] == app.state.engine.routes() and listed["data"][0]["created"] > 0
         r = client.post("/v1/embeddings", json={"input": TEXTS, "model": "kbert-test"})
         assert r.status_code == 200
         body = r.json()
@@ -523,6 +529,8 @@ def test_a_classifiers_onnx_export_serves_classify(dirs, tmp_path):
         "/v1/embeddings", "/v1/word-embeddings", "/v1/similarity", "/v1/keywords", "/v1/classify"]  # its vectors too
     with Running(app) as srv, httpx.Client(base_url=srv.url, timeout=60) as client:
         assert client.get("/health").status_code == 200
+        listed = client.get("/v1/models").json()["data"][0]
+        assert listed["routes"] == ["/v1/classify"] and "dimension" not in listed  # a head's graph: no vectors
         body = client.post("/v1/classify", json={"input": TEXTS[:3]}).json()
         assert body["task"] == "classification"
         np.testing.assert_allclose([[row["probabilities"][label] for label in ("부정", "긍정")]
