@@ -347,9 +347,9 @@ class Engine:
             cost = sum(len(t) + 2 for t in texts)
         if kind == "answer":  # a question's context is most of its work: every window of it runs
             cost += sum(len(p) + 2 for p in pairs)
-        if kind == "zero-shot":  # each text runs once beside each candidate label's hypothesis
+        elif kind == "zero-shot":  # each text runs once beside each candidate label's hypothesis
             cost *= len(options["candidate_labels"])
-        if kind == "rerank":  # each query runs beside each of its hits' texts
+        elif pairs is not None:  # a pair's second text (/v1/rerank's documents, a --reranker's hits) runs too
             cost += sum(self.cost(p) for p in pairs)
         job = _Job(kind, texts, pairs, options, future, loop, cost)
         with self._cond:

@@ -284,6 +284,13 @@ def test_rerank_serves_a_hugging_face_reranker_in_cohere_s_form(dirs, tmp_path):
         assert bad.status_code == 400 and "top_n" in bad.json()["error"]["message"]
         bad = httpx.post(srv.url + "/v1/rerank", json={"query": [query], "documents": docs}, timeout=60)
         assert bad.status_code == 400 and "query" in bad.json()["error"]["message"]
+    from kbert.server import HTTPError
+
+    idle = build_app(reranker, warm=False).state.engine  # its worker never runs: the job stays queued
+    with pytest.raises(HTTPError, match="no answer within"):
+        asyncio.run(idle.run("classify", [query] * 2, {}, pairs=docs[:2], timeout=0.01))
+    # the batch's token budget counts both texts of each pair, not the query alone
+    assert idle._jobs[-1].cost == sum(idle.cost(t) for t in [query] * 2 + docs[:2])
     with Running(build_app(dirs[1])) as srv:
         missing = httpx.post(srv.url + "/v1/rerank", json={"query": query, "documents": docs}, timeout=60)
     assert missing.status_code == 404 and "cross-encoder" in missing.json()["error"]["message"]
