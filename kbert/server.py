@@ -532,9 +532,9 @@ def build_app(model: str, max_batch_tokens: int = 8192, max_wait_ms: float = 5.0
     `jit_compile`: sentence vectors through XLA (`Embedder(jit_compile="background")`), else the graph.
     `keywords_analyzer`: the `kbert.morphemes` analyzer of /v1/keywords and /v1/word-embeddings' morphemes.
     `index`: a `kbert.SearchIndex` dir that /v1/search searches (a `kbert.SparseIndex` for a SPLADE model).
-    `hybrid`: an index of the other kind over the same texts (built by its own model, which the server loads too): /v1/search then fuses both
-    (`kbert.hybrid_search`). `reranker`: a cross-encoder dir (a `kbert.TaskModel` that `rank`s, or its ONNX
-    export) that re-scores each /v1/search query's first "candidates" hits."""
+    `hybrid`: an index of the other kind over the same texts (built by its own model, which the server loads
+    too): /v1/search then fuses both (`kbert.hybrid_search`). `reranker`: a cross-encoder dir (a `kbert.TaskModel`
+    that `rank`s, or its ONNX export) that re-scores each /v1/search query's first "candidates" hits."""
     import contextlib
 
     from starlette.applications import Starlette
