@@ -159,10 +159,12 @@ class Connection:
         self.reader = self.writer = None
 
 
-async def load(url: str, sentences, requests: int, clients: int) -> dict:
-    """`requests` single-sentence POSTs spread over `clients` concurrent clients (one connection each)."""
+async def load(url: str, sentences, requests: int, clients: int, path: str = "/v1/embeddings", field: str = "input",
+               marker: bytes = b'"embedding"', extra: dict = None) -> dict:
+    """`requests` single-sentence POSTs spread over `clients` concurrent clients (one connection each): each body
+    is `{field: sentence, **extra}` to `path`, and a 200 whose body lacks `marker` counts as an error."""
     host, port = url.rsplit("//", 1)[1].rsplit(":", 1)
-    bodies = [json.dumps({"input": s}, ensure_ascii=False).encode("utf-8") for s in sentences]
+    bodies = [json.dumps({field: s, **(extra or {})}, ensure_ascii=False).encode("utf-8") for s in sentences]
     latencies, by_status = [], {}
     counter = iter(range(requests))
 
@@ -172,8 +174,8 @@ async def load(url: str, sentences, requests: int, clients: int) -> dict:
             for i in counter:
                 t = time.perf_counter()
                 try:
-                    status, payload = await conn.post("/v1/embeddings", bodies[i % len(bodies)])
-                    if status == 200 and b'"embedding"' not in payload:
+                    status, payload = await conn.post(path, bodies[i % len(bodies)])
+                    if status == 200 and marker not in payload:
                         status = "bad body"
                 except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError) as e:
                     status = type(e).__name__
@@ -197,13 +199,13 @@ async def load(url: str, sentences, requests: int, clients: int) -> dict:
             "client_cpu_ms_per_request": 1000 * (time.process_time() - cpu) / requests}
 
 
-def run_load(url: str, sentences, requests: int, clients: int) -> dict:
+def run_load(url: str, sentences, requests: int, clients: int, **route) -> dict:
     """`load` on uvloop when installed (the serve extra brings it): a cheaper client leaves the CPUs to the server."""
     try:
         import uvloop
     except ImportError:
-        return asyncio.run(load(url, sentences, requests, clients))
-    return uvloop.run(load(url, sentences, requests, clients))
+        return asyncio.run(load(url, sentences, requests, clients, **route))
+    return uvloop.run(load(url, sentences, requests, clients, **route))
 
 
 def compiles_pending(url: str) -> float:
