@@ -1016,6 +1016,6 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8080, **options) -> N
     import uvicorn
 
     app = build_app(model, **options)
-    print(f"serving {model} on http://{host}:{port}: POST {', '.join(app.state.engine.routes())}; GET /health, "
-          f"/metrics; Ctrl-C or SIGTERM drains and stops", file=sys.stderr, flush=True)
+    print(f"serving {model} on http://{host}:{port}: POST {', '.join(app.state.engine.routes())}; GET /v1/models, "
+          f"/health, /metrics; Ctrl-C or SIGTERM drains and stops", file=sys.stderr, flush=True)
     uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=30)
