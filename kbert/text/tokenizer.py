@@ -154,7 +154,7 @@ class Tokenizer:
     def __getstate__(self):  # picklable for worker processes: native handles are rebuilt there
         state = dict(self.__dict__)
         state.update(_sp=None, _graph=None, _graph_special=None, _graph_unigram=None, _graph_unigram_mapped=None,
-                     _analyzer=None, _wordpiece_ids=None)
+                     _analyzer=None, _wordpiece_ids=None, _offsets=None)
         return state
 
     def __setstate__(self, state):
@@ -287,7 +287,7 @@ class Tokenizer:
         import tensorflow as tf
 
         pre = [self._presplit(t, m) for t, m in zip(texts, self._morphemes_batch(texts))]
-        ids, starts, ends = self._fast_bert().tokenize_with_offsets(tf.constant([p for p, _ in pre]))
+        ids, starts, ends = self._offsets_fn()(tf.constant([p for p, _ in pre], tf.string))
         results = []
         for (inp, index), row_ids, row_s, row_e in zip(pre, ids.to_list(), starts.to_list(), ends.to_list()):
             b2c = _byte_to_char(inp)
@@ -502,6 +502,17 @@ class Tokenizer:
                 unknown_token=self.vocab[self.unk_id], no_pretokenization=False,
                 support_detokenization=True, lower_case_nfd_strip_accents=False)
         return self._graph
+
+    def _offsets_fn(self):
+        """FastBertTokenizer.tokenize_with_offsets as one traced graph: run eagerly, its ragged ops dispatch one by
+        one from Python (about a hundred of them), which costs more than the tokenizing itself for the short
+        batches a server or a reranker sends."""
+        if getattr(self, "_offsets", None) is None:
+            import tensorflow as tf
+
+            fast = self._fast_bert()
+            self._offsets = tf.function(fast.tokenize_with_offsets, input_signature=[tf.TensorSpec([None], tf.string)])
+        return self._offsets
 
     def _graph_tokenizer(self):
         if self.kind == "wordpiece":
