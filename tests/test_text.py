@@ -238,6 +238,23 @@ def test_morpheme_aware_pieces_stay_inside_morphemes(tokenizers, key):
                                                              for t in many[:3]] + tok.ids_batch(many)[3:]
 
 
+def test_wordpiece_offsets_are_the_same_once_traced(tokenizers):
+    """A WordPiece tokenizer in steady use runs its offsets through one traced graph (after TRACE_AFTER_CALLS
+    eager calls): its ids, tokens and offsets stay those of the eager calls, pairs and an empty text included."""
+    import pickle
+
+    from kbert.text.tokenizer import TRACE_AFTER_CALLS
+
+    tok = pickle.loads(pickle.dumps(tokenizers[("wordpiece", None)]))  # a fresh copy: no calls counted yet
+    texts, pairs = ["대한민국은 민주공화국이다.", "", "국회는 법률을 제정한다 ABC"], ["헌법", "모든 국민은", ""]
+    first = tok.encode_batch(texts, pairs=pairs)
+    for _ in range(TRACE_AFTER_CALLS):
+        tok.encode_batch(texts[:1])
+    assert tok._offsets is not None  # traced by now
+    again = tok.encode_batch(texts, pairs=pairs)
+    assert [(e.ids, e.tokens, e.offsets) for e in again] == [(e.ids, e.tokens, e.offsets) for e in first]
+
+
 def test_wordpiece_round_trip_up_to_spaces(tokenizers):
     tok = tokenizers[("wordpiece", None)]
     text = "제1조(목적) 이 법은 국민의 권리를 보장한다."

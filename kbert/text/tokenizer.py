@@ -41,6 +41,8 @@ CONFIG_FILE = "tokenizer.json"
 SPM_FILE = "spm.model"
 VOCAB_FILE = "vocab.txt"
 _MAX_BYTES_PER_WORD = 400  # longer words are one [UNK] (tensorflow-text's and kbert's Python WordPiece)
+# WordPiece offset calls run eagerly before `_offsets_fn` traces them (a trace costs as much as dozens of calls)
+TRACE_AFTER_CALLS = 20
 
 
 # Where a model dir keeps its tokenizer (the same name as kbert.models.io.TOKENIZER_DIR).
@@ -154,7 +156,7 @@ class Tokenizer:
     def __getstate__(self):  # picklable for worker processes: native handles are rebuilt there
         state = dict(self.__dict__)
         state.update(_sp=None, _graph=None, _graph_special=None, _graph_unigram=None, _graph_unigram_mapped=None,
-                     _analyzer=None, _wordpiece_ids=None, _offsets=None)
+                     _analyzer=None, _wordpiece_ids=None, _offsets=None, _offset_calls=0)
         return state
 
     def __setstate__(self, state):
@@ -504,14 +506,19 @@ class Tokenizer:
         return self._graph
 
     def _offsets_fn(self):
-        """FastBertTokenizer.tokenize_with_offsets as one traced graph: run eagerly, its ragged ops dispatch one by
-        one from Python (about a hundred of them), which costs more than the tokenizing itself for the short
-        batches a server or a reranker sends."""
-        if getattr(self, "_offsets", None) is None:
-            import tensorflow as tf
+        """FastBertTokenizer.tokenize_with_offsets, as one traced graph once this tokenizer is in steady use: run
+        eagerly, its ragged ops dispatch one by one from Python (about a hundred of them), which costs more than
+        the tokenizing itself for the short batches a server or a reranker sends. Tracing costs as much as a few
+        dozen eager calls, so a tokenizer used a few times (a script, a test) stays eager."""
+        fast = self._fast_bert()
+        if getattr(self, "_offsets", None) is not None:
+            return self._offsets
+        self._offset_calls = getattr(self, "_offset_calls", 0) + 1
+        if self._offset_calls < TRACE_AFTER_CALLS:
+            return fast.tokenize_with_offsets
+        import tensorflow as tf
 
-            fast = self._fast_bert()
-            self._offsets = tf.function(fast.tokenize_with_offsets, input_signature=[tf.TensorSpec([None], tf.string)])
+        self._offsets = tf.function(fast.tokenize_with_offsets, input_signature=[tf.TensorSpec([None], tf.string)])
         return self._offsets
 
     def _graph_tokenizer(self):
