@@ -928,6 +928,10 @@ def build_app(model: str, max_batch_tokens: int = 8192, max_wait_ms: float = 5.0
         texts = [q for q, head in zip(queries, heads) for _ in head]
         if not texts:  # no hits at all (a filter that keeps nothing)
             return hits
+        if len(texts) > engine.max_queue:  # could never be queued: a 429's "retry shortly" would be false
+            raise HTTPError(413, f"reranking these {len(queries)} queries' first {candidates} hits is {len(texts)} "
+                                 f"pairs; at most {engine.max_queue} can wait at once (--max-queue): send fewer "
+                                 f"queries or a smaller `candidates`", "too_large")
         scores = await engine.run("rerank", texts, {}, pairs=[h.text for head in heads for h in head],
                                   timeout=timeout_s)
         out, start = [], 0

@@ -644,6 +644,9 @@ def test_search_reranks_its_first_hits_with_a_cross_encoder(dirs, tmp_path):
         for row, hits in zip(r.json()["data"], want):
             assert [h["id"] for h in row["hits"]] == [h.id for h in hits]
             np.testing.assert_allclose([h["score"] for h in row["hits"]], [h.score for h in hits], atol=1e-5)
+    with Running(build_app(model_dir, index=index.path, reranker=reranker_dir, max_queue=20)) as srv:
+        r = httpx.post(srv.url + "/v1/search", json={"query": queries, "candidates": 10}, timeout=60)
+        assert r.status_code == 413 and "30 pairs; at most 20" in r.json()["error"]["message"], r.text
     with Running(build_app(model_dir, index=index.path)) as srv, httpx.Client(base_url=srv.url, timeout=60) as client:
         for payload, message in (({"rerank": True}, "start the server with --reranker DIR"),
                                  ({"candidates": 5}, "or --reranker DIR (a cross-encoder)")):
