@@ -71,15 +71,16 @@ class Backbone(keras.Model):
     def _make_blocks(self, config, policy):
         raise NotImplementedError
 
-    def packed_hidden_states(self, token_ids, segments, type_ids=None):
+    def packed_hidden_states(self, token_ids, segments, type_ids=None, rows=None):
         """Every layer's output `[b, s, h]` for packed rows: several texts per row, `segments` [b, s]
         numbering each token's text within its row (1, 1, 2, 2, 2, ..., 0 = padding; see
         `kbert.models.layers.packed_inputs`). Each text's states equal those it gets alone (its own
         positions from 0, attention within the text); inference only (no dropout). `type_ids` [b, s]: each
-        token's segment type (a pair's second text: 1), default 0."""
+        token's segment type (a pair's second text: 1), default 0. `rows` [b, r] int: the last layer at
+        those positions only ([b, r, h]), as `sequence_output_at`."""
         positions, attend = packed_inputs(segments)
         return _encode(self.embeddings, self.blocks, self.final_norm, token_ids,
-                       ops.zeros_like(token_ids) if type_ids is None else type_ids, attend, positions)
+                       ops.zeros_like(token_ids) if type_ids is None else type_ids, attend, positions, rows=rows)
 
     def sequence_output_at(self, inputs, rows, training=None):
         """`sequence_output` at `rows` [b, r] int only: [b, r, h], equal to gathering those rows from the full

@@ -70,15 +70,24 @@ class TaskNetwork(keras.Model):
 
     def call(self, features, training=False):
         features = {k: features[k] for k in INPUT_NAMES}  # the order the functional backbone declares
+        if self.task not in TOKEN_TASKS and self.pooling == "pooler" and self.head is not None:
+            # the pooler reads [CLS] alone, so the last block runs at that row only (its keys and values still
+            # come from every token): the block's queries, attention output and feed-forward shrink from
+            # [b, s, h] to [b, 1, h], the same logits for most of one block's compute less
+            rows = ops.zeros((ops.shape(features["token_ids"])[0], 1), "int32")  # [b, 1]
+            x = self.backbone.sequence_output_at(features, rows, training=training)  # [b, 1, h]
+            return self._logits(self.backbone.pooler(x), training)
         out = self.backbone(features, training=training)
         if self.task == "sentence-embedding":
             return pool(out["hidden_states"], features["padding_mask"], self.pooling, self.pooled_layers)
         if self.task in TOKEN_TASKS:
             x = out["sequence_output"]  # [b, s, h]
-        elif self.pooling == "pooler":
-            x = out["pooled_output"]  # [b, h]
         else:
             x = pool(out["hidden_states"], features["padding_mask"], self.pooling, self.pooled_layers)  # [b, h]
+        return self._logits(x, training)
+
+    def _logits(self, x, training):
+        """The head over pooled `x` [b, h] (or [b, s, h] for token tasks)."""
         logits = self.head(self.dropout(keras.ops.cast(x, "float32"), training=training))
         mean, std = self.target
         return logits * std + mean if self.task == "regression" else logits
@@ -92,8 +101,9 @@ class TaskNetwork(keras.Model):
         if self.pooling != "pooler" or self.head is None:
             raise ValueError("packed_logits reads BERT's pooler: a classification / regression head with "
                              f"pooling='pooler' (this one: task {self.task!r}, pooling {self.pooling!r})")
-        x = self.backbone.packed_hidden_states(token_ids, segments, type_ids)[-1]  # [b, s, h]
-        first = ops.einsum("bts,bsh->bth", ops.cast(starts, x.dtype), x)  # [b, t, h]
+        rows = ops.argmax(starts, axis=-1)  # [b, t]: each text's [CLS] (an empty slot: 0, its logits unread)
+        # as in `call`, the last block runs at those rows alone
+        first = self.backbone.packed_hidden_states(token_ids, segments, type_ids, rows=rows)[-1]  # [b, t, h]
         logits = self.head(ops.cast(self.backbone.pooler.dense(first), "float32"))  # [b, t, labels]
         mean, std = self.target
         return logits * std + mean if self.task == "regression" else logits
