@@ -163,6 +163,7 @@ def compiled(fn: Callable, variables: Sequence, signature: Optional[list] = None
         return lambda *args: to_numpy(jitted([v.value for v in variables], *args))
     import tensorflow as tf
 
+    _quiet_retracing_warning()
     if signature is not None:
         function = tf.function(fn, input_signature=signature, jit_compile=jit_compile)
     else:
@@ -170,14 +171,99 @@ def compiled(fn: Callable, variables: Sequence, signature: Optional[list] = None
     return lambda *args: to_numpy(function(*args))
 
 
+JIT_MODES = (False, True, "background")  # the `jit_compile` values of inference classes
+
+
+class BackgroundCompiles:
+    """The batch shapes an XLA function has compiled, and a thread that compiles new ones for servers
+    (`jit_compile="background"` of `Embedder` and `TaskModel`): a batch whose shape is not compiled yet runs
+    on the graph, which takes any shape, while the thread compiles that shape at the lowest CPU priority, so
+    no request waits about a second for XLA. Keys are the callers' (the function's variant, then the shape).
+
+        compiles = BackgroundCompiles()
+        if compiles.ready(key, lambda: xla_fn(np.zeros(shape, np.int32)), background=True):
+            out = xla_fn(ids)          # compiled (or, with background=False, compiled here now)
+            compiles.add(key)
+        else:
+            out = graph_fn(ids)        # meanwhile
+    """
+
+    def __init__(self):
+        self._done = set()
+        self._jobs = None  # the thread's queue, made at the first background request
+        self._pending = set()
+
+    def __contains__(self, key) -> bool:
+        return key in self._done
+
+    def __iter__(self):
+        return iter(set(self._done))
+
+    def __len__(self) -> int:
+        return len(self._done)
+
+    def add(self, key) -> None:
+        """Records `key` as compiled (a caller that ran its XLA function in the foreground)."""
+        self._done.add(key)
+
+    def ready(self, key, compile_key: Callable[[], object], background: bool) -> bool:
+        """Whether a batch of `key` runs through XLA now: always when not `background` (the caller compiles
+        it the first time); else once the thread has run `compile_key()` for it (asked for here)."""
+        if not background or key in self._done:
+            return True
+        if self._jobs is None:
+            import queue
+            import threading
+
+            self._jobs = queue.Queue()
+            threading.Thread(target=self._work, daemon=True, name="kbert-xla-compile").start()
+        if key not in self._pending:
+            self._pending.add(key)
+            self._jobs.put((key, compile_key))
+        return False
+
+    def _work(self) -> None:
+        import os
+        import threading
+        import warnings
+
+        try:  # the lowest CPU priority for this thread (a Linux task): serving requests comes first
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except (AttributeError, OSError):
+            pass
+        while True:
+            key, compile_key = self._jobs.get()
+            try:
+                compile_key()
+                self._done.add(key)
+            except Exception as e:  # noqa: BLE001 - that shape stays on the graph; say so once
+                warnings.warn(f"XLA could not compile batch shape {key} ({type(e).__name__}: {e}); batches of "
+                              f"that shape keep running on the graph")
+            finally:
+                self._pending.discard(key)
+                self._jobs.task_done()
+
+    @property
+    def pending(self) -> int:
+        """Shapes waiting for or in compilation."""
+        return len(self._pending)
+
+    def wait(self) -> None:
+        """Blocks until the compilations asked for so far are done."""
+        if self._jobs is not None:
+            self._jobs.join()
+
+
 class _RetracingNotice:
     """Drops TensorFlow's "N out of the last M calls to <function training_step...update> triggered tf.function
     retracing" warning for kbert's own update and fine-tuning inference functions: each traces once per batch
     shape of a small fixed set (bucketed widths, one per dataset and loss in multi-dataset training), and a
     second `kbert.finetune` call in one process (a notebook) makes new ones of the same code, so the
-    frequent-retracing alarm, which counts traces of every function sharing one code object, is a false one."""
+    frequent-retracing alarm, which counts traces of every function sharing one code object, is a false one.
+    So for `TaskModel`'s forward passes: each model traces them once for the graph and once for XLA, and a
+    server or script holds several models."""
 
-    OWN = ("training_step.<locals>", "finetune_inference")
+    OWN = ("training_step.<locals>", "finetune_inference", "TaskNetwork.packed_logits", "TaskModel._forward")
 
     def filter(self, record) -> bool:
         message = record.getMessage()

@@ -174,8 +174,9 @@ class Engine:
             from kbert.embed.task_model import TaskModel, task_meta
 
             meta = task_meta(self.model_dir)  # a task dir's, or a Hugging Face classifier's (a reranker)
-            self.task_model = (TaskModel.load(self.model_dir) if meta and meta["task"] != "sentence-embedding"
-                               else None)
+            # XLA for a classifier's or reranker's batches too, new batch shapes compiled off the request path
+            self.task_model = (TaskModel.load(self.model_dir, jit_compile="background" if jit_compile else False)
+                               if meta and meta["task"] != "sentence-embedding" else None)
             # one copy of the weights: a task dir's model serves its vectors too
             self.embedder = (self.task_model.embedder if self.task_model and self.task_model.embedder
                              else Embedder.load(self.model_dir))
@@ -194,7 +195,7 @@ class Engine:
         # encoded by the model that built it (named in the index), batched here like the served model's
         self.hybrid_index = None if hybrid is None else self._hybrid(hybrid, jit_compile)
         # retrieve, then rerank: a cross-encoder re-scores /v1/search's first hits, its pairs batched here too
-        self.reranker = None if reranker is None else self._reranker(reranker)
+        self.reranker = None if reranker is None else self._reranker(reranker, jit_compile)
         if self.embedder is not None:  # XLA for sentence vectors, new batch shapes compiled off the request path
             self.embedder.jit_compile = "background" if jit_compile else False
         # a static model may keep every token
@@ -210,14 +211,19 @@ class Engine:
         self._paused = threading.Event()  # set: the worker holds off (tests of a busy server)
         self.ready = threading.Event()
         self.metrics = _Metrics()
-        self.metrics.compiling.set_function(lambda: self.embedder.compiling if self.embedder is not None else 0)
-        self.metrics.compiled.set_function(lambda: self.embedder.compiled_shapes if self.embedder is not None else 0)
+        self.metrics.compiling.set_function(lambda: sum(m.compiling for m in self._compiling_models()))
+        self.metrics.compiled.set_function(lambda: sum(m.compiled_shapes for m in self._compiling_models()))
         self._worker = threading.Thread(target=self._work, daemon=True, name="kbert-serve-batcher")
         # /v1/keywords' morpheme analyzer: named now (an unknown name fails at start), loaded by its first request
         # in the worker thread, so a server never asked for keywords never needs it installed
         from kbert.text.morphemes import morphemes
 
         self.analyzer = morphemes(keywords_analyzer)
+
+    def _compiling_models(self) -> list:
+        """The models served that compile batch shapes with XLA (sentence vectors, a classifier, a reranker)."""
+        models = [self.embedder, self.task_model, self.reranker, getattr(self.hybrid_index, "embedder", None)]
+        return [m for m in models if hasattr(m, "wait_compiled")]
 
     def _hybrid(self, hybrid: str, jit_compile: bool):
         from kbert.embed.index import SearchIndex
@@ -239,7 +245,7 @@ class Engine:
             other.embedder.jit_compile = "background" if jit_compile else False
         return other
 
-    def _reranker(self, path: str):
+    def _reranker(self, path: str, jit_compile: bool):
         from kbert.embed.onnx_runtime import is_onnx_dir
 
         if self.search_index is None:
@@ -252,7 +258,7 @@ class Engine:
         else:
             from kbert.embed.task_model import TaskModel
 
-            model = TaskModel.load(path)
+            model = TaskModel.load(path, jit_compile="background" if jit_compile else False)
         try:
             model.check_rankable()
         except ValueError as e:
@@ -294,19 +300,18 @@ class Engine:
         reports ready."""
         if self.embedder is not None:
             self.embedder.encode(["준비"], batch_size=1)
-            self.embedder.wait_compiled()
         if self.sparse is not None:
             self.sparse.encode(["준비"], batch_size=1)
         if self.hybrid_index is not None:
             self.hybrid_index.encode_queries(["준비"], batch_size=1)
-            if self.embedder is None:  # a SPLADE model served: the hybrid's other index is the dense one
-                self.hybrid_index.embedder.wait_compiled()
         if self.reranker is not None:
             self.reranker.predict(["준비"], pairs=["준비"])
         if self.task_model is not None and self.task_model.task == "question-answering":
             self.task_model.answer("준비", "준비")
         elif self.task_model is not None:
             self.task_model.predict(["준비"])
+        for model in self._compiling_models():  # those shapes compiled before the first request
+            model.wait_compiled()
         # The loaded model and libraries are about half a million long-lived Python objects; a full garbage
         # collection walks them all (a few hundred ms on a busy small CPU, every request in flight waits).
         # Frozen, they are left out of every later collection; what requests allocate is still collected.

@@ -242,10 +242,42 @@ def test_pairs_of_mixed_lengths_run_packed_with_the_padded_scores(tmp_path, kind
     queries = [QUERY, "헌법", "국회", "대한민국"] * 4
     docs = DOCUMENTS[:4] + KOREAN_SENTENCES[:6] + ["법", "가", "국민의 권리와 의무", "", "재판", "선거"]
     packed = model.predict(queries, pairs=docs)
-    assert model._packed_fn is not None  # it ran packed
+    assert ("packed", kind == "xla") in model._fns  # it ran packed
     monkeypatch.setattr(task_model, "PACK_WHEN", -1.0)  # never pack
     model.jit_compile = False
     np.testing.assert_allclose(model.predict(queries, pairs=docs), packed, atol=2e-5)
+
+
+def test_a_cross_encoder_compiling_in_the_background_answers_from_the_graph_meanwhile(tmp_path, monkeypatch):
+    """`TaskModel(jit_compile="background")` (what `kbert serve` runs its classifiers and rerankers with): a batch
+    whose bucketed shape XLA has not compiled runs on the graph while a thread compiles it; the same batch then
+    runs through XLA, with the same scores."""
+    import threading
+
+    path = xlmr_dir(tmp_path, model_class="XLMRobertaForSequenceClassification", num_labels=1)
+    model, graph = kbert.TaskModel.load(path, jit_compile="background"), kbert.TaskModel.load(path)
+    calls = []  # (function, through XLA, from the caller's thread)
+    function = model._function
+    monkeypatch.setattr(model, "_function", lambda kind, xla: calls.append(
+        (kind, xla, threading.current_thread() is threading.main_thread())) or function(kind, xla))
+    queries, docs = [QUERY, "헌법", "국회"] * 3, DOCUMENTS[:3] + KOREAN_SENTENCES[:6]
+    first = model.predict(queries, pairs=docs)  # not compiled yet: the graph answers, a thread compiles
+    model.wait_compiled()
+    assert ("packed", False, True) in calls and ("packed", True, True) not in calls
+    assert ("packed", True, False) in calls
+    assert model.compiling == 0 and model.compiled_shapes == 1
+    again = model.predict(queries, pairs=docs)
+    assert calls[-1] == ("packed", True, True) and model.compiled_shapes == 1
+    expected = graph.predict(queries, pairs=docs)
+    np.testing.assert_allclose(first, expected, atol=2e-5)
+    np.testing.assert_allclose(again, expected, atol=2e-5)
+    single = model.predict([QUERY])  # a new shape: compiled in the background as well
+    model.wait_compiled()
+    assert calls.count(("packed", True, False)) == 2 and model.compiled_shapes == 2
+    np.testing.assert_allclose(model.predict([QUERY]), single, atol=2e-5)
+    np.testing.assert_allclose(single, graph.predict([QUERY]), atol=2e-5)
+    with pytest.raises(ValueError, match="`jit_compile` must be one of"):
+        kbert.TaskModel.load(path, jit_compile="yes")
 
 
 def test_evaluate_retrieval_with_a_reranker_reorders_only_the_candidates(tmp_path):

@@ -81,6 +81,19 @@ def bucketed_features(feats: dict, y, pad_id: int, limit: int, label_pad=None):
 
 
 PACK_WHEN = 0.8  # a batch runs as packed rows when that needs at most this share of its rows
+PACK_WIDTH = 64  # XLA: a batch holding this many tokens packs into rows of at least this width
+# XLA: the texts a packed row holds, rounded up (a classifier reads each text's [CLS] from its slot): a few
+# coarse steps, since every slot count is another compiled shape and an empty slot costs one row's head
+SLOT_BUCKETS = (2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+def packed_width(lengths, limit: int) -> int:
+    """The row width XLA packs texts of `lengths` into: the longest one's width bucket, and at least
+    PACK_WIDTH when the batch holds that many tokens (a batch of short texts then has one width whatever its
+    longest text, so the compiled shapes stay few); at most `limit` (the model's positions) unless a text is
+    longer."""
+    longest = max(lengths)
+    return max(min(bucket(max(longest, min(sum(lengths), PACK_WIDTH)), WIDTH_BUCKETS), limit), longest)
 
 
 def pack_rows(lengths, width: int) -> List[List[int]]:

@@ -32,8 +32,8 @@ from typing import List, Optional, Sequence, Union
 
 import numpy as np
 
-from kbert.data.features import PACK_WHEN, ROW_BUCKETS, WIDTH_BUCKETS, bucket, bucketed, pack_rows, text_list
-from kbert.compiled import backend, compiled, data_parallel, replicate, signature
+from kbert.data.features import PACK_WHEN, ROW_BUCKETS, bucket, bucketed, pack_rows, packed_width, text_list
+from kbert.compiled import JIT_MODES, BackgroundCompiles, backend, compiled, data_parallel, replicate, signature
 from kbert.embed.onnx_runtime import DENSE_FILE, GRAPH_FILE, TOKENIZER_DIR, feeds, is_onnx_dir, read_dense, read_info
 from kbert.embed.onnx_runtime import session as onnx_session
 from kbert.models.st_dir import check_prompts
@@ -45,8 +45,6 @@ ENCODE_CHUNK = 8192  # texts tokenized at a time by `encode`
 # What `encode` does with a text longer than max_length: cut it there (sentence-transformers' behaviour, with a
 # warning), or average the vectors of its consecutive windows.
 LONG_TEXTS = ("truncate", "mean")
-PACK_WIDTH = 64  # XLA: a batch holding this many tokens packs into rows of at least this width
-JIT_MODES = (False, True, "background")
 UNITS = ("eojeol", "morpheme", "subword")
 WORD_POOLINGS = ("mean", "first")
 
@@ -93,8 +91,7 @@ class Embedder:
             replicate(self.distribution, backbone.variables)
         self.jit_compile = True if self._bucketed else jit_compile
         self._fns = {}
-        self._compiled = set()  # (layers, rows, width) shapes XLA has compiled
-        self._compiling = None  # "background": (queue, pending shapes)
+        self._compiled = BackgroundCompiles()  # (layers, rows, width) shapes XLA has compiled
 
     @classmethod
     def load(cls, model_dir: str, max_length: Optional[int] = None, dtype: Optional[str] = None,
@@ -251,10 +248,7 @@ class Embedder:
             lengths = [len(id_lists[i]) for i in index]
             texts = [id_lists[i] for i in index]
             if self.jit_compile:
-                # rows of at least PACK_WIDTH tokens when the batch holds that many: a batch of short texts
-                # then has one width whatever its longest text, and the compiled shapes stay few
-                width = max(min(bucket(max(max(lengths), min(sum(lengths), PACK_WIDTH)), WIDTH_BUCKETS),
-                                self.config.max_position), max(lengths))
+                width = packed_width(lengths, self.config.max_position)
                 rows = pack_rows(lengths, width)
                 key = (self._layer_key(pooling, layers), bucket(len(rows), ROW_BUCKETS), width)
                 if self._compiled_now(key):
@@ -337,47 +331,15 @@ class Embedder:
     def _compiled_now(self, key) -> bool:
         """Whether a batch of `key`'s shape runs through XLA now: always with jit_compile=True (compiling
         it here the first time); with "background", once a background thread has compiled it (asked here)."""
-        if self.jit_compile is True or key in self._compiled:
-            return True
-        if self._compiling is None:
-            import queue
-            import threading
-
-            jobs = queue.Queue()
-            self._compiling = (jobs, set())
-            threading.Thread(target=self._compile_worker, args=(jobs,), daemon=True,
-                             name="kbert-xla-compile").start()
-        jobs, pending = self._compiling
-        if key not in pending:
-            pending.add(key)
-            jobs.put(key)
-        return False
-
-    def _compile_worker(self, jobs) -> None:
-        import os
-        import threading
-
-        try:  # the lowest CPU priority for this thread (a Linux task): serving requests comes first
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        except (AttributeError, OSError):
-            pass
-        while True:
-            key = jobs.get()
-            try:
-                shape = key[1:]
-                self._xla_fn(key[0])(np.zeros(shape, np.int32), np.zeros(shape, np.int32))
-                self._compiled.add(key)
-            except Exception as e:  # noqa: BLE001 - that shape stays on the graph; say so once
-                warnings.warn(f"XLA could not compile shape {shape} ({type(e).__name__}: {e}); batches of "
-                              f"that shape keep running on the graph")
-            finally:
-                self._compiling[1].discard(key)
-                jobs.task_done()
+        layer_key, shape = key[0], key[1:]
+        return self._compiled.ready(
+            key, lambda: self._xla_fn(layer_key)(np.zeros(shape, np.int32), np.zeros(shape, np.int32)),
+            background=self.jit_compile == "background")
 
     @property
     def compiling(self) -> int:
         """Shapes waiting for or in background compilation (jit_compile="background")."""
-        return len(self._compiling[1]) if self._compiling is not None else 0
+        return self._compiled.pending
 
     @property
     def compiled_shapes(self) -> int:
@@ -386,8 +348,7 @@ class Embedder:
 
     def wait_compiled(self) -> None:
         """Blocks until the background compilations asked for so far are done (jit_compile="background")."""
-        if self._compiling is not None:
-            self._compiling[0].join()
+        self._compiled.wait()
 
     def _padded(self, id_lists):
         """`[b, s]` ids and padding mask, padded to the longest (exact: the traced graph takes any shape; the
@@ -850,7 +811,7 @@ class StaticEmbedder(Embedder):
         self.prompts, self.default_prompt_name = check_prompts(prompts, default_prompt_name)
         self.dense = check_dense(dense or [], vectors.shape[1])
         self.distribution, self.jit_compile, self._bucketed = None, False, False
-        self._fns, self._compiled, self._compiling = {}, set(), None
+        self._fns, self._compiled = {}, BackgroundCompiles()
 
     @property
     def dimension(self) -> int:
@@ -939,7 +900,7 @@ class OnnxEmbedder(Embedder):
         self.prompts, self.default_prompt_name = check_prompts(info.get("prompts"), info.get("default_prompt_name"))
         self.dense = check_dense(dense or [], self.config.hidden_size)
         self.distribution, self.jit_compile, self._bucketed = None, False, False
-        self._fns, self._compiled, self._compiling = {}, set(), None
+        self._fns, self._compiled = {}, BackgroundCompiles()
 
     @classmethod
     def load(cls, model_dir: str, max_length: Optional[int] = None, threads: Optional[int] = None,

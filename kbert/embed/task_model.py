@@ -10,15 +10,15 @@ each padded to the longest: on a CPU the padded positions are most of a rerankin
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import Optional, Union
 
 import numpy as np
 
-from kbert.data.features import (PACK_WHEN, ROW_BUCKETS, WIDTH_BUCKETS, bucket, bucketed, build_network, features,
-                                 first_pieces, pack_rows, pad)
+from kbert.data.features import (PACK_WHEN, ROW_BUCKETS, SLOT_BUCKETS, bucket, bucketed, build_network, features,
+                                 first_pieces, pack_rows, packed_width, pad)
 from kbert.data.features import segment_ids, str_list, text_list
 from kbert.data.features import unit_vectors_in_batches, word_spans
-from kbert.compiled import backend, compiled, replicate, signature
+from kbert.compiled import JIT_MODES, BackgroundCompiles, backend, compiled, replicate, signature
 from kbert.embed.ranking import Ranking
 from kbert.embed.zero_shot import (DEFAULT_TEMPLATE, candidate_list, hypotheses, label_scores, nli_indices,
                                    pair_ids, ranked)
@@ -64,12 +64,17 @@ class TaskModel(Ranking):
         >>> reranker.rank("헌법 개정 절차", documents, top_k=3)   # [{"corpus_id": 2, "score": 0.97}, ...]
     """
 
-    def __init__(self, network: TaskNetwork, tokenizer, meta: dict, jit_compile: bool = False):
-        """jit_compile: predict through XLA (each batch padded to a bucketed shape, compiled the first time it
-        is met, about a second each): fewer, fused kernels instead of the graph executor's per-op dispatch,
-        which on a CPU weighs most on small models and batches."""
+    def __init__(self, network: TaskNetwork, tokenizer, meta: dict, jit_compile: Union[bool, str] = False):
+        """jit_compile: False (one traced graph for every shape), True (predict through XLA: each batch padded
+        to a bucketed shape, compiled the first time it is met, about a second each: fewer, fused kernels
+        instead of the graph executor's per-op dispatch, which on a CPU weighs most on small models and
+        batches), or "background" (as True, but a batch whose shape is not compiled yet runs on the graph
+        while a background thread compiles it: for servers). Always XLA on JAX."""
+        if not (isinstance(jit_compile, bool) or jit_compile == "background"):
+            raise ValueError(f"`jit_compile` must be one of {JIT_MODES}. Received: jit_compile={jit_compile!r}")
         self.network, self.tokenizer, self.meta = network, tokenizer, meta
-        self.jit_compile = bool(jit_compile) or backend() == "jax"  # JAX compiles every (bucketed) shape
+        # JAX compiles every (bucketed) shape, and has no graph to run one on meanwhile
+        self.jit_compile = True if backend() == "jax" else jit_compile
         self.task, self.labels = meta["task"], meta.get("labels")
         # a multi-label classifier: a sigmoid a label (any number may hold), not one softmax over them
         self.multi_label = bool(meta.get("multi_label", False))
@@ -79,11 +84,11 @@ class TaskModel(Ranking):
         self.activation = meta.get("activation", "identity")
         self.embedder = None  # set by `load`: an Embedder on the same backbone
         self._distribution = None  # set by `load`: the Embedder's devices (`kbert.compiled.data_parallel`)
-        self._fn = None
-        self._packed_fn = None
+        self._fns = {}  # ("call" | "packed", through XLA) -> the compiled function
+        self._compiled = BackgroundCompiles()  # ("call" | "packed", shapes...) XLA has compiled
 
     @classmethod
-    def load(cls, model_dir: str, dtype: Optional[str] = None, jit_compile: bool = False,
+    def load(cls, model_dir: str, dtype: Optional[str] = None, jit_compile: Union[bool, str] = False,
              strategy: str = "auto") -> "TaskModel":
         """A `kbert finetune` output dir, or a Hugging Face `*ForSequenceClassification` dir or Hub name (BERT,
         ALBERT, RoBERTa, XLM-RoBERTa: KLUE classifiers, cross-encoders and rerankers) or
@@ -134,19 +139,55 @@ class TaskModel(Ranking):
     def _forward(self, x):  # a method, not a lambda: AutoGraph reads its source (a lambda's it cannot parse)
         return self.network(x, training=False)
 
+    def _function(self, kind: str, xla: bool):
+        """The compiled forward pass: "call" (a features dict of [b, s] arrays -> logits) or "packed"
+        (`TaskNetwork.packed_logits`), through XLA or the graph. TensorFlow: one trace for every shape (XLA
+        then compiles each bucketed shape); JAX: one compile per bucketed shape."""
+        if (kind, xla) not in self._fns:
+            if kind == "call":
+                fn, spec = self._forward, signature({"token_ids": 2, "segment_ids": 2, "padding_mask": 2})
+            else:
+                fn, spec = self.network.packed_logits, signature(2, 2, 2, (3, "float32"))
+            self._fns[kind, xla] = compiled(fn, self.network.variables, spec, jit_compile=xla,
+                                            distribution=self._distribution)
+        return self._fns[kind, xla]
+
+    def _run(self, kind: str, *args):
+        """`kind`'s function on `args` (bucketed shapes when `jit_compile`): through XLA once that shape is
+        compiled (with "background", the graph answers until a thread has compiled it)."""
+        if not self.jit_compile:
+            return self._function(kind, False)(*args)
+        key = (kind,) + tuple(np.shape(a) for a in (args[0].values() if kind == "call" else args))
+        zeros = [{k: np.zeros_like(v) for k, v in a.items()} if isinstance(a, dict) else np.zeros_like(a)
+                 for a in args]  # what the thread compiles with: the shapes are what matter
+        if self._compiled.ready(key, lambda: self._function(kind, True)(*zeros),
+                                background=self.jit_compile == "background"):
+            out = self._function(kind, True)(*args)
+            self._compiled.add(key)
+            return out
+        return self._function(kind, False)(*args)
+
+    @property
+    def compiling(self) -> int:
+        """Batch shapes waiting for or in background compilation (jit_compile="background")."""
+        return self._compiled.pending
+
+    @property
+    def compiled_shapes(self) -> int:
+        """Batch shapes XLA has compiled so far."""
+        return len(self._compiled)
+
+    def wait_compiled(self) -> None:
+        """Blocks until the background compilations asked for so far are done (jit_compile="background")."""
+        self._compiled.wait()
+
     def _call(self, ids, segments):
-        if self._fn is None:
-            # TensorFlow: one trace for every shape (XLA then compiles each bucketed shape); JAX: one compile
-            # per bucketed shape
-            self._fn = compiled(self._forward, self.network.variables,
-                                signature({"token_ids": 2, "segment_ids": 2, "padding_mask": 2}),
-                                jit_compile=self.jit_compile, distribution=self._distribution)
         rows = len(ids)
         if self.jit_compile:  # pad to a bucketed shape: extra rows are padding, their outputs dropped
             limit = min(self.max_length, self.network.backbone.config.max_position)
             ids = bucketed(ids, self.tokenizer.pad_id, limit, rows=True)
             segments = bucketed(segments, 0, limit, rows=True)
-        return np.asarray(self._fn(features(ids, segments, self.tokenizer.pad_id)), np.float32)[:rows]
+        return np.asarray(self._run("call", features(ids, segments, self.tokenizer.pad_id)), np.float32)[:rows]
 
     def _call_packed(self, ids, segs):
         """Logits `[n, labels]` of texts of mixed lengths (a reranker's candidates, a server's requests) run as
@@ -155,18 +196,16 @@ class TaskModel(Ranking):
         JAX) every batch runs packed, its rows, width and texts per row rounded up to buckets, so a few
         compiled shapes serve every batch."""
         lengths = [len(x) for x in ids]
-        xla = self.jit_compile
+        xla = bool(self.jit_compile)
         if self.network.pooling != "pooler" or (len(ids) < 2 and not xla):
             return None
-        width = max(lengths)
-        if xla:
-            width = max(min(bucket(width, WIDTH_BUCKETS), self.network.backbone.config.max_position), width)
+        width = packed_width(lengths, self.network.backbone.config.max_position) if xla else max(lengths)
         packed = pack_rows(lengths, width)
         if not xla and len(packed) > PACK_WHEN * len(ids):
             return None
         rows, slots = len(packed), max(len(row) for row in packed)
         if xla:
-            rows, slots = bucket(rows, ROW_BUCKETS), bucket(slots, ROW_BUCKETS)
+            rows, slots = bucket(rows, ROW_BUCKETS), bucket(slots, SLOT_BUCKETS)
         token_ids = np.full((rows, width), self.tokenizer.pad_id, np.int32)
         segments, types = np.zeros_like(token_ids), np.zeros_like(token_ids)
         starts = np.zeros((rows, slots, width), np.float32)
@@ -179,11 +218,7 @@ class TaskModel(Ranking):
                 starts[r, t, at] = 1.0
                 where[j] = (r, t)
                 at += n
-        if self._packed_fn is None:
-            self._packed_fn = compiled(self.network.packed_logits, self.network.variables,
-                                       signature(2, 2, 2, (3, "float32")), jit_compile=xla,
-                                       distribution=self._distribution)
-        logits = np.asarray(self._packed_fn(token_ids, segments, types, starts), np.float32)  # [r, t, labels]
+        logits = np.asarray(self._run("packed", token_ids, segments, types, starts), np.float32)  # [r, t, labels]
         return logits[where[:, 0], where[:, 1]]
 
     def predict(self, texts, pairs=None, batch_size: int = 64, activation: Optional[str] = None):
