@@ -392,14 +392,18 @@ class Tokenizer:
 
     def _encode_batch(self, texts, pairs, add_special_tokens, max_length):
         texts = [self.normalize(self._check_text(t)) for t in texts]
-        pieces = self._pieces_batch(texts)
-        pair_pieces = None
+        pair_texts = []
         if pairs is not None:
             if len(pairs) != len(texts):
                 raise ValueError(f"`pairs` must have one text per text. Received {len(pairs)} pairs for "
                                  f"{len(texts)} texts")
             pair_texts = [self.normalize(self._check_text(t)) for t in pairs]
-            pair_pieces = self._pieces_batch(pair_texts)
+        # each distinct text once, both sides of the pairs in one call: a reranker's batch repeats its query
+        # for every candidate, and each call of the in-graph tokenizer has a fixed cost
+        distinct = list(dict.fromkeys(texts + pair_texts))
+        found = dict(zip(distinct, self._pieces_batch(distinct)))
+        pieces = [found[t] for t in texts]
+        pair_pieces = [found[t] for t in pair_texts] if pairs is not None else None
         out = []
         middle = self.pair_separators
         for i, (text, a) in enumerate(zip(texts, pieces)):
