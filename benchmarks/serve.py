@@ -208,28 +208,33 @@ def run_load(url: str, sentences, requests: int, clients: int, **route) -> dict:
     return uvloop.run(load(url, sentences, requests, clients, **route))
 
 
-def compiles_pending(url: str) -> float:
+def xla_shapes(url: str):
+    """The server's (XLA compilations pending, batch shapes compiled), from its /metrics."""
     import urllib.request
 
+    found = {"kbert_xla_compiles_pending": 0.0, "kbert_xla_shapes_compiled": 0.0}
     with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
         for line in r.read().decode().splitlines():
-            if line.startswith("kbert_xla_compiles_pending "):
-                return float(line.split()[1])
-    return 0.0
+            name, _, value = line.partition(" ")
+            if name in found:
+                found[name] = float(value)
+    return found["kbert_xla_compiles_pending"], found["kbert_xla_shapes_compiled"]
 
 
-def warm_up(url: str, sentences, requests: int, clients: int, rounds: int = 20) -> int:
-    """Rounds of `requests` at `clients` until the server has no XLA compilation pending (at most `rounds`);
-    returns the requests sent. The level measured after it sees the server as it runs once warm."""
+def warm_up(url: str, sentences, requests: int, clients: int, rounds: int = 20, **route) -> int:
+    """Rounds of `requests` at `clients` until a round makes the server compile no new batch shape (at most
+    `rounds`); returns the requests sent. The level measured after it sees the server as it runs once warm.
+    `route`: `load`'s path, field, marker and extra."""
     sent = 0
     for _ in range(rounds):
-        run_load(url, sentences, requests, clients)
+        before = xla_shapes(url)[1]
+        run_load(url, sentences, requests, clients, **route)
         sent += requests
-        if compiles_pending(url) == 0:  # this round met no new shape
-            break
         deadline = time.monotonic() + 300
-        while compiles_pending(url) > 0 and time.monotonic() < deadline:  # let this traffic's shapes compile
+        while xla_shapes(url)[0] > 0 and time.monotonic() < deadline:  # let this traffic's shapes compile
             time.sleep(0.5)
+        if xla_shapes(url)[1] == before:  # this round met no new shape
+            break
     return sent
 
 

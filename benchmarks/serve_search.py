@@ -9,9 +9,11 @@ cross-encoder; speed does not depend on the values) and the same movie reviews f
   `SentenceTransformer` + `util.semantic_search` over the collection's vectors, then `CrossEncoder.rank`) behind
   a minimal Starlette endpoint (FastAPI's base) that answers one request at a time (what one writes without
   batching).
-The load generator is benchmarks/serve.py's (one keep-alive connection per client, prebuilt bodies). Before the
-load, both servers answer the same queries and the share of equal top-5 id lists is printed: the comparison is
-between two ways of computing one ranking (float32 noise aside), not between two rankings.
+The load generator is benchmarks/serve.py's (one keep-alive connection per client, prebuilt bodies); each kbert level
+follows warm-up rounds of the same requests until a round makes the server compile no new batch shape (new
+shapes compile in the background meanwhile), so the level measures a warm server. Before the load, both servers answer the same queries
+and the share of equal top-5 id lists is printed: the comparison is between two ways of computing one ranking
+(float32 noise aside), not between two rankings.
 
     python benchmarks/serve_search.py --shared ../shared/data [--documents 5000] [--candidates 20]
 """
@@ -29,7 +31,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
-from serve import free_port, read_sentences, rss_mb, run_load, start, stop  # noqa: E402  (benchmarks/serve.py)
+from serve import free_port, read_sentences, rss_mb, run_load, start, stop, warm_up  # noqa: E402  (serve.py)
 
 PEER = r'''
 import sys, uvicorn
@@ -120,8 +122,9 @@ def main():
     kbert_top = top_ids(url, queries[:50], args.candidates)
     results["kbert"] = []
     for clients in levels:
-        run_load(url, queries, min(100, args.requests), clients, **route)  # warm-up: new batch shapes
-        row = run_load(url, queries, args.requests, clients, **route)
+        # warm-up: the level's own traffic until it makes the server compile no new batch shape (measured warm)
+        row = dict(warmup=warm_up(url, queries, args.requests, clients, rounds=5, **route))
+        row.update(run_load(url, queries, args.requests, clients, **route))
         results["kbert"].append(row)
         print("kbert", json.dumps(row), flush=True)
     results["kbert_rss_mb"] = rss_mb(server.pid)

@@ -1584,8 +1584,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-chars", type=int, default=20000, help="characters per text (more: 413)")
     p.add_argument("--timeout", type=float, default=30.0, help="seconds before a request gets 504")
     p.add_argument("--jit-compile", choices=("on", "off"), default="on",
-                   help="sentence vectors through XLA, each batch shape compiled in the background the first "
-                        "time it is met (on), or the graph only (off)")
+                   help="sentence vectors, classifier and reranker scores through XLA, each batch shape compiled "
+                        "in the background the first time it is met (on), or the graph only (off)")
     p.add_argument("--keywords-analyzer", default="mecab",
                    help="morpheme analyzer of /v1/keywords and /v1/word-embeddings (unit \"morpheme\"): mecab "
                         "(default), kiwi, okt, komoran, hannanum, kkma")

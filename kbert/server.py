@@ -534,7 +534,8 @@ def build_app(model: str, max_batch_tokens: int = 8192, max_wait_ms: float = 5.0
               hybrid: Optional[str] = None, reranker: Optional[str] = None):
     """The Starlette app serving `model` (a kbert model dir, a fine-tuned task dir, or a Hugging Face dir);
     `app.state.engine` is its `Engine`. `warm=False` leaves /health at 503 until `engine.warm_up()`.
-    `jit_compile`: sentence vectors through XLA (`Embedder(jit_compile="background")`), else the graph.
+    `jit_compile`: sentence vectors, a classifier's or a reranker's scores through XLA (`Embedder` and
+    `TaskModel` with `jit_compile="background"`), else the graph.
     `keywords_analyzer`: the `kbert.morphemes` analyzer of /v1/keywords and /v1/word-embeddings' morphemes.
     `index`: a `kbert.SearchIndex` dir that /v1/search searches (a `kbert.SparseIndex` for a SPLADE model).
     `hybrid`: an index of the other kind over the same texts (built by its own model, which the server loads
