@@ -254,6 +254,25 @@ class BackgroundCompiles:
             self._jobs.join()
 
 
+class CompilesInBackground:
+    """What a server reads of an inference class that compiles batch shapes with XLA (`Embedder`, `TaskModel`):
+    the class keeps its shapes in `_compiled`, a `BackgroundCompiles`."""
+
+    @property
+    def compiling(self) -> int:
+        """Batch shapes waiting for or in background compilation (jit_compile="background")."""
+        return self._compiled.pending
+
+    @property
+    def compiled_shapes(self) -> int:
+        """Batch shapes XLA has compiled so far."""
+        return len(self._compiled)
+
+    def wait_compiled(self) -> None:
+        """Blocks until the background compilations asked for so far are done (jit_compile="background")."""
+        self._compiled.wait()
+
+
 class _RetracingNotice:
     """Drops TensorFlow's "N out of the last M calls to <function training_step...update> triggered tf.function
     retracing" warning for kbert's own update and fine-tuning inference functions: each traces once per batch

@@ -33,7 +33,8 @@ from typing import List, Optional, Sequence, Union
 import numpy as np
 
 from kbert.data.features import PACK_WHEN, ROW_BUCKETS, bucket, bucketed, pack_rows, packed_width, text_list
-from kbert.compiled import JIT_MODES, BackgroundCompiles, backend, compiled, data_parallel, replicate, signature
+from kbert.compiled import JIT_MODES, BackgroundCompiles, CompilesInBackground, backend
+from kbert.compiled import compiled, data_parallel, replicate, signature
 from kbert.embed.onnx_runtime import DENSE_FILE, GRAPH_FILE, TOKENIZER_DIR, feeds, is_onnx_dir, read_dense, read_info
 from kbert.embed.onnx_runtime import session as onnx_session
 from kbert.models.st_dir import check_prompts
@@ -49,7 +50,7 @@ UNITS = ("eojeol", "morpheme", "subword")
 WORD_POOLINGS = ("mean", "first")
 
 
-class Embedder:
+class Embedder(CompilesInBackground):
     """Sentence and word embeddings from a BERT/ALBERT backbone and its tokenizer."""
 
     def __init__(self, backbone, tokenizer, max_length: Optional[int] = None, pooling: str = "mean",
@@ -335,20 +336,6 @@ class Embedder:
         return self._compiled.ready(
             key, lambda: self._xla_fn(layer_key)(np.zeros(shape, np.int32), np.zeros(shape, np.int32)),
             background=self.jit_compile == "background")
-
-    @property
-    def compiling(self) -> int:
-        """Shapes waiting for or in background compilation (jit_compile="background")."""
-        return self._compiled.pending
-
-    @property
-    def compiled_shapes(self) -> int:
-        """Batch shapes XLA has compiled so far."""
-        return len(self._compiled)
-
-    def wait_compiled(self) -> None:
-        """Blocks until the background compilations asked for so far are done (jit_compile="background")."""
-        self._compiled.wait()
 
     def _padded(self, id_lists):
         """`[b, s]` ids and padding mask, padded to the longest (exact: the traced graph takes any shape; the

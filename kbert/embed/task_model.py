@@ -18,7 +18,8 @@ from kbert.data.features import (PACK_WHEN, ROW_BUCKETS, SLOT_BUCKETS, bucket, b
                                  first_pieces, pack_rows, packed_width, pad)
 from kbert.data.features import segment_ids, str_list, text_list
 from kbert.data.features import unit_vectors_in_batches, word_spans
-from kbert.compiled import JIT_MODES, BackgroundCompiles, backend, compiled, replicate, signature
+from kbert.compiled import JIT_MODES, BackgroundCompiles, CompilesInBackground, backend
+from kbert.compiled import compiled, replicate, signature
 from kbert.embed.ranking import Ranking
 from kbert.embed.zero_shot import (DEFAULT_TEMPLATE, candidate_list, hypotheses, label_scores, nli_indices,
                                    pair_ids, ranked)
@@ -52,7 +53,7 @@ def task_meta(model_dir: str) -> Optional[dict]:
     return _resolve(model_dir)[1]
 
 
-class TaskModel(Ranking):
+class TaskModel(Ranking, CompilesInBackground):
     """A fine-tuned model: backbone, task head, tokenizer and label names. kbert's cross-encoder too: a pair
     model's `predict(queries, pairs=documents)` scores each pair, `rank(query, documents)` sorts documents.
 
@@ -166,20 +167,6 @@ class TaskModel(Ranking):
             self._compiled.add(key)
             return out
         return self._function(kind, False)(*args)
-
-    @property
-    def compiling(self) -> int:
-        """Batch shapes waiting for or in background compilation (jit_compile="background")."""
-        return self._compiled.pending
-
-    @property
-    def compiled_shapes(self) -> int:
-        """Batch shapes XLA has compiled so far."""
-        return len(self._compiled)
-
-    def wait_compiled(self) -> None:
-        """Blocks until the background compilations asked for so far are done (jit_compile="background")."""
-        self._compiled.wait()
 
     def _call(self, ids, segments):
         rows = len(ids)
