@@ -83,7 +83,8 @@ def bucketed_features(feats: dict, y, pad_id: int, limit: int, label_pad=None):
 PACK_WHEN = 0.8  # a batch runs as packed rows when that needs at most this share of its rows
 PACK_WIDTH = 64  # XLA: a batch holding this many tokens packs into rows of at least this width
 # XLA: the texts a packed row holds, rounded up (a classifier reads each text's [CLS] from its slot): a few
-# coarse steps, since every slot count is another compiled shape and an empty slot costs one row's head
+# coarse steps, since every slot count is another compiled shape and an empty slot costs only one position
+# of the last block and the head
 SLOT_BUCKETS = (2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
