@@ -119,6 +119,29 @@ def restore_dropout(model_dir, rate=0.1):
         json.dump(saved, f, indent=2, sort_keys=True)
 
 
+def untrained_model(config, pre_seed, minutes_from):
+    """`--steps 0`: the model dir kbert.pretrain would start from (the preset's randomly initialized layers, the
+    token embeddings of `trainer.embedding_init`), written without a masked-LM step: the reference that says
+    what the pretraining's steps add (benchmarks/README.md: for sentence vectors, at this budget, nothing)."""
+    import keras
+
+    import kbert
+    from kbert.train.embedding_init import initialize_token_embeddings
+
+    keras.utils.set_random_seed(pre_seed)
+    tok = kbert.Tokenizer.load(config["data"]["tokenizer"])
+    model = {k: v for k, v in config["model"].items() if k != "preset"}
+    backbone = kbert.build_backbone(kbert.ModelConfig.preset(config["model"]["preset"], vocab_size=tok.vocab_size,
+                                                             pad_token_id=tok.pad_id, **model))
+    if config["trainer"]["embedding_init"] == "cooccurrence":
+        initialize_token_embeddings(backbone, config["data"]["source"], tok, seed=pre_seed)
+    model_dir = os.path.join(config["output_dir"], "model")
+    kbert.save_model(backbone, model_dir, tokenizer=tok)
+    restore_dropout(model_dir)
+    return {"steps": 0, "model_dir": model_dir, "minutes": round((time.time() - minutes_from) / 60, 1),
+            "final_mlm_accuracy": None, "objective": None, "embedding_init": config["trainer"]["embedding_init"]}
+
+
 def tfidf_sentiment(train, dev):
     from sklearn.feature_extraction.text import TfidfVectorizer
     from sklearn.linear_model import LogisticRegression
@@ -555,7 +578,10 @@ def member_command(args, k):
            "--sts-seeds", str(args.sts_seeds), "--precision", args.precision, "--objective", args.objective,
            "--embedding-init", args.embedding_init, "--morphemes", args.morphemes, "--vocab-size", str(args.vocab_size),
            "--simcse-lines", str(args.simcse_lines), "--simcse-lr", str(args.simcse_lr)]
-    cmd += ["--steps", str(max(1, args.steps // n))] if args.steps else ["--minutes", f"{args.minutes / n:g}"]
+    if args.steps is None:
+        cmd += ["--minutes", f"{args.minutes / n:g}"]
+    else:  # --steps 0: members without a masked-LM step
+        cmd += ["--steps", str(max(1, args.steps // n) if args.steps else 0)]
     if args.learning_rate:
         cmd += ["--learning-rate", str(args.learning_rate)]
     return cmd + (["--small"] if args.small else [])
@@ -749,7 +775,9 @@ def main():
     parser.add_argument("--minutes", type=float, default=55.0, help="pretraining wall-clock budget")
     parser.add_argument("--steps", type=int, default=None,
                         help="pretraining steps (default: as many as --minutes allows, from a 60-step calibration); "
-                             "a fixed step count and seed make runs comparable across machines of different speed")
+                             "a fixed step count and seed make runs comparable across machines of different speed; "
+                             "0: no masked-LM step, the model as pretraining would start it (its random layers, "
+                             "token embeddings from --embedding-init), to measure what the pretraining adds")
     parser.add_argument("--train-examples", type=int, default=150000,
                         help="sentiment training examples (NSMC has 150,000)")
     parser.add_argument("--epochs", type=float, default=2.0,
@@ -812,6 +840,8 @@ def main():
         parser.error(f"--rows: unknown {sorted(unknown)}; choose from {','.join(EMBEDDING_ROWS)}")
     if args.pretrain_seeds < 1 or (args.pretrain_seeds > 1 and args.only != "embeddings"):
         parser.error(f"--pretrain-seeds {args.pretrain_seeds}: a whole number >= 1; above 1 only with --only embeddings")
+    if args.steps is not None and args.steps < 0:
+        parser.error(f"--steps must be 0 or more, got {args.steps}")
     if args.sts_seeds < 1:
         parser.error(f"--sts-seeds must be at least 1, got {args.sts_seeds}")
     if args.student_epochs < 1:
@@ -888,6 +918,8 @@ def main():
     def pretraining():
         start = time.time()
         steps = args.steps
+        if steps == 0:
+            return untrained_model(config, pre_seed=args.seed, minutes_from=start)
         planned = os.path.join(run_dir, "planned_steps.json")  # a resumed run keeps the step count it planned
         if steps is None and os.path.isfile(planned):
             with open(planned, encoding="utf-8") as f:
@@ -1005,8 +1037,11 @@ def main():
     print("|---|---:|---:|")
     objective = pre.get("objective", "mlm")
     rtd = f", replaced-token accuracy {pre['final_rtd_accuracy']:.3f}" if "final_rtd_accuracy" in pre else ""
-    print(f"| pretraining: steps x batch 32 x seq 64 ({objective}, {pre.get('precision', 'float32')}), tokens/s | {pre['steps']} steps in {pre.get('minutes', '?')} min, "
-          f"{pre['tokens_per_second']:,} tok/s, MLM accuracy {pre['final_mlm_accuracy']:.3f}{rtd} (mean of the last 100 steps) | budget {args.minutes:g} min |")
+    if pre["steps"]:
+        print(f"| pretraining: steps x batch 32 x seq 64 ({objective}, {pre.get('precision', 'float32')}), tokens/s | {pre['steps']} steps in {pre.get('minutes', '?')} min, "
+              f"{pre['tokens_per_second']:,} tok/s, MLM accuracy {pre['final_mlm_accuracy']:.3f}{rtd} (mean of the last 100 steps) | budget {args.minutes:g} min |")
+    else:
+        print(f"| pretraining: none (--steps 0: {pre['embedding_init']} token embeddings, random layers) | | |")
     print(f"| sentiment dev accuracy, pretrained | {runs['pretrained']['best']:.4f} | TF-IDF char 1-3 + LR "
           f"{baseline['accuracy']:.4f} |")
     print(f"| sentiment dev accuracy, random init | {runs['random-init']['best']:.4f} | gain from pretraining "

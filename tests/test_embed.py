@@ -716,6 +716,9 @@ def test_quality_ensemble_averages_cosines_and_plans_its_members():
     assert cmd[cmd.index("--rows") + 1] == quality.ENSEMBLE_ROW and "--minutes" not in cmd
     first = quality.member_command(args, 0)  # the reference rows run on the first pretraining only
     assert first[first.index("--rows") + 1].split(",") == [*quality.REFERENCE_ROWS, quality.ENSEMBLE_ROW]
+    args.steps = 0  # members without a masked-LM step pass that on, not one step or a time budget
+    cmd = quality.member_command(args, 1)
+    assert cmd[cmd.index("--steps") + 1] == "0" and "--minutes" not in cmd
 
 
 @pytest.mark.parametrize("pooling,layers", [("mean", "all"), ("cls", -1), ("max", [1, -1]), ("first_last_avg", -1)])
