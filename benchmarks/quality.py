@@ -122,7 +122,7 @@ def restore_dropout(model_dir, rate=0.1):
 def untrained_model(config, pre_seed, minutes_from):
     """`--steps 0`: the model dir kbert.pretrain would start from (the preset's randomly initialized layers, the
     token embeddings of `trainer.embedding_init`), written without a masked-LM step: the reference that says
-    what the pretraining's steps add (benchmarks/README.md: for sentence vectors, at this budget, nothing)."""
+    what the pretraining's steps add (benchmarks/README.md has the comparison)."""
     import keras
 
     import kbert
