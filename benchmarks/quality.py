@@ -108,6 +108,54 @@ def write_pretraining_text(reviews_gz, statutes_gz, path, max_chars):
     return {f"{k}_chars": v for k, v in chars.items()} | {f"{k}_documents": v for k, v in docs.items()}
 
 
+def write_other_text(shared, path):
+    """Unlabelled Korean text of other kinds than the pretraining text's reviews and statutes, for
+    `--embedding-text other|both`: the news comments of korean-hate-speech's unlabelled set, the 3i4k utterances,
+    the boddari paragraphs (Wikinews, UNESCO reports, book reviews) and the question-pair training questions less
+    the selection part's (never a KorSTS, selection or dev sentence). Informal questions and comments are the
+    kind of text KorSTS dev's forum pairs are, which reviews and statutes lack (benchmarks/README.md, stop 103).
+    A blank line every 64 lines keeps documents short (co-occurrences are counted within a line anyway)."""
+    import kbert
+
+    lines = []
+    with open(os.path.join(shared, "korean-hate-speech", "unlabeled_comments_5.txt"), encoding="utf-8") as f:
+        lines += [x.strip() for x in f]
+    with open(os.path.join(shared, "3i4k", "fci.txt"), encoding="utf-8") as f:  # "class<TAB>utterance"
+        lines += [x.rstrip("\n").split("\t", 1)[-1].strip() for x in f]
+    for name in ("wikinews.txt", "unesco_report.txt", "book_review01.txt"):
+        with open(os.path.join(shared, "boddari", name), encoding="utf-8") as f:
+            lines += [x.strip() for x in f]
+    qp_fit, _ = kbert.selection_split(read_tsv(os.path.join(shared, "question-pair", "train.txt")), "question1")
+    lines += sorted({r[c].strip() for r in qp_fit for c in ("question1", "question2")})
+    lines = [x for x in lines if x]
+    with open(path, "w", encoding="utf-8") as f:
+        for i in range(0, len(lines), 64):
+            f.write("\n".join(lines[i:i + 64]) + "\n\n")
+    return {"other_lines": len(lines), "other_chars": sum(len(x) for x in lines)}
+
+
+EMBEDDING_TEXTS = ("pretraining", "other", "both")
+
+
+def embedding_text(shared, out, pretraining_text, which):
+    """The text `--embedding-text` counts co-occurrences on: the pretraining text, the other text, or both
+    (the other text first, so the 20M-token cap of kbert.train.embedding_init keeps all of it)."""
+    if which == "pretraining":
+        return pretraining_text
+    other = os.path.join(out, "other.txt")
+    stage(out, "other-text", lambda: write_other_text(shared, other))
+    if which == "other":
+        return other
+    both = os.path.join(out, "other-and-pretraining.txt")
+    if not os.path.isfile(both):
+        with open(both + ".part", "w", encoding="utf-8") as dst:
+            for src in (other, pretraining_text):
+                with open(src, encoding="utf-8") as f:
+                    dst.writelines(f)
+        os.replace(both + ".part", both)
+    return both
+
+
 def restore_dropout(model_dir, rate=0.1):
     """Pretraining ran without dropout (a short run does not overfit, and every update counts); fine-tuning on
     a labelled set does need it, so the saved model gets BERT's usual 0.1 back. Dropout has no weights."""
@@ -119,10 +167,10 @@ def restore_dropout(model_dir, rate=0.1):
         json.dump(saved, f, indent=2, sort_keys=True)
 
 
-def untrained_model(config, pre_seed, minutes_from):
+def untrained_model(config, pre_seed, minutes_from, text=None):
     """`--steps 0`: the model dir kbert.pretrain would start from (the preset's randomly initialized layers, the
-    token embeddings of `trainer.embedding_init`), written without a masked-LM step: the reference that says
-    what the pretraining's steps add (benchmarks/README.md has the comparison)."""
+    token embeddings of `trainer.embedding_init`, counted on `text` or else the pretraining text), written
+    without a masked-LM step: the reference that says what the pretraining's steps add (benchmarks/README.md)."""
     import keras
 
     import kbert
@@ -134,7 +182,7 @@ def untrained_model(config, pre_seed, minutes_from):
     backbone = kbert.build_backbone(kbert.ModelConfig.preset(config["model"]["preset"], vocab_size=tok.vocab_size,
                                                              pad_token_id=tok.pad_id, **model))
     if config["trainer"]["embedding_init"] == "cooccurrence":
-        initialize_token_embeddings(backbone, config["data"]["source"], tok, seed=pre_seed)
+        initialize_token_embeddings(backbone, text or config["data"]["source"], tok, seed=pre_seed)
     model_dir = os.path.join(config["output_dir"], "model")
     kbert.save_model(backbone, model_dir, tokenizer=tok)
     restore_dropout(model_dir)
@@ -576,7 +624,8 @@ def member_command(args, k):
            "--seed", str(args.seed + k), "--only", "embeddings",
            "--rows", ",".join([*REFERENCE_ROWS, ENSEMBLE_ROW]) if k == 0 else ENSEMBLE_ROW,
            "--sts-seeds", str(args.sts_seeds), "--precision", args.precision, "--objective", args.objective,
-           "--embedding-init", args.embedding_init, "--morphemes", args.morphemes, "--vocab-size", str(args.vocab_size),
+           "--embedding-init", args.embedding_init, "--embedding-text", member_text(args, k),
+           "--morphemes", args.morphemes, "--vocab-size", str(args.vocab_size),
            "--simcse-lines", str(args.simcse_lines), "--simcse-lr", str(args.simcse_lr)]
     if args.steps is None:
         cmd += ["--minutes", f"{args.minutes / n:g}"]
@@ -585,6 +634,11 @@ def member_command(args, k):
     if args.learning_rate:
         cmd += ["--learning-rate", str(args.learning_rate)]
     return cmd + (["--small"] if args.small else [])
+
+
+def member_text(args, k):
+    texts = args.embedding_text.split(",")
+    return texts[k % len(texts)]
 
 
 def member_dir(args, k):
@@ -803,6 +857,11 @@ def main():
                              "words whole, at a larger embedding table")
     parser.add_argument("--embedding-init", choices=("cooccurrence", "random"), default="cooccurrence",
                         help="token embeddings to start pretraining from (trainer.embedding_init)")
+    parser.add_argument("--embedding-text", default="pretraining",
+                        help="with --steps 0: the text the co-occurrence token embeddings are counted on: "
+                             "pretraining (the pretraining text), other (other unlabelled text of --shared: comments, "
+                             "utterances, news, questions; write_other_text) or both; with --pretrain-seeds n, a "
+                             "comma-separated list gives member k the k-th (cycled)")
     parser.add_argument("--learning-rate", type=float, default=None,
                         help="peak pretraining learning rate (default: 1e-3 for mlm, 5e-4 for electra)")
     parser.add_argument("--objective", choices=("mlm", "electra"), default="mlm",
@@ -842,6 +901,13 @@ def main():
         parser.error(f"--pretrain-seeds {args.pretrain_seeds}: a whole number >= 1; above 1 only with --only embeddings")
     if args.steps is not None and args.steps < 0:
         parser.error(f"--steps must be 0 or more, got {args.steps}")
+    texts = args.embedding_text.split(",")
+    if set(texts) - set(EMBEDDING_TEXTS) or (len(texts) > 1 and args.pretrain_seeds == 1):
+        parser.error(f"--embedding-text: one of {','.join(EMBEDDING_TEXTS)}, or with --pretrain-seeds n > 1 a "
+                     f"comma-separated list of them; got {args.embedding_text!r}")
+    if texts != ["pretraining"] and (args.steps != 0 or args.embedding_init != "cooccurrence"):
+        parser.error(f"--embedding-text {args.embedding_text} needs --steps 0 and --embedding-init cooccurrence "
+                     "(kbert.pretrain counts co-occurrences on the text it pretrains on)")
     if args.sts_seeds < 1:
         parser.error(f"--sts-seeds must be at least 1, got {args.sts_seeds}")
     if args.student_epochs < 1:
@@ -919,7 +985,9 @@ def main():
         start = time.time()
         steps = args.steps
         if steps == 0:
-            return untrained_model(config, pre_seed=args.seed, minutes_from=start)
+            return {**untrained_model(config, pre_seed=args.seed, minutes_from=start,
+                                      text=embedding_text(args.shared, args.out, text, args.embedding_text)),
+                    "embedding_text": args.embedding_text}
         planned = os.path.join(run_dir, "planned_steps.json")  # a resumed run keeps the step count it planned
         if steps is None and os.path.isfile(planned):
             with open(planned, encoding="utf-8") as f:
@@ -958,6 +1026,10 @@ def main():
                 **({"final_rtd_accuracy": summary["rtd_accuracy"]} if "rtd_accuracy" in summary else {})}
 
     pre = stage(args.out, "pretraining", pretraining)
+    counted_on = pre.get("embedding_text", "pretraining")  # runs before the option counted the pretraining text
+    if counted_on != args.embedding_text:
+        sys.exit(f"{args.out} holds a model with token embeddings counted on the {counted_on} text, not "
+                 f"--embedding-text {args.embedding_text}: pass another --out")
     random_dir = os.path.join(args.out, "random-init")
     if not os.path.isdir(random_dir):  # the same architecture and tokenizer, untrained
         import keras

@@ -708,7 +708,7 @@ def test_quality_ensemble_averages_cosines_and_plans_its_members():
     args = argparse.Namespace(pretrain_seeds=2, out="/tmp/q", seed=3, shared="/data", sts_seeds=1, steps=5574,
                               minutes=55.0, precision="float32", objective="mlm", embedding_init="cooccurrence",
                               morphemes="none", vocab_size=32000, simcse_lines=50000, simcse_lr=1e-4,
-                              learning_rate=None, small=False)
+                              learning_rate=None, small=False, embedding_text="pretraining")
     cmd = quality.member_command(args, 1)
     assert cmd[cmd.index("--steps") + 1] == "2787" and cmd[cmd.index("--seed") + 1] == "4"
     assert cmd[cmd.index("--vocab-size") + 1] == "32000"  # every member trains its vocabulary at the size given
@@ -719,6 +719,45 @@ def test_quality_ensemble_averages_cosines_and_plans_its_members():
     args.steps = 0  # members without a masked-LM step pass that on, not one step or a time budget
     cmd = quality.member_command(args, 1)
     assert cmd[cmd.index("--steps") + 1] == "0" and "--minutes" not in cmd
+    assert cmd[cmd.index("--embedding-text") + 1] == "pretraining"
+    args.pretrain_seeds, args.embedding_text = 3, "other,both"  # member k counts on the k-th text, cycled
+    assert [quality.member_command(args, k)[quality.member_command(args, k).index("--embedding-text") + 1]
+            for k in range(3)] == ["other", "both", "other"]
+
+
+def test_quality_other_text_leaves_out_selection_questions_and_both_keeps_it_first(tmp_path):
+    """benchmarks/quality.py's `--embedding-text`: the other text holds the comments, the utterances without their
+    class, the boddari paragraphs and the question-pair training questions, never a selection question (recipes
+    are chosen on those); "both" puts the other text before the pretraining text, so a token cap keeps all of it."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "quality.py")
+    spec = importlib.util.spec_from_file_location("quality_benchmark", path)
+    quality = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(quality)
+    files = {"korean-hate-speech/unlabeled_comments_5.txt": "댓글 하나입니다\n\n댓글 둘입니다\n",
+             "3i4k/fci.txt": "0\t고급 빌딩 공사\n3\t내일 비가 올까요\n",
+             "boddari/wikinews.txt": "위키뉴스 문단입니다\n", "boddari/unesco_report.txt": "유네스코 보고서 문단\n",
+             "boddari/book_review01.txt": "서평 문단입니다\n"}
+    questions = [(f"질문 {i}번은 무엇인가요", f"질문 {i}번이 뭐예요") for i in range(40)]
+    files["question-pair/train.txt"] = "question1\tquestion2\tis_duplicate\n" + "".join(
+        f"{a}\t{b}\t0\n" for a, b in questions)
+    for name, text in files.items():
+        os.makedirs(tmp_path / os.path.dirname(name), exist_ok=True)
+        (tmp_path / name).write_text(text, encoding="utf-8")
+    pretraining = tmp_path / "pretraining.txt"
+    pretraining.write_text("사전학습 문장입니다\n", encoding="utf-8")
+    out = tmp_path / "out"
+    out.mkdir()
+    assert quality.embedding_text(str(tmp_path), str(out), str(pretraining), "pretraining") == str(pretraining)
+    other = quality.embedding_text(str(tmp_path), str(out), str(pretraining), "other")
+    lines = [x for x in open(other, encoding="utf-8").read().split("\n") if x]
+    select = kbert.selection_split([{"question1": a, "question2": b} for a, b in questions], "question1")[1]
+    assert select and not {r["question1"] for r in select} & set(lines)  # the selection part stays out
+    fit = len(questions) - len(select)
+    assert len(lines) == 2 + 2 + 3 + 2 * fit and "내일 비가 올까요" in lines and "3" not in lines
+    both = quality.embedding_text(str(tmp_path), str(out), str(pretraining), "both")
+    assert open(both, encoding="utf-8").read() == open(other, encoding="utf-8").read() + "사전학습 문장입니다\n"
 
 
 @pytest.mark.parametrize("pooling,layers", [("mean", "all"), ("cls", -1), ("max", [1, -1]), ("first_last_avg", -1)])
