@@ -457,6 +457,18 @@ def test_embedding_init_from_cooccurrence_starts_pretraining(tok_dir, tmp_path):
     with pytest.raises(ValueError, match="embedding_init: cooccurrence.*raw"):
         pretrain(_config(tok_dir, str(tmp_path / "b"), 2, data={"source": "dummy"},
                          trainer={"embedding_init": "cooccurrence"}), progress=False)
+    # another text than the one pretrained on (here: no raw text at all) counts when named
+    summary = pretrain(_config(tok_dir, str(tmp_path / "c"), 2, data={"source": "dummy"},
+                               trainer={"embedding_init": "cooccurrence", "embedding_init_text": ["kobill"]}),
+                       progress=False)
+    table = cooccurrence_embeddings(["kobill"], tok, tok.vocab_size, TINY["hidden_size"], seed=3, progress=False)
+    learned = kbert.load_model(summary["model_dir"]).token_embedding.embeddings.numpy()
+    assert np.abs(learned - table).max() < 1e-3
+    with pytest.raises(ValueError, match="embedding_init_text.*'random'"):
+        pretrain(_config(tok_dir, str(tmp_path / "d"), 2, trainer={"embedding_init_text": ["kobill"]}), progress=False)
+    with pytest.raises(ValueError, match="embedding_init_text.*raw text"):
+        pretrain(_config(tok_dir, str(tmp_path / "e"), 2,
+                         trainer={"embedding_init": "cooccurrence", "embedding_init_text": "dummy"}), progress=False)
 
 
 # ---------------------------------------------------------------- memory planner

@@ -76,6 +76,9 @@ class TrainerConfig:
     # token embeddings to start from: "random" (BERT's), or "cooccurrence": PPMI + SVD vectors of the raw-text
     # source, computed in about a minute (kbert/train/embedding_init.py); pays off most when compute is short
     embedding_init: str = "random"
+    # raw text to count those co-occurrences on instead of `data.source` (paths or corpus names, as data.source
+    # takes): a run on prepared records, or a table of other text than the one pretrained on
+    embedding_init_text: Optional[Any] = None
 
 
 @dataclasses.dataclass

@@ -193,9 +193,18 @@ def _validate(config: PretrainConfig):
         raise ValueError(f"`data.format` is how raw text is read, and data.source {d.source!r} is not raw text; "
                          f"leave data.format out (records keep the format they were prepared with)")
 
-    if t.embedding_init == "cooccurrence" and (d.source == "dummy" or records_dir(d.source)):
+    if t.embedding_init_text is not None:
+        if t.embedding_init != "cooccurrence":
+            raise ValueError("`trainer.embedding_init_text` is the text `trainer.embedding_init: cooccurrence` counts "
+                             f"on, but embedding_init is {t.embedding_init!r}: set it to cooccurrence or leave the "
+                             "text out")
+        if t.embedding_init_text == "dummy" or records_dir(t.embedding_init_text):
+            raise ValueError("`trainer.embedding_init_text` must be raw text (paths or corpus names). Received: "
+                             f"{t.embedding_init_text!r}")
+    elif t.embedding_init == "cooccurrence" and (d.source == "dummy" or records_dir(d.source)):
         raise ValueError("`trainer.embedding_init: cooccurrence` counts tokens in raw text, but `data.source` is "
-                         f"{d.source!r}: point `data.source` at the raw corpus, or use embedding_init: random")
+                         f"{d.source!r}: point `trainer.embedding_init_text` (or `data.source`) at the raw corpus, "
+                         "or use embedding_init: random")
     if not isinstance(t.steps, int) or t.steps < 1:
         raise ValueError(f"`trainer.steps` must be a positive integer. Received: {t.steps!r}")
     from kbert.train.optimizers import check_optimizer
@@ -444,7 +453,8 @@ def pretrain(config: Union[PretrainConfig, dict, str], overrides=None, resume: b
     elif t.embedding_init == "cooccurrence":  # a fresh run (deterministic, so a restart from step 0 repeats it)
         from kbert.train.embedding_init import initialize_token_embeddings
 
-        initialize_token_embeddings(backbone, text_source(d), tokenizer, seed=rt.seed, progress=progress)
+        text = text_source(d) if t.embedding_init_text is None else t.embedding_init_text
+        initialize_token_embeddings(backbone, text, tokenizer, seed=rt.seed, progress=progress)
     start = restored[0] if restored is not None else 0
     sync_iterations(optimizer, start, t.accumulation)
 
