@@ -138,22 +138,14 @@ EMBEDDING_TEXTS = ("pretraining", "other", "both")
 
 
 def embedding_text(shared, out, pretraining_text, which):
-    """The text `--embedding-text` counts co-occurrences on: the pretraining text, the other text, or both
-    (the other text first, so the 20M-token cap of kbert.train.embedding_init keeps all of it)."""
+    """The text `--embedding-text` counts co-occurrences on: the pretraining text, the other text, or both as a
+    list of the two files (a kbert Corpus reads a list in order; the other text first, so the 20M-token cap of
+    kbert.train.embedding_init keeps all of it, and no concatenated copy is written)."""
     if which == "pretraining":
         return pretraining_text
     other = os.path.join(out, "other.txt")
     stage(out, "other-text", lambda: write_other_text(shared, other))
-    if which == "other":
-        return other
-    both = os.path.join(out, "other-and-pretraining.txt")
-    if not os.path.isfile(both):
-        with open(both + ".part", "w", encoding="utf-8") as dst:
-            for src in (other, pretraining_text):
-                with open(src, encoding="utf-8") as f:
-                    dst.writelines(f)
-        os.replace(both + ".part", both)
-    return both
+    return other if which == "other" else [other, pretraining_text]
 
 
 def restore_dropout(model_dir, rate=0.1):
@@ -858,10 +850,11 @@ def main():
     parser.add_argument("--embedding-init", choices=("cooccurrence", "random"), default="cooccurrence",
                         help="token embeddings to start pretraining from (trainer.embedding_init)")
     parser.add_argument("--embedding-text", default="pretraining",
-                        help="with --steps 0: the text the co-occurrence token embeddings are counted on: "
-                             "pretraining (the pretraining text), other (other unlabelled text of --shared: comments, "
-                             "utterances, news, questions; write_other_text) or both; with --pretrain-seeds n, a "
-                             "comma-separated list gives member k the k-th (cycled)")
+                        help="the text the co-occurrence token embeddings are counted on (masked LM still reads "
+                             "the pretraining text; trainer.embedding_init_text): pretraining (the pretraining "
+                             "text), other (other unlabelled text of --shared: comments, utterances, news, "
+                             "questions; write_other_text) or both; with --pretrain-seeds n, a comma-separated list "
+                             "gives member k the k-th (cycled)")
     parser.add_argument("--learning-rate", type=float, default=None,
                         help="peak pretraining learning rate (default: 1e-3 for mlm, 5e-4 for electra)")
     parser.add_argument("--objective", choices=("mlm", "electra"), default="mlm",
@@ -905,9 +898,9 @@ def main():
     if set(texts) - set(EMBEDDING_TEXTS) or (len(texts) > 1 and args.pretrain_seeds == 1):
         parser.error(f"--embedding-text: one of {','.join(EMBEDDING_TEXTS)}, or with --pretrain-seeds n > 1 a "
                      f"comma-separated list of them; got {args.embedding_text!r}")
-    if texts != ["pretraining"] and (args.steps != 0 or args.embedding_init != "cooccurrence"):
-        parser.error(f"--embedding-text {args.embedding_text} needs --steps 0 and --embedding-init cooccurrence "
-                     "(kbert.pretrain counts co-occurrences on the text it pretrains on)")
+    if texts != ["pretraining"] and args.embedding_init != "cooccurrence":
+        parser.error(f"--embedding-text {args.embedding_text} is the text the co-occurrence token embeddings are "
+                     f"counted on: it needs --embedding-init cooccurrence, not {args.embedding_init}")
     if args.sts_seeds < 1:
         parser.error(f"--sts-seeds must be at least 1, got {args.sts_seeds}")
     if args.student_epochs < 1:
@@ -984,10 +977,12 @@ def main():
     def pretraining():
         start = time.time()
         steps = args.steps
+        counted_on = embedding_text(args.shared, args.out, text, args.embedding_text)
         if steps == 0:
-            return {**untrained_model(config, pre_seed=args.seed, minutes_from=start,
-                                      text=embedding_text(args.shared, args.out, text, args.embedding_text)),
+            return {**untrained_model(config, pre_seed=args.seed, minutes_from=start, text=counted_on),
                     "embedding_text": args.embedding_text}
+        if args.embedding_text != "pretraining":  # masked LM still reads the pretraining text
+            config["trainer"]["embedding_init_text"] = counted_on
         planned = os.path.join(run_dir, "planned_steps.json")  # a resumed run keeps the step count it planned
         if steps is None and os.path.isfile(planned):
             with open(planned, encoding="utf-8") as f:
@@ -1022,7 +1017,8 @@ def main():
                 "model_dir": summary["model_dir"], "minutes": round(minutes, 1),
                 "first_loss": history[0], "final_loss": float(sum(history[-20:]) / len(history[-20:])),
                 "final_mlm_accuracy": summary["mlm_accuracy"], "objective": args.objective,
-                "embedding_init": args.embedding_init, "precision": args.precision,
+                "embedding_init": args.embedding_init, "embedding_text": args.embedding_text,
+                "precision": args.precision,
                 **({"final_rtd_accuracy": summary["rtd_accuracy"]} if "rtd_accuracy" in summary else {})}
 
     pre = stage(args.out, "pretraining", pretraining)

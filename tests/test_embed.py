@@ -728,7 +728,7 @@ def test_quality_ensemble_averages_cosines_and_plans_its_members():
 def test_quality_other_text_leaves_out_selection_questions_and_both_keeps_it_first(tmp_path):
     """benchmarks/quality.py's `--embedding-text`: the other text holds the comments, the utterances without their
     class, the boddari paragraphs and the question-pair training questions, never a selection question (recipes
-    are chosen on those); "both" puts the other text before the pretraining text, so a token cap keeps all of it."""
+    are chosen on those); "both" lists the other text before the pretraining text, so a token cap keeps all of it."""
     import importlib.util
 
     path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "quality.py")
@@ -757,7 +757,11 @@ def test_quality_other_text_leaves_out_selection_questions_and_both_keeps_it_fir
     fit = len(questions) - len(select)
     assert len(lines) == 2 + 2 + 3 + 2 * fit and "내일 비가 올까요" in lines and "3" not in lines
     both = quality.embedding_text(str(tmp_path), str(out), str(pretraining), "both")
-    assert open(both, encoding="utf-8").read() == open(other, encoding="utf-8").read() + "사전학습 문장입니다\n"
+    assert both == [other, str(pretraining)]  # no concatenated copy: the corpus reads the two files in order
+    from kbert.data.corpus import Corpus
+
+    texts = list(Corpus(both).texts())
+    assert texts[0] == "댓글 하나입니다" and texts[-1] == "사전학습 문장입니다" and len(texts) == len(lines) + 1
 
 
 @pytest.mark.parametrize("pooling,layers", [("mean", "all"), ("cls", -1), ("max", [1, -1]), ("first_last_avg", -1)])
