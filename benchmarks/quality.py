@@ -24,7 +24,9 @@
    ensemble and one student model taught by it (Augmented SBERT's candidate pairs scored by the ensemble),
    each also mixed with the TF-IDF baseline (the weight picked on the selection split). The first pretraining
    also runs today's bi-encoder, SimCSE only and SimCSE + multi-dataset, so the one command prints them beside
-   the student.
+   the student. `--zero-step-members m` adds m members that spend none of the budget (random layers and
+   co-occurrence token embeddings, no masked-LM step; they fail on other pairs than the pretrained ones) to
+   that ensemble and to the student's teacher.
 
 Every stage writes its result under `--out` and is skipped when rerun (pretraining resumes from its last
 checkpoint), so an interrupted run continues where it stopped. Seeded, but not bit-reproducible across
@@ -607,39 +609,61 @@ REFERENCE_ROWS = {"bi-encoder": ("emb-bi-encoder", "today's bi-encoder (KorSTS c
 
 
 def member_command(args, k):
-    """The quality.py command of the ensemble's k-th pretraining: its own --out, --seed and a 1/n share of the
-    pretraining budget; the chosen recipe (the first pretraining also the reference rows); every other option
-    as given."""
+    """The quality.py command of the ensemble's k-th member: its own --out, --seed and a 1/n share of the
+    pretraining budget (members n.. of `--zero-step-members`: no masked-LM step); the chosen recipe (the first
+    pretraining also the reference rows); every other option as given."""
     n = args.pretrain_seeds
-    out = os.path.join(args.out, f"pretrain-seed{args.seed + k}")  # with --small the run adds "-small" itself
+    out = member_dir(args, k).removesuffix("-small")  # with --small the run adds "-small" itself
     cmd = [sys.executable, os.path.abspath(__file__), "--shared", args.shared, "--out", out,
-           "--seed", str(args.seed + k), "--only", "embeddings",
+           "--seed", str(member_seed(args, k)), "--only", "embeddings",
            "--rows", ",".join([*REFERENCE_ROWS, ENSEMBLE_ROW]) if k == 0 else ENSEMBLE_ROW,
            "--sts-seeds", str(args.sts_seeds), "--precision", args.precision, "--objective", args.objective,
            "--embedding-init", args.embedding_init, "--embedding-text", member_text(args, k),
            "--morphemes", args.morphemes, "--vocab-size", str(args.vocab_size),
            "--simcse-lines", str(args.simcse_lines), "--simcse-lr", str(args.simcse_lr)]
-    if args.steps is None:
+    if k >= n or args.steps == 0:  # members without a masked-LM step
+        cmd += ["--steps", "0"]
+    elif args.steps is None:
         cmd += ["--minutes", f"{args.minutes / n:g}"]
-    else:  # --steps 0: members without a masked-LM step
-        cmd += ["--steps", str(max(1, args.steps // n) if args.steps else 0)]
+    else:
+        cmd += ["--steps", str(max(1, args.steps // n))]
     if args.learning_rate:
         cmd += ["--learning-rate", str(args.learning_rate)]
     return cmd + (["--small"] if args.small else [])
 
 
 def member_text(args, k):
+    """The text member k's co-occurrence table counts: the k-th of `--embedding-text` (cycled), counted again
+    from the first for the 0-step members."""
     texts = args.embedding_text.split(",")
-    return texts[k % len(texts)]
+    return texts[(member_seed(args, k) - args.seed) % len(texts)]
+
+
+def member_seed(args, k):
+    """Member k's seed (its vocabulary, initialization and first fine-tuning seed): the pretrained members take
+    --seed, --seed+1, ...; the 0-step members of `--zero-step-members` the same seeds again, in their own dirs."""
+    return args.seed + (k if k < args.pretrain_seeds else k - args.pretrain_seeds)
 
 
 def member_dir(args, k):
-    return os.path.join(args.out, f"pretrain-seed{args.seed + k}") + ("-small" if args.small else "")
+    kind = "pretrain" if k < args.pretrain_seeds else "zero-step"
+    return os.path.join(args.out, f"{kind}-seed{member_seed(args, k)}") + ("-small" if args.small else "")
+
+
+def members(args):
+    return args.pretrain_seeds + getattr(args, "zero_step_members", 0)
+
+
+def ensemble_tag(args):
+    """The ensemble's stage name: `ensemble4`, or `ensemble4-zero4` with 0-step members beside the pretrained."""
+    m = getattr(args, "zero_step_members", 0)
+    return f"ensemble{args.pretrain_seeds}" + (f"-zero{m}" if m else "")
 
 
 def ensemble_stages(args):
     """`--pretrain-seeds n`: n pretrainings of 1/n of the budget each (seeds --seed, --seed+1, ...), each running
-    the chosen recipe in OUT/pretrain-seedK (its own quality.py run, cached and resumable as any); then their
+    the chosen recipe in OUT/pretrain-seedK (its own quality.py run, cached and resumable as any), and
+    `--zero-step-members m` more without a masked-LM step (OUT/zero-step-seedK); then their n + m
     models as one ensemble (the mean of their cosines), and one student: the selection split's best member's
     model before its KorSTS stage, trained on KorSTS train plus the Augmented-SBERT candidate pairs scored by
     the ensemble; both again mixed with TF-IDF (`lexical_stage`). Returns the scored sets and
@@ -648,12 +672,12 @@ def ensemble_stages(args):
 
     import kbert
 
-    n = args.pretrain_seeds
+    n, tag = members(args), ensemble_tag(args)
     for k in range(n):
-        print(f"[pretrain-seed{args.seed + k}] {' '.join(member_command(args, k)[1:])}", flush=True)
+        print(f"[{os.path.basename(member_dir(args, k))}] {' '.join(member_command(args, k)[1:])}", flush=True)
         done = subprocess.run(member_command(args, k))
         if done.returncode:
-            sys.exit(f"the ensemble's pretraining {k + 1} of {n} (seed {args.seed + k}) stopped (exit "
+            sys.exit(f"the ensemble's member {k + 1} of {n} ({member_dir(args, k)}) stopped (exit "
                      f"{done.returncode}); rerun the same command to resume it")
     sets = embedding_sets(args.shared, os.path.join(member_dir(args, 0), "pretraining.txt"), args.simcse_lines,
                           args.seed, args.small)
@@ -661,24 +685,24 @@ def ensemble_stages(args):
     runs.update({f"member-{k}": [] for k in range(n)})
     runs.update({"ensemble": [], "student": [], "ensemble-lexical": [], "student-lexical": []})
     epochs = 1 if args.small else args.student_epochs
-    student_name = f"emb-ensemble{n}-student-{epochs}ep"  # the epochs name the stage: another count reruns it
+    student_name = f"emb-{tag}-student-{epochs}ep"  # the epochs name the stage: another count reruns it
     for i in range(args.sts_seeds):
         for row, (name, _) in REFERENCE_ROWS.items():
             with open(os.path.join(member_dir(args, 0), f"{name}-seed{args.seed + i}.json"), encoding="utf-8") as f:
                 runs[f"reference-{row}"].append(json.load(f))
         chosen = []  # (member's result, its dir, the seed it fine-tuned with)
         for k in range(n):
-            seed = args.seed + k + i
+            seed = member_seed(args, k) + i
             with open(os.path.join(member_dir(args, k), f"emb-weak-pairs-sts-seed{seed}.json"), encoding="utf-8") as f:
                 result = json.load(f)
             runs[f"member-{k}"].append(result)
             chosen.append((result, member_dir(args, k), seed))
         embedders = [kbert.Embedder.load(os.path.join(d, f"emb-weak-pairs-sts-seed{seed}")) for _, d, seed in chosen]
         encode = ensemble_encoder([functools.partial(e.encode, progress=False) for e in embedders])
-        runs["ensemble"].append(stage(args.out, f"emb-ensemble{n}-seed{args.seed + i}",
+        runs["ensemble"].append(stage(args.out, f"emb-{tag}-seed{args.seed + i}",
                                       lambda: score_embeddings(encode, sets)))
         best, start_dir, seed = max(chosen, key=lambda c: c[0]["sts_select"])
-        silver_path = os.path.join(args.out, f"emb-ensemble{n}-seed{args.seed + i}-silver.jsonl")
+        silver_path = os.path.join(args.out, f"emb-{tag}-seed{args.seed + i}-silver.jsonl")
 
         def silver():
             pairs = silver_candidates(sets["sts_fit"], args.seed + i)[:2000 if args.small else None]
@@ -687,14 +711,14 @@ def ensemble_stages(args):
                 f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
             return {"silver_pairs": len(rows), "silver_mean": sum(r["score"] for r in rows) / len(rows)}
 
-        stage(args.out, f"emb-ensemble{n}-seed{args.seed + i}-silver", silver)
+        stage(args.out, f"emb-{tag}-seed{args.seed + i}-silver", silver)
         runs["student"].append(tuned_stage(
             args.out, sets, f"{student_name}-seed{args.seed + i}",
             os.path.join(start_dir, f"emb-weak-pairs-seed{seed}"), sets["sts_fit"] + read_jsonl(silver_path),
             record={"start": os.path.relpath(start_dir, args.out)}, backbone_dropout=0.0,
             epochs=epochs, batch_size=32, learning_rate=2e-4, seed=args.seed + i))
         # both again with the lexical baseline mixed in (dense + TF-IDF, the weight chosen on the selection split)
-        runs["ensemble-lexical"].append(lexical_stage(args.out, f"emb-ensemble{n}-lexical-seed{args.seed + i}",
+        runs["ensemble-lexical"].append(lexical_stage(args.out, f"emb-{tag}-lexical-seed{args.seed + i}",
                                                       encode, sets))
         student = kbert.Embedder.load(os.path.join(args.out, f"{student_name}-seed{args.seed + i}"))
         runs["student-lexical"].append(lexical_stage(
@@ -703,18 +727,21 @@ def ensemble_stages(args):
     return sets, runs
 
 
-def print_ensemble_table(tfidf, runs, n):
+def print_ensemble_table(tfidf, runs, n, zero=0):
     import numpy as np
 
     cols = ("sts_select", "qp_select", "sts_dev", "qp_dev")
     seeds = len(runs["student"])
-    print(f"\n| {n} pretrainings of 1/{n} the budget each (mean of {seeds} fine-tuning seed(s)) | KorSTS selection "
-          f"Spearman | question-pair selection recall@1 | **KorSTS dev Spearman** | **question-pair dev recall@1** |")
+    extra = f" and {zero} members without a masked-LM step" if zero else ""
+    print(f"\n| {n} pretrainings of 1/{n} the budget each{extra} (mean of {seeds} fine-tuning seed(s)) "
+          "| KorSTS selection Spearman | question-pair selection recall@1 | **KorSTS dev Spearman** "
+          "| **question-pair dev recall@1** |")
     print("|---|---:|---:|---:|---:|")
     print("| TF-IDF char 1-3 cosine | " + " | ".join(f"{tfidf[c]:.4f}" for c in cols) + " |")
     labels = {f"reference-{row}": f"pretraining 1 of {n}, {label}" for row, (_, label) in REFERENCE_ROWS.items()}
-    labels.update({f"member-{k}": f"pretraining {k + 1} of {n}, the chosen recipe" for k in range(n)})
-    labels.update(ensemble=f"the {n} models together (mean cosine; {n} models to serve)",
+    labels.update({f"member-{k}": f"pretraining {k + 1} of {n}, the chosen recipe" if k < n else
+                   f"0-step member {k - n + 1} of {zero}, the chosen recipe" for k in range(n + zero)})
+    labels.update(ensemble=f"the {n + zero} models together (mean cosine; {n + zero} models to serve)",
                   student="one student: KorSTS train + candidate pairs scored by the ensemble")
     labels.update({f"{key}-lexical": f"{labels[key]}, mixed with TF-IDF (weight picked on the selection split)"
                    for key in ("ensemble", "student")})
@@ -723,12 +750,18 @@ def print_ensemble_table(tfidf, runs, n):
         means[key] = {c: float(np.mean([r[c] for r in results])) for c in cols}
         each = {c: ", ".join(f"{r[c]:.3f}" for r in results) for c in cols}
         print(f"| {labels[key]} | " + " | ".join(f"{means[key][c]:.4f} ({each[c]})" for c in cols) + " |")
-    for key, what in (("student", "the student"), ("student-lexical", "the student mixed with TF-IDF")):
+    what = {"ensemble": f"the {n + zero} models together", "student": "the student",
+            "student-lexical": "the student mixed with TF-IDF"}
+    for key in ("ensemble", "student", "student-lexical"):
         for c, name in (("sts_select", "KorSTS selection"), ("sts_dev", "KorSTS dev")):
-            print(f"  {what} on {name}: {100 * (means[key][c] - tfidf[c]):+.1f} points over TF-IDF (goal >= +5)")
-    for c, name in (("sts_select", "KorSTS selection"), ("sts_dev", "KorSTS dev")):
-        print(f"  the student on {name}: {100 * (means['student'][c] - means['reference-bi-encoder'][c]):+.1f} "
-              f"points over today's bi-encoder (goal > 0)")
+            print(f"  {what[key]} on {name}: {100 * (means[key][c] - tfidf[c]):+.1f} points over TF-IDF "
+                  "(goal >= +5)")
+    for key in ("ensemble", "student"):
+        for c, name in (("sts_select", "KorSTS selection"), ("sts_dev", "KorSTS dev")):
+            print(f"  {what[key]} on {name}: {100 * (means[key][c] - means['reference-bi-encoder'][c]):+.1f} "
+                  f"points over today's bi-encoder (goal > 0)")
+    pick = max(("ensemble", "student"), key=lambda key: means[key]["sts_select"])
+    print(f"  the selection split picks {what[pick]} ({means[pick]['sts_select']:.4f} on KorSTS selection)")
     print("  TF-IDF weights picked on the selection split: " + "; ".join(
         f"{key}: " + ", ".join(f"{r['lexical_weight']:g}" for r in runs[key]) for key in ("ensemble-lexical", "student-lexical")))
 
@@ -878,6 +911,11 @@ def main():
                              "(seeds --seed, --seed+1, ...; OUT/pretrain-seedK), each running the chosen recipe, "
                              "then scores their ensemble and one student taught by it, each also mixed with TF-IDF")
     # chosen on the selection split (benchmarks/README.md, stop 89): 4 epochs over 2; 6 peak at their fourth
+    parser.add_argument("--zero-step-members", type=int, default=0,
+                        help="with --pretrain-seeds n > 1: m more members without a masked-LM step (random layers, "
+                             "co-occurrence token embeddings; seeds --seed, --seed+1, ... again, texts from the start "
+                             "of --embedding-text, OUT/zero-step-seedK) in the ensemble and the student's teacher: "
+                             "no pretraining steps, m more fine-tuning chains")
     parser.add_argument("--student-epochs", type=int, default=4,
                         help="with --pretrain-seeds n > 1: the student's epochs on KorSTS train + the scored pairs")
     parser.add_argument("--rows", default="default",
@@ -892,6 +930,9 @@ def main():
         parser.error(f"--rows: unknown {sorted(unknown)}; choose from {','.join(EMBEDDING_ROWS)}")
     if args.pretrain_seeds < 1 or (args.pretrain_seeds > 1 and args.only != "embeddings"):
         parser.error(f"--pretrain-seeds {args.pretrain_seeds}: a whole number >= 1; above 1 only with --only embeddings")
+    if args.zero_step_members < 0 or (args.zero_step_members and args.pretrain_seeds == 1):
+        parser.error(f"--zero-step-members {args.zero_step_members}: a whole number >= 0, and above 0 only with "
+                     f"--pretrain-seeds n > 1 (they join that ensemble)")
     if args.steps is not None and args.steps < 0:
         parser.error(f"--steps must be 0 or more, got {args.steps}")
     texts = args.embedding_text.split(",")
@@ -928,7 +969,7 @@ def main():
     if args.pretrain_seeds > 1:  # the ensemble's pretrainings run as their own cached quality.py runs
         sets, runs = ensemble_stages(args)
         tfidf = stage(args.out, "emb-tfidf", lambda: score_embeddings(tfidf_encoder(sets), sets))
-        print_ensemble_table(tfidf, runs, args.pretrain_seeds)
+        print_ensemble_table(tfidf, runs, args.pretrain_seeds, args.zero_step_members)
         print(f"(total {(time.time() - t0) / 60:.1f} min this run)")
         return
 

@@ -668,8 +668,8 @@ def test_weak_pairs_match_numbered_issues_to_holdings_and_statute_titles_to_thei
 def test_quality_ensemble_averages_cosines_and_plans_its_members():
     """benchmarks/quality.py's `--pretrain-seeds`: the ensemble's dot is the mean of its models' cosines (unit
     vectors again; its silver scores are `kbert.label_pairs`', tested above), a model mixed with TF-IDF takes
-    the weight that ranks the selection pairs best, and each pretraining gets its own seed, dir and 1/n of the
-    steps."""
+    the weight that ranks the selection pairs best, each pretraining gets its own seed, dir and 1/n of the
+    steps, and `--zero-step-members` add members with no masked-LM step."""
     import argparse
     import importlib.util
 
@@ -723,6 +723,19 @@ def test_quality_ensemble_averages_cosines_and_plans_its_members():
     args.pretrain_seeds, args.embedding_text = 3, "other,both"  # member k counts on the k-th text, cycled
     assert [quality.member_command(args, k)[quality.member_command(args, k).index("--embedding-text") + 1]
             for k in range(3)] == ["other", "both", "other"]
+    # `--zero-step-members 2` beside 3 pretrained: members 3 and 4 take seeds 3 and 4 again (their own dirs), no
+    # masked-LM step whatever the budget, and the texts from the start of the list
+    args.steps, args.zero_step_members = 9000, 2
+    assert quality.members(args) == 5 and quality.ensemble_tag(args) == "ensemble3-zero2"
+    cmds = [quality.member_command(args, k) for k in range(5)]
+    assert [c[c.index("--steps") + 1] for c in cmds] == ["3000", "3000", "3000", "0", "0"]
+    assert [c[c.index("--seed") + 1] for c in cmds] == ["3", "4", "5", "3", "4"]
+    assert [c[c.index("--out") + 1] for c in cmds] == [os.path.join("/tmp/q", d) for d in (
+        "pretrain-seed3", "pretrain-seed4", "pretrain-seed5", "zero-step-seed3", "zero-step-seed4")]
+    assert [c[c.index("--embedding-text") + 1] for c in cmds] == ["other", "both", "other", "other", "both"]
+    assert [c[c.index("--rows") + 1] for c in cmds[1:]] == [quality.ENSEMBLE_ROW] * 4
+    args.zero_step_members = 0  # without them the stage names stay those of the cached runs
+    assert quality.ensemble_tag(args) == "ensemble3"
 
 
 def test_quality_other_text_leaves_out_selection_questions_and_both_keeps_it_first(tmp_path):
