@@ -613,7 +613,7 @@ def member_command(args, k):
     pretraining budget (members n.. of `--zero-step-members`: no masked-LM step); the chosen recipe (the first
     pretraining also the reference rows); every other option as given."""
     n = args.pretrain_seeds
-    out = member_dir(args, k).removesuffix("-small")  # with --small the run adds "-small" itself
+    out = member_out(args, k)  # with --small the run adds "-small" itself
     cmd = [sys.executable, os.path.abspath(__file__), "--shared", args.shared, "--out", out,
            "--seed", str(member_seed(args, k)), "--only", "embeddings",
            "--rows", ",".join([*REFERENCE_ROWS, ENSEMBLE_ROW]) if k == 0 else ENSEMBLE_ROW,
@@ -645,9 +645,15 @@ def member_seed(args, k):
     return args.seed + (k if k < args.pretrain_seeds else k - args.pretrain_seeds)
 
 
-def member_dir(args, k):
+def member_out(args, k):
+    """The --out member k's quality.py run is given."""
     kind = "pretrain" if k < args.pretrain_seeds else "zero-step"
-    return os.path.join(args.out, f"{kind}-seed{member_seed(args, k)}") + ("-small" if args.small else "")
+    return os.path.join(args.out, f"{kind}-seed{member_seed(args, k)}")
+
+
+def member_dir(args, k):
+    """Where member k's run writes (its --out, with the "-small" that --small adds)."""
+    return member_out(args, k) + ("-small" if args.small else "")
 
 
 def members(args):
@@ -910,12 +916,12 @@ def main():
                         help="with --only embeddings: n > 1 splits the pretraining budget into n runs of 1/n each "
                              "(seeds --seed, --seed+1, ...; OUT/pretrain-seedK), each running the chosen recipe, "
                              "then scores their ensemble and one student taught by it, each also mixed with TF-IDF")
-    # chosen on the selection split (benchmarks/README.md, stop 89): 4 epochs over 2; 6 peak at their fourth
     parser.add_argument("--zero-step-members", type=int, default=0,
                         help="with --pretrain-seeds n > 1: m more members without a masked-LM step (random layers, "
                              "co-occurrence token embeddings; seeds --seed, --seed+1, ... again, texts from the start "
                              "of --embedding-text, OUT/zero-step-seedK) in the ensemble and the student's teacher: "
                              "no pretraining steps, m more fine-tuning chains")
+    # chosen on the selection split (benchmarks/README.md, stop 89): 4 epochs over 2; 6 peak at their fourth
     parser.add_argument("--student-epochs", type=int, default=4,
                         help="with --pretrain-seeds n > 1: the student's epochs on KorSTS train + the scored pairs")
     parser.add_argument("--rows", default="default",
