@@ -556,9 +556,9 @@ def embedding_stages(args, out, model_dir, sets):
 
 
 def ensemble_encoder(encoders, weights=None):
-    """Several models as one: each model's unit vectors scaled by sqrt(its weight) (default: 1/n each) and
-    concatenated, so the dot of two results is the weighted sum of the models' cosines (with weights summing
-    to 1, the results are unit vectors again)."""
+    """Several encode functions as one: each one's unit vectors scaled by sqrt(its weight) (default: 1/n each) and
+    concatenated, so the dot of two results is the weighted sum of their cosines (with weights summing to 1, the
+    results are unit vectors again). `kbert.EnsembleEmbedder` is this for models; this mixes in TF-IDF too."""
     import numpy as np
 
     scales = np.sqrt(weights if weights is not None else [1.0 / len(encoders)] * len(encoders))
@@ -703,8 +703,11 @@ def ensemble_stages(args):
                 result = json.load(f)
             runs[f"member-{k}"].append(result)
             chosen.append((result, member_dir(args, k), seed))
-        embedders = [kbert.Embedder.load(os.path.join(d, f"emb-weak-pairs-sts-seed{seed}")) for _, d, seed in chosen]
-        encode = ensemble_encoder([functools.partial(e.encode, progress=False) for e in embedders])
+        dirs = [os.path.join(d, f"emb-weak-pairs-sts-seed{seed}") for _, d, seed in chosen]
+        ensemble = kbert.EnsembleEmbedder([kbert.Embedder.load(d) for d in dirs], member_dirs=dirs)
+        # the ensemble scored below as a dir any loader reads (`kbert.Embedder.load`, `kbert embed --model`)
+        ensemble.save(os.path.join(args.out, f"emb-{tag}-seed{args.seed + i}"))
+        embedders, encode = ensemble.members, functools.partial(ensemble.encode, progress=False)
         runs["ensemble"].append(stage(args.out, f"emb-{tag}-seed{args.seed + i}",
                                       lambda: score_embeddings(encode, sets)))
         best, start_dir, seed = max(chosen, key=lambda c: c[0]["sts_select"])

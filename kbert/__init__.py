@@ -50,6 +50,7 @@ _EXPORTS = {
     "plan_batch_size": "kbert.train.memory",
     "Embedder": "kbert.embed.embedder",
     "StaticEmbedder": "kbert.embed.embedder",
+    "EnsembleEmbedder": "kbert.embed.embedder",
     "distill_static": "kbert.embed.static",
     "export_sentence_transformers": "kbert.embed.st_format",
     "mine_hard_negatives": "kbert.embed.mining",

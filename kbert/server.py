@@ -142,12 +142,15 @@ class Engine:
                  max_queue: int = 4096, batch_size: int = 64, jit_compile: bool = True,
                  keywords_analyzer: str = "mecab", index: Optional[str] = None, hybrid: Optional[str] = None,
                  reranker: Optional[str] = None):
-        from kbert.embed.embedder import load_static
+        from kbert.embed.embedder import is_ensemble_dir, load_static
         from kbert.embed.onnx_runtime import is_onnx_dir, read_info
 
         from kbert.embed.sparse import is_sparse_model
 
         self.model_dir = str(model_dir)
+        if is_ensemble_dir(self.model_dir):  # several networks per request, each batch planned for one: refused
+            raise ValueError(f"{self.model_dir} is an EnsembleEmbedder (several models): serve one model, a student "
+                             f"distilled from it (kbert.label_pairs; tutorial 04) or one of its members")
         onnx = is_onnx_dir(self.model_dir)
         # a SPLADE SparseEncoder dir or its ONNX export: /v1/sparse-embeddings (and /v1/search, sparse index)
         self.sparse = None

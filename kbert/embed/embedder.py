@@ -27,6 +27,8 @@ in a background thread, so no request waits for a compilation.
 from __future__ import annotations
 
 import itertools
+import json
+import os
 import warnings
 from typing import List, Optional, Sequence, Union
 
@@ -100,12 +102,16 @@ class Embedder(CompilesInBackground):
         """An Embedder for a model dir (kbert, Hugging Face with its vocab, or a `kbert pretrain` run dir: its
         `model/`), or a Hugging Face Hub name ("klue/bert-base", fetched and cached by `huggingface_hub`;
         HF_HUB_OFFLINE=1 reads the cache only). A Model2Vec dir, or a sentence-transformers dir whose first
-        module is a StaticEmbedding, gives a `StaticEmbedder` (`dtype`, `jit_compile` and `strategy` do not apply).
+        module is a StaticEmbedding, gives a `StaticEmbedder` (`dtype`, `jit_compile` and `strategy` do not apply);
+        a dir `EnsembleEmbedder.save` wrote, that `EnsembleEmbedder`.
 
         Example:
             >>> emb = kbert.Embedder.load("klue/bert-base")
             >>> emb.encode(["대한민국은 민주공화국이다."]).shape
         """
+        if is_ensemble_dir(model_dir):  # `EnsembleEmbedder.save`'s: its members, each loaded as below
+            return EnsembleEmbedder.load(model_dir, max_length=max_length, dtype=dtype, jit_compile=jit_compile,
+                                         strategy=strategy)
         if is_onnx_dir(model_dir):  # `kbert.export_onnx`'s output: the graph on ONNX Runtime, no Keras backend
             return OnnxEmbedder.load(model_dir, max_length=max_length)
         from kbert.models.locate import model_dir_of, read_task_meta, resolve_hub_name
@@ -981,3 +987,213 @@ def best_hits(scores: np.ndarray, k: int):
     corpus order)."""
     best = np.argsort(-scores, axis=1, kind="stable")[:, :k]
     return [[(int(j), float(scores[i, j])) for j in row] for i, row in enumerate(best)]
+
+
+ENSEMBLE_FILE = "ensemble.json"
+# options a member's `encode` takes that mean the same for every member (the rest are the ensemble's own or refused)
+MEMBER_OPTIONS = ("batch_size", "max_length", "progress", "prompt_name", "prompt", "long_texts")
+
+
+def is_ensemble_dir(path: str) -> bool:
+    """Whether `path` is a dir `EnsembleEmbedder.save` wrote."""
+    return os.path.isfile(os.path.join(str(path), ENSEMBLE_FILE))
+
+
+class EnsembleEmbedder(Embedder):
+    """Several sentence-embedding models used as one.
+
+        ens = kbert.EnsembleEmbedder([kbert.Embedder.load(d) for d in member_dirs])
+        ens.save("my-ensemble")                       # ensemble.json naming the members' dirs (no weights copied)
+        ens = kbert.Embedder.load("my-ensemble")      # any loader of a model dir gives the ensemble back
+        ens.encode(texts); ens.similarity(a, b); ens.search(queries, corpus, top_k=5)
+
+    Models trained apart rank sentence pairs differently, and the mean of their cosines ranks pairs better than any
+    one of them (`benchmarks/quality.py --pretrain-seeds` measures it: its ensemble row is this class). The vector of
+    a text is each member's unit vector scaled by sqrt(its weight), concatenated: the dot product of two such vectors
+    is the weighted mean of the members' cosines, and with weights summing to 1 the vectors are unit length again
+    (but where a member gives the zero vector, as a static model does for a text with no token it knows: that part
+    stays zero, and cosines of the shorter vector, as `similarity` and `search` take them, weigh the other members
+    alone), so `similarity`, `search` (exact, FAISS, hybrid with `lexical`, quantized, reranked) and any vector
+    store work on them unchanged, at the members' summed width. Each member encodes with its own pooling, length
+    and prompts.
+
+    A member's own options (`pooling`, `layers`, `truncate_dim`, word vectors, whitening) do not carry over to the
+    concatenation and are refused; one model to serve or export is a student distilled from the ensemble
+    (`kbert.label_pairs` scores pairs with the mean cosine: tutorial 04).
+    """
+
+    def __init__(self, members: Sequence[Embedder], weights: Optional[Sequence[float]] = None,
+                 member_dirs: Optional[Sequence[str]] = None):
+        """members: Embedders (two or more; any kind `Embedder.load` gives, not ensembles themselves).
+        weights: one positive number per member, scaled to sum to 1 (default: equal).
+        member_dirs: where each member was loaded from, for `save` (`load` fills it in)."""
+        members = list(members)
+        if len(members) < 2:
+            raise ValueError(f"an ensemble needs two or more members. Received {len(members)}")
+        for i, m in enumerate(members):
+            if isinstance(m, EnsembleEmbedder) or not isinstance(m, Embedder):
+                raise ValueError(f"member {i} must be a kbert.Embedder (not an ensemble). Received "
+                                 f"{type(m).__name__}")
+        if weights is None:
+            weights = [1.0] * len(members)
+        weights = [float(w) for w in weights]
+        if len(weights) != len(members) or not all(np.isfinite(w) and w > 0 for w in weights):
+            raise ValueError(f"`weights` must be {len(members)} positive numbers, one per member. "
+                             f"Received: weights={weights!r}")
+        if member_dirs is not None and len(member_dirs) != len(members):
+            raise ValueError(f"`member_dirs` names {len(member_dirs)} dirs for {len(members)} members")
+        self.members = members
+        self.weights = [w / sum(weights) for w in weights]
+        self.member_dirs = None if member_dirs is None else [str(d) for d in member_dirs]
+        # what `Embedder`'s shared methods read: the first member's tokenizer and limits stand for the ensemble's
+        # (only `encode`'s callers that count tokens read them); prompts are each member's own
+        first = members[0]
+        self.tokenizer, self.config, self.backbone = first.tokenizer, first.config, None
+        self.max_length = first.max_length
+        self.pooling, self.layers, self.dense = "mean", -1, []
+        self.prompts, self.default_prompt_name = {}, None
+
+    @classmethod
+    def load(cls, model_dir: str, max_length: Optional[int] = None, dtype: Optional[str] = None,
+             jit_compile: Union[bool, str] = False, strategy: str = "auto") -> "EnsembleEmbedder":
+        """The ensemble `save` wrote to `model_dir`: each member by `Embedder.load` (a relative dir is read
+        from `model_dir`), the options passed on to every member."""
+        path = os.path.join(model_dir, ENSEMBLE_FILE)
+        try:
+            with open(path, encoding="utf-8") as f:
+                spec = json.load(f)
+            dirs, weights = list(spec["members"]), spec.get("weights")
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{model_dir} holds no {ENSEMBLE_FILE}: not a dir EnsembleEmbedder.save wrote")
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{path} is not an ensemble spec ({{'members': [dir, ...], 'weights': [...]}}): "
+                             f"{e}") from None
+        found = [d if os.path.isabs(d) else os.path.join(model_dir, d) for d in dirs]
+        missing = [d for d in found if not os.path.exists(d)]
+        if missing:
+            raise FileNotFoundError(f"{path} names members that are not there: {missing}")
+        members = [Embedder.load(d, max_length=max_length, dtype=dtype, jit_compile=jit_compile, strategy=strategy)
+                   for d in found]
+        return cls(members, weights, member_dirs=found)
+
+    def save(self, model_dir: str) -> str:
+        """Writes `model_dir/ensemble.json`: the members' dirs (relative to `model_dir`, so a tree that holds
+        both moves as one) and their weights. The members' weights stay where they are. Returns the file."""
+        if self.member_dirs is None:
+            raise ValueError("this ensemble's members were not loaded from dirs: build it with "
+                             "EnsembleEmbedder(members, member_dirs=[...]) or EnsembleEmbedder.load")
+        os.makedirs(model_dir, exist_ok=True)
+        dirs = [os.path.relpath(os.path.abspath(d), os.path.abspath(model_dir)) for d in self.member_dirs]
+        path = os.path.join(model_dir, ENSEMBLE_FILE)
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump({"members": dirs, "weights": self.weights}, f, indent=1)
+        return path
+
+    @property
+    def dimension(self) -> int:
+        """The members' widths summed."""
+        return sum(m.dimension for m in self.members)
+
+    @property
+    def compiling(self) -> int:
+        return sum(m.compiling for m in self.members)
+
+    @property
+    def compiled_shapes(self) -> int:
+        return sum(m.compiled_shapes for m in self.members)
+
+    def wait_compiled(self) -> None:
+        for m in self.members:
+            m.wait_compiled()
+
+    @property
+    def jit_compile(self):
+        return self.members[0].jit_compile
+
+    @jit_compile.setter
+    def jit_compile(self, mode):
+        for m in self.members:
+            m.jit_compile = mode
+
+    def encode(self, texts: Union[str, Sequence[str]], normalize: bool = True, precision: str = "float32",
+               ranges=None, calibration_embeddings=None, pooling=None, layers=None, truncate_dim=None,
+               **options) -> np.ndarray:
+        """Vectors `[n, dimension]` (a single string: `[dimension]`), float32 unless `precision` quantizes
+        them (as `Embedder.encode`). `batch_size`, `max_length`, `progress`, `prompt_name`, `prompt` and
+        `long_texts` go to every member. The vectors are unit length whatever `normalize` says (the members'
+        unit vectors are what the ensemble means)."""
+        self._refuse(pooling=pooling, layers=layers, truncate_dim=truncate_dim)
+        return self._joined(lambda m: m.encode(texts, **self._member_options(options)), precision, ranges,
+                            calibration_embeddings)
+
+    def _encode_as(self, role, texts, options):
+        # each member with its own query / document prompt
+        options = dict(options)
+        quantize = {k: options.pop(k, None) for k in ("ranges", "calibration_embeddings")}
+        precision = options.pop("precision", "float32")
+        options.pop("normalize", None)
+        self._refuse(pooling=options.pop("pooling", None), layers=options.pop("layers", None),
+                     truncate_dim=options.pop("truncate_dim", None))
+        return self._joined(lambda m: m._encode_as(role, texts, self._member_options(options)), precision,
+                            quantize["ranges"], quantize["calibration_embeddings"])
+
+    def _joined(self, encode, precision, ranges, calibration_embeddings) -> np.ndarray:
+        from kbert.embed.quantize import check_precision, quantize_embeddings
+        from kbert.utils import unit_rows
+
+        check_precision(precision)
+        parts = [np.sqrt(w) * unit_rows(encode(m)) for m, w in zip(self.members, self.weights)]
+        out = np.concatenate(parts, axis=-1).astype(np.float32)
+        if precision != "float32":
+            single = out.ndim == 1
+            out = quantize_embeddings(np.atleast_2d(out), precision, ranges, calibration_embeddings)
+            return out[0] if single else out
+        return out
+
+    @staticmethod
+    def _member_options(options: dict) -> dict:
+        unknown = sorted(set(options) - set(MEMBER_OPTIONS))
+        if unknown:
+            raise TypeError(f"EnsembleEmbedder.encode got unexpected options {unknown}; it takes "
+                            f"{list(MEMBER_OPTIONS)} for its members, and precision, ranges, calibration_embeddings")
+        return dict(options, normalize=True)
+
+    @staticmethod
+    def _refuse(**given):
+        named = {k: v for k, v in given.items() if v is not None}
+        if named:
+            raise ValueError(f"an ensemble's vectors are its members' own, concatenated: {sorted(named)} do not "
+                             f"apply to them (set them on the members before building the ensemble). Received: "
+                             f"{named}")
+
+    def check_truncate_dim(self, truncate_dim: Optional[int]) -> int:
+        self._refuse(truncate_dim=truncate_dim)
+        return self.dimension
+
+    def resolve_pooling(self, pooling: Optional[str] = None, layers=None):
+        self._refuse(pooling=pooling, layers=layers if layers not in (-1,) else None)
+        return "mean", -1
+
+    def prompt_text(self, prompt_name: Optional[str] = None, prompt: Optional[str] = None) -> str:
+        """The first member's text for these arguments; every member is checked (an unknown name raises)."""
+        return [m.prompt_text(prompt_name, prompt) for m in self.members][0]
+
+    def role_prompt_name(self, role: str) -> Optional[str]:
+        return self.members[0].role_prompt_name(role)
+
+    def _unsupported(self, what: str):
+        raise ValueError(f"{what} reads one network's hidden states; an EnsembleEmbedder has several: call it on "
+                         f"a member (`.members[i]`)")
+
+    def encode_words(self, *args, **kwargs):
+        self._unsupported("encode_words")
+
+    def token_vectors(self, *args, **kwargs):
+        self._unsupported("token_vectors")
+
+    def fit_whitening(self, *args, **kwargs):
+        self._unsupported("fit_whitening")
+
+    def __repr__(self) -> str:
+        return (f"EnsembleEmbedder({len(self.members)} members, dimension {self.dimension}, "
+                f"weights {[round(w, 4) for w in self.weights]})")
