@@ -704,7 +704,7 @@ def ensemble_stages(args):
             runs[f"member-{k}"].append(result)
             chosen.append((result, member_dir(args, k), seed))
         dirs = [os.path.join(d, f"emb-weak-pairs-sts-seed{seed}") for _, d, seed in chosen]
-        ensemble = kbert.EnsembleEmbedder([kbert.Embedder.load(d) for d in dirs], member_dirs=dirs)
+        ensemble = kbert.EnsembleEmbedder(dirs)
         # the ensemble scored below as a dir any loader reads (`kbert.Embedder.load`, `kbert embed --model`)
         ensemble.save(os.path.join(args.out, f"emb-{tag}-seed{args.seed + i}"))
         embedders, encode = ensemble.members, functools.partial(ensemble.encode, progress=False)

@@ -64,7 +64,7 @@ def test_ensemble_saves_loads_by_any_loader_and_moves_with_its_members(member_di
     a, b = (kbert.Embedder.load(d) for d in member_dirs)
     root = os.path.dirname(member_dirs[0])
     out = os.path.join(root, "ensemble")
-    spec_file = kbert.EnsembleEmbedder([a, b], weights=[1, 3], member_dirs=member_dirs).save(out)
+    spec_file = kbert.EnsembleEmbedder(list(member_dirs), weights=[1, 3]).save(out)  # dirs name themselves
     with open(spec_file, encoding="utf-8") as f:
         spec = json.load(f)
     assert spec == {"members": [os.path.join("..", "network"), os.path.join("..", "static")], "weights": [0.25, 0.75]}
@@ -107,7 +107,7 @@ def test_ensemble_refuses_what_does_not_apply_to_a_concatenation(member_dirs):
         kbert.EnsembleEmbedder([a, b], weights=[1, -1])
     with pytest.raises(ValueError, match="not an ensemble"):
         kbert.EnsembleEmbedder([a, ens])
-    with pytest.raises(ValueError, match="were not loaded from dirs"):
+    with pytest.raises(ValueError, match="were given as Embedders"):
         ens.save("/tmp/never-written")
     with pytest.raises(ValueError, match=r"\['pooling'\] do not apply"):
         ens.encode(TEXTS, pooling="cls")

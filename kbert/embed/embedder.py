@@ -1002,7 +1002,7 @@ def is_ensemble_dir(path: str) -> bool:
 class EnsembleEmbedder(Embedder):
     """Several sentence-embedding models used as one.
 
-        ens = kbert.EnsembleEmbedder([kbert.Embedder.load(d) for d in member_dirs])
+        ens = kbert.EnsembleEmbedder(member_dirs)     # model dirs, or Embedders already loaded
         ens.save("my-ensemble")                       # ensemble.json naming the members' dirs (no weights copied)
         ens = kbert.Embedder.load("my-ensemble")      # any loader of a model dir gives the ensemble back
         ens.encode(texts); ens.similarity(a, b); ens.search(queries, corpus, top_k=5)
@@ -1024,10 +1024,14 @@ class EnsembleEmbedder(Embedder):
 
     def __init__(self, members: Sequence[Embedder], weights: Optional[Sequence[float]] = None,
                  member_dirs: Optional[Sequence[str]] = None):
-        """members: Embedders (two or more; any kind `Embedder.load` gives, not ensembles themselves).
+        """members: two or more Embedders (any kind `Embedder.load` gives, not ensembles themselves), or the
+            model dirs (or Hub names) to load them from with `Embedder.load`'s defaults.
         weights: one positive number per member, scaled to sum to 1 (default: equal).
-        member_dirs: where each member was loaded from, for `save` (`load` fills it in)."""
+        member_dirs: where each member was loaded from, for `save` (members given as dirs name their own)."""
         members = list(members)
+        if member_dirs is None and members and all(isinstance(m, (str, os.PathLike)) for m in members):
+            member_dirs = [os.fspath(m) for m in members]
+        members = [Embedder.load(os.fspath(m)) if isinstance(m, (str, os.PathLike)) else m for m in members]
         if len(members) < 2:
             raise ValueError(f"an ensemble needs two or more members. Received {len(members)}")
         for i, m in enumerate(members):
@@ -1080,8 +1084,8 @@ class EnsembleEmbedder(Embedder):
         """Writes `model_dir/ensemble.json`: the members' dirs (relative to `model_dir`, so a tree that holds
         both moves as one) and their weights. The members' weights stay where they are. Returns the file."""
         if self.member_dirs is None:
-            raise ValueError("this ensemble's members were not loaded from dirs: build it with "
-                             "EnsembleEmbedder(members, member_dirs=[...]) or EnsembleEmbedder.load")
+            raise ValueError("`save` names the members' dirs, and these members were given as Embedders: build "
+                             "the ensemble from their dirs (EnsembleEmbedder([dir, ...])) or pass member_dirs=[...]")
         os.makedirs(model_dir, exist_ok=True)
         dirs = [os.path.relpath(os.path.abspath(d), os.path.abspath(model_dir)) for d in self.member_dirs]
         path = os.path.join(model_dir, ENSEMBLE_FILE)
