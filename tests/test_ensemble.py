@@ -77,6 +77,15 @@ def test_ensemble_saves_loads_by_any_loader_and_moves_with_its_members(member_di
     np.testing.assert_allclose(kbert.Embedder.load(os.path.join(moved, "ensemble")).encode(TEXTS), expected,
                                atol=1e-5)
 
+    # a SearchIndex built from the dir records it, and its hits are the ensemble's own search
+    index_dir = str(tmp_path / "index")
+    corpus = [t for t in TEXTS if t]  # texts each member has tokens of: unit vectors
+    kbert.SearchIndex.build(out, corpus, index_dir, progress=False)
+    index = kbert.SearchIndex.load(index_dir)
+    found = index.search(TEXTS[:2], top_k=3)
+    expected_hits = loaded.search(TEXTS[:2], corpus, top_k=3)
+    assert [[h.id for h in q] for q in found] == [[j for j, _ in q] for q in expected_hits]
+
     # `kbert embed` reads it as any model dir
     from kbert.cli import main
 
@@ -92,6 +101,10 @@ def test_ensemble_saves_loads_by_any_loader_and_moves_with_its_members(member_di
         f.write("[1, 2]")
     with pytest.raises(ValueError, match="is not an ensemble spec"):
         kbert.Embedder.load(os.path.join(moved, "ensemble"))
+    with pytest.raises(ValueError, match="no one sentence-transformers form"):
+        kbert.export_sentence_transformers(out, str(tmp_path / "st"))
+    with pytest.raises(ValueError, match="an ensemble several"):
+        kbert.export_onnx(out, str(tmp_path / "onnx"))
     with pytest.raises(ValueError, match="serve one model"):
         from kbert.server import Engine
 

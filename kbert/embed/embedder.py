@@ -1054,7 +1054,7 @@ class EnsembleEmbedder(Embedder):
         first = members[0]
         self.tokenizer, self.config, self.backbone = first.tokenizer, first.config, None
         self.max_length = first.max_length
-        self.pooling, self.layers, self.dense = "mean", -1, []
+        self.pooling, self.layers, self.dense = None, None, []  # each member's own
         self.prompts, self.default_prompt_name = {}, None
 
     @classmethod
@@ -1175,8 +1175,9 @@ class EnsembleEmbedder(Embedder):
         return self.dimension
 
     def resolve_pooling(self, pooling: Optional[str] = None, layers=None):
-        self._refuse(pooling=pooling, layers=layers if layers not in (-1,) else None)
-        return "mean", -1
+        """(None, None): each member pools as its own; naming a pooling or layers raises."""
+        self._refuse(pooling=pooling, layers=layers)
+        return None, None
 
     def prompt_text(self, prompt_name: Optional[str] = None, prompt: Optional[str] = None) -> str:
         """The first member's text for these arguments; every member is checked (an unknown name raises)."""

@@ -44,7 +44,7 @@ from typing import List, Optional, Union
 
 import numpy as np
 
-from kbert.embed.embedder import Embedder, OnnxEmbedder
+from kbert.embed.embedder import Embedder, OnnxEmbedder, is_ensemble_dir
 from kbert.embed.export import CHECK_TEXTS, CLASSIFY_TASKS, SIGNATURES
 from kbert.embed.onnx_runtime import (DENSE_FILE, FORMAT_VERSION, GRAPH_FILE, INPUTS, META_FILE, QUERY_WEIGHTS_FILE,
                                       SPARSE_OUTPUT, SPARSE_SIGNATURE, TOKENIZER_DIR, feeds, is_onnx_dir, onnxruntime,
@@ -214,9 +214,12 @@ def export_onnx(model_dir, out_dir: str, signature: Optional[str] = None,
     from kbert.embed.task_model import TaskModel, task_meta
 
     given = model_dir if isinstance(model_dir, (Embedder, SparseEncoder)) else None
+    if given is None and is_ensemble_dir(model_dir):
+        given = Embedder.load(model_dir)  # refused below, by name
     if isinstance(given, Embedder) and (given.backbone is None or isinstance(given, OnnxEmbedder)):
         raise ValueError(f"export_onnx takes an Embedder with its network; this is a {type(given).__name__} (a "
-                         f"static model has no network; an OnnxEmbedder is an export already)")
+                         f"static model has no network, an ensemble several: export one of its members or a student "
+                         f"distilled from it; an OnnxEmbedder is an export already)")
     if isinstance(given, OnnxSparseEncoder):
         raise ValueError("export_onnx takes a SparseEncoder with its model; an OnnxSparseEncoder is an export "
                          "already")

@@ -40,7 +40,7 @@ def export_sentence_transformers(model, directory: str, max_length=None, dtype: 
     import numpy as np
     from safetensors.numpy import save_file
 
-    from kbert.embed.embedder import Embedder, StaticEmbedder
+    from kbert.embed.embedder import Embedder, EnsembleEmbedder, StaticEmbedder
     from kbert.models.convert import export_transformers
     from kbert.models.io import TOKENIZER_DIR
     from kbert.models.st_dir import DENSE_ACTIVATIONS
@@ -48,6 +48,9 @@ def export_sentence_transformers(model, directory: str, max_length=None, dtype: 
     embedder = model if isinstance(model, Embedder) else Embedder.load(model, max_length=max_length)
     if isinstance(embedder, StaticEmbedder):
         return _export_static(embedder, directory, dtype)
+    if isinstance(embedder, EnsembleEmbedder):
+        raise ValueError(f"an EnsembleEmbedder ({len(embedder.members)} models) has no one sentence-transformers "
+                         f"form: export one of its members, or a student distilled from it")
     config = embedder.backbone.config
     num_hidden = config.num_layers + 1  # the embedding output, then each layer
     weights = np.zeros(num_hidden, np.float32)  # how often each hidden state enters kbert's layer average
