@@ -1187,8 +1187,8 @@ class EnsembleEmbedder(Embedder):
         return self.members[0].role_prompt_name(role)
 
     def _unsupported(self, what: str):
-        raise ValueError(f"{what} reads one network's hidden states; an EnsembleEmbedder has several: call it on "
-                         f"a member (`.members[i]`)")
+        raise ValueError(f"{what} works on one model; an EnsembleEmbedder has several: call it on a member "
+                         f"(`.members[i]`)")
 
     def encode_words(self, *args, **kwargs):
         self._unsupported("encode_words")

@@ -214,8 +214,10 @@ def export_onnx(model_dir, out_dir: str, signature: Optional[str] = None,
     from kbert.embed.task_model import TaskModel, task_meta
 
     given = model_dir if isinstance(model_dir, (Embedder, SparseEncoder)) else None
-    if given is None and is_ensemble_dir(model_dir):
-        given = Embedder.load(model_dir)  # refused below, by name
+    if given is None and is_ensemble_dir(model_dir):  # refused from its spec: no member is loaded to say no
+        raise ValueError(f"export_onnx takes an Embedder with its network; {model_dir} is an EnsembleEmbedder (a "
+                         f"static model has no network, an ensemble several: export one of its members or a student "
+                         f"distilled from it)")
     if isinstance(given, Embedder) and (given.backbone is None or isinstance(given, OnnxEmbedder)):
         raise ValueError(f"export_onnx takes an Embedder with its network; this is a {type(given).__name__} (a "
                          f"static model has no network, an ensemble several: export one of its members or a student "
