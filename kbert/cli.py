@@ -1573,8 +1573,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("serve", help="an HTTP server for embeddings (OpenAI-compatible), similarity, "
                                      "classification and reranking (Cohere's form), with dynamic batching")
-    p.add_argument("--model", required=True, help="a kbert model dir, a `kbert finetune` task dir, or a Hugging Face "
-                                                  "dir (a *ForSequenceClassification one: a classifier / reranker)")
+    p.add_argument("--model", required=True, help="a kbert model dir, a `kbert finetune` task dir, a Hugging Face "
+                                                  "dir (a *ForSequenceClassification one: a classifier / reranker), "
+                                                  "or a kbert.EnsembleEmbedder dir (its vectors)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--max-batch-tokens", type=int, default=8192, help="token budget of one model batch")

@@ -15,12 +15,12 @@ Routes (JSON in and out; errors are `{"error": {"message", "type", "code"}}` wit
                           {"object": "list", "data": [{"object": "embedding", "index": i, "embedding": [...]}],
                           "model", "usage": {"prompt_tokens", "total_tokens"}}
     POST /v1/word-embeddings   a vector in context for each word (`Embedder.encode_words`; a transformer model
-                          dir, not a static table or an ONNX graph): {"input": str | [str], "unit"?: "eojeol"
-                          (default, whitespace words) | "morpheme" (by the server's `keywords_analyzer`) |
-                          "subword", "pooling"?: "mean" | "first" (of a word's subwords), "layers"?: int | [int]
-                          (their mean; default -1, the last), "encoding_format"?} -> {"data": [{"object":
-                          "word_embeddings", "index", "words": [{"word", "start", "end", "embedding"}]}]} (offsets
-                          index the normalized text, `kbert.normalize`)
+                          dir, not a static table, an ONNX graph or an ensemble): {"input": str | [str],
+                          "unit"?: "eojeol" (default, whitespace words) | "morpheme" (by the server's
+                          `keywords_analyzer`) | "subword", "pooling"?: "mean" | "first" (of a word's subwords),
+                          "layers"?: int | [int] (their mean; default -1, the last), "encoding_format"?} ->
+                          {"data": [{"object": "word_embeddings", "index", "words": [{"word", "start", "end",
+                          "embedding"}]}]} (offsets index the normalized text, `kbert.normalize`)
     POST /v1/similarity   {"source_sentence": str, "sentences": [str]} -> {"similarities": [cosine, ...]}
     POST /v1/sparse-embeddings   SPLADE dirs (`kbert finetune --task sparse-embedding`, a sentence-transformers
                           SparseEncoder): {"input": str | [str], "max_active_dims"?: int, "return_tokens"?: bool,
@@ -82,7 +82,10 @@ Routes (JSON in and out; errors are `{"error": {"message", "type", "code"}}` wit
 The model: a model dir (vectors), a task dir (its head's routes and its backbone's vectors), a Hugging Face
 dir, or a `kbert export --format onnx` dir: an "embed" graph serves the vector routes, a classifier's graph
 (`kbert.OnnxTaskModel`) /v1/classify and, for a cross-encoder, /v1/rerank; its vector routes answer 404. A
-SPLADE dir serves /v1/sparse-embeddings (and /v1/search over a sparse index).
+SPLADE dir serves /v1/sparse-embeddings (and /v1/search over a sparse index). A `kbert.EnsembleEmbedder` dir
+serves the vector routes but /v1/word-embeddings: each batch runs through every member in turn (the batch's
+token budget bounds each member's pass; a request waits for all of them), and its vectors are the members'
+unit vectors side by side, so cosines are the mean of theirs.
 
 Dynamic batching: the texts of concurrent requests wait in one bounded queue; a worker thread (the model runs
 off the event loop) takes them in arrival order into a batch until `max_batch_tokens` (tokens counted as
@@ -148,15 +151,19 @@ class Engine:
         from kbert.embed.sparse import is_sparse_model
 
         self.model_dir = str(model_dir)
-        if is_ensemble_dir(self.model_dir):  # several networks per request, each batch planned for one: refused
-            raise ValueError(f"{self.model_dir} is an EnsembleEmbedder (several models): serve one model, a student "
-                             f"distilled from it (kbert.label_pairs; tutorial 04) or one of its members")
-        onnx = is_onnx_dir(self.model_dir)
+        # several models as one (kbert.EnsembleEmbedder): each batch the worker takes runs through every member in
+        # turn, so a batch's token budget bounds each member's forward pass as it does one model's
+        ensemble = is_ensemble_dir(self.model_dir)
+        onnx = not ensemble and is_onnx_dir(self.model_dir)
         # a SPLADE SparseEncoder dir or its ONNX export: /v1/sparse-embeddings (and /v1/search, sparse index)
         self.sparse = None
-        sparse = is_sparse_model(self.model_dir)
-        static = None if onnx or sparse else load_static(self.model_dir)
-        if sparse:
+        sparse = not ensemble and is_sparse_model(self.model_dir)
+        static = None if onnx or sparse or ensemble else load_static(self.model_dir)
+        if ensemble:
+            from kbert.embed.embedder import EnsembleEmbedder
+
+            self.task_model, self.embedder = None, EnsembleEmbedder.load(self.model_dir)
+        elif sparse:
             from kbert.embed.sparse import SparseEncoder
 
             self.sparse = SparseEncoder.load(self.model_dir, jit_compile=jit_compile)
@@ -183,8 +190,9 @@ class Engine:
             # one copy of the weights: a task dir's model serves its vectors too
             self.embedder = (self.task_model.embedder if self.task_model and self.task_model.embedder
                              else Embedder.load(self.model_dir))
-        # vectors in context for each word: a network's hidden states (a static table or a pooled ONNX graph has none)
-        self.words = not (sparse or onnx or static is not None) and self.embedder is not None
+        # vectors in context for each word: a network's hidden states (a static table or a pooled ONNX graph has
+        # none, and an ensemble's members each have their own)
+        self.words = not (sparse or onnx or ensemble or static is not None) and self.embedder is not None
         self.search_index = None  # /v1/search's index, checked against the model served (its probe sentence)
         if index is not None:  # before background compilation: a refused index leaves no compiling thread behind
             if self.embedder is None and self.sparse is None:
@@ -203,7 +211,9 @@ class Engine:
             self.embedder.jit_compile = "background" if jit_compile else False
         # a static model may keep every token
         model = self.embedder if self.embedder is not None else self.sparse or self.task_model
-        self.max_length = model.max_length or float("inf")
+        # a text's cost counts the tokens of the longest input any member reads
+        lengths = [m.max_length for m in (model.members if ensemble else [model])]
+        self.max_length = max(lengths) if all(lengths) else float("inf")
         self.max_batch_tokens, self.max_wait = int(max_batch_tokens), float(max_wait_ms) / 1000.0
         self.max_queue, self.batch_size = int(max_queue), int(batch_size)
         self._jobs: "list[_Job]" = []
@@ -651,8 +661,9 @@ def build_app(model: str, max_batch_tokens: int = 8192, max_wait_ms: float = 5.0
 
         need_vectors("/v1/word-embeddings")
         if not engine.words:
-            raise HTTPError(404, f"{name} gives no word vectors in context (a static model's table, or an ONNX graph "
-                                 f"that pools inside): /v1/word-embeddings needs the model dir", "not_found")
+            raise HTTPError(404, f"{name} gives no word vectors in context (a static model's table, an ONNX graph "
+                                 f"that pools inside, or an ensemble of several models): /v1/word-embeddings needs "
+                                 f"one model's dir", "not_found")
         texts = _texts(data.get("input"), "input", max_texts, max_chars)
         options = {"unit": data.get("unit", "eojeol"), "pooling": data.get("pooling", "mean")}
         if options["unit"] not in UNITS:

@@ -506,6 +506,41 @@ def test_a_static_model_serves_its_vectors(dirs, tmp_path):
                                    emb.encode(TEXTS[:3], truncate_dim=8), atol=1e-5)
 
 
+def test_an_ensemble_serves_its_vectors_and_the_mean_of_its_members_cosines(dirs, tmp_path):
+    """A saved `kbert.EnsembleEmbedder` (a network and a static table, weights 3:1) behind `kbert serve`:
+    /v1/embeddings gives its `encode`'s vectors, /v1/similarity the weighted mean of the members' own cosines,
+    /v1/search the hits of an index it built; what the concatenation has no meaning for (word vectors, `dimensions`, a pooling) answers 404 / 400 by name."""
+    from kbert.server import build_app
+
+    model_dir, _ = dirs
+    static = kbert.export_sentence_transformers(kbert.distill_static(model_dir, dim=16), str(tmp_path / "static"))
+    out = str(tmp_path / "ensemble")
+    kbert.EnsembleEmbedder([model_dir, static], weights=[3, 1]).save(out)
+    ens = kbert.Embedder.load(out)
+    members = [kbert.Embedder.load(model_dir), kbert.Embedder.load(static)]
+    index = kbert.SearchIndex.build(out, TEXTS, str(tmp_path / "index"), progress=False)
+    with Running(build_app(out, index=str(tmp_path / "index"))) as srv, \
+            httpx.Client(base_url=srv.url, timeout=60) as client:
+        r = client.post("/v1/embeddings", json={"input": TEXTS}).json()
+        got = np.array([d["embedding"] for d in r["data"]], np.float32)
+        assert got.shape == (len(TEXTS), 32 + 16)
+        np.testing.assert_allclose(got, ens.encode(TEXTS), atol=1e-5)
+        r = client.post("/v1/similarity", json={"source_sentence": TEXTS[0], "sentences": TEXTS[1:]}).json()
+        cosines = [m.encode(TEXTS[1:]) @ m.encode(TEXTS[0]) for m in members]  # unit vectors: dot = cosine
+        np.testing.assert_allclose(r["similarities"], 0.75 * cosines[0] + 0.25 * cosines[1], atol=1e-5)
+        model = client.get("/v1/models").json()["data"][0]
+        assert model["dimension"] == 48 and "/v1/word-embeddings" not in model["routes"]
+        hits = client.post("/v1/search", json={"query": TEXTS[4:], "top_k": 3}).json()["data"]
+        assert [[h["id"] for h in row["hits"]] for row in hits] == \
+            [[h.id for h in row] for row in index.search(TEXTS[4:], top_k=3)]
+        assert [row["hits"][0]["text"] for row in hits] == TEXTS[4:]
+        words = client.post("/v1/word-embeddings", json={"input": TEXTS[:1]})
+        assert words.status_code == 404 and "an ensemble" in words.json()["error"]["message"]
+        for bad in ({"dimensions": 8}, {"pooling": "cls"}):
+            r = client.post("/v1/embeddings", json=dict(bad, input=TEXTS[:1]))
+            assert r.status_code == 400 and "do not apply" in r.json()["error"]["message"], r.text
+
+
 def test_an_onnx_export_serves_its_vectors(dirs, tmp_path):
     """`kbert serve` on a `kbert export --format onnx` dir: ONNX Runtime computes /v1/embeddings, equal to the
     model's own vectors; a pooling other than the exported one is a 400 naming it."""

@@ -1018,8 +1018,9 @@ class EnsembleEmbedder(Embedder):
     and prompts.
 
     A member's own options (`pooling`, `layers`, `truncate_dim`, word vectors, whitening) do not carry over to the
-    concatenation and are refused; one model to serve or export is a student distilled from the ensemble
-    (`kbert.label_pairs` scores pairs with the mean cosine: tutorial 04).
+    concatenation and are refused. `kbert serve --model DIR` serves a saved ensemble's vectors (each batch through
+    every member in turn). One model to export, or to serve at one model's cost, is a student distilled from the
+    ensemble (`kbert.label_pairs` scores pairs with the mean cosine: tutorial 04).
     """
 
     def __init__(self, members: Sequence[Embedder], weights: Optional[Sequence[float]] = None,
