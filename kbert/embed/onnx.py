@@ -214,14 +214,13 @@ def export_onnx(model_dir, out_dir: str, signature: Optional[str] = None,
     from kbert.embed.task_model import TaskModel, task_meta
 
     given = model_dir if isinstance(model_dir, (Embedder, SparseEncoder)) else None
+    no_network = ("export_onnx takes an Embedder with its network; {} (a static model has no network, an ensemble "
+                  "several: export one of its members or a student distilled from it{})")
     if given is None and is_ensemble_dir(model_dir):  # refused from its spec: no member is loaded to say no
-        raise ValueError(f"export_onnx takes an Embedder with its network; {model_dir} is an EnsembleEmbedder (a "
-                         f"static model has no network, an ensemble several: export one of its members or a student "
-                         f"distilled from it)")
+        raise ValueError(no_network.format(f"{model_dir} is an EnsembleEmbedder", ""))
     if isinstance(given, Embedder) and (given.backbone is None or isinstance(given, OnnxEmbedder)):
-        raise ValueError(f"export_onnx takes an Embedder with its network; this is a {type(given).__name__} (a "
-                         f"static model has no network, an ensemble several: export one of its members or a student "
-                         f"distilled from it; an OnnxEmbedder is an export already)")
+        raise ValueError(no_network.format(f"this is a {type(given).__name__}",
+                                           "; an OnnxEmbedder is an export already"))
     if isinstance(given, OnnxSparseEncoder):
         raise ValueError("export_onnx takes a SparseEncoder with its model; an OnnxSparseEncoder is an export "
                          "already")
