@@ -47,6 +47,9 @@ batches that stay on the device, so the figure is the model's step and not an in
 
     python benchmarks/gpu.py records --shared ../shared/data --out .gpu        # here, beside the shared data
     KERAS_BACKEND=jax python benchmarks/gpu.py all --records .gpu --out /tmp/gpu
+
+A device lease runs `bash benchmarks/device.sh run` (`all` with the next run's arguments, after the set-up the
+device image needs); `bash benchmarks/device.sh wheels`, then `call`, prepare it here.
 """
 
 from __future__ import annotations

@@ -361,28 +361,43 @@ def test_the_gpu_pretrain_script_runs_on_cpu(tmp_path):
 
 @pytest.mark.slow
 def test_the_whole_gpu_script_runs_on_cpu(tmp_path):
-    """`benchmarks/gpu.py all`, the one command a device lease runs, end to end on CPU JAX with bert-tiny: every
-    stage gives its rows and the tables print, so a lease is not spent finding a broken stage. (The figures
-    are the CPU's; the GPU's are in benchmarks/README.md.)"""
+    """`bash benchmarks/device.sh run`, the one command a device lease runs (`gpu.py all` with the next run's
+    arguments), end to end on CPU JAX with bert-tiny: every stage gives its rows and the tables print, and the
+    next run's model variants parse and run (the two that need cuDNN keep their rows with the reason), so a
+    lease is not spent finding a broken stage. (The figures are the CPU's; the GPU's are in
+    benchmarks/README.md.)"""
     import subprocess
     import sys
 
     from kbert.train.memory import parse_memory
 
-    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "gpu.py")
-    env = dict(os.environ, KERAS_BACKEND="jax", JAX_PLATFORMS="cpu")
-    run = subprocess.run([sys.executable, script, "all", "--model", "bert-tiny", "--batch", "8", "--steps", "2",
-                          "--vocab", "1000", "--peak-n", "512", "--cap", "1GB", "--cap-seqs", "64", "--variants",
-                          "default", "--hf-modes", "eager", "--xla-variants", "none", "--lora-points",
-                          "bert-tiny:1000:8", "--budget", "900", "--out", str(tmp_path)],
-                         capture_output=True, text=True, timeout=1200, env=env)
+    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "device.sh")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHON=sys.executable, OUT=str(tmp_path))
+    refused = subprocess.run(["bash", script, "run"], capture_output=True, text=True, timeout=300, env=env)
+    assert refused.returncode != 0 and "sees no accelerator" in refused.stderr, refused.stderr[-2000:]
+    # the device's arguments with a tiny model and the CPU's shapes (--variants and --xla-variants stay the
+    # device run's; a budget for a loaded 2-core CPU)
+    run = subprocess.run(["bash", script, "run", "--model", "bert-tiny", "--batch", "8", "--steps", "2",
+                          "--vocab", "1000", "--peak-n", "512", "--cap", "1GB", "--cap-seqs", "64",
+                          "--hf-modes", "eager", "--lora-points", "bert-tiny:1000:8", "--budget", "900"],
+                         capture_output=True, text=True, timeout=1200, env=dict(env, KBERT_DEVICE_ALLOW_CPU="1"))
     assert run.returncode == 0, run.stderr[-3000:]
     with open(tmp_path / "gpu.json", encoding="utf-8") as f:
         out = json.load(f)
     assert out["peak"]["bfloat16"] > 0 and out["peak"]["float32"] > 0
-    (kbert_row,) = out["throughput"]
-    assert kbert_row["impl"] == "kbert" and kbert_row["tokens_per_s"] > 0 and kbert_row["model_flops_per_s"] > 0
-    assert [r["impl"] for r in out["hf"]] == ["hf-eager"] and out["hf"][0]["tokens_per_s"] > 0
+    rows = {tuple(r["overrides"]): r for r in out["throughput"] if "overrides" in r}
+    assert set(rows) == {(), ("layer_norm=keras",), ("attention_kernel=cudnn_dropout",),
+                         ("dropout=0.0", "attention_dropout=0.0", "attention_mask=lengths")}
+    for overrides in [(), ("layer_norm=keras",)]:
+        kbert_row = rows[overrides]
+        assert kbert_row["impl"] == "kbert" and kbert_row["tokens_per_s"] > 0 and kbert_row["model_flops_per_s"] > 0
+    cudnn_only = [("attention_kernel=cudnn_dropout",),
+                  ("dropout=0.0", "attention_dropout=0.0", "attention_mask=lengths")]
+    for overrides in cudnn_only:
+        assert "cuDNN" in rows[overrides]["error"]  # a CPU has none; the row stays and says so
+    (check,) = [r["dropout_check"] for r in out["throughput"] if "dropout_check" in r]
+    assert "cuDNN" in check["error"]
+    assert [r["impl"] for r in out["hf"]] == ["hf-eager", "hf-compile"] and out["hf"][0]["tokens_per_s"] > 0
     assert len(out["memory"]) == 4
     for r in out["memory"]:
         assert r["compiled_bytes"] > 0 and r["planned_bytes"] > 0, r
@@ -398,6 +413,9 @@ def test_the_whole_gpu_script_runs_on_cpu(tmp_path):
     for table in ("| implementation |", "| model | seq | batch | precision | planned GB", "`--exact` batch",
                   "where the step's device time goes", "LoRA r=8 against full fine-tuning"):
         assert table in run.stdout, (table, run.stdout[-3000:])
+    with open(tmp_path / "gpu.log", encoding="utf-8") as f:  # the whole output comes back as a file too
+        assert "| implementation |" in f.read()
+
 
 @pytest.mark.slow
 def test_every_objective_lamb_accumulation_and_the_out_of_memory_fallback_run_on_jax(prepared, tmp_path):
