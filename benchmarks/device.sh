@@ -29,6 +29,16 @@ VARIANTS="default;layer_norm=keras;attention_kernel=cudnn_dropout"
 VARIANTS+=";dropout=0.0,attention_dropout=0.0,attention_mask=lengths"
 GPU_ARGS=(all --budget 480 --variants "$VARIANTS" --cap-seqs 128 --xla-variants none)
 
+need_wheels() {  # the three wheels `wheels` writes, or a message naming the one missing and the fix
+  for name in keras namex optree; do
+    if ! ls "$WHEELS"/"$name"-*.whl > /dev/null 2>&1; then
+      echo "device.sh: no $name wheel in $WHEELS/: run 'bash benchmarks/device.sh wheels' here, then carry" \
+           "['$WHEELS']" >&2
+      exit 1
+    fi
+  done
+}
+
 case "${1:-}" in
   wheels)
     keras_version=$("$PY" -c "from importlib.metadata import version; print(version('keras'))")
@@ -40,12 +50,7 @@ case "${1:-}" in
     ls -1 "$WHEELS"
     ;;
   call)
-    for name in keras namex optree; do
-      if ! ls "$WHEELS"/"$name"-*.whl > /dev/null 2>&1; then
-        echo "no $name wheel in $WHEELS/: run 'bash benchmarks/device.sh wheels' first" >&2
-        exit 1
-      fi
-    done
+    need_wheels
     echo "run(command='bash benchmarks/device.sh run', carry=['$WHEELS'], timeout_s=600)"
     echo "(no kind named: an H100 or an H200; name the device in benchmarks/README.md from the output's first table)"
     ;;
@@ -54,11 +59,7 @@ case "${1:-}" in
     out=${OUT:-/tmp/kbert-gpu}
     mkdir -p "$out"
     if ! "$PY" -c "import keras" 2> /dev/null; then
-      if ! ls "$WHEELS"/keras-*.whl > /dev/null 2>&1; then
-        echo "device.sh: Keras is not installed and $WHEELS/ has no wheels: carry ['$WHEELS'] after" \
-             "'bash benchmarks/device.sh wheels'" >&2
-        exit 1
-      fi
+      need_wheels
       "$PY" -m pip install -q --no-index --find-links "$WHEELS" keras namex optree
     fi
     export KERAS_BACKEND=jax XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.9}
