@@ -417,3 +417,67 @@ def test_an_albert_as_wide_as_its_embeddings_goes_to_transformers_and_back(tmp_p
     learned.save_pretrained(tmp_path / "learned")
     with pytest.raises(ValueError, match="embedding_hidden_mapping_in"):
         kbert.load_model(str(tmp_path / "learned"))
+
+
+def _pretraining_batch(batch, predictions=3, seed=0):
+    """Masked positions, their labels and weights inside each row's tokens (a row with fewer tokens pads its
+    predictions with weight 0 at position 0), and pair labels: the labels of kbert's records."""
+    rng = np.random.default_rng(seed)
+    b = batch["token_ids"].shape[0]
+    positions, ids, weights = (np.zeros((b, predictions), "int32") for _ in range(3))
+    for i, n in enumerate(batch["padding_mask"].sum(axis=1)):
+        k = min(predictions, n - 1)
+        positions[i, :k] = np.sort(rng.choice(np.arange(1, n), k, replace=False))
+        ids[i, :k], weights[i, :k] = rng.integers(5, 99, k), 1
+    return positions, ids, weights, rng.integers(0, 2, b).astype("int32")
+
+
+@pytest.mark.parametrize("architecture", ["bert", "albert"])
+@pytest.mark.parametrize("last_layer", ["predicted", "full"])
+def test_pretraining_loss_and_gradients_match_transformers(tmp_path, architecture, last_layer):
+    """The step `benchmarks/gpu.py` times beside transformers' `*ForPreTraining` computes the same thing: on the
+    same weights and batch, kbert's pretraining loss (masked LM at the weighted positions + NSP/SOP) and its
+    gradient for every weight equal transformers' loss (labels -100 off the masked positions) and gradients,
+    with the last block at [CLS] and the masked positions only (kbert's default) and at every position."""
+    import tensorflow as tf
+
+    from kbert.models.convert import kbert_to_hf
+    from kbert.models.io import variables_by_path
+    from kbert.models.layers import implementation
+
+    ref_model = tiny_hf_pretraining_model(architecture)
+    ref_model.save_pretrained(tmp_path / "hf")
+    model = kbert.load_model(str(tmp_path / "hf"), with_heads=True)
+    batch = random_batch(lengths=(9, 5, 12, 1, 7))
+    positions, ids, weights, pair = _pretraining_batch(batch)
+
+    labels = np.full(batch["token_ids"].shape, -100, "int64")
+    for i in range(len(labels)):
+        labels[i, positions[i][weights[i] == 1]] = ids[i][weights[i] == 1]
+    pair_arg = "next_sentence_label" if architecture == "bert" else "sentence_order_label"
+    out = ref_model(input_ids=torch.tensor(batch["token_ids"], dtype=torch.long),
+                    token_type_ids=torch.tensor(batch["segment_ids"], dtype=torch.long),
+                    attention_mask=torch.tensor(batch["padding_mask"], dtype=torch.long),
+                    labels=torch.tensor(labels), **{pair_arg: torch.tensor(pair, dtype=torch.long)})
+    out.loss.backward()
+    ref_grads = {name: p.grad.numpy() for name, p in ref_model.named_parameters() if p.grad is not None}
+
+    variables = variables_by_path(model)
+    features = dict(batch, mask_positions=positions)
+    with implementation(last_layer=last_layer), tf.GradientTape() as tape:
+        losses = model.compute_losses(features, {"mask_ids": ids, "mask_weights": weights, "pair_labels": pair})
+    grads = tape.gradient(losses["loss"], list(variables.values()))
+    ref_loss = out.loss.item()
+    assert abs(float(losses["loss"]) - ref_loss) <= 1e-5 * abs(ref_loss)
+
+    # (an embedding table's gradient comes as IndexedSlices: the rows the batch touched)
+    ours = kbert_to_hf({path: tf.convert_to_tensor(g).numpy() for path, g in zip(variables, grads)}, model.config,
+                       pair_objective=model.pair_objective, heads=True)
+    prefix = architecture + "."
+    ours = {(k if k in ref_grads else prefix + k): v for k, v in ours.items()}
+    compared = [name for name in ref_grads if name in ours]
+    # every weight transformers trains has its gradient here (an ALBERT without a learned projection aside)
+    assert set(ref_grads) - set(compared) == set()
+    for name in compared:
+        scale = max(float(np.max(np.abs(ref_grads[name]))), 1e-3)
+        assert np.max(np.abs(ours[name] - ref_grads[name])) <= 1e-4 * scale, name
