@@ -335,8 +335,13 @@ def throughput(model: str, seq: int, batch: int, precision: str, steps: int, voc
     import jax
     import keras
 
+    from kbert.train.probe import program_bytes
+
     step, state, data, config, predictions = _device_step(model, seq, batch, precision, vocab, overrides)
     fused = _uses_fused_attention(step)
+    # the step's memory: XLA's analysis of this executable (per variant; the allocator's peak covers the whole
+    # process), which the allocator's peak matches within a constant tens of MB (the memory stage's table)
+    step_bytes = program_bytes(step)
     t_compile = time.perf_counter()
     for _ in range(2):
         logs, state = step(state, data)
@@ -352,7 +357,8 @@ def throughput(model: str, seq: int, batch: int, precision: str, steps: int, voc
     return {"impl": "kbert", "model": model, "seq": seq, "batch": batch, "precision": precision, "steps": steps,
             "step_ms": elapsed / steps * 1e3, "tokens_per_s": batch * seq * steps / elapsed,
             "model_flops_per_s": flops * steps / elapsed, "compile_and_warmup_s": compile_s,
-            "fused_attention": fused, "loss": float(logs["loss"]), "keras": keras.__version__,
+            "fused_attention": fused, "step_bytes": step_bytes, "step_bytes_source": "XLA's program",
+            "loss": float(logs["loss"]), "keras": keras.__version__,
             "jax": jax.__version__, "device": str(jax.devices()[0].device_kind), "overrides": list(overrides or ()),
             "xla_flags": os.environ.get("XLA_FLAGS", "")}
 
@@ -547,6 +553,8 @@ def hf(model: str, seq: int, batch: int, steps: int, vocab: int, overrides=(), m
         net = transformers.BertForPreTraining(hf_config).to(device).train()
         opt = torch.optim.AdamW(net.parameters(), lr=1e-5, fused=device == "cuda")
         forward = torch.compile(net) if mode == "compile" else net
+        if device == "cuda":  # this mode's peak alone: model, AdamW state, the batch, activations, workspaces
+            torch.cuda.reset_peak_memory_stats()
 
         def step(forward=forward, opt=opt):  # bound now: both are released after this mode
             with torch.autocast(device, dtype=torch.bfloat16):
@@ -569,11 +577,13 @@ def hf(model: str, seq: int, batch: int, steps: int, vocab: int, overrides=(), m
         if device == "cuda":
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - t
+        step_bytes = torch.cuda.max_memory_allocated() if device == "cuda" else None
         flops = train_flops_per_step(config, batch, seq, predictions)
         results.append({"impl": f"hf-{mode}", "model": model, "seq": seq, "batch": batch,
                         "precision": "bf16 autocast", "steps": steps, "step_ms": elapsed / steps * 1e3,
                         "tokens_per_s": batch * seq * steps / elapsed, "model_flops_per_s": flops * steps / elapsed,
-                        "compile_and_warmup_s": compile_s, "loss": float(loss), "torch": torch.__version__,
+                        "compile_and_warmup_s": compile_s, "step_bytes": step_bytes,
+                        "step_bytes_source": "torch's allocator peak", "loss": float(loss), "torch": torch.__version__,
                         "transformers": transformers.__version__, "overrides": list(overrides or ())})
         del net, opt, forward
         if device == "cuda":
@@ -933,6 +943,10 @@ def _model_key(row: dict) -> tuple:
     return tuple(o for o in overrides if o.split("=", 1)[0] not in _implementation_choices(overrides))
 
 
+def _gb(n) -> str:
+    return f"{n / 1e9:.2f}" if n else "n/a"
+
+
 def _mfu(row: dict, peak_bf16) -> str:
     return f"{row['model_flops_per_s'] / peak_bf16 * 100:.1f}%" if peak_bf16 else "n/a"
 
@@ -995,20 +1009,23 @@ def report(out: dict):
         print(f"\ndevice: {device}; measured matmul peak: bf16 {peak_bf16 / 1e12:.3g} TFLOP/s, fp32 (default "
               f"precision) {(peak_fp32 or 0) / 1e12:.3g} TFLOP/s")  # 3 digits: a CPU's peak is a fraction of one
     compiled = {_model_key(r): r["tokens_per_s"] for r in runs if r.get("impl") == "hf-compile"}
+    # memory at the same shape: what a user choosing between the two can fit (kbert: XLA's program, which the
+    # allocator's peak matches within tens of MB; HF: torch's allocator peak; none on a CPU's torch)
     print("\n| implementation | overrides | seq | batch | step ms | tokens/s | MFU (of bf16 peak) | vs HF compiled |"
-          " fused attention |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---|")
+          " memory GB | fused attention |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
     for r in runs:
         if "tokens_per_s" not in r:
             if r.get("error"):  # a variant that did not run keeps its row, with the reason
                 print(f"| {r.get('impl', '?')} | {' '.join(r.get('overrides') or []) or 'BERT defaults'} | | | | | | "
-                      f"| did not run: {r['error']} |")
+                      f"| | did not run: {r['error']} |")
             continue
         key = tuple(r.get("overrides") or [])
         mfu = _mfu(r, peak_bf16)
         ratio = f"{r['tokens_per_s'] / compiled[_model_key(r)]:.2f}x" if _model_key(r) in compiled else "n/a"
         print(f"| {r['impl']} | {' '.join(key) or 'BERT defaults'} | {r['seq']} | {r['batch']} | {r['step_ms']:.1f} | "
-              f"{r['tokens_per_s']:,.0f} | {mfu} | {ratio} | {r.get('fused_attention', '')} |")
+              f"{r['tokens_per_s']:,.0f} | {mfu} | {ratio} | {_gb(r.get('step_bytes'))} | "
+              f"{r.get('fused_attention', '')} |")
     check = next((r["dropout_check"] for r in _rows(out.get("throughput")) if "dropout_check" in r),
                  out.get("dropout_check"))
     if isinstance(check, dict):

@@ -391,6 +391,7 @@ def test_the_whole_gpu_script_runs_on_cpu(tmp_path):
     for overrides in [(), ("layer_norm=keras",)]:
         kbert_row = rows[overrides]
         assert kbert_row["impl"] == "kbert" and kbert_row["tokens_per_s"] > 0 and kbert_row["model_flops_per_s"] > 0
+        assert kbert_row["step_bytes"] > 0  # XLA's analysis of the step, the memory column of the speed table
     cudnn_only = [("attention_kernel=cudnn_dropout",),
                   ("dropout=0.0", "attention_dropout=0.0", "attention_mask=lengths")]
     for overrides in cudnn_only:
@@ -398,6 +399,7 @@ def test_the_whole_gpu_script_runs_on_cpu(tmp_path):
     (check,) = [r["dropout_check"] for r in out["throughput"] if "dropout_check" in r]
     assert "cuDNN" in check["error"]
     assert [r["impl"] for r in out["hf"]] == ["hf-eager", "hf-compile"] and out["hf"][0]["tokens_per_s"] > 0
+    assert out["hf"][0]["step_bytes"] is None  # torch reports an allocator peak on CUDA only
     assert len(out["memory"]) == 4
     for r in out["memory"]:
         assert r["compiled_bytes"] > 0 and r["planned_bytes"] > 0, r
@@ -509,6 +511,34 @@ def test_the_gpu_memory_stage_suggests_the_coefficient_that_keeps_every_point_fi
     assert "that put the planner at or just above every compiled point here: 2.05" in table
     assert f"| 182 | 200 | 200 | 0.91 | {refit} ({refit / 200:.2f}) |" in table
     assert "xla-refit" not in memory.COMPILERS
+
+
+def test_the_gpu_report_sets_each_steps_memory_beside_its_speed(capsys):
+    """The throughput table gives kbert's and HF's memory at the same shape (kbert: XLA's program of the
+    variant's step; HF: torch's allocator peak of that mode), and says n/a where a host reports none (torch on
+    a CPU), so someone choosing between the two sees what fits as well as what runs faster."""
+    gpu = gpu_script()
+    common = {"model": "bert-base", "seq": 128, "batch": 256, "steps": 20, "model_flops_per_s": 3.4e14}
+    gpu.report({"peak": {"bfloat16": 7.9e14, "float32": 4.0e14},
+                "throughput": [dict(common, impl="kbert", overrides=[], step_ms=54.0, tokens_per_s=606_000,
+                                    step_bytes=15_980_000_000, fused_attention=False),
+                               {"impl": "kbert", "overrides": ["attention_kernel=cudnn_dropout"],
+                                "error": "RuntimeError: cuDNN is not detected."}],
+                "hf": [dict(common, impl="hf-compile", overrides=[], step_ms=61.0, tokens_per_s=537_000,
+                            step_bytes=21_470_000_000),
+                       dict(common, impl="hf-eager", overrides=[], step_ms=79.5, tokens_per_s=412_000,
+                            step_bytes=None)]})
+    table = capsys.readouterr().out
+    header = next(line for line in table.splitlines() if line.startswith("| implementation |"))
+    assert "| memory GB |" in header
+    width = header.count("|")
+    rows = {line.split("|")[1].strip() + line.split("|")[2].strip(): line for line in table.splitlines()
+            if line.startswith("| kbert |") or line.startswith("| hf-")}
+    assert all(line.count("|") == width for line in rows.values())  # the failed variant's row lines up too
+    assert "| 1.13x | 15.98 |" in rows["kbertBERT defaults"]
+    assert "| 1.00x | 21.47 |" in rows["hf-compileBERT defaults"]
+    assert "| n/a |" in rows["hf-eagerBERT defaults"]
+    assert "did not run: RuntimeError: cuDNN" in rows["kbertattention_kernel=cudnn_dropout"]
 
 
 def test_the_gpu_profile_counts_the_device_streams_once_and_sorts_kernels_by_kind(tmp_path):

@@ -132,7 +132,7 @@ def _zero_state(trainer):
     return tuple([value(v) for v in group] for group in _state_variables(trainer))
 
 
-def _program_bytes(compiled) -> Optional[int]:
+def program_bytes(compiled) -> Optional[int]:
     """The bytes of a compiled step by XLA's memory analysis; None where it reports none (a training step
     always has arguments, so an analysis of all zeros is a missing one, not a free program)."""
     m = compiled.memory_analysis()
@@ -152,7 +152,7 @@ def compiled_step_bytes(trainer, features, labels) -> Optional[int]:
 
     shapes = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype),
                                     (_state_of(trainer), (features, labels)))
-    return _program_bytes(jax.jit(trainer.train_step, donate_argnums=0).lower(*shapes).compile())
+    return program_bytes(jax.jit(trainer.train_step, donate_argnums=0).lower(*shapes).compile())
 
 
 class CompiledStep:
@@ -254,7 +254,7 @@ class CompiledStep:
 
     def bytes(self, batch: int) -> Optional[int]:
         """Bytes the step at `batch` needs on this device, by XLA's memory analysis (nothing runs)."""
-        return _program_bytes(self.compiled(batch))
+        return program_bytes(self.compiled(batch))
 
     def run(self, batch: int, steps: int = 1) -> Dict[str, float]:
         """`steps` real training steps at `batch`; an out-of-memory error propagates."""
@@ -449,7 +449,7 @@ def shallow_prediction(config, seq_len: int, budget: float, batch: int, optimize
         batches = (batch, max(1, batch // 2))
         todo = (((n, b), steps[n].lower(b)) for n in steps for b in batches if (n, b) not in sizes)
         for key, c in compile_concurrently(todo, 2 * workers if workers > 1 else 1).items():
-            sizes[key] = _program_bytes(c)
+            sizes[key] = program_bytes(c)
         if any(v is None for v in sizes.values()):
             break
         full = {b: sizes[1, b] + (layers - 1) * (sizes[2, b] - sizes[1, b]) for b in batches}
