@@ -317,17 +317,47 @@ def _seq_lens(text: str) -> list:
             from None
 
 
+PLAN_SEQ_LENS = (64, 128, 256, 320, 384, 512)
+
+
+def _plan_model(args):
+    """`kbert plan`'s ModelConfig (a preset, or a model dir / hub name's config) with --vocab-size, and its
+    sequence lengths: --seq-lens, else PLAN_SEQ_LENS up to the model's position embeddings and their end."""
+    import dataclasses
+
+    from kbert.train.memory import config_of
+
+    config = config_of(args.model)
+    if args.vocab_size is not None:
+        if args.vocab_size < 1:
+            raise ValueError(f"--vocab-size must be a positive number of tokens. Received: {args.vocab_size}")
+        config = dataclasses.replace(config, vocab_size=args.vocab_size)
+    if args.seq_lens:
+        return config, _seq_lens(args.seq_lens)
+    lens = [n for n in PLAN_SEQ_LENS if n <= config.max_position]
+    return config, lens + ([config.max_position] if config.max_position not in lens and
+                           config.max_position < PLAN_SEQ_LENS[-1] else [])
+
+
+def _plan_title(args, config) -> str:
+    millions = config.num_parameters() / 1e6
+    size = f"{millions:.0f}M" if millions >= 10 else f"{millions:.2g}M"
+    return (f"{args.model} ({config.architecture}, {config.num_layers} layers x {config.hidden_size}, {size} "
+            f"parameters, vocabulary {config.vocab_size:,})")
+
+
 def _plan(args):
     from kbert.train.memory import parse_memory, plan_batch_size
 
     if args.probe or args.exact:
         return _measure(args)
     args.memory = args.memory or "12GB"
-    seq_lens = _seq_lens(args.seq_lens)
-    rows = plan_batch_size(args.model, args.memory, seq_lens, target_batch=args.target_batch, replicas=args.replicas,
+    config, seq_lens = _plan_model(args)
+    rows = plan_batch_size(config, args.memory, seq_lens, target_batch=args.target_batch, replicas=args.replicas,
                            optimizer=args.optimizer, precision=args.precision, recompute=args.recompute,
                            compiler=args.compiler)
-    print(f"{args.model}, {args.memory} ({parse_memory(args.memory) / 1e9:.1f} GB), {args.optimizer}, {args.precision}"
+    print(f"{_plan_title(args, config)}, {args.memory} ({parse_memory(args.memory) / 1e9:.1f} GB), {args.optimizer}, "
+          f"{args.precision}"
           + (", activation recomputation" if args.recompute else "")
           + {"xla": ", XLA-compiled step (GPU/TPU)", "xla-cpu": ", XLA-compiled step on a CPU"}.get(
               args.compiler, ", op-by-op step (no XLA)"))
@@ -364,15 +394,15 @@ def _measure(args):
     if args.exact and keras.backend.backend() != "jax":
         raise ValueError("--exact reads the memory analysis of the step XLA compiles on Keras' JAX backend; "
                          "run it as `KERAS_BACKEND=jax kbert plan --exact ...` (pip install jax)")
-    seq_lens = _seq_lens(args.seq_lens)
-    rows = probe_table(args.model, seq_lens, optimizer=args.optimizer, precision=args.precision,
+    config, seq_lens = _plan_model(args)
+    rows = probe_table(config, seq_lens, optimizer=args.optimizer, precision=args.precision,
                        memory=args.memory, verbose=True, exact=args.exact or keras.backend.backend() == "jax",
                        probe=args.probe)
     gb = lambda b: f"{b / 1e9:.2f} GB" if b else "n/a"  # noqa: E731
     na = lambda v: "n/a" if v is None else str(v)  # noqa: E731
     exact = "exact_batch" in rows[0]
     what = "planned vs compiled" + (" vs probed" if args.probe else "")
-    print(f"{args.model}, {args.optimizer}, {args.precision}: {what} on this device"
+    print(f"{_plan_title(args, config)}, {args.optimizer}, {args.precision}: {what} on this device"
           + (f" ({args.memory})" if args.memory else ""))
     at = "probed" if args.probe else "exact"  # both memory columns are at this batch, so the error is like for like
     print("| seq len | planned max batch |" + (" exact max batch |" if exact else "")
@@ -1620,13 +1650,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_export)
 
     p = sub.add_parser("plan", help="the largest batch that fits device memory, per sequence length")
-    p.add_argument("--model", default="bert-base", help="preset name")
+    p.add_argument("--model", default="bert-base",
+                   help="a preset (bert-base, albert-base, ...), a model dir, or a Hugging Face Hub name such as "
+                        "klue/bert-base to size continued pretraining of it (its config alone: no weights are read)")
+    p.add_argument("--vocab-size", type=int, help="the vocabulary the run trains (default: the model's; a preset's "
+                                                  "is 32000): the embeddings and the masked-LM logits grow with it")
     p.add_argument("--memory", help="device memory, e.g. 12GB, 80GiB (default 12GB; with --probe: the device's)")
-    p.add_argument("--seq-lens", default="64,128,256,320,384,512")
+    p.add_argument("--seq-lens", help="comma-separated (default 64,128,256,320,384,512, those the model's position "
+                                      "embeddings reach, and their end where that is shorter: KcBERT's 300)")
     p.add_argument("--optimizer", choices=("adam", "adamw", "lamb", "sgd"), default="adamw")
     p.add_argument("--precision", choices=("float32", "mixed_float16", "mixed_bfloat16"), default="float32")
     p.add_argument("--target-batch", type=int, help="global batch to reach with accumulation and replicas")
-    p.add_argument("--replicas", type=int, default=1)
+    p.add_argument("--replicas", type=int, default=1, help="devices the global --target-batch is split over")
     p.add_argument("--recompute", action="store_true", help="activation recomputation")
     p.add_argument("--compiler", choices=("xla", "xla-cpu", "none"), default="xla",
                    help="how the train step runs: xla (kbert's default on GPU/TPU), xla-cpu (XLA on a CPU, which "

@@ -198,6 +198,32 @@ def test_plan_says_when_the_model_does_not_fit():
     assert proc.returncode == 0 and "| 512 | does not fit |" in proc.stdout and "note:" in proc.stderr
 
 
+def test_plan_sizes_a_model_dir_at_the_lengths_its_positions_reach(tmp_path):
+    """`kbert plan --model DIR` plans continued pretraining of a model users have (a KcBERT-like config: vocabulary
+    30,000, 300 positions): the default lengths stop at its positions' end and include it, the title names what
+    was read, and `--vocab-size` re-sizes the embeddings and logits (a smaller vocabulary fits a larger batch)."""
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "bert", "vocab_size": 30000, "hidden_size": 768, "num_hidden_layers": 12,
+        "num_attention_heads": 12, "intermediate_size": 3072, "max_position_embeddings": 300}))
+    proc = run("plan", "--model", str(tmp_path), "--precision", "mixed_bfloat16")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "(bert, 12 layers x 768, 109M parameters, vocabulary 30,000)" in proc.stdout
+
+    def table(out):  # {seq len: max batch}
+        cells = [line.split("|") for line in out.splitlines() if line.startswith("| ")]
+        return {int(c[1]): int(c[2]) for c in cells if c[1].strip().isdigit()}
+
+    assert list(table(proc.stdout)) == [64, 128, 256, 300]
+    smaller = run("plan", "--model", str(tmp_path), "--precision", "mixed_bfloat16", "--seq-lens", "128",
+                  "--vocab-size", "8000")
+    assert smaller.returncode == 0 and "vocabulary 8,000" in smaller.stdout
+    assert table(smaller.stdout)[128] > table(proc.stdout)[128] > 0
+    beyond = run("plan", "--model", str(tmp_path), "--seq-lens", "512")
+    assert beyond.returncode != 0 and "beyond the model's position embeddings (300)" in beyond.stderr
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("algorithm", ["wordpiece", "unigram"])
 def test_convert_to_transformers_writes_the_tokenizer(tmp_path, algorithm):

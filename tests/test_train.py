@@ -640,6 +640,69 @@ def test_planner_mixed_precision_accumulation_and_errors():
         plan_batch_size("bert-base", "twelve", [128])
 
 
+KCBERT_LIKE = {"architectures": ["BertForMaskedLM"], "model_type": "bert", "vocab_size": 30000, "hidden_size": 768,
+               "num_hidden_layers": 12, "num_attention_heads": 12, "intermediate_size": 3072,
+               "max_position_embeddings": 300, "type_vocab_size": 2, "hidden_act": "gelu"}
+
+
+def test_the_planner_sizes_a_model_dir_or_hub_name_from_its_config_alone(tmp_path, monkeypatch):
+    """Continued pretraining of a model users already have: `plan_batch_size` (and `kbert plan --model`) take a
+    model dir of every kind kbert loads, or a Hugging Face Hub name, and read its configuration file only, so a
+    hub repo's weights are never fetched to plan (here a hub cache holding the JSON alone, offline)."""
+    import json
+
+    from kbert.models.config import ModelConfig
+    from kbert.models.convert import model_config
+    from kbert.train.memory import plan_batch_size
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps(KCBERT_LIKE))
+    config = model_config(str(hf))  # no weight file in the dir: none is read
+    assert (config.vocab_size, config.max_position, config.num_layers) == (30000, 300, 12)
+    base = ModelConfig.preset("bert-base", vocab_size=30000, max_position=300)
+    assert plan_batch_size(str(hf), "12GB", [128]) == plan_batch_size(base, "12GB", [128])
+
+    tf1 = tmp_path / "tf1"
+    tf1.mkdir()
+    (tf1 / "albert_config.json").write_text(json.dumps({"vocab_size": 8000, "hidden_size": 64, "embedding_size": 16,
+                                                        "num_hidden_layers": 2, "num_attention_heads": 2,
+                                                        "intermediate_size": 128, "hidden_act": "gelu_new"}))
+    assert model_config(str(tf1)).architecture == "albert" and model_config(str(tf1)).embedding_size == 16
+    tiny = ModelConfig.preset("bert-tiny", vocab_size=500)
+    kbert.save_model(kbert.BertBackbone(tiny), str(tmp_path / "kb"))
+    assert model_config(str(tmp_path / "kb")) == tiny
+
+    # a hub name: huggingface_hub's cache holding config.json alone, read offline
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--kbert-test--kcbert-like"
+    (repo / "snapshots" / commit).mkdir(parents=True)
+    (repo / "snapshots" / commit / "config.json").write_text(json.dumps(KCBERT_LIKE))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants as hub_constants  # read at import: the test's cache and offline mode
+
+    monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", True)
+    import huggingface_hub
+
+    asked, real = [], huggingface_hub.snapshot_download
+
+    def recorded(name, allow_patterns=None, **kwargs):
+        asked.append(list(allow_patterns))
+        return real(name, allow_patterns=allow_patterns, **kwargs)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", recorded)
+    assert model_config("kbert-test/kcbert-like") == config
+    assert asked == [["*.json"]]  # the configuration files only: a repo's weights are hundreds of MB
+    with pytest.raises(ValueError, match="neither a preset .*bert-base.* nor a model directory"):
+        plan_batch_size("bert-bsae", "12GB", [128])
+    with pytest.raises(FileNotFoundError, match="holds no model configuration"):
+        model_config(str(tmp_path))
+
+
 @pytest.mark.slow
 def test_plan_and_pretrain_commands(tok_dir, tmp_path):
     from kbert.cli import main

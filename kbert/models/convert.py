@@ -29,7 +29,7 @@ from kbert.models.backbone import Backbone, Pretrainer, build_backbone
 from kbert.models.config import ModelConfig
 from kbert.models.io import (assign_weights, build_pretrainer, check_masked_lm_head, load_kbert_dir, plain_tensors,
                              read_safetensors)
-from kbert.models.locate import is_kbert_dir, model_dir_of, resolve_hub_name
+from kbert.models.locate import CONFIG_FILE, CONFIG_FILES, is_kbert_dir, model_dir_of, resolve_hub_name
 
 _HF_ACT = {"gelu": "gelu", "gelu_python": "gelu", "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh",
            "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu", "tanh": "tanh"}
@@ -85,6 +85,35 @@ def config_from_hf(hf: dict, source: str = "config.json") -> ModelConfig:
     if model_type == "electra" and hf.get("embedding_size", hf["hidden_size"]) != hf["hidden_size"]:
         fields["embedding_size"] = hf["embedding_size"]
     return ModelConfig(**fields)
+
+
+def model_config(name: str) -> ModelConfig:
+    """The ModelConfig of a preset name, a model dir (kbert's, a `kbert pretrain` run dir, Hugging Face's,
+    Google's TF1) or a Hugging Face Hub name, read from its configuration file alone: no weights are read, and a
+    hub name fetches the repo's JSON files only. What the memory planner needs to size, say, continued
+    pretraining of "klue/bert-base" (`kbert plan --model klue/bert-base`)."""
+    from kbert.models.config import PRESETS
+
+    if name in PRESETS:
+        return ModelConfig.preset(name)
+    directory = model_dir_of(resolve_hub_name(str(name), patterns=CONFIG_FILES))
+    if not os.path.isdir(directory):
+        raise ValueError(f"model {name!r} is neither a preset ({', '.join(PRESETS)}) nor a model directory or "
+                         f"Hugging Face Hub name")
+    if is_kbert_dir(directory):
+        meta = _read_json(os.path.join(directory, CONFIG_FILE))
+        if "model" not in meta:
+            raise ValueError(f"{os.path.join(directory, CONFIG_FILE)} has no 'model' section")
+        return ModelConfig.from_dict(meta["model"])
+    for file in ("config.json", "bert_config.json", "albert_config.json"):
+        path = os.path.join(directory, file)
+        if os.path.isfile(path):
+            hf = _read_json(path)
+            if file == "albert_config.json":
+                hf.setdefault("model_type", "albert")
+            return config_from_hf(hf, source=path)
+    raise FileNotFoundError(f"{directory!r} holds no model configuration: expected {CONFIG_FILE} (kbert), "
+                            "config.json (Hugging Face) or bert_config.json / albert_config.json (TF1)")
 
 
 def check_exportable(config: ModelConfig) -> None:

@@ -20,6 +20,8 @@ TASK_FILE = "kbert_task.json"  # a fine-tuned dir's task, labels, pooling, max_l
 
 # What a model needs from a Hugging Face Hub repo: configs, weights, vocabularies (not other frameworks' weights).
 HUB_FILES = ["*.json", "*.safetensors", "vocab.txt", "*.model", "*.txt", "*ckpt*"]
+# A model's configuration files (kbert's, Hugging Face's, Google's bert_config.json): its shape without its weights.
+CONFIG_FILES = ["*.json"]
 # torch.save weights, fetched only for a repo without safetensors or TF1 weights (many hold both forms, each
 # hundreds of MB); shards ("pytorch_model-00001-of-00002.bin") and a sentence-transformers module's own weights
 # ("1_WeightedLayerPooling/pytorch_model.bin") included.
@@ -30,11 +32,12 @@ def is_kbert_dir(path: str) -> bool:
     return os.path.isfile(os.path.join(path, CONFIG_FILE))
 
 
-def resolve_hub_name(name: str) -> str:
+def resolve_hub_name(name: str, patterns: Optional[list] = None) -> str:
     """A local directory for `name`: itself when it is a path, else the snapshot of the Hugging Face Hub repo
     `name` ("klue/roberta-base") through `huggingface_hub`, the hub's own client: its cache (HF_HOME /
     HF_HUB_CACHE), its offline mode (HF_HUB_OFFLINE=1 reads the cache only), revisions and tokens. Only
-    the files a model needs are fetched (HUB_FILES, then HUB_TORCH_FILES where those hold no weights)."""
+    the files a model needs are fetched (HUB_FILES, then HUB_TORCH_FILES where those hold no weights), or
+    those `patterns` name (`CONFIG_FILES`: what reading a model's shape needs)."""
     if os.path.exists(name) or not isinstance(name, str):
         return name
     parts = name.split("/")
@@ -46,6 +49,8 @@ def resolve_hub_name(name: str) -> str:
         raise ImportError(f"{name!r} is not a local directory; loading it from the Hugging Face Hub needs "
                           f"huggingface_hub (pip install huggingface_hub)") from None
     try:
+        if patterns is not None:
+            return huggingface_hub.snapshot_download(name, allow_patterns=patterns)
         path = huggingface_hub.snapshot_download(name, allow_patterns=HUB_FILES)
         if not glob.glob(os.path.join(path, "*.safetensors")) and not glob.glob(os.path.join(path, "*ckpt*")):
             path = huggingface_hub.snapshot_download(name, allow_patterns=HUB_FILES + HUB_TORCH_FILES)

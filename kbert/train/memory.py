@@ -154,6 +154,18 @@ def estimate_memory(config, batch: int, seq_len: int, optimizer: str = "adamw", 
             "activations": activations, "embeddings": embeddings, "mlm_head": mlm, "micro_batch": micro}
 
 
+def config_of(model: str):
+    """The ModelConfig of a preset name, or of a model dir or Hugging Face Hub name from its configuration file
+    (`kbert.models.convert.model_config`, which imports Keras; a preset needs no Keras)."""
+    from kbert.models.config import PRESETS, ModelConfig
+
+    if model in PRESETS:
+        return ModelConfig.preset(model)
+    from kbert.models.convert import model_config
+
+    return model_config(model)
+
+
 def check_seq_len(config, seq) -> None:
     """Refuses a sequence length the model cannot train at: under 2 tokens ([CLS] and [SEP]), or beyond its
     position embeddings (on JAX a lookup past the table's end gives NaN, not an error, so `--exact` would
@@ -184,15 +196,14 @@ def max_batch_size(config, memory, seq_len: int, **kwargs) -> int:
 def plan_batch_size(config, memory, seq_lens: Sequence[int] = (128,), target_batch: Optional[int] = None,
                     replicas: int = 1, optimizer: str = "adamw", precision: str = "float32", margin: float = 0.0,
                     recompute: bool = False, compiler: str = "xla") -> List[Dict]:
-    """`kbert.plan_batch_size(...)`: for each sequence length, the max micro-batch per replica that fits
+    """`kbert.plan_batch_size(...)`: for each sequence length, the max micro-batch per replica of `config` (a
+    ModelConfig, a preset name, a model dir or a Hugging Face Hub name) that fits
     `memory` (less a safety `margin` fraction) and, for a `target_batch` (global), the micro-batch x
     accumulation steps x replicas that reaches it. `compiler`: "xla" (kbert's default: a GPU or TPU),
     "xla-cpu" (XLA on a CPU) or "none" (op-by-op execution; the coefficients anchored on google-research/bert's
     12 GB table)."""
-    from kbert.models.config import ModelConfig
-
     if isinstance(config, str):
-        config = ModelConfig.preset(config)
+        config = config_of(config)
     budget = parse_memory(memory) * (1.0 - margin)
     rows = []
     for seq in seq_lens:

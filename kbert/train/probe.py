@@ -670,8 +670,8 @@ def probe_table(model: str, seq_lens, optimizer: str = "adamw", precision: str =
     `shallow`: `exact_batch_size`'s start from 1- and 2-layer copies (None: its default); the row's
     `exact_shallow` has that prediction and its seconds."""
 
-    from kbert.models.config import ModelConfig
-    from kbert.train.memory import check_seq_len, compiler_for, estimate_memory, max_batch_size, parse_memory
+    from kbert.train.memory import (check_seq_len, compiler_for, config_of, estimate_memory, max_batch_size,
+                                    parse_memory)
 
     from kbert.train import faults
 
@@ -680,7 +680,7 @@ def probe_table(model: str, seq_lens, optimizer: str = "adamw", precision: str =
                          "it on a GPU or TPU, or read the planner's table (--exact with --memory compiles the "
                          "step for a device you name)")
     exact = exact and _backend() == "jax"
-    config = ModelConfig.preset(model) if isinstance(model, str) else model
+    config = config_of(model) if isinstance(model, str) else model  # a preset, model dir or hub name
     for seq in seq_lens:
         check_seq_len(config, seq)
     total = parse_memory(memory) if memory else device_memory()
