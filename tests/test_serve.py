@@ -27,12 +27,16 @@ TEXTS = ["대한민국은 민주공화국이다.", "모든 국민은 법 앞에 
 
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
-    """A small BERT with its tokenizer, and a classification task dir on it (an untrained head)."""
+    """A small BERT with its tokenizer, and a classification task dir on it (an untrained head). Seeded: the
+    tests compare orders of hits (a reranker's against the index's), which a fresh random model could tie."""
+    import keras
+
     from kbert.data.features import build_network
     from kbert.embed.task_model import TaskModel
     from kbert.models.tasks import TaskNetwork
 
     root = tmp_path_factory.mktemp("serve")
+    keras.utils.set_random_seed(0)
     tok = kbert.Tokenizer.train(corpus(["kolaw"]), vocab_size=900, progress=False)
     cfg = kbert.ModelConfig.preset("bert-tiny", vocab_size=tok.vocab_size, hidden_size=32, num_heads=2,
                                    intermediate_size=64, num_layers=2, max_position=128)
