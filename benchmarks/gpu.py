@@ -357,8 +357,7 @@ def throughput(model: str, seq: int, batch: int, precision: str, steps: int, voc
     return {"impl": "kbert", "model": model, "seq": seq, "batch": batch, "precision": precision, "steps": steps,
             "step_ms": elapsed / steps * 1e3, "tokens_per_s": batch * seq * steps / elapsed,
             "model_flops_per_s": flops * steps / elapsed, "compile_and_warmup_s": compile_s,
-            "fused_attention": fused, "step_bytes": step_bytes, "step_bytes_source": "XLA's program",
-            "loss": float(logs["loss"]), "keras": keras.__version__,
+            "fused_attention": fused, "step_bytes": step_bytes, "loss": float(logs["loss"]), "keras": keras.__version__,
             "jax": jax.__version__, "device": str(jax.devices()[0].device_kind), "overrides": list(overrides or ()),
             "xla_flags": os.environ.get("XLA_FLAGS", "")}
 
@@ -583,7 +582,7 @@ def hf(model: str, seq: int, batch: int, steps: int, vocab: int, overrides=(), m
                         "precision": "bf16 autocast", "steps": steps, "step_ms": elapsed / steps * 1e3,
                         "tokens_per_s": batch * seq * steps / elapsed, "model_flops_per_s": flops * steps / elapsed,
                         "compile_and_warmup_s": compile_s, "step_bytes": step_bytes,
-                        "step_bytes_source": "torch's allocator peak", "loss": float(loss), "torch": torch.__version__,
+                        "loss": float(loss), "torch": torch.__version__,
                         "transformers": transformers.__version__, "overrides": list(overrides or ())})
         del net, opt, forward
         if device == "cuda":

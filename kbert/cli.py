@@ -328,9 +328,7 @@ def _plan_model(args):
     from kbert.train.memory import config_of
 
     config = config_of(args.model)
-    if args.vocab_size is not None:
-        if args.vocab_size < 1:
-            raise ValueError(f"--vocab-size must be a positive number of tokens. Received: {args.vocab_size}")
+    if args.vocab_size is not None:  # ModelConfig refuses a vocabulary under one token
         config = dataclasses.replace(config, vocab_size=args.vocab_size)
     if args.seq_lens:
         return config, _seq_lens(args.seq_lens)
