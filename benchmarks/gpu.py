@@ -24,6 +24,9 @@ batches that stay on the device, so the figure is the model's step and not an in
   attention, elementwise and reduction fusions, copies) and the top kernels, per step, beside its wall time;
 - `memory`: `Pretrainer.train_on_batch` (what `fit` runs) in a fresh process per point: the allocator's peak,
   XLA's memory analysis of the same compiled step and `kbert.train.memory.estimate_memory`;
+- `aot-memory` (any host, no GPU; JAX's CUDA plugin installed): the `memory` points compiled by XLA's GPU
+  compiler for an H100 and an H200 described to it (`--targets`, deviceless compilation), XLA's memory analysis
+  beside the planner, and the refit line: how a change to kbert's program moves a GPU's bytes, before device time;
 - `capped`: run under `XLA_PYTHON_CLIENT_MEM_FRACTION` = `--cap` / device memory: `kbert plan --exact` and
   `--probe` per sequence length beside the analytic `kbert plan --memory` answer;
 - `pretrain`: `kbert.pretrain` itself on records (the numpy reader, no TensorFlow), `--steps-pretrain` steps
@@ -634,6 +637,86 @@ def capped(model: str, seqs, precision: str, vocab: int, cap: str, shallow=None)
     return rows
 
 
+# GPUs for `aot-memory`: the fields of XLA's GpuTargetConfig its GPU compiler reads when there is no device to
+# ask (spec-sheet values). The fusion cost model reads the bandwidth and the clock, so the description is part of
+# what is measured: a description with the H100's 3.35 TB/s and one with the H200's 4.8 TB/s compile the same
+# step to different byte counts, where the device's memory size changes nothing.
+GPU_TARGETS = {
+    "h100": {"description": "NVIDIA H100 80GB HBM3", "memory": 84929347584, "bandwidth": 3352320000000},
+    "h200": {"description": "NVIDIA H200", "memory": 150754820096, "bandwidth": 4800000000000},
+}
+
+
+def gpu_target_config(name: str) -> str:
+    """XLA's GpuTargetConfig (text proto) of a `GPU_TARGETS` GPU: Hopper (compute capability 9.0, 132 SMs, 50 MB
+    of L2), cuDNN 9.10, CUDA 12.8."""
+    if name not in GPU_TARGETS:
+        raise ValueError(f"GPU {name!r}: known targets are {', '.join(GPU_TARGETS)}")
+    t = GPU_TARGETS[name]
+    info = {"threads_per_block_limit": 1024, "threads_per_warp": 32, "shared_memory_per_block": 49152,
+            "shared_memory_per_core": 233472, "threads_per_core_limit": 2048, "core_count": 132,
+            "fpus_per_core": 128, "block_dim_limit_x": 2147483647, "block_dim_limit_y": 65535,
+            "block_dim_limit_z": 65535, "memory_bandwidth": t["bandwidth"], "l2_cache_size": 52428800,
+            "clock_rate_ghz": 1.98, "device_memory_size": t["memory"], "shared_memory_per_block_optin": 232448,
+            "registers_per_core_limit": 65536, "registers_per_block_limit": 65536}
+    lines = ["gpu_device_info {"] + [f"  {k}: {v}" for k, v in info.items()]
+    lines += ["  cuda_compute_capability { major: 9 minor: 0 }", "}", 'platform_name: "CUDA"',
+              "dnn_version_info { major: 9 minor: 10 }", "runtime_version { major: 12 minor: 8 }",
+              f'device_description_str: "{t["description"]}"']
+    return "\n".join(lines) + "\n"
+
+
+def target_gpu(name: str):
+    """A JAX device standing for a `GPU_TARGETS` GPU, with no GPU here: XLA's GPU compiler compiles for it from
+    its description (deviceless compilation) and nothing can run there. Needs JAX's CUDA plugin, which loads
+    without a GPU once its driver check is skipped (`aot-memory` sets JAX_SKIP_CUDA_CONSTRAINTS_CHECK)."""
+    from jax.experimental import topologies
+
+    try:
+        topology = topologies.get_topology_desc(platform="cuda", target_config=gpu_target_config(name),
+                                                topology="1x1x1")
+    except NotImplementedError as e:  # JAX's words: "topology not implemented for cuda"
+        raise RuntimeError(f"compiling for a GPU that is not here needs JAX's CUDA plugin (pip install "
+                           f"'jax[cuda12]'; no GPU or driver needed), with JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 "
+                           f"set before JAX starts: {e}") from None
+    return topology.devices[0]
+
+
+def aot_memory(model: str, points, targets, vocab: int) -> list:
+    """On any host (no GPU needed): the training step compiled by XLA's GPU compiler for each of `targets`
+    (`GPU_TARGETS` names; `CompiledStep.bytes_for` a `target_gpu`) at each (precision, seq, batch) point,
+    XLA's memory analysis of it beside `estimate_memory`. There is no autotuning without the device, so these
+    are not the device's own bytes (within a few percent of them at the points measured on both); what they
+    answer is how a change to kbert's program moves the GPU's bytes: the same description before and after."""
+    from kbert.train.memory import estimate_memory
+    from kbert.train.probe import CompiledStep, build_trainer
+
+    config, steps, rows = _config(model, vocab), {}, []
+    for name in targets:
+        device = target_gpu(name)
+        for precision, seq, batch in points:
+            if (precision, seq) not in steps:
+                steps[precision, seq] = CompiledStep(build_trainer(config, "adamw", precision, abstract=True),
+                                                     config, seq)
+            compiled = steps[precision, seq].bytes_for(batch, device)
+            estimate = estimate_memory(config, batch, seq, optimizer="adamw", precision=precision)
+            rows.append({"target": name, "model": model, "seq": seq, "batch": batch, "precision": precision,
+                         "compiled_bytes": compiled, "planned_bytes": estimate["total"],
+                         "error_vs_compiled": (estimate["total"] - compiled) / compiled if compiled else None,
+                         "components": {k: v for k, v in estimate.items() if k != "total"}})
+    return rows
+
+
+def report_aot(rows) -> None:
+    print(f"{'GPU (no device)':<16} {'precision':<15} {'seq':>4} {'batch':>5} {'planner GB':>10} "
+          f"{'compiled GB':>11} {'planner vs compiled':>19}")
+    for r in rows:
+        print(f"{r['target']:<16} {r['precision']:<15} {r['seq']:>4} {r['batch']:>5} {_gb(r['planned_bytes']):>10} "
+              f"{_gb(r['compiled_bytes']):>11} {r['error_vs_compiled']:>+19.1%}")
+    for precision, (now, want) in suggest_act_bytes(rows).items():
+        print(f"suggest_act_bytes {precision}: {now} now; {want} puts the planner at or above every point")
+
+
 def probe(model: str, seqs, precision: str, vocab: int) -> list:
     from kbert.train.probe import probe_table
 
@@ -1162,7 +1245,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("what", choices=("all", "peak", "throughput", "hf", "profile", "memory", "probe", "capped",
                                          "attention", "dropout-check", "preflight", "pretrain", "records",
-                                         "lora"))
+                                         "lora", "aot-memory"))
     parser.add_argument("--records", help="pretrain/all: the dir `records` wrote (records/ and tok/ inside)")
     parser.add_argument("--steps-pretrain", type=int, default=300, help="pretrain: steps, resumed at half")
     parser.add_argument("--shared", default="../shared/data", help="records: the shared Korean data")
@@ -1186,6 +1269,10 @@ def main(argv=None):
                         help="all: ';'-separated sets of XLA flags, each timed in its own throughput process "
                              "after the profile ('none': skip); write it --xla-variants=--xla_..., as the value "
                              "starts with '--'")
+    parser.add_argument("--targets", default=",".join(GPU_TARGETS),
+                        help="aot-memory: GPUs to compile for (no GPU needed): " + ", ".join(GPU_TARGETS))
+    parser.add_argument("--points", default=",".join(":".join(map(str, p)) for p in MEMORY_POINTS),
+                        help="aot-memory: precision:seq:batch points, ','-separated")
     parser.add_argument("--cap", default="12GB", help="capped/all: the memory the GPU is capped at")
     parser.add_argument("--cap-seqs", default="128,512", help="all: sequence lengths of the capped table")
     parser.add_argument("--cap-precisions", default="mixed_bfloat16", help="all: precisions of the capped table")
@@ -1270,6 +1357,18 @@ def main(argv=None):
                                 args.batch, args.steps_pretrain, args.precision, args.out or "/tmp")
     elif args.what == "memory":
         result = memory(args.model, args.seq, args.batch, args.precision, args.vocab)
+    elif args.what == "aot-memory":
+        import jax
+
+        # before JAX starts its backends: the CUDA plugin loads without a driver, and this host's own devices are
+        # its CPU (a GPU here is not what is compiled for)
+        os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+        jax.config.update("jax_platforms", "cpu")
+        points = [(p, int(q), int(b)) for p, q, b in (x.split(":") for x in args.points.split(",") if x)]
+        result = aot_memory(args.model, points, [t for t in args.targets.split(",") if t], args.vocab)
+        if not args.json:
+            report_aot(result)
+            return
     elif args.what == "lora":
         result = lora(args.lora_points.replace("MODEL", args.model).replace("VOCAB", str(args.vocab)), args.seq,
                       args.precision)

@@ -672,6 +672,42 @@ def test_the_gpu_attention_kernels_lower_for_cuda_on_this_cpu():
         assert explicit["softmax_outside"] - rows[fused]["softmax_outside"] == 2, rows
 
 
+def test_the_gpu_aot_memory_stage_compiles_for_a_device_that_is_not_here():
+    """`gpu.py aot-memory`: the step compiled for another device than this host's (`CompiledStep.lower(...,
+    device=)`; on a host with JAX's CUDA plugin, a GPU from XLA's description of it) and its memory analysis
+    beside the planner. Here the stand-in device is this CPU, so the bytes must be `CompiledStep.bytes`'; the
+    GPU descriptions are XLA text protos, and a host without the plugin is told what to install."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    script = (
+        f"import json, sys\nsys.path.insert(0, {here!r})\nfrom test_train_jax import gpu_script\ngpu = gpu_script()\n"
+        "import jax\nfrom jax.experimental import topologies\n"
+        "from kbert.train.probe import CompiledStep, build_trainer\n"
+        "config = gpu._config('bert-tiny', 1000)\n"
+        "step = CompiledStep(build_trainer(config, 'adamw', 'mixed_bfloat16', abstract=True), config, 64)\n"
+        "local = {b: step.bytes(b) for b in (4, 16)}\n"
+        "real = gpu.target_gpu\n"
+        "gpu.target_gpu = lambda name: jax.devices('cpu')[0]\n"
+        "rows = gpu.aot_memory('bert-tiny', [('mixed_bfloat16', 64, 4), ('mixed_bfloat16', 64, 16)], ['h100'], 1000)\n"
+        "gpu.report_aot(rows)\n"
+        "def absent(*a, **k):\n    raise NotImplementedError('topology not implemented for cuda')\n"
+        "topologies.get_topology_desc = absent\n"
+        "try:\n    real('h200')\n    error = None\nexcept RuntimeError as e:\n    error = str(e)\n"
+        "print(json.dumps(dict(local=local, rows=rows, error=error, h200=gpu.gpu_target_config('h200'))))\n")
+    found, proc = run_on_jax(script, env={"PYTHONPATH": os.path.dirname(here)})
+    rows, out = found["rows"], proc.stdout
+    assert [r["compiled_bytes"] for r in rows] == [found["local"]["4"], found["local"]["16"]]
+    assert rows[0]["compiled_bytes"] < rows[1]["compiled_bytes"] and all(r["target"] == "h100" for r in rows)
+    assert all(r["planned_bytes"] > 0 and "weights_grads_slots" in r["components"] for r in rows)
+    assert "h100" in out and "suggest_act_bytes mixed_bfloat16: 2.25 now;" in out
+    assert "pip install 'jax[cuda12]'" in found["error"] and "topology not implemented" in found["error"]
+    h200 = found["h200"]
+    assert 'device_description_str: "NVIDIA H200"' in h200 and "memory_bandwidth: 4800000000000" in h200
+    assert h200.count("{") == h200.count("}") == 4  # gpu_device_info, its capability, cuDNN's and CUDA's versions
+    gpu = gpu_script()
+    with pytest.raises(ValueError, match="known targets are h100, h200"):
+        gpu.gpu_target_config("a100")
+
+
 def test_the_gpu_memory_points_run_as_many_at_once_as_the_device_holds():
     """`gpu.py all`'s memory stage: points in rounds of concurrent processes whose planned peaks fit the device
     with room to spare (one round of four on a 141 GB H200, which saves a round of compilations inside the

@@ -240,9 +240,19 @@ class CompiledStep:
         _no_silent_recomputation()
         self._compiled.update(compile_concurrently(((b, self.lower(b)) for b in todo), workers))
 
-    def lower(self, batch: int, platform: Optional[str] = None):
+    def lower(self, batch: int, platform: Optional[str] = None, device=None):
         """The step traced and lowered at `batch` (JAX `Lowered`; shapes only, nothing on the device), for
-        `platform` ("cuda", "tpu", ...) instead of this host's devices when given (nothing runs there either)."""
+        `platform` ("cuda", "tpu", ...) instead of this host's devices when given (nothing runs there either),
+        or placed on `device`: a JAX device, which may be one of a topology description's
+        (`jax.experimental.topologies`), so that `.compile()` runs that device's compiler with no such device
+        here (XLA's deviceless compilation)."""
+        if device is not None:
+            import jax
+
+            placed = jax.sharding.SingleDeviceSharding(device)
+            state, data = jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=placed),
+                                                 (self._state_spec, self._data_spec(batch)))
+            return self._jit.trace(state, data).lower()
         if platform is None:
             return self._jit.lower(self._state_spec, self._data_spec(batch))
         return self._jit.trace(self._state_spec, self._data_spec(batch)).lower(lowering_platforms=(platform,))
@@ -255,6 +265,13 @@ class CompiledStep:
     def bytes(self, batch: int) -> Optional[int]:
         """Bytes the step at `batch` needs on this device, by XLA's memory analysis (nothing runs)."""
         return program_bytes(self.compiled(batch))
+
+    def bytes_for(self, batch: int, device) -> Optional[int]:
+        """`bytes` by another device's compiler: the step compiled for `device` (`lower(..., device=)`, e.g. a
+        GPU of a topology description on a host without one) and its memory analysis read. Not kept: nothing
+        here could run it."""
+        _no_silent_recomputation()
+        return program_bytes(self.lower(batch, device=device).compile())
 
     def run(self, batch: int, steps: int = 1) -> Dict[str, float]:
         """`steps` real training steps at `batch`; an out-of-memory error propagates."""
