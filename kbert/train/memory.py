@@ -27,7 +27,8 @@
   side of fitting, since the coefficients were chosen on steps that computed it in full;
 - likewise under mixed precision the coefficients were chosen on steps whose LayerNorms kept a float32 copy
   of their input for the backward pass; kbert's `LayerNorm` keeps the 16-bit input instead, so the estimate
-  errs further on the side of fitting until the device runs measure the current program;
+  errs further on the side of fitting until the device runs measure the current program (how far, as XLA's
+  GPU compiler sees it with no GPU: `benchmarks/gpu.py aot-memory` and benchmarks/README.md);
 - activation recomputation keeps only each layer's input (1 tensor of size hidden per token) plus one
   layer's full activations; gradient accumulation divides the batch that must fit by the number of
   micro-batches and adds one fp32 accumulator per parameter.
