@@ -433,8 +433,11 @@ class Embeddings(keras.layers.Layer):
         """Returns (embedding output [b, s, e] before projection, encoder input [b, s, h]). `positions`
         [b, s]: default 0..s-1 (packed rows pass their own, `packed_inputs`)."""
         if positions is None:
-            # Position ids 0..s-1 built from the input itself, so symbolic shapes work on every backend.
-            positions = ops.cumsum(ops.ones_like(token_ids, dtype="int32"), axis=1) - 1  # [b, s]
+            # Position ids 0..s-1 as one row [1, s] that broadcasts over the batch, built from the input itself so
+            # that symbolic lengths work on every backend. A [b, s] row per sequence made XLA constant-fold a
+            # cumsum of b x s ones at every compilation (its "constant folding is taking > 1s" alarm at b=256)
+            # and gather [b, s, h] rows where [1, s, h] are needed.
+            positions = ops.cumsum(ops.ones_like(token_ids[:1], dtype="int32"), axis=1) - 1  # [1, s]
         if self.config.type_vocab_size == 1:  # one segment type (RoBERTa): a pair's second segment reads it too
             segment_ids = ops.zeros_like(segment_ids)
         x = (self.token_embedding(token_ids) + self.segment_embedding(segment_ids)
