@@ -18,7 +18,8 @@
 # Why these arguments: the four throughput variants are kbert's default step (BERT's dropouts), the LayerNorm
 # before/after (`layer_norm=keras`), BERT's attention dropout inside cuDNN's kernel (run after gpu.py's
 # dropout check) and the dropout-free step; HF eager and compiled beside them; four memory points; the 12 GB
-# capped table at seq 128 (`--exact` and `--probe`); then the profile and LoRA while the budget lasts. XLA's
+# capped table at seq 128 (`--exact` and `--probe`); then, while the budget lasts, two memory points compiled
+# for the GPU's description with no GPU beside its own bytes (`aot`), the profile and LoRA. XLA's
 # flag sets are left out (`--xla-variants none`: none moved the step on the H200). `--budget 480` is the
 # issue's 8 minutes; stages that would not finish inside it are skipped and said so.
 set -euo pipefail

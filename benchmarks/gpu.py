@@ -26,7 +26,8 @@ batches that stay on the device, so the figure is the model's step and not an in
   XLA's memory analysis of the same compiled step and `kbert.train.memory.estimate_memory`;
 - `aot-memory` (any host, no GPU; JAX's CUDA plugin installed): the `memory` points compiled by XLA's GPU
   compiler for an H100 and an H200 described to it (`--targets`, deviceless compilation), XLA's memory analysis
-  beside the planner, and the refit line: how a change to kbert's program moves a GPU's bytes, before device time;
+  beside the planner, and the refit line: how a change to kbert's program moves a GPU's bytes, before device time
+  (in `all`, the `aot` stage compiles two memory points for the device's own description, beside its bytes);
 - `capped`: run under `XLA_PYTHON_CLIENT_MEM_FRACTION` = `--cap` / device memory: `kbert plan --exact` and
   `--probe` per sequence length beside the analytic `kbert plan --memory` answer;
 - `pretrain`: `kbert.pretrain` itself on records (the numpy reader, no TensorFlow), `--steps-pretrain` steps
@@ -707,6 +708,31 @@ def aot_memory(model: str, points, targets, vocab: int) -> list:
     return rows
 
 
+AOT_CHECK_POINTS = "mixed_bfloat16:128:256,float32:128:256"
+
+
+def target_of(memory_rows):
+    """The `GPU_TARGETS` name of the device the memory rows ran on (its JAX device kind), or None."""
+    kinds = {r.get("device") for r in memory_rows or [] if isinstance(r, dict)}
+    return next((name for name, t in GPU_TARGETS.items() if t["description"] in kinds), None)
+
+
+def report_aot_check(memory_rows, aot_rows) -> None:
+    """Each deviceless point beside the device's own compiled bytes at the same point (the `aot` stage of `all`)."""
+    device = {(r["precision"], r["seq"], r["batch"]): r for r in memory_rows if r.get("compiled_bytes")}
+    pairs = [(a, device.get((a["precision"], a["seq"], a["batch"]))) for a in _rows(aot_rows)
+             if a.get("compiled_bytes")]
+    pairs = [(a, d) for a, d in pairs if d]
+    if pairs:
+        print(f"\nXLA's GPU compiler for the '{pairs[0][0]['target']}' description with no GPU (`aot-memory`, which "
+              f"projects program changes between device runs) vs this device's compiled step:")
+        print("| precision | seq | batch | deviceless GB | device GB | deviceless / device |")
+        print("|---|---:|---:|---:|---:|---:|")
+        for a, d in pairs:
+            print(f"| {a['precision']} | {a['seq']} | {a['batch']} | {_gb(a['compiled_bytes'])} | "
+                  f"{_gb(d['compiled_bytes'])} | {a['compiled_bytes'] / d['compiled_bytes']:.3f} |")
+
+
 def report_aot(rows) -> None:
     print(f"{'GPU (no device)':<16} {'precision':<15} {'seq':>4} {'batch':>5} {'planner GB':>10} "
           f"{'compiled GB':>11} {'planner vs compiled':>19}")
@@ -970,6 +996,13 @@ def run_all(args) -> dict:
             out["capped"].append(_child(args, ["capped", "--model", m, "--seqs", seq, "--precision", precision,
                                                "--cap", args.cap, "--shallow", args.shallow], clock, 100, env))
             _save(args, out)
+    # the memory stage's two largest points compiled again for this GPU's description with no GPU (`aot-memory`,
+    # a CPU process): how far the deviceless bytes, which project program changes between device runs, are from
+    # this device's own
+    target = target_of(out["memory"])
+    out["aot"] = None if "aot" in skip or target is None else _child(
+        args, ["aot-memory", "--model", m, "--targets", target, "--points", AOT_CHECK_POINTS], clock, 90)
+    _save(args, out)
     # last: a diagnosis for the speed work, not a figure an issue asks for
     out["profile"] = None if "profile" in skip else _child(
         args, ["profile", "--model", m, "--seq", "128", "--batch", b, "--precision", "mixed_bfloat16", "--steps", "5"],
@@ -1162,6 +1195,7 @@ def report(out: dict):
     for precision, (now, needed) in suggested.items():
         print(f"bytes per activation element ({precision}) that put the planner at or just above every "
               f"compiled point here: {needed:.2f} (the `xla` set has {now:.2f})")
+    report_aot_check(memory_rows, out.get("aot"))
     capped_rows = [r for rows in out.get("capped", []) for r in _rows(rows) if "seq_len" in r]
     if capped_rows:
         # the refit the memory points suggest, checked on the capped probes (other shapes, the same run)
@@ -1281,7 +1315,7 @@ def main(argv=None):
                              "default, on for 6+ layers on an accelerator); off measures the search without them")
     parser.add_argument("--peak-n", type=int, default=8192, help="matrix size of the peak measurement")
     parser.add_argument("--skip", default="", help="all: stages to leave out, ','-separated (throughput, hf, "
-                        "memory, capped, profile), for a device run aimed at one question")
+                        "memory, capped, aot, profile, lora), for a device run aimed at one question")
     parser.add_argument("--lora-points", default="bert-large:250002:8,MODEL:VOCAB:32",
                         help="lora: preset:vocab:batch points of the memory plans (MODEL, VOCAB: --model, --vocab); "
                              "the last is also timed")
@@ -1295,10 +1329,10 @@ def main(argv=None):
     if args.what == "all":
         args.xla_sets = xla_variants(args.xla_variants)  # a malformed set fails here, before any device time
         args.skip_stages = [s for s in args.skip.split(",") if s]
-        unknown = set(args.skip_stages) - {"throughput", "hf", "memory", "capped", "profile", "lora"}
+        unknown = set(args.skip_stages) - {"throughput", "hf", "memory", "capped", "aot", "profile", "lora"}
         if unknown:
             parser.error(f"--skip: unknown stage(s) {sorted(unknown)}; stages: throughput, hf, memory, capped, "
-                         f"profile, lora")
+                         f"aot, profile, lora")
         run_all(args)
         return
     if args.what == "peak":

@@ -672,7 +672,7 @@ def test_the_gpu_attention_kernels_lower_for_cuda_on_this_cpu():
         assert explicit["softmax_outside"] - rows[fused]["softmax_outside"] == 2, rows
 
 
-def test_the_gpu_aot_memory_stage_compiles_for_a_device_that_is_not_here():
+def test_the_gpu_aot_memory_stage_compiles_for_a_device_that_is_not_here(capsys):
     """`gpu.py aot-memory`: the step compiled for another device than this host's (`CompiledStep.lower(...,
     device=)`; on a host with JAX's CUDA plugin, a GPU from XLA's description of it) and its memory analysis
     beside the planner. Here the stand-in device is this CPU, so the bytes must be `CompiledStep.bytes`'; the
@@ -706,6 +706,15 @@ def test_the_gpu_aot_memory_stage_compiles_for_a_device_that_is_not_here():
     gpu = gpu_script()
     with pytest.raises(ValueError, match="known targets are h100, h200"):
         gpu.gpu_target_config("a100")
+    # in `gpu.py all` the device's own description is compiled too, and set beside the device's bytes
+    memory_rows = [{"precision": "mixed_bfloat16", "seq": 128, "batch": 256, "compiled_bytes": 15.98e9,
+                    "device": "NVIDIA H200"}, {"precision": "float32", "seq": 128, "batch": 256, "error": "exit 1"}]
+    assert gpu.target_of(memory_rows) == "h200" and gpu.target_of([{"device": "cpu"}]) is None
+    gpu.report_aot_check(memory_rows, [dict(memory_rows[0], target="h200", compiled_bytes=16.04e9),
+                                       {"target": "h200", "precision": "float32", "seq": 128, "batch": 256,
+                                        "compiled_bytes": 26.1e9}])
+    table = capsys.readouterr().out
+    assert "| mixed_bfloat16 | 128 | 256 | 16.04 | 15.98 | 1.004 |" in table and "float32" not in table
 
 
 def test_the_gpu_memory_points_run_as_many_at_once_as_the_device_holds():
