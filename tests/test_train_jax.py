@@ -403,6 +403,7 @@ def test_the_whole_gpu_script_runs_on_cpu(tmp_path):
     assert len(out["memory"]) == 4
     for r in out["memory"]:
         assert r["compiled_bytes"] > 0 and r["planned_bytes"] > 0, r
+    assert out["aot"] is None  # no GPU description matches a CPU: the deviceless check is left out
     ((capped,),) = out["capped"]  # one sequence length, one row
     cap = parse_memory("1GB")
     # `--exact` answers the largest batch whose compiled step fits the cap: it fits, and one more does not
