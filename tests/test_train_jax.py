@@ -458,6 +458,13 @@ def test_every_objective_lamb_accumulation_and_the_out_of_memory_fallback_run_on
     assert result["oom"]["retries"] == 1 and result["oom"]["acc"] == 2  # 16 = 8 x 2 after the fallback
 
 
+def with_gpu_script(body: str) -> str:
+    """A script for a fresh Python (`run_on_jax`) that loads benchmarks/gpu.py as `gpu`, then runs `body`."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    return (f"import json, sys\nsys.path.insert(0, {here!r})\n"
+            "from test_train_jax import gpu_script\ngpu = gpu_script()\n" + body)
+
+
 def gpu_script():
     """benchmarks/gpu.py as a module (it is a script, not part of the package)."""
     import importlib.util
@@ -641,8 +648,7 @@ def test_the_gpu_attention_kernels_lower_for_cuda_on_this_cpu():
     block has 21 queries at seq 128, an odd count cuDNN's training kernel refuses (Keras then logs an error and
     runs XLA's attention), so kbert pads it to 22."""
     here = os.path.dirname(os.path.abspath(__file__))
-    script = (
-        f"import json, sys\nsys.path.insert(0, {here!r})\nfrom test_train_jax import gpu_script\ngpu = gpu_script()\n"
+    script = with_gpu_script(
         "rows = {v: gpu.cuda_attention_calls('bert-tiny', 128, 4, 1000, overrides=v.split(',') if v else [])\n"
         "        for v in ('attention_kernel=cudnn_dropout',"
         " 'dropout=0.0,attention_dropout=0.0,attention_mask=lengths', 'attention_dropout=0.0', '')}\n"
@@ -679,8 +685,7 @@ def test_the_gpu_aot_memory_stage_compiles_for_a_device_that_is_not_here(capsys)
     beside the planner. Here the stand-in device is this CPU, so the bytes must be `CompiledStep.bytes`'; the
     GPU descriptions are XLA text protos, and a host without the plugin is told what to install."""
     here = os.path.dirname(os.path.abspath(__file__))
-    script = (
-        f"import json, sys\nsys.path.insert(0, {here!r})\nfrom test_train_jax import gpu_script\ngpu = gpu_script()\n"
+    script = with_gpu_script(
         "import jax\nfrom jax.experimental import topologies\n"
         "from kbert.train.probe import CompiledStep, build_trainer\n"
         "config = gpu._config('bert-tiny', 1000)\n"
