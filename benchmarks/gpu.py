@@ -639,9 +639,9 @@ def capped(model: str, seqs, precision: str, vocab: int, cap: str, shallow=None)
 
 
 # GPUs for `aot-memory`: the fields of XLA's GpuTargetConfig its GPU compiler reads when there is no device to
-# ask (spec-sheet values). The fusion cost model reads the bandwidth and the clock, so the description is part of
-# what is measured: a description with the H100's 3.35 TB/s and one with the H200's 4.8 TB/s compile the same
-# step to different byte counts, where the device's memory size changes nothing.
+# ask (spec-sheet values). The description is part of what is measured: XLA's fusion cost model reads the memory
+# bandwidth, and the H100's description given the H200's 4.8 TB/s compiles the step to the H200's bytes, where
+# the device's memory size and name change nothing.
 GPU_TARGETS = {
     "h100": {"description": "NVIDIA H100 80GB HBM3", "memory": 84929347584, "bandwidth": 3352320000000},
     "h200": {"description": "NVIDIA H200", "memory": 150754820096, "bandwidth": 4800000000000},

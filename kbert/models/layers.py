@@ -431,7 +431,7 @@ class Embeddings(keras.layers.Layer):
 
     def call(self, token_ids, segment_ids, positions=None, training=None):
         """Returns (embedding output [b, s, e] before projection, encoder input [b, s, h]). `positions`
-        [b, s]: default 0..s-1 (packed rows pass their own, `packed_inputs`)."""
+        [b, s] or [1, s]: default 0..s-1 (packed rows pass their own, `packed_inputs`)."""
         if positions is None:
             # Position ids 0..s-1 as one row [1, s] that broadcasts over the batch, built from the input itself so
             # that symbolic lengths work on every backend. A [b, s] row per sequence made XLA constant-fold a
