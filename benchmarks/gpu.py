@@ -599,21 +599,26 @@ def memory(model: str, seq: int, batch: int, precision: str, vocab: int) -> dict
     memory analysis of it, three real steps of that same executable, then the allocator's peak."""
     import jax
 
-    from kbert.train.memory import estimate_memory
     from kbert.train.probe import CompiledStep, build_trainer, peak_memory
 
     config = _config(model, vocab)
     step = CompiledStep(build_trainer(config, "adamw", precision, abstract=True), config, seq)
-    compiled = step.bytes(batch)
+    row = planned_row(model, config, seq, batch, precision, step.bytes(batch))
     logs = step.run(batch, steps=3)
     measured = peak_memory()
+    return dict(row, measured_bytes=measured, loss=float(logs["loss"]), device=str(jax.devices()[0].device_kind),
+                error=(row["planned_bytes"] - measured) / measured if measured else None)
+
+
+def planned_row(model: str, config, seq: int, batch: int, precision: str, compiled) -> dict:
+    """A memory point's row: XLA's compiled bytes beside `estimate_memory` (AdamW) and its parts."""
+    from kbert.train.memory import estimate_memory
+
     estimate = estimate_memory(config, batch, seq, optimizer="adamw", precision=precision)
-    return {"model": model, "seq": seq, "batch": batch, "precision": precision, "measured_bytes": measured,
-            "compiled_bytes": compiled, "planned_bytes": estimate["total"],
-            "error": (estimate["total"] - measured) / measured if measured else None,
+    return {"model": model, "seq": seq, "batch": batch, "precision": precision, "compiled_bytes": compiled,
+            "planned_bytes": estimate["total"],
             "error_vs_compiled": (estimate["total"] - compiled) / compiled if compiled else None,
-            "components": {k: v for k, v in estimate.items() if k != "total"}, "loss": float(logs["loss"]),
-            "device": str(jax.devices()[0].device_kind)}
+            "components": {k: v for k, v in estimate.items() if k != "total"}}
 
 
 def capped(model: str, seqs, precision: str, vocab: int, cap: str, shallow=None) -> list:
@@ -689,7 +694,6 @@ def aot_memory(model: str, points, targets, vocab: int) -> list:
     XLA's memory analysis of it beside `estimate_memory`. There is no autotuning without the device, so these
     are not the device's own bytes (within a few percent of them at the points measured on both); what they
     answer is how a change to kbert's program moves the GPU's bytes: the same description before and after."""
-    from kbert.train.memory import estimate_memory
     from kbert.train.probe import CompiledStep, build_trainer
 
     config, steps, rows = _config(model, vocab), {}, []
@@ -700,11 +704,7 @@ def aot_memory(model: str, points, targets, vocab: int) -> list:
                 steps[precision, seq] = CompiledStep(build_trainer(config, "adamw", precision, abstract=True),
                                                      config, seq)
             compiled = steps[precision, seq].bytes_for(batch, device)
-            estimate = estimate_memory(config, batch, seq, optimizer="adamw", precision=precision)
-            rows.append({"target": name, "model": model, "seq": seq, "batch": batch, "precision": precision,
-                         "compiled_bytes": compiled, "planned_bytes": estimate["total"],
-                         "error_vs_compiled": (estimate["total"] - compiled) / compiled if compiled else None,
-                         "components": {k: v for k, v in estimate.items() if k != "total"}})
+            rows.append(dict(planned_row(model, config, seq, batch, precision, compiled), target=name))
     return rows
 
 
