@@ -15,9 +15,10 @@
 # Output: the tables on stdout (the tool's reply keeps the last 12,000 characters), and $OUT/gpu.log (all of
 # it) and $OUT/gpu.json (every row) come back as files. Record them in benchmarks/README.md with the GPU named.
 #
-# Why these arguments: the four throughput variants are kbert's default step (BERT's dropouts), the LayerNorm
-# before/after (`layer_norm=keras`), BERT's attention dropout inside cuDNN's kernel (run after gpu.py's
-# dropout check) and the dropout-free step; HF eager and compiled beside them; four memory points; the 12 GB
+# Why these arguments: the five throughput variants are kbert's default step (BERT's dropouts), the LayerNorm
+# before/after (`layer_norm=keras`), the dropout-mask hash before/after (`dropout_masks=hash2`, the two-round
+# hash), BERT's attention dropout inside cuDNN's kernel (run after gpu.py's dropout check) and the dropout-free
+# step; HF eager and compiled beside them; four memory points; the 12 GB
 # capped table at seq 128 (`--exact` and `--probe`); then, while the budget lasts, two memory points compiled
 # for the GPU's description with no GPU beside its own bytes (`aot`), the profile and LoRA. XLA's
 # flag sets are left out (`--xla-variants none`: none moved the step on the H200). `--budget 480` is the
@@ -26,7 +27,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 WHEELS=.whl
-VARIANTS="default;layer_norm=keras;attention_kernel=cudnn_dropout"
+VARIANTS="default;layer_norm=keras;dropout_masks=hash2;attention_kernel=cudnn_dropout"
 VARIANTS+=";dropout=0.0,attention_dropout=0.0,attention_mask=lengths"
 GPU_ARGS=(all --budget 480 --variants "$VARIANTS" --cap-seqs 128 --xla-variants none)
 

@@ -296,45 +296,55 @@ def test_dropout_rate_independence_and_expectation(policy):
 
 JAX_DROPOUT = r"""
 import json, numpy as np, jax, keras
-from kbert.models.layers import Dropout
+from kbert.models.layers import Dropout, set_implementation
 assert keras.backend.backend() == "jax"
 out = {}
-for policy in ("float32", "mixed_bfloat16"):
-    layer = Dropout(0.1, seed=7, dtype=policy)
-    x = np.ones((64, 128, 256), "float32")
-    y, y2 = (np.asarray(layer(x, training=True), "float32") for _ in range(2))
-    d, d2 = y == 0, y2 == 0
-    out[policy] = dict(rate=float(d.mean()), mean=float(y.mean()), kept=float(y[~d].min()),
-                       both_calls=float((d & d2).mean()), neighbours=float((d[..., 1:] & d[..., :-1]).mean()),
-                       rows=float((d[1:] & d[:-1]).mean()), eval_identity=bool(np.array_equal(
-                           np.asarray(layer(x, training=False), "float32"), x)))
-# under jit, the seed generator's state threads through stateless calls: a fresh mask per step
-layer = Dropout(0.25, seed=3)
-step = jax.jit(lambda state, x: layer.stateless_call([], state, x, training=True))
-state = [v.value for v in layer.non_trainable_variables]
-masks = []
-for _ in range(3):
-    y, state = step(state, np.ones((512, 512), "float32"))
-    masks.append(np.asarray(y) == 0)
-out["jit"] = dict(rates=[float(m.mean()) for m in masks], overlap=float((masks[0] & masks[1]).mean()),
-                  overlap2=float((masks[1] & masks[2]).mean()))
+for masks_impl in ("auto", "hash2"):
+    set_implementation(dropout_masks=masks_impl)
+    res = out[masks_impl] = {}
+    for policy in ("float32", "mixed_bfloat16"):
+        layer = Dropout(0.1, seed=7, dtype=policy)
+        x = np.ones((64, 128, 256), "float32")
+        y, y2 = (np.asarray(layer(x, training=True), "float32") for _ in range(2))
+        d, d2 = y == 0, y2 == 0
+        other = np.asarray(Dropout(0.1, seed=8, dtype=policy)(x, training=True), "float32") == 0
+        flat = d.reshape(-1)
+        res[policy] = dict(rate=float(d.mean()), mean=float(y.mean()), kept=float(y[~d].min()),
+                           both_calls=float((d & d2).mean()), neighbours=float((d[..., 1:] & d[..., :-1]).mean()),
+                           rows=float((d[1:] & d[:-1]).mean()), next_seed=float((d & other).mean()),
+                           # counters 2^16 and 2^20 apart (a multiplier's low bits do not mix upward alone)
+                           lag16=float((flat[65536:] & flat[:-65536]).mean()),
+                           lag20=float((flat[1 << 20:] & flat[:-(1 << 20)]).mean()),
+                           eval_identity=bool(np.array_equal(np.asarray(layer(x, training=False), "float32"), x)))
+    # under jit, the seed generator's state threads through stateless calls: a fresh mask per step
+    layer = Dropout(0.25, seed=3)
+    step = jax.jit(lambda state, x: layer.stateless_call([], state, x, training=True))
+    state = [v.value for v in layer.non_trainable_variables]
+    masks = []
+    for _ in range(3):
+        y, state = step(state, np.ones((512, 512), "float32"))
+        masks.append(np.asarray(y) == 0)
+    res["jit"] = dict(rates=[float(m.mean()) for m in masks], overlap=float((masks[0] & masks[1]).mean()),
+                      overlap2=float((masks[1] & masks[2]).mean()))
 print(json.dumps(out))
 """
 
 
 def test_dropout_on_jax_draws_masks_from_a_counter_hash():
     """On JAX the masks come from a counter hash fused into the neighbouring kernels: the same statistics
-    (rate, expectation, independence between neighbours, rows and calls) as a random-number generator."""
+    (rate, expectation, independence between neighbours, rows, counters far apart, calls and layers) as a
+    random-number generator, for the one-round hash (the default) and the two-round one it replaced."""
     pytest.importorskip("jax")
     out, _ = run_on_jax(JAX_DROPOUT)
-    for policy in ("float32", "mixed_bfloat16"):
-        r = out[policy]
-        assert abs(r["rate"] - 0.1) < 0.002 and abs(r["mean"] - 1.0) < 0.005, r
-        assert r["kept"] == pytest.approx(1 / 0.9, rel=1e-2) and r["eval_identity"]
-        for pair in ("both_calls", "neighbours", "rows"):  # independent: P(both dropped) = 0.1^2
-            assert abs(r[pair] - 0.01) < 0.001, (policy, pair, r)
-    assert all(abs(rate - 0.25) < 0.005 for rate in out["jit"]["rates"])
-    assert abs(out["jit"]["overlap"] - 0.0625) < 0.004 and abs(out["jit"]["overlap2"] - 0.0625) < 0.004
+    for impl, res in out.items():
+        for policy in ("float32", "mixed_bfloat16"):
+            r = res[policy]
+            assert abs(r["rate"] - 0.1) < 0.002 and abs(r["mean"] - 1.0) < 0.005, (impl, r)
+            assert r["kept"] == pytest.approx(1 / 0.9, rel=1e-2) and r["eval_identity"]
+            for pair in ("both_calls", "neighbours", "rows", "next_seed", "lag16", "lag20"):
+                assert abs(r[pair] - 0.01) < 0.001, (impl, policy, pair, r)  # independent: P(both) = 0.1^2
+        assert all(abs(rate - 0.25) < 0.005 for rate in res["jit"]["rates"]), impl
+        assert abs(res["jit"]["overlap"] - 0.0625) < 0.004 and abs(res["jit"]["overlap2"] - 0.0625) < 0.004, impl
 
 
 def test_exact_gelu_matches_keras_and_keeps_16_bit_dtypes():

@@ -386,9 +386,9 @@ def test_the_whole_gpu_script_runs_on_cpu(tmp_path):
         out = json.load(f)
     assert out["peak"]["bfloat16"] > 0 and out["peak"]["float32"] > 0
     rows = {tuple(r["overrides"]): r for r in out["throughput"] if "overrides" in r}
-    assert set(rows) == {(), ("layer_norm=keras",), ("attention_kernel=cudnn_dropout",),
+    assert set(rows) == {(), ("layer_norm=keras",), ("dropout_masks=hash2",), ("attention_kernel=cudnn_dropout",),
                          ("dropout=0.0", "attention_dropout=0.0", "attention_mask=lengths")}
-    for overrides in [(), ("layer_norm=keras",)]:
+    for overrides in [(), ("layer_norm=keras",), ("dropout_masks=hash2",)]:
         kbert_row = rows[overrides]
         assert kbert_row["impl"] == "kbert" and kbert_row["tokens_per_s"] > 0 and kbert_row["model_flops_per_s"] > 0
         assert kbert_row["step_bytes"] > 0  # XLA's analysis of the step, the memory column of the speed table
