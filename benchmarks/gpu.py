@@ -28,6 +28,9 @@ batches that stay on the device, so the figure is the model's step and not an in
   compiler for an H100 and an H200 described to it (`--targets`, deviceless compilation), XLA's memory analysis
   beside the planner, and the refit line: how a change to kbert's program moves a GPU's bytes, before device time
   (in `all`, the `aot` stage compiles two memory points for the device's own description, beside its bytes);
+- `aot-traffic` (the same, no GPU): the step of each `--variants` set compiled for the first `--targets` GPU,
+  and what its kernels read and write (`hlo_traffic`): matmul, attention-kernel and memory-bound bytes, and
+  the memory-bound bytes per model op, to find the memory-bound passes and see a change move them;
 - `capped`: run under `XLA_PYTHON_CLIENT_MEM_FRACTION` = `--cap` / device memory: `kbert plan --exact` and
   `--probe` per sequence length beside the analytic `kbert plan --memory` answer;
 - `pretrain`: `kbert.pretrain` itself on records (the numpy reader, no TensorFlow), `--steps-pretrain` steps
@@ -743,6 +746,112 @@ def report_aot(rows) -> None:
         print(f"suggest_act_bytes {precision}: {now} now; {want} puts the planner at or above every point")
 
 
+_HLO_ITEM_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "s32": 4, "u32": 4,
+                   "f32": 4, "s64": 8, "u64": 8, "f64": 8}
+_HLO_SHAPE = re.compile(r"\b(pred|[su](?:8|16|32|64)|bf16|f(?:16|32|64))\[([0-9,]*)\]")
+_HLO_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.*?) ([a-z][\w\-]*)\((.*?)\)(.*)$")
+_HLO_NOT_KERNELS = {"parameter", "get-tuple-element", "tuple", "constant", "bitcast", "after-all", "partition-id"}
+
+
+def _hlo_bytes(types: str) -> int:
+    """Bytes of the arrays an HLO type names: `bf16[256,128,768]{2,1,0}`, or a tuple of them."""
+    return sum(_HLO_ITEM_BYTES[t] * int(np.prod([int(d) for d in dims.split(",") if d]))
+               for t, dims in _HLO_SHAPE.findall(types))
+
+
+def _hlo_kind(op: str, rest: str, with_dots) -> str:
+    """matmul, attention kernel or memory-bound; `with_dots`: the names of the computations holding a dot."""
+    if op == "custom-call":
+        target = re.search(r'custom_call_target="([^"]+)"', rest)
+        target = target.group(1).lower() if target else ""
+        if "fmha" in target or "attention" in target:
+            return "attention kernel"
+        return "matmul" if "gemm" in target or "matmul" in target else "memory-bound"
+    if op in ("dot", "convolution"):
+        return "matmul"
+    backend = re.search(r'"kind":"([^"]+)"', rest) if op == "fusion" else None
+    if backend and "gemm" in backend.group(1):  # XLA's Triton GEMM fusions (with their fused producers)
+        return "matmul"
+    called = re.search(r"calls=%([\w.\-]+)", rest) if op == "fusion" else None
+    if called and called.group(1) in with_dots:  # a dot fused with its neighbours (XLA on a CPU)
+        return "matmul"
+    return "memory-bound"
+
+
+def hlo_traffic(text: str, top: int = 12) -> dict:
+    """What each kernel of XLA's optimized program (`compiled.as_text()`: the entry computation's fusions,
+    custom calls and copies) reads and writes, from the shapes of its operands and results: bytes and kernel
+    counts per kind (matmul, attention kernel, memory-bound), and the memory-bound bytes per model op (the
+    op_name XLA keeps, with layer numbers folded: `jvp(layer_N)/dropout/...` is every block's). An upper bound
+    on memory traffic (no cache reuse counted) that needs no device: it shows where a GPU program's
+    memory-bound passes are and how a change to the model moves them, not their time."""
+    body = re.search(r"^ENTRY .*?\{\n(.*?)^\}", text, re.S | re.M)
+    if body is None:
+        raise ValueError("no ENTRY computation in this HLO text (expected XLA's optimized module, as_text())")
+    with_dots = {m.group(1) for m in re.finditer(r"^%?([\w.\-]+) \(.*?^\}", text, re.S | re.M)
+                 if re.search(r" (dot|convolution)\(", m.group(0))}
+    shapes, kinds, groups = {}, {}, {}
+    for line in body.group(1).splitlines():
+        m = _HLO_INSTRUCTION.match(line)
+        if not m:
+            continue
+        name, types, op, operands, rest = m.groups()
+        shapes[name] = _hlo_bytes(types)
+        if op in _HLO_NOT_KERNELS:
+            continue
+        moved = shapes[name] + sum(shapes.get(o, 0) for o in re.findall(r"%([\w.\-]+)", operands))
+        kind = _hlo_kind(op, rest, with_dots)
+        count, total = kinds.get(kind, (0, 0))
+        kinds[kind] = (count + 1, total + moved)
+        if kind == "memory-bound":
+            where = re.search(r'op_name="([^"]+)"', line)
+            key = re.sub(r"layer_\d+", "layer_N", re.sub(r"^jit\([^)]*\)/", "", where.group(1) if where else "(no op_name)"))
+            key = re.sub(r"(?<=[a-z])_\d+(?=/|$)", "", key)  # Keras' uniquifying suffixes: dropout_22, adam_w_1
+            count, total = groups.get(key, (0, 0))
+            groups[key] = (count + 1, total + moved)
+    ranked = sorted(groups.items(), key=lambda kv: -kv[1][1])
+    return {"kernels": {k: c for k, (c, _) in kinds.items()}, "bytes": {k: b for k, (_, b) in kinds.items()},
+            "memory_bound_by_op": [{"op": k, "kernels": c, "bytes": b} for k, (c, b) in ranked[:top]]}
+
+
+def aot_traffic(model: str, seq: int, batch: int, precision: str, vocab: int, variants, target: str) -> list:
+    """On any host (JAX's CUDA plugin, no GPU): the training step of each `variants` override set compiled by
+    XLA's GPU compiler for the `target` description, and `hlo_traffic` of each program. Without the device
+    there is no autotuning (every matmul is a Triton GEMM fusion here, where the device picks some cuBLAS
+    calls), so the split of bytes between matmul kernels and their neighbours differs a little from the
+    device's; the memory-bound passes and their sizes are the same program's."""
+    from kbert.train.probe import CompiledStep, build_trainer
+
+    device, rows = target_gpu(target), []
+    for overrides in variants:
+        config = _config(model, vocab, overrides)
+        _switch_implementation(overrides)
+        step = CompiledStep(build_trainer(config, "adamw", precision, abstract=True), config, seq)
+        compiled = step.lower(batch, device=device).compile()
+        rows.append(dict(hlo_traffic(compiled.as_text()), model=model, seq=seq, batch=batch, precision=precision,
+                         target=target, overrides=list(overrides)))
+    _switch_implementation(())
+    return rows
+
+
+def report_traffic(rows) -> None:
+    """The `aot-traffic` rows: one line per variant (GB moved per kind; the memory-bound GB at the description's
+    bandwidth as a floor in ms), then the largest memory-bound ops of each."""
+    bandwidth = GPU_TARGETS.get(rows[0]["target"], {}).get("bandwidth") if rows and "target" in rows[0] else None
+    print("| variant | matmul GB | attention kernel GB | memory-bound GB (kernels) | memory-bound ms at full bandwidth |")
+    print("|---|---:|---:|---:|---:|")
+    for r in rows:
+        gb, n = r["bytes"], r["kernels"]
+        floor = f"{gb.get('memory-bound', 0) / bandwidth * 1e3:.2f}" if bandwidth else "n/a"
+        print(f"| {','.join(r['overrides']) or 'default'} | {gb.get('matmul', 0) / 1e9:.2f} | "
+              f"{gb.get('attention kernel', 0) / 1e9:.2f} | {gb.get('memory-bound', 0) / 1e9:.2f} "
+              f"({n.get('memory-bound', 0)}) | {floor} |")
+    for r in rows:
+        print(f"\nlargest memory-bound ops, {','.join(r['overrides']) or 'default'} (GB, kernels):")
+        for g in r["memory_bound_by_op"]:
+            print(f"  {g['bytes'] / 1e9:7.2f} {g['kernels']:5d}  {g['op']}")
+
+
 def probe(model: str, seqs, precision: str, vocab: int) -> list:
     from kbert.train.probe import probe_table
 
@@ -1279,7 +1388,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("what", choices=("all", "peak", "throughput", "hf", "profile", "memory", "probe", "capped",
                                          "attention", "dropout-check", "preflight", "pretrain", "records",
-                                         "lora", "aot-memory"))
+                                         "lora", "aot-memory", "aot-traffic"))
     parser.add_argument("--records", help="pretrain/all: the dir `records` wrote (records/ and tok/ inside)")
     parser.add_argument("--steps-pretrain", type=int, default=300, help="pretrain: steps, resumed at half")
     parser.add_argument("--shared", default="../shared/data", help="records: the shared Korean data")
@@ -1304,7 +1413,8 @@ def main(argv=None):
                              "after the profile ('none': skip); write it --xla-variants=--xla_..., as the value "
                              "starts with '--'")
     parser.add_argument("--targets", default=",".join(GPU_TARGETS),
-                        help="aot-memory: GPUs to compile for (no GPU needed): " + ", ".join(GPU_TARGETS))
+                        help="aot-memory: GPUs to compile for (no GPU needed): " + ", ".join(GPU_TARGETS)
+                        + " (aot-traffic: the first)")
     parser.add_argument("--points", default=",".join(":".join(map(str, p)) for p in MEMORY_POINTS),
                         help="aot-memory: precision:seq:batch points, ','-separated")
     parser.add_argument("--cap", default="12GB", help="capped/all: the memory the GPU is capped at")
@@ -1391,18 +1501,25 @@ def main(argv=None):
                                 args.batch, args.steps_pretrain, args.precision, args.out or "/tmp")
     elif args.what == "memory":
         result = memory(args.model, args.seq, args.batch, args.precision, args.vocab)
-    elif args.what == "aot-memory":
+    elif args.what in ("aot-memory", "aot-traffic"):
         import jax
 
         # before JAX starts its backends: the CUDA plugin loads without a driver, and this host's own devices are
         # its CPU (a GPU here is not what is compiled for)
         os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
         jax.config.update("jax_platforms", "cpu")
-        points = [(p, int(q), int(b)) for p, q, b in (x.split(":") for x in args.points.split(",") if x)]
-        result = aot_memory(args.model, points, [t for t in args.targets.split(",") if t], args.vocab)
-        if not args.json:
-            report_aot(result)
-            return
+        targets = [t for t in args.targets.split(",") if t]
+        if args.what == "aot-traffic":
+            result = aot_traffic(args.model, args.seq, args.batch, args.precision, args.vocab, variants, targets[0])
+            if not args.json:
+                report_traffic(result)
+                return
+        else:
+            points = [(p, int(q), int(b)) for p, q, b in (x.split(":") for x in args.points.split(",") if x)]
+            result = aot_memory(args.model, points, targets, args.vocab)
+            if not args.json:
+                report_aot(result)
+                return
     elif args.what == "lora":
         result = lora(args.lora_points.replace("MODEL", args.model).replace("VOCAB", str(args.vocab)), args.seq,
                       args.precision)

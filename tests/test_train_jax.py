@@ -723,6 +723,69 @@ def test_the_gpu_aot_memory_stage_compiles_for_a_device_that_is_not_here(capsys)
     assert "| mixed_bfloat16 | 128 | 256 | 16.04 | 15.98 | 1.004 |" in table and "float32" not in table
 
 
+# XLA's optimized program of a GPU step, cut down to one kernel of each kind (a backslash at a line end continues
+# the line: one instruction per line, as XLA prints them)
+GPU_HLO = """HloModule jit_train_step
+
+%gemm_fusion_dot.1_computation (p0: bf16[8,16], p1: bf16[16,4]) -> bf16[8,4] {
+  %p0 = bf16[8,16]{1,0} parameter(0)
+  %p1 = bf16[16,4]{1,0} parameter(1)
+  ROOT %dot.0 = bf16[8,4]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%fused_select (p0: bf16[8,4]) -> (bf16[8,4], pred[8,4]) {
+  %p0 = bf16[8,4]{1,0} parameter(0)
+}
+
+ENTRY %main (x: bf16[8,16], w: bf16[16,4], q: bf16[2,4,1,8]) -> bf16[8,4] {
+  %x = bf16[8,16]{1,0} parameter(0), metadata={op_name="x"}
+  %w = bf16[16,4]{1,0} parameter(1)
+  %q = bf16[2,4,1,8]{3,2,1,0} parameter(2)
+  %gemm_fusion_dot.1 = bf16[8,4]{1,0} fusion(%x, %w), kind=kCustom, calls=%gemm_fusion_dot.1_computation, \
+metadata={op_name="jit(train_step)/jvp(layer_3)/qkv/dot_general"}, \
+backend_config={"fusion_backend_config":{"kind":"__triton_nested_gemm_fusion"}}
+  %fmha = (bf16[2,4,1,8]{3,2,1,0}, u8[0]{0}) custom-call(%q, %q, %q), custom_call_target="__cudnn$fmhaSoftmax", \
+metadata={op_name="jit(train_step)/jvp(layer_3)/dot_product_attention"}
+  %loop_select_fusion = (bf16[8,4]{1,0}, pred[8,4]{1,0}) fusion(%gemm_fusion_dot.1), kind=kLoop, calls=%fused_select, \
+metadata={op_name="jit(train_step)/jvp(layer_3)/dropout_22/jit(_where)/select_n"}
+  %loop_select_fusion.1 = (bf16[8,4]{1,0}, pred[8,4]{1,0}) fusion(%gemm_fusion_dot.1), kind=kLoop, \
+calls=%fused_select, metadata={op_name="jit(train_step)/jvp(layer_11)/dropout_2/jit(_where)/select_n"}
+  %copy.1 = bf16[16,4]{0,1} copy(%w)
+  ROOT %get-tuple-element.1 = bf16[8,4]{1,0} get-tuple-element(%loop_select_fusion), index=0
+}
+"""
+
+
+def test_hlo_traffic_reads_what_each_kernel_of_a_compiled_step_moves():
+    """`gpu.py aot-traffic`'s reading of XLA's optimized program (`hlo_traffic`): each kernel's operand and
+    result bytes, by kind (a Triton GEMM fusion or a fused dot is a matmul, cuDNN's fmha call an attention
+    kernel, the rest memory-bound) and, for the memory-bound ones, by model op with layer numbers and Keras'
+    suffixes folded; on a GPU program's form written out here, and on the CPU's compiled step of bert-tiny."""
+    gpu = gpu_script()
+    t = gpu.hlo_traffic(GPU_HLO)
+    assert t["kernels"] == {"matmul": 1, "attention kernel": 1, "memory-bound": 3}
+    assert t["bytes"]["matmul"] == 2 * (8 * 16 + 16 * 4 + 8 * 4)
+    assert t["bytes"]["attention kernel"] == 4 * 2 * 2 * 4 * 8  # three operands and one result
+    select = 2 * 8 * 4 + (2 + 1) * 8 * 4  # reads the gemm's result, writes bf16 and a pred mask
+    assert t["bytes"]["memory-bound"] == 2 * select + 2 * 2 * 16 * 4
+    assert t["memory_bound_by_op"][0] == {"op": "jvp(layer_N)/dropout/jit(_where)/select_n", "kernels": 2,
+                                          "bytes": 2 * select}
+    assert t["memory_bound_by_op"][1]["op"] == "(no op_name)"
+    with pytest.raises(ValueError, match="no ENTRY computation"):
+        gpu.hlo_traffic("HloModule m")
+    here = os.path.dirname(os.path.abspath(__file__))
+    found, _ = run_on_jax(with_gpu_script(
+        "from kbert.train.probe import CompiledStep, build_trainer\n"
+        "config = gpu._config('bert-tiny', 1000)\n"
+        "step = CompiledStep(build_trainer(config, 'adamw', 'mixed_bfloat16', abstract=True), config, 64)\n"
+        "print(json.dumps(gpu.hlo_traffic(step.lower(8).compile().as_text(), top=100)))\n"),
+        env={"PYTHONPATH": os.path.dirname(here)})
+    assert found["kernels"]["matmul"] >= 2 * 6 and found["bytes"]["memory-bound"] > 0  # 2 layers' projections
+    ops = {g["op"] for g in found["memory_bound_by_op"]}
+    assert any(op.startswith("jvp(layer_N)/") for op in ops) and any("adam_w" in op for op in ops)
+    assert sum(g["bytes"] for g in found["memory_bound_by_op"]) <= found["bytes"]["memory-bound"]
+
+
 def test_the_gpu_memory_points_run_as_many_at_once_as_the_device_holds():
     """`gpu.py all`'s memory stage: points in rounds of concurrent processes whose planned peaks fit the device
     with room to spare (one round of four on a 141 GB H200, which saves a round of compilations inside the
