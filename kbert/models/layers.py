@@ -36,8 +36,10 @@ IMPLEMENTATIONS = {
     # every position
     "last_layer": ("predicted", "full"),
     # LayerNorm on 16-bit inputs: a backward pass that keeps the 16-bit input and each row's mean and
-    # 1/std (`LayerNorm`), or Keras' own, whose autodiff keeps a float32 [b, s, h] tensor per norm
-    "layer_norm": ("saved_input", "keras"),
+    # 1/std (`LayerNorm`), with both statistics from one pass over the row (saved_input) or from Keras'
+    # two-pass `ops.moments` (two_pass_stats); or Keras' own, whose autodiff keeps a float32 [b, s, h] tensor
+    # per norm
+    "layer_norm": ("saved_input", "two_pass_stats", "keras"),
 }
 _CHOSEN = {name: choices[0] for name, choices in IMPLEMENTATIONS.items()}
 _CHOSEN["attention_kernel"] = None
@@ -99,13 +101,23 @@ def _layer_norm_16(epsilon: float):
     pass. Autodiff through Keras' form keeps a float32 copy the size of x ([b, s, h]) per norm instead,
     written in the forward pass and read in the backward one: 4 more bytes per element where x has 2, on
     every LayerNorm of the model (two a block)."""
-    if epsilon not in _LAYER_NORMS:
+    one_pass = _CHOSEN["layer_norm"] == "saved_input"
+    if (epsilon, one_pass) not in _LAYER_NORMS:
         @ops.custom_gradient
         def norm(x, gamma, beta):
             xf = ops.cast(x, "float32")
-            mean, variance = ops.moments(xf, axes=[-1], keepdims=True)  # [..., 1] each
+            if one_pass:
+                # mean and mean square as sibling reductions, which XLA computes in the kernel that wrote x
+                # (the residual add), where Keras' `ops.moments` reads x twice more for its two-pass variance.
+                # The float32 difference loses bits as mean^2 / variance grows: it reaches bfloat16's own
+                # precision only for a row whose spread is under 1/256 of its mean; `maximum` keeps a
+                # constant row's rounding from going negative.
+                mean = ops.mean(xf, axis=-1, keepdims=True)  # [..., 1]
+                variance = ops.maximum(ops.mean(ops.square(xf), axis=-1, keepdims=True) - ops.square(mean), 0.0)
+            else:
+                mean, variance = ops.moments(xf, axes=[-1], keepdims=True)  # [..., 1] each
             rstd = ops.rsqrt(variance + epsilon)
-            inv = rstd * gamma  # Keras' arithmetic, so the forward result is Keras' to the bit
+            inv = rstd * gamma  # Keras' arithmetic (with two-pass statistics, Keras' result to the bit)
             y = ops.cast(xf * inv + (beta - mean * inv), x.dtype)
 
             def grad(*args, upstream=None):
@@ -122,17 +134,18 @@ def _layer_norm_16(epsilon: float):
 
             return y, grad
 
-        _LAYER_NORMS[epsilon] = norm
-    return _LAYER_NORMS[epsilon]
+        _LAYER_NORMS[epsilon, one_pass] = norm
+    return _LAYER_NORMS[epsilon, one_pass]
 
 
 class LayerNorm(keras.layers.LayerNormalization):
-    """`keras.layers.LayerNormalization` (same weights, names and results) whose backward pass under a 16-bit
-    policy keeps the 16-bit input instead of a float32 copy (`_layer_norm_16`): less activation memory and
-    two fewer float32 passes over [b, s, h] per norm. Other dtypes and options: Keras' own."""
+    """`keras.layers.LayerNormalization` (same weights and names, results within 16-bit rounding) whose
+    backward pass under a 16-bit policy keeps the 16-bit input instead of a float32 copy (`_layer_norm_16`):
+    less activation memory and two fewer float32 passes over [b, s, h] per norm, and whose statistics come
+    from one pass over the row. Other dtypes and options: Keras' own."""
 
     def call(self, inputs):
-        if (_CHOSEN["layer_norm"] != "saved_input" or self.rms_scaling or not (self.center and self.scale)
+        if (_CHOSEN["layer_norm"] == "keras" or self.rms_scaling or not (self.center and self.scale)
                 or keras.backend.standardize_dtype(inputs.dtype) not in ("bfloat16", "float16")
                 or self.axis not in (-1, len(inputs.shape) - 1, [-1], [len(inputs.shape) - 1])):
             return super().call(inputs)
