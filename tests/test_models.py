@@ -150,6 +150,74 @@ def test_pretrainer_last_block_at_the_predicted_positions_equals_the_full_block(
     np.testing.assert_allclose(at, np.take_along_axis(seq, rows[..., None], axis=1), atol=2e-5)
 
 
+@pytest.mark.parametrize("lora", [False, True])
+def test_qkv_from_kernel_slices_equals_the_split_projection(lora):
+    """`qkv=sliced` (three matmuls with the fused kernel's column thirds, the query's only at the predicted rows)
+    gives the fused projection's logits and every weight's gradient, LoRA factors included."""
+    import tensorflow as tf
+
+    from kbert.models import layers
+    from kbert.train.lora import enable_lora
+
+    model = kbert.Pretrainer(kbert.build_backbone(tiny("bert", dropout=0.0, attention_dropout=0.0)))
+    batch = random_batch()
+    features = dict(batch, mask_positions=np.array([[1, 2, 5], [3, 0, 0], [7, 7, 1], [0, 0, 0]], "int32"))
+    model(features, training=False)
+    if lora:
+        rng = np.random.default_rng(0)
+        for dense in enable_lora(model.backbone, 4):
+            dense.lora_kernel_b.assign(rng.normal(0, 0.05, dense.lora_kernel_b.shape).astype("float32"))
+    out = {}
+    for choice in ("fused", "sliced"):
+        with layers.implementation(qkv=choice), tf.GradientTape() as tape:
+            logits = model(features, training=True)["mlm_logits"]
+            loss = tf.reduce_sum(logits * np.linspace(-1, 1, logits.shape[-1], dtype="float32"))
+        grads = tape.gradient(loss, model.trainable_variables)
+        out[choice] = [np.asarray(logits)] + [None if g is None else np.asarray(tf.convert_to_tensor(g))
+                                              for g in grads]  # None: the pooler's (NSP is not in this loss)
+    names = [v.path for v in model.trainable_variables]
+    assert any("qkv" in n for n in names) and len(out["fused"]) == len(names) + 1
+    assert [g is None for g in out["fused"]] == [g is None for g in out["sliced"]]
+    qkv_grads = sum(g is not None and "qkv" in n for n, g in zip(names, out["sliced"][1:]))
+    assert qkv_grads == (6 if lora else 4)  # per block: the bias, and the kernel or LoRA's A and B
+    for name, a, b in zip(["logits"] + names, out["fused"], out["sliced"]):
+        if a is not None:
+            np.testing.assert_allclose(b, a, atol=2e-5, rtol=1e-4, err_msg=name)
+
+
+QKV_SLICED_JAX = r"""
+import json, jax, numpy as np
+import kbert
+from kbert.models import layers
+from kbert.train.probe import build_trainer, synthetic_batch
+cfg = kbert.ModelConfig.preset("bert-tiny", vocab_size=300, dropout=0.0, attention_dropout=0.0)
+trainer = build_trainer(cfg, "adamw", "float32")
+x, y = synthetic_batch(cfg, 4, 32, 5)
+trainer.train_on_batch(x, y)  # builds the optimizer and metrics
+tv = [v.value for v in trainer.trainable_variables]
+ntv = [v.value for v in trainer.non_trainable_variables]
+mv = [v.value for v in trainer.metrics_variables]
+ov = [v.value for v in trainer.optimizer.variables]
+out = {}
+for choice in ("fused", "sliced"):
+    with layers.implementation(qkv=choice):
+        loss, grads = jax.value_and_grad(lambda t: trainer.compute_loss_and_updates(
+            t, ntv, mv, x, y, None, training=True, optimizer_variables=ov)[0])(tv)
+    out[choice] = [float(loss)] + [np.asarray(g).ravel().tolist() for g in grads]
+rel = [float(np.abs(np.subtract(a, b)).max() / (np.abs(a).max() + 1e-30))
+       for a, b in zip(out["fused"][1:], out["sliced"][1:])]
+print(json.dumps(dict(losses=[out["fused"][0], out["sliced"][0]], max_rel=max(rel), grads=len(rel))))
+"""
+
+
+def test_qkv_from_kernel_slices_equals_the_split_projection_on_jax():
+    """The same on Keras' JAX backend (where the GPU runs it): the training loss and every weight's gradient."""
+    pytest.importorskip("jax")
+    out, _ = run_on_jax(QKV_SLICED_JAX)
+    assert out["losses"][0] == pytest.approx(out["losses"][1], rel=1e-6) and out["grads"] > 20, out
+    assert out["max_rel"] < 1e-4, out
+
+
 LAYER_NORM_CHECK = r"""
 import json, sys
 import keras, numpy as np

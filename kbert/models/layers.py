@@ -40,6 +40,10 @@ IMPLEMENTATIONS = {
     # two-pass `ops.moments` (two_pass_stats); or Keras' own, whose autodiff keeps a float32 [b, s, h] tensor
     # per norm
     "layer_norm": ("saved_input", "two_pass_stats", "keras"),
+    # query, key and value from the fused [h, 3h] kernel: one matmul whose [b, s, 3h] output is split (fused),
+    # or three matmuls with the kernel's column thirds (sliced): no [b, s, 3h] tensor to copy apart forward
+    # and to concatenate back in the backward pass, and at `rows` the query projection runs there only
+    "qkv": ("fused", "sliced"),
 }
 _CHOSEN = {name: choices[0] for name, choices in IMPLEMENTATIONS.items()}
 _CHOSEN["attention_kernel"] = None
@@ -471,6 +475,31 @@ class Embeddings(keras.layers.Layer):
         return x, projected
 
 
+def _project_parts(dense, xs):
+    """`ops.split(_project(dense, x), len(xs), axis=-1)` as one matmul per column slice of the kernel (and
+    bias, and LoRA's B), the i-th slice applied to `xs[i]` (the same x, or the query's rows only). XLA's GPU
+    program of the split form copies each third out of the [b, s, 3h] output, and its gradient concatenates
+    the thirds' gradients back (two memory-bound passes over [b, s, 3h] per block); here only the small
+    [h, 3h] kernel gradient is assembled from thirds, for three narrower matmuls and a sum of the input's
+    three gradients."""
+    width = dense.units // len(xs)
+    lora = getattr(dense, "lora_enabled", False)
+    kernel = ops.cast(frozen_kernel(dense) if lora else dense.kernel, xs[0].dtype)
+    bias = ops.cast(dense.bias, xs[0].dtype) if dense.use_bias else None
+    outputs = []
+    for i, x in enumerate(xs):
+        cols = slice(i * width, (i + 1) * width)
+        y = ops.matmul(x, kernel[:, cols])
+        if bias is not None:
+            y = y + bias[cols]
+        if lora:
+            low = ops.matmul(ops.matmul(x, ops.cast(dense.lora_kernel_a, x.dtype)),
+                             ops.cast(dense.lora_kernel_b, x.dtype)[:, cols])
+            y = y + low * ops.cast(dense.lora_alpha / dense.lora_rank, x.dtype)
+        outputs.append(y)
+    return outputs
+
+
 def frozen_kernel(dense):
     """The kernel variable W of a Dense given LoRA factors (its `kernel` property is W + (alpha / r) A B)."""
     return next(v for v in dense.weights if v.path.endswith("/kernel"))
@@ -539,9 +568,15 @@ class TransformerBlock(keras.layers.Layer):
         cfg = self.config
         b, s = ops.shape(x)[0], ops.shape(x)[1]
         n, d = cfg.num_heads, cfg.head_size
-        # split (not slicing): its gradient is a concat, where a strided slice's gradient pads and adds.
-        q, k, v = ops.split(_project(self.qkv, x), 3, axis=-1)  # [b, s, h] each
-        if rows is not None:
+        sliced = _CHOSEN["qkv"] == "sliced" and self.qkv.quantization_mode is None
+        if sliced:
+            q, k, v = _project_parts(self.qkv, [x if rows is None else gather_positions(x, rows), x, x])
+            if rows is not None and len(padding_mask.shape) == 3:  # packed rows: each query's own [s] mask row
+                padding_mask = gather_positions(padding_mask, rows)  # [b, r, s]
+        else:
+            # split (not slicing): its gradient is a concat, where a strided slice's gradient pads and adds.
+            q, k, v = ops.split(_project(self.qkv, x), 3, axis=-1)  # [b, s, h] each
+        if rows is not None and not sliced:
             # queries at `rows` only (the projection stays one fused [h, 3h] matmul over every token: the q
             # third of it at the other rows is the price of keeping one kernel)
             q = gather_positions(q, rows)  # [b, r, h]
