@@ -15,21 +15,24 @@
 # Output: the tables on stdout (the tool's reply keeps the last 12,000 characters), and $OUT/gpu.log (all of
 # it) and $OUT/gpu.json (every row) come back as files. Record them in benchmarks/README.md with the GPU named.
 #
-# Why these arguments: the five throughput variants are kbert's default step (BERT's dropouts), the LayerNorm
-# before/after (`layer_norm=keras`), the dropout-mask hash before/after (`dropout_masks=hash2`, the two-round
-# hash), BERT's attention dropout inside cuDNN's kernel (run after gpu.py's dropout check) and the dropout-free
-# step; HF eager and compiled beside them; four memory points; the 12 GB
-# capped table at seq 128 (`--exact` and `--probe`); then, while the budget lasts, two memory points compiled
-# for the GPU's description with no GPU beside its own bytes (`aot`), the profile and LoRA. XLA's
-# flag sets are left out (`--xla-variants none`: none moved the step on the H200). `--budget 480` is the
-# issue's 8 minutes; stages that would not finish inside it are skipped and said so.
+# Why these arguments: the three throughput variants are kbert's default step (BERT's dropouts), BERT's
+# attention dropout inside cuDNN's kernel (run after gpu.py's dropout check) and the dropout-free step; HF eager
+# and compiled beside them; four memory points; the 12 GB capped table at seq 128 (`--exact` and `--probe`);
+# then, while the budget lasts, the ablations: kbert's code-path switches made on CPU since the last device run,
+# each timed beside the default step in one process, most telling first (the one-round dropout hash against the
+# two-round one, one-pass LayerNorm statistics against two-pass, Q/K/V from kernel slices with cuDNN's attention
+# and without, kbert's LayerNorm against Keras'); then two memory points compiled for the GPU's description with
+# no GPU beside its own bytes (`aot`), the profile and LoRA. XLA's flag sets are left out (`--xla-variants
+# none`: none moved the step on the H200). `--budget 480` is the issue's 8 minutes; stages that would not finish
+# inside it are skipped and said so, and the ablations keep the rows they finished.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 WHEELS=.whl
-VARIANTS="default;layer_norm=keras;dropout_masks=hash2;attention_kernel=cudnn_dropout"
-VARIANTS+=";dropout=0.0,attention_dropout=0.0,attention_mask=lengths"
-GPU_ARGS=(all --budget 480 --variants "$VARIANTS" --cap-seqs 128 --xla-variants none)
+VARIANTS="default;attention_kernel=cudnn_dropout;dropout=0.0,attention_dropout=0.0,attention_mask=lengths"
+ABLATIONS="dropout_masks=hash2;layer_norm=two_pass_stats;attention_kernel=cudnn_dropout,qkv=sliced;qkv=sliced"
+ABLATIONS+=";layer_norm=keras"
+GPU_ARGS=(all --budget 480 --variants "$VARIANTS" --ablations "$ABLATIONS" --cap-seqs 128 --xla-variants none)
 
 need_wheels() {  # the three wheels `wheels` writes, or a message naming the one missing and the fix
   for name in keras namex optree; do

@@ -50,7 +50,9 @@ batches that stay on the device, so the figure is the model's step and not an in
   batch 32 (`--lora-points` names other points);
 - `all`: each of the above in its own process (JAX's peak memory is per process), most important first,
   skipping what would not finish by `--budget` seconds (and the stages named in `--skip`), then one set of
-  tables; also `--out/gpu.json`.
+  tables; also `--out/gpu.json`. After the capped table, `--ablations` (override sets, e.g. the code-path
+  switches `dropout_masks=hash2;qkv=sliced`) are timed each beside the default step in one process: the
+  before/after figures of changes made without a GPU, kept as far as the budget reaches.
 
     python benchmarks/gpu.py records --shared ../shared/data --out .gpu        # here, beside the shared data
     KERAS_BACKEND=jax python benchmarks/gpu.py all --records .gpu --out /tmp/gpu
@@ -993,6 +995,10 @@ def _child(args, extra, clock: _Clock, needs: float = 60, env=None):
                               timeout=max(10, min(args.child_timeout, clock.left())))
     except subprocess.TimeoutExpired as e:
         print(f"   timed out after {time.perf_counter() - t:.0f} s", (e.stderr or b"")[-1500:], flush=True)
+        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        partial = [line for line in out.splitlines() if line.startswith("[")]
+        if partial:  # a stage that prints its rows as it goes (throughput's variants): keep the ones it finished
+            return json.loads(partial[-1]) + [{"error": "timeout: the budget ended here", "cmd": extra}]
         return {"error": "timeout", "cmd": extra}
     lines = [line for line in done.stdout.splitlines() if line.startswith("{") or line.startswith("[")]
     if done.returncode or not lines:
@@ -1105,6 +1111,12 @@ def run_all(args) -> dict:
             out["capped"].append(_child(args, ["capped", "--model", m, "--seqs", seq, "--precision", precision,
                                                "--cap", args.cap, "--shallow", args.shallow], clock, 100, env))
             _save(args, out)
+    # before/after figures of kbert's own code paths (the speed goal's open questions), each beside the default
+    # step timed again in the same process; the rows finished when the budget ends are kept
+    out["ablations"] = None if not args.ablations or "ablations" in skip else _child(
+        args, ["throughput", "--model", m, "--seq", "128", "--batch", b, "--precision", "mixed_bfloat16", "--steps",
+               steps, "--variants", "default;" + args.ablations], clock, 60)
+    _save(args, out)
     # the memory stage's two largest points compiled again for this GPU's description with no GPU (`aot-memory`,
     # a CPU process): how far the deviceless bytes, which project program changes between device runs, are from
     # this device's own
@@ -1201,6 +1213,25 @@ def report_lora(rows) -> None:
               f"{step} |")
 
 
+def report_ablations(rows, compiled: dict, peak_bf16) -> None:
+    """The `ablations` stage: each code-path switch beside the default step of the same process."""
+    rows = _rows(rows)
+    base = next((r for r in rows if not r.get("overrides") and "tokens_per_s" in r), None)
+    if not rows:
+        return
+    print("\nkbert's code paths, each beside the default step timed in the same process (`--ablations`):")
+    print("| overrides | step ms | tokens/s | MFU (of bf16 peak) | vs the default | vs HF compiled |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for r in rows:
+        key = " ".join(r.get("overrides") or []) or "default"
+        if "tokens_per_s" not in r:
+            print(f"| {key} | | | | | did not run: {r.get('error', '?')} |")
+            continue
+        vs = f"{r['tokens_per_s'] / base['tokens_per_s']:.3f}" if base else "n/a"
+        hf_ratio = f"{r['tokens_per_s'] / compiled[_model_key(r)]:.2f}x" if _model_key(r) in compiled else "n/a"
+        print(f"| {key} | {r['step_ms']:.1f} | {r['tokens_per_s']:,.0f} | {_mfu(r, peak_bf16)} | {vs} | {hf_ratio} |")
+
+
 def report(out: dict):
     run = out.get("pretrain")
     peak = out.get("peak") or {}
@@ -1276,6 +1307,7 @@ def report(out: dict):
         print("| kernel | kind | ms per step | share |\n|---|---|---:|---:|")
         for v in prof["top"]:
             print(f"| `{v['kernel']}` | {v['kind']} | {v['ms_per_step']:.2f} | {100 * v['share']:.1f}% |")
+    report_ablations(out.get("ablations"), compiled, peak_bf16)
     xla_rows = [r for r in _rows(out.get("xla")) if "tokens_per_s" in r]
     if xla_rows:
         # each flag set against the same model variant with no flags (the throughput stage of this run)
@@ -1425,7 +1457,11 @@ def main(argv=None):
                              "default, on for 6+ layers on an accelerator); off measures the search without them")
     parser.add_argument("--peak-n", type=int, default=8192, help="matrix size of the peak measurement")
     parser.add_argument("--skip", default="", help="all: stages to leave out, ','-separated (throughput, hf, "
-                        "memory, capped, aot, profile, lora), for a device run aimed at one question")
+                        "memory, capped, aot, ablations, profile, lora), for a device run aimed at one question")
+    parser.add_argument("--ablations", default="",
+                        help="all: ';'-separated override sets timed after the aot stage, each beside the default "
+                             "step in the same process (before/after figures of kbert's code paths, e.g. "
+                             "dropout_masks=hash2), so that they never cost the stages before")
     parser.add_argument("--lora-points", default="bert-large:250002:8,MODEL:VOCAB:32",
                         help="lora: preset:vocab:batch points of the memory plans (MODEL, VOCAB: --model, --vocab); "
                              "the last is also timed")
@@ -1439,7 +1475,8 @@ def main(argv=None):
     if args.what == "all":
         args.xla_sets = xla_variants(args.xla_variants)  # a malformed set fails here, before any device time
         args.skip_stages = [s for s in args.skip.split(",") if s]
-        unknown = set(args.skip_stages) - {"throughput", "hf", "memory", "capped", "aot", "profile", "lora"}
+        unknown = set(args.skip_stages) - {"throughput", "hf", "memory", "capped", "aot", "ablations", "profile",
+                                            "lora"}
         if unknown:
             parser.error(f"--skip: unknown stage(s) {sorted(unknown)}; stages: throughput, hf, memory, capped, "
                          f"aot, profile, lora")
@@ -1462,6 +1499,8 @@ def main(argv=None):
             except Exception as e:  # noqa: BLE001 - one variant's failure is its row, the others still run
                 result.append({"impl": "kbert", "overrides": overrides,
                                "error": _error_text(e)})
+            if args.json:  # the rows so far: a parent that stops this process at its budget keeps them
+                print(json.dumps(result, default=str), flush=True)
     elif args.what == "hf":
         sets = [args.set] if args.set else variants
         sets = [[o for o in v if o.split("=", 1)[0] not in _implementation_choices(v)] for v in sets]

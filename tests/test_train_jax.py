@@ -386,12 +386,20 @@ def test_the_whole_gpu_script_runs_on_cpu(tmp_path):
         out = json.load(f)
     assert out["peak"]["bfloat16"] > 0 and out["peak"]["float32"] > 0
     rows = {tuple(r["overrides"]): r for r in out["throughput"] if "overrides" in r}
-    assert set(rows) == {(), ("layer_norm=keras",), ("dropout_masks=hash2",), ("attention_kernel=cudnn_dropout",),
+    assert set(rows) == {(), ("attention_kernel=cudnn_dropout",),
                          ("dropout=0.0", "attention_dropout=0.0", "attention_mask=lengths")}
-    for overrides in [(), ("layer_norm=keras",), ("dropout_masks=hash2",)]:
-        kbert_row = rows[overrides]
-        assert kbert_row["impl"] == "kbert" and kbert_row["tokens_per_s"] > 0 and kbert_row["model_flops_per_s"] > 0
-        assert kbert_row["step_bytes"] > 0  # XLA's analysis of the step, the memory column of the speed table
+    kbert_row = rows[()]
+    assert kbert_row["impl"] == "kbert" and kbert_row["tokens_per_s"] > 0 and kbert_row["model_flops_per_s"] > 0
+    assert kbert_row["step_bytes"] > 0  # XLA's analysis of the step, the memory column of the speed table
+    # the ablations: each code-path switch beside the default step of the same process
+    ablations = {tuple(r["overrides"]): r for r in out["ablations"] if "overrides" in r}
+    assert set(ablations) == {(), ("dropout_masks=hash2",), ("layer_norm=two_pass_stats",), ("qkv=sliced",),
+                              ("attention_kernel=cudnn_dropout", "qkv=sliced"), ("layer_norm=keras",)}
+    for overrides in [(), ("dropout_masks=hash2",), ("layer_norm=two_pass_stats",), ("qkv=sliced",),
+                      ("layer_norm=keras",)]:
+        assert ablations[overrides]["tokens_per_s"] > 0, ablations[overrides]
+    assert "cuDNN" in ablations["attention_kernel=cudnn_dropout", "qkv=sliced"]["error"]
+    assert "kbert's code paths, each beside the default step" in run.stdout
     cudnn_only = [("attention_kernel=cudnn_dropout",),
                   ("dropout=0.0", "attention_dropout=0.0", "attention_mask=lengths")]
     for overrides in cudnn_only:
@@ -784,6 +792,36 @@ def test_hlo_traffic_reads_what_each_kernel_of_a_compiled_step_moves():
     ops = {g["op"] for g in found["memory_bound_by_op"]}
     assert any(op.startswith("jvp(layer_N)/") for op in ops) and any("adam_w" in op for op in ops)
     assert sum(g["bytes"] for g in found["memory_bound_by_op"]) <= found["bytes"]["memory-bound"]
+
+
+def test_a_gpu_stage_stopped_at_the_budget_keeps_the_rows_it_finished(monkeypatch, capsys):
+    """`gpu.py all` stops a stage's process when the budget ends; a throughput process prints its rows after each
+    variant, so the ablations finished by then are kept (with a row saying where the budget ended), and a
+    stage that printed nothing is one error row, as before. The ablations table sets each beside the default."""
+    import subprocess
+    import types
+
+    gpu = gpu_script()
+    done = [{"impl": "kbert", "overrides": [], "tokens_per_s": 100.0, "step_ms": 10.0, "model_flops_per_s": 1e9,
+             "model": "bert-base", "seq": 128, "batch": 8},
+            {"impl": "kbert", "overrides": ["dropout_masks=hash2"], "tokens_per_s": 90.0, "step_ms": 11.1,
+             "model_flops_per_s": 9e8, "model": "bert-base", "seq": 128, "batch": 8}]
+    printed = json.dumps(done[:1]) + "\n" + json.dumps(done) + "\n"
+
+    def stopped(cmd, **kwargs):
+        raise subprocess.TimeoutExpired(cmd, kwargs["timeout"], output=printed.encode(), stderr=b"")
+
+    monkeypatch.setattr(subprocess, "run", stopped)
+    args = types.SimpleNamespace(vocab=32000, child_timeout=300)
+    rows = gpu._child(args, ["throughput", "--variants", "default;dropout_masks=hash2;qkv=sliced"], gpu._Clock(100))
+    assert rows[:2] == done and rows[2]["error"].startswith("timeout")
+    printed = "no rows yet\n"
+    assert gpu._child(args, ["memory"], gpu._Clock(100))["error"] == "timeout"
+    capsys.readouterr()
+    gpu.report_ablations(rows, {}, 2e9)
+    table = capsys.readouterr().out
+    assert "| dropout_masks=hash2 | 11.1 | 90 | 45.0% | 0.900 | n/a |" in table
+    assert "did not run: timeout: the budget ended here" in table
 
 
 def test_the_gpu_memory_points_run_as_many_at_once_as_the_device_holds():
