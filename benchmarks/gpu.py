@@ -807,7 +807,8 @@ def hlo_traffic(text: str, top: int = 12) -> dict:
         kinds[kind] = (count + 1, total + moved)
         if kind == "memory-bound":
             where = re.search(r'op_name="([^"]+)"', line)
-            key = re.sub(r"layer_\d+", "layer_N", re.sub(r"^jit\([^)]*\)/", "", where.group(1) if where else "(no op_name)"))
+            key = re.sub(r"^jit\([^)]*\)/", "", where.group(1)) if where else "(no op_name)"
+            key = re.sub(r"layer_\d+", "layer_N", key)
             key = re.sub(r"(?<=[a-z])_\d+(?=/|$)", "", key)  # Keras' uniquifying suffixes: dropout_22, adam_w_1
             count, total = groups.get(key, (0, 0))
             groups[key] = (count + 1, total + moved)
@@ -840,7 +841,8 @@ def report_traffic(rows) -> None:
     """The `aot-traffic` rows: one line per variant (GB moved per kind; the memory-bound GB at the description's
     bandwidth as a floor in ms), then the largest memory-bound ops of each."""
     bandwidth = GPU_TARGETS.get(rows[0]["target"], {}).get("bandwidth") if rows and "target" in rows[0] else None
-    print("| variant | matmul GB | attention kernel GB | memory-bound GB (kernels) | memory-bound ms at full bandwidth |")
+    print("| variant | matmul GB | attention kernel GB | memory-bound GB (kernels) | memory-bound ms at full "
+          "bandwidth |")
     print("|---|---:|---:|---:|---:|")
     for r in rows:
         gb, n = r["bytes"], r["kernels"]
