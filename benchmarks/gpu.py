@@ -1461,7 +1461,7 @@ def main(argv=None):
     parser.add_argument("--skip", default="", help="all: stages to leave out, ','-separated (throughput, hf, "
                         "memory, capped, aot, ablations, profile, lora), for a device run aimed at one question")
     parser.add_argument("--ablations", default="",
-                        help="all: ';'-separated override sets timed after the aot stage, each beside the default "
+                        help="all: ';'-separated override sets timed after the capped table, each beside the default "
                              "step in the same process (before/after figures of kbert's code paths, e.g. "
                              "dropout_masks=hash2), so that they never cost the stages before")
     parser.add_argument("--lora-points", default="bert-large:250002:8,MODEL:VOCAB:32",
@@ -1481,7 +1481,7 @@ def main(argv=None):
                                             "lora"}
         if unknown:
             parser.error(f"--skip: unknown stage(s) {sorted(unknown)}; stages: throughput, hf, memory, capped, "
-                         f"aot, profile, lora")
+                         f"aot, ablations, profile, lora")
         run_all(args)
         return
     if args.what == "peak":
