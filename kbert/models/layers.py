@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from typing import Optional
 
 import keras
 from keras import ops
@@ -483,21 +484,7 @@ def _project_parts(dense, xs):
     [h, 3h] kernel gradient is assembled from thirds, for three narrower matmuls and a sum of the input's
     three gradients."""
     width = dense.units // len(xs)
-    lora = getattr(dense, "lora_enabled", False)
-    kernel = ops.cast(frozen_kernel(dense) if lora else dense.kernel, xs[0].dtype)
-    bias = ops.cast(dense.bias, xs[0].dtype) if dense.use_bias else None
-    outputs = []
-    for i, x in enumerate(xs):
-        cols = slice(i * width, (i + 1) * width)
-        y = ops.matmul(x, kernel[:, cols])
-        if bias is not None:
-            y = y + bias[cols]
-        if lora:
-            low = ops.matmul(ops.matmul(x, ops.cast(dense.lora_kernel_a, x.dtype)),
-                             ops.cast(dense.lora_kernel_b, x.dtype)[:, cols])
-            y = y + low * ops.cast(dense.lora_alpha / dense.lora_rank, x.dtype)
-        outputs.append(y)
-    return outputs
+    return [_project(dense, x, slice(i * width, (i + 1) * width)) for i, x in enumerate(xs)]
 
 
 def frozen_kernel(dense):
@@ -505,16 +492,24 @@ def frozen_kernel(dense):
     return next(v for v in dense.weights if v.path.endswith("/kernel"))
 
 
-def _project(dense, x):
-    """`dense(x)`; for a projection given LoRA factors by `Dense.enable_lora` (`kbert.train.lora`), x W + b +
-    (alpha / r) (x A) B. Keras' own Dense adds A B to W on every call, which keeps an [in, out] merged copy
-    and takes its full-size gradient per layer; through x A the update never forms, and the backward pass skips
-    the frozen W's gradient (for bert-large's 24 blocks about a third of the step's matmuls)."""
-    if not getattr(dense, "lora_enabled", False):
+def _project(dense, x, cols: Optional[slice] = None):
+    """`dense(x)`, or its output columns `cols` only (a slice of the kernel, bias and LoRA's B); for a
+    projection given LoRA factors by `Dense.enable_lora` (`kbert.train.lora`), x W + b + (alpha / r) (x A) B.
+    Keras' own Dense adds A B to W on every call, which keeps an [in, out] merged copy and takes its full-size
+    gradient per layer; through x A the update never forms, and the backward pass skips the frozen W's gradient
+    (for bert-large's 24 blocks about a third of the step's matmuls)."""
+    lora = getattr(dense, "lora_enabled", False)
+    if not lora and cols is None:
         return dense(x)
-    y = ops.matmul(x, ops.cast(frozen_kernel(dense), x.dtype)) + ops.cast(dense.bias, x.dtype)
-    low = ops.matmul(ops.matmul(x, ops.cast(dense.lora_kernel_a, x.dtype)), ops.cast(dense.lora_kernel_b, x.dtype))
-    return y + low * ops.cast(dense.lora_alpha / dense.lora_rank, x.dtype)
+    cols = slice(None) if cols is None else cols
+    y = ops.matmul(x, ops.cast(frozen_kernel(dense) if lora else dense.kernel, x.dtype)[:, cols])
+    if dense.use_bias:
+        y = y + ops.cast(dense.bias, x.dtype)[cols]
+    if lora:
+        low = ops.matmul(ops.matmul(x, ops.cast(dense.lora_kernel_a, x.dtype)),
+                         ops.cast(dense.lora_kernel_b, x.dtype)[:, cols])
+        y = y + low * ops.cast(dense.lora_alpha / dense.lora_rank, x.dtype)
+    return y
 
 
 class TransformerBlock(keras.layers.Layer):
