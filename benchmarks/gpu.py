@@ -24,10 +24,12 @@ batches that stay on the device, so the figure is the model's step and not an in
   attention, elementwise and reduction fusions, copies) and the top kernels, per step, beside its wall time;
 - `memory`: `Pretrainer.train_on_batch` (what `fit` runs) in a fresh process per point: the allocator's peak,
   XLA's memory analysis of the same compiled step and `kbert.train.memory.estimate_memory`;
-- `aot-memory` (any host, no GPU; JAX's CUDA plugin installed): the `memory` points compiled by XLA's GPU
-  compiler for an H100 and an H200 described to it (`--targets`, deviceless compilation), XLA's memory analysis
-  beside the planner, and the refit line: how a change to kbert's program moves a GPU's bytes, before device time
-  (in `all`, the `aot` stage compiles two memory points for the device's own description, beside its bytes);
+- `aot-memory` (any host, no GPU or TPU; JAX's CUDA plugin or libtpu installed): the `memory` points compiled
+  by XLA for devices described to it (`--targets`: an H100 and an H200 by default; an A100, an L4, the 12 GB
+  RTX 3060 and TPU v5e, v4 and v6e chips too; deviceless compilation), XLA's memory analysis beside the
+  planner, and the refit line: how a change to kbert's program moves a device's bytes before device time, and
+  the planner on devices no session has had (in `all`, the `aot` stage compiles two memory points for the
+  device's own description, beside its bytes);
 - `aot-traffic` (the same, no GPU): the step of each `--variants` set compiled for the first `--targets` GPU,
   and what its kernels read and write (`hlo_traffic`): matmul, attention-kernel and memory-bound bytes, and
   the memory-bound bytes per model op, to find the memory-bound passes and see a change move them;
@@ -615,12 +617,14 @@ def memory(model: str, seq: int, batch: int, precision: str, vocab: int) -> dict
                 error=(row["planned_bytes"] - measured) / measured if measured else None)
 
 
-def planned_row(model: str, config, seq: int, batch: int, precision: str, compiled) -> dict:
-    """A memory point's row: XLA's compiled bytes beside `estimate_memory` (AdamW) and its parts."""
+def planned_row(model: str, config, seq: int, batch: int, precision: str, compiled, compiler: str = "xla") -> dict:
+    """A memory point's row: XLA's compiled bytes beside `estimate_memory` (AdamW; `compiler`: its coefficient
+    set) and its parts."""
     from kbert.train.memory import estimate_memory
 
-    estimate = estimate_memory(config, batch, seq, optimizer="adamw", precision=precision)
+    estimate = estimate_memory(config, batch, seq, optimizer="adamw", precision=precision, compiler=compiler)
     return {"model": model, "seq": seq, "batch": batch, "precision": precision, "compiled_bytes": compiled,
+            "compiler": compiler,
             "planned_bytes": estimate["total"],
             "error_vs_compiled": (estimate["total"] - compiled) / compiled if compiled else None,
             "components": {k: v for k, v in estimate.items() if k != "total"}}
@@ -648,41 +652,68 @@ def capped(model: str, seqs, precision: str, vocab: int, cap: str, shallow=None)
     return rows
 
 
-# GPUs for `aot-memory`: the fields of XLA's GpuTargetConfig its GPU compiler reads when there is no device to
-# ask (spec-sheet values). The description is part of what is measured: XLA's fusion cost model reads the memory
-# bandwidth, and the H100's description given the H200's 4.8 TB/s compiles the step to the H200's bytes, where
-# the device's memory size and name change nothing.
+# Devices for `aot-memory` and `aot-traffic`, none of which needs to be here (XLA's deviceless compilation).
+# GPUs: the fields of XLA's GpuTargetConfig its GPU compiler reads when there is no device to ask (spec-sheet
+# values; SMs, shared memory and threads per SM by compute capability). The description is part of what is
+# measured: XLA's fusion cost model reads the memory bandwidth (the H100's description given the H200's 4.8 TB/s
+# compiles the step to the H200's bytes), and the compute capability and shared memory choose its kernels (an
+# Ampere or Ada GPU's step keeps more bytes than a Hopper's), where the device's memory size and name change
+# nothing. The 12 GB class is an RTX 3060's (Ampere, compute capability 8.6, as the RTX 3080 Ti's and A10's;
+# the RTX 4070's Ada 8.9 is the L4's).
+_HOPPER = dict(capability=(9, 0), sms=132, l2=52428800, smem_core=233472, smem_optin=232448, threads_core=2048,
+               fpus=128, clock=1.98)
+_SM86 = dict(smem_core=102400, smem_optin=101376, threads_core=1536, fpus=128)
 GPU_TARGETS = {
-    "h100": {"description": "NVIDIA H100 80GB HBM3", "memory": 84929347584, "bandwidth": 3352320000000},
-    "h200": {"description": "NVIDIA H200", "memory": 150754820096, "bandwidth": 4800000000000},
+    "h100": dict(_HOPPER, description="NVIDIA H100 80GB HBM3", memory=84929347584, bandwidth=3352320000000),
+    "h200": dict(_HOPPER, description="NVIDIA H200", memory=150754820096, bandwidth=4800000000000),
+    "a100": dict(description="NVIDIA A100-SXM4-80GB", memory=85899345920, bandwidth=2039000000000,
+                 capability=(8, 0), sms=108, l2=41943040, smem_core=167936, smem_optin=166912, threads_core=2048,
+                 fpus=64, clock=1.41),
+    "l4": dict(_SM86, description="NVIDIA L4", memory=24152899584, bandwidth=300000000000, capability=(8, 9),
+               sms=58, l2=50331648, clock=2.04),
+    "rtx3060": dict(_SM86, description="NVIDIA GeForce RTX 3060", memory=12884901888, bandwidth=360000000000,
+                    capability=(8, 6), sms=28, l2=3145728, clock=1.78),
 }
+# Cloud TPUs: a chip of a TPU slice's topology (`jax.experimental.topologies`, from libtpu: pip install
+# 'jax[tpu]', no TPU needed), compiled for as MaxText's `train_compile.py` does to find out-of-memory steps
+# before a TPU is rented.
+TPU_TARGETS = {"tpu-v5e": "v5e:2x2", "tpu-v4": "v4:2x2x1", "tpu-v6e": "v6e:2x2"}
+TARGETS = (*GPU_TARGETS, *TPU_TARGETS)
 
 
 def gpu_target_config(name: str) -> str:
-    """XLA's GpuTargetConfig (text proto) of a `GPU_TARGETS` GPU: Hopper (compute capability 9.0, 132 SMs, 50 MB
-    of L2), cuDNN 9.10, CUDA 12.8."""
+    """XLA's GpuTargetConfig (text proto) of a `GPU_TARGETS` GPU (cuDNN 9.10, CUDA 12.8)."""
     if name not in GPU_TARGETS:
         raise ValueError(f"GPU {name!r}: known targets are {', '.join(GPU_TARGETS)}")
     t = GPU_TARGETS[name]
     info = {"threads_per_block_limit": 1024, "threads_per_warp": 32, "shared_memory_per_block": 49152,
-            "shared_memory_per_core": 233472, "threads_per_core_limit": 2048, "core_count": 132,
-            "fpus_per_core": 128, "block_dim_limit_x": 2147483647, "block_dim_limit_y": 65535,
-            "block_dim_limit_z": 65535, "memory_bandwidth": t["bandwidth"], "l2_cache_size": 52428800,
-            "clock_rate_ghz": 1.98, "device_memory_size": t["memory"], "shared_memory_per_block_optin": 232448,
-            "registers_per_core_limit": 65536, "registers_per_block_limit": 65536}
+            "shared_memory_per_core": t["smem_core"], "threads_per_core_limit": t["threads_core"],
+            "core_count": t["sms"], "fpus_per_core": t["fpus"], "block_dim_limit_x": 2147483647,
+            "block_dim_limit_y": 65535, "block_dim_limit_z": 65535, "memory_bandwidth": t["bandwidth"],
+            "l2_cache_size": t["l2"], "clock_rate_ghz": t["clock"], "device_memory_size": t["memory"],
+            "shared_memory_per_block_optin": t["smem_optin"], "registers_per_core_limit": 65536,
+            "registers_per_block_limit": 65536}
+    major, minor = t["capability"]
     lines = ["gpu_device_info {"] + [f"  {k}: {v}" for k, v in info.items()]
-    lines += ["  cuda_compute_capability { major: 9 minor: 0 }", "}", 'platform_name: "CUDA"',
+    lines += [f"  cuda_compute_capability {{ major: {major} minor: {minor} }}", "}", 'platform_name: "CUDA"',
               "dnn_version_info { major: 9 minor: 10 }", "runtime_version { major: 12 minor: 8 }",
               f'device_description_str: "{t["description"]}"']
     return "\n".join(lines) + "\n"
 
 
-def target_gpu(name: str):
-    """A JAX device standing for a `GPU_TARGETS` GPU, with no GPU here: XLA's GPU compiler compiles for it from
-    its description (deviceless compilation) and nothing can run there. Needs JAX's CUDA plugin, which loads
-    without a GPU once its driver check is skipped (`aot-memory` sets JAX_SKIP_CUDA_CONSTRAINTS_CHECK)."""
+def target_device(name: str):
+    """A JAX device standing for a `GPU_TARGETS` GPU or a `TPU_TARGETS` TPU chip, with no such device here: XLA's
+    compiler for it compiles from its description (deviceless compilation) and nothing can run there. A GPU
+    needs JAX's CUDA plugin, which loads without a GPU once its driver check is skipped (`aot-memory` sets
+    JAX_SKIP_CUDA_CONSTRAINTS_CHECK); a TPU needs libtpu."""
     from jax.experimental import topologies
 
+    if name in TPU_TARGETS:
+        try:
+            return topologies.get_topology_desc(topology_name=TPU_TARGETS[name], platform="tpu").devices[0]
+        except RuntimeError as e:  # JAX's words: "JAX TPU support not installed; cannot generate TPU topology"
+            raise RuntimeError(f"compiling for a TPU that is not here needs libtpu (pip install 'jax[tpu]'; no "
+                               f"TPU needed): {e}") from None
     try:
         topology = topologies.get_topology_desc(platform="cuda", target_config=gpu_target_config(name),
                                                 topology="1x1x1")
@@ -694,22 +725,33 @@ def target_gpu(name: str):
 
 
 def aot_memory(model: str, points, targets, vocab: int) -> list:
-    """On any host (no GPU needed): the training step compiled by XLA's GPU compiler for each of `targets`
-    (`GPU_TARGETS` names; `CompiledStep.bytes_for` a `target_gpu`) at each (precision, seq, batch) point,
-    XLA's memory analysis of it beside `estimate_memory`. There is no autotuning without the device, so these
-    are not the device's own bytes (within a few percent of them at the points measured on both); what they
-    answer is how a change to kbert's program moves the GPU's bytes: the same description before and after."""
-    from kbert.train.probe import CompiledStep, build_trainer
+    """On any host (no GPU or TPU needed): the training step compiled by XLA for each of `targets` (`TARGETS`
+    names; `CompiledStep.bytes_for` a `target_device`) at each (precision, seq, batch) point, XLA's memory
+    analysis of it beside `estimate_memory` with the coefficient set kbert uses there (`compiler_for`). There
+    is no autotuning without the device, so these are not the device's own bytes (on an H100 and an H200, 0.97
+    to 1.00 of them at the points measured on both); what they answer is how a change to kbert's program moves
+    a device's bytes (the same description before and after), and how far the planner is from devices no
+    session has had. A point whose step does not fit the device (a TPU's compiler says so) keeps its row with
+    the error."""
+    from kbert.train.memory import compiler_for
+    from kbert.train.probe import CompiledStep, build_trainer, is_out_of_memory
 
     config, steps, rows = _config(model, vocab), {}, []
     for name in targets:
-        device = target_gpu(name)
+        device = target_device(name)
+        compiler = compiler_for("tpu" if name in TPU_TARGETS else "gpu")
         for precision, seq, batch in points:
             if (precision, seq) not in steps:
                 steps[precision, seq] = CompiledStep(build_trainer(config, "adamw", precision, abstract=True),
                                                      config, seq)
-            compiled = steps[precision, seq].bytes_for(batch, device)
-            rows.append(dict(planned_row(model, config, seq, batch, precision, compiled), target=name))
+            try:
+                compiled, error = steps[precision, seq].bytes_for(batch, device), None
+            except Exception as e:  # noqa: BLE001 - only a step too large for the device keeps its row
+                if not is_out_of_memory(e):
+                    raise
+                compiled, error = None, f"does not fit the device's memory: {str(e).splitlines()[0][:200]}"
+            row = dict(planned_row(model, config, seq, batch, precision, compiled, compiler), target=name)
+            rows.append(dict(row, error=error) if error else row)
     return rows
 
 
@@ -739,10 +781,14 @@ def report_aot_check(memory_rows, aot_rows) -> None:
 
 
 def report_aot(rows) -> None:
-    print(f"{'GPU (no device)':<16} {'precision':<15} {'seq':>4} {'batch':>5} {'planner GB':>10} "
+    print(f"{'device (not here)':<17} {'precision':<15} {'seq':>4} {'batch':>5} {'planner GB':>10} "
           f"{'compiled GB':>11} {'planner vs compiled':>19}")
     for r in rows:
-        print(f"{r['target']:<16} {r['precision']:<15} {r['seq']:>4} {r['batch']:>5} {_gb(r['planned_bytes']):>10} "
+        if r.get("compiled_bytes") is None:
+            print(f"{r['target']:<17} {r['precision']:<15} {r['seq']:>4} {r['batch']:>5} "
+                  f"{_gb(r['planned_bytes']):>10} {r.get('error') or 'no memory analysis'}")
+            continue
+        print(f"{r['target']:<17} {r['precision']:<15} {r['seq']:>4} {r['batch']:>5} {_gb(r['planned_bytes']):>10} "
               f"{_gb(r['compiled_bytes']):>11} {r['error_vs_compiled']:>+19.1%}")
     for precision, (now, want) in suggest_act_bytes(rows).items():
         print(f"suggest_act_bytes {precision}: {now} now; {want} puts the planner at or above every point")
@@ -825,7 +871,7 @@ def aot_traffic(model: str, seq: int, batch: int, precision: str, vocab: int, va
     device's; the memory-bound passes and their sizes are the same program's."""
     from kbert.train.probe import CompiledStep, build_trainer
 
-    device, rows = target_gpu(target), []
+    device, rows = target_device(target), []
     for overrides in variants:
         config = _config(model, vocab, overrides)
         _switch_implementation(overrides)
@@ -1370,26 +1416,27 @@ def _act_field(precision: str) -> str:
 
 
 def suggest_act_bytes(memory_rows) -> dict:
-    """{precision: (the `xla` set's bytes per activation element, the value that would put the planner at or
-    just above every compiled point of `memory_rows`)}, rounded up to 0.05. The planner is the state and
-    workspace (fixed) plus activation terms proportional to that coefficient (the masked-LM logits too, in the
-    `xla` set), so each point asks for coefficient x (compiled - fixed) / (planned - fixed); the largest over
-    the points keeps the plan on the side of fitting everywhere. For a refit after the program changes (a
-    device run's `memory` stage), not a per-row fit."""
+    """{precision: (the `xla` set's bytes per activation element (a row's own `compiler` set where it names
+    one, keyed "precision (set)"), the value that would put the planner at or just above every compiled point
+    of `memory_rows`)}, rounded up to 0.05. The planner is the state and workspace (fixed) plus activation
+    terms proportional to that coefficient (the masked-LM logits too), so each point asks for coefficient x
+    (compiled - fixed) / (planned - fixed); the largest over the points keeps the plan on the side of fitting
+    everywhere. For a refit after the program changes (a device run's `memory` stage), not a per-row fit."""
     import math
 
     from kbert.train.memory import COMPILERS
 
-    c = COMPILERS["xla"]
     needed = {}
     for r in memory_rows:
         compiled, parts = r.get("compiled_bytes"), r.get("components") or {}
         if not compiled or "weights_grads_slots" not in parts:
             continue
         fixed = parts["weights_grads_slots"] + parts["workspace"]
-        now = getattr(c, _act_field(r["precision"]))
+        compiler = r.get("compiler", "xla")
+        now = getattr(COMPILERS[compiler], _act_field(r["precision"]))
         want = now * (compiled - fixed) / (r["planned_bytes"] - fixed)
-        needed[r["precision"]] = (now, max(want, needed.get(r["precision"], (now, 0.0))[1]))
+        key = r["precision"] if compiler == "xla" else f"{r['precision']} ({compiler} set)"
+        needed[key] = (now, max(want, needed.get(key, (now, 0.0))[1]))
     return {p: (now, math.ceil(want * 20 - 1e-9) / 20) for p, (now, want) in needed.items()}
 
 
@@ -1446,9 +1493,10 @@ def main(argv=None):
                         help="all: ';'-separated sets of XLA flags, each timed in its own throughput process "
                              "after the profile ('none': skip); write it --xla-variants=--xla_..., as the value "
                              "starts with '--'")
-    parser.add_argument("--targets", default=",".join(GPU_TARGETS),
-                        help="aot-memory: GPUs to compile for (no GPU needed): " + ", ".join(GPU_TARGETS)
-                        + " (aot-traffic: the first)")
+    parser.add_argument("--targets", default="h100,h200",
+                        help="aot-memory: devices to compile for, none of which needs to be here: "
+                        + ", ".join(TARGETS) + " (GPUs with JAX's CUDA plugin, TPUs with libtpu; aot-traffic: "
+                        "the first)")
     parser.add_argument("--points", default=",".join(":".join(map(str, p)) for p in MEMORY_POINTS),
                         help="aot-memory: precision:seq:batch points, ','-separated")
     parser.add_argument("--cap", default="12GB", help="capped/all: the memory the GPU is capped at")

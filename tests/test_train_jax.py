@@ -699,14 +699,29 @@ def test_the_gpu_aot_memory_stage_compiles_for_a_device_that_is_not_here(capsys)
         "config = gpu._config('bert-tiny', 1000)\n"
         "step = CompiledStep(build_trainer(config, 'adamw', 'mixed_bfloat16', abstract=True), config, 64)\n"
         "local = {b: step.bytes(b) for b in (4, 16)}\n"
-        "real = gpu.target_gpu\n"
-        "gpu.target_gpu = lambda name: jax.devices('cpu')[0]\n"
+        "real = gpu.target_device\n"
+        "gpu.target_device = lambda name: jax.devices('cpu')[0]\n"
         "rows = gpu.aot_memory('bert-tiny', [('mixed_bfloat16', 64, 4), ('mixed_bfloat16', 64, 16)], ['h100'], 1000)\n"
         "gpu.report_aot(rows)\n"
         "def absent(*a, **k):\n    raise NotImplementedError('topology not implemented for cuda')\n"
         "topologies.get_topology_desc = absent\n"
         "try:\n    real('h200')\n    error = None\nexcept RuntimeError as e:\n    error = str(e)\n"
-        "print(json.dumps(dict(local=local, rows=rows, error=error, h200=gpu.gpu_target_config('h200'))))\n")
+        "def no_libtpu(*a, **k):\n"
+        "    raise RuntimeError('JAX TPU support not installed; cannot generate TPU topology')\n"
+        "topologies.get_topology_desc = no_libtpu\n"
+        "try:\n    real('tpu-v5e')\n    tpu_error = None\nexcept RuntimeError as e:\n    tpu_error = str(e)\n"
+        "measured = CompiledStep.bytes_for\n"
+        "def tpu_bytes(self, batch, device):\n"
+        "    if batch > 8:  # libtpu's words when a step does not fit a chip's HBM\n"
+        "        raise RuntimeError('RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in '\n"
+        "                           'memory space hbm. Used 17.33G of 15.75G hbm.')\n"
+        "    return measured(self, batch, device)\n"
+        "CompiledStep.bytes_for = tpu_bytes\n"
+        "tpu_rows = gpu.aot_memory('bert-tiny', [('mixed_bfloat16', 64, 4), ('mixed_bfloat16', 64, 16)],\n"
+        "                          ['tpu-v5e'], 1000)\n"
+        "gpu.report_aot(tpu_rows)\n"
+        "print(json.dumps(dict(local=local, rows=rows, error=error, h200=gpu.gpu_target_config('h200'), "
+        "tpu_error=tpu_error, tpu_rows=tpu_rows)))\n")
     found, proc = run_on_jax(script, env={"PYTHONPATH": os.path.dirname(here)})
     rows, out = found["rows"], proc.stdout
     assert [r["compiled_bytes"] for r in rows] == [found["local"]["4"], found["local"]["16"]]
@@ -714,12 +729,25 @@ def test_the_gpu_aot_memory_stage_compiles_for_a_device_that_is_not_here(capsys)
     assert all(r["planned_bytes"] > 0 and "weights_grads_slots" in r["components"] for r in rows)
     assert "h100" in out and "suggest_act_bytes mixed_bfloat16: 2.25 now;" in out
     assert "pip install 'jax[cuda12]'" in found["error"] and "topology not implemented" in found["error"]
+    assert "needs libtpu (pip install 'jax[tpu]'" in found["tpu_error"] and "not installed" in found["tpu_error"]
+    # a TPU chip is planned with the TPU's coefficients; a step too large for it keeps its row, with the reason
+    fits, too_large = found["tpu_rows"]
+    assert fits["compiler"] == too_large["compiler"] == "xla-tpu" and rows[0]["compiler"] == "xla"
+    assert fits["compiled_bytes"] == found["local"]["4"] and "error" not in fits
+    assert too_large["compiled_bytes"] is None and too_large["planned_bytes"] > fits["planned_bytes"]
+    assert too_large["error"].startswith("does not fit the device's memory: RESOURCE_EXHAUSTED")
+    assert "tpu-v5e" in out and "Ran out of memory in memory space hbm" in out
+    assert "suggest_act_bytes mixed_bfloat16 (xla-tpu set):" in out
     h200 = found["h200"]
     assert 'device_description_str: "NVIDIA H200"' in h200 and "memory_bandwidth: 4800000000000" in h200
     assert h200.count("{") == h200.count("}") == 4  # gpu_device_info, its capability, cuDNN's and CUDA's versions
     gpu = gpu_script()
-    with pytest.raises(ValueError, match="known targets are h100, h200"):
-        gpu.gpu_target_config("a100")
+    with pytest.raises(ValueError, match="known targets are h100, h200, a100, l4, rtx3060"):
+        gpu.gpu_target_config("v100")
+    # an Ampere 12 GB card is described as itself: its compute capability and shared memory choose XLA's kernels
+    rtx = gpu.gpu_target_config("rtx3060")
+    assert "cuda_compute_capability { major: 8 minor: 6 }" in rtx and "shared_memory_per_core: 102400" in rtx
+    assert "device_memory_size: 12884901888" in rtx and rtx.count("{") == rtx.count("}") == 4
     # in `gpu.py all` the device's own description is compiled too, and set beside the device's bytes
     memory_rows = [{"precision": "mixed_bfloat16", "seq": 128, "batch": 256, "compiled_bytes": 15.98e9,
                     "device": "NVIDIA H200"}, {"precision": "float32", "seq": 128, "batch": 256, "error": "exit 1"}]
