@@ -357,7 +357,8 @@ def _plan(args):
     print(f"{_plan_title(args, config)}, {args.memory} ({parse_memory(args.memory) / 1e9:.1f} GB), {args.optimizer}, "
           f"{args.precision}"
           + (", activation recomputation" if args.recompute else "")
-          + {"xla": ", XLA-compiled step (GPU/TPU)", "xla-cpu": ", XLA-compiled step on a CPU"}.get(
+          + {"xla": ", XLA-compiled step on a GPU", "xla-tpu": ", XLA-compiled step on a TPU",
+             "xla-cpu": ", XLA-compiled step on a CPU"}.get(
               args.compiler, ", op-by-op step (no XLA)"))
     header = "| seq len | max batch | planned memory |" + (" micro-batch x accumulation x replicas |" if args.target_batch else "")
     print(header)
@@ -1661,8 +1662,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target-batch", type=int, help="global batch to reach with accumulation and replicas")
     p.add_argument("--replicas", type=int, default=1, help="devices the global --target-batch is split over")
     p.add_argument("--recompute", action="store_true", help="activation recomputation")
-    p.add_argument("--compiler", choices=("xla", "xla-cpu", "none"), default="xla",
-                   help="how the train step runs: xla (kbert's default on GPU/TPU), xla-cpu (XLA on a CPU, which "
+    p.add_argument("--compiler", choices=("xla", "xla-tpu", "xla-cpu", "none"), default="xla",
+                   help="how the train step runs: xla (kbert's default: XLA on a GPU), xla-tpu (XLA on a TPU, "
+                        "which keeps fewer activation bytes), xla-cpu (XLA on a CPU, which "
                         "keeps about twice the activations) or none (op by op, as TF 1.x; the coefficients behind "
                         "google-research/bert's 12 GB table)")
     p.add_argument("--exact", action="store_true",

@@ -198,6 +198,20 @@ def test_plan_says_when_the_model_does_not_fit():
     assert proc.returncode == 0 and "| 512 | does not fit |" in proc.stdout and "note:" in proc.stderr
 
 
+def test_plan_names_the_device_its_coefficients_are_for():
+    """`--compiler xla-tpu`: a TPU's float32 step keeps about as few activation bytes as its bfloat16 one, so it
+    plans a larger float32 batch than the GPU set, and the title says which program was planned."""
+    tables = {}
+    for compiler in ("xla", "xla-tpu"):
+        proc = run("plan", "--memory", "12GB", "--seq-lens", "128", "--compiler", compiler)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        tables[compiler] = proc.stdout
+        row = next(line for line in proc.stdout.splitlines() if line.startswith("| 128 |"))
+        tables[compiler + " batch"] = int(row.split("|")[2])
+    assert "XLA-compiled step on a GPU" in tables["xla"] and "XLA-compiled step on a TPU" in tables["xla-tpu"]
+    assert tables["xla-tpu batch"] > 1.3 * tables["xla batch"] > 0
+
+
 def test_plan_sizes_a_model_dir_at_the_lengths_its_positions_reach(tmp_path):
     """`kbert plan --model DIR` plans continued pretraining of a model users have (a KcBERT-like config: vocabulary
     30,000, 300 positions): the default lengths stop at its positions' end and include it, the title names what

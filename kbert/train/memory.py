@@ -33,15 +33,25 @@
   layer's full activations; gradient accumulation divides the batch that must fit by the number of
   micro-batches and adds one fp32 accumulator per parameter.
 
-The coefficients depend on how the train step is executed, so there are three global sets, `COMPILERS`:
+The coefficients depend on how the train step is executed, so there are four global sets, `COMPILERS`:
 
-- `"xla"` (kbert's default on a GPU or TPU, and what `kbert plan --probe` runs there): XLA fuses the elementwise
+- `"xla"` (kbert's default on a GPU, and what `kbert plan --probe` runs there): XLA fuses the elementwise
   work and frees each activation as soon as its gradient is formed, so far fewer tensors are kept and the
   gradients are never all live at the activation peak. Chosen (round values, never under) on the byte count
   of XLA's compiled BERT-Base training step on an H200 and an H100, plus a 64 MB workspace (the allocator's
   peak after real steps is that count plus 10-45 MB); benchmarks/README.md has the points, the devices and
   how far each estimate is from them. `kbert plan --exact` reads that byte
   count for the model and device at hand;
+- `"xla-tpu"` (a Cloud TPU: `trainer.batch_size: auto`, `--exact`'s start and `kbert plan --compiler xla-tpu`):
+  the `xla` set with fewer bytes per float32 activation element: a TPU's float32 step keeps few more
+  activation bytes than its bfloat16 one (its matmuls run at default precision on bfloat16 copies of their
+  inputs, likely what the backward pass keeps). Chosen the same way (round values, never
+  under) on XLA's memory analysis of the step compiled by libtpu for a TPU v5e chip, with no TPU here
+  (`benchmarks/gpu.py aot-memory --targets tpu-v5e`, as MaxText's `train_compile.py` checks TPU memory
+  before a TPU is rented). The TPU's bytes do not follow this model's form as a GPU's do: at length 64 a token
+  costs 15-22% more than at 128 (likely the TPU's tiling: an array's last dimension is padded to 128 lanes,
+  and several of the step's arrays end in the sequence length), so the set covers length 64 and is 29-46% over the TPU's
+  program at 128 and 512. No TPU has run these points; `kbert plan --exact` there reads its own program;
 - `"xla-cpu"` (the same step compiled by XLA for a CPU: `trainer.batch_size: auto` on a CPU, `kbert plan --exact`
   and `--probe` there, `kbert plan --compiler xla-cpu`): XLA's CPU programs keep about twice the activation
   bytes of a GPU's, and under mixed precision as many as in float32 (the CPU computes bfloat16 ops in float32
@@ -87,6 +97,11 @@ COMPILERS = {
                               attn_bytes_per_score=1.5, attn_dropout_masks=0.75, workspace_bytes=64e6,
                               extra_bytes_per_slot=0, gradients_live_at_peak=False, mixed_act_bytes=2.25,
                               float32_act_bytes=4.25, mlm_logit_copies=2, mlm_logits_float32=False),
+    # the xla set with a TPU's bytes per activation element: see the module docstring
+    "xla-tpu": MemoryCoefficients(act_token_bytes_per_hidden=6.5, dropout_masks_per_hidden=1, intermediate_factor=2,
+                                  attn_bytes_per_score=1.5, attn_dropout_masks=0.75, workspace_bytes=64e6,
+                                  extra_bytes_per_slot=0, gradients_live_at_peak=False, mixed_act_bytes=2.25,
+                                  float32_act_bytes=2.75, mlm_logit_copies=2, mlm_logits_float32=False),
     # activations as float32 in both precisions: see the module docstring
     "xla-cpu": MemoryCoefficients(act_token_bytes_per_hidden=6.5, dropout_masks_per_hidden=1, intermediate_factor=5,
                                   attn_bytes_per_score=1.5, attn_dropout_masks=0.5, workspace_bytes=16e6,
@@ -118,8 +133,8 @@ def estimate_memory(config, batch: int, seq_len: int, optimizer: str = "adamw", 
                     max_predictions: Optional[int] = None, accumulation: int = 1,
                     recompute: bool = False, compiler: str = "xla") -> Dict[str, float]:
     """Bytes needed to train `config` (a ModelConfig) on `batch` x `seq_len`, by component. `compiler`:
-    "xla" (the train step compiled with XLA for a GPU or TPU, kbert's default), "xla-cpu" (compiled with XLA
-    for a CPU) or "none" (op-by-op)."""
+    "xla" (the train step compiled with XLA for a GPU, kbert's default), "xla-tpu" (for a TPU), "xla-cpu"
+    (for a CPU) or "none" (op-by-op)."""
     if optimizer not in OPTIMIZER_SLOTS:
         raise ValueError(f"`optimizer` must be one of {tuple(OPTIMIZER_SLOTS)}. Received: {optimizer!r}")
     if precision not in PRECISIONS:
@@ -200,9 +215,9 @@ def plan_batch_size(config, memory, seq_lens: Sequence[int] = (128,), target_bat
     """`kbert.plan_batch_size(...)`: for each sequence length, the max micro-batch per replica of `config` (a
     ModelConfig, a preset name, a model dir or a Hugging Face Hub name) that fits
     `memory` (less a safety `margin` fraction) and, for a `target_batch` (global), the micro-batch x
-    accumulation steps x replicas that reaches it. `compiler`: "xla" (kbert's default: a GPU or TPU),
-    "xla-cpu" (XLA on a CPU) or "none" (op-by-op execution; the coefficients anchored on google-research/bert's
-    12 GB table)."""
+    accumulation steps x replicas that reaches it. `compiler`: "xla" (kbert's default: a GPU), "xla-tpu"
+    (XLA on a TPU), "xla-cpu" (XLA on a CPU) or "none" (op-by-op execution; the coefficients anchored on
+    google-research/bert's 12 GB table)."""
     if isinstance(config, str):
         config = config_of(config)
     budget = parse_memory(memory) * (1.0 - margin)
@@ -231,7 +246,7 @@ def plan_batch_size(config, memory, seq_lens: Sequence[int] = (128,), target_bat
 
 def compiler_for(device: Optional[str]) -> str:
     """The coefficient set of an XLA-compiled step on `device` ("cpu", "gpu", "tpu"; None: no accelerator)."""
-    return "xla-cpu" if device in (None, "cpu") else "xla"
+    return {None: "xla-cpu", "cpu": "xla-cpu", "tpu": "xla-tpu"}.get(device, "xla")
 
 
 def plan_for_config(config, model_config, precision: str, replicas: int, device: str,
