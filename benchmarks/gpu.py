@@ -26,7 +26,7 @@ batches that stay on the device, so the figure is the model's step and not an in
   XLA's memory analysis of the same compiled step and `kbert.train.memory.estimate_memory`;
 - `aot-memory` (any host, no GPU or TPU; JAX's CUDA plugin or libtpu installed): the `memory` points compiled
   by XLA for devices described to it (`--targets`: an H100 and an H200 by default; an A100, an L4, the 12 GB
-  RTX 3060 and TPU v5e, v4 and v6e chips too; deviceless compilation), XLA's memory analysis beside the
+  RTX 3060 and TPU v5e and v6e chips too; deviceless compilation), XLA's memory analysis beside the
   planner, and the refit line: how a change to kbert's program moves a device's bytes before device time, and
   the planner on devices no session has had (in `all`, the `aot` stage compiles two memory points for the
   device's own description, beside its bytes);
@@ -676,8 +676,8 @@ GPU_TARGETS = {
 }
 # Cloud TPUs: a chip of a TPU slice's topology (`jax.experimental.topologies`, from libtpu: pip install
 # 'jax[tpu]', no TPU needed), compiled for as MaxText's `train_compile.py` does to find out-of-memory steps
-# before a TPU is rented.
-TPU_TARGETS = {"tpu-v5e": "v5e:2x2", "tpu-v4": "v4:2x2x1", "tpu-v6e": "v6e:2x2"}
+# before a TPU is rented. One JAX device per chip on these; a v4 description gives one per core here.
+TPU_TARGETS = {"tpu-v5e": "v5e:2x2", "tpu-v6e": "v6e:2x2"}
 TARGETS = (*GPU_TARGETS, *TPU_TARGETS)
 
 

@@ -554,7 +554,8 @@ def test_planner_regression_guard_on_the_points_it_was_chosen_on():
 # analysis of the current BERT-Base step (AdamW, vocab 32000, BERT's dropouts) at the batches `kbert plan
 # --memory 12GB` plans, in GB. Deviceless, not device figures: on the H100 and H200 such bytes were 0.97 to 1.00
 # of the device's own. A100, L4 and the RTX 3060 (Ampere and Ada) give the same bytes within 0.1%; the H200's
-# description is there for comparison. The TPU is one chip of a v5e slice (libtpu), planned with `xla-tpu`.
+# description is there for comparison. The TPUs are one chip of a v5e or v6e slice (libtpu), planned with
+# `xla-tpu`.
 DEVICELESS_POINTS = {  # (target, precision, seq, batch): compiled GB
     **{("rtx3060",) + k: v for k, v in {
         (BF16, 128, 32): 3.330, (BF16, 64, 406): 11.688, (BF16, 128, 182): 11.587, (BF16, 512, 28): 11.389,
@@ -570,6 +571,7 @@ DEVICELESS_POINTS = {  # (target, precision, seq, batch): compiled GB
         (BF16, 64, 128): 4.20, (BF16, 64, 256): 7.94, (BF16, 64, 406): 11.594, (BF16, 256, 75): 8.98,
         (BF16, 512, 28): 9.144, (FP32, 64, 200): 7.35, (FP32, 64, 400): 13.53, (FP32, 128, 98): 6.229,
         (FP32, 128, 200): 11.09, (FP32, 512, 15): 5.970}.items()},
+    ("tpu-v6e", BF16, 128, 182): 8.99, ("tpu-v6e", FP32, 64, 400): 13.51,
 }
 
 
