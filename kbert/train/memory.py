@@ -48,10 +48,11 @@ The coefficients depend on how the train step is executed, so there are four glo
   inputs, likely what the backward pass keeps). Chosen the same way (round values, never
   under) on XLA's memory analysis of the step compiled by libtpu for a TPU v5e chip, with no TPU here
   (`benchmarks/gpu.py aot-memory --targets tpu-v5e`, as MaxText's `train_compile.py` checks TPU memory
-  before a TPU is rented). The TPU's bytes do not follow this model's form as a GPU's do: at length 64 a token
-  costs 15-22% more than at 128 (likely the TPU's tiling: an array's last dimension is padded to 128 lanes,
-  and several of the step's arrays end in the sequence length), so the set covers length 64 and is 29-46% over the TPU's
-  program at 128 and 512. No TPU has run these points; `kbert plan --exact` there reads its own program;
+  before a TPU is rented). The TPU's bytes do not follow this model's form as a GPU's do: below length 128 a
+  token costs more than at 128, since the TPU pads the attention scores' and the per-head arrays' 64-long
+  minor dimensions to 128-lane tiles. The set covers length 64, so it errs well to the side of fitting at 128
+  and 512 (benchmarks/README.md has the points). No TPU has run them; `kbert plan --exact` there reads its own
+  program;
 - `"xla-cpu"` (the same step compiled by XLA for a CPU: `trainer.batch_size: auto` on a CPU, `kbert plan --exact`
   and `--probe` there, `kbert plan --compiler xla-cpu`): XLA's CPU programs keep about twice the activation
   bytes of a GPU's, and under mixed precision as many as in float32 (the CPU computes bfloat16 ops in float32
@@ -68,6 +69,7 @@ Never fitted per row. `kbert plan --probe` confirms the answer with real steps o
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 import re
 from dataclasses import dataclass
@@ -97,11 +99,6 @@ COMPILERS = {
                               attn_bytes_per_score=1.5, attn_dropout_masks=0.75, workspace_bytes=64e6,
                               extra_bytes_per_slot=0, gradients_live_at_peak=False, mixed_act_bytes=2.25,
                               float32_act_bytes=4.25, mlm_logit_copies=2, mlm_logits_float32=False),
-    # the xla set with a TPU's bytes per activation element: see the module docstring
-    "xla-tpu": MemoryCoefficients(act_token_bytes_per_hidden=6.5, dropout_masks_per_hidden=1, intermediate_factor=2,
-                                  attn_bytes_per_score=1.5, attn_dropout_masks=0.75, workspace_bytes=64e6,
-                                  extra_bytes_per_slot=0, gradients_live_at_peak=False, mixed_act_bytes=2.25,
-                                  float32_act_bytes=2.75, mlm_logit_copies=2, mlm_logits_float32=False),
     # activations as float32 in both precisions: see the module docstring
     "xla-cpu": MemoryCoefficients(act_token_bytes_per_hidden=6.5, dropout_masks_per_hidden=1, intermediate_factor=5,
                                   attn_bytes_per_score=1.5, attn_dropout_masks=0.5, workspace_bytes=16e6,
@@ -112,6 +109,8 @@ COMPILERS = {
                                extra_bytes_per_slot=4, gradients_live_at_peak=True, mixed_act_bytes=2,
                                float32_act_bytes=4, mlm_logit_copies=3, mlm_logits_float32=True),
 }
+# the xla set with a TPU's bytes per float32 activation element: see the module docstring
+COMPILERS["xla-tpu"] = dataclasses.replace(COMPILERS["xla"], float32_act_bytes=2.75)
 OPTIMIZER_SLOTS = {"adam": 2, "adamw": 2, "lamb": 2, "adafactor": 1, "sgd": 0, "momentum": 1}
 PRECISIONS = ("float32", "mixed_float16", "mixed_bfloat16")
 
