@@ -1663,8 +1663,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--replicas", type=int, default=1, help="devices the global --target-batch is split over")
     p.add_argument("--recompute", action="store_true", help="activation recomputation")
     p.add_argument("--compiler", choices=("xla", "xla-tpu", "xla-cpu", "none"), default="xla",
-                   help="how the train step runs: xla (kbert's default: XLA on a GPU), xla-tpu (XLA on a TPU, "
-                        "which keeps fewer activation bytes), xla-cpu (XLA on a CPU, which "
+                   help="how the train step runs: xla (kbert's default: XLA on a GPU), xla-tpu (XLA on a TPU: fewer "
+                        "activation bytes, in 128-lane tiles), xla-cpu (XLA on a CPU, which "
                         "keeps about twice the activations) or none (op by op, as TF 1.x; the coefficients behind "
                         "google-research/bert's 12 GB table)")
     p.add_argument("--exact", action="store_true",

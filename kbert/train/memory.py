@@ -6,8 +6,11 @@
                                    [+ 4 for gradient accumulators])
                        + batch x seq x layers_computed x ACT_TOKEN_BYTES_PER_HIDDEN x
                              (hidden + intermediate x INTERMEDIATE_FACTOR) x act_bytes
-                       + batch x heads x seq^2 x layers_computed x ATTN_BYTES_PER_SCORE x act_bytes
+                       + batch x heads x seq x seq' x layers_computed x ATTN_BYTES_PER_SCORE x act_bytes
                        + batch x predictions x vocab x (logits + softmax + gradient, fp32)
+
+    (seq' = seq; on a TPU seq rounded up to whole 128-lane tiles, and below length 128 a few of the
+    width-hidden tensors padded alike: the `xla-tpu` set below)
 
 - parameters: counted from the ModelConfig (ALBERT shares one group's weights across layers, so its
   parameter memory is small while its activations still grow with the number of layers computed);
@@ -43,16 +46,18 @@ The coefficients depend on how the train step is executed, so there are four glo
   how far each estimate is from them. `kbert plan --exact` reads that byte
   count for the model and device at hand;
 - `"xla-tpu"` (a Cloud TPU: `trainer.batch_size: auto`, `--exact`'s start and `kbert plan --compiler xla-tpu`):
-  the `xla` set with fewer bytes per float32 activation element: a TPU's float32 step keeps few more
-  activation bytes than its bfloat16 one (its matmuls run at default precision on bfloat16 copies of their
-  inputs, likely what the backward pass keeps). Chosen the same way (round values, never
-  under) on XLA's memory analysis of the step compiled by libtpu for a TPU v5e chip, with no TPU here
-  (`benchmarks/gpu.py aot-memory --targets tpu-v5e`, as MaxText's `train_compile.py` checks TPU memory
-  before a TPU is rented). The TPU's bytes do not follow this model's form as a GPU's do: below length 128 a
-  token costs more than at 128, since the TPU pads the attention scores' and the per-head arrays' 64-long
-  minor dimensions to 128-lane tiles. The set covers length 64, so it errs well to the side of fitting at 128
-  and 512 (benchmarks/README.md has the points). No TPU has run them; `kbert plan --exact` there reads its own
-  program;
+  the `xla` set's tensors with a TPU's bytes per element and its tiling. A TPU keeps fewer bytes per
+  activation element than a GPU, and in float32 few more than in bfloat16 (its matmuls run at default
+  precision on bfloat16 copies of their inputs, likely what the backward pass keeps), beside a larger
+  fixed part (a 256 MB workspace: what a small batch keeps beyond the weights and slots). It stores an array's
+  minor dimension in 128-lane tiles: the attention scores' rows take a whole number of lanes, and below
+  length 128 the per-head [b, seq, heads, 64] arrays fill half a lane whichever of their two minor
+  dimensions is laid out last, so a token costs more at length 64 than at 128 (`lane_width`,
+  `padded_head_tensors`). Chosen the same way (round values, never under) on XLA's memory analysis of the
+  step compiled by libtpu for a TPU v5e chip, with no TPU here (`benchmarks/gpu.py aot-memory --targets
+  tpu-v5e`, as MaxText's `train_compile.py` checks TPU memory before a TPU is rented), BERT-Base at lengths
+  64 to 512 and BERT-Large, both precisions (benchmarks/README.md has the points). No TPU has run them, so
+  the set keeps a few percent more than those programs; `kbert plan --exact` on a TPU host reads its own;
 - `"xla-cpu"` (the same step compiled by XLA for a CPU: `trainer.batch_size: auto` on a CPU, `kbert plan --exact`
   and `--probe` there, `kbert plan --compiler xla-cpu`): XLA's CPU programs keep about twice the activation
   bytes of a GPU's, and under mixed precision as many as in float32 (the CPU computes bfloat16 ops in float32
@@ -92,6 +97,12 @@ class MemoryCoefficients:
     float32_act_bytes: float  # bytes per activation element in float32
     mlm_logit_copies: float  # copies of the [masked positions x vocab] logits (logits, softmax, gradient)
     mlm_logits_float32: bool  # the logits' copies are float32 even under mixed precision
+    # a TPU's tiling: the minor dimension of an array is padded to `lane_width` (0: none). It pads the scores'
+    # last dimension (seq) and, where both its last two dimensions are shorter than a lane (seq and head size
+    # below 128), `padded_head_tensors` of the width-`hidden` tensors kept per token and layer, [b, seq, heads,
+    # head size] arrays that no layout can give a full lane
+    lane_width: int = 0
+    padded_head_tensors: float = 0
 
 
 COMPILERS = {
@@ -109,8 +120,9 @@ COMPILERS = {
                                extra_bytes_per_slot=4, gradients_live_at_peak=True, mixed_act_bytes=2,
                                float32_act_bytes=4, mlm_logit_copies=3, mlm_logits_float32=True),
 }
-# the xla set with a TPU's bytes per float32 activation element: see the module docstring
-COMPILERS["xla-tpu"] = dataclasses.replace(COMPILERS["xla"], float32_act_bytes=2.75)
+# the xla set's tensors with a TPU's bytes per activation element and its 128-lane tiling: see the module docstring
+COMPILERS["xla-tpu"] = dataclasses.replace(COMPILERS["xla"], workspace_bytes=256e6, mixed_act_bytes=1.8,
+                                           float32_act_bytes=2.15, lane_width=128, padded_head_tensors=4)
 OPTIMIZER_SLOTS = {"adam": 2, "adamw": 2, "lamb": 2, "adafactor": 1, "sgd": 0, "momentum": 1}
 PRECISIONS = ("float32", "mixed_float16", "mixed_bfloat16")
 
@@ -126,6 +138,11 @@ def parse_memory(text) -> float:
     scale = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "ki": 2 ** 10, "mi": 2 ** 20, "gi": 2 ** 30,
              "ti": 2 ** 40}[unit]
     return float(m.group(1)) * scale
+
+
+def _lanes(n: int, lane: int) -> int:
+    """`n` rounded up to a whole number of `lane`-wide tiles (`n` itself where `lane` is 0)."""
+    return -(-n // lane) * lane if lane else n
 
 
 def estimate_memory(config, batch: int, seq_len: int, optimizer: str = "adamw", precision: str = "float32",
@@ -155,8 +172,13 @@ def estimate_memory(config, batch: int, seq_len: int, optimizer: str = "adamw", 
     h, i, heads, layers = config.hidden_size, config.intermediate_size, config.num_heads, config.num_layers
     hidden_tensors = c.act_token_bytes_per_hidden + (c.dropout_masks_per_hidden if config.dropout > 0 else 0)
     score_tensors = c.attn_bytes_per_score + (c.attn_dropout_masks if config.attention_dropout > 0 else 0)
+    score_width = _lanes(seq_len, c.lane_width)  # a score row's stored length
+    # each [b, seq, heads, head size] tensor is stored with whichever of its two minor dimensions pads least
+    head_size = h // heads
+    hidden_tensors += c.padded_head_tensors * (
+        min(score_width / seq_len, _lanes(head_size, c.lane_width) / head_size) - 1)
     per_layer_tokens = micro * seq_len * (hidden_tensors * h + c.intermediate_factor * i) * act
-    per_layer_attn = micro * heads * seq_len * seq_len * score_tensors * act
+    per_layer_attn = micro * heads * seq_len * score_width * score_tensors * act
     if recompute:
         activations = layers * micro * seq_len * h * act + per_layer_tokens + per_layer_attn
     else:
@@ -225,7 +247,8 @@ def plan_batch_size(config, memory, seq_lens: Sequence[int] = (128,), target_bat
         check_seq_len(config, seq)
         kw = dict(optimizer=optimizer, precision=precision, recompute=recompute, compiler=compiler)
         best = max_batch_size(config, budget, seq, **kw)
-        row = {"seq_len": seq, "max_batch": best, "memory_at_max": estimate_memory(config, max(best, 1), seq, **kw)["total"]}
+        row = {"seq_len": seq, "max_batch": best,
+               "memory_at_max": estimate_memory(config, max(best, 1), seq, **kw)["total"]}
         if target_batch:
             if target_batch % replicas:
                 raise ValueError(f"target batch {target_batch} is not divisible by {replicas} replicas")
