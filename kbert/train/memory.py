@@ -57,8 +57,8 @@ The coefficients depend on how the train step is executed, so there are four glo
   step compiled by libtpu for a TPU v5e chip, with no TPU here (`benchmarks/gpu.py aot-memory --targets
   tpu-v5e`, as MaxText's `train_compile.py` checks TPU memory before a TPU is rented), BERT-Base at lengths
   64 to 512 and BERT-Large, both precisions, and on a v6e chip's larger batches (benchmarks/README.md has
-  the points). No TPU has run them, so
-  the set keeps a few percent more than those programs; `kbert plan --exact` on a TPU host reads its own;
+  the points). No TPU has run them, so the set keeps a few percent more than those programs; `kbert plan
+  --exact` on a TPU host reads its own;
 - `"xla-cpu"` (the same step compiled by XLA for a CPU: `trainer.batch_size: auto` on a CPU, `kbert plan --exact`
   and `--probe` there, `kbert plan --compiler xla-cpu`): XLA's CPU programs keep about twice the activation
   bytes of a GPU's, and under mixed precision as many as in float32 (the CPU computes bfloat16 ops in float32
