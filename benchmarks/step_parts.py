@@ -30,7 +30,19 @@ import sys
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
 # Each backend runs in its own process (Keras fixes its backend at import). Times: ms per call, the median of
-# `rounds` rounds of `calls` calls, the variants alternating within each round.
+# `rounds` rounds of `calls` calls, the variants alternating within each round; `_TIMES` ends the scripts
+# whose `steps` map a name to a call that blocks until its result is ready.
+_TIMES = r"""
+times = {k: [] for k in steps}
+for _ in range(rounds):
+    for k, call in steps.items():
+        t = time.perf_counter()
+        for _ in range(calls):
+            call()
+        times[k].append((time.perf_counter() - t) / calls * 1e3)
+print(json.dumps({k: sorted(v)[len(v) // 2] for k, v in times.items()}))
+"""
+
 _LAYER_NORM = r"""
 import json, sys, time
 import numpy as np, keras
@@ -65,14 +77,6 @@ for jit in ((True,) if backend == "jax" else (False, True)):
         with layers.implementation(layer_norm=choice):
             call()  # traces and compiles with this choice
         steps[f"{backend}{' jit' if jit and backend != 'jax' else ''}: {choice}"] = call
-times = {k: [] for k in steps}
-for _ in range(rounds):
-    for k, call in steps.items():
-        t = time.perf_counter()
-        for _ in range(calls):
-            call()
-        times[k].append((time.perf_counter() - t) / calls * 1e3)
-print(json.dumps({k: sorted(v)[len(v) // 2] for k, v in times.items()}))
 """
 
 _DROPOUT = r"""
@@ -155,14 +159,6 @@ first = next(iter(values.values()))
 for name, got in values.items():  # the same loss and gradients, or the timing compares different things
     for a, r in zip(got, first):
         np.testing.assert_allclose(a, r, rtol=1e-4, atol=1e-6, err_msg=name)
-times = {k: [] for k in steps}
-for _ in range(rounds):
-    for k, call in steps.items():
-        t = time.perf_counter()
-        for _ in range(calls):
-            call()
-        times[k].append((time.perf_counter() - t) / calls * 1e3)
-print(json.dumps({k: sorted(v)[len(v) // 2] for k, v in times.items()}))
 """
 
 
@@ -186,14 +182,14 @@ def main(argv=None):
     rows = {}
     if args.only in (None, "layer_norm"):
         for backend in ("jax", "tensorflow"):
-            rows.update(_run(_LAYER_NORM, backend, args.shape, args.rounds, args.calls))
+            rows.update(_run(_LAYER_NORM + _TIMES, backend, args.shape, args.rounds, args.calls))
     if args.only in (None, "dropout"):
         rows.update({f"jax dropout 0.1: {k}": v for k, v in
                      _run(_DROPOUT, "jax", args.shape, args.rounds, args.calls).items()})
     if args.only in (None, "mlm_head"):
         for backend in ("jax", "tensorflow"):
             rows.update({f"{k} (float32 {args.head_shape})": v for k, v in
-                         _run(_MLM_HEAD, backend, args.head_shape, args.rounds, args.calls).items()})
+                         _run(_MLM_HEAD + _TIMES, backend, args.head_shape, args.rounds, args.calls).items()})
     print(f"ms per call, median of {args.rounds} rounds of {args.calls} calls; layer_norm and dropout: bf16 "
           f"{args.shape}")
     print("| part: code path | ms |\n|---|---:|")
