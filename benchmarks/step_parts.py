@@ -136,23 +136,24 @@ def vocab_major(x, t, ids, w):
 forms = {"kbert: x @ table^T, Keras' cross-entropy": kbert_form,
          "cross-entropy as logsumexp - label logit": label_logit, "logits vocabulary-major": vocab_major}
 steps, values = {}, {}
+if backend == "jax":
+    import jax
+else:
+    import tensorflow as tf
+    args = [tf.constant(a) for a in (x, table, ids, weights)]
 for name, form in forms.items():
     if backend == "jax":
-        import jax
         f = jax.jit(jax.value_and_grad(form, argnums=(0, 1)))
         call = lambda f=f: jax.block_until_ready(f(x, table, ids, weights))
         values[name] = [np.asarray(a) for a in jax.tree_util.tree_leaves(call())]
     else:
-        import tensorflow as tf
-        args = [tf.constant(a) for a in (x, table, ids, weights)]
-
         @tf.function(jit_compile=True)
         def f(a, t, i, w, form=form):
             with tf.GradientTape() as tape:
                 tape.watch([a, t])
                 loss = form(a, t, i, w)
             return [loss] + tape.gradient(loss, [a, t])
-        call = lambda f=f, args=args: [a.numpy() for a in f(*args)]
+        call = lambda f=f: [a.numpy() for a in f(*args)]
         values[name] = call()
     steps[f"{backend}{' jit' if backend != 'jax' else ''}: {name}"] = call
 first = next(iter(values.values()))
