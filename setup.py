@@ -73,6 +73,8 @@ setup(
             "keybert>=0.8",
             # The JAX backend tests run the same model code and the pretraining loop under KERAS_BACKEND=jax.
             "jax>=0.4.30",
+            # kbert's LAMB is checked step by step against optax's transforms (the paper's update, ALBERT's masks).
+            "optax>=0.2",
             "faiss-cpu>=1.8",
             # hybrid search, and benchmarks/quality.py's helpers (its TF-IDF baselines and pair sampling).
             "scikit-learn>=1.4",

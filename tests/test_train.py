@@ -843,6 +843,83 @@ def test_nan_loss_stops_with_the_last_good_checkpoint(tok_dir, tmp_path):
     assert f"at step {good + 1}" in str(err.value)
 
 
+LAMB_AGAINST_OPTAX = """
+import json
+import keras
+import numpy as np
+import jax.numpy as jnp
+import optax
+from kbert.train.config import OptimizerConfig
+from kbert.train.optimizers import NO_DECAY, WarmupDecay, make_optimizer
+
+
+def lamb_against_optax(steps=6, weight_decay=0.1, lr=0.05, warmup=2):
+    rng = np.random.default_rng(0)
+    table, dense, norm = keras.layers.Embedding(10, 6), keras.layers.Dense(5), keras.layers.LayerNormalization()
+    table.build((None,))
+    dense.build((None, 6))
+    norm.build((None, 5))
+    variables = table.weights + dense.weights + norm.weights  # embeddings, kernel, bias, gamma, beta
+    start = [rng.normal(0, 0.02, (10, 6)), rng.normal(0, 0.02, (6, 5)), rng.normal(0, 0.01, 5),
+             1 + rng.normal(0, 0.01, 5), rng.normal(0, 0.01, 5)]
+    start = [x.astype("float32") for x in start]
+    grads = [[rng.normal(0, 1, x.shape).astype("float32") for x in start] for _ in range(steps)]
+    schedule = WarmupDecay(lr, steps, warmup)
+
+    def run(optimizer):
+        for variable, value in zip(variables, start):
+            variable.assign(value)
+        for g in grads:
+            optimizer.apply([keras.ops.convert_to_tensor(x) for x in g], variables)
+        return [np.asarray(keras.ops.convert_to_numpy(v)) for v in variables]
+
+    config = OptimizerConfig(name="lamb", learning_rate=lr, weight_decay=weight_decay, warmup_steps=warmup,
+                             clip_norm=None)
+    ours = run(make_optimizer(config, total_steps=steps))
+    keras_own = keras.optimizers.Lamb(learning_rate=WarmupDecay(lr, steps, warmup), weight_decay=weight_decay,
+                                      epsilon=config.epsilon)
+    keras_own.exclude_from_weight_decay(var_names=list(NO_DECAY))
+    theirs = run(keras_own)
+
+    # the reference: optax's Adam scaling, decayed weights and trust ratio, the last two masked to the weights
+    # ALBERT decays (its exclusions from the ratio are its exclusions from decay), then the schedule's rate
+    decayed = [True, True, False, False, False]
+    tx = optax.chain(optax.scale_by_adam(b1=config.beta_1, b2=config.beta_2, eps=config.epsilon),
+                     optax.add_decayed_weights(weight_decay, mask=decayed),
+                     optax.masked(optax.scale_by_trust_ratio(), decayed))
+    params = [jnp.asarray(x) for x in start]
+    state = tx.init(params)
+    for step, g in enumerate(grads):
+        updates, state = tx.update([jnp.asarray(x) for x in g], state, params)
+        params = [p - schedule.host_value(step) * u for p, u in zip(params, updates)]
+    reference = [np.asarray(p) for p in params]
+    moved = [float(np.abs(r - s).max()) for r, s in zip(reference, start)]
+    return {"moved": moved,
+            "ours": [float(np.abs(a - r).max()) for a, r in zip(ours, reference)],
+            "keras": [float(np.abs(a - r).max()) for a, r in zip(theirs, reference)]}
+"""
+
+
+@pytest.mark.parametrize("backend", ["tensorflow", "jax"])
+def test_lamb_is_the_papers_update_step_by_step_against_optax(backend):
+    """kbert's LAMB against an independent implementation, optax's transforms composed as ALBERT's recipe
+    (decay inside the trust ratio; LayerNorm parameters and biases out of both), over six steps of warm-up and
+    decay, on each backend; Keras' own `Lamb` is not that update (the check tells them apart)."""
+    if backend == "jax":
+        pytest.importorskip("jax")
+        found, _ = run_on_jax(LAMB_AGAINST_OPTAX + "\nprint(json.dumps(lamb_against_optax()))")
+    else:
+        namespace = {}
+        exec(LAMB_AGAINST_OPTAX, namespace)
+        found = namespace["lamb_against_optax"]()
+    names = ["embeddings", "kernel", "bias", "gamma", "beta"]
+    for name, moved, ours, keras_own in zip(names, found["moved"], found["ours"], found["keras"]):
+        assert moved > 1e-3, name  # every variable moved: the comparison below means something
+        assert ours <= 1e-5 * max(moved, 1.0), (name, ours, moved)
+        # Keras' Lamb: its decay outside the ratio moves the decayed weights, its ratio shrinks the others' steps
+        assert keras_own > 0.1 * moved, (name, keras_own, moved)
+
+
 @pytest.mark.slow
 def test_lamb_trains_and_decay_excludes_layer_norm_and_biases(tok_dir, tmp_path):
     from kbert.train.config import OptimizerConfig

@@ -1,5 +1,10 @@
 """AdamW and LAMB with BERT's schedule: linear warm-up, then linear / polynomial decay; no weight decay on
-LayerNorm parameters and biases; global-norm clipping; gradient accumulation over micro-batches."""
+LayerNorm parameters and biases; global-norm clipping; gradient accumulation over micro-batches.
+
+AdamW is Keras' (decoupled decay, `w -= lr * wd * w`, as torch's AdamW and BERT's optimizer). LAMB is Keras'
+`Lamb` with the update ALBERT's recipe trains with (`Lamb` below): Keras' own decays weights outside the
+layer-wise trust ratio and applies the ratio to LayerNorm parameters and biases too.
+"""
 
 from __future__ import annotations
 
@@ -7,15 +12,17 @@ import keras
 
 OPTIMIZERS = ("adamw", "lamb")
 DECAYS = ("linear", "polynomial", "constant")
-# Variables whose path contains one of these get no weight decay (LayerNorm gammas/betas, all biases).
+# Variables whose name contains one of these get no weight decay (LayerNorm gammas/betas, all biases).
 NO_DECAY = ("bias", "beta", "gamma", "layer_norm", "layernorm")
 
 
 @keras.saving.register_keras_serializable("kbert")
 class WarmupDecay(keras.optimizers.schedules.LearningRateSchedule):
-    """`peak * step / warmup` for `step < warmup`, then polynomial decay (power 1: linear) to `end` at
-    `total_steps`. Steps are optimizer updates: Keras calls a schedule with its raw micro-step counter, which
-    with gradient accumulation advances once per micro-batch, so that counter is divided by `accumulation`."""
+    """`peak * (step + 1) / warmup` for `step < warmup` (steps count from 0, so no update is spent at rate 0,
+    where BERT's and transformers' warm-up start), then polynomial decay (power 1: linear) from the peak at
+    `warmup` to `end` at `total_steps`. Steps are optimizer updates: Keras calls a schedule with its raw
+    micro-step counter, which with gradient accumulation advances once per micro-batch, so that counter is
+    divided by `accumulation`."""
 
     def __init__(self, peak, total_steps, warmup_steps=0, end=0.0, power=1.0, accumulation=1):
         self.peak, self.total_steps, self.warmup_steps = float(peak), int(total_steps), int(warmup_steps)
@@ -43,6 +50,57 @@ class WarmupDecay(keras.optimizers.schedules.LearningRateSchedule):
     def get_config(self):
         return {"peak": self.peak, "total_steps": self.total_steps, "warmup_steps": self.warmup_steps,
                 "end": self.end, "power": self.power, "accumulation": self.accumulation}
+
+
+@keras.saving.register_keras_serializable("kbert")
+class Lamb(keras.optimizers.Lamb):
+    """LAMB as the paper and ALBERT's recipe define it (google-research/albert's `lamb_optimizer.py`; optax's
+    `lamb` and TF-Addons' `LAMB` are the same): with Adam's step `s = m_hat / (sqrt(v_hat) + eps)`,
+
+        u = s + wd * w;  w -= lr * (||w|| / ||u||) * u     (the ratio is 1 where either norm is 0)
+
+    for the variables that take weight decay, and `w -= lr * s` for those excluded from it
+    (`exclude_from_weight_decay`: LayerNorm parameters and biases), which ALBERT also excludes from the ratio.
+
+    Keras' `Lamb` differs in two ways that change training: it decays every variable before the step, as
+    AdamW does (`w -= lr * wd * w`), so the decay escapes the trust ratio, which for BERT's weights is far
+    below 1, and is that much stronger than the recipe's; and it scales the steps of biases and LayerNorm
+    parameters by their own ratio, so a bias that has just left zero hardly moves. Adam's bias correction is
+    kept (Keras', TF-Addons', NVIDIA's and optax's LAMB have it; ALBERT's has not, which matters in the first
+    steps of a run without warm-up only). Subclassing Keras' class keeps its slot variables (checkpoints
+    written with either resume with the other), clipping, gradient accumulation and loss scaling.
+    """
+
+    def __init__(self, weight_decay=None, **kwargs):
+        # Keras' base class would decay outside the ratio whenever `weight_decay` is set: it gets None
+        super().__init__(weight_decay=None, **kwargs)
+        self.decay_rate = float(weight_decay or 0.0)
+
+    def update_step(self, gradient, variable, learning_rate):
+        ops = keras.ops
+        dtype = variable.dtype
+        lr = ops.cast(learning_rate, dtype)
+        gradient = ops.cast(gradient, dtype)
+        t = ops.cast(self.iterations + 1, dtype)  # optimizer updates (Keras divides out accumulation)
+        m = self._momentums[self._get_variable_index(variable)]
+        v = self._velocities[self._get_variable_index(variable)]
+        self.assign_add(m, ops.multiply(ops.subtract(gradient, m), 1.0 - self.beta_1))
+        self.assign_add(v, ops.multiply(ops.subtract(ops.square(gradient), v), 1.0 - self.beta_2))
+        m_hat = ops.divide(m, 1.0 - ops.power(ops.cast(self.beta_1, dtype), t))
+        v_hat = ops.divide(v, 1.0 - ops.power(ops.cast(self.beta_2, dtype), t))
+        step = ops.divide(m_hat, ops.add(ops.sqrt(v_hat), self.epsilon))
+        if not self._use_weight_decay(variable):  # by name, decided once at tracing: no decay, no ratio
+            self.assign_sub(variable, ops.multiply(lr, step))
+            return
+        if self.decay_rate:
+            step = ops.add(step, ops.multiply(ops.cast(self.decay_rate, dtype), variable))
+        w_norm = ops.sqrt(ops.sum(ops.square(variable)))
+        s_norm = ops.sqrt(ops.sum(ops.square(step)))
+        ratio = ops.where(ops.logical_and(w_norm > 0, s_norm > 0), w_norm / ops.maximum(s_norm, 1e-30), 1.0)
+        self.assign_sub(variable, ops.multiply(ops.multiply(lr, ratio), step))
+
+    def get_config(self):
+        return dict(super().get_config(), weight_decay=self.decay_rate)
 
 
 def check_optimizer(config) -> None:
@@ -83,7 +141,7 @@ def make_optimizer(config, total_steps: int, accumulation: int = 1, precision: s
     kwargs = dict(learning_rate=schedule, weight_decay=config.weight_decay, beta_1=config.beta_1,
                   beta_2=config.beta_2, epsilon=config.epsilon, global_clipnorm=config.clip_norm,
                   gradient_accumulation_steps=accumulation if accumulation > 1 else None)
-    optimizer = keras.optimizers.AdamW(**kwargs) if config.name == "adamw" else keras.optimizers.Lamb(**kwargs)
+    optimizer = keras.optimizers.AdamW(**kwargs) if config.name == "adamw" else Lamb(**kwargs)
     optimizer.exclude_from_weight_decay(var_names=list(NO_DECAY))
     if precision == "mixed_float16":
         optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
