@@ -106,7 +106,6 @@ def test_nli_triplets_pair_each_entailment_with_a_contradiction_of_its_premise(t
     """KorNLI as a bi-encoder's NLI rows (the quality benchmark and tutorial 04 each built them by hand): a row
     per entailed hypothesis, its premise's contradictions taken in turn, premises without both labels left out."""
     import kbert
-    from helpers import SHARED
 
     tsv = _write(str(tmp_path / "snli_1.0_train.ko.tsv"), "sentence1\tsentence2\tgold_label\n"
                  "남자가 달린다.\t사람이 움직인다.\tentailment\n남자가 달린다.\t남자가 잔다.\tcontradiction\n"
@@ -116,10 +115,16 @@ def test_nli_triplets_pair_each_entailment_with_a_contradiction_of_its_premise(t
         {"anchor": "남자가 달린다.", "positive": "사람이 움직인다.", "negative": "남자가 잔다."},
         {"anchor": "남자가 달린다.", "positive": "남자가 뛰고 있다.", "negative": "남자가 잔다."}]
     assert len(kbert.nli_triplets(tsv, limit=1)) == 1
-    xnli = kbert.nli_triplets(os.path.join(SHARED, "kornli", "xnli.dev.ko.tsv"))
-    assert len(xnli) == 830 and all(r["positive"] != r["negative"] for r in xnli)
     with pytest.raises(ValueError, match=r"sts.tsv is not a KorNLI TSV: no column 'gold_label'"):
         kbert.nli_triplets(_write(str(tmp_path / "sts.tsv"), "sentence1\tsentence2\tscore\n가\t나\t5\n"))
+
+
+@needs_shared
+def test_nli_triplets_of_the_kornli_xnli_dev_file():
+    import kbert
+
+    xnli = kbert.nli_triplets(os.path.join(SHARED, "kornli", "xnli.dev.ko.tsv"))
+    assert len(xnli) == 830 and all(r["positive"] != r["negative"] for r in xnli)
 
 
 def test_selection_split_is_a_fixed_hash_cut_that_keeps_a_keys_rows_together():
@@ -390,7 +395,12 @@ def test_conllu_treebanks_read_as_a_row_per_sentence_with_a_tag_per_word(tmp_pat
     _write(str(tmp_path / "bad.conllu"), "1\t학교\tNOUN\n")
     with pytest.raises(ValueError, match=r"bad.conllu:1 has 3 tab-separated fields; a CoNLL-U word line has 10"):
         read_rows(str(tmp_path / "bad.conllu"), ["text"])
-    # the Korean GSD treebank: every sentence, a tag per whitespace word
+
+
+@needs_shared
+def test_the_korean_gsd_treebank_reads_every_sentence_with_a_tag_per_word():
+    from kbert.data.rows import read_rows
+
     gsd = os.path.join(SHARED, "ud-korean-gsd", "ko_gsd-ud-dev.conllu")
     rows = read_rows(gsd, ["text", "upos"])
     with open(gsd, encoding="utf-8") as f:

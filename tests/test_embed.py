@@ -11,7 +11,7 @@ import pytest
 import kbert
 from kbert.data.corpus import corpus
 
-from helpers import NO_BACKEND_PRELUDE, run_on_jax, tiny_embedding_model, xlmr_dir
+from helpers import NO_BACKEND_PRELUDE, needs_shared, run_on_jax, tiny_embedding_model, xlmr_dir
 
 TEXTS = ["대한민국은 민주공화국이다.", "모든 국민은 법 앞에 평등하다.", "", "   ",
          "국회는 법률을 제정한다. 대통령은 국가를 대표한다. " * 3, "학교에서 공부했다"]
@@ -317,6 +317,7 @@ def test_quickstart_runs_end_to_end(tmp_path, capsys):
 
 
 @pytest.mark.slow
+@needs_shared
 def test_quickstart_on_a_text_per_line_reads_lines_and_joins_the_short_ones(tmp_path, capsys):
     """`kbert quickstart --corpus reviews.txt --format lines`: each review a document (before, the command had no
     way to say so and read 1,000-line documents), and documents this short joined into full sequences."""
