@@ -54,8 +54,8 @@ class WarmupDecay(keras.optimizers.schedules.LearningRateSchedule):
 
 @keras.saving.register_keras_serializable("kbert")
 class Lamb(keras.optimizers.Lamb):
-    """LAMB as the paper and ALBERT's recipe define it (google-research/albert's `lamb_optimizer.py`; optax's
-    `lamb` and TF-Addons' `LAMB` are the same): with Adam's step `s = m_hat / (sqrt(v_hat) + eps)`,
+    """LAMB as the paper and ALBERT's recipe define it (google-research/albert's `lamb_optimizer.py`, and
+    TF-Addons' `LAMB`): with Adam's step `s = m_hat / (sqrt(v_hat) + eps)`,
 
         u = s + wd * w;  w -= lr * (||w|| / ||u||) * u     (the ratio is 1 where either norm is 0)
 
@@ -63,8 +63,8 @@ class Lamb(keras.optimizers.Lamb):
     (`exclude_from_weight_decay`: LayerNorm parameters and biases), which ALBERT also excludes from the ratio.
 
     Keras' `Lamb` differs in two ways that change training: it decays every variable before the step, as
-    AdamW does (`w -= lr * wd * w`), so the decay escapes the trust ratio, which for BERT's weights is far
-    below 1, and is that much stronger than the recipe's; and it scales the steps of biases and LayerNorm
+    AdamW does (`w -= lr * wd * w`), so the decay escapes the trust ratio (far below 1 for BERT's weights)
+    and is that much stronger than the recipe's; and it scales the steps of biases and LayerNorm
     parameters by their own ratio, so a bias that has just left zero hardly moves. Adam's bias correction is
     kept (Keras', TF-Addons', NVIDIA's and optax's LAMB have it; ALBERT's has not, which matters in the first
     steps of a run without warm-up only). Subclassing Keras' class keeps its slot variables (checkpoints
@@ -82,6 +82,7 @@ class Lamb(keras.optimizers.Lamb):
         lr = ops.cast(learning_rate, dtype)
         gradient = ops.cast(gradient, dtype)
         t = ops.cast(self.iterations + 1, dtype)  # optimizer updates (Keras divides out accumulation)
+        # the slots and the exclusion test as Keras' own update steps read them
         m = self._momentums[self._get_variable_index(variable)]
         v = self._velocities[self._get_variable_index(variable)]
         self.assign_add(m, ops.multiply(ops.subtract(gradient, m), 1.0 - self.beta_1))
