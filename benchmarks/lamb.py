@@ -120,7 +120,8 @@ def main(argv=None):
               f"{args.weight_decay}", flush=True)
         rows = [run(name, args, text, tok_dir, held_out, out) for name in names]
 
-    print("\n| optimizer | loss, first 10 steps | loss, last 50 steps | held-out pseudo-perplexity | bias RMS | minutes |")
+    print("\n| optimizer | loss, first 10 steps | loss, last 50 steps | held-out pseudo-perplexity | bias RMS "
+          "| minutes |")
     print("|---|---:|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {r['optimizer']} | {r['loss_first_10']:.3f} | {r['loss_last_50']:.3f} | {r['held_out_pppl']:.1f} "

@@ -876,8 +876,7 @@ def lamb_against_optax(steps=6, weight_decay=0.1, lr=0.05, warmup=2):
     config = OptimizerConfig(name="lamb", learning_rate=lr, weight_decay=weight_decay, warmup_steps=warmup,
                              clip_norm=None)
     ours = run(make_optimizer(config, total_steps=steps))
-    keras_own = keras.optimizers.Lamb(learning_rate=WarmupDecay(lr, steps, warmup), weight_decay=weight_decay,
-                                      epsilon=config.epsilon)
+    keras_own = keras.optimizers.Lamb(learning_rate=schedule, weight_decay=weight_decay, epsilon=config.epsilon)
     keras_own.exclude_from_weight_decay(var_names=list(NO_DECAY))
     theirs = run(keras_own)
 
