@@ -1,9 +1,14 @@
 """AdamW and LAMB with BERT's schedule: linear warm-up, then linear / polynomial decay; no weight decay on
 LayerNorm parameters and biases; global-norm clipping; gradient accumulation over micro-batches.
 
-AdamW is Keras' (decoupled decay, `w -= lr * wd * w`, as torch's AdamW and BERT's optimizer). LAMB is Keras'
-`Lamb` with the update ALBERT's recipe trains with (`Lamb` below): Keras' own decays weights outside the
-layer-wise trust ratio and applies the ratio to LayerNorm parameters and biases too.
+AdamW is Keras' (decoupled decay, `w -= lr * wd * w`, on the weights before the step, as torch's AdamW and
+BERT's optimizer; Adam's bias correction as torch's, which BERT's optimizer leaves out). Its epsilon is TF's:
+added to the square root of the uncorrected second moment, which is `epsilon / sqrt(1 - beta_2 ** t)` added to
+the bias-corrected one's where torch and optax add `epsilon`; at BERT's 1e-6 the two differ in the first steps
+only (tests/test_train.py checks the update against optax's transforms, with an epsilon large enough to tell
+the conventions apart). LAMB is Keras' `Lamb` with the update ALBERT's recipe trains with (`Lamb` below):
+Keras' own decays weights outside the layer-wise trust ratio and applies the ratio to LayerNorm parameters and
+biases too.
 """
 
 from __future__ import annotations
