@@ -206,20 +206,27 @@ def rank(x):
 
 
 def pearson(a, b) -> float:
-    """Pearson's r; 0.0 when either side is constant or has fewer than 2 values."""
+    """Pearson's r; 0.0 when either side is constant or has fewer than 2 values; NaN when either holds a NaN or
+    an infinity (a diverged model's scores: no correlation is defined, and none is made up)."""
     import numpy as np
 
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    if not (np.isfinite(a).all() and np.isfinite(b).all()):
+        return float("nan")
     if len(a) < 2 or a.std() == 0 or b.std() == 0:
         return 0.0
     return float(np.corrcoef(a, b)[0, 1])
 
 
 def spearman(a, b) -> float:
-    """Spearman's rho: Pearson's r of the ranks."""
+    """Spearman's rho: Pearson's r of the ranks; NaN when either side holds a NaN or an infinity (their ranks
+    would be finite, and the figure wrong)."""
     import numpy as np
 
-    return pearson(rank(np.asarray(a, np.float64)), rank(np.asarray(b, np.float64)))
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    if not (np.isfinite(a).all() and np.isfinite(b).all()):
+        return float("nan")
+    return pearson(rank(a), rank(b))
 
 
 def accuracy(y, p) -> float:

@@ -75,6 +75,29 @@ def test_sts_figures_equal_sentence_transformers_embedding_similarity_evaluator(
     assert ours["pearson"] == pytest.approx(theirs["pearson_cosine"], abs=1e-5)
     with pytest.raises(ValueError, match="differ in length"):
         kbert.evaluate_sts(st_dir, s1, s2[:3], scores)
+    # a missing score (a NaN from a table's empty cell) would rank last and make up a figure: refused by position
+    with pytest.raises(ValueError, match="2 are not, the first at position 3"):
+        kbert.evaluate_sts(st_dir, s1, s2, scores[:3] + [float("nan"), float("inf")] + scores[5:])
+
+
+def test_correlations_equal_scipy_and_are_nan_on_non_finite_scores():
+    from scipy import stats
+
+    from kbert.utils import pearson, spearman
+
+    rng = np.random.default_rng(0)
+    a, b = rng.normal(size=50), rng.normal(size=50)
+    b[::5] = a[::5]  # some correlation, and ties in the ranks below
+    tied = np.round(b, 1)
+    assert pearson(a, b) == pytest.approx(stats.pearsonr(a, b)[0], abs=1e-12)
+    assert spearman(a, tied) == pytest.approx(stats.spearmanr(a, tied)[0], abs=1e-12)
+    # undefined: a NaN or an infinity on either side gives NaN, never a figure from where the ranks put them
+    for bad in (np.nan, np.inf):
+        broken = a.copy()
+        broken[7] = bad
+        assert np.isnan(pearson(broken, b)) and np.isnan(spearman(b, broken))
+    # a constant side has no correlation: 0.0, so a model selection by the best figure still compares
+    assert pearson(np.ones(5), np.arange(5)) == 0.0 and spearman(np.arange(5), np.ones(5)) == 0.0
 
 
 def test_pair_classification_figures_equal_sentence_transformers_binary_classification_evaluator(st_dir):

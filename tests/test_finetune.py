@@ -736,6 +736,9 @@ def test_finetune_bad_input(base, tmp_path):
         kbert.finetune(base, "tagging", [{"text": "두 단어", "label": "O"}], progress=False)
     with pytest.raises(ValueError, match="is not a number"):
         kbert.finetune(base, "regression", [{"text": "a", "label": "x"}], progress=False)
+    with pytest.raises(ValueError, match="row 2: label 'nan' is not a finite number"):
+        kbert.finetune(base, "regression", [{"text": "a", "label": "1.5"}, {"text": "b", "label": "nan"}],
+                       progress=False)
     with pytest.raises(FileNotFoundError, match="Data file not found"):
         kbert.finetune(base, "classification", str(tmp_path / "missing.tsv"), progress=False)
     with pytest.raises(FileNotFoundError, match="not a fine-tuned model dir"):

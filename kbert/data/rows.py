@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import math
 import os
 from typing import List, Optional, Sequence, Tuple
 
@@ -365,10 +366,15 @@ def label_targets(values: Sequence, labels: Sequence[str], split: str, multi_lab
 
 
 def number(value, split: str, i: int) -> float:
+    """A regression label (an STS score): a finite number. "nan" and "inf" parse as floats, and would train
+    into a NaN loss or score a dev set wrongly, so they are errors naming the row."""
     try:
-        return float(value)
+        out = float(value)
     except (TypeError, ValueError):
         raise ValueError(f"{split} row {i + 1}: label {value!r} is not a number") from None
+    if not math.isfinite(out):
+        raise ValueError(f"{split} row {i + 1}: label {value!r} is not a finite number")
+    return out
 
 
 def entity_spans(value, split: str, i: int) -> Optional[List[Tuple[int, int, str]]]:

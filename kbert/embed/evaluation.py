@@ -200,6 +200,10 @@ def evaluate_sts(model, sentences1: Sequence[str], sentences2: Sequence[str], sc
                          f"{len(sentences2)}, {len(gold)}")
     if len(gold) < 2:
         raise ValueError("a correlation needs at least 2 scored pairs")
+    bad = np.flatnonzero(~np.isfinite(gold))
+    if len(bad):
+        raise ValueError(f"`scores` must be finite numbers; {len(bad)} are not, the first at position {bad[0]} "
+                         f"({gold[bad[0]]}): drop those pairs or fill in their scores")
     emb = _embedder(model)
     if _is_sparse(emb):
         a = emb.encode(sentences1, batch_size=batch_size, **encode_options)
