@@ -1394,6 +1394,13 @@ def test_quantized_search_finds_what_sentence_transformers_and_a_full_sort_find(
         kbert.quantized_search(queries, codes, top_k=4, precision="uint8", ranges=ranges)
     with pytest.raises(ValueError, match="columns"):
         kbert.quantized_search(queries, codes[:, :10], top_k=4)
+    # float vectors of another width, a top_k below 1: errors that say so; no corpus: no hits for each query
+    with pytest.raises(ValueError, match="queries are 64-wide vectors and the corpus' 32-wide"):
+        kbert.quantized_search(queries, corpus[:, :32], top_k=4)
+    for bad in (0, -1, 2.5):
+        with pytest.raises(ValueError, match="`top_k` must be a positive integer"):
+            kbert.quantized_search(queries, codes, top_k=bad, ranges=ranges)
+    assert kbert.quantized_search(queries, bits[:0], top_k=4) == [[] for _ in queries]
 
 
 def _same_hits(a, b, atol=1e-5):

@@ -53,6 +53,14 @@ def test_retrieval_metrics_equal_sentence_transformers_information_retrieval_eva
     listed = kbert.evaluate_retrieval(st_dir, [queries[f"q{i}"] for i in range(13)], list(corpus.values()),
                                       [{ids.index(d) for d in relevant[f"q{i}"]} for i in range(13)])
     assert listed["ndcg@10"] == pytest.approx(ours["ndcg@10"], abs=1e-9)
+    # a lone id is one document: a string is not its characters, position 0 is not "none"
+    single = {f"q{i}": f"d{i * 4}" for i in range(13)}
+    as_sets = kbert.evaluate_retrieval(st_dir, queries, corpus, {q: {d} for q, d in single.items()})
+    assert kbert.evaluate_retrieval(st_dir, queries, corpus, single) == as_sets
+    positions = [ids.index(single[f"q{i}"]) for i in range(13)]
+    assert positions[0] == 0
+    assert kbert.evaluate_retrieval(st_dir, [queries[f"q{i}"] for i in range(13)], list(corpus.values()),
+                                    positions) == as_sets
     with pytest.raises(ValueError, match="not in the corpus"):
         kbert.evaluate_retrieval(st_dir, queries, corpus, {"q0": {"d999"}})
     with pytest.raises(ValueError, match="no query"):

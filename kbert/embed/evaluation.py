@@ -87,7 +87,8 @@ def evaluate_retrieval(model, queries, corpus, relevant_docs, accuracy_at_k: Ite
     Args:
         queries: {query id: text} (sentence-transformers' form) or a list of texts (ids: their positions).
         corpus: {document id: text} or a list of texts.
-        relevant_docs: {query id: the ids of its relevant documents} (or for list queries, a list of them).
+        relevant_docs: {query id: the ids of its relevant documents} (or for list queries, a list of them); a
+            lone id stands for one document.
         accuracy_at_k ... map_at_k: the cut-offs of each metric (sentence-transformers' defaults).
         lexical, reranker, candidates, encode options (`batch_size`, `prompt_name`, ...): as `Embedder.search`
             (a reranker re-scores each query's first `candidates` hits; deeper ranks keep the search's order, so
@@ -106,12 +107,12 @@ def evaluate_retrieval(model, queries, corpus, relevant_docs, accuracy_at_k: Ite
     query_ids, query_texts = _as_ids(queries, "queries")
     corpus_ids, corpus_texts = _as_ids(corpus, "corpus")
     if isinstance(relevant_docs, dict):
-        relevant = {q: set(relevant_docs.get(q) or ()) for q in query_ids}
+        relevant = {q: _id_set(relevant_docs.get(q)) for q in query_ids}
     else:
         relevant_docs = list(relevant_docs)
         if len(relevant_docs) != len(query_ids):
             raise ValueError(f"`relevant_docs` has {len(relevant_docs)} entries for {len(query_ids)} queries")
-        relevant = {q: set(r or ()) for q, r in zip(query_ids, relevant_docs)}
+        relevant = {q: _id_set(r) for q, r in zip(query_ids, relevant_docs)}
     known = set(corpus_ids)
     unknown = sorted({str(d) for q in query_ids for d in relevant[q] if d not in known})
     if unknown:
@@ -137,6 +138,16 @@ def evaluate_retrieval(model, queries, corpus, relevant_docs, accuracy_at_k: Ite
     hits = emb.search(queries_kept, corpus_texts, top_k=depth, lexical=lexical, reranker=reranker,
                       candidates=candidates, **encode_options)
     return _retrieval_figures(hits, [query_ids[i] for i in kept], corpus_ids, relevant, ks, depth)
+
+
+def _id_set(value) -> set:
+    """A query's relevant documents as a set of ids: None is none, and a lone id (a string, or a list corpus'
+    position, 0 included) is that one document, not its characters or nothing."""
+    if value is None:
+        return set()
+    if isinstance(value, (str, bytes, int, np.integer)):
+        return {value}
+    return set(value)
 
 
 def _retrieval_figures(hits, query_ids, corpus_ids, relevant, ks, depth) -> Dict[str, float]:

@@ -203,13 +203,21 @@ def quantized_search(queries, corpus, top_k: int = 5, precision: Optional[str] =
     product with the dequantized vectors. binary/ubinary: Hamming distance picks `top_k x rescore_multiplier`
     candidates, which are rescored as the float query's dot product with their 0/1 bits
     (`rescore_multiplier=0`: no rescoring; the score is then the share of bits that agree)."""
+    if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 1:
+        raise ValueError(f"`top_k` must be a positive integer. Received: top_k={top_k!r}")
     q = np.atleast_2d(np.asarray(queries, np.float32))
-    corpus = np.atleast_2d(np.asarray(corpus))
+    corpus = np.asarray(corpus)
+    if corpus.ndim == 2 and corpus.shape[0] == 0:  # nothing to find: no hits, as a search over no texts
+        return [[] for _ in range(q.shape[0] if q.size else 0)]
+    corpus = np.atleast_2d(corpus)
     looks = infer_precision(corpus, q.shape[1])
     precision = check_precision(precision or looks)
     if looks != precision:
         raise ValueError(f"corpus of dtype {corpus.dtype} and width {corpus.shape[1]} is not {precision} for "
                          f"{q.shape[1]}-wide queries (it looks like {looks})")
+    if looks == "float32" and corpus.shape[1] != q.shape[1]:
+        raise ValueError(f"the queries are {q.shape[1]}-wide vectors and the corpus' {corpus.shape[1]}-wide: "
+                         f"encode both with the same model (and `truncate_dim`)")
     if isinstance(rescore_multiplier, bool) or not isinstance(rescore_multiplier, int) or rescore_multiplier < 0:
         raise ValueError(f"`rescore_multiplier` must be a whole number >= 0. Received: {rescore_multiplier!r}")
     if index not in ("exact", "faiss"):
