@@ -6,7 +6,6 @@ import sys
 import unicodedata
 import warnings
 
-import numpy as np
 import pytest
 
 import kbert
@@ -42,6 +41,10 @@ def test_normalize_rules():
     assert kbert.normalize("ＡＢＣ１２３ ㅋㅋ", form="NFKC") == "ABC123 ㅋㅋ"
     assert kbert.normalize("BERT", lowercase=True) == "bert"
     assert kbert.normalize(b"\xed\x95\x9c\xff") == "한\ufffd"
+    # UTF-16 surrogates in a str (JSON's "\ud83d", a JavaScript string cut mid-pair): a lone one is U+FFFD as
+    # invalid bytes are, a pair split in two is its character; such text then tokenizes, where it had failed
+    assert kbert.normalize("한\ud83d 글\ude00") == "한\ufffd 글\ufffd"
+    assert kbert.normalize("\ud83d\ude00 ㅋ") == "\U0001f600 ㅋ"
     with pytest.raises(ValueError, match="`form` must be one of"):
         kbert.normalize("x", form="NFD")
     with pytest.raises(TypeError, match="expects str or bytes"):
@@ -500,6 +503,11 @@ def test_bad_inputs_give_defined_results(tokenizers, tmp_path):
     enc = tok.encode(long_line, max_length=512)
     assert len(enc.ids) == 512
     assert tok.decode(tok.encode("Hello world, こんにちは").ids) == "Hello world, こんにちは"
+    # a lone UTF-16 surrogate (sentencepiece and TensorFlow refuse such a str): the ids of U+FFFD in its place
+    assert tok.ids_batch(["가\ud800나"]) == tok.ids_batch(["가\ufffd나"])
+    assert tok.encode("가\ud800나").ids == tok.encode("가\ufffd나").ids
+    for key in (("wordpiece", None), ("unigram", "mecab")):
+        assert tokenizers[key].encode("가\ud800나").ids == tokenizers[key].encode("가\ufffd나").ids, key
     with pytest.raises(TypeError, match="expects str"):
         tok.encode(None)
     with pytest.raises(TypeError, match="expects a list of texts"):

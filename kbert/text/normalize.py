@@ -26,6 +26,9 @@ _RE2_SPACE = r"[\t\n\r\x{b}\x{c} \x{a0}\x{1680}\x{2000}-\x{200a}\x{2028}\x{2029}
 # NFKC maps compatibility jamo (U+3131-U+318E) to conjoining jamo, which would merge `ㅎㅏ` into `하`
 # and turn `ㅋㅋ` into leading consonants; kbert keeps them as written.
 _COMPAT_JAMO = re.compile("([\u3131-\u318e]+)")
+# UTF-16 surrogates as code points of a str: a pair split into two (text read as UTF-16 units) or one alone (a
+# JavaScript string sliced mid-pair, JSON's "\ud800"); such a str is not Unicode text and cannot be UTF-8
+_SURROGATES = re.compile("[\ud800-\udfff]")
 # Characters the NFC normalizer leaves alone: stable under NFC, not marks, controls, spaces or format
 # characters, and never the second half of a canonical composition (so no neighbour composes with them).
 # Derived from `unicodedata` over the scripts Korean text mixes in (Latin, Cyrillic, symbols, CJK, kana,
@@ -53,7 +56,8 @@ def normalize(text, form: str = "NFC", repeat: Optional[int] = None, lowercase: 
     """Normalizes Korean text the way every kbert tokenizer sees it.
 
     Args:
-        text: a `str` (or UTF-8 `bytes`; invalid bytes become U+FFFD).
+        text: a `str` (or UTF-8 `bytes`; invalid bytes become U+FFFD, as do lone UTF-16 surrogates of a `str`,
+            and a surrogate pair split in two becomes its character).
         form: `"NFC"` (default) or `"NFKC"` (also folds full-width Latin and digits; compatibility jamo
             are kept as they are).
         repeat: if set, runs of one character longer than `repeat` are cut to `repeat` characters
@@ -69,6 +73,8 @@ def normalize(text, form: str = "NFC", repeat: Optional[int] = None, lowercase: 
         text = text.decode("utf-8", errors="replace")
     if not isinstance(text, str):
         raise TypeError(f"normalize expects str or bytes. Received: {type(text).__name__}")
+    if _SURROGATES.search(text):  # pairs joined into their character, lone ones U+FFFD (as invalid bytes)
+        text = text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")
     if form == "NFKC":
         text = "".join(part if _COMPAT_JAMO.fullmatch(part) else unicodedata.normalize("NFKC", part)
                        for part in _COMPAT_JAMO.split(text))
