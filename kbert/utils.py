@@ -205,6 +205,17 @@ def rank(x):
     return (ends - (counts - 1) / 2.0)[inverse]
 
 
+def positive_int(value, name: str) -> int:
+    """`value` as an int when it is a whole number >= 1 (numpy's integers too), else a ValueError naming
+    `name`: a size, count or batch that 0 or a negative would turn into a hang, an empty result or a numpy
+    error that says nothing of the argument."""
+    import numbers
+
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"`{name}` must be a positive integer. Received: {name}={value!r}")
+    return int(value)
+
+
 def pearson(a, b) -> float:
     """Pearson's r; 0.0 when either side is constant or has fewer than 2 values; NaN when either holds a NaN or
     an infinity (a diverged model's scores: no correlation is defined, and none is made up)."""

@@ -76,6 +76,11 @@ def test_sentiment_finetuning_beats_the_majority_class(sentiment):
     assert accuracy == pytest.approx(summary["best"], abs=1e-6)
     assert model.predict("정말 재밌고 감동적인 영화").shape == (2,)
     assert kbert.Embedder.load(out).encode("영화").shape == (64,)  # also an ordinary model dir
+    for bad in (0, -4, 2.0):  # an error naming the argument (0 made `range` raise one that did not)
+        with pytest.raises(ValueError, match="`batch_size` must be a positive integer"):
+            model.predict(["영화"], batch_size=bad)
+        with pytest.raises(ValueError, match="`batch_size` must be a positive integer"):
+            model.zero_shot("영화", ["좋음", "나쁨"], batch_size=bad)
 
 
 @pytest.mark.slow

@@ -63,7 +63,7 @@ from typing import Iterable, List, Optional, Sequence, Union
 import numpy as np
 
 from kbert.data.features import text_list
-from kbert.utils import progress_bar, unit_rows
+from kbert.utils import positive_int, progress_bar, unit_rows
 
 FORMAT = 1
 MANIFEST = "kbert_index.json"
@@ -161,12 +161,6 @@ def clear_index(out_dir: str, overwrite: bool, kind: str) -> None:
     for name in INDEX_FILES:
         if os.path.exists(os.path.join(out_dir, name)):
             os.remove(os.path.join(out_dir, name))
-
-
-def positive_int(value, name):
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"`{name}` must be a positive integer. Received: {name}={value!r}")
-    return int(value)
 
 
 def factory_string(kind: str, precision: str, nlist: Optional[int] = None, hnsw_m: int = 32) -> str:

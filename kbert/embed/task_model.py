@@ -23,7 +23,7 @@ from kbert.compiled import compiled, replicate, signature
 from kbert.embed.ranking import Ranking
 from kbert.embed.zero_shot import (DEFAULT_TEMPLATE, candidate_list, hypotheses, label_scores, nli_indices,
                                    pair_ids, ranked)
-from kbert.utils import softmax
+from kbert.utils import positive_int, softmax
 from kbert.models.io import assign_weights
 from kbert.models.locate import TASK_FILE, model_dir_of, read_task_meta, resolve_hub_name
 from kbert.models.tasks import TaskNetwork, load_task_head, save_task_head
@@ -216,6 +216,7 @@ class TaskModel(Ranking, CompilesInBackground):
         activation: a regression's output function, default the model's own (`self.activation`): "identity"
             gives a cross-encoder's raw logits (FlagEmbedding's `compute_score` default), "sigmoid" maps them
             to (0, 1) (sentence-transformers' `CrossEncoder.predict` default for one logit)."""
+        batch_size = positive_int(batch_size, "batch_size")
         if activation is not None and activation not in _ACTIVATIONS:
             raise ValueError(f"`activation` must be one of {_ACTIVATIONS}. Received: activation={activation!r}")
         activation = activation or self.activation
@@ -294,6 +295,7 @@ class TaskModel(Ranking, CompilesInBackground):
             >>> nli.zero_shot("손흥민이 시즌 10호 골을 넣었다.", ["스포츠", "정치", "경제"])
             {"sequence": "손흥민이 ...", "labels": ["스포츠", "경제", "정치"], "scores": [0.93, 0.04, 0.03]}
         """
+        batch_size = positive_int(batch_size, "batch_size")
         if self.task not in ("classification", "pair-classification"):
             raise ValueError(f"zero_shot needs a natural-language-inference classifier; this model is {self.task!r}")
         entail, contradiction = nli_indices(self.labels)
@@ -336,6 +338,7 @@ class TaskModel(Ranking, CompilesInBackground):
         from kbert.data.entities import token_spans
         from kbert.embed.entities import aggregate, check_aggregation
 
+        batch_size = positive_int(batch_size, "batch_size")
         if self.task != "tagging":
             raise ValueError(f"entities needs a tagging model; this one is {self.task!r} (use predict)")
         aggregation = aggregation or self.meta.get("aggregation", "first")
@@ -392,6 +395,7 @@ class TaskModel(Ranking, CompilesInBackground):
         """
         from kbert.data import qa
 
+        batch_size = positive_int(batch_size, "batch_size")
         if self.task != "question-answering":
             raise ValueError(f"answer() needs a question-answering model; this is a {self.task} model (use "
                              "predict)")
