@@ -205,6 +205,10 @@ def test_similarity_and_search(emb):
     sim = emb.similarity(vectors, vectors)
     assert sim.shape == (len(TEXTS), len(TEXTS))
     np.testing.assert_allclose(np.diag(sim), 1.0, atol=1e-5)
+    with pytest.raises(TypeError, match="takes vectors, not texts"):
+        emb.similarity(TEXTS[:2], vectors)
+    with pytest.raises(ValueError, match="Vector sizes differ: 4 and"):
+        emb.similarity(np.ones(4), vectors)
     hits = emb.search(TEXTS[:2], TEXTS, top_k=3)
     assert [h[0][0] for h in hits] == [0, 1]  # each text finds itself first
     assert all(h[0][1] >= h[1][1] >= h[2][1] for h in hits)

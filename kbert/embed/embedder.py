@@ -628,6 +628,9 @@ class Embedder(CompilesInBackground):
     @staticmethod
     def similarity(a, b) -> np.ndarray:
         """Cosine similarity matrix `[len(a), len(b)]` of two arrays of vectors (1-D inputs allowed)."""
+        if any(isinstance(x, (str, bytes)) or (isinstance(x, (list, tuple)) and x and isinstance(x[0], (str, bytes)))
+               for x in (a, b)):
+            raise TypeError("similarity takes vectors, not texts: similarity(m.encode(texts_a), m.encode(texts_b))")
         a, b = np.atleast_2d(np.asarray(a, np.float32)), np.atleast_2d(np.asarray(b, np.float32))
         if a.shape[1] != b.shape[1]:
             raise ValueError(f"Vector sizes differ: {a.shape[1]} and {b.shape[1]}")
