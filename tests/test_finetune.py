@@ -754,7 +754,12 @@ def test_finetune_bad_input(base, tmp_path):
                       (dict(dropout=1.0), r"`dropout` must be a rate in \[0, 1\)"),
                       (dict(patience=0), "`patience` must be None or a positive integer"),
                       (dict(eval_every=0), "`eval_every` must be None or a positive integer"),
-                      (dict(max_steps=-3), "`max_steps` must be None or a positive integer")):
+                      (dict(max_steps=-3), "`max_steps` must be None or a positive integer"),
+                      # NaN passed `value <= 0` and trained until the loss was NaN
+                      (dict(learning_rate=float("nan")), "`learning_rate` must be a positive number"),
+                      (dict(epochs=float("inf")), "`epochs` must be a positive number"),
+                      (dict(lora_rank=4, lora_alpha=float("nan")), "`lora_alpha` must be None"),
+                      (dict(query_learning_rate=float("nan")), "`query_learning_rate` must be a number > 0")):
         with pytest.raises(ValueError, match=match):
             kbert.finetune("no-such-model", "classification", str(train), progress=False, **kw)
 

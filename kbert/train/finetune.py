@@ -155,7 +155,7 @@ class FinetuneConfig:
         for name in ("epochs", "batch_size", "learning_rate", "max_length"):
             value = getattr(self, name)
             value = 128 if name == "max_length" and value is None else value
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
                 raise ValueError(f"`{name}` must be a positive number. Received: {name}={value!r}")
         rate = self.backbone_dropout
         if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0.0 <= rate < 1.0):
@@ -184,7 +184,7 @@ class FinetuneConfig:
             raise ValueError(f"`inference_free` (True or False) goes with task='sparse-embedding'. "
                              f"Received: inference_free={self.inference_free!r}, task={self.task!r}")
         rate = self.query_learning_rate
-        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or rate <= 0:
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate < math.inf:
             raise ValueError(f"`query_learning_rate` must be a number > 0. Received: query_learning_rate={rate!r}")
         if not isinstance(self.symmetric, bool) or (self.symmetric and self.task not in IN_BATCH_TASKS):
             raise ValueError(f"`symmetric` (True or False) goes with task='sentence-embedding' or 'sparse-embedding'. "

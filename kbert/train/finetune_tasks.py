@@ -1081,7 +1081,7 @@ class SparseEmbeddingTask(SentenceEmbeddingTask):
                              f"token's masked-LM logits). Received: pooling={c.pooling!r}, layers={c.layers!r}")
         for name in ("query_regularizer_weight", "document_regularizer_weight"):
             value = getattr(c, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
                 raise ValueError(f"`{name}` must be a number >= 0. Received: {value!r}")
         if getattr(c, "inference_free", False) and (c.mini_batch_size or c.lora_rank):
             raise ValueError("inference-free SPLADE trains the query table beside the model: `mini_batch_size` "

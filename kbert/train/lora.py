@@ -18,6 +18,7 @@ only the first two.
 
 from __future__ import annotations
 
+import math
 from typing import List, Optional
 
 TARGETS = {"attention": ("qkv", "attention_output"),
@@ -31,7 +32,8 @@ def check_lora(rank, alpha, targets) -> None:
         return
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
         raise ValueError(f"`lora_rank` must be None (full fine-tuning) or a positive integer. Received: {rank!r}")
-    if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or alpha <= 0):
+    if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, (int, float))
+                              or not 0 < alpha < math.inf):
         raise ValueError(f"`lora_alpha` must be None (= lora_rank) or a positive number. Received: {alpha!r}")
     if targets not in TARGETS:
         raise ValueError(f"`lora_targets` must be one of {sorted(TARGETS)}. Received: {targets!r}")
