@@ -101,7 +101,9 @@ it (about a second each), so no request waits for a compilation.
 
 Limits: malformed JSON, a wrong field type, or a body that is not UTF-8: 400; more than `max_texts` texts
 or a text over `max_chars` characters: 413; a full queue (`max_queue` texts): 429 with `Retry-After`, at
-once; a request still unanswered after `timeout_s`: 504 (its texts are dropped if not yet run). SIGTERM:
+once; a request still unanswered after `timeout_s`: 504 (its texts are dropped if not yet run). A batch that
+fails runs again one request at a time, so a request whose texts fail the model gets the error alone and the
+others batched with it their answers. SIGTERM:
 uvicorn stops accepting connections, the requests in flight finish, then the worker stops.
 
 Starlette + uvicorn (the ASGI stack FastAPI stands on) carry HTTP, on uvloop and httptools when installed
@@ -432,14 +434,25 @@ class Engine:
                 try:
                     rows = self._compute(kind, group, texts)
                 except Exception as e:  # noqa: BLE001 - the requests get the error, the server goes on
-                    for j in group:
-                        j.loop.call_soon_threadsafe(_settle, j.future, None, e)
+                    if len(group) == 1:
+                        group[0].loop.call_soon_threadsafe(_settle, group[0].future, None, e)
+                    else:  # one request's texts can fail a batch it shares: each alone, so only its own fails
+                        self._each_alone(kind, group)
                     continue
                 start = 0
                 for j in group:
                     part = rows[start:start + len(j.texts)]
                     start += len(j.texts)
                     j.loop.call_soon_threadsafe(_settle, j.future, part, None)
+
+    def _each_alone(self, kind, group) -> None:
+        for j in group:
+            try:
+                part = self._compute(kind, [j], list(j.texts))
+            except Exception as e:  # noqa: BLE001 - this request gets its error
+                j.loop.call_soon_threadsafe(_settle, j.future, None, e)
+            else:
+                j.loop.call_soon_threadsafe(_settle, j.future, part, None)
 
     def _compute(self, kind, group, texts):
         options = group[0].options

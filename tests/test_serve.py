@@ -248,6 +248,54 @@ def test_a_full_queue_answers_429_at_once_and_a_late_request_504(dirs):
         assert httpx.post(srv.url + "/v1/embeddings", json={"input": TEXTS[:2]}, timeout=60).status_code == 200
 
 
+def test_a_request_that_fails_the_model_fails_alone_not_the_batch_it_shared(dirs):
+    """Three requests wait in one batch; the model fails on one request's text. That request gets a 500 naming
+    the failure, the other two their vectors: the batch runs again one request at a time."""
+    from kbert.server import build_app
+
+    model_dir, _ = dirs
+    app = build_app(model_dir)
+    engine = app.state.engine
+    real, calls = engine.embedder.encode, []
+
+    def encode(texts, **options):
+        calls.append(list(texts))
+        if "독" in texts:
+            raise RuntimeError("this text breaks the model")
+        return real(texts, **options)
+
+    bodies = [TEXTS[:2], ["독"], TEXTS[2:3]]
+    out = [None] * len(bodies)
+
+    def post(i):
+        out[i] = httpx.post(srv.url + "/v1/embeddings", json={"input": bodies[i]}, timeout=60)
+
+    with Running(app) as srv:
+        deadline = time.time() + 120
+        while httpx.get(srv.url + "/health", timeout=60).status_code != 200:  # warmed up: no other calls
+            assert time.time() < deadline, "the model did not warm up"
+            time.sleep(0.1)
+        engine.pause()  # the model is busy: the three requests queue up and leave as one batch
+        engine.embedder.encode = encode
+        threads = [threading.Thread(target=post, args=(i,)) for i in range(len(bodies))]
+        for thread in threads:
+            thread.start()
+        deadline = time.time() + 30
+        while "kbert_queue_texts 4.0" not in httpx.get(srv.url + "/metrics").text:
+            assert time.time() < deadline, "the requests did not queue"
+            time.sleep(0.05)
+        engine.pause(False)
+        for thread in threads:
+            thread.join(timeout=60)
+    assert sorted(calls[0]) == sorted(t for body in bodies for t in body)  # one batch of the four texts,
+    assert sorted(calls[1:]) == sorted(bodies)  # then each request's alone
+    assert out[1].status_code == 500 and "this text breaks the model" in out[1].json()["error"]["message"]
+    for i in (0, 2):
+        assert out[i].status_code == 200, out[i].text
+        got = np.array([d["embedding"] for d in out[i].json()["data"]], np.float32)
+        np.testing.assert_allclose(got, real(bodies[i]), atol=1e-5)
+
+
 def test_classify_from_a_task_dir(dirs):
     from kbert.server import build_app
 
