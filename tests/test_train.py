@@ -742,6 +742,11 @@ def test_planner_mixed_precision_accumulation_and_errors():
     assert plan_batch_size("bert-base", "12GB", [np.int64(128)])[0]["max_batch"] == row["max_batch"]
     with pytest.raises(ValueError, match="memory"):
         plan_batch_size("bert-base", "twelve", [128])
+    # "12" planned for 12 bytes (a batch of 0): a string needs its unit; numbers and "...B" are bytes
+    with pytest.raises(ValueError, match="`memory` needs a unit: '12GB', '12GiB'"):
+        plan_batch_size("bert-base", "12", [128])
+    assert plan_batch_size("bert-base", "12000000000B", [128]) == plan_batch_size("bert-base", 12e9, [128]) \
+        == plan_batch_size("bert-base", "12GB", [128])
 
 
 KCBERT_LIKE = {"architectures": ["BertForMaskedLM"], "model_type": "bert", "vocab_size": 30000, "hidden_size": 768,

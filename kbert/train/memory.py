@@ -129,12 +129,16 @@ PRECISIONS = ("float32", "mixed_float16", "mixed_bfloat16")
 
 
 def parse_memory(text) -> float:
-    """'12GB', '12 GiB', '16000MB' or a number of bytes -> bytes."""
-    if isinstance(text, (int, float)):
+    """'12GB', '12 GiB', '16000MB', '12000000000B' or a number (int or float) of bytes -> bytes. A string
+    without a unit is refused: '12' is far more likely 12 GB meant than 12 bytes (which plans a batch of 0)."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
         return float(text)
-    m = re.fullmatch(r"\s*([\d.]+)\s*([kmgt]?i?b?)\s*", str(text).lower())
+    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]?i?b?)\s*", str(text).lower())
     if not m:
         raise ValueError(f"`memory` must look like '12GB' or '16GiB'. Received: {text!r}")
+    if not m.group(2):
+        raise ValueError(f"`memory` needs a unit: '{m.group(1)}GB', '{m.group(1)}GiB' (or bytes: "
+                         f"'{m.group(1)}B'). Received: {text!r}")
     unit = m.group(2).rstrip("b")
     scale = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "ki": 2 ** 10, "mi": 2 ** 20, "gi": 2 ** 30,
              "ti": 2 ** 40}[unit]
