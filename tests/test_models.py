@@ -57,6 +57,10 @@ def test_unknown_preset_lists_valid_ones():
     (dict(hidden_act="swish"), "`hidden_act` must be one of"),
     (dict(dropout=1.5), "`dropout` must be in"),
     (dict(architecture="gpt"), "`architecture` must be one of"),
+    (dict(dropout=float("nan")), "`dropout` must be in"),
+    (dict(initializer_range=float("nan")), "`initializer_range` must be a positive finite number"),
+    (dict(layer_norm_epsilon=0.0), "`layer_norm_epsilon` must be a positive finite number"),
+    (dict(layer_norm_epsilon=float("inf")), "`layer_norm_epsilon` must be a positive finite number"),
 ])
 def test_bad_config_values_are_named(kw, match):
     with pytest.raises(ValueError, match=match):

@@ -99,6 +99,10 @@ class ModelConfig:
         for name in ("dropout", "attention_dropout"):
             value = getattr(self, name)
             need(0.0 <= value < 1.0, f"`{name}` must be in [0, 1). Received: {name}={value!r}")
+        for name in ("initializer_range", "layer_norm_epsilon"):  # NaN here makes every output NaN, silently
+            value = getattr(self, name)
+            need(isinstance(value, (int, float)) and not isinstance(value, bool) and 0.0 < value < float("inf"),
+                 f"`{name}` must be a positive finite number. Received: {name}={value!r}")
         need(isinstance(self.norm_first, bool),
              f"`norm_first` must be True or False. Received: norm_first={self.norm_first!r}")
         need(0 <= self.pad_token_id < self.vocab_size,
