@@ -180,10 +180,15 @@ def stop(ex: ProcessPoolExecutor) -> None:
     spawner = getattr(ex, "_kbert_spawner", None)
     if spawner is not None:  # every process is known before they are stopped
         spawner.join()
+    # taken before `shutdown`, which drops the executor's reference to them (`_processes = None`): read after
+    # it, none were stopped, running tasks went on, and workers still starting read the removed start-up file
+    processes = list((getattr(ex, "_processes", None) or {}).values())  # no public way before Python 3.14
     ex.shutdown(wait=False, cancel_futures=True)
-    for p in list((getattr(ex, "_processes", None) or {}).values()):  # no public way before Python 3.14
+    for p in processes:
         if p.is_alive():
             p.terminate()
+    for p in processes:
+        p.join(timeout=5)
     initargs = getattr(ex, "_kbert_initargs", None)
     if initargs is not None:  # no process starts after shutdown, and those started are stopped
         initargs()

@@ -824,6 +824,43 @@ def test_workers_exit_when_their_parent_is_killed(tmp_path, context):
     assert not [p for p in pids if alive(p)], "workers outlived their killed parent"
 
 
+def test_stop_kills_running_tasks_and_workers_still_starting(tmp_path):
+    """`workers.stop` stops the processes: a task still running dies with them, and workers stopped while
+    starting never run their initializer on a start-up file already removed (each printed "Exception in
+    initializer" and a traceback after an error had stopped `kbert data prepare` on an empty corpus)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "stop.py"
+    script.write_text(
+        "import glob, os, tempfile, time\n"
+        "from kbert import workers\n"
+        "if __name__ == '__main__':\n"
+        "    files = lambda: set(glob.glob(os.path.join(tempfile.gettempdir(), 'kbert-worker-init-*')))\n"
+        "    before = files()\n"
+        "    ex = workers.start(2, initializer=time.sleep, initargs=(0.0,))\n"
+        "    workers.stop(ex)\n"  # at once: the workers are still starting
+        "    ex = workers.start(2, initializer=time.sleep, initargs=(0.0,))\n"
+        "    pid = workers.result(ex.submit(os.getpid))\n"
+        "    ex.submit(time.sleep, 600)\n"
+        "    time.sleep(0.5)\n"
+        "    t = time.time()\n"
+        "    workers.stop(ex)\n"
+        "    try:\n"
+        "        os.kill(pid, 0)\n"
+        "        alive = True\n"
+        "    except ProcessLookupError:\n"
+        "        alive = False\n"
+        "    print(alive, round(time.time() - t, 1), sorted(files() - before))\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(kbert.__file__)))  # the kbert under test
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split() == ["False", run.stdout.split()[1], "[]"], run.stdout
+    assert float(run.stdout.split()[1]) < 10  # not the task's 600 s
+    assert "Traceback" not in run.stderr and "Exception in initializer" not in run.stderr, run.stderr[-2000:]
+
+
 def test_worker_killed_from_outside_raises(tok):
     """A worker that dies mid-task (e.g. killed for memory) is an error, not a wait forever."""
     import os
