@@ -72,7 +72,7 @@ def read_rows(source, columns: Sequence[str], names: Optional[Sequence[str]] = N
             rows = table_rows(text, source, csv_file=base.endswith(".csv"), names=names)
             headed_table = names is None
     if not rows:
-        raise ValueError(f"{name}: no examples (no rows)")
+        raise ValueError(f"no examples in {name}")
     bad = next((i for i, r in enumerate(rows) if not isinstance(r, dict)), None)
     if bad is not None:
         raise ValueError(f"{name}: row {bad + 1} is {type(rows[bad]).__name__}, not a mapping of column to value")
