@@ -644,7 +644,10 @@ def build_app(model: str, max_batch_tokens: int = 8192, max_wait_ms: float = 5.0
         if "dimensions" in data:  # OpenAI's name for a Matryoshka model's shorter vectors
             if isinstance(data["dimensions"], bool) or not isinstance(data["dimensions"], int):
                 raise HTTPError(400, "`dimensions` must be an integer")
-            options["truncate_dim"] = engine.embedder.check_truncate_dim(data["dimensions"])
+            try:
+                options["truncate_dim"] = engine.embedder.check_truncate_dim(data["dimensions"])
+            except ValueError as e:  # in the request's own words: `dimensions`, not encode's `truncate_dim`
+                raise HTTPError(400, str(e).replace("truncate_dim", "dimensions")) from None
         if "prompt_name" in data:
             if not isinstance(data["prompt_name"], str):
                 raise HTTPError(400, "`prompt_name` must be a string")

@@ -171,7 +171,7 @@ def test_embeddings_take_a_prompt_by_name_and_openais_dimensions(dirs, tmp_path)
         short = client.post("/v1/embeddings", json={"input": TEXTS[:3], "dimensions": 8}).json()
         np.testing.assert_allclose(np.array([d["embedding"] for d in short["data"]], np.float32),
                                    emb.encode(TEXTS[:3], truncate_dim=8), atol=1e-5)
-        for bad, message in ((0, "`truncate_dim` must be an integer in [1, 32]"), ("8", "`dimensions` must be")):
+        for bad, message in ((0, "`dimensions` must be an integer in [1, 32]"), ("8", "`dimensions` must be")):
             response = client.post("/v1/embeddings", json={"input": "a", "dimensions": bad})
             assert response.status_code == 400 and message in response.json()["error"]["message"]
         # OpenAI's `encoding_format`: "base64" is each vector's float32 bytes, decoded as OpenAI's client does
