@@ -33,7 +33,7 @@ def undecodable_hint(raw: bytes) -> str:
     except UnicodeDecodeError:
         text = None
     if text is None or b"\x00" in raw or controls > max(2, len(raw) // 10):
-        return "it is not text in any Korean encoding kbert knows (binary data?): train on text files"
+        return "it is not text in any Korean encoding kbert knows (binary data?): give a UTF-8 text file"
     if any("\uac00" <= c <= "\ud7a3" for c in text):
         return "it reads as Korean in CP949/EUC-KR: convert the file first, e.g. `iconv -f cp949 -t utf-8 IN > OUT`"
     return "convert the file to UTF-8 first (e.g. `iconv -f ENCODING -t utf-8 IN > OUT`)"
