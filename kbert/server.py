@@ -58,7 +58,7 @@ Routes (JSON in and out; errors are `{"error": {"message", "type", "code"}}` wit
                           encode as the one that built it; a SPLADE model serves a `kbert.SparseIndex`, scored by
                           dot product, without "ef_search", "nprobe" and "lexical"): {"query": str | [str], "top_k"?: int (default 10),
                           "ef_search"?: int, "nprobe"?: int, "lexical"?: number in [0, 1] (hybrid search, an
-                          index built with lexical=True), "where"?: {metadata key: value or [values]},
+                          index built with lexical=True), "where"?: {metadata key: value, [values] or {"$gte": ...}},
                           "group_by"?: a metadata key ("document": one passage per document)} ->
                           {"data": [{"index", "hits": [{"id", "score",
                           "text", "metadata"?}]}]}, best first; the queries are batched with other requests' texts.
@@ -899,6 +899,8 @@ def build_app(model: str, max_batch_tokens: int = 8192, max_wait_ms: float = 5.0
     async def search(data, ticket=None):
         from scipy.sparse import issparse
 
+        from kbert.embed.index import metadata_test
+
         found = engine.search_index
         if found is None:
             raise HTTPError(404, "no search index is served: start the server with --index DIR (a `kbert index "
@@ -916,8 +918,12 @@ def build_app(model: str, max_batch_tokens: int = 8192, max_wait_ms: float = 5.0
             raise HTTPError(400, "`lexical` must be a number in [0, 1]")
         where = data.get("where")
         if where is not None and (not isinstance(where, dict) or not all(
-                isinstance(v, (str, int, float, bool, list)) for v in where.values())):
-            raise HTTPError(400, "`where` must be an object of metadata values (or lists of values)")
+                isinstance(v, (str, int, float, bool, list, dict)) for v in where.values())):
+            raise HTTPError(400, "`where` must be an object of metadata values (or lists of values, or "
+                                 "comparisons such as {\"$gte\": 2020})")
+        if where is not None:
+            for key, condition in where.items():  # an unknown operator: a 400 naming it, before any work
+                metadata_test(key, condition)
         group_by = data.get("group_by")
         if group_by is not None and not isinstance(group_by, str):
             raise HTTPError(400, "`group_by` must be a metadata key (a string)")

@@ -377,6 +377,11 @@ def test_where_filters_by_metadata_and_deleted_texts_leave_every_search(model_di
         hybrid = index.search(queries, top_k=5, lexical=0.6, where={"part": 3})
         assert all(h.metadata["part"] == 3 for row in hybrid for h in row) and all(len(r) == 5 for r in hybrid)
         assert index.search(queries[0], top_k=5, where={"part": 7}) == []  # nothing matches: no hits
+        # comparisons (Chroma's and MongoDB's operators): the same texts as the lists above
+        compared = index.search(queries, top_k=5, where={"part": {"$gte": 1, "$lt": 3}, "kind": {"$ne": "제목"}})
+        assert [[h.id for h in row] for row in compared] == [[h.id for h in row] for row in got], kind
+        assert index.search(queries, top_k=5, where={"part": {"$in": [1, 2]}, "kind": {"$nin": ["제목"]}}) == got
+        assert index.search(queries[0], top_k=5, where={"part": {"$gt": "1"}}) == []  # a string orders no int
         # deleting: the texts leave every search, the count drops, and save/load keeps it
         first = index.search(texts[9], top_k=3)
         assert first[0].id == 9
@@ -404,6 +409,9 @@ def test_where_filters_by_metadata_and_deleted_texts_leave_every_search(model_di
         named.delete("t99")
     with pytest.raises(TypeError, match="`where` must be a dict"):
         named.search("국회", where="part=1")
+    for bad in ({"$ge": 1}, {}, {"$in": 1}):  # a typo matched nothing, silently: now an error naming it
+        with pytest.raises(ValueError, match=r"`where\['part'\]"):
+            named.search("국회", where={"part": bad})
 
 
 DECISIONS = [" ".join(LAW[i:i + 12]) for i in range(0, 240, 12)]  # 20 "documents" of 12 constitution lines

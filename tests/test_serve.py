@@ -674,6 +674,12 @@ def test_search_serves_an_index_built_with_the_model(dirs, tmp_path):
         bad = client.post("/v1/search", json={"query": queries[0], "top_k": 0})
         assert bad.status_code == 400 and "`top_k` must be an integer" in bad.json()["error"]["message"]
         assert 'kbert_requests_total{route="/v1/search",status="200"} 5.0' in client.get("/metrics").text
+        # comparisons as Chroma writes them; an operator it does not know is a 400 naming it (it matched nothing)
+        ranged = client.post("/v1/search", json={"query": queries, "top_k": 3,
+                                                 "where": {"조": {"$gte": 10, "$lte": 12}}})
+        assert ranged.json()["data"] == kept.json()["data"]
+        typo = client.post("/v1/search", json={"query": queries[0], "where": {"조": {"$ge": 10}}})
+        assert typo.status_code == 400 and "{'$ge': 10}" in typo.json()["error"]["message"], typo.text
     with Running(build_app(model_dir)) as srv, httpx.Client(base_url=srv.url, timeout=60) as client:
         missing = client.post("/v1/search", json={"query": "국회"})
         assert missing.status_code == 404 and "--index DIR" in missing.json()["error"]["message"]

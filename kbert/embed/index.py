@@ -83,6 +83,10 @@ INDEX_FILES = (MANIFEST, INDEX_FILE, SPARSE_VECTORS, RECORDS, OFFSETS, LEXICAL_M
 # HNSW's and IVF's beams, sized for the whole collection, find too few neighbours among a small allowed subset.
 EXACT_FILTERED = 20_000
 MASKS_KEPT = 32  # `where` dicts whose allowed positions are cached (one bool per text each)
+# a `where` value's comparisons, as Chroma's and MongoDB's filters write them
+WHERE_OPERATORS = {"$eq": lambda v, a: v == a, "$ne": lambda v, a: v != a, "$gt": lambda v, a: v > a,
+                   "$gte": lambda v, a: v >= a, "$lt": lambda v, a: v < a, "$lte": lambda v, a: v <= a,
+                   "$in": lambda v, a: v in a, "$nin": lambda v, a: v not in a}
 GROUP_DEPTH = 8  # with group_by, a first search reads this many hits per group wanted (deeper when short)
 _MAX_LEXICAL_SCORES = 1 << 24  # [queries, texts] lexical scores held at once (64 MB)
 KINDS = ("flat", "hnsw", "ivf")
@@ -546,11 +550,11 @@ class TextCollection:
             key = json.dumps(where, sort_keys=True, ensure_ascii=False, default=str)
             cached = self._masks.get(key)
             if cached is None or cached[0] != total:
-                wanted = {k: v if isinstance(v, (list, tuple, set)) else [v] for k, v in where.items()}
+                tests = [metadata_test(k, v) for k, v in where.items()]
 
                 def matches(record):
                     meta = record.get("metadata") or {}
-                    return all(k in meta and meta[k] in allowed for k, allowed in wanted.items())
+                    return all(test(meta) for test in tests)
                 cached = (total, np.fromiter((matches(self.records[p]) for p in range(total)), bool, total))
                 if len(self._masks) >= MASKS_KEPT:  # a server's clients choose the filters: the oldest goes
                     self._masks.pop(next(iter(self._masks)))
@@ -584,6 +588,33 @@ class TextCollection:
     def close(self) -> None:
         """Releases the memory map of the records file."""
         self.records.close()
+
+
+def metadata_test(key, condition):
+    """A test of a record's metadata dict for `where={key: condition}`: a value (equal), a list of values (any
+    of them), or a dict of comparisons ({"$gte": 2020, "$lt": 2024}; `WHERE_OPERATORS`), all of which must
+    hold. A text without the key never matches, nor does a value the comparison cannot order (a string
+    against a number). An unknown operator is an error (it matched nothing, silently)."""
+    if isinstance(condition, dict):
+        unknown = [op for op in condition if op not in WHERE_OPERATORS]
+        if unknown or not condition:
+            raise ValueError(f"`where[{key!r}]` must be a value, a list of values or a dict of comparisons "
+                             f"{sorted(WHERE_OPERATORS)}. Received: {condition!r}")
+        for op in ("$in", "$nin"):
+            if op in condition and not isinstance(condition[op], (list, tuple, set)):
+                raise ValueError(f"`where[{key!r}][{op!r}]` must be a list of values. Received: {condition[op]!r}")
+        checks = [(WHERE_OPERATORS[op], arg) for op, arg in condition.items()]
+
+        def test(meta):
+            if key not in meta:
+                return False
+            try:
+                return all(check(meta[key], arg) for check, arg in checks)
+            except TypeError:  # 2020 > "2020": not comparable, so not a match
+                return False
+        return test
+    allowed = condition if isinstance(condition, (list, tuple, set)) else [condition]
+    return lambda meta: key in meta and meta[key] in allowed
 
 
 class SearchIndex(TextCollection):
@@ -855,8 +886,10 @@ class SearchIndex(TextCollection):
         candidates: how many texts each part proposes (hybrid) and the reranker re-scores.
         query_vectors: the text queries' vectors, already encoded with `encode_queries` (a server batching them
             with other work); the texts are then read only by `lexical` and `reranker`.
-        where: only texts whose metadata match: {"법": "민법"} (equal), {"연도": [2023, 2024]} (any of), or a
-            function of the record dict ({"id", "text", "metadata"}) that returns True for those to keep.
+        where: only texts whose metadata match: {"법": "민법"} (equal), {"연도": [2023, 2024]} (any of),
+            {"연도": {"$gte": 2020, "$lt": 2024}} (comparisons: $eq $ne $gt $gte $lt $lte $in $nin, as Chroma
+            writes them), several keys all holding; or a function of the record dict ({"id", "text",
+            "metadata"}) that returns True for those to keep.
             A dict's matches are cached until texts are added; a function reads every record at every search
             (slow on a large collection). On an approximate index a filter that leaves at
             most `EXACT_FILTERED` texts scores them exactly (a graph's beam would find too few of them).
