@@ -118,6 +118,12 @@ def test_morpheme_offsets_slice_back(name):
     if name in ("mecab", "okt"):  # analyzers that report surface forms
         assert all(m.form == m.surface for m in ms)
     assert analyzer("") == [] and analyzer("   ") == []
+    # a lone UTF-16 surrogate (the taggers raised on it) is read as U+FFFD, one character for one: the
+    # offsets still slice the text as given
+    broken, read = "대한\ud800민국 헌법", "대한\ufffd민국 헌법"
+    ms = analyzer(broken)
+    assert ms and all(read[m.start:m.end] == m.surface for m in ms), ms
+    assert any(m.start <= 2 < m.end for m in ms), ms
 
 
 def test_mecab_fast_offsets_equal_general_alignment():

@@ -18,6 +18,7 @@ import sys
 from typing import Callable, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 from kbert import workers as _workers
+from kbert.text.normalize import without_surrogates
 from kbert.utils import no_gc
 
 BACKENDS = ("mecab", "kiwi", "okt", "komoran", "hannanum", "kkma", "konlpy-mecab")
@@ -111,6 +112,7 @@ class Analyzer:
             self._impl = self._load()
         if not text.strip():
             return []
+        text = without_surrogates(text)  # the taggers refuse them (not UTF-8); the offsets stay the text's
         return align(text, self._pieces(text))
 
     def batch(self, texts: Iterable[str], workers: Optional[int] = None, chunksize: int = 256) -> List[List[Morpheme]]:
@@ -192,6 +194,7 @@ class MecabAnalyzer(Analyzer):
             raise TypeError(f"morphemes('mecab') expects str. Received: {type(text).__name__}")
         if self._impl is None:
             self._impl = self._load()
+        text = without_surrogates(text)
         # MeCab's surfaces are the text's own characters in order, so each is found where the last one
         # ended (after spaces): no general alignment needed. Anything else takes `align`.
         out, cursor, find, isspace, make = [], 0, text.find, str.isspace, tuple.__new__
@@ -226,6 +229,7 @@ class KiwiAnalyzer(Analyzer):
             raise TypeError(f"morphemes('kiwi') expects str. Received: {type(text).__name__}")
         if self._impl is None:
             self._impl = self._load()
+        text = without_surrogates(text)
         return self._from_tokens(text, self._impl.tokenize(text))
 
     @staticmethod
@@ -256,6 +260,7 @@ class KiwiAnalyzer(Analyzer):
             if getattr(self, "_threaded", (None, None))[0] != workers:
                 self._threaded = (workers, _need("kiwipiepy", "kiwipiepy", "kiwi").Kiwi(num_workers=workers))
             kiwi = self._threaded[1]
+        texts = [without_surrogates(t) for t in texts]
         return [self._from_tokens(t, toks) for t, toks in zip(texts, kiwi.tokenize(texts))]
 
 

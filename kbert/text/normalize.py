@@ -89,6 +89,12 @@ def normalize(text, form: str = "NFC", repeat: Optional[int] = None, lowercase: 
     return text
 
 
+def without_surrogates(text: str) -> str:
+    """`text` with each UTF-16 surrogate code point replaced by U+FFFD, one for one: the same length, so offsets
+    into it are offsets into `text` (for analyzers that get `text` as it is, and fail on such code points)."""
+    return _SURROGATES.sub("\ufffd", text) if _SURROGATES.search(text) else text
+
+
 def tokenizers_normalizer(form: str = "NFC", repeat: Optional[int] = None, lowercase: bool = False):
     """The same normalization as a Hugging Face `tokenizers` normalizer, for a `tokenizer.json` that
     `transformers.AutoTokenizer` loads: NFC, the control characters removed, whitespace runs made one space,
