@@ -25,6 +25,8 @@ from typing import List, Optional, Tuple
 
 import numpy as np
 
+from kbert.utils import positive_int
+
 PRECISIONS = ("float32", "int8", "uint8", "binary", "ubinary")
 # corpus rows scored at a time: bounds the dequantized block (int8) and the XOR block (binary)
 SEARCH_CHUNK = 8192
@@ -203,8 +205,7 @@ def quantized_search(queries, corpus, top_k: int = 5, precision: Optional[str] =
     product with the dequantized vectors. binary/ubinary: Hamming distance picks `top_k x rescore_multiplier`
     candidates, which are rescored as the float query's dot product with their 0/1 bits
     (`rescore_multiplier=0`: no rescoring; the score is then the share of bits that agree)."""
-    if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 1:
-        raise ValueError(f"`top_k` must be a positive integer. Received: top_k={top_k!r}")
+    top_k = positive_int(top_k, "top_k")
     q = np.atleast_2d(np.asarray(queries, np.float32))
     corpus = np.asarray(corpus)
     if corpus.ndim == 2 and corpus.shape[0] == 0:  # nothing to find: no hits, as a search over no texts

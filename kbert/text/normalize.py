@@ -92,7 +92,7 @@ def normalize(text, form: str = "NFC", repeat: Optional[int] = None, lowercase: 
 def without_surrogates(text: str) -> str:
     """`text` with each UTF-16 surrogate code point replaced by U+FFFD, one for one: the same length, so offsets
     into it are offsets into `text` (for analyzers that get `text` as it is, and fail on such code points)."""
-    return _SURROGATES.sub("\ufffd", text) if _SURROGATES.search(text) else text
+    return _SURROGATES.sub("\ufffd", text)
 
 
 def tokenizers_normalizer(form: str = "NFC", repeat: Optional[int] = None, lowercase: bool = False):
