@@ -479,6 +479,20 @@ def test_lengths_beyond_the_positions_are_refused_everywhere(tmp_path):
         kbert.finetune(str(tmp_path / "m"), "classification", [{"text": "좋다", "label": "1"},
                                                                 {"text": "싫다", "label": "0"}],
                        out_dir=str(tmp_path / "ft"), max_length=4096, progress=False)
+    # a masked-LM head's readers clamped it to the positions (a shorter window than asked, unsaid)
+    pretrainer = kbert.Pretrainer(kbert.build_backbone(cfg), pair_objective=None)
+    with pytest.raises(ValueError, match="max_length`=64 is beyond the model's 32"):
+        kbert.MaskedLM(pretrainer, tok, max_length=64)
+    with pytest.raises(ValueError, match="max_length`=64 is beyond the model's 32"):
+        kbert.SparseEncoder(pretrainer, tok, max_length=64)
+    assert kbert.MaskedLM(pretrainer, tok).max_length == kbert.SparseEncoder(pretrainer, tok).max_length == 32
+    with pytest.raises(ValueError, match="query_max_length` must be a positive integer"):
+        kbert.SparseEncoder(pretrainer, tok, query_max_length=0)
+    # 0 was read as "no max_length given" (the default) by the loaders and the export
+    with pytest.raises(ValueError, match="max_length` must be an integer >= 2. Received: max_length=0"):
+        kbert.Embedder.load(str(tmp_path / "m"), max_length=0)
+    with pytest.raises(ValueError, match="max_length` must be an integer >= 2. Received: max_length=0"):
+        export(str(tmp_path / "m"), str(tmp_path / "serve"), max_length=0)
     long = " ".join(["대한민국은 민주공화국이다."] * 20)
     with warnings.catch_warnings(record=True) as caught:  # at the model's limit the hint says so
         warnings.simplefilter("always")

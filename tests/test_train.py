@@ -747,6 +747,14 @@ def test_planner_mixed_precision_accumulation_and_errors():
         plan_batch_size("bert-base", "12", [128])
     assert plan_batch_size("bert-base", "12000000000B", [128]) == plan_batch_size("bert-base", 12e9, [128]) \
         == plan_batch_size("bert-base", "12GB", [128])
+    # target 0 was read as no target, replicas 0 divided by zero, a margin of 1 planned batch 0 without a word
+    with pytest.raises(ValueError, match="`target_batch` must be a positive integer"):
+        plan_batch_size("bert-base", "12GB", [128], target_batch=0)
+    with pytest.raises(ValueError, match="`replicas` must be a positive integer"):
+        plan_batch_size("bert-base", "12GB", [128], target_batch=256, replicas=0)
+    for margin in (1.0, -0.1, float("nan"), "0.1"):
+        with pytest.raises(ValueError, match="`margin` must be a fraction in"):
+            plan_batch_size("bert-base", "12GB", [128], margin=margin)
 
 
 KCBERT_LIKE = {"architectures": ["BertForMaskedLM"], "model_type": "bert", "vocab_size": 30000, "hidden_size": 768,

@@ -83,7 +83,8 @@ class Embedder(CompilesInBackground):
         self.config = backbone.config  # what the model's shape and limits are read from (no backbone: an ONNX one)
         # the sentence pooling `encode` uses by default: a bi-encoder dir's own (`kbert.finetune(pooling=...)`)
         self.pooling, self.layers = pooling, layers
-        self.max_length = backbone.config.check_length(max_length or backbone.config.max_position)
+        self.max_length = backbone.config.check_length(
+            backbone.config.max_position if max_length is None else max_length)
         self.prompts, self.default_prompt_name = check_prompts(prompts, default_prompt_name)
         self.dense = check_dense(dense or [], backbone.config.hidden_size)
         # JAX compiles every shape (it has no graph to run one on meanwhile), so every batch takes the bucketed
@@ -892,7 +893,7 @@ class OnnxEmbedder(Embedder):
         self.session, self.tokenizer, self.info = graph, tokenizer, info
         self.backbone, self.config = None, ModelConfig.from_dict(info["config"])
         self.pooling, self.layers = info["pooling"], info["layers"]
-        self.max_length = self.config.check_length(max_length or info["max_length"])
+        self.max_length = self.config.check_length(info["max_length"] if max_length is None else max_length)
         self.prompts, self.default_prompt_name = check_prompts(info.get("prompts"), info.get("default_prompt_name"))
         self.dense = check_dense(dense or [], self.config.hidden_size)
         self.distribution, self.jit_compile, self._bucketed = None, False, False
@@ -957,7 +958,7 @@ def load_static(model_dir: str, max_length: Optional[int] = None) -> Optional[St
         return None
     table = read_static(st["static"])
     return StaticEmbedder(table["vectors"], Tokenizer.from_model_dir(st["static"]),
-                          max_length or table["max_length"], table["weights"], table["mapping"],
+                          table["max_length"] if max_length is None else max_length, table["weights"], table["mapping"],
                           prompts=st["prompts"], default_prompt_name=st["default_prompt_name"], dense=st["dense"])
 
 

@@ -209,7 +209,7 @@ def export(model_dir: str, out_dir: str, signature: Optional[str] = None, poolin
         model = TaskModel.load(model_dir)
         tokenizer = model.tokenizer
         _check_tokenizer(tokenizer)
-        limit = model.network.backbone.config.check_length(max_length or model.max_length)
+        limit = model.network.backbone.config.check_length(model.max_length if max_length is None else max_length)
         head = {"network": model.network, "pairs": bool(meta.get("pair_column") or meta.get("pairs")),
                 "activation": model.activation, "multi_label": model.multi_label}
         module = _module(model.network.backbone, tokenizer, signature, limit, None, -1, False, head, meta["task"])

@@ -278,7 +278,7 @@ def export_onnx(model_dir, out_dir: str, signature: Optional[str] = None,
     else:
         model = source = TaskModel.load(model_dir)
         tokenizer, config = model.tokenizer, model.network.backbone.config
-        limit = config.check_length(max_length or model.max_length)
+        limit = config.check_length(model.max_length if max_length is None else max_length)
         graph = _graph_model(model.network.backbone, network=model.network, task=task, activation=model.activation,
                              multi_label=model.multi_label)
         info.update(task=task, labels=model.labels, max_length=limit, activation=model.activation,

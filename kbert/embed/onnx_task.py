@@ -40,7 +40,8 @@ class OnnxTaskModel(Ranking):
         self.session, self.tokenizer, self.info = graph, tokenizer, info
         self.task, self.labels, self.activation = info["task"], info.get("labels"), info.get("activation")
         self.multi_label = bool(info.get("multi_label", False))  # its probabilities: a sigmoid a label
-        self.max_length = ModelConfig.from_dict(info["config"]).check_length(max_length or info["max_length"])
+        self.max_length = ModelConfig.from_dict(info["config"]).check_length(
+            info["max_length"] if max_length is None else max_length)
         self.output = info["outputs"][0]
 
     @classmethod

@@ -37,7 +37,7 @@ from kbert.embed.onnx_runtime import (GRAPH_FILE, QUERY_WEIGHTS_FILE, SPARSE_OUT
                                       is_sparse_export, read_info)
 from kbert.embed.onnx_runtime import session as onnx_session
 from kbert.models.pooling import SPLADE_ACTIVATIONS, SPLADE_POOLINGS
-from kbert.utils import progress_bar
+from kbert.utils import positive_int, progress_bar
 
 SEARCH_CHUNK = 256  # queries scored at once: a [256, corpus] dense block of scores
 
@@ -69,11 +69,13 @@ class SparseEncoder:
         if activation not in SPLADE_ACTIVATIONS:
             raise ValueError(f"`activation` must be one of {SPLADE_ACTIVATIONS}. Received: {activation!r}")
         self.config = config if config is not None else model.config  # config: without a model (an ONNX graph)
-        limit = self.config.max_position
-        if max_length is not None and (not isinstance(max_length, int) or max_length < 3):
+        if max_length is not None and (not isinstance(max_length, int) or isinstance(max_length, bool)
+                                       or max_length < 3):
             raise ValueError(f"`max_length` must be an int >= 3 ([CLS], a token, [SEP]). Received: {max_length!r}")
         self.model, self.tokenizer = model, tokenizer
-        self.max_length = min(max_length or limit, limit)
+        # refused past the positions, as Embedder does: a clamp would read fewer tokens than asked, unsaid
+        self.max_length = (self.config.max_position if max_length is None
+                           else self.config.check_length(max_length))
         self.pooling, self.activation = pooling, activation
         self.prompts = dict(prompts or {})
         # JAX compiles every (bucketed) shape; an ONNX graph (no model) needs no Keras backend at all
@@ -83,7 +85,8 @@ class SparseEncoder:
         if self.query_weights is not None and self.query_weights.shape != (self.vocab_size,):
             raise ValueError(f"`query_weights` must hold one weight per vocabulary token ({self.vocab_size}). "
                              f"Received shape {self.query_weights.shape}")
-        self.query_max_length = query_max_length or self.max_length
+        self.query_max_length = (self.max_length if query_max_length is None
+                                 else positive_int(query_max_length, "query_max_length"))
 
     @property
     def vocab_size(self) -> int:
@@ -326,9 +329,10 @@ class OnnxSparseEncoder(SparseEncoder):
         if info.get("signature") != "sparse":
             raise ValueError(f"this ONNX export is a {info.get('signature')!r} graph; OnnxSparseEncoder runs the "
                              f"'sparse' exports of SPLADE models (kbert.OnnxEmbedder runs 'embed' ones)")
-        super().__init__(None, tokenizer, max_length=max_length or info["max_length"], pooling=info["pooling"],
-                         activation=info["activation"], prompts=info.get("prompts"), query_weights=query_weights,
-                         query_max_length=info.get("query_max_length"), config=ModelConfig.from_dict(info["config"]))
+        super().__init__(None, tokenizer, max_length=info["max_length"] if max_length is None else max_length,
+                         pooling=info["pooling"], activation=info["activation"], prompts=info.get("prompts"),
+                         query_weights=query_weights, query_max_length=info.get("query_max_length"),
+                         config=ModelConfig.from_dict(info["config"]))
         self.session, self.info = graph, info
 
     @classmethod

@@ -651,7 +651,7 @@ def distill(teacher: str, student, data=None, out_dir: str = "distilled", mode: 
                     rows.append({text_column: r[pair_column]})
     if not rows:
         raise ValueError("distillation found no text in `data` / `train`")
-    length = max_length or min(128, t.config.max_position)
+    length = min(128, t.config.max_position) if max_length is None else max_length
     config = FinetuneConfig(
         model=student_dir, task={"task": meta.get("task"), "embedding": "sentence-embedding"}.get(mode, mode),
         train=rows, dev=dev,

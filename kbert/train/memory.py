@@ -82,6 +82,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
 from kbert.data.masking import default_max_predictions
+from kbert.utils import positive_int
 
 
 @dataclass(frozen=True)
@@ -246,6 +247,11 @@ def plan_batch_size(config, memory, seq_lens: Sequence[int] = (128,), target_bat
     google-research/bert's 12 GB table)."""
     if isinstance(config, str):
         config = config_of(config)
+    # 0 was read as "no target" and a margin of 1 or more as a budget of nothing: both errors, as a user meant else
+    target_batch = None if target_batch is None else positive_int(target_batch, "target_batch")
+    replicas = positive_int(replicas, "replicas")
+    if isinstance(margin, bool) or not isinstance(margin, numbers.Real) or not 0.0 <= margin < 1.0:
+        raise ValueError(f"`margin` must be a fraction in [0, 1). Received: margin={margin!r}")
     budget = parse_memory(memory) * (1.0 - margin)
     rows = []
     for seq in seq_lens:
@@ -254,7 +260,7 @@ def plan_batch_size(config, memory, seq_lens: Sequence[int] = (128,), target_bat
         best = max_batch_size(config, budget, seq, **kw)
         row = {"seq_len": seq, "max_batch": best,
                "memory_at_max": estimate_memory(config, max(best, 1), seq, **kw)["total"]}
-        if target_batch:
+        if target_batch is not None:
             if target_batch % replicas:
                 raise ValueError(f"target batch {target_batch} is not divisible by {replicas} replicas")
             per_replica = target_batch // replicas
