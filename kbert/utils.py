@@ -101,15 +101,17 @@ class _NoBar:
         pass
 
 
-def progress_bar(total=None, desc="", unit="it", enabled=True):
-    """A tqdm bar on stderr, or a no-op when disabled (or when tqdm is missing)."""
+def progress_bar(total=None, desc="", unit="it", enabled=True, initial=0):
+    """A tqdm bar on stderr, or a no-op when disabled (or when tqdm is missing). `initial`: the work a resumed
+    job had done before (shown as done, but not counted in the rate, which an update() would make absurd)."""
     if not enabled:
         return _NoBar()
     try:
         from tqdm.auto import tqdm
     except ImportError:
         return _NoBar()
-    return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, dynamic_ncols=True, mininterval=0.5)
+    return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, dynamic_ncols=True, mininterval=0.5,
+                initial=initial)
 
 
 class StopSignals:

@@ -474,8 +474,7 @@ def pretrain(config: Union[PretrainConfig, dict, str], overrides=None, resume: b
     # kbert's Pretrainer runs its last block at [CLS] and the masked positions only: count what it computes
     rows = pretrainer_last_layer_rows(predictions) if d.objective != "electra" else None
     flops_per_step = train_flops_per_step(model_config, t.batch_size, d.max_length, predictions, rows)
-    bar = progress_bar(total=t.steps, desc="pretrain", unit="step", enabled=progress)
-    bar.update(start)
+    bar = progress_bar(total=t.steps, desc="pretrain", unit="step", enabled=progress, initial=start)
     history, recent = [], collections.deque(maxlen=_RECENT_STEPS)
     t0, s0 = time.perf_counter(), start
     t1 = s1 = None  # after this call's first step (tracing, XLA compilation): the steady rate starts there
