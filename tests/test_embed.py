@@ -491,6 +491,8 @@ def test_lengths_beyond_the_positions_are_refused_everywhere(tmp_path):
     with pytest.raises(ValueError, match="max_length`=64 is beyond the model's 32"):
         kbert.SparseEncoder(pretrainer, tok, max_length=64)
     assert kbert.MaskedLM(pretrainer, tok).max_length == kbert.SparseEncoder(pretrainer, tok).max_length == 32
+    with pytest.raises(ValueError, match="max_length` must be an integer >= 3. Received: max_length=2"):
+        kbert.MaskedLM(pretrainer, tok, max_length=2)
     with pytest.raises(ValueError, match="query_max_length` must be a positive integer"):
         kbert.SparseEncoder(pretrainer, tok, query_max_length=0)
     # 0 was read as "no max_length given" (the default) by the loaders and the export

@@ -52,13 +52,10 @@ class MaskedLM:
     """
 
     def __init__(self, model, tokenizer, max_length: Optional[int] = None, jit_compile: bool = False):
-        if max_length is not None and (not isinstance(max_length, int) or isinstance(max_length, bool)
-                                       or max_length < 3):
-            raise ValueError(f"`max_length` must be an int >= 3 ([CLS], a token, [SEP]). Received: {max_length!r}")
         self.model, self.tokenizer = model, tokenizer
         # refused past the positions, as Embedder does: a clamp would read a smaller window than asked, unsaid
-        self.max_length = (model.config.max_position if max_length is None
-                           else model.config.check_length(max_length))
+        self.max_length = (model.config.max_position if max_length is None  # [CLS], a mask, [SEP] at least
+                           else model.config.check_length(max_length, minimum=3))
         self.mask_token = tokenizer.special_tokens["mask"]
         self.jit_compile = bool(jit_compile) or backend() == "jax"  # JAX compiles every (bucketed) shape
         self._fn = None

@@ -69,13 +69,10 @@ class SparseEncoder:
         if activation not in SPLADE_ACTIVATIONS:
             raise ValueError(f"`activation` must be one of {SPLADE_ACTIVATIONS}. Received: {activation!r}")
         self.config = config if config is not None else model.config  # config: without a model (an ONNX graph)
-        if max_length is not None and (not isinstance(max_length, int) or isinstance(max_length, bool)
-                                       or max_length < 3):
-            raise ValueError(f"`max_length` must be an int >= 3 ([CLS], a token, [SEP]). Received: {max_length!r}")
         self.model, self.tokenizer = model, tokenizer
         # refused past the positions, as Embedder does: a clamp would read fewer tokens than asked, unsaid
-        self.max_length = (self.config.max_position if max_length is None
-                           else self.config.check_length(max_length))
+        self.max_length = (self.config.max_position if max_length is None  # [CLS], a token, [SEP] at least
+                           else self.config.check_length(max_length, minimum=3))
         self.pooling, self.activation = pooling, activation
         self.prompts = dict(prompts or {})
         # JAX compiles every (bucketed) shape; an ONNX graph (no model) needs no Keras backend at all

@@ -130,11 +130,12 @@ class ModelConfig:
         final_norm = 2 * h if self.norm_first else 0
         return emb + blocks * block + final_norm + (h * h + h)
 
-    def check_length(self, max_length, name: str = "max_length") -> int:
+    def check_length(self, max_length, name: str = "max_length", minimum: int = 2) -> int:
         """`max_length` (tokens per sequence) if the position embeddings cover it; otherwise a ValueError with
-        the limit. One rule for pretraining, fine-tuning, embedding and export: refuse, never clamp."""
-        if not isinstance(max_length, int) or isinstance(max_length, bool) or max_length < 2:
-            raise ValueError(f"`{name}` must be an integer >= 2. Received: {name}={max_length!r}")
+        the limit. One rule for pretraining, fine-tuning, embedding and export: refuse, never clamp. `minimum`:
+        the fewest tokens a row may hold ([CLS] and [SEP]; 3 where a row needs a token besides them)."""
+        if not isinstance(max_length, int) or isinstance(max_length, bool) or max_length < minimum:
+            raise ValueError(f"`{name}` must be an integer >= {minimum}. Received: {name}={max_length!r}")
         if max_length > self.max_position:
             raise ValueError(f"`{name}`={max_length} is beyond the model's {self.max_position} position embeddings "
                              f"(`max_position`); use {name} <= {self.max_position}")
