@@ -206,7 +206,7 @@ class Embedder(CompilesInBackground):
         id_lists = [[self.tokenizer.cls_id, int(i), self.tokenizer.sep_id] for i in ids]
         out = np.zeros((len(ids), self.config.hidden_size), np.float32)
         show = progress if progress is not None else len(ids) >= 5000
-        bar = progress_bar(total=len(ids), desc="token vectors", unit=" tokens", enabled=show)
+        bar = progress_bar(total=len(ids), desc="token vectors", unit="token", enabled=show)
         for index, vectors in self._pooled_batches(id_lists, batch_size, bar, pooling, layers):
             out[index] = vectors
         bar.close()
@@ -451,7 +451,7 @@ class Embedder(CompilesInBackground):
         if prefix:
             texts = [prefix + t for t in texts]
         show = progress if progress is not None else len(texts) >= 10 * batch_size
-        bar = progress_bar(total=len(texts), desc="encode", unit=" texts", enabled=show)
+        bar = progress_bar(total=len(texts), desc="encode", unit="text", enabled=show)
         out = self._pooled_texts(texts, pooling, layers, batch_size, self._max_length(max_length), bar,
                                  long_texts, prompt_tokens)
         bar.close()

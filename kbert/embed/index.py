@@ -377,7 +377,7 @@ def encode_chunks(out_dir: str, texts, ids, metadata, chunk_size: int, identity:
               f"already encoded", file=sys.stderr, flush=True)
 
     total = len(texts) if hasattr(texts, "__len__") else None
-    bar = progress_bar(total=total, desc="index", unit=" texts", enabled=progress)
+    bar = progress_bar(total=total, desc="index", unit="text", enabled=progress)
     count, encoded, truncated, limit, ids_seen = 0, 0, 0, None, set() if ids is not None else None
     for k, (chunk, chunk_ids, chunk_meta) in enumerate(_chunks(texts, ids, metadata, chunk_size)):
         records = make_records(chunk, chunk_ids, chunk_meta, count)

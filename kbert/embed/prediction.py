@@ -101,7 +101,7 @@ def predict_rows(model, data, text_column: Optional[str] = None, pair_column: Op
         raise ValueError(f"row {empty + 1} has no {label_column!r} to score the prediction against")
     out = [{"row": i + 1} for i in range(len(rows))]
     figures = None
-    bar = progress_bar(total=len(rows), desc=f"predict {model.task}", unit=" rows", enabled=progress)
+    bar = progress_bar(total=len(rows), desc=f"predict {model.task}", unit="row", enabled=progress)
     if model.task == "question-answering":
         found = _in_chunks(model.answer, texts, pairs, bar, batch_size=batch_size)
         for o, r, a in zip(out, rows, found):

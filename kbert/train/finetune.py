@@ -706,7 +706,7 @@ def _run(c: FinetuneConfig, task, before_training, distribution) -> dict:
     # loss every LOG_EVERY steps (each dataset's too), the dev metrics at each evaluation
     write_scalars = scalar_writer(os.path.join(c.out_dir, LOG_DIR))
     end = total if c.stop_after is None else min(total, step + c.stop_after)
-    bar = progress_bar(total=total, desc=f"finetune {task.name}", unit=" steps", enabled=c.progress, initial=step)
+    bar = progress_bar(total=total, desc=f"finetune {task.name}", unit="step", enabled=c.progress, initial=step)
     stopped, start_time, saved_at = "steps", time.time(), step
     with StopSignals() as signals:
         while step < end and stopped == "steps":

@@ -126,7 +126,7 @@ class Teacher:
         return out
 
     def bar(self, total: int, desc: str):
-        return progress_bar(total, desc, unit="texts", enabled=self.progress and total >= self.BAR_FROM)
+        return progress_bar(total, desc, unit="text", enabled=self.progress and total >= self.BAR_FROM)
 
     def release(self):
         self.network = self._fn = None
