@@ -188,9 +188,8 @@ def prepare(source, tokenizer, out_dir: str, objective: str = "mlm+nsp", max_len
     builder = ExampleBuilder(corpus, tokenizer, objective, max_length, short_seq_prob, shard_writer=writer,
                              join_documents=join_documents)
     report = CorpusReport()
-    bar = progress_bar(desc="prepare", unit="shard", enabled=progress)
     resumed, kept = len(shards), sorted(shards)
-    bar.update(resumed)
+    bar = progress_bar(desc="prepare", unit="shard", enabled=progress, initial=resumed)  # rate: this run's shards
     for index, shard in example_blocks(builder, seed, 0, workers, docs_per_shard, report,
                                        keep=lambda i: i not in shards):
         shards[index] = writer.write(index, shard)

@@ -377,7 +377,9 @@ def encode_chunks(out_dir: str, texts, ids, metadata, chunk_size: int, identity:
               f"already encoded", file=sys.stderr, flush=True)
 
     total = len(texts) if hasattr(texts, "__len__") else None
-    bar = progress_bar(total=total, desc="index", unit="text", enabled=progress)
+    # the chunks of an earlier run are shown as done (checked against these texts below, not encoded again)
+    bar = progress_bar(total=total, desc="index", unit="text", enabled=progress,
+                       initial=sum(c["count"] for c in state["done"]))
     count, encoded, truncated, limit, ids_seen = 0, 0, 0, None, set() if ids is not None else None
     for k, (chunk, chunk_ids, chunk_meta) in enumerate(_chunks(texts, ids, metadata, chunk_size)):
         records = make_records(chunk, chunk_ids, chunk_meta, count)
@@ -394,7 +396,6 @@ def encode_chunks(out_dir: str, texts, ids, metadata, chunk_size: int, identity:
                 raise ValueError(f"the texts differ from those of the unfinished build in {chunk_dir} at chunk "
                                  f"{k} (texts {count - len(records)}..{count - 1}); pass resume=False "
                                  f"(--no-resume) to start over")
-            bar.update(len(records))
             continue
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
