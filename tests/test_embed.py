@@ -655,6 +655,9 @@ def test_label_pairs_put_the_teachers_mean_cosine_on_the_gold_labels_scale(tmp_p
                        (dict(teacher=one, pairs=[("a", "b")], gold=gold[:1]), "at least 2 pairs"),
                        (dict(teacher=one, pairs=[("a", "b")], gold=[dict(gold[0], score="high"), gold[1]]),
                         "not a number"),
+                       # a NaN label fitted a NaN line: every silver score came back NaN
+                       (dict(teacher=one, pairs=[("a", "b")], gold=[dict(gold[0], score="nan"), gold[1]]),
+                        "gold row 1: label 'nan' is not a finite number"),
                        (dict(teacher=one, pairs=[("a", "b")], batch_size=0), "`batch_size`")]:
         with pytest.raises(ValueError, match=match):
             kbert.label_pairs(progress=False, **bad)

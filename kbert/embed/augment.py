@@ -28,7 +28,7 @@ from typing import Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from kbert.data.rows import read_rows, text_cell
+from kbert.data.rows import number, read_rows, text_cell
 from kbert.utils import progress_bar
 
 _CHUNK = 1024  # sentences whose TF-IDF cosines to the pool are held at once: [1024, pool] floats
@@ -135,10 +135,7 @@ def label_pairs(teacher, pairs, gold=None, text_column: str = "sentence1", pair_
         for i, r in enumerate(read_rows(gold, [text_column, pair_column, label_column])):
             gold_a.append(text_cell(r, text_column, f"gold pair {i}"))
             gold_b.append(text_cell(r, pair_column, f"gold pair {i}"))
-            try:
-                labels.append(float(r[label_column]))
-            except (TypeError, ValueError):
-                raise ValueError(f"gold pair {i}: {label_column!r} is {r[label_column]!r}, not a number") from None
+            labels.append(number(r[label_column], "gold", i))  # a NaN label made every score NaN
         if len(labels) < 2 or max(labels) == min(labels):
             raise ValueError("`gold` needs at least 2 pairs with different labels to fit the cosine-to-label line")
 
