@@ -1070,7 +1070,9 @@ def test_mined_negatives_skip_the_anchors_own_texts_and_keep_to_margins_ranks_an
     assert mine_hard_negatives(emb, pairs, progress=False)[0]["negative"] == "q"  # p, p2 are a's own
     for bad, match in [(dict(num_negatives=0), "`num_negatives`"), (dict(range_min=2, range_max=2), "`range_max`"),
                        (dict(relative_margin=1.0), "`relative_margin`"), (dict(sampling="hard"), "`sampling`"),
-                       (dict(lexical=2), "`lexical`"), (dict(margin=-1), "`margin`"), (dict(chunk=0), "`chunk`")]:
+                       (dict(lexical=2), "`lexical`"), (dict(margin=-1), "`margin`"), (dict(chunk=0), "`chunk`"),
+                       # NaN compared as no bound (every candidate kept); True read as a margin of 1
+                       (dict(max_score=float("nan")), "`max_score`"), (dict(margin=True), "`margin`")]:
         with pytest.raises(ValueError, match=match):
             mine_hard_negatives(emb, pairs, corpus, progress=False, **bad)
     with pytest.raises(ValueError, match="already have a column 'id'"):
@@ -1549,9 +1551,12 @@ def test_paraphrase_mining_and_groups_of_texts_by_a_model_or_by_characters(emb, 
     groups = kbert.community_detection(None, texts, threshold=0.5, min_size=2, lexical=1.0, progress=False)
     assert groups == [[0, 4, 2]] or groups == [[0, 2, 4]]
     for bad, match in [(dict(top_k=0), "`top_k`"), (dict(max_pairs=0), "`max_pairs`"), (dict(lexical=2), "`lexical`"),
-                       (dict(threshold="high"), "`threshold`"), (dict(chunk=0), "`chunk`")]:
+                       (dict(threshold="high"), "`threshold`"), (dict(chunk=0), "`chunk`"),
+                       (dict(threshold=float("nan")), "`threshold`")]:  # NaN: no pair, and no word why
         with pytest.raises(ValueError, match=match):
             kbert.paraphrase_mining(emb, texts, progress=False, **bad)
+    with pytest.raises(ValueError, match="`threshold` must be a number"):
+        kbert.community_detection(emb, texts, threshold=float("nan"), progress=False)
     with pytest.raises(ValueError, match="lexical=1"):
         kbert.paraphrase_mining(None, texts, progress=False)
     with pytest.raises(ValueError, match="not vectors"):

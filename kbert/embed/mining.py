@@ -26,6 +26,7 @@ For Korean user text (reviews, comments, questions) that is near-duplicate remov
 
 from __future__ import annotations
 
+import numbers
 from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -38,6 +39,17 @@ SAMPLINGS = ("top", "random")
 _MAX_SCORES = 1 << 26  # scores held at once, [chunk, corpus] float32: 256 MB
 
 
+def _real(value) -> bool:
+    """A number (numpy's too), not a bool: True would read as a margin of 1."""
+    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+
+
+def _number(value) -> bool:
+    """A real number that is not NaN: a NaN bound compares False with every score (or min() skips it), so a
+    threshold of NaN kept nothing and a max_score of NaN kept everything, both without a word."""
+    return _real(value) and not np.isnan(value)
+
+
 def _check_settings(num_negatives, range_min, range_max, margin, relative_margin, max_score, sampling, lexical):
     if isinstance(num_negatives, bool) or not isinstance(num_negatives, int) or num_negatives < 1:
         raise ValueError(f"`num_negatives` must be a positive integer. Received: num_negatives={num_negatives!r}")
@@ -47,12 +59,13 @@ def _check_settings(num_negatives, range_min, range_max, margin, relative_margin
                                   or range_max <= range_min):
         raise ValueError(f"`range_max` must be None or an integer above range_min={range_min}. "
                          f"Received: range_max={range_max!r}")
-    if margin is not None and not (isinstance(margin, (int, float)) and margin >= 0):
+    if margin is not None and not (_real(margin) and margin >= 0):
         raise ValueError(f"`margin` must be None or a number >= 0. Received: margin={margin!r}")
-    if relative_margin is not None and not (isinstance(relative_margin, (int, float)) and 0 <= relative_margin < 1):
+    if relative_margin is not None and not (_real(relative_margin) and 0 <= relative_margin < 1):
         raise ValueError(f"`relative_margin` must be None or a number in [0, 1). Received: "
                          f"relative_margin={relative_margin!r}")
-    if max_score is not None and not isinstance(max_score, (int, float)):
+    # a NaN max_score compared as no bound at all (min(bound, nan) is bound): the filter asked for was off
+    if max_score is not None and not _number(max_score):
         raise ValueError(f"`max_score` must be None or a number. Received: max_score={max_score!r}")
     if sampling not in SAMPLINGS:
         raise ValueError(f"`sampling` must be one of {SAMPLINGS}. Received: sampling={sampling!r}")
@@ -357,7 +370,7 @@ def paraphrase_mining(model, texts, top_k: int = 100, max_pairs: int = 500_000, 
     _check_count(top_k, "top_k")
     _check_count(max_pairs, "max_pairs")
     _check_count(chunk, "chunk")
-    if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, (int, float))):
+    if threshold is not None and not _number(threshold):
         raise ValueError(f"`threshold` must be None or a number. Received: threshold={threshold!r}")
     scores_of, n = _self_scorer(model, texts, lexical, progress, encode_options)
     if n < 2:
@@ -409,7 +422,7 @@ def community_detection(model, texts, threshold: float = 0.75, min_size: int = 1
     """
     _check_count(min_size, "min_size")
     _check_count(chunk, "chunk")
-    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)):
+    if not _number(threshold):
         raise ValueError(f"`threshold` must be a number. Received: threshold={threshold!r}")
     scores_of, n = _self_scorer(model, texts, lexical, progress, encode_options)
     if n < min_size:
