@@ -691,6 +691,14 @@ def test_bad_sources_fail_clearly(tok, tmp_path):
         pretraining_dataset("dummy", tok, max_length=16, max_predictions=17)
     with pytest.raises(ValueError, match="objective"):
         pretraining_dataset("dummy", tok, objective="nsp")
+    # NaN failed as "cannot convert float NaN to integer"; short_seq_prob and shuffle_buffer were not checked
+    with pytest.raises(ValueError, match=r"`mask_rate` must be in \(0, 1\). Received: mask_rate=nan"):
+        pretraining_dataset("dummy", tok, mask_rate=float("nan"))
+    with pytest.raises(ValueError, match=r"`short_seq_prob` must be a probability in \[0, 1\]"):
+        pretraining_dataset(_write(str(tmp_path / "doc.txt"), "문장 하나.\n문장 둘.\n"), tok, short_seq_prob=5,
+                            workers=0)
+    with pytest.raises(ValueError, match="`shuffle_buffer` must be an integer, 0"):
+        pretraining_dataset("dummy", tok, shuffle_buffer=-1)
 
 
 @pytest.mark.slow

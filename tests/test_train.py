@@ -341,8 +341,13 @@ def test_bad_configs_name_the_key(tok_dir, tmp_path):
                              ({"end_learning_rate": 1.0}, r"`optimizer.end_learning_rate` must be in \[0, learning")):
         with pytest.raises(ValueError, match=match):
             pretrain(_config(tok_dir, str(tmp_path / "f"), 2, optimizer=optimizer), progress=False)
-    with pytest.raises(ValueError, match=r"`data.mask_rate` must be in \(0, 1\)"):
-        pretrain(_config(tok_dir, str(tmp_path / "g"), 2, data={"mask_rate": 1.5}), progress=False)
+    for data, match in (({"mask_rate": 1.5}, r"`data.mask_rate` must be in \(0, 1\)"),
+                        # above 1 every target was short, NaN none; -1 failed in tf.data's ShuffleDataset
+                        ({"short_seq_prob": 5}, r"`data.short_seq_prob` must be a probability in \[0, 1\]"),
+                        ({"short_seq_prob": float("nan")}, "`data.short_seq_prob` must be a probability"),
+                        ({"shuffle_buffer": -1}, "`data.shuffle_buffer` must be an integer, 0")):
+        with pytest.raises(ValueError, match=match):
+            pretrain(_config(tok_dir, str(tmp_path / "g"), 2, data=data), progress=False)
     # a file that does not parse is named with the parser's line, not a traceback
     (tmp_path / "bad.yaml").write_text("trainer:\n  steps: [\n")
     (tmp_path / "bad.json").write_text('{"trainer": {"steps": 3,}}')

@@ -11,6 +11,7 @@ depend on the number of workers. Both `pretraining_dataset` (from raw text) and 
 from __future__ import annotations
 
 import collections
+import numbers
 import os
 import warnings
 from typing import Dict, Iterator, List, Optional, Tuple
@@ -33,8 +34,13 @@ class ExampleBuilder:
 
     def __init__(self, corpus: Corpus, tokenizer, objective: str, max_length: int, short_seq_prob: float,
                  shard_writer=None, join_documents: bool = False):
+        # a probability: above 1 every target was short, below 0 or NaN none was, and nothing said so
+        if (isinstance(short_seq_prob, bool) or not isinstance(short_seq_prob, numbers.Real)
+                or not 0.0 <= short_seq_prob <= 1.0):
+            raise ValueError(f"`short_seq_prob` must be a probability in [0, 1]. Received: "
+                             f"short_seq_prob={short_seq_prob!r}")
         self.corpus, self.tokenizer = corpus, tokenizer
-        self.objective, self.max_length, self.short_seq_prob = objective, max_length, short_seq_prob
+        self.objective, self.max_length, self.short_seq_prob = objective, max_length, float(short_seq_prob)
         self.join_documents = bool(join_documents)
         self.shard_writer = shard_writer  # set by `kbert data prepare`: workers serialize their shard's records
 

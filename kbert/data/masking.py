@@ -19,6 +19,7 @@ Rules (as in BERT / ALBERT):
 
 from __future__ import annotations
 
+import numbers
 from typing import NamedTuple
 
 import numpy as np
@@ -35,9 +36,16 @@ class MaskSpec(NamedTuple):
     vocab_size: int
 
 
+def check_mask_rate(mask_rate) -> float:
+    """`mask_rate` if it is a fraction in (0, 1) (NaN is not), else a ValueError naming it."""
+    if isinstance(mask_rate, bool) or not isinstance(mask_rate, numbers.Real) or not 0.0 < mask_rate < 1.0:
+        raise ValueError(f"`mask_rate` must be in (0, 1). Received: mask_rate={mask_rate!r}")
+    return float(mask_rate)
+
+
 def default_max_predictions(max_length: int, mask_rate: float = 0.15) -> int:
     """round(max_length * mask_rate) + 1 (20 for 128, as in the BERT recipe)."""
-    return int(round(max_length * mask_rate)) + 1
+    return int(round(max_length * check_mask_rate(mask_rate))) + 1
 
 
 def regular_token_ids(vocab_size: int, special_ids) -> np.ndarray:
@@ -48,8 +56,7 @@ def regular_token_ids(vocab_size: int, special_ids) -> np.ndarray:
 
 def make_spec(tokenizer, mask_rate: float = 0.15, max_predictions: int = 20, whole_word: bool = True,
               ngram: int = 1) -> MaskSpec:
-    if not 0.0 < mask_rate < 1.0:
-        raise ValueError(f"`mask_rate` must be in (0, 1). Received: mask_rate={mask_rate!r}")
+    mask_rate = check_mask_rate(mask_rate)
     if not isinstance(max_predictions, int) or max_predictions < 1:
         raise ValueError(f"`max_predictions` must be a positive integer. Received: max_predictions={max_predictions!r}")
     if ngram not in (1, 2, 3):

@@ -65,6 +65,9 @@ def pretraining_dataset(source, tokenizer, objective: str = "mlm+nsp", max_lengt
 
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"`batch_size` must be a positive integer. Received: batch_size={batch_size!r}")
+    if isinstance(shuffle_buffer, bool) or not isinstance(shuffle_buffer, int) or shuffle_buffer < 0:
+        raise ValueError(f"`shuffle_buffer` must be an integer, 0 (no shuffling) or more. "
+                         f"Received: shuffle_buffer={shuffle_buffer!r}")
     num_pipelines, pipeline_id = 1, 0
     if input_context is not None:
         num_pipelines, pipeline_id = input_context.num_input_pipelines, input_context.input_pipeline_id

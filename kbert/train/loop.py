@@ -178,6 +178,13 @@ def _validate(config: PretrainConfig):
         raise ValueError(f"`data.objective` must be one of {OBJECTIVES}. Received: {d.objective!r}")
     if isinstance(d.mask_rate, bool) or not isinstance(d.mask_rate, (int, float)) or not 0 < d.mask_rate < 1:
         raise ValueError(f"`data.mask_rate` must be in (0, 1). Received: {d.mask_rate!r}")
+    if (isinstance(d.short_seq_prob, bool) or not isinstance(d.short_seq_prob, (int, float))
+            or not 0 <= d.short_seq_prob <= 1):
+        raise ValueError(f"`data.short_seq_prob` must be a probability in [0, 1]. Received: {d.short_seq_prob!r}")
+    # 0 turns shuffling off; a negative one failed deep in tf.data's ShuffleDataset
+    if isinstance(d.shuffle_buffer, bool) or not isinstance(d.shuffle_buffer, int) or d.shuffle_buffer < 0:
+        raise ValueError(f"`data.shuffle_buffer` must be an integer, 0 (no shuffling) or more. "
+                         f"Received: {d.shuffle_buffer!r}")
     e = config.electra
     if not 0.0 < e.generator_size <= 1.0 or not e.rtd_weight > 0:
         raise ValueError(f"`electra.generator_size` must be in (0, 1] and `electra.rtd_weight` positive. "
