@@ -229,7 +229,7 @@ def _corpus_stats(args):
     from kbert.utils import progress_bar
 
     corpus = Corpus(args.source, **_corpus_options(args))
-    bar = progress_bar(desc="reading", unit="doc")
+    bar = progress_bar(desc="reading", unit=" docs")
     sentences, characters = [], []
     for document in corpus:
         sentences.append(len(document))
@@ -458,7 +458,7 @@ def _embed(args):
     chunk_precision = "float32" if scalar and ranges is None else args.precision
     chunks = []
     lines = _utf8_lines(args.input)
-    bar = progress_bar(desc="embedding", unit="line")  # on stderr: the vectors go to stdout or --out
+    bar = progress_bar(desc="embedding", unit=" lines")  # on stderr: the vectors go to stdout or --out
     while True:  # streaming: a chunk of lines at a time
         chunk = list(itertools.islice(lines, args.chunk))
         if not chunk:
@@ -520,7 +520,7 @@ def _embed_sparse(args):
     enc = SparseEncoder.load(args.model, max_length=args.max_length)
     options = {"prompt_name": args.prompt_name, "prompt": args.prompt, "max_active_dims": args.max_active_dims}
     lines, parts = _utf8_lines(args.input), []
-    bar = progress_bar(desc="sparse vectors", unit="line")
+    bar = progress_bar(desc="sparse vectors", unit=" lines")
     while True:
         chunk = list(itertools.islice(lines, args.chunk))
         if not chunk:

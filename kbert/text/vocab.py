@@ -158,7 +158,7 @@ def _prepare_training_text(inputs, normalize, analyze, training_line, batched, m
 
     fd, path = tempfile.mkstemp(prefix="kbert-vocab-", suffix=".txt")
     hangul, n = set(), 0
-    bar = progress_bar(desc="normalizing", unit="line", enabled=progress)
+    bar = progress_bar(desc="normalizing", unit=" lines", enabled=progress)
 
     def flush(chunk, out):
         # Morpheme analysis runs on all cores, a chunk at a time.
