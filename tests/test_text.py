@@ -537,6 +537,13 @@ def test_training_bad_inputs(tmp_path):
         kbert.Tokenizer.train(["한국어 문장입니다."] * 10, vocab_size=50000, progress=False)
     with pytest.raises(ValueError, match="`algorithm` must be one of"):
         kbert.Tokenizer.train(["x"], vocab_size=100, algorithm="char", progress=False)
+    # refused before the corpus is read (SentencePiece said so only after that pass: minutes on a large corpus)
+    for bad, match in ((dict(character_coverage=0.5), r"`character_coverage` must be in \[0.98, 1\]"),
+                       (dict(character_coverage=float("nan")), "`character_coverage` must be in"),
+                       (dict(max_sentences=0), "`max_sentences` must be a positive integer"),
+                       (dict(min_line_chars=-1), "`min_line_chars` must be a positive integer")):
+        with pytest.raises(ValueError, match=match):
+            kbert.Tokenizer.train([str(tmp_path / "missing.txt")], vocab_size=100, progress=False, **bad)
     with pytest.raises(FileNotFoundError):
         kbert.Tokenizer.train([str(tmp_path / "missing.txt")], vocab_size=100, progress=False)
     # a generator's lines are text even where one names a file (here the junk file): never read from disk

@@ -9,6 +9,7 @@ so Korean text never meets [UNK].
 
 from __future__ import annotations
 
+import numbers
 import os
 import tempfile
 from typing import Callable, List, Sequence, Tuple, Union
@@ -36,6 +37,15 @@ def train_vocabulary(inputs, vocab_size: int, algorithm: str, *, normalize: Call
     if not isinstance(vocab_size, int) or vocab_size <= len(SPECIAL_TOKENS) + len(user_defined_symbols):
         raise ValueError(f"`vocab_size` must be an integer larger than the {len(SPECIAL_TOKENS)} special "
                          f"tokens and user symbols. Received: vocab_size={vocab_size!r}")
+    from kbert.utils import positive_int
+
+    # checked before the corpus is read: SentencePiece refused these only after that pass (minutes on a large one)
+    if (isinstance(character_coverage, bool) or not isinstance(character_coverage, numbers.Real)
+            or not 0.98 <= character_coverage <= 1.0):
+        raise ValueError(f"`character_coverage` must be in [0.98, 1] (SentencePiece's range). "
+                         f"Received: character_coverage={character_coverage!r}")
+    max_sentences = positive_int(max_sentences, "max_sentences")
+    min_line_chars = positive_int(min_line_chars, "min_line_chars")
     import sentencepiece as spm
 
     lines, hangul, n_lines = _prepare_training_text(inputs, normalize, analyze, training_line, split_morphemes,
