@@ -647,6 +647,15 @@ def test_records_equal_raw_text_and_resume_after_interrupt(tok, tmp_path, monkey
     other = kbert.Tokenizer.train(corpus("kolaw"), vocab_size=1000, progress=False)
     with pytest.raises(ValueError, match="another tokenizer"):
         pretraining_dataset(out, other)
+    # a bad setting is refused before the manifest records it: the rerun with it put right was "different
+    # settings" (or, for docs_per_shard 0, shards were written at all)
+    fresh = str(tmp_path / "fresh")
+    for bad, match in ((dict(max_length=2), "`max_length` must be at least 5 for objective='mlm\\+nsp'"),
+                       (dict(short_seq_prob=5), "`short_seq_prob` must be a probability"),
+                       (dict(docs_per_shard=0), "`docs_per_shard` must be a positive integer")):
+        with pytest.raises(ValueError, match=match):
+            records.prepare(["kolaw"], tok, fresh, workers=0, progress=False, **dict(dict(docs_per_shard=4), **bad))
+        assert not os.path.exists(os.path.join(fresh, records.MANIFEST))
     # a source with no examples is an error naming why (not a records dir of nothing that fails in training);
     # lines that are not UTF-8 get the conversion hint
     (tmp_path / "empty.txt").write_text("  \n\n")

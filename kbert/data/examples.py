@@ -29,18 +29,22 @@ def block_seed(seed: int, epoch: int, block: int) -> int:
     return (int(seed) * 1_000_003 + int(epoch) * 7_919 + int(block)) % (2 ** 63)
 
 
+def check_short_seq_prob(value) -> float:
+    """`short_seq_prob` as a float when it is a probability, else a ValueError naming it: above 1 every target
+    was short, below 0 or NaN none was, and nothing said so."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 <= value <= 1.0:
+        raise ValueError(f"`short_seq_prob` must be a probability in [0, 1]. Received: short_seq_prob={value!r}")
+    return float(value)
+
+
 class ExampleBuilder:
     """Picklable: everything a worker needs to turn raw documents into examples."""
 
     def __init__(self, corpus: Corpus, tokenizer, objective: str, max_length: int, short_seq_prob: float,
                  shard_writer=None, join_documents: bool = False):
-        # a probability: above 1 every target was short, below 0 or NaN none was, and nothing said so
-        if (isinstance(short_seq_prob, bool) or not isinstance(short_seq_prob, numbers.Real)
-                or not 0.0 <= short_seq_prob <= 1.0):
-            raise ValueError(f"`short_seq_prob` must be a probability in [0, 1]. Received: "
-                             f"short_seq_prob={short_seq_prob!r}")
         self.corpus, self.tokenizer = corpus, tokenizer
-        self.objective, self.max_length, self.short_seq_prob = objective, max_length, float(short_seq_prob)
+        self.objective, self.max_length = objective, max_length
+        self.short_seq_prob = check_short_seq_prob(short_seq_prob)
         self.join_documents = bool(join_documents)
         self.shard_writer = shard_writer  # set by `kbert data prepare`: workers serialize their shard's records
 

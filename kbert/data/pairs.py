@@ -29,6 +29,7 @@ including the first [SEP]) and `pair_labels`.
 
 from __future__ import annotations
 
+import numbers
 import random
 from typing import Dict, List, Sequence
 
@@ -41,6 +42,16 @@ def check_objective(objective: str) -> str:
     if objective not in OBJECTIVES:
         raise ValueError(f"`objective` must be one of {OBJECTIVES}. Received: objective={objective!r}")
     return objective
+
+
+def check_max_length(max_length, objective: str) -> int:
+    """`max_length` as an int when it leaves room for 2 tokens besides [CLS] and [SEP] (and the pair's second
+    [SEP]), else a ValueError naming it."""
+    least = 4 if objective == "mlm" else 5
+    if isinstance(max_length, bool) or not isinstance(max_length, numbers.Integral) or max_length < least:
+        raise ValueError(f"`max_length` must be at least {least} for objective={objective!r}. "
+                         f"Received: max_length={max_length!r}")
+    return int(max_length)
 
 
 def _split_long(doc: List[List[int]], limit: int) -> List[List[int]]:
@@ -89,10 +100,7 @@ def build_examples(documents: Sequence[List[List[int]]], objective: str, max_len
     """Token-id documents (lists of sentences of ids) -> a block of examples (see the module docstring)."""
     check_objective(objective)
     pair = objective != "mlm"
-    max_tokens = max_length - (3 if pair else 2)
-    if max_tokens < 2:
-        raise ValueError(f"`max_length` must be at least {5 if pair else 4} for objective={objective!r}. "
-                         f"Received: max_length={max_length}")
+    max_tokens = check_max_length(max_length, objective) - (3 if pair else 2)
     rng = random.Random(seed)
     docs = [d for d in (_split_long([s for s in doc if s], max(1, (max_tokens + 1) // 2 if pair else max_tokens))
                         for doc in documents) if d]

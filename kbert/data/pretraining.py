@@ -22,7 +22,7 @@ import sys
 from typing import Optional
 
 from kbert.data.corpus import Corpus, CorpusReport
-from kbert.utils import renamed_keyword
+from kbert.utils import positive_int, renamed_keyword
 from kbert.data.examples import (ExampleBuilder, block_seed, example_blocks, resolve_workers, start_pool, stop_pool,
                                  warn_if_mostly_padding)
 from kbert.data.masking import default_max_predictions, example_keys, make_spec, mask_tokens, regular_token_ids
@@ -68,6 +68,7 @@ def pretraining_dataset(source, tokenizer, objective: str = "mlm+nsp", max_lengt
     if isinstance(shuffle_buffer, bool) or not isinstance(shuffle_buffer, int) or shuffle_buffer < 0:
         raise ValueError(f"`shuffle_buffer` must be an integer, 0 (no shuffling) or more. "
                          f"Received: shuffle_buffer={shuffle_buffer!r}")
+    docs_per_block = positive_int(docs_per_block, "docs_per_block")
     num_pipelines, pipeline_id = 1, 0
     if input_context is not None:
         num_pipelines, pipeline_id = input_context.num_input_pipelines, input_context.input_pipeline_id

@@ -26,9 +26,9 @@ import struct
 from typing import Optional
 
 from kbert.data.corpus import Corpus, CorpusReport
-from kbert.data.examples import ExampleBuilder, example_blocks, warn_if_mostly_padding
-from kbert.data.pairs import check_objective
-from kbert.utils import progress_bar, renamed_keyword
+from kbert.data.examples import ExampleBuilder, check_short_seq_prob, example_blocks, warn_if_mostly_padding
+from kbert.data.pairs import check_max_length, check_objective
+from kbert.utils import positive_int, progress_bar, renamed_keyword
 from kbert.workers import refuse_in_spawn_bootstrap
 
 MANIFEST = "manifest.json"
@@ -156,7 +156,11 @@ def prepare(source, tokenizer, out_dir: str, objective: str = "mlm+nsp", max_len
     # a worker re-running an unguarded script would get here first: it must not touch the parent's shards
     refuse_in_spawn_bootstrap("kbert.data.records.prepare")
     max_length = renamed_keyword("max_seq_len", max_seq_len, "max_length", max_length, 128)
+    # before the manifest records them: a rerun with the setting put right found "different settings"
     check_objective(objective)
+    max_length = check_max_length(max_length, objective)
+    short_seq_prob = check_short_seq_prob(short_seq_prob)
+    docs_per_shard = positive_int(docs_per_shard, "docs_per_shard")
     corpus = source if isinstance(source, Corpus) else Corpus(source)
     settings = {"tokenizer": tokenizer.fingerprint(), "vocab_size": tokenizer.vocab_size, "objective": objective,
                 "max_length": int(max_length), "short_seq_prob": float(short_seq_prob), "seed": int(seed),
