@@ -759,7 +759,10 @@ def test_finetune_bad_input(base, tmp_path):
                       (dict(learning_rate=float("nan")), "`learning_rate` must be a positive number"),
                       (dict(epochs=float("inf")), "`epochs` must be a positive number"),
                       (dict(lora_rank=4, lora_alpha=float("nan")), "`lora_alpha` must be None"),
-                      (dict(query_learning_rate=float("nan")), "`query_learning_rate` must be a number > 0")):
+                      (dict(query_learning_rate=float("nan")), "`query_learning_rate` must be a number > 0"),
+                      # a batch of 2.5 rows failed in the input pipeline; numpy refused -1 after loading
+                      (dict(batch_size=2.5), "`batch_size` must be a positive integer"),
+                      (dict(seed=-1), r"`seed` must be an integer in \[0, 2\*\*32\)")):
         with pytest.raises(ValueError, match=match):
             kbert.finetune("no-such-model", "classification", str(train), progress=False, **kw)
 

@@ -41,6 +41,7 @@ from kbert.train.cards import write_finetune_card
 from kbert.train.finetune_tasks import SIMILARITY_LOSSES, batch_text_ids, task_for
 from kbert.train.lora import check_lora, enable_lora, is_factor, lora_trainable
 from kbert.train.metrics import scalar_writer
+from kbert.utils import positive_int
 
 LOG_DIR = "logs"  # OUT/logs: TensorBoard scalars (kbert.read_scalars reads them)
 LOG_EVERY = 10  # steps between train-loss points
@@ -152,11 +153,17 @@ class FinetuneConfig:
         if self.similarity_loss not in SIMILARITY_LOSSES:
             raise ValueError(f"`similarity_loss` must be one of {SIMILARITY_LOSSES}. "
                              f"Received: {self.similarity_loss!r}")
-        for name in ("epochs", "batch_size", "learning_rate", "max_length"):
+        for name in ("epochs", "learning_rate"):
             value = getattr(self, name)
-            value = 128 if name == "max_length" and value is None else value
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
                 raise ValueError(f"`{name}` must be a positive number. Received: {name}={value!r}")
+        for name in ("batch_size", "max_length"):  # a batch of 2.5 rows failed deep in the input pipeline
+            value = getattr(self, name)
+            if not (name == "max_length" and value is None):
+                positive_int(value, name)
+        # numpy's generator refused a negative seed only once the model was loaded, and not by name
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2 ** 32:
+            raise ValueError(f"`seed` must be an integer in [0, 2**32). Received: seed={self.seed!r}")
         rate = self.backbone_dropout
         if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0.0 <= rate < 1.0):
             raise ValueError(f"`backbone_dropout` must be None or a rate in [0, 1). Received: {rate!r}")
