@@ -345,9 +345,13 @@ def test_bad_configs_name_the_key(tok_dir, tmp_path):
                         # above 1 every target was short, NaN none; -1 failed in tf.data's ShuffleDataset
                         ({"short_seq_prob": 5}, r"`data.short_seq_prob` must be a probability in \[0, 1\]"),
                         ({"short_seq_prob": float("nan")}, "`data.short_seq_prob` must be a probability"),
-                        ({"shuffle_buffer": -1}, "`data.shuffle_buffer` must be an integer, 0")):
+                        ({"shuffle_buffer": -1}, "`data.shuffle_buffer` must be an integer, 0"),
+                        ({"max_length": 64.5}, "`data.max_length` must be an integer >= 2"),
+                        ({"max_predictions": 2.5}, "`data.max_predictions` must be an integer >= 1")):
         with pytest.raises(ValueError, match=match):
             pretrain(_config(tok_dir, str(tmp_path / "g"), 2, data=data), progress=False)
+    with pytest.raises(ValueError, match=r"`runtime.seed` must be an integer in \[0, 2\*\*32\)"):
+        pretrain(_config(tok_dir, str(tmp_path / "g"), 2, runtime={"seed": -1}), progress=False)
     # a file that does not parse is named with the parser's line, not a traceback
     (tmp_path / "bad.yaml").write_text("trainer:\n  steps: [\n")
     (tmp_path / "bad.json").write_text('{"trainer": {"steps": 3,}}')

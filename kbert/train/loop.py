@@ -178,6 +178,14 @@ def _validate(config: PretrainConfig):
         raise ValueError(f"`data.objective` must be one of {OBJECTIVES}. Received: {d.objective!r}")
     if isinstance(d.mask_rate, bool) or not isinstance(d.mask_rate, (int, float)) or not 0 < d.mask_rate < 1:
         raise ValueError(f"`data.mask_rate` must be in (0, 1). Received: {d.mask_rate!r}")
+    # these failed later as "'float' object cannot be interpreted as an integer" or numpy's "Seed must be
+    # between 0 and 2**32 - 1", naming no key
+    for key, value, least in (("data.max_length", d.max_length, 2), ("data.max_predictions", d.max_predictions, 1)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
+            raise ValueError(f"`{key}` must be an integer >= {least}. Received: {value!r}")
+    seed = config.runtime.seed
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 32:
+        raise ValueError(f"`runtime.seed` must be an integer in [0, 2**32). Received: {seed!r}")
     if (isinstance(d.short_seq_prob, bool) or not isinstance(d.short_seq_prob, (int, float))
             or not 0 <= d.short_seq_prob <= 1):
         raise ValueError(f"`data.short_seq_prob` must be a probability in [0, 1]. Received: {d.short_seq_prob!r}")
