@@ -119,12 +119,25 @@ import asyncio
 import base64
 import gc
 import json
+import math
+import numbers
 import sys
 import threading
 import time
 from typing import List, Optional
 
 import numpy as np
+
+from kbert.utils import positive_int
+
+
+def _seconds(value, name: str, zero: bool = False) -> float:
+    """A finite time >= 0 (`zero`) or > 0 as a float, else a ValueError naming `name`."""
+    if (isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value)
+            or value < 0 or (value == 0 and not zero)):
+        raise ValueError(f"`{name}` must be a finite number {'>=' if zero else '>'} 0. Received: {name}={value!r}")
+    return float(value)
+
 
 class HTTPError(Exception):
     def __init__(self, status: int, message: str, kind: str = "invalid_request_error", headers=None):
@@ -152,6 +165,11 @@ class Engine:
 
         from kbert.embed.sparse import is_sparse_model
 
+        # checked before a model loads: a queue of 0 answered every request 429, a NaN wait was no bound
+        max_batch_tokens = positive_int(max_batch_tokens, "max_batch_tokens")
+        max_queue = positive_int(max_queue, "max_queue")
+        batch_size = positive_int(batch_size, "batch_size")
+        max_wait_ms = _seconds(max_wait_ms, "max_wait_ms", zero=True)
         self.model_dir = str(model_dir)
         # several models as one (kbert.EnsembleEmbedder): each batch the worker takes runs through every member in
         # turn, so a batch's token budget bounds each member's forward pass as it does one model's
@@ -573,6 +591,9 @@ def build_app(model: str, max_batch_tokens: int = 8192, max_wait_ms: float = 5.0
     from starlette.responses import JSONResponse, Response
     from starlette.routing import Route
 
+    # limits that would refuse every request (413) or time every one out, refused by name at start
+    max_texts, max_chars = positive_int(max_texts, "max_texts"), positive_int(max_chars, "max_chars")
+    timeout_s = _seconds(timeout_s, "timeout_s")
     engine = Engine(model, max_batch_tokens, max_wait_ms, max_queue, jit_compile=jit_compile,
                     keywords_analyzer=keywords_analyzer, index=index, hybrid=hybrid, reranker=reranker)
     name = str(model).rstrip("/").rsplit("/", 1)[-1]
@@ -1061,6 +1082,9 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8080, **options) -> N
     """Serves `model` with uvicorn until SIGTERM or Ctrl-C (which drain the requests in flight first)."""
     import uvicorn
 
+    # checked here: uvicorn given port 99999 never binds, never raises and never exits (a hang)
+    if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+        raise ValueError(f"`port` must be an integer in [1, 65535]. Received: port={port!r}")
     app = build_app(model, **options)
     print(f"serving {model} on http://{host}:{port}: POST {', '.join(app.state.engine.routes())}; GET /v1/models, "
           f"/health, /metrics; Ctrl-C or SIGTERM drains and stops", file=sys.stderr, flush=True)

@@ -220,6 +220,27 @@ def test_bad_input_gets_its_status_and_a_json_message(dirs):
             assert message in error["message"] and error["code"] == status, error
 
 
+def test_limits_that_would_refuse_every_request_are_refused_by_name_before_the_model_loads():
+    """A queue of 0 answered every request 429, max_texts / max_chars 0 every one 413, a timeout of 0 every one
+    504; a NaN wait bounded nothing. Each is an error at start, before the model loads."""
+    from kbert.server import build_app
+
+    for bad, match in ((dict(max_queue=0), "`max_queue` must be a positive integer"),
+                       (dict(max_texts=0), "`max_texts` must be a positive integer"),
+                       (dict(max_chars=-1), "`max_chars` must be a positive integer"),
+                       (dict(max_batch_tokens=0), "`max_batch_tokens` must be a positive integer"),
+                       (dict(timeout_s=0), "`timeout_s` must be a finite number > 0"),
+                       (dict(timeout_s=float("inf")), "`timeout_s` must be a finite number > 0"),
+                       (dict(max_wait_ms=float("nan")), "`max_wait_ms` must be a finite number >= 0"),
+                       (dict(max_wait_ms=-5), "`max_wait_ms` must be a finite number >= 0")):
+        with pytest.raises(ValueError, match=match):
+            build_app("no-such-model-dir", **bad)
+    from kbert.server import serve
+
+    with pytest.raises(ValueError, match=r"`port` must be an integer in \[1, 65535\]"):
+        serve("no-such-model-dir", port=99999)  # uvicorn never bound it, and never exited either
+
+
 def test_a_full_queue_answers_429_at_once_and_a_late_request_504(dirs):
     from kbert.server import build_app
 
