@@ -220,6 +220,16 @@ def positive_int(value, name: str) -> int:
     return int(value)
 
 
+def check_seed(value, name: str = "seed") -> int:
+    """`value` when it is a seed numpy takes (an integer in [0, 2**32)), else a ValueError naming `name`: numpy's
+    own "Seed must be between 0 and 2**32 - 1" names no setting, and comes only once a model is loaded."""
+    import numbers
+
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 0 <= value < 2 ** 32:
+        raise ValueError(f"`{name}` must be an integer in [0, 2**32). Received: {name}={value!r}")
+    return int(value)
+
+
 def pearson(a, b) -> float:
     """Pearson's r; 0.0 when either side is constant or has fewer than 2 values; NaN when either holds a NaN or
     an infinity (a diverged model's scores: no correlation is defined, and none is made up)."""

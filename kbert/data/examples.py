@@ -29,11 +29,11 @@ def block_seed(seed: int, epoch: int, block: int) -> int:
     return (int(seed) * 1_000_003 + int(epoch) * 7_919 + int(block)) % (2 ** 63)
 
 
-def check_short_seq_prob(value) -> float:
-    """`short_seq_prob` as a float when it is a probability, else a ValueError naming it: above 1 every target
+def check_short_seq_prob(value, name: str = "short_seq_prob") -> float:
+    """`value` as a float when it is a probability, else a ValueError naming `name`: above 1 every target
     was short, below 0 or NaN none was, and nothing said so."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 <= value <= 1.0:
-        raise ValueError(f"`short_seq_prob` must be a probability in [0, 1]. Received: short_seq_prob={value!r}")
+        raise ValueError(f"`{name}` must be a probability in [0, 1]. Received: {name}={value!r}")
     return float(value)
 
 

@@ -36,10 +36,10 @@ class MaskSpec(NamedTuple):
     vocab_size: int
 
 
-def check_mask_rate(mask_rate) -> float:
-    """`mask_rate` if it is a fraction in (0, 1) (NaN is not), else a ValueError naming it."""
+def check_mask_rate(mask_rate, name: str = "mask_rate") -> float:
+    """`mask_rate` if it is a fraction in (0, 1) (NaN is not), else a ValueError naming `name`."""
     if isinstance(mask_rate, bool) or not isinstance(mask_rate, numbers.Real) or not 0.0 < mask_rate < 1.0:
-        raise ValueError(f"`mask_rate` must be in (0, 1). Received: mask_rate={mask_rate!r}")
+        raise ValueError(f"`{name}` must be in (0, 1). Received: {name}={mask_rate!r}")
     return float(mask_rate)
 
 

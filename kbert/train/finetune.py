@@ -41,7 +41,7 @@ from kbert.train.cards import write_finetune_card
 from kbert.train.finetune_tasks import SIMILARITY_LOSSES, batch_text_ids, task_for
 from kbert.train.lora import check_lora, enable_lora, is_factor, lora_trainable
 from kbert.train.metrics import scalar_writer
-from kbert.utils import positive_int
+from kbert.utils import check_seed, positive_int
 
 LOG_DIR = "logs"  # OUT/logs: TensorBoard scalars (kbert.read_scalars reads them)
 LOG_EVERY = 10  # steps between train-loss points
@@ -161,9 +161,7 @@ class FinetuneConfig:
             value = getattr(self, name)
             if not (name == "max_length" and value is None):
                 positive_int(value, name)
-        # numpy's generator refused a negative seed only once the model was loaded, and not by name
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2 ** 32:
-            raise ValueError(f"`seed` must be an integer in [0, 2**32). Received: seed={self.seed!r}")
+        check_seed(self.seed)
         rate = self.backbone_dropout
         if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0.0 <= rate < 1.0):
             raise ValueError(f"`backbone_dropout` must be None or a rate in [0, 1). Received: {rate!r}")

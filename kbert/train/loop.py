@@ -169,6 +169,10 @@ def text_source(d):
 
 
 def _validate(config: PretrainConfig):
+    from kbert.data.examples import check_short_seq_prob
+    from kbert.data.masking import check_mask_rate
+    from kbert.utils import check_seed
+
     t, d = config.trainer, config.data
     if d.source is None:
         raise ValueError("`data.source` is missing: a corpus (paths or names), a records dir, or 'dummy'")
@@ -176,19 +180,14 @@ def _validate(config: PretrainConfig):
         raise ValueError("`data.tokenizer` is missing: a tokenizer dir (`kbert tokenizer train`), vocab.txt or .model")
     if d.objective is not None and d.objective not in OBJECTIVES:
         raise ValueError(f"`data.objective` must be one of {OBJECTIVES}. Received: {d.objective!r}")
-    if isinstance(d.mask_rate, bool) or not isinstance(d.mask_rate, (int, float)) or not 0 < d.mask_rate < 1:
-        raise ValueError(f"`data.mask_rate` must be in (0, 1). Received: {d.mask_rate!r}")
+    check_mask_rate(d.mask_rate, "data.mask_rate")
     # these failed later as "'float' object cannot be interpreted as an integer" or numpy's "Seed must be
     # between 0 and 2**32 - 1", naming no key
     for key, value, least in (("data.max_length", d.max_length, 2), ("data.max_predictions", d.max_predictions, 1)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
             raise ValueError(f"`{key}` must be an integer >= {least}. Received: {value!r}")
-    seed = config.runtime.seed
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 32:
-        raise ValueError(f"`runtime.seed` must be an integer in [0, 2**32). Received: {seed!r}")
-    if (isinstance(d.short_seq_prob, bool) or not isinstance(d.short_seq_prob, (int, float))
-            or not 0 <= d.short_seq_prob <= 1):
-        raise ValueError(f"`data.short_seq_prob` must be a probability in [0, 1]. Received: {d.short_seq_prob!r}")
+    check_seed(config.runtime.seed, "runtime.seed")
+    check_short_seq_prob(d.short_seq_prob, "data.short_seq_prob")
     # 0 turns shuffling off; a negative one failed deep in tf.data's ShuffleDataset
     if isinstance(d.shuffle_buffer, bool) or not isinstance(d.shuffle_buffer, int) or d.shuffle_buffer < 0:
         raise ValueError(f"`data.shuffle_buffer` must be an integer, 0 (no shuffling) or more. "
