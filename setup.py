@@ -29,6 +29,8 @@ setup(
         "huggingface_hub>=0.20",
         # TFRecord checksums for `kbert data prepare` without TensorFlow (kbert/data/records.py).
         "google-crc32c>=1.5",
+        # One writer per output dir (kbert.utils.writing_to); huggingface_hub installs it already.
+        "filelock>=3.12",
     ],
     extras_require={
         "tf": ["tensorflow>=2.21,<2.22", "tensorflow-text>=2.21,<2.22"],

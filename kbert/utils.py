@@ -1,4 +1,5 @@
-"""Small shared helpers: compressed text files, progress bars, pausing the cycle collector, rank correlations."""
+"""Small shared helpers: compressed text files, progress bars, pausing the cycle collector, output dir locks, rank
+correlations."""
 
 from __future__ import annotations
 
@@ -136,6 +137,87 @@ class StopSignals:
         for s, handler in self.previous.items():
             signal.signal(s, handler)
         return False
+
+
+class DirectoryInUse(OSError):
+    """Another process is writing to the output dir a job was given (see `writing_to`)."""
+
+
+LOCK_FILE = ".kbert-writer.lock"
+OWNER_FILE = ".kbert-writer.json"  # who holds the lock: a lock file's own bytes are truncated by a contender's open
+_held: dict = {}  # realpath -> [release, depth]: a job that runs another on its own dir (distill -> finetune) holds one
+_held_guard = threading.Lock()
+
+
+@contextlib.contextmanager
+def writing_to(directory: str, job: str):
+    """Holds an exclusive lock on `directory` (created if missing) while `job` ("kbert pretrain", ...) writes
+    there. A second kbert job given the same dir fails at once with `DirectoryInUse` naming the first, instead
+    of both resuming from one checkpoint and overwriting, or deleting, each other's files. Nested holds in one
+    process (distillation runs a fine-tune on its own dir) share the lock.
+
+    The lock is filelock's (py-filelock, installed with huggingface_hub): one API over flock on POSIX and
+    LockFileEx on Windows, with a fallback where a filesystem has no flock. The operating system drops the lock
+    when its process dies, so a killed job leaves nothing that blocks its resumption. The lock and owner files
+    are removed on release, and a dir this call created is removed again when nothing was written to it."""
+    import json
+    import socket
+    import time
+
+    import filelock
+
+    created = not os.path.isdir(directory)
+    os.makedirs(directory, exist_ok=True)
+    key = os.path.realpath(directory)
+    with _held_guard:
+        entry = _held.get(key)
+        if entry is not None:
+            entry[1] += 1
+    if entry is None:
+        lock = filelock.FileLock(os.path.join(directory, LOCK_FILE), timeout=0)
+        try:
+            lock.acquire()
+        except filelock.Timeout:
+            raise DirectoryInUse(f"{directory!r} is in use: {_lock_owner(directory)} is writing to it; wait for it "
+                                 f"to end (or stop it), or choose another output dir") from None
+        except NotImplementedError:  # older filelock on a filesystem without flock: the job runs, unguarded
+            lock = None
+        owner = dict(job=job, pid=os.getpid(), host=socket.gethostname(),
+                     started=time.strftime("%Y-%m-%d %H:%M:%S"))
+        with contextlib.suppress(OSError):
+            with open(os.path.join(directory, OWNER_FILE), "w", encoding="utf-8") as f:
+                json.dump(owner, f)
+        entry = [lock.release if lock is not None else (lambda: None), 1]
+        with _held_guard:
+            _held[key] = entry
+    try:
+        yield directory
+    finally:
+        with _held_guard:
+            entry[1] -= 1
+            last = entry[1] == 0
+            if last:
+                del _held[key]
+        if last:
+            for name in (OWNER_FILE, LOCK_FILE):  # while still held: a contender meets the lock, not a gap
+                with contextlib.suppress(OSError):
+                    os.remove(os.path.join(directory, name))
+            entry[0]()
+            if created:
+                with contextlib.suppress(OSError):
+                    os.rmdir(directory)  # only when empty: a job that failed before writing leaves no dir behind
+
+
+def _lock_owner(directory: str) -> str:
+    """Who holds `directory`'s lock, as its owner file says ("kbert pretrain (pid 4242 on host, since ...)")."""
+    import json
+
+    try:
+        with open(os.path.join(directory, OWNER_FILE), encoding="utf-8") as f:
+            o = json.load(f)
+        return f"{o['job']} (pid {o['pid']} on {o['host']}, since {o['started']})"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "another process"
 
 
 def renamed_keyword(old: str, old_value, new: str, new_value, default):

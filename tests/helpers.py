@@ -222,3 +222,22 @@ def xlmr_dir(tmp_path, vocab_size=800, model_class="XLMRobertaModel", **override
     torch.manual_seed(0)
     getattr(transformers, model_class)(config).save_pretrained(out)
     return out
+
+
+class HeldDir:
+    """Another process holding `path` as `kbert.utils.writing_to` does for `job` (a second kbert job running
+    there) until `kill()`: SIGKILL, so nothing of the holder's own clean-up runs."""
+
+    def __init__(self, path: str, job: str = "kbert pretrain"):
+        import subprocess
+        import sys
+
+        script = ("import sys\nfrom kbert.utils import writing_to\n"
+                  f"with writing_to({path!r}, {job!r}):\n    print('held', flush=True)\n    sys.stdin.read()\n")
+        self.proc = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True)
+        assert self.proc.stdout.readline().strip() == "held"
+
+    def kill(self):
+        self.proc.kill()
+        self.proc.wait(timeout=30)

@@ -20,7 +20,7 @@ import kbert
 from kbert.data.recipes import movie_review_sentiment
 from kbert.train.finetune_tasks import Examples, cosent_loss, epoch_batches, online_contrastive_loss
 from kbert.train.metrics import pearson, rank, spearman
-from helpers import SHARED, needs_shared
+from helpers import SHARED, HeldDir, needs_shared
 
 pytestmark = needs_shared
 REVIEWS = os.path.join(SHARED, "movie-reviews")
@@ -765,6 +765,16 @@ def test_finetune_bad_input(base, tmp_path):
                       (dict(seed=-1), r"`seed` must be an integer in \[0, 2\*\*32\)")):
         with pytest.raises(ValueError, match=match):
             kbert.finetune("no-such-model", "classification", str(train), progress=False, **kw)
+    # a second run on a dir another process is writing to: refused before loading (resuming from, and
+    # overwriting, the other's checkpoints was the alternative)
+    from kbert.utils import DirectoryInUse
+
+    holder = HeldDir(str(tmp_path / "busy"), "kbert finetune")
+    try:
+        with pytest.raises(DirectoryInUse, match=rf"is in use: kbert finetune \(pid {holder.proc.pid} "):
+            kbert.finetune(base, "classification", str(train), out_dir=str(tmp_path / "busy"), progress=False)
+    finally:
+        holder.kill()
 
 
 @pytest.mark.slow

@@ -17,7 +17,7 @@ from kbert.data.corpus import corpus
 from kbert.train import faults
 from kbert.train.config import PretrainConfig
 from kbert.train.loop import pretrain
-from helpers import run_on_jax
+from helpers import HeldDir, run_on_jax
 
 TINY = {"architecture": "bert", "hidden_size": 64, "num_layers": 2, "num_heads": 2, "intermediate_size": 128,
         "max_position": 128}
@@ -171,6 +171,38 @@ def test_resume_continues_with_identical_next_step(tok_dir, tmp_path):
     with pytest.raises(ValueError, match="already has checkpoints"):
         pretrain(_config(tok_dir, str(tmp_path / "part"), 12), progress=False, resume=False)
 
+
+
+def test_one_writer_per_output_dir(tok_dir, tmp_path, capsys):
+    """A second job on a dir another process is writing to stops at once, naming it; a killed holder leaves
+    nothing that blocks the resumption; the lock's files go when the job ends."""
+    from kbert.cli import main
+    from kbert.data.records import prepare
+    from kbert.utils import LOCK_FILE, OWNER_FILE, DirectoryInUse, writing_to
+
+    out = str(tmp_path / "run")
+    holder = HeldDir(out, "kbert pretrain")
+    try:
+        with pytest.raises(DirectoryInUse, match=rf"is in use: kbert pretrain \(pid {holder.proc.pid} on "):
+            pretrain(_config(tok_dir, out, 2, model=dict(TINY)), progress=False)
+        assert not os.path.exists(os.path.join(out, "config.json"))  # refused before writing anything
+        assert main(["pretrain", "--corpus", "kolaw", "--tokenizer", tok_dir, "--out", out, "--steps", "2",
+                     "--strategy", "cpu", "--set", f"model={json_dumps(dict(TINY))}"]) == 1
+        assert "is in use: kbert pretrain (pid" in capsys.readouterr().err
+        with pytest.raises(DirectoryInUse):
+            prepare(["kolaw"], kbert.Tokenizer.load(tok_dir), out, progress=False)
+    finally:
+        holder.kill()
+    assert os.path.exists(os.path.join(out, LOCK_FILE))  # the killed holder's file stays, and blocks nothing
+    summary = pretrain(_config(tok_dir, out, 2, model=dict(TINY)), progress=False)
+    assert summary["finished"] and not {LOCK_FILE, OWNER_FILE} & set(os.listdir(out))
+
+    nested = str(tmp_path / "nested")  # one process, one job inside another (distill runs finetune): one hold
+    with writing_to(nested, "kbert distill"):
+        with writing_to(nested, "kbert finetune"):
+            assert os.path.exists(os.path.join(nested, LOCK_FILE))
+        assert os.path.exists(os.path.join(nested, LOCK_FILE))  # still held by the outer job
+    assert not os.path.exists(nested)  # created here, nothing written: not left behind
 
 def test_float16_pretraining_checkpoints_the_loss_scale_and_resumes_the_same(tok_dir, tmp_path):
     """mixed_float16 (the mixed precision of GPUs without bf16: T4, V100) wraps the optimizer in Keras'

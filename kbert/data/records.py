@@ -28,7 +28,7 @@ from typing import Optional
 from kbert.data.corpus import Corpus, CorpusReport
 from kbert.data.examples import ExampleBuilder, check_short_seq_prob, example_blocks, warn_if_mostly_padding
 from kbert.data.pairs import check_max_length, check_objective
-from kbert.utils import positive_int, progress_bar, renamed_keyword
+from kbert.utils import positive_int, progress_bar, renamed_keyword, writing_to
 from kbert.workers import refuse_in_spawn_bootstrap
 
 MANIFEST = "manifest.json"
@@ -166,58 +166,58 @@ def prepare(source, tokenizer, out_dir: str, objective: str = "mlm+nsp", max_len
                 "max_length": int(max_length), "short_seq_prob": float(short_seq_prob), "seed": int(seed),
                 "docs_per_shard": int(docs_per_shard), "sources": corpus.sources, "format": corpus.format,
                 "join_documents": bool(join_documents)}
-    os.makedirs(out_dir, exist_ok=True)
-    manifest_path = os.path.join(out_dir, MANIFEST)
-    shards = {}
-    if os.path.exists(manifest_path) and not overwrite:
-        old = read_manifest(out_dir)
-        made = {k: old.get(k, SETTING_DEFAULTS.get(k)) for k in SETTINGS}
-        changed = [k for k in SETTINGS if made[k] != settings[k]]
-        if changed:
-            raise ValueError(f"{out_dir!r} holds records made with different settings ({', '.join(changed)}: "
-                             f"{[made[k] for k in changed]} vs {[settings[k] for k in changed]}); use another "
-                             f"directory or overwrite=True (--overwrite)")
-        for key, entry in old["shards"].items():
-            path = os.path.join(out_dir, entry["file"])
-            if os.path.isfile(path) and os.path.getsize(path) == entry["bytes"]:
-                shards[int(key)] = entry
-    for name in os.listdir(out_dir):  # leftovers of an interrupted run, and shards not in the manifest
-        if name.endswith(".tmp") or (name.startswith("shard-") and int(name[6:11]) not in shards):
-            os.remove(os.path.join(out_dir, name))
-    manifest = {"format_version": FORMAT_VERSION, **settings, "complete": False,
-                "shards": {str(k): v for k, v in sorted(shards.items())}}
-    _write_json(manifest_path, manifest)
-
-    writer = ShardWriter(out_dir)
-    builder = ExampleBuilder(corpus, tokenizer, objective, max_length, short_seq_prob, shard_writer=writer,
-                             join_documents=join_documents)
-    report = CorpusReport()
-    resumed, kept = len(shards), sorted(shards)
-    bar = progress_bar(desc="prepare", unit="shard", enabled=progress, initial=resumed)  # rate: this run's shards
-    for index, shard in example_blocks(builder, seed, 0, workers, docs_per_shard, report,
-                                       keep=lambda i: i not in shards):
-        shards[index] = writer.write(index, shard)
-        manifest["shards"] = {str(k): v for k, v in sorted(shards.items())}
+    with writing_to(out_dir, "kbert data prepare"):  # one writer: two would write the same shards' files
+        manifest_path = os.path.join(out_dir, MANIFEST)
+        shards = {}
+        if os.path.exists(manifest_path) and not overwrite:
+            old = read_manifest(out_dir)
+            made = {k: old.get(k, SETTING_DEFAULTS.get(k)) for k in SETTINGS}
+            changed = [k for k in SETTINGS if made[k] != settings[k]]
+            if changed:
+                raise ValueError(f"{out_dir!r} holds records made with different settings ({', '.join(changed)}: "
+                                 f"{[made[k] for k in changed]} vs {[settings[k] for k in changed]}); use another "
+                                 f"directory or overwrite=True (--overwrite)")
+            for key, entry in old["shards"].items():
+                path = os.path.join(out_dir, entry["file"])
+                if os.path.isfile(path) and os.path.getsize(path) == entry["bytes"]:
+                    shards[int(key)] = entry
+        for name in os.listdir(out_dir):  # leftovers of an interrupted run, and shards not in the manifest
+            if name.endswith(".tmp") or (name.startswith("shard-") and int(name[6:11]) not in shards):
+                os.remove(os.path.join(out_dir, name))
+        manifest = {"format_version": FORMAT_VERSION, **settings, "complete": False,
+                    "shards": {str(k): v for k, v in sorted(shards.items())}}
         _write_json(manifest_path, manifest)
-        bar.update(1)
-        bar.set_postfix(examples=sum(s["examples"] for s in shards.values()))
-    bar.close()
-    for index in kept:  # reading counted every document; cleaning and splitting, only the shards built now
-        if "report" in shards[index]:
-            report.add(CorpusReport(**shards[index]["report"]))
-    manifest["examples"] = sum(s["examples"] for s in shards.values())
-    if not manifest["examples"]:  # left incomplete: a records dir of nothing would fail later, in training
-        hint = (f"; {report.binary_dropped:,} lines were not UTF-8 text (a CP949/EUC-KR file must be converted "
-                f"first, e.g. `iconv -f cp949 -t utf-8 IN > OUT`)" if report.binary_dropped else "")
-        raise ValueError(f"{corpus!r} gives no pretraining examples for objective={objective!r} (NSP/SOP need "
-                         f"documents with at least two tokens): {report}{hint}")
-    tokens = sum(s.get("tokens", 0) for s in shards.values())
-    manifest["text_share"] = warn_if_mostly_padding(tokens, manifest["examples"], max_length, join_documents)
-    manifest["complete"] = True
-    manifest["report"] = report.to_dict()
-    manifest["resumed_shards"] = resumed
-    _write_json(manifest_path, manifest)
-    return manifest
+
+        writer = ShardWriter(out_dir)
+        builder = ExampleBuilder(corpus, tokenizer, objective, max_length, short_seq_prob, shard_writer=writer,
+                                 join_documents=join_documents)
+        report = CorpusReport()
+        resumed, kept = len(shards), sorted(shards)
+        bar = progress_bar(desc="prepare", unit="shard", enabled=progress, initial=resumed)  # rate: this run's shards
+        for index, shard in example_blocks(builder, seed, 0, workers, docs_per_shard, report,
+                                           keep=lambda i: i not in shards):
+            shards[index] = writer.write(index, shard)
+            manifest["shards"] = {str(k): v for k, v in sorted(shards.items())}
+            _write_json(manifest_path, manifest)
+            bar.update(1)
+            bar.set_postfix(examples=sum(s["examples"] for s in shards.values()))
+        bar.close()
+        for index in kept:  # reading counted every document; cleaning and splitting, only the shards built now
+            if "report" in shards[index]:
+                report.add(CorpusReport(**shards[index]["report"]))
+        manifest["examples"] = sum(s["examples"] for s in shards.values())
+        if not manifest["examples"]:  # left incomplete: a records dir of nothing would fail later, in training
+            hint = (f"; {report.binary_dropped:,} lines were not UTF-8 text (a CP949/EUC-KR file must be converted "
+                    f"first, e.g. `iconv -f cp949 -t utf-8 IN > OUT`)" if report.binary_dropped else "")
+            raise ValueError(f"{corpus!r} gives no pretraining examples for objective={objective!r} (NSP/SOP need "
+                             f"documents with at least two tokens): {report}{hint}")
+        tokens = sum(s.get("tokens", 0) for s in shards.values())
+        manifest["text_share"] = warn_if_mostly_padding(tokens, manifest["examples"], max_length, join_documents)
+        manifest["complete"] = True
+        manifest["report"] = report.to_dict()
+        manifest["resumed_shards"] = resumed
+        _write_json(manifest_path, manifest)
+        return manifest
 
 
 def check_joined(manifest: dict, join_documents: bool, directory: str) -> None:

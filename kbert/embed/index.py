@@ -63,7 +63,7 @@ from typing import Iterable, List, Optional, Sequence, Union
 import numpy as np
 
 from kbert.data.features import text_list
-from kbert.utils import positive_int, progress_bar, unit_rows
+from kbert.utils import positive_int, progress_bar, unit_rows, writing_to
 
 FORMAT = 1
 MANIFEST = "kbert_index.json"
@@ -680,52 +680,55 @@ class SearchIndex(TextCollection):
             positive_int(nlist, "nlist")
         if isinstance(texts, (str, bytes)):
             raise TypeError("`texts` must be a collection of texts, not one string")
-        clear_index(out_dir, overwrite, "SearchIndex")
-        emb, model_name = _embedder(model)
-        pooling, layers = emb.resolve_pooling(pooling, layers)
-        settings = {"pooling": pooling, "layers": layers, "max_length": max_length, "truncate_dim": truncate_dim,
-                    "long_texts": long_texts}
-        width = emb.check_truncate_dim(truncate_dim)
-        document_prompt = emb.prompt_text(prompt_name, prompt) if (prompt_name or prompt is not None) \
-            else emb.role_prompt("document")
-        query_prompt = emb.prompt_text(query_prompt_name, query_prompt) \
-            if (query_prompt_name or query_prompt is not None) else emb.role_prompt("query")
-        identity = {"model": model_name, "settings": settings, "document_prompt": document_prompt,
-                    "chunk_size": chunk_size, "ids": "given" if ids is not None else "positions"}
-        encode = dict(settings, prompt=document_prompt, batch_size=batch_size, progress=False)
-        probe = emb.encode(PROBE_TEXT, **encode)  # what this model makes of the probe: kept, and checked on resume
+        with writing_to(out_dir, "kbert index build"):  # one writer: two builds would interleave their chunks
+            clear_index(out_dir, overwrite, "SearchIndex")
+            emb, model_name = _embedder(model)
+            pooling, layers = emb.resolve_pooling(pooling, layers)
+            settings = {"pooling": pooling, "layers": layers, "max_length": max_length, "truncate_dim": truncate_dim,
+                        "long_texts": long_texts}
+            width = emb.check_truncate_dim(truncate_dim)
+            document_prompt = emb.prompt_text(prompt_name, prompt) if (prompt_name or prompt is not None) \
+                else emb.role_prompt("document")
+            query_prompt = emb.prompt_text(query_prompt_name, query_prompt) \
+                if (query_prompt_name or query_prompt is not None) else emb.role_prompt("query")
+            identity = {"model": model_name, "settings": settings, "document_prompt": document_prompt,
+                        "chunk_size": chunk_size, "ids": "given" if ids is not None else "positions"}
+            encode = dict(settings, prompt=document_prompt, batch_size=batch_size, progress=False)
+            probe = emb.encode(PROBE_TEXT, **encode)  # what this model makes of the probe: kept, and checked on resume
 
-        def same_model(saved):
-            return float(np.dot(probe, np.asarray(saved, np.float32))) >= PROBE_MIN_COSINE
+            def same_model(saved):
+                return float(np.dot(probe, np.asarray(saved, np.float32))) >= PROBE_MIN_COSINE
 
-        chunk_files, count = encode_chunks(
-            out_dir, texts, ids, metadata, chunk_size, identity, [float(x) for x in probe], same_model,
-            lambda chunk: emb.encode(chunk, **encode).astype(np.float32), save_npy, ".npy", resume, progress,
-            model_name or "hand", "; long_texts='mean' (--long-texts mean) encodes the whole of each, as the mean of "
-                                  "its windows' vectors")
-        chunk_dir = os.path.join(out_dir, CHUNKS)
-        nlist = nlist or default_nlist(count)
-        if kind == "ivf" and nlist > count:
-            raise ValueError(f"`nlist` {nlist} is more than the {count} texts; IVF needs fewer centroids than vectors")
-        index = faiss.index_factory(width, factory_string(kind, precision, nlist, hnsw_m),
-                                    faiss.METRIC_INNER_PRODUCT)
-        if kind == "hnsw":
-            faiss.downcast_index(index).hnsw.efConstruction = ef_construction
-        if not index.is_trained:  # IVF's centroids, int8's ranges: learnt from a sample of the collection
-            index.train(_training_sample(chunk_files, count, nlist if kind == "ivf" else 1))
-        for base in chunk_files:
-            index.add(np.load(base + ".npy", mmap_mode="r").astype(np.float32))
-        write_records(out_dir, chunk_files)
-        if lexical:
-            _write_lexical(out_dir, [r["text"] for base in chunk_files for r in _read_json_lines(base + ".jsonl")])
-        info = {"format": FORMAT, "model": model_name, "settings": settings, "document_prompt": document_prompt,
-                "query_prompt": query_prompt, "kind": kind, "precision": precision, "dimension": width,
-                "factory": factory_string(kind, precision, nlist, hnsw_m), "nlist": nlist if kind == "ivf" else None,
-                "hnsw_m": hnsw_m if kind == "hnsw" else None, "count": count, "ids": identity["ids"],
-                "lexical": bool(lexical), "probe": [round(float(x), 7) for x in probe]}
-        write_atomic(os.path.join(out_dir, INDEX_FILE), lambda tmp: faiss.write_index(index, tmp))
-        write_json(os.path.join(out_dir, MANIFEST), info)
-        shutil.rmtree(chunk_dir, ignore_errors=True)
+            chunk_files, count = encode_chunks(
+                out_dir, texts, ids, metadata, chunk_size, identity, [float(x) for x in probe], same_model,
+                lambda chunk: emb.encode(chunk, **encode).astype(np.float32), save_npy, ".npy", resume, progress,
+                model_name or "hand", "; long_texts='mean' (--long-texts mean) encodes the whole of each, as the "
+                                      "mean of its windows' vectors")
+            chunk_dir = os.path.join(out_dir, CHUNKS)
+            nlist = nlist or default_nlist(count)
+            if kind == "ivf" and nlist > count:
+                raise ValueError(f"`nlist` {nlist} is more than the {count} texts; IVF needs fewer centroids than "
+                                 f"vectors")
+            index = faiss.index_factory(width, factory_string(kind, precision, nlist, hnsw_m),
+                                        faiss.METRIC_INNER_PRODUCT)
+            if kind == "hnsw":
+                faiss.downcast_index(index).hnsw.efConstruction = ef_construction
+            if not index.is_trained:  # IVF's centroids, int8's ranges: learnt from a sample of the collection
+                index.train(_training_sample(chunk_files, count, nlist if kind == "ivf" else 1))
+            for base in chunk_files:
+                index.add(np.load(base + ".npy", mmap_mode="r").astype(np.float32))
+            write_records(out_dir, chunk_files)
+            if lexical:
+                _write_lexical(out_dir, [r["text"] for base in chunk_files for r in _read_json_lines(base + ".jsonl")])
+            info = {"format": FORMAT, "model": model_name, "settings": settings, "document_prompt": document_prompt,
+                    "query_prompt": query_prompt, "kind": kind, "precision": precision, "dimension": width,
+                    "factory": factory_string(kind, precision, nlist, hnsw_m),
+                    "nlist": nlist if kind == "ivf" else None,
+                    "hnsw_m": hnsw_m if kind == "hnsw" else None, "count": count, "ids": identity["ids"],
+                    "lexical": bool(lexical), "probe": [round(float(x), 7) for x in probe]}
+            write_atomic(os.path.join(out_dir, INDEX_FILE), lambda tmp: faiss.write_index(index, tmp))
+            write_json(os.path.join(out_dir, MANIFEST), info)
+            shutil.rmtree(chunk_dir, ignore_errors=True)
         return cls.load(out_dir, model=emb)
 
     @classmethod

@@ -39,6 +39,7 @@ from kbert.embed.index import (CHUNKS, FORMAT, GROUP_DEPTH, MANIFEST, PROBE_MIN_
                                Records, TextCollection, best_of_groups, check_probe, clear_index, encode_chunks,
                                loaded_model, manifest_exists, positive_int, read_manifest, rerank_hits, write_atomic,
                                write_json, write_records)
+from kbert.utils import writing_to
 
 KIND = "sparse"  # the manifest's "type" (a dense SearchIndex's manifest has none)
 # query rows scored at once: their scores are as many sparse rows as the documents they touch
@@ -123,24 +124,25 @@ class SparseIndex(TextCollection):
                 positive_int(value, name)
         if isinstance(texts, (str, bytes)):
             raise TypeError("`texts` must be a collection of texts, not one string")
-        clear_index(out_dir, overwrite, "SparseIndex")
-        encoder, model_name = _encoder(model)
-        identity = {"type": KIND, "model": model_name, "max_active_dims": max_active_dims,
-                    "chunk_size": chunk_size, "ids": "given" if ids is not None else "positions"}
-        probe = _probe(encoder)  # what this model makes of the probe: kept, and checked on resume and load
-        chunk_files, count = encode_chunks(
-            out_dir, texts, ids, metadata, chunk_size, identity, probe,
-            lambda saved: _cosine(probe, saved) >= PROBE_MIN_COSINE,
-            lambda chunk: encoder.encode_document(chunk, batch_size=batch_size, max_active_dims=max_active_dims),
-            _save_csr, ".npz", resume, progress, model_name or "hand")
-        matrix = vstack([load_npz(base + ".npz") for base in chunk_files], format="csr").astype(np.float32)
-        write_atomic(os.path.join(out_dir, SPARSE_VECTORS), lambda tmp: _save_csr(tmp, matrix))
-        write_records(out_dir, chunk_files)
-        info = {"format": FORMAT, "type": KIND, "model": model_name, "max_active_dims": max_active_dims,
-                "query_max_active_dims": query_max_active_dims, "dimension": int(matrix.shape[1]), "count": count,
-                "ids": identity["ids"], "probe": probe}
-        write_json(os.path.join(out_dir, MANIFEST), info)
-        shutil.rmtree(os.path.join(out_dir, CHUNKS), ignore_errors=True)
+        with writing_to(out_dir, "kbert index build --sparse"):  # one writer: two builds would interleave their chunks
+            clear_index(out_dir, overwrite, "SparseIndex")
+            encoder, model_name = _encoder(model)
+            identity = {"type": KIND, "model": model_name, "max_active_dims": max_active_dims,
+                        "chunk_size": chunk_size, "ids": "given" if ids is not None else "positions"}
+            probe = _probe(encoder)  # what this model makes of the probe: kept, and checked on resume and load
+            chunk_files, count = encode_chunks(
+                out_dir, texts, ids, metadata, chunk_size, identity, probe,
+                lambda saved: _cosine(probe, saved) >= PROBE_MIN_COSINE,
+                lambda chunk: encoder.encode_document(chunk, batch_size=batch_size, max_active_dims=max_active_dims),
+                _save_csr, ".npz", resume, progress, model_name or "hand")
+            matrix = vstack([load_npz(base + ".npz") for base in chunk_files], format="csr").astype(np.float32)
+            write_atomic(os.path.join(out_dir, SPARSE_VECTORS), lambda tmp: _save_csr(tmp, matrix))
+            write_records(out_dir, chunk_files)
+            info = {"format": FORMAT, "type": KIND, "model": model_name, "max_active_dims": max_active_dims,
+                    "query_max_active_dims": query_max_active_dims, "dimension": int(matrix.shape[1]), "count": count,
+                    "ids": identity["ids"], "probe": probe}
+            write_json(os.path.join(out_dir, MANIFEST), info)
+            shutil.rmtree(os.path.join(out_dir, CHUNKS), ignore_errors=True)
         return cls.load(out_dir, model=encoder)
 
     # ----------------------------------------------------------------- loading and saving

@@ -56,6 +56,7 @@ from kbert.train.finetune_tasks import (ClassificationTask, Examples, FinetuneTa
                                         RegressionTask, SentenceEmbeddingTask)
 from kbert.train.metrics import spearman
 from kbert.train.teacher import Teacher
+from kbert.utils import writing_to
 
 MODES = ("auto", "task", "embedding", "general")
 TASK_MODE_TASKS = ("classification", "pair-classification", "regression")
@@ -628,59 +629,59 @@ def distill(teacher: str, student, data=None, out_dir: str = "distilled", mode: 
         label_column = label_column or meta.get("label_column") or "label"
     else:
         text_column = text_column or "text"
-    os.makedirs(out_dir, exist_ok=True)
-    t = Teacher(teacher, mode, dtype=dtype, progress=progress)
-    student_dir = prepare_student(student, t, out_dir, seed, progress)
-    if mode == "general":
-        same_vocabulary(t, student_dir, mode)
-        rows = text_rows(data, text_column) + (text_rows(train, text_column) if train is not None else [])
-        dev = text_rows(dev, text_column) if dev is not None else None
-    elif mode == "task":
-        same_vocabulary(t, student_dir, mode)
-        if pair_column and data is not None:
-            raise ValueError("unlabeled `data` is single texts; the teacher reads text pairs "
-                             f"({text_column!r}, {pair_column!r}): give pairs as `train` rows without labels")
-        rows = read_rows(train, [text_column, pair_column]) if train is not None else []
-        rows = rows + text_rows(data, text_column)
-    else:
-        rows = text_rows(data, text_column)
-        if train is not None:
-            for r in read_rows(train, [text_column] + ([pair_column] if pair_column else [])):
-                rows.append({text_column: r[text_column]})
-                if pair_column:
-                    rows.append({text_column: r[pair_column]})
-    if not rows:
-        raise ValueError("distillation found no text in `data` / `train`")
-    length = min(128, t.config.max_position) if max_length is None else max_length
-    config = FinetuneConfig(
-        model=student_dir, task={"task": meta.get("task"), "embedding": "sentence-embedding"}.get(mode, mode),
-        train=rows, dev=dev,
-        out_dir=out_dir, text_column=text_column, pair_column=pair_column,
-        label_column=label_column if (mode == "task" or (mode == "embedding" and dev is not None)) else None,
-        epochs=epochs,
-        batch_size=batch_size, learning_rate=learning_rate, warmup=warmup, max_length=length, dropout=0.1,
-        patience=patience, eval_every=eval_every, max_steps=max_steps, seed=seed, progress=progress, dtype=dtype,
-        pooling=(meta.get("pooling") if mode == "task" else getattr(t, "pooling", "mean")),
-        layers=(meta.get("layers", -1) if mode == "task" else getattr(t, "layers", -1)),
-        resume=resume, checkpoint_every=checkpoint_every, stop_after=stop_after)
-    if mode == "embedding" and isinstance(config.layers, list):
-        config.layers = -1  # layer indices of the teacher need not exist in the student: its last layer
-    if mode == "task":
-        task = soft_target_task(config, t, temperature, alpha)
-    elif mode == "embedding":
-        task = EmbeddingDistillTask(config)
-        task.setup(t, length)
-    else:
-        from kbert.text.tokenizer import Tokenizer
+    with writing_to(out_dir, "kbert distill"):  # held through the fine-tune, which runs on the same dir
+        t = Teacher(teacher, mode, dtype=dtype, progress=progress)
+        student_dir = prepare_student(student, t, out_dir, seed, progress)
+        if mode == "general":
+            same_vocabulary(t, student_dir, mode)
+            rows = text_rows(data, text_column) + (text_rows(train, text_column) if train is not None else [])
+            dev = text_rows(dev, text_column) if dev is not None else None
+        elif mode == "task":
+            same_vocabulary(t, student_dir, mode)
+            if pair_column and data is not None:
+                raise ValueError("unlabeled `data` is single texts; the teacher reads text pairs "
+                                 f"({text_column!r}, {pair_column!r}): give pairs as `train` rows without labels")
+            rows = read_rows(train, [text_column, pair_column]) if train is not None else []
+            rows = rows + text_rows(data, text_column)
+        else:
+            rows = text_rows(data, text_column)
+            if train is not None:
+                for r in read_rows(train, [text_column] + ([pair_column] if pair_column else [])):
+                    rows.append({text_column: r[text_column]})
+                    if pair_column:
+                        rows.append({text_column: r[pair_column]})
+        if not rows:
+            raise ValueError("distillation found no text in `data` / `train`")
+        length = min(128, t.config.max_position) if max_length is None else max_length
+        config = FinetuneConfig(
+            model=student_dir, task={"task": meta.get("task"), "embedding": "sentence-embedding"}.get(mode, mode),
+            train=rows, dev=dev,
+            out_dir=out_dir, text_column=text_column, pair_column=pair_column,
+            label_column=label_column if (mode == "task" or (mode == "embedding" and dev is not None)) else None,
+            epochs=epochs,
+            batch_size=batch_size, learning_rate=learning_rate, warmup=warmup, max_length=length, dropout=0.1,
+            patience=patience, eval_every=eval_every, max_steps=max_steps, seed=seed, progress=progress, dtype=dtype,
+            pooling=(meta.get("pooling") if mode == "task" else getattr(t, "pooling", "mean")),
+            layers=(meta.get("layers", -1) if mode == "task" else getattr(t, "layers", -1)),
+            resume=resume, checkpoint_every=checkpoint_every, stop_after=stop_after)
+        if mode == "embedding" and isinstance(config.layers, list):
+            config.layers = -1  # layer indices of the teacher need not exist in the student: its last layer
+        if mode == "task":
+            task = soft_target_task(config, t, temperature, alpha)
+        elif mode == "embedding":
+            task = EmbeddingDistillTask(config)
+            task.setup(t, length)
+        else:
+            from kbert.text.tokenizer import Tokenizer
 
-        task = GeneralDistillTask(config)
-        task.setup(t, temperature, seed, Tokenizer.from_model_dir(student_dir))
-    # task and embedding modes scored every text before training: the teacher can go
-    summary = run(config, task=task, before_training=None if mode == "general" else t.release)
-    if summary["checkpoint"] is None and student_dir == os.path.join(out_dir, STUDENT_INIT_DIR):
-        # finished: only a resumed run starts from it, and a model dir is what gets uploaded (the copy of a
-        # preset student is as large as the model itself)
-        shutil.rmtree(student_dir, ignore_errors=True)
-        student_dir = None
-    summary.update(mode=mode, student_init=student_dir)
-    return summary
+            task = GeneralDistillTask(config)
+            task.setup(t, temperature, seed, Tokenizer.from_model_dir(student_dir))
+        # task and embedding modes scored every text before training: the teacher can go
+        summary = run(config, task=task, before_training=None if mode == "general" else t.release)
+        if summary["checkpoint"] is None and student_dir == os.path.join(out_dir, STUDENT_INIT_DIR):
+            # finished: only a resumed run starts from it, and a model dir is what gets uploaded (the copy of a
+            # preset student is as large as the model itself)
+            shutil.rmtree(student_dir, ignore_errors=True)
+            student_dir = None
+        summary.update(mode=mode, student_init=student_dir)
+        return summary

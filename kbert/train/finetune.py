@@ -520,9 +520,13 @@ def run(config: FinetuneConfig, task=None, before_training=None) -> dict:
     `config.task` names; before_training: called once the examples are encoded (a teacher leaves memory)."""
     import contextlib
 
+    from kbert.utils import writing_to
+
     config.validate()
     distribution = data_parallel(config.strategy)
-    with distribution.scope() if distribution is not None else contextlib.nullcontext():
+    # one writer per dir: a second run on it would resume from, and overwrite, this one's checkpoints
+    with writing_to(config.out_dir, "kbert finetune"), \
+            distribution.scope() if distribution is not None else contextlib.nullcontext():
         return _run(config, task, before_training, distribution)
 
 

@@ -14,6 +14,7 @@ model directory (`kbert.load_model` / `kbert.Embedder.load` read it) with the to
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import math
 import os
@@ -372,6 +373,11 @@ def pretrain(config: Union[PretrainConfig, dict, str], overrides=None, resume: b
             and fails if checkpoints exist).
         stop_after: stop (with a checkpoint) after this many steps in this call, as a preemption would.
     """
+    with contextlib.ExitStack() as held:  # the output dir's lock, taken once the config names the dir
+        return _pretrain(config, overrides, resume, progress, stop_after, held)
+
+
+def _pretrain(config, overrides, resume: bool, progress: bool, stop_after: Optional[int], held):
     from kbert.data.masking import default_max_predictions
     from kbert.models.io import save_model
     from kbert.text.tokenizer import Tokenizer
@@ -445,6 +451,10 @@ def pretrain(config: Union[PretrainConfig, dict, str], overrides=None, resume: b
     checkpoints = RunCheckpoints(os.path.join(out, "checkpoints"), keep=t.keep_checkpoints,
                                  to_numpy=backend.to_numpy, writer=backend.writer)
     checkpoints.check_format()
+    if backend.writer:  # one writer per dir: a second run on it would resume from, and overwrite, this one's files
+        from kbert.utils import writing_to
+
+        held.enter_context(writing_to(out, "kbert pretrain"))
     os.makedirs(out, exist_ok=True)
     if not resume and checkpoints.latest:
         raise ValueError(f"{checkpoints.directory!r} already has checkpoints; resume, or choose another output_dir")
