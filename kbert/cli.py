@@ -641,8 +641,12 @@ def _distill_static(args):
 
 
 def _serve(args):
+    import math
+
     from kbert.server import serve
 
+    if not (math.isfinite(args.timeout) and args.timeout > 0):  # the library's error would name `timeout_s`
+        raise ValueError(f"--timeout must be a finite number of seconds > 0. Received: --timeout {args.timeout}")
     print(f"loading {args.model} ...", file=sys.stderr, flush=True)  # then the routes it answers (kbert.serve)
     serve(args.model, host=args.host, port=args.port, max_batch_tokens=args.max_batch_tokens,
           max_wait_ms=args.max_wait_ms, max_queue=args.max_queue, max_texts=args.max_texts,

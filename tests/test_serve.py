@@ -220,7 +220,7 @@ def test_bad_input_gets_its_status_and_a_json_message(dirs):
             assert message in error["message"] and error["code"] == status, error
 
 
-def test_limits_that_would_refuse_every_request_are_refused_by_name_before_the_model_loads():
+def test_limits_that_would_refuse_every_request_are_refused_by_name_before_the_model_loads(capsys):
     """A queue of 0 answered every request 429, max_texts / max_chars 0 every one 413, a timeout of 0 every one
     504; a NaN wait bounded nothing. Each is an error at start, before the model loads."""
     from kbert.server import build_app
@@ -239,6 +239,10 @@ def test_limits_that_would_refuse_every_request_are_refused_by_name_before_the_m
 
     with pytest.raises(ValueError, match=r"`port` must be an integer in \[1, 65535\]"):
         serve("no-such-model-dir", port=99999)  # uvicorn never bound it, and never exited either
+    from kbert.cli import main
+
+    assert main(["serve", "--model", "no-such-model-dir", "--timeout", "0"]) == 1  # named as the flag
+    assert "--timeout must be a finite number of seconds > 0" in capsys.readouterr().err
 
 
 def test_a_full_queue_answers_429_at_once_and_a_late_request_504(dirs):
