@@ -765,8 +765,8 @@ def test_finetune_bad_input(base, tmp_path):
                       (dict(seed=-1), r"`seed` must be an integer in \[0, 2\*\*32\)")):
         with pytest.raises(ValueError, match=match):
             kbert.finetune("no-such-model", "classification", str(train), progress=False, **kw)
-    # a second run on a dir another process is writing to: refused before loading (resuming from, and
-    # overwriting, the other's checkpoints was the alternative)
+    # a second run on a dir another process is writing to: refused before it reads or writes there (resuming
+    # from, and overwriting, the other's checkpoints was the alternative)
     from kbert.utils import DirectoryInUse
 
     holder = HeldDir(str(tmp_path / "busy"), "kbert finetune")

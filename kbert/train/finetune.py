@@ -520,14 +520,11 @@ def run(config: FinetuneConfig, task=None, before_training=None) -> dict:
     `config.task` names; before_training: called once the examples are encoded (a teacher leaves memory)."""
     import contextlib
 
-    from kbert.utils import writing_to
-
     config.validate()
     distribution = data_parallel(config.strategy)
-    # one writer per dir: a second run on it would resume from, and overwrite, this one's checkpoints
-    with writing_to(config.out_dir, "kbert finetune"), \
+    with contextlib.ExitStack() as held, \
             distribution.scope() if distribution is not None else contextlib.nullcontext():
-        return _run(config, task, before_training, distribution)
+        return _run(config, task, before_training, distribution, held)
 
 
 def _guide_dir(c: FinetuneConfig) -> Optional[str]:
@@ -582,10 +579,11 @@ def guide_left_out(examples, batch_size: int, margin: float, batches: int = 20, 
     return left / max(total, 1)
 
 
-def _run(c: FinetuneConfig, task, before_training, distribution) -> dict:
+def _run(c: FinetuneConfig, task, before_training, distribution, held) -> dict:
+    """`held`: the ExitStack that holds the output dir's lock from the first write to `run`'s return."""
     import keras
 
-    from kbert.utils import StopSignals, progress_bar
+    from kbert.utils import StopSignals, progress_bar, writing_to
 
     task = task or task_for(c)
     task.check()
@@ -689,6 +687,10 @@ def _run(c: FinetuneConfig, task, before_training, distribution) -> dict:
     settings.update(model=base_model or repr(c.model), data=data_fingerprint(train_ex, dev_ex), labels=task.labels,
                     max_length=max_length, eval_every=eval_every, total_steps=total, pooling=pooling, layers=layers,
                     backbone_dropout=backbone_dropout)
+    # One writer per dir: a second run on it would resume from, and overwrite, this one's checkpoints. Taken
+    # here, before the first read or write of the dir, not at the start: a call that fails on its model or
+    # data takes no lock (and leaves no dir)
+    held.enter_context(writing_to(c.out_dir, "kbert finetune"))
     saver = FinetuneCheckpoint(os.path.join(c.out_dir, CHECKPOINT_DIR), network, optimizer, settings, c.resume)
     saved = saver.restore()
     rng = np.random.default_rng(c.seed)
