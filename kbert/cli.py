@@ -426,7 +426,8 @@ def _embed(args):
     import numpy as np
 
     from kbert.embed.embedder import Embedder
-    from kbert.utils import progress_bar
+    from kbert.embed.index import save_npy
+    from kbert.utils import progress_bar, write_atomic
 
     if args.query and not args.sparse:
         raise ValueError("--query goes with --sparse (a dense model takes --prompt-name query)")
@@ -495,9 +496,7 @@ def _embed(args):
         # whole or not at all: a stopped save must not leave a truncated file that np.load fails on later
         # (named as np.save names it: .npy added when missing)
         path = args.out if args.out.endswith(".npy") else args.out + ".npy"
-        with open(path + ".tmp", "wb") as f:
-            np.save(f, out)
-        os.replace(path + ".tmp", path)
+        write_atomic(path, lambda tmp: save_npy(tmp, out))
         print(f"wrote {len(out)} vectors to {path}", file=sys.stderr)
 
 

@@ -139,6 +139,44 @@ class StopSignals:
         return False
 
 
+def write_atomic(path: str, write) -> str:
+    """`write(tmp_path)`, then the file renamed over `path`: a reader, or a job resumed after a crash, never
+    sees half a file. When `write` fails (a full disk, Ctrl-C) its partial file is removed rather than left to
+    fill the disk (a BERT-Base checkpoint's is over a gigabyte). Returns `path`."""
+    tmp = path + ".tmp"
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+    return path
+
+
+def save_safetensors(tensors: dict, path: str, metadata: dict = None) -> str:
+    """safetensors' `save_file` through `write_atomic`. Its I/O errors (raised from Rust as SafetensorError,
+    "No space left on device (os error 28)") come back as OSError naming the file, as Python's own writes
+    do, so a command reports them in one line, not a traceback."""
+    from safetensors.numpy import save_file
+
+    def write(tmp):
+        with open(tmp, "wb"):  # the mode any file made here gets (the umask's, 0644 for most users) ...
+            pass
+        mode = os.stat(tmp).st_mode & 0o777
+        try:
+            save_file(tensors, tmp, metadata=metadata)
+        except Exception as e:
+            if isinstance(e, OSError) or "I/O error" not in str(e):
+                raise
+            raise OSError(f"could not write {path}: {e}") from e
+        # ... given back: safetensors 0.8 writes through a private temporary file, so its files came out 0600,
+        # weights that a serving account or a teammate on the same machine could not read
+        os.chmod(tmp, mode)
+
+    return write_atomic(path, write)
+
+
 class DirectoryInUse(OSError):
     """Another process is writing to the output dir a job was given (see `writing_to`)."""
 

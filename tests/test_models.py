@@ -509,6 +509,10 @@ def test_save_load_round_trip(tmp_path, architecture):
     out = model(features)
     kbert.save_model(model, str(tmp_path / "m"))
     assert sorted(os.listdir(tmp_path / "m")) == ["kbert_config.json", "kbert_weights.safetensors"]
+    umask = os.umask(0)
+    os.umask(umask)
+    # as the config beside it: safetensors 0.8 alone wrote 0600, weights another account could not read
+    assert os.stat(tmp_path / "m" / "kbert_weights.safetensors").st_mode & 0o777 == 0o666 & ~umask
 
     again = kbert.load_model(str(tmp_path / "m"), with_heads=True)
     out2 = again(features)

@@ -204,6 +204,33 @@ def test_one_writer_per_output_dir(tok_dir, tmp_path, capsys):
         assert os.path.exists(os.path.join(nested, LOCK_FILE))  # still held by the outer job
     assert not os.path.exists(nested)  # created here, nothing written: not left behind
 
+def test_a_full_disk_at_a_checkpoint_stops_with_the_last_one_intact_and_no_partial_file(tok_dir, tmp_path,
+                                                                                       monkeypatch):
+    import safetensors.numpy
+    from safetensors import SafetensorError
+
+    real = safetensors.numpy.save_file
+
+    def full_disk(tensors, path, metadata=None):  # what safetensors raises when the disk fills mid-file
+        if "ckpt-4" in path:
+            with open(path, "wb") as f:
+                f.write(b"\0" * 1000)
+            raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+        return real(tensors, path, metadata=metadata)
+
+    out = str(tmp_path / "run")
+    cfg = _config(tok_dir, out, 6, model=dict(TINY), trainer={"checkpoint_every": 2})
+    monkeypatch.setattr(safetensors.numpy, "save_file", full_disk)
+    with pytest.raises(OSError, match=r"checkpoint of step 4 not written \(could not write .*ckpt-4\.safetensors: "
+                                      r".*No space left on device.*\); the one before it, .*ckpt-2\.safetensors, "
+                                      r"is intact: free space and run the same command again"):
+        pretrain(cfg, progress=False)
+    assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == ["ckpt-2.safetensors"]  # no gigabyte .tmp left
+    monkeypatch.setattr(safetensors.numpy, "save_file", real)
+    rest = pretrain(cfg, progress=False)  # space freed: the same call resumes from step 2
+    assert rest["finished"] and len(rest["history"]) == 4
+
+
 def test_float16_pretraining_checkpoints_the_loss_scale_and_resumes_the_same(tok_dir, tmp_path):
     """mixed_float16 (the mixed precision of GPUs without bf16: T4, V100) wraps the optimizer in Keras'
     LossScaleOptimizer, whose iteration and learning rate share names with the wrapped optimizer's; its

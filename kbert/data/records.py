@@ -28,7 +28,7 @@ from typing import Optional
 from kbert.data.corpus import Corpus, CorpusReport
 from kbert.data.examples import ExampleBuilder, check_short_seq_prob, example_blocks, warn_if_mostly_padding
 from kbert.data.pairs import check_max_length, check_objective
-from kbert.utils import positive_int, progress_bar, renamed_keyword, writing_to
+from kbert.utils import positive_int, progress_bar, renamed_keyword, write_atomic, writing_to
 from kbert.workers import refuse_in_spawn_bootstrap
 
 MANIFEST = "manifest.json"
@@ -113,10 +113,7 @@ class ShardWriter:
 
     def write(self, index: int, shard: dict) -> dict:
         path = os.path.join(self.out_dir, shard_name(index))
-        tmp = path + ".tmp"
-        with open(tmp, "wb") as f:
-            f.write(shard["data"])
-        os.replace(tmp, path)
+        write_atomic(path, lambda tmp: _write_bytes(tmp, shard["data"]))
         entry = {"file": shard_name(index), "examples": shard["examples"], "bytes": os.path.getsize(path),
                  "tokens": shard["tokens"]}
         if "report" in shard:  # what cleaning its documents counted: a resumed run adds it back
@@ -125,10 +122,16 @@ class ShardWriter:
 
 
 def _write_json(path: str, obj):
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=1, ensure_ascii=False)
-    os.replace(tmp, path)
+    def write(tmp):
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(obj, f, indent=1, ensure_ascii=False)
+
+    write_atomic(path, write)
+
+
+def _write_bytes(path: str, data: bytes):
+    with open(path, "wb") as f:
+        f.write(data)
 
 
 def read_manifest(directory: str) -> dict:

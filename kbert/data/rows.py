@@ -16,7 +16,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from kbert.utils import read_utf8_text, uncompressed_name
+from kbert.utils import read_utf8_text, uncompressed_name, write_atomic
 
 
 def read_rows(source, columns: Sequence[str], names: Optional[Sequence[str]] = None) -> List[dict]:
@@ -264,27 +264,27 @@ def write_rows(rows: Sequence[dict], path: str) -> None:
     if not rows:
         raise ValueError(f"no rows to write to {path!r}")
     columns = list(rows[0])
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8", newline="") as f:
-        if path.endswith((".jsonl", ".json")):
-            for row in rows:
-                f.write(json.dumps(row, ensure_ascii=False) + "\n")
-        elif path.endswith(".csv"):
-            writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
-            writer.writeheader()
-            writer.writerows(rows)
-        else:
-            f.write("\t".join(columns) + "\n")
-            for i, row in enumerate(rows):
-                cells = ["" if row.get(c) is None else str(row.get(c)) for c in columns]
-                for c, cell in zip(columns, cells):
-                    if "\t" in cell or "\n" in cell or "\r" in cell:
-                        f.close()
-                        os.remove(tmp)
-                        raise ValueError(f"row {i + 1}, column {c!r} holds a tab or a line break, which a TSV "
-                                         f"cannot: write {path!r} as .jsonl or .csv instead")
-                f.write("\t".join(cells) + "\n")
-    os.replace(tmp, path)
+
+    def write(tmp):
+        with open(tmp, "w", encoding="utf-8", newline="") as f:
+            if path.endswith((".jsonl", ".json")):
+                for row in rows:
+                    f.write(json.dumps(row, ensure_ascii=False) + "\n")
+            elif path.endswith(".csv"):
+                writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
+                writer.writeheader()
+                writer.writerows(rows)
+            else:
+                f.write("\t".join(columns) + "\n")
+                for i, row in enumerate(rows):
+                    cells = ["" if row.get(c) is None else str(row.get(c)) for c in columns]
+                    for c, cell in zip(columns, cells):
+                        if "\t" in cell or "\n" in cell or "\r" in cell:  # the partial file goes (write_atomic)
+                            raise ValueError(f"row {i + 1}, column {c!r} holds a tab or a line break, which a "
+                                             f"TSV cannot: write {path!r} as .jsonl or .csv instead")
+                    f.write("\t".join(cells) + "\n")
+
+    write_atomic(path, write)
 
 
 def selection_split(rows: Sequence[dict], key, fraction: float = 0.1) -> Tuple[List[dict], List[dict]]:

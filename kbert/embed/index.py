@@ -63,7 +63,7 @@ from typing import Iterable, List, Optional, Sequence, Union
 import numpy as np
 
 from kbert.data.features import text_list
-from kbert.utils import positive_int, progress_bar, unit_rows, writing_to
+from kbert.utils import positive_int, progress_bar, unit_rows, write_atomic, writing_to
 
 FORMAT = 1
 MANIFEST = "kbert_index.json"
@@ -191,13 +191,6 @@ def default_nprobe(nlist: int) -> int:
     """IVF buckets searched per query: an eighth of them, at least 8 (FAISS's default, 1, misses neighbours
     that fall in the next bucket)."""
     return min(nlist, max(8, nlist // 8))
-
-
-def write_atomic(path: str, write) -> None:
-    """`write(tmp_path)`, then the file renamed into place: a reader never sees half a file."""
-    tmp = path + ".tmp"
-    write(tmp)
-    os.replace(tmp, path)
 
 
 def write_json(path: str, value) -> None:

@@ -37,7 +37,7 @@ from kbert.embed.onnx_runtime import (GRAPH_FILE, QUERY_WEIGHTS_FILE, SPARSE_OUT
                                       is_sparse_export, read_info)
 from kbert.embed.onnx_runtime import session as onnx_session
 from kbert.models.pooling import SPLADE_ACTIVATIONS, SPLADE_POOLINGS
-from kbert.utils import positive_int, progress_bar
+from kbert.utils import positive_int, progress_bar, write_atomic
 
 SEARCH_CHUNK = 256  # queries scored at once: a [256, corpus] dense block of scores
 
@@ -374,7 +374,8 @@ def save_vectors(path: str, parts, vocab_size: int) -> str:
 
     path = path if path.endswith(".npz") else path + ".npz"
     matrix = vstack(parts, format="csr") if parts else csr_matrix((0, vocab_size), dtype=np.float32)
-    with open(path + ".tmp", "wb") as f:
-        save_npz(f, matrix)
-    os.replace(path + ".tmp", path)
-    return path
+    def write(tmp):
+        with open(tmp, "wb") as f:  # a file object: save_npz would add ".npz" to a path ending in ".tmp"
+            save_npz(f, matrix)
+
+    return write_atomic(path, write)

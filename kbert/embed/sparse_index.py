@@ -37,9 +37,9 @@ import numpy as np
 from kbert.data.features import text_list
 from kbert.embed.index import (CHUNKS, FORMAT, GROUP_DEPTH, MANIFEST, PROBE_MIN_COSINE, PROBE_TEXT, SPARSE_VECTORS,
                                Records, TextCollection, best_of_groups, check_probe, clear_index, encode_chunks,
-                               loaded_model, manifest_exists, positive_int, read_manifest, rerank_hits, write_atomic,
+                               loaded_model, manifest_exists, positive_int, read_manifest, rerank_hits,
                                write_json, write_records)
-from kbert.utils import writing_to
+from kbert.utils import write_atomic, writing_to
 
 KIND = "sparse"  # the manifest's "type" (a dense SearchIndex's manifest has none)
 # query rows scored at once: their scores are as many sparse rows as the documents they touch

@@ -38,7 +38,7 @@ def export_sentence_transformers(model, directory: str, max_length=None, dtype: 
     and `SentenceTransformer(directory)` both load it. dtype: its table's ("float32", or "float16": half the
     size). Its projections (a whitening) are folded into the table, which is exact for identity layers."""
     import numpy as np
-    from safetensors.numpy import save_file
+    from kbert.utils import save_safetensors
 
     from kbert.embed.embedder import Embedder, EnsembleEmbedder, StaticEmbedder
     from kbert.models.convert import export_transformers
@@ -75,7 +75,7 @@ def export_sentence_transformers(model, directory: str, max_length=None, dtype: 
         os.makedirs(folder, exist_ok=True)
         _write(os.path.join(folder, "config.json"), {"embedding_dimension": config.hidden_size, "layer_start": 0,
                                                      "num_hidden_layers": config.num_layers})
-        save_file({"layer_weights": weights}, os.path.join(folder, "model.safetensors"))
+        save_safetensors({"layer_weights": weights}, os.path.join(folder, "model.safetensors"))
         hf_config_path = os.path.join(directory, "config.json")  # transformers then returns every hidden state
         with open(hf_config_path, encoding="utf-8") as f:
             hf_config = json.load(f)
@@ -96,8 +96,8 @@ def export_sentence_transformers(model, directory: str, max_length=None, dtype: 
         _write(os.path.join(folder, "config.json"), {
             "in_features": int(layer["weight"].shape[0]), "out_features": int(layer["weight"].shape[1]),
             "bias": True, "activation_function": activation})
-        save_file({"linear.weight": np.ascontiguousarray(layer["weight"].T), "linear.bias": layer["bias"]},
-                  os.path.join(folder, "model.safetensors"))
+        save_safetensors({"linear.weight": np.ascontiguousarray(layer["weight"].T), "linear.bias": layer["bias"]},
+                         os.path.join(folder, "model.safetensors"))
     n = len(modules)
     modules.append({"path": f"{n}_Normalize", "type": "sentence_transformers.models.Normalize"})
     os.makedirs(os.path.join(directory, f"{n}_Normalize"), exist_ok=True)
@@ -117,7 +117,7 @@ def _export_static(embedder, directory: str, dtype: str) -> str:
     as a Hugging Face tokenizer.json, config.json, and the sentence-transformers modules; kbert's own tokenizer
     goes in `tokenizer/`, so kbert reads back its exact ids (a morpheme-aware vocabulary too)."""
     import numpy as np
-    from safetensors.numpy import save_file
+    from kbert.utils import save_safetensors
 
     from kbert.models.io import TOKENIZER_DIR
 
@@ -136,7 +136,7 @@ def _export_static(embedder, directory: str, dtype: str) -> str:
         tensors["weights"] = embedder.weights
     if embedder.mapping is not None:
         tensors["mapping"] = embedder.mapping
-    save_file(tensors, os.path.join(directory, "model.safetensors"))
+    save_safetensors(tensors, os.path.join(directory, "model.safetensors"))
     fast.no_truncation()
     fast.save(os.path.join(directory, "tokenizer.json"))
     embedder.tokenizer.save(os.path.join(directory, TOKENIZER_DIR))

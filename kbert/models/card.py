@@ -18,6 +18,8 @@ import os
 import platform
 from typing import List, Optional, Sequence
 
+from kbert.utils import write_atomic
+
 CARD_FILE = "README.md"
 MARKER = "<!-- This model card was written by kbert"
 TRAINING_START, TRAINING_END = "<!-- kbert:training -->", "<!-- kbert:/training -->"
@@ -121,10 +123,13 @@ def write_model_card(directory: str, text: str) -> Optional[str]:
         with open(path, encoding="utf-8") as f:
             if MARKER not in f.read():
                 return None
-    with open(path + ".tmp", "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(path + ".tmp", path)
+    write_atomic(path, lambda tmp: _write_text(tmp, text))
     return path
+
+
+def _write_text(path: str, text: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
 
 
 def _version() -> str:

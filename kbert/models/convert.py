@@ -707,7 +707,7 @@ def export_transformers(model, directory: str, tokenizer=None) -> str:
                       "written as a masked-LM model without it", stacklevel=2)
     if masked_lm:
         pair = None
-    from safetensors.numpy import save_file
+    from kbert.utils import save_safetensors
 
     tensors = plain_tensors(model, model.backbone if isinstance(model, Pretrainer) else model)  # LoRA merged
     hf = kbert_to_hf(tensors, config, pair_objective=pair, heads=heads)
@@ -718,7 +718,7 @@ def export_transformers(model, directory: str, tokenizer=None) -> str:
         head_names = {n for n, _, _ in _head_pairs(config, pair)}
         hf = {(k if k in head_names else prefix + k): v for k, v in hf.items()}
     os.makedirs(directory, exist_ok=True)
-    save_file(hf, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+    save_safetensors(hf, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(directory, "config.json"), "w", encoding="utf-8") as f:
         json.dump(config_to_hf(config, with_heads=heads, masked_lm=masked_lm), f, indent=2)
     if tokenizer is not None:
@@ -812,7 +812,7 @@ def _export_classifier(task_model, directory: str, tokenizer) -> str:
 def _write_hf_task(task_model, directory: str, tokenizer, hf: dict, hf_config: dict, extra: dict) -> str:
     """Writes a task model's transformers dir: the tokenizer (truncating where the model was tuned), the
     weights, config.json and the `extra` JSON files {name: object}."""
-    from safetensors.numpy import save_file
+    from kbert.utils import save_safetensors
 
     config = task_model.network.backbone.config
     os.makedirs(directory, exist_ok=True)
@@ -825,8 +825,8 @@ def _write_hf_task(task_model, directory: str, tokenizer, hf: dict, hf_config: d
             import warnings
 
             warnings.warn(f"The tokenizer was not written in transformers' format: {e}", stacklevel=4)
-    save_file({k: np.ascontiguousarray(v, dtype=np.float32) for k, v in hf.items()},
-              os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+    save_safetensors({k: np.ascontiguousarray(v, dtype=np.float32) for k, v in hf.items()},
+                     os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
     for name, obj in {"config.json": hf_config, **extra}.items():
         with open(os.path.join(directory, name), "w", encoding="utf-8") as f:
             json.dump(obj, f, indent=2, ensure_ascii=False)

@@ -17,6 +17,7 @@ from kbert.models.backbone import Backbone, Pretrainer, build_backbone
 from kbert.models.config import ModelConfig
 from kbert.models.layers import frozen_kernel
 from kbert.models.locate import CONFIG_FILE
+from kbert.utils import save_safetensors
 
 WEIGHTS_FILE = "kbert_weights.safetensors"
 TOKENIZER_DIR = "tokenizer"
@@ -69,14 +70,10 @@ def save_model(model, directory: str, tokenizer=None) -> str:
     else:
         raise TypeError(f"save_model expects a kbert backbone or Pretrainer. Received: {type(model).__name__}")
     os.makedirs(directory, exist_ok=True)
-    from safetensors.numpy import save_file
-
     tensors = plain_tensors(model, backbone)
     meta = {"format_version": FORMAT_VERSION, "model": backbone.config.to_dict(),
             "heads": {"pretraining": has_heads, "pair_objective": pair_objective}}
-    tmp = os.path.join(directory, WEIGHTS_FILE + ".tmp")
-    save_file(tensors, tmp, metadata={"format": "kbert"})
-    os.replace(tmp, os.path.join(directory, WEIGHTS_FILE))  # atomic: a crash never leaves half a file
+    save_safetensors(tensors, os.path.join(directory, WEIGHTS_FILE), metadata={"format": "kbert"})
     with open(os.path.join(directory, CONFIG_FILE), "w", encoding="utf-8") as f:
         json.dump(meta, f, indent=2, sort_keys=True)
         f.write("\n")

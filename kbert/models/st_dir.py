@@ -231,14 +231,15 @@ def write_inference_free_encoder(directory: str, query_weights, pooling: str = "
     import shutil
 
     import numpy as np
-    from safetensors.numpy import save_file
+    from kbert.utils import save_safetensors
 
     query = os.path.join(directory, INFERENCE_FREE_QUERY)
     os.makedirs(query, exist_ok=True)
     for name in TOKENIZER_FILES:
         if os.path.isfile(os.path.join(document_folder(directory), name)):
             shutil.copyfile(os.path.join(document_folder(directory), name), os.path.join(query, name))
-    save_file({"weight": np.ascontiguousarray(query_weights, np.float32)}, os.path.join(query, "model.safetensors"))
+    save_safetensors({"weight": np.ascontiguousarray(query_weights, np.float32)},
+                     os.path.join(query, "model.safetensors"))
     types = {INFERENCE_FREE_QUERY: "sentence_transformers.sparse_encoder.models.SparseStaticEmbedding",
              INFERENCE_FREE_DOCUMENT: "sentence_transformers.sparse_encoder.models.MLMTransformer",
              INFERENCE_FREE_POOLING: "sentence_transformers.sparse_encoder.models.SpladePooling"}

@@ -211,12 +211,10 @@ def save_task_head(network: TaskNetwork, meta: dict, model_dir: str) -> None:
     """Writes the head's weights (`HEAD_FILE`, when the task has a head) and `meta` (`TASK_FILE`) into
     `model_dir`, beside the backbone that `kbert.save_model` wrote there."""
     if network.head is not None:
-        from safetensors.numpy import save_file
+        from kbert.utils import save_safetensors
 
         tensors = {v.path: np.ascontiguousarray(keras.ops.convert_to_numpy(v)) for v in network.head.weights}
-        tmp = os.path.join(model_dir, HEAD_FILE + ".tmp")
-        save_file(tensors, tmp, metadata={"format": "kbert"})
-        os.replace(tmp, os.path.join(model_dir, HEAD_FILE))
+        save_safetensors(tensors, os.path.join(model_dir, HEAD_FILE), metadata={"format": "kbert"})
     with open(os.path.join(model_dir, TASK_FILE), "w", encoding="utf-8") as f:
         json.dump(meta, f, indent=2, ensure_ascii=False)
         f.write("\n")

@@ -85,7 +85,7 @@ class RunCheckpoints:
 
     # ------------------------------------------------------------------------------ save
     def save(self, step: int, model, optimizer, state: Optional[dict] = None) -> str:
-        from safetensors.numpy import save_file
+        from kbert.utils import save_safetensors
 
         path = self.path(step)
         if not self.writer:
@@ -98,9 +98,14 @@ class RunCheckpoints:
             tensors[f"optimizer/{key}"] = np.array(self.to_numpy(v), order="C")
         meta = {"step": int(step), "model_paths": paths, "state": state or {}, "format": "kbert-run-1"}
         os.makedirs(self.directory, exist_ok=True)
-        tmp = path + ".tmp"
-        save_file(tensors, tmp, metadata={"kbert": json.dumps(meta, ensure_ascii=False)})
-        os.replace(tmp, path)
+        before = self.latest
+        try:
+            save_safetensors(tensors, path, metadata={"kbert": json.dumps(meta, ensure_ascii=False)})
+        except OSError as e:  # a full disk: say what is kept, and how the run goes on
+            raise OSError(f"checkpoint of step {step} not written ({e}); "
+                          + (f"the one before it, {before}, is intact: free space and run the same command again "
+                             f"to resume from it" if before else "no earlier checkpoint: free space and start again")
+                          ) from e
         for old in self.steps()[:-self.keep]:
             os.remove(self.path(old))
         return path
