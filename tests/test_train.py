@@ -226,9 +226,12 @@ def test_a_full_disk_at_a_checkpoint_stops_with_the_last_one_intact_and_no_parti
                                       r"is intact: free space and run the same command again"):
         pretrain(cfg, progress=False)
     assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == ["ckpt-2.safetensors"]  # no gigabyte .tmp left
+    with open(os.path.join(out, "checkpoints", "ckpt-3.safetensors.tmp"), "wb") as f:
+        f.write(b"\0" * 1000)  # what a SIGKILL mid-save leaves: the next save clears it
     monkeypatch.setattr(safetensors.numpy, "save_file", real)
     rest = pretrain(cfg, progress=False)  # space freed: the same call resumes from step 2
     assert rest["finished"] and len(rest["history"]) == 4
+    assert not [n for n in os.listdir(os.path.join(out, "checkpoints")) if n.endswith(".tmp")]
 
 
 def test_float16_pretraining_checkpoints_the_loss_scale_and_resumes_the_same(tok_dir, tmp_path):

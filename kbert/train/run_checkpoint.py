@@ -98,6 +98,9 @@ class RunCheckpoints:
             tensors[f"optimizer/{key}"] = np.array(self.to_numpy(v), order="C")
         meta = {"step": int(step), "model_paths": paths, "state": state or {}, "format": "kbert-run-1"}
         os.makedirs(self.directory, exist_ok=True)
+        for name in os.listdir(self.directory):  # a killed run's half-written file (one writer: the dir's lock)
+            if name.startswith("ckpt-") and name.endswith(SUFFIX + ".tmp"):
+                os.remove(os.path.join(self.directory, name))
         before = self.latest
         try:
             save_safetensors(tensors, path, metadata={"kbert": json.dumps(meta, ensure_ascii=False)})
