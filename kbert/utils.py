@@ -204,6 +204,7 @@ def writing_to(directory: str, job: str):
 
     import filelock
 
+    check_local_path(directory, "output dir")
     created = not os.path.isdir(directory)
     os.makedirs(directory, exist_ok=True)
     key = os.path.realpath(directory)
@@ -244,6 +245,20 @@ def writing_to(directory: str, job: str):
             if created:
                 with contextlib.suppress(OSError):
                     os.rmdir(directory)  # only when empty: a job that failed before writing leaves no dir behind
+
+
+def check_local_path(path: str, what: str) -> str:
+    """`path`, unless it is a URL (gs://, s3://, hdfs://, ...), which kbert's file operations would read as a
+    relative local path: an output dir "gs://bucket/run" became the local dir ./gs:/bucket/run, its checkpoints
+    lost with the machine. A ValueError names the way that works: mounting the bucket as a local path."""
+    import re
+
+    found = re.match(r"([A-Za-z][A-Za-z0-9+.-]+)://", os.fspath(path))  # two letters at least: not C:/
+    if found:
+        raise ValueError(f"{what} {path!r} is a URL; kbert reads and writes local paths: mount the bucket as a "
+                         f"local dir (Cloud Storage FUSE on a Cloud TPU VM: `gcsfuse --implicit-dirs BUCKET "
+                         f"/mnt/BUCKET`; s3fs, blobfuse2 elsewhere) and give the path under it")
+    return path
 
 
 def _lock_owner(directory: str) -> str:

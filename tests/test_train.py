@@ -197,6 +197,14 @@ def test_one_writer_per_output_dir(tok_dir, tmp_path, capsys):
     summary = pretrain(_config(tok_dir, out, 2, model=dict(TINY)), progress=False)
     assert summary["finished"] and not {LOCK_FILE, OWNER_FILE} & set(os.listdir(out))
 
+    # a bucket URL was read as a relative path: the run went to ./gs:/bucket/run, lost with the machine
+    with pytest.raises(ValueError, match=r"output dir 'gs://bucket/run' is a URL; .*gcsfuse"):
+        pretrain(_config(tok_dir, "gs://bucket/run", 2, model=dict(TINY)), progress=False)
+    with pytest.raises(ValueError, match=r"corpus file 's3://bucket/corpus.txt' is a URL"):
+        pretrain(_config(tok_dir, str(tmp_path / "s3"), 2, model=dict(TINY), data={"source": "s3://bucket/corpus.txt"}),
+                 progress=False)
+    assert not os.path.exists("gs:")
+
     nested = str(tmp_path / "nested")  # one process, one job inside another (distill runs finetune): one hold
     with writing_to(nested, "kbert distill"):
         with writing_to(nested, "kbert finetune"):

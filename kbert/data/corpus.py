@@ -43,7 +43,7 @@ from kbert.data.recipes import RECIPES, download, movie_review_sentiment, recipe
 from kbert.data.sentences import SPLITTERS, get_splitter, split_sentences_kiwi, split_sentences_rules  # noqa: F401
 from kbert.data.wiki import strip_wiki_markup, wiki_dump_articles  # noqa: F401
 from kbert.text.normalize import normalize as _normalize
-from kbert.utils import open_text, uncompressed_name
+from kbert.utils import check_local_path, open_text, uncompressed_name
 
 DEDUPE = ("document", "sentence", None)
 
@@ -216,6 +216,7 @@ class Corpus:
             raise FileNotFoundError(f"No files match {source!r}")
         for f in files:
             if not os.path.isfile(f):
+                check_local_path(f, "corpus file")
                 hint = f" (named corpora: {sorted(RECIPES)})" if os.sep not in source else ""
                 raise FileNotFoundError(f"Corpus file not found: {f!r}{hint}")
         return files, {}

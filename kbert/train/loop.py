@@ -291,7 +291,7 @@ def check_resumable(saved_path: str, config: PretrainConfig) -> None:
     if differences:
         out = os.path.dirname(saved_path)
         raise ValueError(f"{out!r} holds checkpoints of a run with other settings ({'; '.join(differences)}). "
-                         f"Resume with the saved settings ({saved_path}), choose another output dir, or pass "
+                         f"Resume with the saved settings ({saved_path}), choose another output dir, or "
                          f"delete {os.path.join(out, 'checkpoints')} to start over. Allowed "
                          f"on resume: {', '.join(RESUMABLE_CHANGES)}")
 
