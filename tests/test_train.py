@@ -385,6 +385,17 @@ def test_mirrored_two_cpus_matches_one_device(tok_dir, tmp_path):
     np.testing.assert_allclose(result["mirrored"][1], result["cpu"][1], rtol=1e-5)
 
 
+def test_a_home_relative_path_in_a_config_is_the_home_dirs(tmp_path, monkeypatch):
+    """`output_dir: ~/runs/bert` in a YAML file wrote to ./~/runs/bert: no shell expands a config's `~`."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    path = tmp_path / "pretrain.yaml"
+    path.write_text("output_dir: ~/runs/bert\ndata: {source: [~/a.txt, kolaw], tokenizer: ~/tok}\n", encoding="utf-8")
+    config = PretrainConfig.load(str(path))
+    assert config.output_dir == str(tmp_path / "runs" / "bert") and config.data.tokenizer == str(tmp_path / "tok")
+    assert config.data.source == [str(tmp_path / "a.txt"), "kolaw"]
+    assert PretrainConfig.load(str(path), ["output_dir=~/other"]).output_dir == str(tmp_path / "other")
+
+
 def test_bad_configs_name_the_key(tok_dir, tmp_path):
     with pytest.raises(ValueError, match=r"Unknown config key `trainer.stepz` \(did you mean `trainer.steps`\?\)"):
         PretrainConfig.from_dict({"trainer": {"stepz": 3}})

@@ -160,7 +160,19 @@ def load_mapping(path: Optional[str] = None, overrides: Optional[List[str]] = No
             if not isinstance(node, dict):
                 raise ValueError(f"Override {item!r}: {p!r} is not a section")
         node[parts[-1]] = value
-    return values
+    return _expand_home(values)
+
+
+def _expand_home(value):
+    """`~/corpus.txt` in a config file (or a --set value, which no shell expands) as the home dir's path: kbert's
+    file operations, like Python's, take `~` literally, and `output_dir: ~/runs/bert` wrote to ./~/runs/bert."""
+    if isinstance(value, dict):
+        return {k: _expand_home(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_expand_home(v) for v in value]
+    if isinstance(value, str) and (value == "~" or value.startswith(("~/", "~" + os.sep))):
+        return os.path.expanduser(value)
+    return value
 
 
 def _model_mapping(name: str) -> dict:
