@@ -177,7 +177,9 @@ def _convert(args):
 def _tokenizer_train(args):
     from kbert.data.corpus import Corpus, file_format
     from kbert.text.tokenizer import Tokenizer
+    from kbert.utils import check_local_path
 
+    check_local_path(args.out, "--out")  # before minutes of training, not at the save after them
     options = _corpus_options(args)
     if not options and all(os.path.isfile(s) and file_format(s) == "text" for s in args.input):
         inputs = args.input  # plain files: every line is a training line, as Tokenizer.train reads them

@@ -53,6 +53,25 @@ def test_convert_missing_dir_is_one_line(tmp_path):
     assert "Traceback" not in proc.stderr and "Model directory not found" in proc.stderr
 
 
+def test_bucket_urls_as_outputs_are_refused_before_any_work(tmp_path, monkeypatch, capsys):
+    """`--out gs://b/tok` made a local dir ./gs:/b/tok after minutes of training; a model or tokenizer saved
+    to a URL went the same way. Refused by name, pointing at a mounted bucket."""
+    import kbert
+    from kbert.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("대한민국은 민주공화국이다.\n" * 50, encoding="utf-8")
+    assert main(["tokenizer", "train", "--input", str(corpus), "--vocab-size", "100", "--out", "gs://b/tok"]) == 1
+    assert "--out 'gs://b/tok' is a URL; kbert reads and writes local paths" in capsys.readouterr().err
+    tok = kbert.Tokenizer.train([str(corpus)], vocab_size=273, progress=False)
+    with pytest.raises(ValueError, match="tokenizer dir 's3://b/tok' is a URL"):
+        tok.save("s3://b/tok")
+    with pytest.raises(ValueError, match="model dir 'gs://b/m' is a URL"):
+        kbert.save_model(kbert.build_backbone(kbert.ModelConfig.preset("bert-tiny", vocab_size=100)), "gs://b/m")
+    assert os.listdir(tmp_path) == ["c.txt"]
+
+
 @pytest.mark.slow
 def test_convert_hf_to_kbert_and_back(tmp_path):
     from helpers import tiny_hf_pretraining_model

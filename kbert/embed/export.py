@@ -157,6 +157,9 @@ def export(model_dir: str, out_dir: str, signature: Optional[str] = None, poolin
     """
     import keras
 
+    from kbert.utils import check_local_path
+
+    check_local_path(out_dir, "export dir")
     if keras.backend.backend() != "tensorflow":  # the model is traced into a TensorFlow graph
         raise ValueError(f"a SavedModel is TensorFlow's format and the model is traced into its graph, so export "
                          f"runs on Keras' TensorFlow backend (KERAS_BACKEND is {keras.backend.backend()!r}): run "

@@ -196,6 +196,9 @@ def export_onnx(model_dir, out_dir: str, signature: Optional[str] = None,
     """
     import keras
 
+    from kbert.utils import check_local_path
+
+    check_local_path(out_dir, "export dir")
     if keras.backend.backend() != "tensorflow":
         raise ValueError(f"the ONNX graph is traced through TensorFlow (Keras' exporter uses tf2onnx), so "
                          f"export_onnx runs on Keras' TensorFlow backend (KERAS_BACKEND is "

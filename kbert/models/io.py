@@ -17,7 +17,7 @@ from kbert.models.backbone import Backbone, Pretrainer, build_backbone
 from kbert.models.config import ModelConfig
 from kbert.models.layers import frozen_kernel
 from kbert.models.locate import CONFIG_FILE
-from kbert.utils import save_safetensors
+from kbert.utils import check_local_path, save_safetensors
 
 WEIGHTS_FILE = "kbert_weights.safetensors"
 TOKENIZER_DIR = "tokenizer"
@@ -69,7 +69,7 @@ def save_model(model, directory: str, tokenizer=None) -> str:
         backbone, pair_objective, has_heads = model, None, False
     else:
         raise TypeError(f"save_model expects a kbert backbone or Pretrainer. Received: {type(model).__name__}")
-    os.makedirs(directory, exist_ok=True)
+    os.makedirs(check_local_path(directory, "model dir"), exist_ok=True)
     tensors = plain_tensors(model, backbone)
     meta = {"format_version": FORMAT_VERSION, "model": backbone.config.to_dict(),
             "heads": {"pretraining": has_heads, "pair_objective": pair_objective}}

@@ -35,7 +35,7 @@ from kbert.text.hf_sentencepiece import (export_fairseq, fairseq_layout, is_fair
 from kbert.text.normalize import normalize, tf_normalize
 from kbert.text.vocab import ALGORITHMS, JOINER, SPECIAL_TOKENS, train_vocabulary  # noqa: F401 (re-exported)
 from kbert.text.wordpiece import WordPieceIds
-from kbert.utils import no_gc
+from kbert.utils import check_local_path, no_gc
 
 CONFIG_FILE = "tokenizer.json"
 SPM_FILE = "spm.model"
@@ -691,7 +691,7 @@ class Tokenizer:
 
     # --------------------------------------------------------------- persistence
     def save(self, directory: str) -> str:
-        os.makedirs(directory, exist_ok=True)
+        os.makedirs(check_local_path(directory, "tokenizer dir"), exist_ok=True)
         meta = {"kind": self.kind, "morphemes": self.morphemes, "form": self.form, "repeat": self.repeat,
                 "lowercase": self.lowercase, "special_tokens": self.special_tokens, "format_version": 1}
         if self.kind == "sentencepiece":
