@@ -253,6 +253,8 @@ def check_local_path(path: str, what: str) -> str:
     lost with the machine. A ValueError names the way that works: mounting the bucket as a local path."""
     import re
 
+    if not os.fspath(path):  # os.makedirs("") said only "No such file or directory: ''"
+        raise ValueError(f"{what} is an empty path: name a directory")
     found = re.match(r"([A-Za-z][A-Za-z0-9+.-]+)://", os.fspath(path))  # two letters at least: not C:/
     if found:
         raise ValueError(f"{what} {path!r} is a URL; kbert reads and writes local paths: mount the bucket as a "

@@ -1575,6 +1575,15 @@ def test_pretrain_prints_what_it_will_do_and_refuses_a_file_as_output(tok_dir, t
     path.write_text("x")
     with pytest.raises(ValueError, match="is a file; name a directory"):
         pretrain(_config(tok_dir, str(path), 2), progress=False)
+    from kbert.cli import main
+
+    # `--out ""` (an unset shell variable) failed with "stat: path should be string, ..., not NoneType"
+    assert main(["pretrain", "--corpus", "kolaw", "--tokenizer", tok_dir, "--out", "", "--steps", "2"]) == 1
+    assert "`output_dir` must name a directory (new, or a run to resume). Received: None" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="output dir is an empty path"):
+        kbert.finetune(str(tmp_path / "run" / "model"), "classification", [{"text": "좋다", "label": "1"},
+                                                                          {"text": "싫다", "label": "0"}],
+                       out_dir="", max_steps=1, progress=False)
 
 
 def test_old_name_max_seq_len_is_accepted_with_a_deprecation_warning(tmp_path):

@@ -225,6 +225,9 @@ def _validate(config: PretrainConfig):
     from kbert.train.optimizers import check_optimizer
 
     check_optimizer(config.optimizer)
+    if not isinstance(config.output_dir, (str, os.PathLike)) or not os.fspath(config.output_dir):
+        raise ValueError(f"`output_dir` must name a directory (new, or a run to resume). Received: "
+                         f"{config.output_dir!r}")  # `--out ""` reached os.path.exists(None)
     if os.path.exists(config.output_dir) and not os.path.isdir(config.output_dir):
         raise ValueError(f"`output_dir` {config.output_dir!r} is a file; name a directory (new or a run to resume)")
     for key in ("log_every", "checkpoint_every", "keep_checkpoints", "accumulation"):
