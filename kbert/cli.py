@@ -691,7 +691,7 @@ def _utf8_lines(path):
     an error naming it and the likely fix (a CP949 file), not a codec's byte offset."""
     from kbert.utils import open_binary, undecodable_hint
 
-    source = open_binary(path) if path else sys.stdin.buffer
+    source = open_binary(path) if path is not None else sys.stdin.buffer
     for n, raw in enumerate(source, 1):
         try:
             yield raw.decode("utf-8-sig" if n == 1 else "utf-8").rstrip("\r\n")
@@ -1756,6 +1756,8 @@ def main(argv=None) -> int:
     if not os.environ.get("KBERT_DEBUG"):  # one line, as errors are, not a file:line and a source line
         warnings.showwarning = functools.partial(_show_warning, args.command)
     try:
+        if getattr(args, "input", None) == "":  # `--input "$FILE"` with FILE unset read a terminal's stdin: a hang
+            raise ValueError("--input is an empty path (leave the flag out to read standard input)")
         status = args.func(args)
     except BrokenPipeError:  # the reader of stdout left (`kbert predict ... | head`): stop quietly, as cat does
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush

@@ -254,7 +254,7 @@ def check_local_path(path: str, what: str) -> str:
     import re
 
     if not os.fspath(path):  # os.makedirs("") said only "No such file or directory: ''"
-        raise ValueError(f"{what} is an empty path: name a directory")
+        raise ValueError(f"{what} is an empty path")
     found = re.match(r"([A-Za-z][A-Za-z0-9+.-]+)://", os.fspath(path))  # two letters at least: not C:/
     if found:
         raise ValueError(f"{what} {path!r} is a URL; kbert reads and writes local paths: mount the bucket as a "

@@ -53,7 +53,7 @@ def test_convert_missing_dir_is_one_line(tmp_path):
     assert "Traceback" not in proc.stderr and "Model directory not found" in proc.stderr
 
 
-def test_bucket_urls_as_outputs_are_refused_before_any_work(tmp_path, monkeypatch, capsys):
+def test_bucket_urls_and_empty_paths_are_refused_before_any_work(tmp_path, monkeypatch, capsys):
     """`--out gs://b/tok` made a local dir ./gs:/b/tok after minutes of training; a model or tokenizer saved
     to a URL went the same way. Refused by name, pointing at a mounted bucket."""
     import kbert
@@ -70,6 +70,9 @@ def test_bucket_urls_as_outputs_are_refused_before_any_work(tmp_path, monkeypatc
     with pytest.raises(ValueError, match="model dir 'gs://b/m' is a URL"):
         kbert.save_model(kbert.build_backbone(kbert.ModelConfig.preset("bert-tiny", vocab_size=100)), "gs://b/m")
     assert os.listdir(tmp_path) == ["c.txt"]
+    # an unset variable in `--input "$FILE"` read standard input: a terminal's, waiting as if hung
+    assert main(["embed", "--model", str(tmp_path / "no-model"), "--input", ""]) == 1
+    assert "--input is an empty path (leave the flag out to read standard input)" in capsys.readouterr().err
 
 
 @pytest.mark.slow
