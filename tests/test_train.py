@@ -394,6 +394,8 @@ def test_a_home_relative_path_in_a_config_is_the_home_dirs(tmp_path, monkeypatch
     assert config.output_dir == str(tmp_path / "runs" / "bert") and config.data.tokenizer == str(tmp_path / "tok")
     assert config.data.source == [str(tmp_path / "a.txt"), "kolaw"]
     assert PretrainConfig.load(str(path), ["output_dir=~/other"]).output_dir == str(tmp_path / "other")
+    with pytest.raises(FileNotFoundError, match="Config file not found: ''"):
+        PretrainConfig.load("")  # `--config "$CFG"` with CFG unset: bert-tiny on the defaults, without a word
 
 
 def test_bad_configs_name_the_key(tok_dir, tmp_path):

@@ -132,7 +132,7 @@ def load_mapping(path: Optional[str] = None, overrides: Optional[List[str]] = No
     (values parsed as YAML, so `--set trainer.steps=100` is an int). `model_fields`: pretraining's `model`, a
     name, takes `model.<field>` overrides by turning into its mapping form."""
     values = dict(base or {})
-    if path:
+    if path is not None:  # "" too: `--config "$CFG"` with CFG unset trained on the defaults without a word
         if not os.path.isfile(path):
             raise FileNotFoundError(f"Config file not found: {path!r}")
         with open(path, encoding="utf-8") as f:
