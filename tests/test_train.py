@@ -1582,7 +1582,7 @@ def test_pretrain_prints_what_it_will_do_and_refuses_a_file_as_output(tok_dir, t
     # `--out ""` (an unset shell variable) failed with "stat: path should be string, ..., not NoneType"
     assert main(["pretrain", "--corpus", "kolaw", "--tokenizer", tok_dir, "--out", "", "--steps", "2"]) == 1
     assert "`output_dir` must name a directory (new, or a run to resume). Received: None" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="output dir is an empty path"):
+    with pytest.raises(ValueError, match="`out_dir` must name a directory. Received: out_dir=''"):
         kbert.finetune(str(tmp_path / "run" / "model"), "classification", [{"text": "좋다", "label": "1"},
                                                                           {"text": "싫다", "label": "0"}],
                        out_dir="", max_steps=1, progress=False)

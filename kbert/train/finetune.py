@@ -137,6 +137,11 @@ class FinetuneConfig:
         for name in ("model", "task", "train"):
             if getattr(self, name) is None and not (name == "train" and self.datasets):
                 raise ValueError(f"`{name}` is required (a config key, or the --{name} flag)")
+        if not isinstance(self.out_dir, (str, os.PathLike)) or not os.fspath(self.out_dir):
+            raise ValueError(f"`out_dir` must name a directory. Received: out_dir={self.out_dir!r}")
+        from kbert.utils import check_local_path
+
+        check_local_path(self.out_dir, "`out_dir`")  # before the model and data load, not at the first write
         if not isinstance(self.multi_label, bool) or (
                 self.multi_label and self.task not in ("classification", "pair-classification")):
             raise ValueError(f"`multi_label` (True or False) goes with task='classification' or "
