@@ -1,5 +1,5 @@
-"""Small shared helpers: compressed text files, progress bars, pausing the cycle collector, output dir locks, rank
-correlations."""
+"""Small shared helpers: compressed text files, progress bars, pausing the cycle collector, atomic writes, output
+dir locks, rank correlations."""
 
 from __future__ import annotations
 

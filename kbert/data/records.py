@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import struct
 from typing import Optional
 
@@ -113,7 +114,7 @@ class ShardWriter:
 
     def write(self, index: int, shard: dict) -> dict:
         path = os.path.join(self.out_dir, shard_name(index))
-        write_atomic(path, lambda tmp: _write_bytes(tmp, shard["data"]))
+        write_atomic(path, lambda tmp: pathlib.Path(tmp).write_bytes(shard["data"]))
         entry = {"file": shard_name(index), "examples": shard["examples"], "bytes": os.path.getsize(path),
                  "tokens": shard["tokens"]}
         if "report" in shard:  # what cleaning its documents counted: a resumed run adds it back
@@ -127,11 +128,6 @@ def _write_json(path: str, obj):
             json.dump(obj, f, indent=1, ensure_ascii=False)
 
     write_atomic(path, write)
-
-
-def _write_bytes(path: str, data: bytes):
-    with open(path, "wb") as f:
-        f.write(data)
 
 
 def read_manifest(directory: str) -> dict:

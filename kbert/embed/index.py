@@ -52,6 +52,7 @@ import hashlib
 import json
 import mmap
 import os
+import pathlib
 import re
 import shutil
 import sys
@@ -203,11 +204,6 @@ def write_json(path: str, value) -> None:
 def save_npy(path: str, array: np.ndarray) -> None:
     with open(path, "wb") as f:  # a file object: np.save would add ".npy" to a path ending in ".tmp"
         np.save(f, array)
-
-
-def _save_bytes(path: str, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
 
 
 def _read_json_lines(path: str) -> list:
@@ -401,7 +397,7 @@ def encode_chunks(out_dir: str, texts, ids, metadata, chunk_size: int, identity:
                 warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
         encoded += len(records)
         base = os.path.join(chunk_dir, f"{k:05d}")
-        write_atomic(base + ".jsonl", lambda tmp: _save_bytes(tmp, lines))
+        write_atomic(base + ".jsonl", lambda tmp: pathlib.Path(tmp).write_bytes(lines))
         write_atomic(base + suffix, lambda tmp: save(tmp, vectors))
         state["done"].append({"count": len(records), "sha256": digest})
         write_json(state_path, state)

@@ -374,6 +374,7 @@ def save_vectors(path: str, parts, vocab_size: int) -> str:
 
     path = path if path.endswith(".npz") else path + ".npz"
     matrix = vstack(parts, format="csr") if parts else csr_matrix((0, vocab_size), dtype=np.float32)
+
     def write(tmp):
         with open(tmp, "wb") as f:  # a file object: save_npz would add ".npz" to a path ending in ".tmp"
             save_npz(f, matrix)

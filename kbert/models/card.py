@@ -15,6 +15,7 @@ A README.md that kbert did not write (it lacks `MARKER`) is never replaced: it i
 from __future__ import annotations
 
 import os
+import pathlib
 import platform
 from typing import List, Optional, Sequence
 
@@ -123,13 +124,8 @@ def write_model_card(directory: str, text: str) -> Optional[str]:
         with open(path, encoding="utf-8") as f:
             if MARKER not in f.read():
                 return None
-    write_atomic(path, lambda tmp: _write_text(tmp, text))
+    write_atomic(path, lambda tmp: pathlib.Path(tmp).write_text(text, encoding="utf-8"))
     return path
-
-
-def _write_text(path: str, text: str) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(text)
 
 
 def _version() -> str:
