@@ -22,7 +22,39 @@ def _default_backend() -> None:
         os.environ["KERAS_BACKEND"] = "jax"
 
 
+def _tensorflow_symbols_local() -> None:
+    """Keeps TensorFlow's symbols out of the process-wide namespace, so `import triton` after kbert does not crash.
+
+    TensorFlow 2.20 and 2.21 wheels ship `tensorflow/python/pywrap_dlopen_global_flags.py`, which makes
+    TensorFlow load its core library with RTLD_GLOBAL. That puts its statically linked LLVM in the global
+    symbol table, and Triton 3.7 (installed with every CUDA build of torch, imported by `transformers`,
+    `sentence-transformers`, `torch.compile`) binds to that copy and dies with a segmentation fault
+    (tensorflow/tensorflow#124205). The wheels do not need it: their core library is a shared object that
+    custom-op libraries (tensorflow-text's included) link to explicitly, and TensorFlow's fix (PR #124230)
+    drops the file from them. Marking the module as absent before TensorFlow is imported does what that fix
+    does: `pywrap_tensorflow` catches the ImportError and loads the library RTLD_LOCAL. Applied only where
+    TensorFlow is not imported yet and the wheel is a shared build (libtensorflow_framework.so.2 beside it).
+    """
+    import importlib.util
+    import sys
+
+    name = "tensorflow.python.pywrap_dlopen_global_flags"
+    if not sys.platform.startswith("linux") or "tensorflow" in sys.modules or name in sys.modules:
+        return
+    try:
+        spec = importlib.util.find_spec("tensorflow")
+    except (ImportError, ValueError):
+        return
+    if spec is None or not spec.submodule_search_locations:
+        return
+    root = list(spec.submodule_search_locations)[0]
+    if (os.path.exists(os.path.join(root, "python", "pywrap_dlopen_global_flags.py"))
+            and os.path.exists(os.path.join(root, "libtensorflow_framework.so.2"))):
+        sys.modules[name] = None  # `from tensorflow.python import pywrap_dlopen_global_flags` raises ImportError
+
+
 _default_backend()
+_tensorflow_symbols_local()
 
 __version__ = "0.1.0"
 

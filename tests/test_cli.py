@@ -47,6 +47,29 @@ def test_info_on_the_jax_backend_lists_its_devices():
     assert "(backend: jax)" in proc.stdout and "devices: cpu:0" in proc.stdout
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RTLD_GLOBAL loading is the Linux wheels' fault")
+def test_tensorflow_loaded_through_kbert_keeps_its_symbols_local():
+    """TensorFlow 2.21's wheels load their core library RTLD_GLOBAL, and a later `import triton` (any CUDA
+    torch: transformers, sentence-transformers) then dies with a segmentation fault. Imported after kbert,
+    TensorFlow's C API symbols are not in the process-wide namespace, and its custom ops still load."""
+    probe = ("import ctypes, sys\n{first}import tensorflow as tf\n"
+             "print(hasattr(ctypes.CDLL(None), 'TF_NewStatus'))\n"
+             "import tensorflow_text as text\n"
+             "print(text.WhitespaceTokenizer().tokenize(['a b']).to_list() == [[b'a', b'b']])\n")
+    results = {}
+    for name, first in (("bare", ""), ("kbert", "import kbert\n")):
+        proc = subprocess.run([sys.executable, "-c", probe.format(first=first)], capture_output=True, text=True,
+                              timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        results[name] = proc.stdout.split()
+    import tensorflow as tf
+
+    shipped = os.path.exists(os.path.join(os.path.dirname(tf.__file__), "python", "pywrap_dlopen_global_flags.py"))
+    # the check sees the fault where the wheel has it, and kbert's import removes it
+    assert results["bare"] == [str(shipped), "True"]
+    assert results["kbert"] == ["False", "True"]
+
+
 def test_convert_missing_dir_is_one_line(tmp_path):
     proc = run("convert", "--model", str(tmp_path / "none"), "--out", str(tmp_path / "o"))
     assert proc.returncode == 1
