@@ -22,39 +22,53 @@ def _default_backend() -> None:
         os.environ["KERAS_BACKEND"] = "jax"
 
 
-def _tensorflow_symbols_local() -> None:
-    """Keeps TensorFlow's symbols out of the process-wide namespace, so `import triton` after kbert does not crash.
+class _TritonBeforeTensorFlow:
+    """Imports Triton just before TensorFlow (an import-system finder that steps aside at once), so a later
+    `import triton` cannot crash the interpreter.
 
-    TensorFlow 2.20 and 2.21 wheels ship `tensorflow/python/pywrap_dlopen_global_flags.py`, which makes
-    TensorFlow load its core library with RTLD_GLOBAL. That puts its statically linked LLVM in the global
-    symbol table, and Triton 3.7 (installed with every CUDA build of torch, imported by `transformers`,
-    `sentence-transformers`, `torch.compile`) binds to that copy and dies with a segmentation fault
-    (tensorflow/tensorflow#124205). The wheels do not need it: their core library is a shared object that
-    custom-op libraries (tensorflow-text's included) link to explicitly, and TensorFlow's fix (PR #124230)
-    drops the file from them. Marking the module as absent before TensorFlow is imported does what that fix
-    does: `pywrap_tensorflow` catches the ImportError and loads the library RTLD_LOCAL. Applied only where
-    TensorFlow is not imported yet and the wheel is a shared build (libtensorflow_framework.so.2 beside it).
+    TensorFlow 2.20 and 2.21 wheels ship `tensorflow/python/pywrap_dlopen_global_flags.py`, so TensorFlow loads
+    its core library RTLD_GLOBAL: its statically linked LLVM goes into the process-wide symbol table, and Triton
+    3.7 (installed with every CUDA build of torch, imported by transformers, sentence-transformers and
+    `torch.compile`), loaded after it, binds its own LLVM calls to that copy and dies with a segmentation fault
+    (tensorflow/tensorflow#124205). Loading TensorFlow RTLD_LOCAL instead, as TensorFlow's fix does, breaks
+    tensorflow-text's ops in these wheels (FastBertNormalizer aborts on "key not found: get_offsets"), so the
+    order is what changes: loaded first, Triton binds to its own LLVM (Python loads extensions RTLD_NOW), and
+    TensorFlow's global copy comes after. Installed only on Linux, where Triton is installed, TensorFlow is not
+    imported yet and its wheel loads RTLD_GLOBAL; nothing is imported unless TensorFlow is.
     """
-    import importlib.util
-    import sys
 
-    name = "tensorflow.python.pywrap_dlopen_global_flags"
-    if not sys.platform.startswith("linux") or "tensorflow" in sys.modules or name in sys.modules:
-        return
-    try:
-        spec = importlib.util.find_spec("tensorflow")
-    except (ImportError, ValueError):
-        return
-    if spec is None or not spec.submodule_search_locations:
-        return
-    root = list(spec.submodule_search_locations)[0]
-    if (os.path.exists(os.path.join(root, "python", "pywrap_dlopen_global_flags.py"))
-            and os.path.exists(os.path.join(root, "libtensorflow_framework.so.2"))):
-        sys.modules[name] = None  # `from tensorflow.python import pywrap_dlopen_global_flags` raises ImportError
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname == "tensorflow":
+            import sys
+
+            if self in sys.meta_path:
+                sys.meta_path.remove(self)
+            try:
+                importlib.import_module("triton")
+            except Exception:  # a broken Triton install is the user's torch's business, not TensorFlow's
+                pass
+        return None  # the usual finders import TensorFlow
+
+    @staticmethod
+    def install() -> None:
+        import importlib.util
+        import sys
+
+        if not sys.platform.startswith("linux") or "tensorflow" in sys.modules or "triton" in sys.modules:
+            return
+        try:
+            tensorflow, triton = importlib.util.find_spec("tensorflow"), importlib.util.find_spec("triton")
+        except (ImportError, ValueError):
+            return
+        if tensorflow is None or triton is None or not tensorflow.submodule_search_locations:
+            return
+        root = list(tensorflow.submodule_search_locations)[0]
+        if os.path.exists(os.path.join(root, "python", "pywrap_dlopen_global_flags.py")):
+            sys.meta_path.insert(0, _TritonBeforeTensorFlow())
 
 
 _default_backend()
-_tensorflow_symbols_local()
+_TritonBeforeTensorFlow.install()
 
 __version__ = "0.1.0"
 

@@ -15,7 +15,7 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # JAX runs' compiled steps (`
 
 import pytest  # noqa: E402
 
-import kbert  # noqa: E402,F401  (first: TensorFlow, imported through it, then loads RTLD_LOCAL; kbert/__init__.py)
+import kbert  # noqa: E402,F401  (first: where Triton is installed it then loads before TensorFlow, kbert/__init__.py)
 
 # The longest files first (by `--durations` of a full run): under
 # `--dist loadfile` each file runs on one worker, so starting the long ones together keeps either worker
