@@ -443,7 +443,7 @@ def test_sparse_fine_tuning_refuses_what_it_cannot_train(tmp_path):
     path, _, _ = hf_masked_lm_dir(tmp_path, TEXTS)
     rows = [{"a": TEXTS[i], "b": TEXTS[i + 1], "label": 1.0} for i in range(4)]
     common = dict(text_column="a", pair_column="b", out_dir=str(tmp_path / "out"), progress=False)
-    with pytest.raises(ValueError, match="`label_column=None` \(--no-label\)"):
+    with pytest.raises(ValueError, match=r"`label_column=None` \(--no-label\)"):
         kbert.finetune(path, "sparse-embedding", rows, **common)  # scored pairs: label_column "label"
     with pytest.raises(ValueError, match="`matryoshka_dims` cut dense vectors"):
         kbert.finetune(path, "sparse-embedding", rows, label_column=None, matryoshka_dims=[8], **common)
@@ -451,10 +451,10 @@ def test_sparse_fine_tuning_refuses_what_it_cannot_train(tmp_path):
         kbert.finetune(path, "sparse-embedding", rows, label_column=None, pooling="mean", **common)
     with pytest.raises(ValueError, match="query_regularizer_weight"):
         kbert.finetune(path, "sparse-embedding", rows, label_column=None, query_regularizer_weight=-1, **common)
-    with pytest.raises(ValueError, match="`mini_batch_size` \(gradient caching\) and `lora_rank` do not apply"):
+    with pytest.raises(ValueError, match=r"`mini_batch_size` \(gradient caching\) and `lora_rank` do not apply"):
         kbert.finetune(path, "sparse-embedding", rows, label_column=None, inference_free=True, mini_batch_size=2,
                        **common)
-    with pytest.raises(ValueError, match="`inference_free` \(True or False\) goes with task='sparse-embedding'"):
+    with pytest.raises(ValueError, match=r"`inference_free` \(True or False\) goes with task='sparse-embedding'"):
         kbert.finetune(path, "sentence-embedding", rows, inference_free=True, **common)
     with pytest.raises(ValueError, match="`query_learning_rate` must be a number > 0"):
         kbert.finetune(path, "sparse-embedding", rows, label_column=None, inference_free=True,
