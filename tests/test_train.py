@@ -785,11 +785,14 @@ print(json.dumps(out))
 
 def test_planner_cpu_set_against_the_step_compiled_here():
     """The independent reference for the `xla-cpu` set: XLA's memory analysis of the step compiled on this CPU
-    (nothing runs). Never under it, and not far over."""
+    (nothing runs). Never under it, and not far over. Under bf16 the bound is looser: XLA:CPU from JAX 0.12.1
+    keeps part of the activations in 16 bits (bert-mini at 128 x 16: 0.24 GB, against 0.29 GB on JAX 0.10.2), and
+    the set counts them at 4 bytes so that it holds on both (benchmarks/README.md)."""
     pytest.importorskip("jax")
     rows, _ = run_on_jax(JAX_CPU_PLAN)
     for precision, batch, compiled, planned in rows:
-        assert compiled <= planned <= 1.4 * compiled, (precision, batch, planned / compiled)
+        bound = 1.4 if precision == "float32" else 1.6
+        assert compiled <= planned <= bound * compiled, (precision, batch, planned / compiled)
 
 def test_planner_is_monotone_and_orders_precisions():
     from kbert.models.config import ModelConfig
