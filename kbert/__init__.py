@@ -5,7 +5,9 @@ TensorFlow is loaded only when a model, tokenizer or dataset is first used.
 """
 
 import importlib
+import importlib.util
 import os
+import sys
 
 # TensorFlow's C++ start-up chatter (CUDA probing on CPU machines) is noise for kbert users.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -14,8 +16,6 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 def _default_backend() -> None:
     """An install without TensorFlow (`pip install "kbert[jax]"`) runs Keras on JAX unless told otherwise;
     Keras' own default is TensorFlow, which would fail to import there."""
-    import importlib.util
-
     if os.environ.get("KERAS_BACKEND") or importlib.util.find_spec("tensorflow") is not None:  # set and not empty
         return
     if importlib.util.find_spec("jax") is not None:
@@ -39,8 +39,6 @@ class _TritonBeforeTensorFlow:
 
     def find_spec(self, fullname, path=None, target=None):
         if fullname == "tensorflow":
-            import sys
-
             if self in sys.meta_path:
                 sys.meta_path.remove(self)
             try:
@@ -51,9 +49,6 @@ class _TritonBeforeTensorFlow:
 
     @staticmethod
     def install() -> None:
-        import importlib.util
-        import sys
-
         if not sys.platform.startswith("linux") or "tensorflow" in sys.modules or "triton" in sys.modules:
             return
         try:
