@@ -1,10 +1,10 @@
 """Masked-LM training-step throughput: kbert vs keras-hub's BertMaskedLM, same config, same run.
 
-Config (issue 2): L=4, H=256, A=4, I=1024, seq 128, batch 32, vocab 32000, 20 masked positions, AdamW,
-dropout 0.1, float32. Both models train through Keras' compiled train step on the same synthetic batch;
-the figure is tokens/s (batch * seq / step time), the median of `--repeats` timed blocks, with the
-models alternating so machine noise hits both alike. It also prints the machine's measured fp32
-matmul peak and each model's model-FLOPs utilization (MFU).
+Config (issue 2): L=4, H=256, A=4, I=1024, seq 128, batch 32, vocab 32000, 20 masked positions, AdamW
+(kbert's, as `kbert pretrain` builds it; keras-hub's model gets Keras' own), dropout 0.1, float32. Both models
+train through Keras' compiled train step on the same synthetic batch; the figure is tokens/s (batch * seq /
+step time), the median of `--repeats` timed blocks, with the models alternating so machine noise hits both
+alike. It also prints the machine's measured fp32 matmul peak and each model's model-FLOPs utilization (MFU).
 
     pip install keras-hub   # only for this benchmark
     python benchmarks/train_step.py
@@ -64,16 +64,19 @@ def train_flops_per_step(cfg, batch, seq, predictions, last_layer_rows=None):
     return count(config, batch, seq, predictions, last_layer_rows)
 
 
-def build_kbert(cfg, jit_compile):
+def build_kbert(cfg, jit_compile, optimizer="kbert"):
     import keras
 
     import kbert
+    from kbert.train.optimizers import AdamW
 
     config = kbert.ModelConfig(architecture="bert", vocab_size=cfg["vocab"], hidden_size=cfg["hidden"],
                                num_layers=cfg["layers"], num_heads=cfg["heads"],
                                intermediate_size=cfg["intermediate"], max_position=512)
     model = kbert.Pretrainer(kbert.BertBackbone(config), pair_objective=None)
-    model.compile(optimizer=keras.optimizers.AdamW(1e-4), jit_compile=jit_compile)
+    # `kbert pretrain`'s AdamW (TensorFlow's fused kernel) or Keras' own, the one keras-hub's model gets
+    model.compile(optimizer=AdamW(1e-4) if optimizer == "kbert" else keras.optimizers.AdamW(1e-4),
+                  jit_compile=jit_compile)
 
     def step(features, mask_ids, weights):
         return model.train_on_batch(features, {"mask_ids": mask_ids, "mask_weights": weights})
@@ -108,6 +111,9 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=5, help="timed blocks per model")
     parser.add_argument("--jit", choices=("auto", "on", "off"), default="auto",
                         help="XLA for both models: keras' default (auto), forced on, or off")
+    parser.add_argument("--optimizer", choices=("kbert", "keras"), default="kbert",
+                        help="kbert's AdamW: the one `kbert pretrain` trains with (default), or Keras' own, which "
+                             "keras-hub's model always gets (the models alone)")
     args = parser.parse_args(argv)
     jit = {"auto": "auto", "on": True, "off": False}[args.jit]
     cfg = dict(layers=4, hidden=256, heads=4, intermediate=1024, vocab=32000)
@@ -121,7 +127,7 @@ def main(argv=None):
         models["keras-hub"] = build_keras_hub(cfg, jit)
     except ImportError:
         print("keras-hub is not installed (pip install keras-hub); timing kbert alone")
-    models["kbert"] = build_kbert(cfg, jit)
+    models["kbert"] = build_kbert(cfg, jit, args.optimizer)
     for name, (_, step) in models.items():  # compile + warm up
         for _ in range(3):
             step(features, mask_ids, weights)
@@ -144,7 +150,7 @@ def main(argv=None):
     tokens = args.batch * args.seq
     print(f"config: L={cfg['layers']} H={cfg['hidden']} A={cfg['heads']} I={cfg['intermediate']} "
           f"vocab={cfg['vocab']} seq={args.seq} batch={args.batch} predictions={args.predictions} "
-          f"jit={args.jit}; tf {tf.__version__}, {os.cpu_count()} cpus")
+          f"jit={args.jit} kbert's optimizer={args.optimizer}; tf {tf.__version__}, {os.cpu_count()} cpus")
     print(f"measured fp32 matmul peak: {peak / 1e9:.1f} GFLOP/s")
     rates = {}
     for name, ts in times.items():

@@ -1083,6 +1083,75 @@ def test_adamw_is_decoupled_decay_with_clipping_step_by_step_against_optax(backe
         assert torch_form > 0.1 * moved, (name, torch_form, moved)
 
 
+FUSED_ADAMW_SCRIPT = """
+import json, os
+import numpy as np
+import tensorflow as tf
+tf.config.set_logical_device_configuration(tf.config.list_physical_devices("CPU")[0],
+                                           [tf.config.LogicalDeviceConfiguration()] * 2)
+import keras
+from kbert.train.optimizers import AdamW, NO_DECAY
+
+rng = np.random.default_rng(0)
+shapes = {"kernel": (6, 5), "bias": (5,), "embeddings": (10, 6)}
+start = {k: rng.normal(0, 0.02, s).astype("float32") for k, s in shapes.items()}
+grads = [[rng.normal(0, 1, shapes[k]).astype("float32") for k in shapes] for _ in range(2)]  # one a replica
+
+
+def train(cls, strategy, steps=4):
+    with strategy.scope():
+        variables = [keras.Variable(start[k], name=k) for k in shapes]
+        opt = cls(learning_rate=0.05, weight_decay=0.1, epsilon=1e-3, global_clipnorm=1.0)
+        opt.exclude_from_weight_decay(var_names=list(NO_DECAY))
+        opt.build(variables)
+
+    @tf.function
+    def step():
+        def replica():
+            r = tf.distribute.get_replica_context().replica_id_in_sync_group
+            opt.apply([tf.gather(tf.constant(np.stack([g[i] for g in grads])), r) for i in range(len(shapes))],
+                      variables)
+        strategy.run(replica)
+
+    for _ in range(steps):
+        step()
+    graph = step.get_concrete_function().graph
+    kinds = {op.type for op in graph.get_operations()}
+    replicas = [[np.asarray(v.value.values[i]) if hasattr(v.value, "values") else np.asarray(v.value)
+                 for v in variables] for i in range(strategy.num_replicas_in_sync)]
+    return replicas, "ResourceApplyAdam" in kinds
+
+
+out = {}
+for name, strategy in (("one", tf.distribute.OneDeviceStrategy("/cpu:0")),
+                       ("mirrored", tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]))):
+    ours, fused = train(AdamW, strategy)
+    keras_own, keras_fused = train(keras.optimizers.AdamW, strategy)
+    out[name] = {"fused": fused, "keras_fused": keras_fused,
+                 "moved": float(max(np.abs(v - start[k]).max() for v, k in zip(ours[0], shapes))),
+                 "vs_keras": float(max(np.abs(a - b).max() for r, q in zip(ours, keras_own) for a, b in zip(r, q))),
+                 "replicas": float(max(np.abs(a - b).max() for a, b in zip(ours[0], ours[-1])))}
+print(json.dumps(out))
+"""
+
+
+def test_adamw_runs_tensorflows_fused_kernel_with_keras_update_on_each_replica():
+    """On TensorFlow, kbert's AdamW applies each variable's update with the fused `ResourceApplyAdam` kernel (one
+    pass instead of Keras' chain of element-wise ops) and lands where Keras' own AdamW does, on one device and
+    under a two-replica MirroredStrategy (each replica's slots are the ones updated, and the replicas agree)."""
+    env = dict(os.environ, KERAS_BACKEND="tensorflow", CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, "-c", FUSED_ADAMW_SCRIPT], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    for name in ("one", "mirrored"):
+        run = found[name]
+        assert run["fused"] and not run["keras_fused"], (name, run)
+        assert run["moved"] > 1e-2, (name, run)
+        assert run["vs_keras"] <= 1e-5 * run["moved"], (name, run)  # Keras decays by lr, then wd: rounding
+        assert run["replicas"] == 0.0, (name, run)
+
+
 @pytest.mark.slow
 def test_lamb_trains_and_decay_excludes_layer_norm_and_biases(tok_dir, tmp_path):
     from kbert.train.config import OptimizerConfig

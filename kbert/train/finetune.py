@@ -472,11 +472,9 @@ def _load(config: FinetuneConfig, task):
 
 
 def _optimizer(config: FinetuneConfig, total: int, variables):
-    import keras
+    from kbert.train.optimizers import NO_DECAY, AdamW, WarmupDecay
 
-    from kbert.train.optimizers import NO_DECAY, WarmupDecay
-
-    optimizer = keras.optimizers.AdamW(
+    optimizer = AdamW(
         learning_rate=WarmupDecay(config.learning_rate, total, int(config.warmup * total)),
         weight_decay=config.weight_decay, epsilon=1e-6, global_clipnorm=1.0)
     optimizer.exclude_from_weight_decay(var_names=list(NO_DECAY))

@@ -1,14 +1,14 @@
 """AdamW and LAMB with BERT's schedule: linear warm-up, then linear / polynomial decay; no weight decay on
 LayerNorm parameters and biases; global-norm clipping; gradient accumulation over micro-batches.
 
-AdamW is Keras' (decoupled decay, `w -= lr * wd * w`, on the weights before the step, as torch's AdamW and
+AdamW is Keras' update (decoupled decay, `w -= lr * wd * w`, on the weights before the step, as torch's AdamW and
 BERT's optimizer; Adam's bias correction as torch's, which BERT's optimizer leaves out). Its epsilon is TF's:
 added to the square root of the uncorrected second moment, which is `epsilon / sqrt(1 - beta_2 ** t)` added to
 the bias-corrected one's where torch and optax add `epsilon`; at BERT's 1e-6 the two differ in the first steps
 only (tests/test_train.py checks the update against optax's transforms, with an epsilon large enough to tell
-the conventions apart). LAMB is Keras' `Lamb` with the update ALBERT's recipe trains with (`Lamb` below):
-Keras' own decays weights outside the layer-wise trust ratio and applies the ratio to LayerNorm parameters and
-biases too.
+the conventions apart). On TensorFlow it runs as one fused kernel a variable (`AdamW` below). LAMB is Keras'
+`Lamb` with the update ALBERT's recipe trains with (`Lamb` below): Keras' own decays weights outside the
+layer-wise trust ratio and applies the ratio to LayerNorm parameters and biases too.
 """
 
 from __future__ import annotations
@@ -55,6 +55,57 @@ class WarmupDecay(keras.optimizers.schedules.LearningRateSchedule):
     def get_config(self):
         return {"peak": self.peak, "total_steps": self.total_steps, "warmup_steps": self.warmup_steps,
                 "end": self.end, "power": self.power, "accumulation": self.accumulation}
+
+
+# the dtypes TensorFlow's fused Adam kernel is registered for on CPU, GPU and (through XLA) TPU
+_FUSED_DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+
+@keras.saving.register_keras_serializable("kbert")
+class AdamW(keras.optimizers.Adam):
+    """Keras' AdamW (its `Adam` with decoupled decay), with the same update and slot variables, that on
+    TensorFlow applies it with TensorFlow's fused Adam kernel (`ResourceApplyAdam`: one pass over a variable and
+    its two moments) instead of Keras' dozen element-wise ops, each a full pass over memory when TensorFlow runs
+    the step as a graph (XLA off, as Keras runs it on a CPU): over BERT's 110M parameters those passes are a
+    sizeable part of a CPU step. The kernel computes Keras' form exactly (TF's epsilon convention is Keras');
+    JAX and torch run Keras' own update (XLA fuses it on JAX). The decoupled decay, `w -= lr * wd * w` before
+    the step as in Keras, is applied here too, as one multiply by the scalar `lr * wd` (Keras' own multiplies
+    the weights by each in turn).
+    """
+
+    def __init__(self, weight_decay=0.004, name="adamw", **kwargs):
+        # decayed in `update_step` (on the update steps only, as Keras' own): Keras' base class gets None
+        super().__init__(weight_decay=None, name=name, **kwargs)
+        self.decay_rate = float(weight_decay or 0.0)
+
+    def update_step(self, gradient, variable, learning_rate):
+        ops = keras.ops
+        if self.decay_rate and self._use_weight_decay(variable):
+            scale = ops.multiply(ops.cast(learning_rate, variable.dtype), ops.cast(self.decay_rate, variable.dtype))
+            self.assign_sub(variable, ops.multiply(variable, scale))
+        fused = keras.backend.standardize_dtype(variable.dtype) in _FUSED_DTYPES and not self.amsgrad
+        if keras.backend.backend() != "tensorflow" or not fused:
+            return super().update_step(gradient, variable, learning_rate)
+        import tensorflow as tf
+
+        dtype = variable.dtype
+        t = tf.cast(self.iterations + 1, dtype)
+        beta_1, beta_2 = tf.cast(self.beta_1, dtype), tf.cast(self.beta_2, dtype)
+        m = self._momentums[self._get_variable_index(variable)]
+        v = self._velocities[self._get_variable_index(variable)]
+        # `variable` is the tf.Variable (a replica's under tf.distribute); the slots' `.handle` is that replica's too
+        tf.raw_ops.ResourceApplyAdam(
+            var=_handle(variable), m=_handle(m), v=_handle(v), beta1_power=tf.pow(beta_1, t),
+            beta2_power=tf.pow(beta_2, t), lr=tf.cast(learning_rate, dtype), beta1=beta_1, beta2=beta_2,
+            epsilon=tf.cast(self.epsilon, dtype), grad=tf.cast(tf.convert_to_tensor(gradient), dtype))
+
+    def get_config(self):
+        return dict(super().get_config(), weight_decay=self.decay_rate)
+
+
+def _handle(variable):
+    """The resource handle of a Keras variable or of the tf.Variable Keras' TensorFlow optimizer passes."""
+    return (variable.value if isinstance(variable, keras.Variable) else variable).handle
 
 
 @keras.saving.register_keras_serializable("kbert")
@@ -147,7 +198,7 @@ def make_optimizer(config, total_steps: int, accumulation: int = 1, precision: s
     kwargs = dict(learning_rate=schedule, weight_decay=config.weight_decay, beta_1=config.beta_1,
                   beta_2=config.beta_2, epsilon=config.epsilon, global_clipnorm=config.clip_norm,
                   gradient_accumulation_steps=accumulation if accumulation > 1 else None)
-    optimizer = keras.optimizers.AdamW(**kwargs) if config.name == "adamw" else Lamb(**kwargs)
+    optimizer = AdamW(**kwargs) if config.name == "adamw" else Lamb(**kwargs)
     optimizer.exclude_from_weight_decay(var_names=list(NO_DECAY))
     if precision == "mixed_float16":
         optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
