@@ -1083,6 +1083,19 @@ def test_adamw_is_decoupled_decay_with_clipping_step_by_step_against_optax(backe
         assert torch_form > 0.1 * moved, (name, torch_form, moved)
 
 
+def test_kbert_optimizers_take_keras_positional_arguments():
+    """`AdamW(1e-4)` and `Lamb(1e-3)` set the learning rate, as Keras' own classes read their first argument,
+    and the decay rate goes where each applies it (not to Keras' base class, which would decay outside)."""
+    from kbert.train.optimizers import AdamW, Lamb
+
+    adamw, lamb = AdamW(1e-4, 0.01), Lamb(1e-3, weight_decay=0.02)
+    assert np.isclose(float(adamw.learning_rate), 1e-4) and np.isclose(float(lamb.learning_rate), 1e-3)
+    assert (adamw.decay_rate, lamb.decay_rate) == (0.01, 0.02)
+    assert adamw.weight_decay is None and lamb.weight_decay is None
+    assert AdamW.from_config(adamw.get_config()).decay_rate == 0.01
+    assert AdamW().decay_rate == 0.004  # Keras' AdamW default
+
+
 FUSED_ADAMW_SCRIPT = """
 import json, os
 import numpy as np

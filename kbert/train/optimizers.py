@@ -73,9 +73,10 @@ class AdamW(keras.optimizers.Adam):
     the weights by each in turn).
     """
 
-    def __init__(self, weight_decay=0.004, name="adamw", **kwargs):
-        # decayed in `update_step` (on the update steps only, as Keras' own): Keras' base class gets None
-        super().__init__(weight_decay=None, name=name, **kwargs)
+    def __init__(self, learning_rate=0.001, weight_decay=0.004, name="adamw", **kwargs):
+        # Keras' AdamW's first two positions. Decayed in `update_step` (on the update steps only, as Keras' own
+        # decay): Keras' base class gets None
+        super().__init__(learning_rate=learning_rate, weight_decay=None, name=name, **kwargs)
         self.decay_rate = float(weight_decay or 0.0)
 
     def update_step(self, gradient, variable, learning_rate):
@@ -127,9 +128,9 @@ class Lamb(keras.optimizers.Lamb):
     written with either resume with the other), clipping, gradient accumulation and loss scaling.
     """
 
-    def __init__(self, weight_decay=None, **kwargs):
+    def __init__(self, learning_rate=0.001, weight_decay=None, **kwargs):
         # Keras' base class would decay outside the ratio whenever `weight_decay` is set: it gets None
-        super().__init__(weight_decay=None, **kwargs)
+        super().__init__(learning_rate=learning_rate, weight_decay=None, **kwargs)
         self.decay_rate = float(weight_decay or 0.0)
 
     def update_step(self, gradient, variable, learning_rate):
