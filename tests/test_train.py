@@ -1097,7 +1097,7 @@ def test_kbert_optimizers_take_keras_positional_arguments():
 
 
 FUSED_ADAMW_SCRIPT = """
-import json, os
+import json
 import numpy as np
 import tensorflow as tf
 tf.config.set_logical_device_configuration(tf.config.list_physical_devices("CPU")[0],
