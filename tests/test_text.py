@@ -522,6 +522,32 @@ def test_bad_inputs_give_defined_results(tokenizers, tmp_path):
         tok.decode([10**6])
 
 
+def test_training_leaves_no_copy_of_the_text_when_it_fails(tmp_path, monkeypatch):
+    """The normalized text goes to a temporary file: a failed or interrupted training removes it too (each empty
+    corpus, missing file or Ctrl-C used to leave one in the temp dir, a full copy of the corpus read so far)."""
+    import tempfile
+
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+
+    def interrupted():
+        yield "한국어 문장입니다."
+        raise KeyboardInterrupt
+
+    with pytest.raises(ValueError, match="found no text"):
+        kbert.Tokenizer.train(["", "   "], vocab_size=100, progress=False)
+    with pytest.raises(FileNotFoundError, match="Training input file not found"):
+        kbert.Tokenizer.train([str(tmp_path / "missing.txt")], vocab_size=100, progress=False)
+    with pytest.raises(KeyboardInterrupt):
+        kbert.Tokenizer.train(interrupted(), vocab_size=100, progress=False)
+    with pytest.raises(ValueError, match="too large for this corpus"):
+        kbert.Tokenizer.train(["한국어 문장입니다."] * 10, vocab_size=50000, progress=False)
+    assert list(scratch.iterdir()) == []
+    tok = kbert.Tokenizer.train(["가나다 나다라 다라마 가다 나라 마가 라마다"] * 20, vocab_size=270, progress=False)
+    assert tok.vocab_size == 270 and list(scratch.iterdir()) == []
+
+
 def test_training_bad_inputs(tmp_path):
     empty = tmp_path / "empty.txt"
     empty.write_text("")

@@ -50,9 +50,9 @@ def train_vocabulary(inputs, vocab_size: int, algorithm: str, *, normalize: Call
 
     lines, hangul, n_lines = _prepare_training_text(inputs, normalize, analyze, training_line, split_morphemes,
                                                     min_line_chars, progress)
-    if n_lines == 0:
-        raise ValueError("Tokenizer.train found no text in `inputs` (empty files or only whitespace)")
     try:
+        if n_lines == 0:
+            raise ValueError("Tokenizer.train found no text in `inputs` (empty files or only whitespace)")
         spm_args = dict(
             input=lines, model_type="bpe" if algorithm in ("bpe", "wordpiece") else "unigram",
             vocab_size=vocab_size,
@@ -181,18 +181,23 @@ def _prepare_training_text(inputs, normalize, analyze, training_line, batched, m
         chunk.clear()
 
     chunk = []
-    with os.fdopen(fd, "w", encoding="utf-8") as out:
-        for raw in text_lines(inputs):
-            text = normalize(raw)
-            if len(text) < min_line_chars:
-                continue
-            hangul.update(ch for ch in text if _is_hangul_syllable(ch))
-            chunk.append(text)
-            n += 1
-            if len(chunk) >= (20_000 if batched else 1):
-                flush(chunk, out)
-        flush(chunk, out)
-    bar.close()
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            for raw in text_lines(inputs):
+                text = normalize(raw)
+                if len(text) < min_line_chars:
+                    continue
+                hangul.update(ch for ch in text if _is_hangul_syllable(ch))
+                chunk.append(text)
+                n += 1
+                if len(chunk) >= (20_000 if batched else 1):
+                    flush(chunk, out)
+            flush(chunk, out)
+    except BaseException:  # a missing file, a bad line, a failed tagger or Ctrl-C: no copy of the text is left
+        os.remove(path)
+        raise
+    finally:
+        bar.close()
     return path, hangul, n
 
 
