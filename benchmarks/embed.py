@@ -27,7 +27,6 @@ import csv
 import gzip
 import os
 import sys
-import tempfile
 import time
 import warnings
 
@@ -103,7 +102,8 @@ def main():
 
     import kbert
 
-    work = tempfile.mkdtemp(prefix="kbert-embed-bench-")
+    from scratch import scratch_dir  # benchmarks/scratch.py: removed at exit
+    work = scratch_dir(prefix="kbert-embed-bench-")
     texts = read_reviews(args.reviews, args.texts)
     print(f"{len(texts)} reviews, mean {np.mean([len(t) for t in texts]):.0f} chars; batch {args.batch_size}; "
           f"CPU threads: torch {torch.get_num_threads()}, os {os.cpu_count()}")

@@ -21,10 +21,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 import time
 
-import numpy as np
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -82,7 +80,8 @@ def main():
     import kbert
 
     transformers.logging.set_verbosity_error()
-    tmp = tempfile.mkdtemp()
+    from scratch import scratch_dir  # benchmarks/scratch.py: removed at exit
+    tmp = scratch_dir()
     model_dir = args.model or random_model(os.path.join(tmp, "model"))
     rows = treebank_rows(args.train)
     report = treebank_rows(args.report)
@@ -135,7 +134,7 @@ def main():
     trimmed = sum(spans(a, t) == spans(b, t, trim=True) for t, a, b in zip(texts, ours, theirs))
     with_entities = sum(bool(a) for a in ours)
     diff = max((abs(e["score"] - float(f["score"])) for a, b in zip(ours, theirs) for e, f in zip(a, b)), default=0)
-    print(f"\n| side | sentences/s | vs transformers | same entities |\n|---|---:|---:|---|")
+    print("\n| side | sentences/s | vs transformers | same entities |\n|---|---:|---:|---|")
     print(f"| kbert TaskModel.entities | {len(texts) / ours_s:.1f} | {theirs_s / ours_s:.2f}x | {same} of "
           f"{len(texts)} sentences ({with_entities} with entities); {trimmed} once the pipeline's spans lose the "
           f"space they start with; largest score difference {diff:.1e} |")

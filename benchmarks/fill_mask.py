@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 import time
 
 import numpy as np
@@ -121,7 +120,8 @@ def main():
     import kbert
 
     transformers.logging.set_verbosity_error()
-    tmp = tempfile.mkdtemp()
+    from scratch import scratch_dir  # benchmarks/scratch.py: removed at exit
+    tmp = scratch_dir()
     model_dir = args.model or random_model(os.path.join(tmp, "model"), heads=True)
     lm = kbert.MaskedLM.load(model_dir)
     hf_dir = kbert.export_transformers(lm.model, os.path.join(tmp, "hf"), tokenizer=lm.tokenizer)
@@ -162,7 +162,7 @@ def main():
     ref_s = time.perf_counter() - start
     tokens = sum(len(ids) for ids in lm.tokenizer.ids_batch(plain))
 
-    print(f"\n| measure | kbert | transformers | kbert / transformers speed | agreement |")
+    print("\n| measure | kbert | transformers | kbert / transformers speed | agreement |")
     print("|---|---:|---:|---:|---|")
     print(f"| fill-mask, {len(masked)} sentences, top 5 | {len(masked) / ours_s:.1f} texts/s | "
           f"{len(masked) / theirs_s:.1f} texts/s | {theirs_s / ours_s:.2f}x | same top-5 tokens in order on "

@@ -1128,14 +1128,14 @@ def run_all(args) -> dict:
     """The stages, most important first; a stage that would not finish inside `--budget` is skipped, so a
     short device lease still returns the figures that matter most. Each capped sequence length is its own
     process, so that a budget cut loses one row, not the table."""
-    import tempfile
 
     clock = _Clock(args.budget)
     m, b, steps = args.model, str(args.batch), str(args.steps)
     skip = set(args.skip_stages)
     out = {"peak": _child(args, ["peak", "--peak-n", str(args.peak_n)], clock, 20)}
     if args.records:
-        run_dir = tempfile.mkdtemp(prefix="kbert-gpu-pretrain-")  # checkpoints of ~1.3 GB stay off --out
+        from scratch import scratch_dir  # benchmarks/scratch.py: removed at exit
+        run_dir = scratch_dir(prefix="kbert-gpu-pretrain-")  # checkpoints of ~1.3 GB stay off --out
         out["pretrain"] = _child(args, ["pretrain", "--model", m, "--batch", b, "--records", args.records,
                                         "--steps-pretrain", str(args.steps_pretrain), "--out", run_dir], clock, 150)
         _save(args, out)

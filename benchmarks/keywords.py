@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -60,7 +59,8 @@ def main():
     from kbert.embed.keywords import NOUN_TAGS
 
     docs = paragraphs(args.news, args.docs)
-    tmp = tempfile.mkdtemp()
+    from scratch import scratch_dir  # benchmarks/scratch.py: removed at exit
+    tmp = scratch_dir()
     model_dir = args.model or random_model(os.path.join(tmp, "model"))
     emb = kbert.Embedder.load(model_dir)
     st_dir = os.path.join(tmp, "st")

@@ -19,7 +19,6 @@ import argparse
 import math
 import os
 import sys
-import tempfile
 import time
 
 import numpy as np
@@ -110,7 +109,8 @@ def main():
     from kbert.data.recipes import movie_review_sentiment
 
     transformers.logging.set_verbosity_error()
-    tmp = tempfile.mkdtemp()
+    from scratch import scratch_dir  # benchmarks/scratch.py: removed at exit
+    tmp = scratch_dir()
     model_dir = args.model or random_model(os.path.join(tmp, "model"))
     reviews = os.path.join(args.shared, "movie-reviews", "reviews.tsv.gz")
     rows = movie_review_sentiment(reviews, "train", limit=args.train)

@@ -100,8 +100,8 @@ def main():
     if keras.backend.backend() != "jax":
         raise SystemExit("run with KERAS_BACKEND=jax: the memory analysis is XLA's compiled program")
     gb = 1024 ** 3
-    print(f"| model | fine-tuning | weights trained | arguments (weights, AdamW state, batch) | temporaries | "
-          f"total | vs full |\n|---|---|---:|---:|---:|---:|---:|")
+    print("| model | fine-tuning | weights trained | arguments (weights, AdamW state, batch) | temporaries | "
+          "total | vs full |\n|---|---|---:|---:|---:|---:|---:|")
     for preset in args.presets.split(","):
         full = step_bytes(preset, args.batch, args.seq, None, args.vocab_size, args.precision)
         lora = step_bytes(preset, args.batch, args.seq, args.rank, args.vocab_size, args.precision)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 import time
 import warnings
 
@@ -88,7 +87,8 @@ def main():
     import kbert
     from quality import read_sts
 
-    work = tempfile.mkdtemp(prefix="kbert-onnx-")
+    from scratch import scratch_dir  # benchmarks/scratch.py: removed at exit
+    work = scratch_dir(prefix="kbert-onnx-")
     model_dir = args.model or train_model(args.shared, work, args.epochs)
     sides = [("kbert Embedder.encode (TensorFlow)", kbert.Embedder.load(model_dir), None)]
     for quantize in (None, "int8"):

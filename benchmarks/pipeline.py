@@ -29,7 +29,6 @@ import gzip
 import os
 import random
 import sys
-import tempfile
 import time
 import unicodedata
 
@@ -310,7 +309,8 @@ def main(argv=None):
     import kbert
     from kbert.data.masking import example_keys, make_spec, mask_tokens
 
-    tmp = tempfile.mkdtemp(prefix="kbert-pipeline-")
+    from scratch import scratch_dir  # benchmarks/scratch.py: removed at exit
+    tmp = scratch_dir(prefix="kbert-pipeline-")
     subset = os.path.join(tmp, "reviews.tsv.gz")
     n_reviews, n_movies = write_reviews(args.reviews, subset, args.docs)
     corpus = kbert.corpus("movie-reviews", path=subset)

@@ -22,7 +22,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -57,7 +56,8 @@ def main(argv=None):
     from kbert.data.masking import default_max_predictions
     from kbert.models.config import ModelConfig
 
-    tmp = tempfile.mkdtemp(prefix="kbert-pretrain-bench-")
+    from scratch import scratch_dir  # benchmarks/scratch.py: removed at exit
+    tmp = scratch_dir(prefix="kbert-pretrain-bench-")
     # a small tokenizer for the dummy source; the model's embedding table has the full --vocab-size
     tok = kbert.Tokenizer.train(kbert.corpus(["kolaw", "kobill"]), vocab_size=2000, progress=False)
     tok.save(os.path.join(tmp, "tok"))

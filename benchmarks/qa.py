@@ -21,7 +21,6 @@ import json
 import os
 import re
 import sys
-import tempfile
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.append(os.path.dirname(os.path.abspath(__file__)))
@@ -76,7 +75,8 @@ def main():
     vocab_text = [b for _, b in articles(args.statutes, args.questions + 3000)[args.questions:]]
     questions = [f"{title}에 관하여 무엇을 정하는가?" for title, _ in tests]
     contexts = [body for _, body in tests]
-    root = tempfile.mkdtemp(prefix="kbert-qa-bench-")
+    from scratch import scratch_dir  # benchmarks/scratch.py: removed at exit
+    root = scratch_dir(prefix="kbert-qa-bench-")
     tok = kbert.Tokenizer.train(vocab_text, vocab_size=8000, progress=False)
     keras.utils.set_random_seed(0)
     config = kbert.ModelConfig.preset("bert-mini", vocab_size=tok.vocab_size, max_position=512)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 import warnings
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -49,7 +48,8 @@ def main():
     candidates = [texts[args.queries + i * args.candidates:args.queries + (i + 1) * args.candidates]
                   for i in range(args.queries)]
     pairs = [(q, d) for q, docs in zip(queries, candidates) for d in docs]
-    hf_dir = os.path.join(tempfile.mkdtemp(prefix="kbert-rerank-bench-"), "reranker")
+    from scratch import scratch_dir  # benchmarks/scratch.py: removed at exit
+    hf_dir = os.path.join(scratch_dir(prefix="kbert-rerank-bench-"), "reranker")
     xlm_roberta_dir(read_reviews(args.reviews, 50000, skip=len(texts)), hf_dir,
                     model_class="XLMRobertaForSequenceClassification", num_labels=1)
     model = kbert.TaskModel.load(hf_dir)

@@ -30,7 +30,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -254,7 +253,8 @@ def main():
     import kbert
 
     sentences = read_sentences(os.path.join(args.shared, "movie-reviews", "reviews.tsv.gz"), 5000)
-    work = tempfile.mkdtemp(prefix="kbert-serve-bench-")
+    from scratch import scratch_dir  # benchmarks/scratch.py: removed at exit
+    work = scratch_dir(prefix="kbert-serve-bench-")
     tok = kbert.Tokenizer.train(sentences, vocab_size=4000, algorithm="wordpiece", progress=False)
     cfg = kbert.ModelConfig.preset("bert-mini", vocab_size=tok.vocab_size)
     backbone = kbert.BertBackbone(cfg)

@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -95,7 +94,8 @@ def main():
 
     reviews = read_sentences(os.path.join(args.shared, "movie-reviews", "reviews.tsv.gz"), args.documents + 1000)
     corpus, queries = reviews[:args.documents], reviews[args.documents:]
-    work = tempfile.mkdtemp(prefix="kbert-search-bench-")
+    from scratch import scratch_dir  # benchmarks/scratch.py: removed at exit
+    work = scratch_dir(prefix="kbert-search-bench-")
     tok = kbert.Tokenizer.train(reviews, vocab_size=4000, algorithm="wordpiece", progress=False)
     cfg = kbert.ModelConfig.preset("bert-mini", vocab_size=tok.vocab_size)
     model_dir, hf_dir, ce_dir = (os.path.join(work, n) for n in ("kbert", "hf", "cross-encoder"))

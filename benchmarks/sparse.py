@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 
 import numpy as np
 
@@ -51,7 +50,8 @@ def main(argv=None):
 
     torch.set_num_threads(os.cpu_count() or 1)
     texts = korsts_sentences(os.path.join(args.shared, "korsts", "sts-dev.tsv"), args.sentences)
-    tmp = tempfile.mkdtemp()
+    from scratch import scratch_dir  # benchmarks/scratch.py: removed at exit
+    tmp = scratch_dir()
     model_dir = args.model or random_model(os.path.join(tmp, "model"), heads=True)
     lm = kbert.MaskedLM.load(model_dir)
     hf_dir = kbert.export_transformers(lm.model, os.path.join(tmp, "hf"), tokenizer=lm.tokenizer)

@@ -20,7 +20,6 @@ import argparse
 import gzip
 import os
 import sys
-import tempfile
 
 import numpy as np
 
@@ -66,7 +65,8 @@ def main(argv=None):
     import kbert
 
     torch.set_num_threads(os.cpu_count() or 1)
-    tmp = tempfile.mkdtemp()
+    from scratch import scratch_dir  # benchmarks/scratch.py: removed at exit
+    tmp = scratch_dir()
     model_dir = args.model or random_model(os.path.join(tmp, "model"), heads=True)
     docs = reviews(os.path.join(args.shared, "movie-reviews", "reviews.tsv.gz"), args.documents)
     queries = korsts_sentences(os.path.join(args.shared, "korsts", "sts-dev.tsv"), args.queries)

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -60,7 +59,8 @@ def main(argv=None):
                         for c in ("sentence1", "sentence2")}
                        | {r[c] for key in ("qp_fit", "qp_select") for r in sets[key]
                           for c in ("question1", "question2")})
-    work = tempfile.mkdtemp(prefix="kbert-static-")
+    from scratch import scratch_dir  # benchmarks/scratch.py: removed at exit
+    work = scratch_dir(prefix="kbert-static-")
     if args.model:
         emb = kbert.Embedder.load(args.model, max_length=args.max_length)
         name = os.path.basename(os.path.normpath(args.model))
@@ -108,7 +108,7 @@ def main(argv=None):
     emb.encode(sample[:64], progress=False)
     rates[f"the model itself ({name}, {len(sample)} sentences)"] = len(sample) / timed(
         lambda: emb.encode(sample, progress=False))[1]
-    print(f"\n| encoder | sentences/s | vs model2vec |\n|---|---:|---:|")
+    print("\n| encoder | sentences/s | vs model2vec |\n|---|---:|---:|")
     for label, rate in rates.items():
         print(f"| {label} | {rate:,.0f} | {rate / rates['model2vec StaticModel']:.2f}x |")
 

@@ -15,7 +15,6 @@ import csv
 import gzip
 import os
 import sys
-import tempfile
 import time
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -49,7 +48,8 @@ def main(argv=None):
         tok = kbert.Tokenizer.load(args.tokenizer)
     else:
         tok = kbert.Tokenizer.train(reviews(args.shared, args.train), vocab_size=16000, progress=False)
-    out = tempfile.mkdtemp()
+    from scratch import scratch_dir  # benchmarks/scratch.py: removed at exit
+    out = scratch_dir()
     tok.export_transformers(out)
     fast = FastTokenizer.from_file(os.path.join(out, "tokenizer.json"))
     texts = reviews(args.shared, args.reviews) + korsts(args.shared)
@@ -61,7 +61,7 @@ def main(argv=None):
     t_theirs = time.perf_counter() - t
     differ = [i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b]
     print(f"{len(texts):,} texts ({args.reviews:,} reviews + KorSTS dev), vocabulary of {tok.vocab_size:,}")
-    print(f"| encoder | lines/s | same ids as kbert |\n|---|---:|---:|")
+    print("| encoder | lines/s | same ids as kbert |\n|---|---:|---:|")
     print(f"| kbert `encode_batch` (sentencepiece) | {len(texts) / t_ours:,.0f} | - |")
     print(f"| transformers tokenizer.json (`tokenizers` `encode_batch`) | {len(texts) / t_theirs:,.0f} | "
           f"{1 - len(differ) / len(texts):.4%} ({len(differ)} differ) |")

@@ -24,7 +24,6 @@ import csv
 import hashlib
 import os
 import sys
-import tempfile
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -84,7 +83,8 @@ def main():
     from kbert.embed.zero_shot import DEFAULT_TEMPLATE
 
     transformers.logging.set_verbosity_error()
-    tmp = tempfile.mkdtemp()
+    from scratch import scratch_dir  # benchmarks/scratch.py: removed at exit
+    tmp = scratch_dir()
     model_dir = args.model or random_model(os.path.join(tmp, "model"))
     train, selection = nli_rows(os.path.join(args.shared, "kornli", "xnli.dev.ko.tsv"))
     print(f"NLI: train {len(train)} pairs, selection {len(selection)} (picks the checkpoint); model "
@@ -122,7 +122,7 @@ def main():
     same = sum(a["labels"] == b["labels"] for a, b in zip(ours, theirs))
     diff = max(abs(x - y) for a, b in zip(ours, theirs)
                for x, y in zip(a["scores"], [b["scores"][b["labels"].index(label)] for label in a["labels"]]))
-    print(f"\n| side (reviews, 2 labels) | texts/s | vs transformers | same ranking |\n|---|---:|---:|---|")
+    print("\n| side (reviews, 2 labels) | texts/s | vs transformers | same ranking |\n|---|---:|---:|---|")
     print(f"| kbert TaskModel.zero_shot | {len(texts) / ours_s:.1f} | {theirs_s / ours_s:.2f}x | {same} of "
           f"{len(texts)}; largest score difference {diff:.1e} |")
     print(f"| transformers zero-shot-classification pipeline | {len(texts) / theirs_s:.1f} | 1.00x | |")
