@@ -163,7 +163,7 @@ def compiled(fn: Callable, variables: Sequence, signature: Optional[list] = None
         return lambda *args: to_numpy(jitted([v.value for v in variables], *args))
     import tensorflow as tf
 
-    _quiet_retracing_warning()
+    _quiet_retracing_warning(fn)
     if signature is not None:
         function = tf.function(fn, input_signature=signature, jit_compile=jit_compile)
     else:
@@ -280,21 +280,26 @@ class _RetracingNotice:
     second `kbert.finetune` call in one process (a notebook) makes new ones of the same code, so the
     frequent-retracing alarm, which counts traces of every function sharing one code object, is a false one.
     So for `TaskModel`'s forward passes: each model traces them once for the graph and once for XLA, and a
-    server or script holds several models."""
+    server or script holds several models; and for every function `compiled` is given (an `Embedder`'s,
+    `MaskedLM`'s, a teacher's): a notebook that loads a sixth model got the alarm from its first `encode`."""
 
-    OWN = ("training_step.<locals>", "finetune_inference", "TaskNetwork.packed_logits", "TaskModel._forward")
+    OWN = {"training_step.<locals>", "finetune_inference", "TaskNetwork.packed_logits", "TaskModel._forward"}
 
     def filter(self, record) -> bool:
         message = record.getMessage()
         return not ("triggered tf.function retracing" in message and any(name in message for name in self.OWN))
 
 
-def _quiet_retracing_warning() -> None:
+def _quiet_retracing_warning(fn: Optional[Callable] = None) -> None:
+    """Installs the filter once; `fn`'s qualified name (how TensorFlow's warning names it) joins its list."""
     import logging
 
     logger = logging.getLogger("tensorflow")
     if not any(isinstance(f, _RetracingNotice) for f in logger.filters):
         logger.addFilter(_RetracingNotice())
+    name = getattr(fn, "__qualname__", None)
+    if name and name != "<lambda>":  # a module-level lambda's name would match any other's
+        _RetracingNotice.OWN.add(name)
 
 
 def training_step(loss_of: Callable, model, variables: Sequence, optimizer, read: Sequence = ()):

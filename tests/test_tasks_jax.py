@@ -294,6 +294,53 @@ def test_the_tensorflow_step_does_not_raise_the_frequent_retracing_alarm_for_its
     assert any("function mine" in r for r in records)  # another function's alarm still gets through
 
 
+def test_models_loaded_one_after_another_do_not_raise_the_frequent_retracing_alarm():
+    """Each `Embedder` (or `MaskedLM`, teacher, ...) compiles its own function of one code object; a notebook
+    that loaded a sixth model got TensorFlow's "5 out of the last 5 calls ... triggered tf.function retracing"
+    alarm from its first `encode`. Functions given to `kbert.compiled.compiled` are kbert's: their alarm is
+    dropped, and another function's still gets through."""
+    import logging
+
+    import keras
+    import tensorflow as tf
+
+    from kbert.compiled import compiled
+
+    records = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    def load_a_model():  # what Embedder.load and its first encode do, in miniature
+        x = keras.Variable(np.ones(3, np.float32))
+
+        def run(a):
+            return a * x
+
+        return compiled(run, [x], [tf.TensorSpec([None, 3], tf.float32)])
+
+    def users_own():
+        @tf.function
+        def mine(a):
+            return a + 1.0
+
+        return mine
+
+    logger = tf.get_logger()
+    handler = Keep()
+    logger.addHandler(handler)
+    try:
+        for _ in range(8):
+            assert np.allclose(load_a_model()(np.ones((2, 3), np.float32)), 1.0)
+        for _ in range(8):
+            users_own()(tf.ones(2))
+    finally:
+        logger.removeHandler(handler)
+    assert not any("load_a_model" in r for r in records), records
+    assert any("retracing" in r and "users_own" in r for r in records), records  # TensorFlow's alarm is real
+
+
 GRADIENT_CACHE = """import json
 import keras
 import numpy as np
