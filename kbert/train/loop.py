@@ -275,6 +275,34 @@ def _architecture_defaults(d, architecture: str, warn: bool = True) -> None:
                                                     if records_dir(d.source) else ""), stacklevel=3)
 
 
+def _interrupted_batch(out: str) -> Optional[int]:
+    """The global batch of the run `out` holds checkpoints of (its saved config.json), or None. `batch_size: auto`
+    resumes with it: the plan may differ from the one the run started with (another kbert, backend, device or
+    `trainer.memory`), and a different global batch would refuse the resume."""
+    import json
+
+    from kbert.train.run_checkpoint import RunCheckpoints
+
+    saved = os.path.join(out, "config.json")
+    if not (os.path.isfile(saved) and RunCheckpoints(os.path.join(out, "checkpoints")).latest):
+        return None
+    try:
+        with open(saved, encoding="utf-8") as f:
+            batch = json.load(f).get("trainer", {}).get("batch_size")
+    except (OSError, ValueError, AttributeError):
+        return None  # check_resumable names what is wrong with it
+    return batch if isinstance(batch, int) and not isinstance(batch, bool) and batch > 0 else None
+
+
+def _micro_steps(batch: int, fits: int, replicas: int) -> int:
+    """The fewest micro-steps per update that split `batch` evenly over `replicas` into micro-batches of at most
+    `fits` sequences (1 where `batch` fits; where no split is even, 1, and the divisibility check says why)."""
+    for steps in range(max(1, -(-batch // max(fits, 1))), batch // max(replicas, 1) + 1):
+        if batch % (replicas * steps) == 0:
+            return steps
+    return 1
+
+
 def check_resumable(saved_path: str, config: PretrainConfig) -> None:
     """Refuses to resume the run saved at `saved_path` (its config.json) with settings that change what its
     checkpoints mean, naming each difference; the changes in RESUMABLE_CHANGES are allowed."""
@@ -431,8 +459,13 @@ def _pretrain(config, overrides, resume: bool, progress: bool, stop_after: Optio
         from kbert.train.memory import plan_for_config
 
         plan = plan_for_config(config, model_config, precision, replicas, backend.kind,
-                               backend.device_memory() if t.memory is None else None)
+                               backend.device_memory() if t.memory is None else None, backend=backend.name,
+                               compiled=backend.compiles_step(precision))
         t.batch_size, t.accumulation = plan["global_batch"], plan["accumulation"]
+        kept = _interrupted_batch(config.output_dir) if resume else None
+        if kept and kept != t.batch_size:  # the checkpoints' global batch stands; micro-steps make it fit here
+            plan["interrupted"] = kept
+            t.batch_size, t.accumulation = kept, _micro_steps(kept, plan["global_batch"], replicas)
     if not isinstance(t.batch_size, int) or t.batch_size < 1:
         raise ValueError(f"`trainer.batch_size` must be a positive integer or 'auto'. Received: {t.batch_size!r}")
     if t.batch_size % (replicas * t.accumulation):
@@ -444,7 +477,9 @@ def _pretrain(config, overrides, resume: bool, progress: bool, stop_after: Optio
               f"A={model_config.num_heads} ({model_config.num_parameters() / 1e6:.1f}M parameters, vocab "
               f"{model_config.vocab_size}), {d.objective}, {t.steps} steps\n"
               f"  data: {d.source!r}{f' read as {d.format}' if d.format else ''}, {d.max_length} tokens per sequence\n"
-              f"  batch: {t.batch_size} sequences per step" + (" (planned by batch_size: auto)" if plan else "")
+              f"  batch: {t.batch_size} sequences per step"
+              + ("" if not plan else f" (the interrupted run's; batch_size: auto plans {plan['global_batch']} here)"
+                 if plan.get("interrupted") else " (planned by batch_size: auto)")
               + f" = {replicas} replica(s) x {t.accumulation} micro-step(s) x {micro_batch // replicas}; "
               f"precision {precision} on {backend.kind} ({backend.name})\n  output: {config.output_dir}"
               + (f"\n  compiled steps kept in {backend.compilation_cache} (runtime.compilation_cache)"

@@ -64,11 +64,16 @@ The coefficients depend on how the train step is executed, so there are four glo
   bytes of a GPU's, and under mixed precision as many as in float32 (the CPU computes bfloat16 ops in float32
   and keeps those copies), so the `"xla"` set would plan a batch that does not fit. Chosen the same way (round
   values, never under) on XLA's memory analysis of kbert's JAX step on a CPU, bert-tiny to bert-large and
-  ALBERT, sequences of 64 to 512, both precisions (tests/test_train.py has the points); TensorFlow's XLA on a
-  CPU is taken to keep alike, not measured;
+  ALBERT, sequences of 64 to 512, both precisions (tests/test_train.py has the points). TensorFlow's XLA step
+  on a CPU keeps much more than that program (its whole process, at BERT-Base, 25-50% over this set's
+  estimate): `trainer.batch_size: auto` plans it with the "none" set (`plan_compiler`);
 - `"none"` (op-by-op graph execution, TensorFlow without XLA): the sanity anchor is the 12 GB table in
   google-research/bert's README (TF 1.11, fp32, Adam); one set of round values comes close to every row
-  (the tests bound the error).
+  (the tests bound the error). On a CPU it is within a few percent of TensorFlow 2's whole training process
+  (bfloat16 without XLA) and over it with XLA (benchmarks/README.md).
+
+On a CPU, `trainer.batch_size: auto` plans the whole process, not the step alone: the host's memory is the
+device's, and the process's own bytes (`CPU_PROCESS_BYTES`) come off it first.
 
 Never fitted per row. `kbert plan --probe` confirms the answer with real steps on the device at hand.
 """
@@ -282,24 +287,49 @@ def compiler_for(device: Optional[str]) -> str:
     return {None: "xla-cpu", "cpu": "xla-cpu", "tpu": "xla-tpu"}.get(device, "xla")
 
 
+# What a training process on a CPU holds beside its step, by Keras backend: on a CPU the device's memory is the
+# host's, so the process's own bytes (the framework and kbert imported, about 0.8 GB, then its runtime and input
+# pipeline) come out of the same memory. Measured as the peak RSS of `kbert.pretrain` on this project's CPU
+# (benchmarks/README.md, "The planner on a CPU is the process's memory"): JAX keeps about 1 GB beyond its compiled
+# step's bytes, whatever the model; TensorFlow's rest is within the "none" set it is planned with.
+CPU_PROCESS_BYTES = {"jax": 2.0e9, "tensorflow": 1.0e9}
+
+
+def plan_compiler(device: Optional[str], backend: str = "jax", compiled: bool = True) -> str:
+    """The coefficient set `trainer.batch_size: auto` plans a step with: `compiler_for(device)` where XLA compiles
+    the step (`compiled`: the backend's `compiles_step`), else "none" (op-by-op). TensorFlow's XLA step on a CPU
+    is planned as "none" too: it keeps much more than the JAX program the "xla-cpu" set was fitted on (the whole
+    process 25-50% over that set's estimate at BERT-Base, within the "none" set's; benchmarks/README.md)."""
+    if not compiled or (backend == "tensorflow" and device in (None, "cpu")):
+        return "none"
+    return compiler_for(device)
+
+
 def plan_for_config(config, model_config, precision: str, replicas: int, device: str,
-                    device_memory: Optional[int] = None) -> Dict:
+                    device_memory: Optional[int] = None, backend: str = "jax", compiled: bool = True) -> Dict:
     """`trainer.batch_size: auto`: the largest per-replica batch (at most 256) that the planner fits in
     the device's memory less a 10% margin (`trainer.memory` when set, else `device_memory`, the bytes the
     backend reports for one accelerator, else 8 GB on CPU / 16 GB elsewhere), times the replicas; no
-    accumulation. Backend-neutral: a JAX host without TensorFlow plans too."""
+    accumulation. On a CPU the process's own bytes (`CPU_PROCESS_BYTES` of `backend`) come off the memory
+    first. `compiled`: whether XLA compiles the step (`plan_compiler`). Backend-neutral: a JAX host without
+    TensorFlow plans too."""
     memory = config.trainer.memory
     if memory is None and device != "cpu" and device_memory:
         memory = int(device_memory)
     if memory is None:
         memory = "8GB" if device == "cpu" else "16GB"
-    jit = config.runtime.jit
-    compiler = compiler_for(device) if jit in (True, "auto") else "none"
-    best = max_batch_size(model_config, parse_memory(memory) * 0.9, config.data.max_length,
+    if config.runtime.jit is False:  # TensorFlow without XLA (the JAX backend refuses the setting)
+        compiled = False
+    compiler = plan_compiler(device, backend, compiled)
+    budget = parse_memory(memory) * 0.9 - (CPU_PROCESS_BYTES.get(backend, 2.0e9) if device == "cpu" else 0)
+    best = max_batch_size(model_config, max(budget, 0), config.data.max_length,
                           optimizer=config.optimizer.name, precision=precision, compiler=compiler)
     if best == 0:
-        raise ValueError(f"The model does not fit in {memory} at max_length={config.data.max_length} even with "
-                         f"batch 1; use a smaller model, shorter sequences or mixed precision")
+        process = (f" (on a CPU the training process itself takes about "
+                   f"{CPU_PROCESS_BYTES.get(backend, 2.0e9) / 1e9:.0f} GB of it)" if device == "cpu" else "")
+        raise ValueError(f"The model does not fit in {memory}{process} at max_length={config.data.max_length} even "
+                         f"with batch 1; use a smaller model, shorter sequences, mixed precision or more memory "
+                         f"(trainer.memory)")
     per_replica = min(best, 256)
     return {"global_batch": per_replica * replicas, "accumulation": 1, "micro_batch": per_replica,
             "memory": memory}

@@ -5,6 +5,7 @@
     backend = make_backend(config.runtime)      # from keras.backend.backend(): "tensorflow" or "jax"
     backend.replicas, backend.kind, backend.device_name
     backend.device_memory()                     # bytes one accelerator offers (batch_size: auto), or None
+    backend.compiles_step(precision)            # whether XLA compiles the step (the planner's coefficients)
     with backend.scope(): ...                   # build the model and optimizer (replicated as the backend does)
     batches = backend.batches(data_args, micro_batch, start_step, accumulation, records_cache)  # placed input
     step = backend.compile_step(model, optimizer, variables, accumulation)

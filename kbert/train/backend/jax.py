@@ -140,6 +140,11 @@ class JaxBackend:
             return None
         return (self.devices[0].memory_stats() or {}).get("bytes_limit")
 
+    @staticmethod
+    def compiles_step(precision: str) -> bool:
+        """JAX always compiles the step."""
+        return True
+
     def precision(self, requested: str) -> str:
         from kbert.train.strategy import choose_precision
 

@@ -46,6 +46,14 @@ class TensorFlowBackend:
             memory = details.get("memory_limit")
         return memory
 
+    def compiles_step(self, precision: str) -> bool:
+        """Whether XLA compiles the replica step: always on a TPU; elsewhere by `runtime.jit` (auto: on one
+        device, not for bfloat16 on a CPU; see the module docstring). The memory planner follows it: an
+        uncompiled step keeps far more."""
+        rt = self.runtime
+        return self.kind == "tpu" or rt.jit is True or (rt.jit == "auto" and self.replicas == 1
+                                                         and not (self.kind == "cpu" and precision != "float32"))
+
     def precision(self, requested: str) -> str:
         from kbert.train.strategy import resolve_precision
 
@@ -75,7 +83,7 @@ class TensorFlowBackend:
         """`step(batches)` -> {metric: float}: one optimizer update from `accumulation` micro-batches."""
         import tensorflow as tf
 
-        replicas, strategy, rt = self.replicas, self.strategy, self.runtime
+        replicas, strategy = self.replicas, self.strategy
 
         def replica_step(features, labels):
             with tf.GradientTape() as tape:
@@ -93,7 +101,7 @@ class TensorFlowBackend:
             optimizer.apply([g for g, _ in pairs], [v for _, v in pairs])
             return {k: v / replicas for k, v in losses.items()}
 
-        jit = rt.jit is True or (rt.jit == "auto" and replicas == 1 and not (self.kind == "cpu" and precision != "float32"))
+        jit = self.compiles_step(precision)
         self.jit = jit
         if jit and self.kind != "tpu":  # XLA compiles the replica step; reading the iterator stays outside
             replica_step = tf.function(replica_step, jit_compile=True, reduce_retracing=True)
