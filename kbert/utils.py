@@ -154,25 +154,70 @@ def write_atomic(path: str, write) -> str:
     return path
 
 
+class Deferred:
+    """A tensor `save_safetensors` reads only when it writes it: `fetch()` returns the array (of `shape` and
+    `dtype`), so a checkpoint copies one variable at a time off the device instead of all of them at once."""
+
+    __slots__ = ("shape", "dtype", "fetch")
+
+    def __init__(self, shape, dtype, fetch):
+        import importlib
+
+        import numpy as np
+
+        if str(dtype) == "bfloat16":  # numpy knows the name once ml_dtypes (Keras' bfloat16) is imported
+            importlib.import_module("ml_dtypes")
+        self.shape, self.dtype, self.fetch = tuple(int(n) for n in shape), np.dtype(str(dtype)), fetch
+
+
+_SAFETENSORS_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
+                       "int32": "I32", "int16": "I16", "int8": "I8", "uint64": "U64", "uint32": "U32",
+                       "uint16": "U16", "uint8": "U8", "bool": "BOOL"}
+
+
 def save_safetensors(tensors: dict, path: str, metadata: dict = None) -> str:
-    """safetensors' `save_file` through `write_atomic`. Its I/O errors (raised from Rust as SafetensorError,
-    "No space left on device (os error 28)") come back as OSError naming the file, as Python's own writes
-    do, so a command reports them in one line, not a traceback."""
-    from safetensors.numpy import save_file
+    """Writes `tensors` (name -> numpy array or `Deferred`) as a safetensors file through `write_atomic`.
+
+    Written here, one tensor at a time, rather than by safetensors' `save_file`, which takes every array at
+    once: a training checkpoint's weights and optimizer slots copied off the device together held the whole
+    state a second time in host memory, at the moment a run must not fail (benchmarks/README.md). The format is safetensors' own (an 8-byte little-endian header size, a
+    JSON header of dtypes, shapes and contiguous byte ranges, padded to 8 bytes with spaces, then the raw
+    little-endian data), and every reader here and in transformers is safetensors' (`safe_open`), which
+    checks it. Disk errors come back as OSError naming the file; the file gets the umask's mode."""
+    import json
+    import struct
+
+    import numpy as np
+
+    specs, offset = {}, 0
+    for name, value in tensors.items():
+        shape, dtype = value.shape, value.dtype
+        kind = _SAFETENSORS_DTYPES.get(np.dtype(dtype).name)
+        if kind is None:
+            raise TypeError(f"safetensors has no dtype for {name!r}: {np.dtype(dtype).name}")
+        size = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        specs[name] = {"dtype": kind, "shape": [int(n) for n in shape], "data_offsets": [offset, offset + size]}
+        offset += size
+    header = {**({"__metadata__": {str(k): str(v) for k, v in metadata.items()}} if metadata else {}), **specs}
+    head = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    head += b" " * (-len(head) % 8)
 
     def write(tmp):
-        with open(tmp, "wb"):  # the mode any file made here gets (the umask's, 0644 for most users) ...
-            pass
-        mode = os.stat(tmp).st_mode & 0o777
         try:
-            save_file(tensors, tmp, metadata=metadata)
-        except Exception as e:
-            if isinstance(e, OSError) or "I/O error" not in str(e):
-                raise
+            with open(tmp, "wb") as f:
+                f.write(struct.pack("<Q", len(head)) + head)
+                for name, value in tensors.items():
+                    array = value.fetch() if isinstance(value, Deferred) else value
+                    array = np.asarray(array, dtype=np.dtype(value.dtype).newbyteorder("<"))
+                    if not array.flags.c_contiguous:  # (np.ascontiguousarray would make a scalar [1])
+                        array = np.array(array, order="C")
+                    if list(array.shape) != specs[name]["shape"]:
+                        raise ValueError(f"{name!r} is {list(array.shape)}, not the {specs[name]['shape']} its "
+                                         f"header says")
+                    f.write(array.reshape(-1).view(np.uint8).data)  # bytes of bfloat16 and bool alike
+                    del array
+        except OSError as e:
             raise OSError(f"could not write {path}: {e}") from e
-        # ... given back: safetensors 0.8 writes through a private temporary file, so its files came out 0600,
-        # weights that a serving account or a teammate on the same machine could not read
-        os.chmod(tmp, mode)
 
     return write_atomic(path, write)
 

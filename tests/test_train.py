@@ -231,21 +231,34 @@ def test_one_writer_per_output_dir(tok_dir, tmp_path, capsys):
 
 def test_a_full_disk_at_a_checkpoint_stops_with_the_last_one_intact_and_no_partial_file(tok_dir, tmp_path,
                                                                                        monkeypatch):
-    import safetensors.numpy
-    from safetensors import SafetensorError
+    import errno
 
-    real = safetensors.numpy.save_file
+    import kbert.utils
 
-    def full_disk(tensors, path, metadata=None):  # what safetensors raises when the disk fills mid-file
-        if "ckpt-4" in path:
-            with open(path, "wb") as f:
-                f.write(b"\0" * 1000)
-            raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
-        return real(tensors, path, metadata=metadata)
+    real_open = open
+
+    class FullDisk:  # a file on a disk that fills after its first 1000 bytes
+        def __init__(self, path):
+            self.file = real_open(path, "wb")
+            self.file.write(b"\0" * 1000)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.file.close()
+
+        def write(self, data):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    def full_disk(path, mode="r", *args, **kwargs):
+        if "ckpt-4" in str(path) and "w" in mode:
+            return FullDisk(path)
+        return real_open(path, mode, *args, **kwargs)
 
     out = str(tmp_path / "run")
     cfg = _config(tok_dir, out, 6, model=dict(TINY), trainer={"checkpoint_every": 2})
-    monkeypatch.setattr(safetensors.numpy, "save_file", full_disk)
+    monkeypatch.setattr(kbert.utils, "open", full_disk, raising=False)  # what the checkpoint writer opens
     with pytest.raises(OSError, match=r"checkpoint of step 4 not written \(could not write .*ckpt-4\.safetensors: "
                                       r".*No space left on device.*\); the one before it, .*ckpt-2\.safetensors, "
                                       r"is intact: free space and run the same command again"):
@@ -253,10 +266,68 @@ def test_a_full_disk_at_a_checkpoint_stops_with_the_last_one_intact_and_no_parti
     assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == ["ckpt-2.safetensors"]  # no gigabyte .tmp left
     with open(os.path.join(out, "checkpoints", "ckpt-3.safetensors.tmp"), "wb") as f:
         f.write(b"\0" * 1000)  # what a SIGKILL mid-save leaves: the next save clears it
-    monkeypatch.setattr(safetensors.numpy, "save_file", real)
+    monkeypatch.delattr(kbert.utils, "open")
     rest = pretrain(cfg, progress=False)  # space freed: the same call resumes from step 2
     assert rest["finished"] and len(rest["history"]) == 4
     assert not [n for n in os.listdir(os.path.join(out, "checkpoints")) if n.endswith(".tmp")]
+
+
+def test_safetensors_writer_streams_deferred_tensors_in_safetensors_own_format(tmp_path):
+    """kbert writes safetensors files itself, one tensor at a time, so a checkpoint never holds every variable's
+    host copy at once (`Deferred`: fetched as it is written, the previous one already freed); safetensors' own
+    readers read them back bit for bit, every dtype kbert writes included, and a bad tensor leaves no file."""
+    import gc
+    import weakref
+
+    import ml_dtypes
+    from safetensors import safe_open
+    from safetensors.numpy import load_file
+
+    from kbert.utils import Deferred, save_safetensors
+
+    rng = np.random.default_rng(0)
+    arrays = {"f32": rng.normal(size=(3, 5)).astype(np.float32), "bf16": rng.normal(size=7).astype(ml_dtypes.bfloat16),
+              "f16": rng.normal(size=(2, 2)).astype(np.float16), "i64": np.arange(5, dtype=np.int64) - 2,
+              "u32": np.array([0, 2 ** 32 - 1], np.uint32), "flag": np.array([True, False, True]),
+              "scalar": np.array(3.5, np.float64), "empty": np.zeros((0, 4), np.float32), "u8": np.arange(3, dtype=np.uint8)}
+    alive, fetched = [], []  # weak references to the arrays handed out
+
+    def fetch(name):
+        def get():
+            gc.collect()
+            assert all(r() is None for r in alive), "the previous tensor is still held"
+            fetched.append(name)
+            out = arrays[name].copy()
+            alive.append(weakref.ref(out))
+            return out
+        return get
+
+    tensors = {name: Deferred(a.shape, str(a.dtype), fetch(name)) for name, a in arrays.items()}
+    tensors["plain"] = np.ones((2, 3), np.float32)
+    path = str(tmp_path / "x.safetensors")
+    save_safetensors(tensors, path, metadata={"kbert": '{"step": 3, "말": "한국어"}'})
+    assert fetched == list(arrays)  # each fetched once, in order, only while it was written
+    back = load_file(path)
+    for name, a in {**arrays, "plain": tensors["plain"]}.items():
+        assert back[name].dtype == a.dtype and back[name].shape == a.shape, name
+        assert back[name].tobytes() == a.tobytes(), name
+    with safe_open(path, framework="numpy") as f:
+        assert f.metadata() == {"kbert": '{"step": 3, "말": "한국어"}'}
+    with open(path, "rb") as f:
+        assert (8 + int.from_bytes(f.read(8), "little")) % 8 == 0  # the data starts 8-byte aligned
+    assert oct(os.stat(path).st_mode & 0o777) == oct(0o666 & ~_umask())
+    bad = str(tmp_path / "bad.safetensors")
+    with pytest.raises(ValueError, match=r"'w' is \[2, 2\], not the \[3\] its header says"):
+        save_safetensors({"w": Deferred((3,), "float32", lambda: np.zeros((2, 2), np.float32))}, bad)
+    with pytest.raises(TypeError, match="safetensors has no dtype for 'c': complex64"):
+        save_safetensors({"c": np.zeros(2, np.complex64)}, bad)
+    assert sorted(os.listdir(tmp_path)) == ["x.safetensors"]
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def test_float16_pretraining_checkpoints_the_loss_scale_and_resumes_the_same(tok_dir, tmp_path):

@@ -85,17 +85,23 @@ class RunCheckpoints:
 
     # ------------------------------------------------------------------------------ save
     def save(self, step: int, model, optimizer, state: Optional[dict] = None) -> str:
-        from kbert.utils import save_safetensors
+        from keras.backend import standardize_dtype
+
+        from kbert.utils import Deferred, save_safetensors
 
         path = self.path(step)
         if not self.writer:
             return path
+
+        def deferred(v):  # copied off the device as it is written: one variable at a time in host memory
+            return Deferred(v.shape, standardize_dtype(v.dtype), lambda: self.to_numpy(v))
+
         tensors, paths = {}, []
         for i, v in enumerate(model.variables):
-            tensors[f"model/{i:04d}"] = np.array(self.to_numpy(v), order="C")
+            tensors[f"model/{i:04d}"] = deferred(v)
             paths.append(v.path)
         for key, v in optimizer_state(optimizer).items():
-            tensors[f"optimizer/{key}"] = np.array(self.to_numpy(v), order="C")
+            tensors[f"optimizer/{key}"] = deferred(v)
         meta = {"step": int(step), "model_paths": paths, "state": state or {}, "format": "kbert-run-1"}
         os.makedirs(self.directory, exist_ok=True)
         for name in os.listdir(self.directory):  # a killed run's half-written file (one writer: the dir's lock)
