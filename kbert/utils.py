@@ -180,10 +180,11 @@ def save_safetensors(tensors: dict, path: str, metadata: dict = None) -> str:
 
     Written here, one tensor at a time, rather than by safetensors' `save_file`, which takes every array at
     once: a training checkpoint's weights and optimizer slots copied off the device together held the whole
-    state a second time in host memory, at the moment a run must not fail (benchmarks/README.md). The format is safetensors' own (an 8-byte little-endian header size, a
-    JSON header of dtypes, shapes and contiguous byte ranges, padded to 8 bytes with spaces, then the raw
-    little-endian data), and every reader here and in transformers is safetensors' (`safe_open`), which
-    checks it. Disk errors come back as OSError naming the file; the file gets the umask's mode."""
+    state a second time in host memory, at the moment a run must not fail (benchmarks/README.md). The format
+    is safetensors' own (an 8-byte little-endian header size, a JSON header of dtypes, shapes and contiguous
+    byte ranges, padded to 8 bytes with spaces, then the raw little-endian data), and every reader here and in
+    transformers is safetensors' (`safe_open`), which checks it. Disk errors come back as OSError naming the
+    file; the file gets the umask's mode."""
     import json
     import struct
 

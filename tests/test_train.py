@@ -289,7 +289,8 @@ def test_safetensors_writer_streams_deferred_tensors_in_safetensors_own_format(t
     arrays = {"f32": rng.normal(size=(3, 5)).astype(np.float32), "bf16": rng.normal(size=7).astype(ml_dtypes.bfloat16),
               "f16": rng.normal(size=(2, 2)).astype(np.float16), "i64": np.arange(5, dtype=np.int64) - 2,
               "u32": np.array([0, 2 ** 32 - 1], np.uint32), "flag": np.array([True, False, True]),
-              "scalar": np.array(3.5, np.float64), "empty": np.zeros((0, 4), np.float32), "u8": np.arange(3, dtype=np.uint8)}
+              "scalar": np.array(3.5, np.float64), "empty": np.zeros((0, 4), np.float32),
+              "u8": np.arange(3, dtype=np.uint8)}
     alive, fetched = [], []  # weak references to the arrays handed out
 
     def fetch(name):
